@@ -1,0 +1,186 @@
+"""
+Checkpoint directories on disk: atomic writes, manifests, LATEST, retention. Format (DESIGN.md):
+
+    out_dir/step_NNNNNNN/model.safetensors   weights (+ the router bias buffers)
+                         optimizer.pt        tensors only, loads with torch.load(weights_only=True)
+                         state.json          step, tokens, stage, data position, RNG, best val loss, config
+                         MANIFEST.json       {"files": {name: {"sha256", "bytes"}}, "step": N}
+    out_dir/LATEST                           name of the newest valid checkpoint dir
+
+A checkpoint without a valid manifest does not exist. A save writes into a hidden temp dir, fsyncs every file
+and the dir, then renames it into place; a crash (or a full disk) at any moment leaves the previous checkpoint
+untouched and, at worst, a `.tmp-*` dir that the next save removes.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+
+STEP_RE = re.compile(r"^step_(\d{7,})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, incomplete or corrupt; the message names the file and the fix."""
+
+
+def sha256_file(path, bufsize=1 << 20):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(bufsize)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dir_name(step):
+    return f"step_{step:07d}"
+
+
+def verify(ckpt_dir, check_hashes=True):
+    """Raise CheckpointError unless ckpt_dir holds a manifest whose every file is present and intact."""
+    man_path = os.path.join(ckpt_dir, "MANIFEST.json")
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory; check the path")
+    try:
+        with open(man_path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{man_path}: missing, so this checkpoint is incomplete; use an earlier step_* dir")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{man_path}: unreadable manifest ({e}); use an earlier step_* dir")
+    for name, meta in files.items():
+        p = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(p):
+            raise CheckpointError(f"{p}: listed in MANIFEST.json but missing; use an earlier step_* dir")
+        if os.path.getsize(p) != meta["bytes"]:
+            raise CheckpointError(f"{p}: {os.path.getsize(p)} bytes, manifest says {meta['bytes']} (truncated?); "
+                                  f"use an earlier step_* dir")
+        if check_hashes and sha256_file(p) != meta["sha256"]:
+            raise CheckpointError(f"{p}: sha256 does not match MANIFEST.json (corrupt); use an earlier step_* dir")
+    return manifest
+
+
+def is_valid(ckpt_dir, check_hashes=True):
+    try:
+        verify(ckpt_dir, check_hashes)
+        return True
+    except CheckpointError:
+        return False
+
+
+def list_checkpoints(out_dir):
+    """(step, path) of every step_* dir in out_dir, oldest first (valid or not)."""
+    if not os.path.isdir(out_dir):
+        return []
+    out = []
+    for name in os.listdir(out_dir):
+        m = STEP_RE.match(name)
+        if m:
+            out.append((int(m.group(1)), os.path.join(out_dir, name)))
+    return sorted(out)
+
+
+def latest_valid(out_dir):
+    """Path of the newest checkpoint in out_dir that verifies, or None. Corrupt newer ones are skipped."""
+    for _, path in reversed(list_checkpoints(out_dir)):
+        if is_valid(path):
+            return path
+    return None
+
+
+def resolve(path):
+    """A checkpoint dir from either a checkpoint dir or a run dir (LATEST, else the newest valid)."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or directory; pass a run dir or a step_NNNNNNN dir")
+    if os.path.isfile(os.path.join(path, "MANIFEST.json")) or STEP_RE.match(os.path.basename(os.path.normpath(path))):
+        return path
+    latest = os.path.join(path, "LATEST")
+    if os.path.isfile(latest):
+        cand = os.path.join(path, open(latest).read().strip())
+        if is_valid(cand):
+            return cand
+    cand = latest_valid(path)
+    if cand is None:
+        raise CheckpointError(f"{path}: holds no valid checkpoint (no step_* dir with an intact MANIFEST.json)")
+    return cand
+
+
+def write_atomic_text(path, text):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def save(out_dir, step, writers, extra_manifest=None):
+    """Write a checkpoint atomically. writers: {filename: fn(path)} each writing one file. Returns its path.
+    On any failure (disk full included) the temp dir is removed and the error re-raised; nothing older is
+    touched."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):  # leftovers of a save that died
+        if name.startswith(".tmp-step_"):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    final = os.path.join(out_dir, step_dir_name(step))
+    tmp = os.path.join(out_dir, f".tmp-{step_dir_name(step)}-{os.getpid()}")
+    try:
+        os.makedirs(tmp)
+        files = {}
+        for name, write in writers.items():
+            p = os.path.join(tmp, name)
+            write(p)
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+            files[name] = {"sha256": sha256_file(p), "bytes": os.path.getsize(p)}
+        manifest = {"step": step, "written_at": time.time(), "files": files, **(extra_manifest or {})}
+        with open(os.path.join(tmp, "MANIFEST.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if os.path.exists(final):  # re-saving a step (e.g. after a resume): move the old one aside first
+            old = final + f".old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(out_dir)
+        write_atomic_text(os.path.join(out_dir, "LATEST"), step_dir_name(step) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def prune(out_dir, keep_last, protect=()):
+    """Delete step_* dirs except the newest keep_last valid ones and those in protect (paths or names).
+    Never deletes the only valid checkpoint, and never a valid one to keep an invalid one."""
+    protect = {os.path.basename(os.path.normpath(p)) for p in protect if p}
+    ckpts = list_checkpoints(out_dir)
+    valid = [p for _, p in ckpts if is_valid(p, check_hashes=False)]
+    keep = set(os.path.basename(p) for p in valid[-max(keep_last, 1):]) | protect
+    removed = []
+    for _, p in ckpts:
+        name = os.path.basename(p)
+        if name in keep or p not in valid:
+            continue  # invalid dirs are left for a person to inspect; they are never loaded
+        shutil.rmtree(p)
+        removed.append(name)
+    return removed

@@ -1,0 +1,594 @@
+"""
+picaflor model: a fine-grained Mixture-of-Experts decoder-only transformer.
+
+Architecture (identical to Hugging Face `HYV3ForCausalLM`, model_type `hy_v3`, and llama.cpp `hy_v3`):
+- token embedding -> n_layer blocks -> final RMSNorm -> lm_head
+- block: x += attn(rmsnorm(x)); x += ffn(rmsnorm(x))   (pre-norm)
+- attention: grouped-query (n_kv_head < n_head), per-head RMSNorm on q and k (over head_dim), full RoPE
+  (rotate_half / NEOX layout), no biases
+- ffn: the first n_dense_layers blocks use a dense SwiGLU of width dense_ffn; the others are MoE:
+  sigmoid router in fp32 with a selection-only bias (DeepSeek-V3), top_k routed SwiGLU experts of width
+  expert_ffn whose weights are normalised to sum to 1 then multiplied by route_scale, plus one ungated
+  shared SwiGLU expert of width n_shared * expert_ffn
+- balance without auxiliary loss (DeepSeek-V3, arXiv 2412.19437 sec. 2.1.2):
+  after each optimizer step bias += gamma * sign(mean_load - load), centred.
+
+Parameter names are HF's with the leading "model." dropped (lm_head keeps its name), so the mapping to
+`HYV3ForCausalLM` is one line (see HF_NAME_TABLE below and `to_hf_state_dict`).
+
+Implementer's calls (recorded here as DESIGN.md asks):
+- routed experts are stored as HF keeps them in memory: experts.gate_up_proj [E, 2F, D] (gate rows first),
+  experts.down_proj [E, D, F]; dispatch sorts token-slots by expert and runs torch._grouped_mm (fp32/bf16 on
+  CPU, bf16 on CUDA), with a padded-bmm fallback elsewhere; `moe_reference` is the plain per-expert loop that
+  tests compare against.
+- the per-expert token counts of training forwards accumulate in a non-persistent buffer (`load_accum`) so
+  gradient accumulation and DDP all-reduce see the load of the whole optimizer step.
+"""
+
+import json
+import math
+import os
+from dataclasses import dataclass, asdict, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 32768
+    n_layer: int = 24
+    n_dense_layers: int = 1
+    d_model: int = 1024
+    n_head: int = 16
+    n_kv_head: int = 4
+    dense_ffn: int = 4096
+    n_experts: int = 64
+    expert_ffn: int = 512
+    n_shared: int = 4            # shared expert width = n_shared * expert_ffn
+    top_k: int = 2
+    route_scale: float = 1.0
+    bias_update_rate: float = 1e-3  # gamma of the aux-loss-free balancing
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self):
+        return self.d_model // self.n_head
+
+    def validate(self):
+        problems = []
+        if self.d_model % self.n_head:
+            problems.append(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
+        if not 0 <= self.n_dense_layers <= self.n_layer:
+            problems.append(f"n_dense_layers={self.n_dense_layers} must be in [0, n_layer={self.n_layer}]")
+        if self.n_dense_layers < self.n_layer and not 1 <= self.top_k <= self.n_experts:
+            problems.append(f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+        if problems:
+            raise ValueError("bad model config: " + "; ".join(problems))
+        return self
+
+    @classmethod
+    def from_dict(cls, d):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}")
+        return cls(**d).validate()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in fp32, cast back, then scale (the order HF's HYV3RMSNorm uses)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rope_cos_sin(positions, head_dim, theta, dtype):
+    """cos/sin tables (T, head_dim) for NEOX-style rotate_half RoPE (RoFormer, arXiv 2104.09864)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    # x: (B, H, T, hd)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache:
+    """Preallocated per-layer key/value cache for generation; `pos` is the number of cached positions."""
+
+    def __init__(self, cfg, batch_size, max_len, device, dtype):
+        shape = (batch_size, cfg.n_kv_head, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.max_len = max_len
+        self.pos = 0
+
+    def update(self, layer, k, v):
+        T = k.shape[2]
+        if self.pos + T > self.max_len:
+            raise ValueError(f"KV cache full: {self.pos} + {T} > {self.max_len} positions")
+        self.k[layer][:, :, self.pos:self.pos + T] = k
+        self.v[layer][:, :, self.pos:self.pos + T] = v
+        return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_head * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * hd, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.norm_eps)
+
+    def forward(self, x, cos, sin, cache=None):
+        B, T, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.q_norm(self.q_proj(x).view(B, T, -1, hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        past = 0
+        if cache is not None:
+            past = cache.pos
+            k, v = cache.update(self.layer_idx, k, v)
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif T == 1:
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        else:  # a chunk appended to a cache: query i sees keys 0 .. past + i
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020, arXiv 2002.05202); also the shared expert."""
+
+    def __init__(self, d_model, width):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, width, bias=False)
+        self.up_proj = nn.Linear(d_model, width, bias=False)
+        self.down_proj = nn.Linear(width, d_model, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, dtype=torch.float32))
+
+    def forward(self, x, bias, top_k, route_scale):
+        """Sigmoid scores in fp32; the bias only chooses experts; weights = normalised unbiased scores."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+            _, idx = torch.topk(scores + bias, top_k, dim=-1, sorted=False)
+            w = scores.gather(1, idx)
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * route_scale
+        return w, idx
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        E, F_, D = cfg.n_experts, cfg.expert_ffn, cfg.d_model
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, F_))
+
+
+def grouped_mm_ok(x, w):
+    """torch._grouped_mm covers fp32/bf16 on CPU and bf16 on CUDA (sm90+); else the padded-bmm path."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return False
+
+
+def expert_matmul(xs, w, counts, offs):
+    """Rows of xs are sorted by expert (counts[e] rows for expert e); returns xs_e @ w[e]^T per group."""
+    if grouped_mm_ok(xs, w):
+        return torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs)
+    # padded fallback: scatter rows into (E, Cmax, D), one bmm, gather back
+    E = w.shape[0]
+    cmax = int(counts.max().item()) if counts.numel() else 0
+    starts = offs.long() - counts
+    slot = torch.arange(xs.shape[0], device=xs.device) - torch.repeat_interleave(starts, counts)
+    expert_of_row = torch.repeat_interleave(torch.arange(E, device=xs.device), counts)
+    padded = xs.new_zeros(E, max(cmax, 1), xs.shape[1])
+    padded[expert_of_row, slot] = xs
+    out = torch.bmm(padded, w.transpose(-2, -1))
+    return out[expert_of_row, slot]
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.d_model, cfg.n_shared * cfg.expert_ffn)
+        # selection-only bias: a buffer (no gradient, no weight decay), saved and exported
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+        # token-slots per expert summed over the training forwards since the last bias update
+        self.register_buffer("load_accum", torch.zeros(cfg.n_experts, dtype=torch.float32), persistent=False)
+        self.top_k = cfg.top_k  # may be lowered at serve time
+        self.last_load = None
+
+    def route(self, x):
+        return self.gate(x, self.e_score_correction_bias, self.top_k, self.cfg.route_scale)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, idx = self.route(x)
+        N, k = idx.shape
+        E = self.cfg.n_experts
+        flat = idx.reshape(-1)
+        counts = torch.bincount(flat, minlength=E)
+        self.last_load = counts.detach()
+        if self.training:
+            self.load_accum += counts.detach().float()
+        order = torch.argsort(flat, stable=True)
+        token_of_slot = order // k
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        wdt = self.experts.gate_up_proj.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            wdt = torch.get_autocast_dtype(x.device.type)
+        xs = x[token_of_slot].to(wdt)
+        h = expert_matmul(xs, self.experts.gate_up_proj.to(wdt), counts, offs)
+        g, u = h.chunk(2, dim=-1)
+        y = expert_matmul((F.silu(g) * u).contiguous(), self.experts.down_proj.to(wdt), counts, offs)
+        y = y.float() * w.reshape(-1)[order].unsqueeze(1)
+        routed = torch.zeros(N, shape[-1], device=x.device, dtype=torch.float32).index_add(0, token_of_slot, y)
+        out = routed + self.shared_experts(x).float()
+        return out.to(x.dtype).reshape(shape)
+
+
+def moe_reference(moe, x):
+    """Plain per-expert loop (what grouped dispatch must equal); used by tests and as documentation."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    w, idx = moe.route(x)
+    out = torch.zeros(x.shape[0], shape[-1], dtype=torch.float32, device=x.device)
+    for e in range(moe.cfg.n_experts):
+        tok, slot = torch.where(idx == e)
+        if tok.numel() == 0:
+            continue
+        g, u = F.linear(x[tok], moe.experts.gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, moe.experts.down_proj[e])
+        out.index_add_(0, tok, y.float() * w[tok, slot, None])
+    out = out + moe.shared_experts(x).float()
+    return out.to(x.dtype).reshape(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.is_moe = layer_idx >= cfg.n_dense_layers
+        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.d_model, cfg.dense_ffn)
+
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the model
+
+class Picaflor(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std=0.02):
+        # GPT-2 style: N(0, 0.02), residual-output projections scaled by 1/sqrt(2 * n_layer)
+        out_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, std)
+        for m in self.moe_layers():
+            m.e_score_correction_bias.zero_()
+
+    def moe_layers(self):
+        return [b.mlp for b in self.layers if b.is_moe]
+
+    def set_top_k(self, k):
+        """Serve with fewer (or more) experts per token than training used."""
+        if not 1 <= k <= self.cfg.n_experts:
+            raise ValueError(f"top_k={k} must be in [1, {self.cfg.n_experts}]")
+        for m in self.moe_layers():
+            m.top_k = k
+
+    def forward(self, idx, targets=None, cache=None, return_load=False, loss_mask=None):
+        """idx (B, T) -> logits (B, T, V); with targets returns (logits, loss) where loss ignores -1 targets
+        (and positions where loss_mask is 0). With return_load also returns per-MoE-layer token counts (L, E)."""
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        if start + T > self.cfg.max_seq_len and cache is None:
+            raise ValueError(f"sequence of {T} tokens is longer than max_seq_len={self.cfg.max_seq_len}")
+        x = self.embed_tokens(idx)
+        positions = torch.arange(start, start + T, device=idx.device)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin, cache)
+        if cache is not None:
+            cache.pos += T
+        x = self.norm(x)
+        out = []
+        if targets is None:
+            out.append(self.lm_head(x))
+        else:
+            logits = self.lm_head(x)
+            if loss_mask is not None:
+                targets = targets.masked_fill(loss_mask == 0, -1)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            out += [logits, loss]
+        if return_load:
+            out.append(torch.stack([m.last_load for m in self.moe_layers()]) if self.moe_layers()
+                       else torch.zeros(0, self.cfg.n_experts))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    # --- balancing -----------------------------------------------------------------------------------------
+
+    def take_expert_load(self):
+        """(L, E) token-slots per expert accumulated since the last call; resets the accumulators."""
+        moes = self.moe_layers()
+        if not moes:
+            return torch.zeros(0, self.cfg.n_experts)
+        load = torch.stack([m.load_accum.clone() for m in moes])
+        for m in moes:
+            m.load_accum.zero_()
+        return load
+
+    @torch.no_grad()
+    def update_router_bias(self, load, gamma=None):
+        """Aux-loss-free balancing (DeepSeek-V3): bias += gamma * sign(mean(load) - load), centred.
+        `load` (L, E) is the step's token count per expert (all-reduced across ranks by the caller)."""
+        gamma = self.cfg.bias_update_rate if gamma is None else gamma
+        for m, l in zip(self.moe_layers(), load):
+            l = l.to(m.e_score_correction_bias.device).float()
+            delta = gamma * torch.sign(l.mean() - l)
+            m.e_score_correction_bias += delta - delta.mean()
+
+    # --- sizes ------------------------------------------------------------------------------------------
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def active_params(self, top_k=None, include_embedding=True):
+        """Parameters touched per token: everything except the routed experts not chosen."""
+        c = self.cfg
+        k = c.top_k if top_k is None else top_k
+        total = self.num_params()
+        n_moe = c.n_layer - c.n_dense_layers
+        inactive = n_moe * (c.n_experts - k) * 3 * c.d_model * c.expert_ffn
+        if not include_embedding:
+            total -= self.embed_tokens.weight.numel() if not c.tie_embeddings else 0
+        return total - inactive
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token: 6 * active matmul params + attention (PaLM, arXiv 2204.02311 app. B)."""
+        c = self.cfg
+        matmul_params = self.active_params(include_embedding=False)
+        matmul_params -= sum(p.numel() for n, p in self.named_parameters() if "norm" in n)
+        return 6 * matmul_params + 12 * c.n_layer * c.n_head * c.head_dim * seq_len
+
+    # --- generation ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
+                 eos_id=None, generator=None):
+        """Sample max_new_tokens after idx (B, T). temperature 0 = greedy. No repetition penalty, ever."""
+        B, T = idx.shape
+        total = T + max_new_tokens
+        if total > self.cfg.max_seq_len:
+            raise ValueError(f"prompt {T} + {max_new_tokens} new tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+        cache = KVCache(self.cfg, B, total, idx.device, self.embed_tokens.weight.dtype) if use_cache else None
+        seq, step_in = idx, idx
+        for _ in range(max_new_tokens):
+            logits = self(step_in if use_cache else seq, cache=cache)[:, -1, :].float()
+            nxt = sample_next(logits, temperature, top_k, top_p, generator)
+            seq = torch.cat([seq, nxt], dim=1)
+            step_in = nxt
+            if eos_id is not None and bool((nxt == eos_id).all()):
+                break
+        return seq
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """One token per row from (B, V) logits: greedy at temperature 0, else top-k / nucleus (top-p) sampling."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the smallest set with mass >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# balance statistics
+
+def load_stats(load, dead_share=0.1):
+    """Per-layer coefficient of variation of expert load and fraction of dead experts (below dead_share of
+    the fair share) from a (L, E) token-count tensor summed over a logging window."""
+    load = load.float()
+    mean = load.mean(dim=-1, keepdim=True).clamp_min(1e-9)
+    cv = load.std(dim=-1, unbiased=False) / mean.squeeze(-1)
+    dead = (load < dead_share * mean).float().mean(dim=-1)
+    return cv, dead
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face HYV3ForCausalLM interop
+#
+# HF_NAME_TABLE: picaflor name            -> HYV3ForCausalLM name
+#   embed_tokens.weight                    -> model.embed_tokens.weight
+#   layers.N.input_layernorm.weight        -> model.layers.N.input_layernorm.weight
+#   layers.N.self_attn.{q,k,v,o}_proj.weight, {q,k}_norm.weight -> model.layers.N.self_attn.(same)
+#   layers.N.post_attention_layernorm.weight -> model.layers.N.post_attention_layernorm.weight
+#   layers.N.mlp.{gate,up,down}_proj.weight (dense)            -> model.layers.N.mlp.(same)
+#   layers.N.mlp.gate.weight (router, fp32)                    -> model.layers.N.mlp.gate.weight
+#   layers.N.mlp.e_score_correction_bias (fp32 buffer)         -> model.layers.N.mlp.e_score_correction_bias
+#   layers.N.mlp.experts.gate_up_proj [E, 2F, D]               -> model.layers.N.mlp.experts.gate_up_proj
+#   layers.N.mlp.experts.down_proj [E, D, F]                   -> model.layers.N.mlp.experts.down_proj
+#   layers.N.mlp.shared_experts.{gate,up,down}_proj.weight     -> model.layers.N.mlp.shared_experts.(same)
+#   norm.weight                            -> model.norm.weight
+#   lm_head.weight                         -> lm_head.weight
+# Hub checkpoints store experts per expert (mlp.experts.N.{gate,up,down}_proj.weight); transformers'
+# loader converts them to the stacked form above when it reads them.
+
+def hf_name(name):
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def to_hf_state_dict(state_dict):
+    return {hf_name(k): v for k, v in state_dict.items() if not k.endswith("load_accum")}
+
+
+def from_hf_state_dict(hf_sd):
+    out = {}
+    for k, v in hf_sd.items():
+        if k.startswith("model."):
+            out[k[len("model."):]] = v
+        elif k.startswith("lm_head"):
+            out[k] = v
+        # rotary inv_freq and other non-persistent HF buffers are ignored
+    return out
+
+
+def to_hf_config(cfg: ModelConfig, **extra):
+    """A dict HYV3Config accepts (transformers >= 5.24); `extra` adds e.g. bos/eos token ids."""
+    d = dict(
+        architectures=["HYV3ForCausalLM"], model_type="hy_v3",
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.dense_ffn,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+        head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
+        num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, num_shared_experts=cfg.n_shared,
+        moe_intermediate_size=cfg.expert_ffn, router_scaling_factor=cfg.route_scale,
+        mlp_layer_types=["dense"] * cfg.n_dense_layers + ["sparse"] * (cfg.n_layer - cfg.n_dense_layers),
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+    )
+    d.update(extra)
+    return d
+
+
+def from_hf_config(hf):
+    """ModelConfig from an HYV3Config (object or dict)."""
+    g = (lambda k, default=None: hf.get(k, default)) if isinstance(hf, dict) else (lambda k, default=None: getattr(hf, k, default))
+    types = g("mlp_layer_types") or ["dense"] + ["sparse"] * (g("num_hidden_layers") - 1)
+    n_dense = types.index("sparse") if "sparse" in types else len(types)
+    if types != ["dense"] * n_dense + ["sparse"] * (len(types) - n_dense):
+        raise ValueError(f"picaflor needs dense layers first, then sparse; got mlp_layer_types={types}")
+    rope = g("rope_parameters") or {}
+    hd = g("head_dim") or g("hidden_size") // g("num_attention_heads")
+    if hd * g("num_attention_heads") != g("hidden_size"):
+        raise ValueError("picaflor needs head_dim * num_attention_heads == hidden_size")
+    return ModelConfig(
+        vocab_size=g("vocab_size"), n_layer=g("num_hidden_layers"), n_dense_layers=n_dense, d_model=g("hidden_size"),
+        n_head=g("num_attention_heads"), n_kv_head=g("num_key_value_heads"), dense_ffn=g("intermediate_size"),
+        n_experts=g("num_experts"), expert_ffn=g("moe_intermediate_size"), n_shared=g("num_shared_experts"),
+        top_k=g("num_experts_per_tok"), route_scale=g("router_scaling_factor"),
+        rope_theta=rope.get("rope_theta", 10000.0), max_seq_len=g("max_position_embeddings"),
+        norm_eps=g("rms_norm_eps"), tie_embeddings=bool(g("tie_word_embeddings", False)),
+    ).validate()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoints (format: DESIGN.md; writing, manifests and retention live in checkpoint.py)
+
+def load_checkpoint(path, device="cpu", dtype=None):
+    """Model in eval mode from a checkpoint dir `step_NNNNNNN/` or a run dir (its LATEST). Verifies the
+    manifest first; weights come from safetensors, nothing is unpickled."""
+    import checkpoint
+    from safetensors.torch import load_file
+    ckpt_dir = checkpoint.resolve(path)
+    checkpoint.verify(ckpt_dir)
+    with open(os.path.join(ckpt_dir, "state.json")) as f:
+        state = json.load(f)
+    cfg = ModelConfig.from_dict(state["model_config"])
+    with torch.device("meta"):
+        model = Picaflor(cfg)
+    sd = load_file(os.path.join(ckpt_dir, "model.safetensors"), device=str(device))
+    model.to_empty(device=device)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise checkpoint.CheckpointError(f"{ckpt_dir}/model.safetensors: missing {missing[:3]} unexpected "
+                                         f"{unexpected[:3]}; the file does not match its state.json config")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    for m in model.moe_layers():
+        m.load_accum.zero_()
+    if dtype is not None:
+        model.to(dtype)
+        for m in model.moe_layers():  # the router and its bias stay fp32
+            m.gate.float()
+            m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
+    model.eval()
+    return model
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="Print a config's parameter counts: python model.py config/nano.py")
+    ap.add_argument("config", nargs="?", help="a config file that sets model fields (n_layer = 24, ...) as globals")
+    args = ap.parse_args()
+    g = {}
+    if args.config:
+        exec(open(args.config).read(), g)
+    cfg = ModelConfig.from_dict({f.name: g[f.name] for f in fields(ModelConfig) if f.name in g})
+    with torch.device("meta"):
+        m = Picaflor(cfg)
+    print(f"total params {m.num_params() / 1e9:.3f}B, active per token {m.active_params() / 1e9:.3f}B "
+          f"(top_k={cfg.top_k}; {m.active_params(top_k=1) / 1e9:.3f}B at top_k=1)")
