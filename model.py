@@ -547,6 +547,26 @@ def from_hf_config(hf):
 # ----------------------------------------------------------------------------------------------------------
 # checkpoints (format: DESIGN.md; writing, manifests and retention live in checkpoint.py)
 
+def save_checkpoint(model, out_dir, step, state=None, extra_writers=None, tokenizer_file=None):
+    """Write out_dir/step_NNNNNNN/ atomically: model.safetensors, state.json (state + model_config), a copy
+    of the tokenizer file as tokenizer.json (so every consumer finds it in the checkpoint), extra files."""
+    import shutil
+    import checkpoint
+    from safetensors.torch import save_file
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if not k.endswith("load_accum")}
+    if model.cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    state = dict(state or {})
+    state.setdefault("step", step)
+    state["model_config"] = asdict(model.cfg)
+    writers = {"model.safetensors": lambda p: save_file(sd, p, metadata={"format": "pt"}),
+               "state.json": lambda p: open(p, "w").write(json.dumps(state, indent=1))}
+    if tokenizer_file:
+        writers["tokenizer.json"] = lambda p: shutil.copyfile(tokenizer_file, p)
+    writers.update(extra_writers or {})
+    return checkpoint.save(out_dir, step, writers)
+
+
 def load_checkpoint(path, device="cpu", dtype=None):
     """Model in eval mode from a checkpoint dir `step_NNNNNNN/` or a run dir (its LATEST). Verifies the
     manifest first; weights come from safetensors, nothing is unpickled."""
