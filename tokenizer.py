@@ -1,0 +1,157 @@
+"""
+The picaflor tokenizer: byte-level BPE trained with rustbpe, run through a tiktoken Encoding.
+
+Id layout (the calls recorded here, see DESIGN.md "Tokenizer and data"):
+- id 0 is reserved and never emitted: a page of zeros in a shard is then detectably corrupt. rustbpe gives
+  the 256 byte tokens ranks 0..255 (so the NUL byte would be id 0); we shift every rank by +1. BPE merges
+  are applied in rank order, so a shift keeps the tokenization identical.
+- ids 1..256 are the bytes, 257.. the learned merges, then the special tokens, all < vocab_size.
+- vocab_size counts everything (reserved id 0, bytes, merges, specials) and is <= 65535 so shards fit
+  uint16. If the training text is too small to learn every merge, the top ids stay unused (never emitted).
+- special tokens: <|bos|> starts every document (the document separator); <|system|>, <|user|>,
+  <|assistant|> and <|end|> (end of a turn) are reserved for chat. encode() never produces them from
+  text: a special-token string inside text is encoded as ordinary text. Use .special_ids to emit them.
+
+File format: one small JSON file, no pickle: {"format", "version", "pattern", "vocab_size",
+"tokens": base64 bytes of ids 1..n in id order, "special_ids": {name: id}}. .hash is the sha256 of
+exactly the bytes save() writes, so a corpus/checkpoint can pin the tokenizer it was made with.
+
+    python tokenizer.py TOKENIZER_FILE [--text "some text"]    # print the vocab and a sample encoding
+"""
+
+import base64
+import hashlib
+import json
+import os
+import sys
+
+import tiktoken
+
+SPECIAL_TOKENS = ["<|bos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+FORMAT = "picaflor-tokenizer"
+VERSION = 1
+MAX_VOCAB = 65535  # ids must be < vocab_size <= 65535 to fit uint16 shards
+
+
+class Tokenizer:
+    def __init__(self, pattern, token_bytes, vocab_size):
+        """token_bytes[i] is the byte string of id i + 1 (id 0 is reserved); specials follow them."""
+        n_ordinary = 1 + len(token_bytes)  # reserved id 0 + bytes + merges
+        if not 256 + 1 + len(SPECIAL_TOKENS) <= n_ordinary + len(SPECIAL_TOKENS) <= vocab_size <= MAX_VOCAB:
+            raise ValueError(f"tokenizer vocab_size {vocab_size} cannot hold {n_ordinary} ordinary ids + "
+                             f"{len(SPECIAL_TOKENS)} specials (and must be <= {MAX_VOCAB})")
+        self.pattern = pattern
+        self.token_bytes = list(token_bytes)
+        self.vocab_size = vocab_size
+        self.special_ids = {name: n_ordinary + i for i, name in enumerate(SPECIAL_TOKENS)}
+        self.bos_id = self.special_ids["<|bos|>"]
+        self.enc = tiktoken.Encoding(
+            name="picaflor",
+            pat_str=pattern,
+            mergeable_ranks={b: i + 1 for i, b in enumerate(self.token_bytes)},
+            special_tokens=self.special_ids,
+        )
+        self._file_bytes = None  # the exact bytes this tokenizer was loaded from / saves to
+        self.hash = hashlib.sha256(self.to_bytes()).hexdigest()
+
+    # ---- (de)serialisation: one small JSON file ----
+    def to_bytes(self):
+        if self._file_bytes is None:
+            doc = {"format": FORMAT, "version": VERSION, "pattern": self.pattern, "vocab_size": self.vocab_size,
+                   "special_ids": self.special_ids,
+                   "tokens": [base64.b64encode(b).decode("ascii") for b in self.token_bytes]}
+            self._file_bytes = (json.dumps(doc, separators=(",", ":")) + "\n").encode("utf-8")
+        return self._file_bytes
+
+    def save(self, path):
+        """Write the tokenizer file atomically (temp name, fsync, rename). Its sha256 is self.hash."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(self.to_bytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path):
+        """Load a tokenizer file; a missing or corrupt file raises ValueError with a one-line message."""
+        path = str(path)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read tokenizer file ({e.strerror}); re-run the corpus's "
+                             f"data/<corpus>/prepare.py or copy tokenizer.json from the checkpoint") from None
+        try:
+            doc = json.loads(raw)
+            if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+                raise ValueError(f"not a {FORMAT} v{VERSION} file")
+            token_bytes = [base64.b64decode(s, validate=True) for s in doc["tokens"]]
+            tok = cls(doc["pattern"], token_bytes, int(doc["vocab_size"]))
+            if doc["special_ids"] != tok.special_ids:
+                raise ValueError("special ids do not match the token list")
+        except Exception as e:  # any parse/shape problem is the same fault to the user: a corrupt file
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"{path}: corrupt tokenizer file ({msg}); re-run the corpus's "
+                             f"data/<corpus>/prepare.py or copy tokenizer.json from the checkpoint") from None
+        tok._file_bytes = raw
+        tok.hash = hashlib.sha256(raw).hexdigest()
+        return tok
+
+    # ---- encode / decode ----
+    def encode(self, text):
+        """Ordinary text -> ids (never id 0, never a special id, even if text contains '<|bos|>')."""
+        return self.enc.encode_ordinary(text)
+
+    def encode_batch(self, texts, num_threads=8):
+        """Many texts at once, encoded on num_threads threads (tiktoken releases the GIL)."""
+        return self.enc.encode_ordinary_batch(list(texts), num_threads=num_threads)
+
+    def decode(self, ids):
+        """ids -> text; invalid UTF-8 (a sequence cut mid-character) becomes U+FFFD."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 < i < self.vocab_size or (self.bos_id + len(SPECIAL_TOKENS) <= i)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is not in this tokenizer (vocab {self.vocab_size}, id 0 reserved)")
+        return self.enc.decode(ids, errors="replace")
+
+    def id_to_bytes(self, i):
+        """The bytes of one id (specials give their name), for inspection and streaming decode."""
+        for name, sid in self.special_ids.items():
+            if sid == i:
+                return name.encode()
+        return self.token_bytes[i - 1]
+
+
+def train_tokenizer(texts, vocab_size):
+    """Train byte-level BPE on an iterable of strings with rustbpe (GPT-4 style split pattern, rustbpe's
+    default). vocab_size counts the reserved id 0, the 256 bytes, the merges and the specials."""
+    import rustbpe
+
+    n_bpe = vocab_size - 1 - len(SPECIAL_TOKENS)  # bytes + merges that rustbpe may learn
+    if not 256 <= n_bpe or vocab_size > MAX_VOCAB:
+        raise ValueError(f"vocab_size {vocab_size} must be in [{256 + 1 + len(SPECIAL_TOKENS)}, {MAX_VOCAB}]")
+    bpe = rustbpe.Tokenizer()
+    bpe.train_from_iterator(iter(texts), n_bpe)
+    ranks = sorted(bpe.get_mergeable_ranks(), key=lambda kv: kv[1])
+    assert [r for _, r in ranks] == list(range(len(ranks))), "rustbpe ranks are not dense"
+    return Tokenizer(bpe.get_pattern(), [bytes(b) for b, _ in ranks], vocab_size)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Inspect a picaflor tokenizer file.")
+    ap.add_argument("file")
+    ap.add_argument("--text", default="Hello, world! The quick brown fox.")
+    args = ap.parse_args()
+    try:
+        tok = Tokenizer.load(args.file)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    ids = tok.encode(args.text)
+    print(f"{args.file}: vocab_size {tok.vocab_size}, {len(tok.token_bytes)} byte+merge tokens, "
+          f"specials {tok.special_ids}, sha256 {tok.hash}")
+    print(f"{args.text!r} -> {ids}")
+    print(" | ".join(tok.id_to_bytes(i).decode("utf-8", "replace") for i in ids))
