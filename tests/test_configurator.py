@@ -1,0 +1,81 @@
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import configurator
+from configurator import ConfigError, configure
+
+
+def fresh():
+    return {"batch_size": 16, "learning_rate": 3e-4, "device": "cuda", "compile": False, "stages": [],
+            "lr_mult": {"old": 1.0}, "resume_from": "", "maybe": None}
+
+
+def test_overrides_keep_types():
+    g = fresh()
+    configure(g, ["--batch_size=32", "--learning_rate=1", "--device=cpu", "--compile=True",
+                  "--stages=[{'a': 1}]", "--lr_mult={'old': 0.5}"])
+    assert g["batch_size"] == 32 and type(g["batch_size"]) is int
+    assert g["learning_rate"] == 1.0 and type(g["learning_rate"]) is float  # an int may stand for a float
+    assert g["device"] == "cpu"  # a bare word is a string
+    assert g["compile"] is True
+    assert g["stages"] == [{"a": 1}] and g["lr_mult"] == {"old": 0.5}
+
+
+@pytest.mark.parametrize("arg, words", [
+    ("--batch_size=3.5", ["batch_size", "int", "3.5"]),
+    ("--compile=1", ["compile", "True or False"]),
+    ("--learning_rate=fast", ["learning_rate", "not a valid Python literal"]),
+    ("--batch_sise=8", ["unknown config key 'batch_sise'", "did you mean 'batch_size'"]),
+    ("--batch_size", ["--key=value"]),
+])
+def test_bad_overrides(arg, words):
+    with pytest.raises(ConfigError) as e:
+        configure(fresh(), [arg])
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+def test_config_file(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("batch_size = 8\n_helper = 3\ndevice = 'cpu'\nimport math\nlearning_rate = math.sqrt(4) * 1e-4\n")
+    g = fresh()
+    configure(g, [str(f), "--batch_size=4"])
+    assert g["batch_size"] == 4 and g["device"] == "cpu" and abs(g["learning_rate"] - 2e-4) < 1e-12
+
+
+@pytest.mark.parametrize("body, words", [
+    ("lerning_rate = 1e-3\n", ["unknown config key 'lerning_rate'", "learning_rate", "c.py"]),
+    ("batch_size = (\n", ["c.py:", "syntax error"]),
+    ("batch_size = 'big'\n", ["batch_size must be a int"]),
+    ("x = 1 / 0\n", ["c.py", "ZeroDivisionError"]),
+])
+def test_bad_config_file(tmp_path, body, words):
+    f = tmp_path / "c.py"
+    f.write_text(body)
+    with pytest.raises(ConfigError) as e:
+        configure(fresh(), [str(f)])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="not found"):
+        configure(fresh(), ["config/nope.py"])
+
+
+def test_configure_or_exit_is_one_line(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(configurator.__file__.rsplit('/', 1)[0])!r})
+        import configurator
+        batch_size = 1
+        configurator.configure_or_exit(globals(), sys.argv[1:])
+    """))
+    r = subprocess.run([sys.executable, str(script), "--batch_size=x"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "batch_size" in r.stderr and "Traceback" not in r.stderr
