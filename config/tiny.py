@@ -18,6 +18,7 @@ n_experts = 16
 expert_ffn = 64
 n_shared = 2
 top_k = 2
+bias_update_rate = 1e-2   # a short run needs a faster balancing step than nano's 1e-3
 max_seq_len = 256
 tie_embeddings = True
 

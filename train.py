@@ -1,0 +1,827 @@
+"""
+Train a picaflor MoE model. One process:            python train.py config/tiny.py
+                            torchrun DDP:           torchrun --standalone --nproc_per_node=8 train.py config/nano.py
+                            progress of a run:      python train.py --status out/nano
+Any config global can be overridden: --key=value (configurator.py). Formats: ../shared/DESIGN.md.
+
+The run's plan is data: `stages`, a list of dicts {name, mix {corpus: weight}, tokens | steps, seq_len,
+lr_phase in warmup|stable|decay}. Progress through the plan is counted in tokens, so changing batch_size or
+seq_len on resume keeps both the schedule and the data position (per corpus: shard, token offset). The plan is
+stored in state.json at the first start; a resume whose config plans differently is refused unless --replan.
+A run is finished only when the last planned token is trained. `control.json` in out_dir ({"start_decay":
+true}, set by relay.py or by hand) starts the WSD decay now: the plan is cut at the current token and one decay
+stage appended.
+
+Checkpoints (checkpoint.py): permanent every ckpt_interval steps and at each stage end, a temporary one every
+checkpoint_minutes (replaced by the next), one on SIGTERM (preemption: save, exit 0), the best by val loss
+(pointer file BEST). Retention keeps the last keep_last permanent ones, every stage final, the best, and the
+newest; it never deletes the only valid checkpoint.
+
+Exit codes (one line on stderr each): 0 done / leg done / preempted, 1 error (bad config, bad checkpoint,
+missing data), 3 corrupt data, 4 storage denied, 5 storage unreachable, 6 out of disk, 7 non-finite loss, 8 hang.
+"""
+
+import base64
+import errno
+import json
+import math
+import os
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, fields
+
+# -----------------------------------------------------------------------------------------------------------
+# config (globals; config files and --key=value override them)
+out_dir = "out"
+dataset = "local"            # a corpus folder under data_root; the default plan trains on it alone
+data_root = "data"
+init_from = "scratch"        # scratch | resume | grow
+resume_from = ""             # with init_from=resume: a specific step_* dir (default: newest valid in out_dir)
+grow_from = ""               # with init_from=grow: the checkpoint (dir) to grow
+grow_layers = 0              # new layers added by growth
+grow_where = "interleave"    # interleave (LLaMA Pro: one new block after every k old ones) | top
+# model (ModelConfig fields)
+vocab_size = 32768
+n_layer = 24
+n_dense_layers = 1
+d_model = 1024
+n_head = 16
+n_kv_head = 4
+dense_ffn = 4096
+n_experts = 64
+expert_ffn = 512
+n_shared = 4
+top_k = 2
+route_scale = 1.0
+bias_update_rate = 1e-3
+rope_theta = 10000.0
+max_seq_len = 2048
+norm_eps = 1e-5
+tie_embeddings = False
+# plan: `stages` as above; when empty, warmup/stable/decay built from max_iters, warmup_iters, decay_frac
+stages = []
+max_iters = 1000
+warmup_iters = 100
+decay_frac = 0.2
+decay_tokens = 0             # length of an on-demand decay (0: the plan's decay stage, else decay_frac of the plan)
+batch_size = 16              # sequences per micro-step per process
+seq_len = 1024               # default for stages that do not set one
+grad_accum = 1
+learning_rate = 3e-4
+min_lr = 3e-5
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0
+lr_mult = {"embedding": 1.0, "old": 1.0, "new": 1.0}   # differential LR by parameter origin
+# evaluation, logging, checkpoints
+eval_interval = 500
+eval_iters = 20
+log_interval = 10
+ckpt_interval = 1000
+checkpoint_minutes = 0.0     # >0: also a temporary checkpoint this often (wall clock)
+keep_last = 3
+sample_tokens = 64           # sample printed at the end (0: none)
+# this invocation
+stop_after_steps = -1        # >=0: stop after this many optimizer steps (a relay leg; 0 writes a checkpoint)
+stop_after_hours = -1.0
+# system
+device = "cuda"
+dtype = "bfloat16"           # autocast dtype on GPU; float32 everywhere on CPU
+compile = False
+seed = 1337
+gpu_hourly_usd = 0.0
+# -----------------------------------------------------------------------------------------------------------
+
+EXIT_OK, EXIT_ERROR, EXIT_DATA, EXIT_DENIED, EXIT_UNREACHABLE, EXIT_DISK, EXIT_NONFINITE, EXIT_HANG = 0, 1, 3, 4, 5, 6, 7, 8
+PEAK_BF16_FLOPS = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("4090", 165e12), ("L40S", 362e12),
+                   ("A10", 125e12), ("L4", 121e12)]  # dense bf16 peaks (vendor datasheets)
+
+
+class TrainError(Exception):
+    def __init__(self, msg, code=EXIT_ERROR):
+        super().__init__(msg)
+        self.code = code
+
+
+def die(msg, code=EXIT_ERROR):
+    print(f"train.py: error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# the plan (pure functions of the plan list; tests call them)
+
+def build_plan(cfg, tokens_per_step):
+    """Normalise the config's stages into [{name, mix, tokens, seq_len, lr_phase}] with token lengths."""
+    raw = cfg["stages"] or [
+        dict(name="warmup", steps=cfg["warmup_iters"], lr_phase="warmup"),
+        dict(name="stable", steps=cfg["max_iters"] - cfg["warmup_iters"] - int(cfg["decay_frac"] * cfg["max_iters"]), lr_phase="stable"),
+        dict(name="decay", steps=int(cfg["decay_frac"] * cfg["max_iters"]), lr_phase="decay"),
+    ]
+    plan = []
+    for i, s in enumerate(raw):
+        if not isinstance(s, dict):
+            raise TrainError(f"stages[{i}] must be a dict, got {s!r}")
+        bad = set(s) - {"name", "mix", "tokens", "steps", "seq_len", "lr_phase"}
+        if bad:
+            raise TrainError(f"stages[{i}]: unknown keys {sorted(bad)} (allowed: name, mix, tokens, steps, seq_len, lr_phase)")
+        phase = s.get("lr_phase", "stable")
+        if phase not in ("warmup", "stable", "decay"):
+            raise TrainError(f"stages[{i}]: lr_phase must be warmup, stable or decay, got {phase!r}")
+        T = int(s.get("seq_len", cfg["seq_len"]))
+        if ("tokens" in s) == ("steps" in s):
+            raise TrainError(f"stages[{i}]: give exactly one of tokens or steps")
+        tokens = int(s["tokens"]) if "tokens" in s else int(s["steps"]) * tokens_per_step(T)
+        if tokens <= 0:
+            continue  # e.g. warmup_iters = 0
+        mix = s.get("mix") or {cfg["dataset"]: 1.0}
+        if any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+            raise TrainError(f"stages[{i}]: mix weights must be >= 0 with a positive sum, got {mix}")
+        plan.append(dict(name=s.get("name", f"stage{i}"), mix=dict(mix), tokens=tokens, seq_len=T, lr_phase=phase))
+    if not plan:
+        raise TrainError("the plan is empty: set stages or max_iters > 0")
+    return plan
+
+
+def stage_at(plan, tokens_seen):
+    """(index, stage, tokens into the stage) for the stage that trains token number tokens_seen."""
+    start = 0
+    for i, s in enumerate(plan):
+        if tokens_seen < start + s["tokens"]:
+            return i, s, tokens_seen - start
+        start += s["tokens"]
+    return len(plan), None, 0
+
+
+def plan_tokens(plan):
+    return sum(s["tokens"] for s in plan)
+
+
+def lr_at(plan, tokens_seen, lr, lr_min, step_tokens=0):
+    """WSD (MiniCPM arXiv 2404.06395; Hagele et al. 2024): linear warmup, constant, then a (1 - sqrt) decay.
+    step_tokens (tokens of the step about to run) makes warmup reach the full LR on its last step."""
+    i, s, into = stage_at(plan, tokens_seen)
+    if s is None:
+        return lr_min
+    if s["lr_phase"] == "warmup":
+        return lr * min(1.0, (into + step_tokens) / s["tokens"])
+    if s["lr_phase"] == "decay":
+        return lr_min + (lr - lr_min) * (1 - math.sqrt(into / s["tokens"]))
+    return lr
+
+
+def decay_now(plan, tokens_seen, length):
+    """The plan cut at tokens_seen with one decay stage of `length` tokens appended (on-demand decay)."""
+    out, start = [], 0
+    for s in plan:
+        if start >= tokens_seen:
+            break
+        keep = min(s["tokens"], tokens_seen - start)
+        out.append(dict(s, tokens=keep))
+        start += s["tokens"]
+    last = out[-1] if out else plan[0]
+    out.append(dict(name="decay-on-demand", mix=dict(last["mix"]), tokens=int(length), seq_len=last["seq_len"], lr_phase="decay"))
+    return out
+
+
+def rows_per_stream(mix, rows, micro_index):
+    """Deterministic split of `rows` sequences among the mix's corpora for micro-step number micro_index
+    (cumulative rounding, so the long-run share equals the weights and resume reproduces it exactly)."""
+    names = sorted(mix)
+    total = sum(mix.values())
+    out, given = {}, 0
+    for n in names[:-1]:
+        share = mix[n] / total
+        out[n] = math.floor((micro_index + 1) * rows * share) - math.floor(micro_index * rows * share)
+        given += out[n]
+    out[names[-1]] = rows - given
+    return out
+
+
+# -----------------------------------------------------------------------------------------------------------
+# model helpers
+
+def model_config_from(cfg):
+    from model import ModelConfig
+    return ModelConfig.from_dict({f.name: cfg[f.name] for f in fields(ModelConfig)})
+
+
+def origin_of(name, layer_origin):
+    """Origin tag of a parameter: embedding (embeddings, lm_head, final norm), or its layer's old/new."""
+    if name.startswith("layers."):
+        return layer_origin[int(name.split(".")[1])]
+    return "embedding"
+
+
+def param_groups(model, layer_origin, cfg):
+    """AdamW groups by (origin, decay): weight decay on matrices only; LR multiplier per origin."""
+    groups = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        tag = origin_of(name, layer_origin)
+        decay = p.dim() >= 2 and not name.startswith("embed_tokens")
+        key = (tag, decay)
+        if key not in groups:
+            groups[key] = dict(params=[], names=[], origin=tag, lr_mult=float(cfg["lr_mult"].get(tag, 1.0)),
+                               weight_decay=cfg["weight_decay"] if decay else 0.0)
+        groups[key]["params"].append(p)
+        groups[key]["names"].append(name)
+    return [groups[k] for k in sorted(groups)]
+
+
+def grow_state_dict(sd, old_cfg, n_new, where):
+    """Insert n_new identity blocks into a state dict (LLaMA Pro, arXiv 2401.02415): each copies the block
+    before it, with the attention output and every FFN down projection zeroed so the block adds nothing.
+    Returns (new state dict, layer_origin list)."""
+    import torch
+    L = old_cfg.n_layer
+    if where == "top":
+        after = [L - 1] * n_new
+    elif where == "interleave":
+        every = max(1, L // n_new) if n_new else 1
+        after = [min(L - 1, (i + 1) * every - 1) for i in range(n_new)]
+    else:
+        raise TrainError(f"grow_where must be interleave or top, got {where!r}")
+    order, origin = [], []
+    for i in range(L):
+        order.append(i)
+        origin.append("old")
+        for a in after:
+            if a == i:
+                order.append(("new", i))
+                origin.append("new")
+    if order[0] != 0 or (old_cfg.n_dense_layers and any(isinstance(o, tuple) and o[1] < old_cfg.n_dense_layers - 1 for o in order)):
+        raise TrainError("growth would insert a block among the dense layers; use grow_where=top")
+    out = {k: v for k, v in sd.items() if not k.startswith("layers.")}
+    for new_i, o in enumerate(order):
+        src = o if isinstance(o, int) else o[1]
+        for k, v in sd.items():
+            if k.startswith(f"layers.{src}."):
+                rest = k[len(f"layers.{src}."):]
+                t = v.clone()
+                if isinstance(o, tuple) and (rest.endswith("o_proj.weight") or "down_proj" in rest):
+                    t = torch.zeros_like(t)
+                out[f"layers.{new_i}.{rest}"] = t
+    return out, origin
+
+
+# -----------------------------------------------------------------------------------------------------------
+# state helpers
+
+def rng_state(device_type):
+    import torch
+    st = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if device_type == "cuda":
+        st["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return st
+
+
+def set_rng_state(st, device_type):
+    import numpy as np
+    import torch
+    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(st["torch"]), dtype=np.uint8).copy()))
+    if device_type == "cuda" and "cuda" in st:
+        torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(st["cuda"]), dtype=np.uint8).copy()))
+
+
+def read_json(path, default=None):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return default
+    except ValueError as e:
+        raise TrainError(f"{path}: not valid JSON ({e}); fix or delete it")
+
+
+def gpu_peak_flops(device_type):
+    import torch
+    if device_type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name()
+    for key, peak in PEAK_BF16_FLOPS:
+        if key in name:
+            return name, peak
+    return name, None
+
+
+def fmt_time(s):
+    if s is None or not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def memory_plan(cfg, mcfg, n_params, world, device_type):
+    """Bytes per process: fp32 params + grads + AdamW moments, plus an activation estimate for the largest
+    stage (bf16 on GPU; attention via SDPA so no T^2 term). Returns (total, parts dict)."""
+    T = max([s.get("seq_len", cfg["seq_len"]) for s in cfg["stages"]] + [cfg["seq_len"]])
+    B = cfg["batch_size"]
+    act_bytes = 2 if device_type == "cuda" else 4
+    d, k, F, Fs = mcfg.d_model, mcfg.top_k, mcfg.expert_ffn, mcfg.n_shared * mcfg.expert_ffn
+    kv = mcfg.n_kv_head * mcfg.head_dim
+    attn = 6 * d + 2 * kv + 2 * d                     # norms, q/k/v/o inputs and outputs, residual
+    dense = 3 * mcfg.dense_ffn + 2 * d
+    moe = k * (2 * d + 4 * F) + 4 * Fs + 3 * d        # gathered tokens, gate/up/act per slot, shared expert
+    per_token = mcfg.n_dense_layers * (attn + dense) + (mcfg.n_layer - mcfg.n_dense_layers) * (attn + moe)
+    parts = {"params": 4 * n_params, "grads": 4 * n_params, "adamw": 8 * n_params,
+             "activations": B * T * per_token * act_bytes + B * T * mcfg.vocab_size * 4 * 3}
+    return sum(parts.values()), parts
+
+
+def device_memory(device_type):
+    import torch
+    if device_type == "cuda":
+        return torch.cuda.mem_get_info()[1]
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# -----------------------------------------------------------------------------------------------------------
+# checkpoint retention: keep last K permanent, stage finals, BEST, and the newest; temporaries are replaced
+
+def retain(out_dir, keep):
+    import checkpoint
+    ckpts = checkpoint.list_checkpoints(out_dir)
+    valid = [(s, p) for s, p in ckpts if checkpoint.is_valid(p, check_hashes=False)]
+    if not valid:
+        return []
+    kinds = {p: (read_json(os.path.join(p, "state.json"), {}) or {}).get("kind", "periodic") for _, p in valid}
+    best = (open(os.path.join(out_dir, "BEST")).read().strip() if os.path.exists(os.path.join(out_dir, "BEST")) else None)
+    permanent = [p for _, p in valid if kinds[p] in ("periodic", "final", "preempt")]
+    protect = set(permanent[-max(1, keep):]) | {p for _, p in valid if kinds[p] == "stage_final"} | {valid[-1][1]}
+    if best:
+        protect.add(os.path.join(out_dir, best))
+    removed = []
+    for _, p in valid:
+        if p not in protect:
+            import shutil
+            shutil.rmtree(p)
+            removed.append(os.path.basename(p))
+    return removed
+
+
+# -----------------------------------------------------------------------------------------------------------
+# --status
+
+def print_status(run_dir):
+    import checkpoint
+    try:
+        ck = checkpoint.resolve(run_dir)
+    except checkpoint.CheckpointError as e:
+        die(str(e))
+    st = read_json(os.path.join(ck, "state.json"), {})
+    plan, seen = st["plan"], st["tokens"]
+    c = st["config"]
+    total = plan_tokens(plan)
+    print(f"run {run_dir}: checkpoint {os.path.basename(ck)}, step {st['step']}, {seen:,} / {total:,} tokens "
+          f"({100 * seen / total:.1f}%){'  FINISHED' if st.get('finished') else ''}")
+    start = 0
+    for i, s in enumerate(plan):
+        done = min(max(seen - start, 0), s["tokens"])
+        mark = "done" if done == s["tokens"] else ("now" if done > 0 or start == seen else "ahead")
+        print(f"  stage {i} {s['name']:<16} {s['lr_phase']:<7} seq {s['seq_len']:<6} mix {s['mix']}  "
+              f"{done:,}/{s['tokens']:,} tokens  [{mark}]")
+        start += s["tokens"]
+    lr_now = lr_at(plan, seen, c["learning_rate"], c["min_lr"])
+    ahead = [lr_at(plan, min(total - 1, seen + int(f * (total - seen))), c["learning_rate"], c["min_lr"]) for f in (0.25, 0.5, 0.75, 1.0)]
+    print(f"  lr now {lr_now:.3e}; at 25/50/75/100% of what remains: " + ", ".join(f"{x:.2e}" for x in ahead))
+    el = st.get("elapsed_seconds", 0.0)
+    rate = seen / el if el > 0 else None
+    left = (total - seen) / rate if rate else None
+    usd = st.get("usd_spent", 0.0)
+    proj = usd * total / seen if seen else 0.0
+    print(f"  trained {fmt_time(el)} at {rate or 0:,.0f} tok/s; time left {fmt_time(left)}; "
+          f"${usd:.2f} spent, projected ${proj:.2f}; best val loss {st.get('best_val_loss')}")
+
+
+# -----------------------------------------------------------------------------------------------------------
+
+def main(argv):
+    import torch
+    import torch.distributed as dist
+    import configurator
+    import checkpoint
+    import shards
+    from model import Picaflor, load_stats, sample_next
+    from safetensors.torch import load_file, save_file
+
+    g = globals()
+    flags = {"--replan": False}
+    rest = []
+    for a in argv:
+        if a in ("-h", "--help"):
+            print(configurator.help_text(g, __doc__, "train.py"))
+            return
+        if a in flags:
+            flags[a] = True
+        else:
+            rest.append(a)
+    if rest[:1] == ["--status"] or (rest and rest[0].startswith("--status")):
+        run_dir = rest[1] if rest[0] == "--status" and len(rest) > 1 else rest[0].partition("=")[2]
+        if not run_dir:
+            die("usage: python train.py --status RUN_DIR")
+        return print_status(run_dir)
+    configurator.configure_or_exit(g, rest, "train.py")
+    cfg = {k: g[k] for k in configurator.config_keys(g)}
+
+    # --- processes and device -----------------------------------------------------------------------------
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, world, local_rank = 0, 1, 0
+    dev = cfg["device"]
+    if dev == "cuda" and not torch.cuda.is_available():
+        die("device=cuda but no CUDA GPU is visible; pass --device=cpu (and --dtype=float32) to train on the CPU")
+    if ddp:
+        rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        dist.init_process_group(backend="nccl" if dev == "cuda" else "gloo")
+        if dev == "cuda":
+            torch.cuda.set_device(local_rank)
+    device = f"cuda:{local_rank}" if dev == "cuda" else "cpu"
+    device_type = "cuda" if dev == "cuda" else "cpu"
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
+    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg["dtype"])
+    if ptdtype is None:
+        die(f"dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
+    autocast = (torch.autocast(device_type="cuda", dtype=ptdtype) if device_type == "cuda" and ptdtype != torch.float32
+                else nullcontext())
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    out = cfg["out_dir"]
+    tokens_per_step = lambda T: cfg["batch_size"] * T * cfg["grad_accum"] * world
+
+    # --- state: scratch | resume | grow -------------------------------------------------------------------
+    state, sd, opt_sd, layer_origin = None, None, None, None
+    mcfg = model_config_from(cfg)
+    if cfg["init_from"] == "resume":
+        if cfg["resume_from"]:
+            ck = cfg["resume_from"]
+            checkpoint.verify(ck)
+        else:
+            ck = checkpoint.latest_valid(out)
+            newest = checkpoint.list_checkpoints(out)
+            if ck is None:
+                raise TrainError(f"{out}: no valid checkpoint to resume from; start with --init_from=scratch"
+                                 + (f" (found {len(newest)} invalid step_* dirs)" if newest else ""))
+            if newest and newest[-1][1] != ck:
+                log(f"WARNING: newest checkpoint {newest[-1][1]} is invalid (bad manifest); resuming from {ck}")
+        state = read_json(os.path.join(ck, "state.json"))
+        mcfg = model_config_from({**cfg, **state["model_config"]})
+        sd = load_file(os.path.join(ck, "model.safetensors"))
+        if os.path.exists(os.path.join(ck, "optimizer.pt")):
+            opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
+        layer_origin = state["layer_origin"]
+        log(f"resuming from {ck} at step {state['step']}, {state['tokens']:,} tokens")
+    elif cfg["init_from"] == "grow":
+        if not cfg["grow_from"] or cfg["grow_layers"] <= 0:
+            raise TrainError("init_from=grow needs grow_from=CHECKPOINT and grow_layers > 0")
+        ck = checkpoint.resolve(cfg["grow_from"])
+        checkpoint.verify(ck)
+        src_state = read_json(os.path.join(ck, "state.json"))
+        from model import ModelConfig
+        old = ModelConfig.from_dict(src_state["model_config"])
+        sd, layer_origin = grow_state_dict(load_file(os.path.join(ck, "model.safetensors")), old,
+                                           cfg["grow_layers"], cfg["grow_where"])
+        mcfg = ModelConfig.from_dict({**asdict(old), "n_layer": old.n_layer + cfg["grow_layers"]})
+        log(f"growing {ck}: {old.n_layer} -> {mcfg.n_layer} layers (new blocks start as identity)")
+    elif cfg["init_from"] != "scratch":
+        raise TrainError(f"init_from must be scratch, resume or grow, got {cfg['init_from']!r}")
+
+    # --- data ----------------------------------------------------------------------------------------------
+    plan = build_plan(cfg, tokens_per_step)
+    if state is not None:
+        stored = state["plan"]
+        if state.get("config_stages") != cfg["stages"] or (not cfg["stages"] and stored_plan_differs(state, cfg)):
+            if not flags["--replan"]:
+                raise TrainError(f"the config's plan differs from the plan stored in {out} (state.json); pass --replan "
+                                 f"to adopt the new plan, or use the run's original config")
+            log(f"REPLAN: adopting the config's plan (was {stored})")
+            state.setdefault("replans", []).append({"step": state["step"], "old": stored, "new": plan, "at": time.time()})
+        else:
+            plan = stored
+    corpora = sorted({c for s in plan for c in s["mix"]})
+    streams, val_stream = {}, None
+    for c in corpora:
+        cdir = os.path.join(cfg["data_root"], c)
+        if not os.path.isdir(cdir):
+            known = sorted(d for d in os.listdir(cfg["data_root"])) if os.path.isdir(cfg["data_root"]) else []
+            raise TrainError(f"dataset {c!r}: no folder {cdir}; run python data/{c}/prepare.py first"
+                             + (f" (corpora here: {', '.join(known)})" if known else ""))
+        streams[c] = shards.TokenStream(cdir, "train", vocab_size=mcfg.vocab_size)
+    first = plan[0]["mix"]
+    val_corpus = max(sorted(first), key=lambda c: first[c])
+    try:
+        val_stream = shards.TokenStream(os.path.join(cfg["data_root"], val_corpus), "val", vocab_size=mcfg.vocab_size)
+    except shards.DataError:
+        val_stream = None  # a corpus without a val split: no val loss, said once below
+    index = shards.load_index(os.path.join(cfg["data_root"], val_corpus))
+    tokenizer_file = os.path.join(cfg["data_root"], val_corpus, index.get("tokenizer", "tokenizer.json"))
+    if index.get("vocab_size", 0) > mcfg.vocab_size:
+        raise TrainError(f"corpus {val_corpus} has vocab_size {index['vocab_size']} > model vocab_size {mcfg.vocab_size}; "
+                         f"set --vocab_size={index['vocab_size']}")
+    if state is not None:
+        for c, pos in state.get("data_position", {}).items():
+            if c in streams:
+                streams[c].set_position(pos)
+
+    # --- model and optimizer ------------------------------------------------------------------------------
+    torch.manual_seed(cfg["seed"] + rank)
+    with torch.device(device):
+        model = Picaflor(mcfg)
+    if sd is not None:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        missing = [m for m in missing if not (mcfg.tie_embeddings and m == "lm_head.weight") and not m.endswith("load_accum")]
+        if missing or unexpected:
+            raise TrainError(f"checkpoint weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if layer_origin is None:
+        layer_origin = ["new"] * mcfg.n_layer
+    n_params = model.num_params()
+    need, parts = memory_plan(cfg, mcfg, n_params, world, device_type)
+    have = device_memory(device_type)
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    log(f"model: {n_params / 1e6:.1f}M params, {model.active_params() / 1e6:.1f}M active per token; memory plan per "
+        f"process: " + ", ".join(f"{k} {gib(v)}" for k, v in parts.items()) + f" = {gib(need)}"
+        + (f" of {gib(have)}" if have else ""))
+    if have and need > 0.95 * have:
+        raise TrainError(f"memory plan {gib(need)} exceeds the {gib(have)} of {device}: lower batch_size (activations "
+                         f"{gib(parts['activations'])}) and raise grad_accum, shorten seq_len, or use more GPUs (torchrun)")
+    groups = param_groups(model, layer_origin, cfg)
+    opt = torch.optim.AdamW([{k: v for k, v in gr.items() if k != "names"} for gr in groups], lr=cfg["learning_rate"],
+                            betas=(cfg["beta1"], cfg["beta2"]), fused=device_type == "cuda")
+    if opt_sd is not None:
+        opt.load_state_dict(opt_sd)
+    if state is not None and "rng" in state:
+        set_rng_state(state["rng"], device_type)
+    raw_model = model
+    if cfg["compile"]:
+        model = torch.compile(model)
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+
+    # --- bookkeeping --------------------------------------------------------------------------------------
+    st = state or {"step": 0, "tokens": 0, "best_val_loss": None, "elapsed_seconds": 0.0, "usd_spent": 0.0,
+                   "created_at": time.time(), "seq_len_history": []}
+    st["plan"], st["config_stages"], st["layer_origin"] = plan, cfg["stages"], layer_origin
+    if not cfg["stages"]:
+        st["plan_source"] = {k: cfg[k] for k in ("max_iters", "warmup_iters", "decay_frac")}
+    control_path = os.path.join(out, "control.json")
+    gpu_name, peak = gpu_peak_flops(device_type)
+    if master:
+        os.makedirs(out, exist_ok=True)
+    metrics_f = open(os.path.join(out, "metrics.jsonl"), "a") if master else None
+    stop = {"signal": None}
+
+    def on_sigterm(signum, frame):
+        stop["signal"] = signum
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+    def check_control():
+        ctl = read_json(control_path, {}) if master else {}
+        want = bool(ctl.get("start_decay")) and not st.get("decay_started_at_tokens")
+        if ddp:
+            t = torch.tensor([int(want)], device=device)
+            dist.broadcast(t, 0)
+            want = bool(t.item())
+        if want:
+            nonlocal_plan = st["plan"]
+            length = cfg["decay_tokens"] or next((s["tokens"] for s in nonlocal_plan if s["lr_phase"] == "decay"),
+                                                 int(cfg["decay_frac"] * plan_tokens(nonlocal_plan)))
+            st["plan"] = decay_now(nonlocal_plan, st["tokens"], max(length, tokens_per_step(nonlocal_plan[-1]["seq_len"])))
+            st["decay_started_at_tokens"] = st["tokens"]
+            st.setdefault("replans", []).append({"step": st["step"], "reason": "start_decay", "at": time.time()})
+            log(f"control.json: starting the decay now, over {st['plan'][-1]['tokens']:,} tokens")
+
+    def save(kind):
+        """Checkpoint on rank 0 (all ranks wait); returns its path."""
+        path = None
+        if master:
+            st["kind"] = kind
+            st["data_position"] = {c: s.position for c, s in streams.items()}
+            st["rng"] = rng_state(device_type)
+            st["config"] = cfg
+            path = model_save(raw_model, out, st, opt, tokenizer_file)
+            retain(out, cfg["keep_last"])
+        if ddp:
+            dist.barrier()
+        return path
+
+    def model_save(m, out_dir, state_dict, optimizer, tok_file):
+        from model import save_checkpoint
+        extra = {"optimizer.pt": lambda p: torch.save(optimizer.state_dict(), p)}
+        try:
+            return save_checkpoint(m, out_dir, state_dict["step"], state=dict(state_dict), extra_writers=extra,
+                                   tokenizer_file=tok_file if os.path.exists(tok_file) else None)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise TrainError(f"out of disk while writing a checkpoint in {out_dir} ({e.strerror}); the previous "
+                                 f"checkpoint is intact; free space and resume", EXIT_DISK)
+            raise
+
+    @torch.no_grad()
+    def evaluate():
+        if val_stream is None:
+            return None
+        model.eval()
+        val_stream.set_position({"shard": 0, "offset": 0, "epoch": 0})
+        T = st["plan"][min(stage_at(st["plan"], st["tokens"])[0], len(st["plan"]) - 1)]["seq_len"]
+        losses = []
+        for _ in range(cfg["eval_iters"]):
+            x, y = val_stream.next_batch(cfg["batch_size"], T, rank, world)
+            with autocast:
+                _, loss = model(x.to(device), y.to(device))
+            losses.append(loss.float())
+        v = torch.stack(losses).mean()
+        if ddp:
+            dist.all_reduce(v, op=dist.ReduceOp.AVG)
+        model.train()
+        return v.item()
+
+    if val_stream is None:
+        log(f"note: corpus {val_corpus} has no val split; no val loss will be logged")
+    check_control()
+    total_tokens = plan_tokens(st["plan"])
+    i_stage = stage_at(st["plan"], st["tokens"])[0]
+    log(f"plan: {len(st['plan'])} stages, {total_tokens:,} tokens; now at stage {min(i_stage, len(st['plan']) - 1)} "
+        f"({st['tokens']:,} tokens done); {tokens_per_step(st['plan'][min(i_stage, len(st['plan']) - 1)]['seq_len']):,} tokens/step")
+
+    # --- the loop -------------------------------------------------------------------------------------------
+    model.train()
+    steps_this_run, t_start, t_last_ckpt = 0, time.time(), time.time()
+    window_load, window_loss, window_t, window_tokens = None, [], time.time(), 0
+    elapsed_base = st["elapsed_seconds"]
+    last_saved_step = st["step"] if state is not None else None
+    if state is None and cfg["stop_after_steps"] == 0:
+        save("periodic")
+        last_saved_step = 0
+    while True:
+        idx_stage, stage, _ = stage_at(st["plan"], st["tokens"])
+        if stage is None:
+            break
+        if cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]:
+            break
+        if cfg["stop_after_hours"] >= 0 and time.time() - t_start >= cfg["stop_after_hours"] * 3600:
+            break
+        if stop["signal"] is not None:
+            break
+        T = stage["seq_len"]
+        if not st["seq_len_history"] or st["seq_len_history"][-1]["seq_len"] != T:
+            st["seq_len_history"].append({"step": st["step"], "tokens": st["tokens"], "seq_len": T})
+        lr = lr_at(st["plan"], st["tokens"], cfg["learning_rate"], cfg["min_lr"], tokens_per_step(T))
+        for gr in opt.param_groups:
+            gr["lr"] = lr * gr["lr_mult"]
+        t0 = time.time()
+        loss_acc = torch.zeros((), device=device)
+        stage_start_tokens = sum(s["tokens"] for s in st["plan"][:idx_stage])
+        for micro in range(cfg["grad_accum"]):
+            micro_index = (st["tokens"] - stage_start_tokens) // (cfg["batch_size"] * T * world) + micro
+            parts_xy = []
+            for c, rows in sorted(rows_per_stream(stage["mix"], cfg["batch_size"], micro_index).items()):
+                if rows:
+                    parts_xy.append(streams[c].next_batch(rows, T, rank, world))
+            x = torch.cat([p[0] for p in parts_xy]).to(device)
+            y = torch.cat([p[1] for p in parts_xy]).to(device)
+            sync = (not ddp) or micro == cfg["grad_accum"] - 1
+            with (model.no_sync() if ddp and not sync else nullcontext()):
+                with autocast:
+                    _, loss = model(x, y)
+                (loss / cfg["grad_accum"]).backward()
+            loss_acc += loss.detach()
+        loss_mean = loss_acc / cfg["grad_accum"]
+        if ddp:
+            dist.all_reduce(loss_mean, op=dist.ReduceOp.AVG)
+        loss_val = loss_mean.item()
+        if not math.isfinite(loss_val) or os.environ.get("PICAFLOR_INJECT_NAN_AT_STEP") == str(st["step"]):
+            raise TrainError(f"non-finite loss ({loss_val}) at step {st['step']} (tokens {st['tokens']:,}, stage "
+                             f"{stage['name']}); the step was not applied and no checkpoint holds it; lower the LR "
+                             f"or resume from the last checkpoint", EXIT_NONFINITE)
+        gnorm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg["grad_clip"]) if cfg["grad_clip"] > 0 else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        load = raw_model.take_expert_load()
+        if ddp and load.numel():
+            load = load.to(device)
+            dist.all_reduce(load)
+        raw_model.update_router_bias(load)
+        window_load = load.cpu() if window_load is None else window_load + load.cpu()
+        step_tokens = tokens_per_step(T)
+        st["step"] += 1
+        st["tokens"] += step_tokens
+        steps_this_run += 1
+        window_loss.append(loss_val)
+        window_tokens += step_tokens
+        dt_step = time.time() - t0
+        st["elapsed_seconds"] = elapsed_base + (time.time() - t_start)
+        st["usd_spent"] = cfg["gpu_hourly_usd"] * world * st["elapsed_seconds"] / 3600
+
+        # log
+        val_loss = None
+        finished_stage = stage_at(st["plan"], st["tokens"])[0] != idx_stage
+        if st["step"] % cfg["eval_interval"] == 0 or stage_at(st["plan"], st["tokens"])[1] is None:
+            val_loss = evaluate()
+        if st["step"] % cfg["log_interval"] == 0 or val_loss is not None or steps_this_run == 1:
+            dt = time.time() - window_t
+            tok_s = window_tokens / dt if dt > 0 else 0.0
+            mfu = (raw_model.flops_per_token(T) * tok_s / (peak * world)) if peak else None
+            cv, dead = load_stats(window_load) if window_load is not None and window_load.numel() else (None, None)
+            rate = (st["tokens"] / st["elapsed_seconds"]) if st["elapsed_seconds"] > 0 else None
+            eta = (plan_tokens(st["plan"]) - st["tokens"]) / rate if rate else None
+            rec = {"step": st["step"], "tokens": st["tokens"], "loss": sum(window_loss) / len(window_loss), "lr": lr,
+                   "tok_per_s": tok_s, "mfu": mfu, "stage": stage["name"], "seq_len": T,
+                   "load_cv": float(cv.mean()) if cv is not None else None,
+                   "dead_frac": float(dead.mean()) if dead is not None else None,
+                   "load_cv_layers": [round(float(v), 4) for v in cv] if cv is not None else None,
+                   "dead_frac_layers": [round(float(v), 4) for v in dead] if dead is not None else None,
+                   "grad_norm": float(gnorm) if gnorm is not None else None,
+                   "usd": st["usd_spent"], "usd_per_btok": st["usd_spent"] / (st["tokens"] / 1e9),
+                   "usd_projected": st["usd_spent"] * plan_tokens(st["plan"]) / st["tokens"],
+                   "elapsed_s": st["elapsed_seconds"], "gpu": gpu_name or "cpu", "world_size": world, "time": time.time()}
+            if val_loss is not None:
+                rec["val_loss"] = val_loss
+            if master:
+                metrics_f.write(json.dumps(rec) + "\n")
+                metrics_f.flush()
+                os.fsync(metrics_f.fileno())
+            log(f"step {st['step']:>6} | loss {rec['loss']:.4f}" + (f" | val {val_loss:.4f}" if val_loss is not None else "")
+                + f" | lr {lr:.2e} | {tok_s:,.0f} tok/s | MFU {f'{100 * mfu:.1f}%' if mfu is not None else '-'}"
+                + f" | load cv {rec['load_cv'] if rec['load_cv'] is None else round(rec['load_cv'], 3)}"
+                + f" | ETA {fmt_time(eta)} | ${st['usd_spent']:.2f}")
+            window_load, window_loss, window_t, window_tokens = None, [], time.time(), 0
+        if val_loss is not None and (st["best_val_loss"] is None or val_loss < st["best_val_loss"]):
+            st["best_val_loss"], st["best_step"] = val_loss, st["step"]
+            path = save("best")
+            last_saved_step, t_last_ckpt = st["step"], time.time()
+            if master:
+                checkpoint.write_atomic_text(os.path.join(out, "BEST"), os.path.basename(path) + "\n")
+        if finished_stage:
+            save("stage_final")
+            last_saved_step, t_last_ckpt = st["step"], time.time()
+        elif st["step"] % cfg["ckpt_interval"] == 0:
+            save("periodic")
+            last_saved_step, t_last_ckpt = st["step"], time.time()
+        elif cfg["checkpoint_minutes"] > 0 and time.time() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60:
+            save("temporary")
+            last_saved_step, t_last_ckpt = st["step"], time.time()
+        if master and st["step"] % cfg["log_interval"] == 0 and os.path.exists(control_path):
+            check_control()
+        elif ddp and st["step"] % cfg["log_interval"] == 0:
+            check_control()
+
+    # --- end of this invocation ---------------------------------------------------------------------------
+    st["finished"] = stage_at(st["plan"], st["tokens"])[1] is None
+    if last_saved_step != st["step"] or st["finished"]:
+        kind = "preempt" if stop["signal"] is not None else "final"
+        save(kind)
+    if stop["signal"] is not None:
+        log(f"SIGTERM: checkpoint saved at step {st['step']}; exiting (resume with --init_from=resume)")
+    elif st["finished"]:
+        log(f"run finished: all {len(st['plan'])} planned stages done ({st['tokens']:,} tokens)")
+    else:
+        log(f"stopped at step {st['step']} ({st['tokens']:,} of {plan_tokens(st['plan']):,} planned tokens); "
+            f"the plan is not finished: resume with --init_from=resume")
+    if master and cfg["sample_tokens"] > 0 and stop["signal"] is None:
+        try:
+            from tokenizer import Tokenizer
+            tok = Tokenizer.load(tokenizer_file)
+            raw_model.eval()
+            prompt = torch.tensor([[tok.bos_id]], device=device)
+            gen = torch.Generator(device=device).manual_seed(cfg["seed"])
+            outp = raw_model.generate(prompt, min(cfg["sample_tokens"], mcfg.max_seq_len - 1), temperature=0.8, top_k=50,
+                                      generator=gen)
+            print("sample:", tok.decode([t for t in outp[0, 1:].tolist()]))
+        except Exception as e:  # a sample is a courtesy; never fail a finished run on it
+            print(f"(no sample: {e})")
+    if metrics_f:
+        metrics_f.close()
+    if ddp:
+        dist.destroy_process_group()
+
+
+def stored_plan_differs(state, cfg):
+    src = state.get("plan_source")
+    return src is not None and src != {k: cfg[k] for k in ("max_iters", "warmup_iters", "decay_frac")}
+
+
+if __name__ == "__main__":
+    try:
+        import checkpoint
+        import shards
+        main(sys.argv[1:])
+    except TrainError as e:
+        die(str(e), e.code)
+    except checkpoint.CheckpointError as e:
+        die(str(e), EXIT_ERROR)
+    except shards.DataError as e:
+        die(f"corrupt data: {e}", EXIT_DATA)
+    except KeyboardInterrupt:
+        die("interrupted", 130)
