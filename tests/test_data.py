@@ -96,3 +96,251 @@ def test_tokenizer_vocab_bounds():
         tokmod.train_tokenizer(["abc"], 100)
     with pytest.raises(ValueError):
         tokmod.train_tokenizer(["abc"], 70000)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shards: reader, positions, integrity
+
+import subprocess  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import shards  # noqa: E402
+
+VOCAB = 400
+
+
+def make_corpus(d, tok, lengths, split="train", seed=0):
+    """A corpus of random non-zero tokens (< VOCAB); returns the concatenated stream."""
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    entries, parts = [], []
+    for i, n in enumerate(lengths):
+        t = rng.integers(1, VOCAB, n).astype(np.uint16)
+        name = f"{split}_{i:06d}.bin"
+        entries.append({"file": name, "tokens": n, "sha256": shards.write_shard(d / name, t), "source": {}})
+        parts.append(t)
+    tok.save(d / "tokenizer.json")
+    shards.write_index(d, {"version": 1, "tokenizer": "tokenizer.json", "tokenizer_sha256": tok.hash,
+                           "vocab_size": VOCAB, "source": {}, "splits": {split: entries}})
+    return np.concatenate(parts).astype(np.int64)
+
+
+def expected_rows(ref, p, B, T):
+    idx = (p + np.arange(B)[:, None] * T + np.arange(T + 1)[None, :]) % len(ref)
+    return ref[idx]
+
+
+def test_stream_windows_cross_shards_and_wrap(tok, tmp_path):
+    ref = make_corpus(tmp_path / "c", tok, [1000, 37, 500])
+    s = shards.TokenStream(tmp_path / "c")
+    assert s.position == {"shard": 0, "offset": 0, "epoch": 0}
+    p, B, T = 0, 8, 32
+    for _ in range(10):
+        x, y = s.next_batch(B, T)
+        assert x.dtype == y.dtype and str(x.dtype) == "torch.int64" and tuple(x.shape) == (B, T)
+        rows = expected_rows(ref, p, B, T)
+        assert (x.numpy() == rows[:, :-1]).all() and (y.numpy() == rows[:, 1:]).all()
+        p += B * T
+    assert p == 2560 and s.position == {"shard": 1, "offset": 2560 - 1537 - 1000, "epoch": 1}
+
+
+def test_stream_position_survives_batch_shape_change(tok, tmp_path):
+    ref = make_corpus(tmp_path / "c", tok, [700, 300, 129])
+    shapes = [(4, 16), (2, 50), (8, 8), (3, 7), (1, 128), (5, 13)]
+    s = shards.TokenStream(tmp_path / "c")
+    consumed = []
+    for i in range(24):
+        B, T = shapes[i % len(shapes)]
+        if i == 12:  # a "resume": a fresh stream put at the saved position continues exactly
+            pos = dict(s.position)
+            s = shards.TokenStream(tmp_path / "c")
+            s.set_position(pos)
+        x, _ = s.next_batch(B, T)
+        consumed.append(x.numpy().reshape(-1))
+    consumed = np.concatenate(consumed)
+    n = len(consumed)
+    assert n > len(ref)  # crossed the wrap too
+    assert (consumed == ref[np.arange(n) % len(ref)]).all()
+    # the same token sequence as with a single setting
+    single = shards.TokenStream(tmp_path / "c")
+    one = np.concatenate([single.next_batch(1, 1)[0].numpy().reshape(-1) for _ in range(n)])
+    assert (one == consumed).all()
+    assert single.position == s.position
+
+
+def test_stream_rank_world_split_covers_world1(tok, tmp_path):
+    make_corpus(tmp_path / "c", tok, [900, 400])
+    W, B, T = 3, 2, 24
+    ranks = [shards.TokenStream(tmp_path / "c") for _ in range(W)]
+    whole = shards.TokenStream(tmp_path / "c")
+    for _ in range(12):
+        xs, ys = zip(*[r.next_batch(B, T, rank=i, world_size=W) for i, r in enumerate(ranks)])
+        xw, yw = whole.next_batch(W * B, T)
+        assert (np.concatenate([x.numpy() for x in xs]) == xw.numpy()).all()
+        assert (np.concatenate([y.numpy() for y in ys]) == yw.numpy()).all()
+        assert all(r.position == whole.position for r in ranks)
+    assert whole.position["epoch"] >= 1
+
+
+def test_stream_bad_inputs(tok, tmp_path):
+    make_corpus(tmp_path / "c", tok, [100])
+    with pytest.raises(shards.DataError) as e:
+        shards.load_index(tmp_path / "nope")
+    assert "prepare.py" in str(e.value) and "nope" in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(shards.DataError) as e:
+        shards.TokenStream(tmp_path / "empty")
+    assert "index.json" in str(e.value) and "prepare.py" in str(e.value)
+    with pytest.raises(shards.DataError) as e:
+        shards.TokenStream(tmp_path / "c", vocab_size=VOCAB - 1)  # model vocab smaller than the corpus's
+    assert "vocab_size" in str(e.value)
+    s = shards.TokenStream(tmp_path / "c")
+    with pytest.raises(shards.DataError):
+        s.set_position({"shard": 5, "offset": 0, "epoch": 0})
+    with pytest.raises(shards.DataError):
+        shards.TokenStream(tmp_path / "c", split="val")  # no such split
+
+
+def _poke(path, byte_offset, data):
+    with open(path, "r+b") as f:
+        f.seek(byte_offset)
+        f.write(data)
+
+
+def test_shard_hash_mismatch_names_shard(tok, tmp_path):
+    make_corpus(tmp_path / "c", tok, [3000, 3000])
+    shard = tmp_path / "c" / "train_000001.bin"
+    _poke(shard, 2 * 1234, np.array([7], np.uint16).tobytes())  # a valid id, but not the recorded one
+    s = shards.TokenStream(tmp_path / "c")
+    s.next_batch(4, 100)  # shard 0 is fine
+    with pytest.raises(shards.DataError) as e:
+        for _ in range(10):
+            s.next_batch(4, 100)
+    assert e.value.kind == "hash" and e.value.path == str(shard) and str(shard) in str(e.value)
+    assert "\n" not in str(e.value)
+    problems = shards.verify_corpus(tmp_path / "c")
+    assert len(problems) == 1 and "train_000001.bin" in problems[0]
+
+
+def test_zeroed_page_caught_with_shard_and_offset(tok, tmp_path):
+    make_corpus(tmp_path / "c", tok, [20000])
+    shard = tmp_path / "c" / "train_000000.bin"
+    # (a) the page goes bad after the shard was verified and mapped: caught by the per-batch check
+    s = shards.TokenStream(tmp_path / "c")
+    s.next_batch(4, 256)
+    _poke(shard, 16384, bytes(4096))  # tokens 8192 .. 10239
+    with pytest.raises(shards.DataError) as e:
+        for _ in range(20):
+            s.next_batch(4, 256)
+    assert e.value.kind == "zeros" and e.value.offset == 8192 and e.value.path == str(shard)
+    msg = str(e.value)
+    assert f"{shard} offset 8192" in msg and "2048 zero tokens" in msg and "\n" not in msg
+    assert s.position["offset"] <= 8192  # the bad batch was not consumed
+    # (b) a fresh process opening it: sha256 mismatch, still naming the offset
+    shards._VERIFIED.clear()
+    with pytest.raises(shards.DataError) as e:
+        shards.TokenStream(tmp_path / "c").next_batch(1, 8)
+    assert e.value.offset == 8192 and "sha256 mismatch" in str(e.value) and str(shard) in str(e.value)
+
+
+def test_truncated_shard_and_ids_over_vocab(tok, tmp_path):
+    make_corpus(tmp_path / "c", tok, [500, 500])
+    shard = tmp_path / "c" / "train_000001.bin"
+    with open(shard, "r+b") as f:
+        f.truncate(999)
+    s = shards.TokenStream(tmp_path / "c")
+    with pytest.raises(shards.DataError) as e:
+        s.next_batch(2, 400)
+    assert e.value.kind == "truncated" and str(shard) in str(e.value)
+    # an id >= vocab_size, in a shard whose recorded hash matches (so only the per-batch check can see it)
+    t = np.random.default_rng(1).integers(1, VOCAB, 1000).astype(np.uint16)
+    t[777] = VOCAB + 50
+    bad = tmp_path / "b"
+    make_corpus(bad, tok, [10])
+    index = shards.load_index(bad)
+    index["splits"]["train"] = [{"file": "train_000000.bin", "tokens": 1000,
+                                 "sha256": shards.write_shard(bad / "train_000000.bin", t)}]
+    shards.write_index(bad, index)
+    with pytest.raises(shards.DataError) as e:
+        shards.TokenStream(bad).next_batch(1, 999)
+    assert e.value.kind == "vocab" and e.value.offset == 777 and f"token id {VOCAB + 50}" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data/local/prepare.py
+
+def _run(args, env=None, check=True):
+    full_env = dict(os.environ, **(env or {}))
+    r = subprocess.run([sys.executable] + args, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=120)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def split_docs(tok, tokens):
+    """Decode a shard's tokens into documents: it must start with BOS, and BOS starts each document."""
+    tokens = [int(t) for t in tokens]
+    assert tokens[0] == tok.bos_id
+    starts = [i for i, t in enumerate(tokens) if t == tok.bos_id] + [len(tokens)]
+    return [tok.decode(tokens[a + 1:b]) for a, b in zip(starts, starts[1:])]
+
+
+def read_split_docs(corpus, tok, split):
+    index = shards.load_index(corpus)
+    docs = []
+    for e in index["splits"][split]:
+        t = np.fromfile(corpus / e["file"], dtype=np.uint16)
+        assert len(t) == e["tokens"] and e.get("documents", len(split_docs(tok, t))) == len(split_docs(tok, t))
+        docs.append((e, split_docs(tok, t)))
+    return docs
+
+
+def test_local_prepare_whole_documents_and_refetch(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    rng = random.Random(3)
+    texts = {}
+    for i in range(24):
+        name = f"sub/f{i}.py" if i % 3 == 0 else f"doc{i}.{'md' if i % 2 else 'txt'}"
+        body = f"# document {i}\n" + " ".join(rng.choice(["alpha", "beta", "gamma", "δ", "日本", "🎉", "x=1\n"])
+                                             for _ in range(rng.randrange(5, 120)))
+        texts[name] = body
+    texts["big.txt"] = "a long document that must not be cut. " * 200  # longer than --shard-tokens
+    for name, body in texts.items():
+        (src / name).write_text(body, encoding="utf-8")
+    (src / "ignored.bin").write_bytes(b"\x00\x01")
+    (src / "empty.txt").write_text("")
+    out = tmp_path / "corpus"
+    _run(["data/local/prepare.py", "--src", str(src), "--out", str(out), "--vocab-size", "300",
+          "--shard-tokens", "300", "--val-percent", "15"])
+    tok = tokmod.Tokenizer.load(out / "tokenizer.json")
+    index = shards.load_index(out)
+    assert index["tokenizer_sha256"] == tok.hash and index["vocab_size"] == 300
+    seen = {}
+    for split in ("train", "val"):
+        assert index["splits"][split], split
+        for entry, docs in read_split_docs(out, tok, split):
+            files = entry["source"]["files"]
+            assert len(files) == len(docs)
+            for f, d in zip(files, docs):
+                assert d == texts[f]  # exact text, never cut
+                seen[f] = split
+            assert entry["tokens"] <= 300 or len(docs) == 1  # only a single long document may overflow a shard
+    assert set(seen) == set(texts)  # every non-empty text file, once; nothing else
+    assert shards.verify_corpus(out) == []
+    # damage a shard, see it reported, re-make it from its recorded source, and it verifies again
+    victim = index["splits"]["train"][0]["file"]
+    _poke(out / victim, 4, bytes(8))
+    assert any(victim in p for p in shards.verify_corpus(out))
+    shards.refetch_shard(out, victim)
+    assert shards.verify_corpus(out) == []
+    # --tokenizer reuses it: same hash, same shards
+    out2 = tmp_path / "corpus2"
+    _run(["data/local/prepare.py", "--src", str(src), "--out", str(out2), "--tokenizer", str(out / "tokenizer.json"),
+          "--shard-tokens", "300", "--val-percent", "15"])
+    index2 = shards.load_index(out2)
+    assert index2["tokenizer_sha256"] == tok.hash
+    assert [e["sha256"] for e in index2["splits"]["train"]] == [e["sha256"] for e in index["splits"]["train"]]
+    r = _run(["data/local/prepare.py", "--src", str(tmp_path / "missing"), "--out", str(out2)], check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "missing" in r.stderr

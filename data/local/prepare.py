@@ -1,0 +1,133 @@
+"""
+Build the offline corpus: no network, from a folder of .txt/.md/.py files (default: the installed Python's own
+standard library sources, docstrings included), so the whole loop runs on a laptop.
+
+    python data/local/prepare.py                         # stdlib, vocab 8192 (config/tiny.py), into data/local/
+    python data/local/prepare.py --src ~/notes --vocab-size 32768 --out /tmp/corpus
+    python data/local/prepare.py --tokenizer data/fineweb_edu/tokenizer.json   # reuse a tokenizer, no training
+
+Calls recorded here:
+- one file = one document: <|bos|> + its tokens, never cut (a document goes whole into one shard).
+- the default vocab is 8192, config/tiny.py's; the nano run uses 32768 (on FineWeb-Edu).
+- files are taken in a fixed pseudo-random order (sha1 of the relative path) so --max-files/--max-bytes caps
+  sample the whole tree, not its first letters; a file goes to val when that hash says so (--val-percent).
+- the default --max-bytes (12 MB) keeps the default run to about a minute or two on 2 cores.
+- index.json records, per shard, the exact files it holds, so shards.py refetch can re-make it.
+"""
+
+import argparse
+import hashlib
+import os
+import sys
+import sysconfig
+import time
+
+from tqdm import tqdm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py
+import shards  # noqa: E402
+from tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "node_modules"}
+
+
+def find_files(root, exts):
+    """Relative paths of every file with one of exts under root (skipping installed packages, caches, dot-dirs)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
+        for name in filenames:
+            if name.endswith(exts):
+                found.append(os.path.relpath(os.path.join(dirpath, name), root))
+    return found
+
+
+def path_hash(rel):
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--src", default=sysconfig.get_paths()["stdlib"], help="folder of text files (default: stdlib)")
+    ap.add_argument("--out", default=HERE, help="corpus dir to write (default: this script's folder)")
+    ap.add_argument("--exts", default=".py,.txt,.md", help="comma-separated file endings to take")
+    ap.add_argument("--max-files", type=int, default=0, help="take at most this many files (0: no cap)")
+    ap.add_argument("--max-bytes", type=int, default=12_000_000, help="stop adding files past this many bytes (0: no cap)")
+    ap.add_argument("--vocab-size", type=int, default=8192, help="tokenizer vocab incl. id 0 and specials (nano: 32768)")
+    ap.add_argument("--tokenizer", default=None, help="reuse this tokenizer file instead of training one")
+    ap.add_argument("--shard-tokens", type=int, default=1 << 22, help="tokens per shard (whole documents, so about)")
+    ap.add_argument("--val-percent", type=float, default=2.0, help="percent of documents held out for val")
+    ap.add_argument("--threads", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="tokenizer threads")
+    args = ap.parse_args()
+    t0 = time.time()
+
+    if not os.path.isdir(args.src):
+        sys.exit(f"error: {args.src}: no such folder; pass --src DIR with .txt/.md/.py files")
+    exts = tuple(e if e.startswith(".") else "." + e for e in args.exts.split(",") if e)
+    rels = sorted(find_files(args.src, exts), key=lambda r: (path_hash(r), r))
+    docs, total_bytes = [], 0  # (rel, text, split)
+    for rel in tqdm(rels, desc="reading", unit="file", disable=None):
+        if args.max_files and len(docs) >= args.max_files or args.max_bytes and total_bytes >= args.max_bytes:
+            break
+        text = shards.read_document(os.path.join(args.src, rel))
+        if not text.strip():
+            continue
+        split = "val" if path_hash(rel) % 10000 < args.val_percent * 100 else "train"
+        docs.append((rel, text, split))
+        total_bytes += len(text.encode("utf-8"))
+    if sum(s == "val" for _, _, s in docs) == 0 and len(docs) > 1:  # tiny folders still get a val document
+        docs[-1] = (docs[-1][0], docs[-1][1], "val")
+    n_train = sum(s == "train" for _, _, s in docs)
+    if n_train == 0:
+        sys.exit(f"error: {args.src}: found no non-empty {'/'.join(exts)} files for training; pass --src DIR")
+    print(f"{len(docs):,} documents ({n_train:,} train, {len(docs) - n_train:,} val), {total_bytes / 1e6:.1f} MB "
+          f"from {args.src}")
+
+    os.makedirs(args.out, exist_ok=True)
+    tok_path = os.path.join(args.out, "tokenizer.json")
+    if args.tokenizer:
+        try:
+            tok = Tokenizer.load(args.tokenizer)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        if os.path.abspath(args.tokenizer) != os.path.abspath(tok_path):
+            tok.save(tok_path)
+        print(f"reusing tokenizer {args.tokenizer} (vocab {tok.vocab_size})")
+    else:
+        t1 = time.time()
+        try:
+            tok = train_tokenizer((text for _, text, s in docs if s == "train"), args.vocab_size)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        tok.save(tok_path)
+        print(f"trained tokenizer: vocab {tok.vocab_size} in {time.time() - t1:.1f}s -> {tok_path}")
+
+    shards.remove_old_shards(args.out)
+    writers = {s: shards.ShardWriter(args.out, s, args.shard_tokens, lambda rs: shards.files_source(args.src, rs))
+               for s in ("train", "val")}
+    batch = 256
+    with tqdm(total=total_bytes, desc="tokenizing", unit="B", unit_scale=True, disable=None) as bar:
+        for i in range(0, len(docs), batch):
+            chunk = docs[i:i + batch]
+            for (rel, text, split), toks in zip(chunk, shards.documents_to_tokens(tok, [d[1] for d in chunk], args.threads)):
+                writers[split].add(toks, rel)
+                bar.update(len(text.encode("utf-8")))
+    splits = {s: w.close() for s, w in writers.items()}
+    index = {
+        "version": shards.INDEX_VERSION, "tokenizer": "tokenizer.json", "tokenizer_sha256": tok.hash,
+        "vocab_size": tok.vocab_size,
+        "source": {"kind": "files", "root": os.path.abspath(args.src), "exts": list(exts), "max_files": args.max_files,
+                   "max_bytes": args.max_bytes, "val_percent": args.val_percent, "documents": len(docs),
+                   "bytes": total_bytes, "made_by": "data/local/prepare.py", "argv": sys.argv[1:]},
+        "splits": splits,
+    }
+    shards.write_index(args.out, index)
+    for s, entries in splits.items():
+        print(f"{s}: {len(entries)} shards, {sum(e['tokens'] for e in entries):,} tokens")
+    print(f"wrote {os.path.join(args.out, 'index.json')} in {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,530 @@
+"""
+Token shards: the one place that writes, reads and checks them (prepare scripts, train.py, eval, SFT import it).
+
+Corpus dir layout (e.g. data/local/):
+    index.json          {"version": 1, "tokenizer": "tokenizer.json", "tokenizer_sha256": ..., "vocab_size": V,
+                         "source": {...how the corpus was made...},
+                         "splits": {"train": [{"file", "tokens", "sha256", "documents", "source"}, ...],
+                                    "val": [...]}}
+    tokenizer.json      tokenizer.Tokenizer file (its sha256 is pinned in index.json)
+    train_000000.bin    uint16 tokens, little endian; every document is <|bos|> + its tokens, whole
+    val_000000.bin      (a document is never cut: it goes whole into one shard)
+
+Each shard's "source" says how to re-create it exactly (refetch_shard):
+    {"kind": "files", "root": "/abs/dir", "files": ["rel/a.py", ...]}               documents = files, in order
+    {"kind": "hub", "repo": ..., "repo_type": "dataset", "revision": <commit sha>, "column": "text",
+     "rows": [{"file": "sample/10BT/000_00000.parquet", "start": a, "stop": b}, ...]}   documents = those rows
+
+Integrity (issue 4): a shard's size must be tokens * 2 and its sha256 is verified the first time a process
+opens it; every batch read is checked for ids >= vocab_size and for id 0, which the tokenizer never emits
+(a zero is a corrupt page: the error names the shard, the token offset of the first zero and the zero-run
+length). Failures raise DataError (path, offset, kind); remote faults raise StorageError, so an operator
+never mistakes a billing/credential problem for corrupt data.
+
+TokenStream position is {"shard": i, "offset": o, "epoch": e} in tokens (i indexes the split's shard list
+in index.json), so changing batch_size or seq_len keeps it exact.
+
+    python shards.py info CORPUS_DIR
+    python shards.py verify CORPUS_DIR              # re-hash every shard, list problems, exit 1 if any
+    python shards.py refetch CORPUS_DIR FILE        # re-create one shard from its recorded source
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+SHARD_DTYPE = np.dtype("<u2")  # uint16, little endian: vocab_size <= 65535
+INDEX_VERSION = 1
+
+
+class DataError(Exception):
+    """Corrupt, missing or inconsistent data. path: the file at fault; offset: token offset in it (or None);
+    kind: 'missing' | 'index' | 'truncated' | 'hash' | 'zeros' | 'vocab' | 'tokenizer' | 'source'."""
+
+    def __init__(self, message, path=None, offset=None, kind=None):
+        super().__init__(message)
+        self.path, self.offset, self.kind = path, offset, kind
+
+
+class StorageError(Exception):
+    """A remote store refused or could not be reached (not a data fault). kind: 'denied' | 'not_found' | 'unreachable'."""
+
+    def __init__(self, message, url=None, status=None, kind=None):
+        super().__init__(message)
+        self.url, self.status, self.kind = url, status, kind
+
+
+def _fix_hint(corpus_dir, file=None):
+    prep = os.path.join(corpus_dir, "prepare.py")
+    if file is None:
+        return f"run python {prep}"
+    return f"re-run python {prep} or re-fetch the shard (python shards.py refetch {corpus_dir} {file})"
+
+
+def sha256_file(path, chunk=1 << 22):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def _atomic_write(path, data):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# index and tokenizer
+
+def load_index(corpus_dir):
+    corpus_dir = str(corpus_dir)
+    path = os.path.join(corpus_dir, "index.json")
+    if not os.path.isdir(corpus_dir):
+        raise DataError(f"{corpus_dir}: corpus directory not found; {_fix_hint(corpus_dir)}", corpus_dir, None, "missing")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: not found (no corpus prepared here); {_fix_hint(corpus_dir)}", path, None, "missing")
+    try:
+        with open(path) as f:
+            index = json.load(f)
+        if index.get("version") != INDEX_VERSION:
+            raise ValueError(f"version {index.get('version')!r}, expected {INDEX_VERSION}")
+        for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "splits"):
+            if key not in index:
+                raise ValueError(f"no {key!r}")
+        for split, entries in index["splits"].items():
+            for e in entries:
+                if not {"file", "tokens", "sha256"} <= set(e):
+                    raise ValueError(f"split {split!r} has an entry without file/tokens/sha256")
+    except (ValueError, TypeError, AttributeError) as e:
+        msg = str(e).splitlines()[0]
+        raise DataError(f"{path}: corrupt index ({msg}); {_fix_hint(corpus_dir)}", path, None, "index") from None
+    return index
+
+
+def write_index(corpus_dir, index):
+    _atomic_write(os.path.join(corpus_dir, "index.json"), (json.dumps(index, indent=1) + "\n").encode())
+
+
+def load_corpus_tokenizer(corpus_dir, index=None):
+    """The corpus's tokenizer, checked against the hash pinned in index.json."""
+    from tokenizer import Tokenizer
+
+    index = index or load_index(corpus_dir)
+    path = os.path.join(str(corpus_dir), index["tokenizer"])
+    try:
+        tok = Tokenizer.load(path)
+    except ValueError as e:
+        raise DataError(str(e), path, None, "tokenizer") from None
+    if tok.hash != index["tokenizer_sha256"]:
+        raise DataError(f"{path}: sha256 {tok.hash[:12]} differs from index.json's {index['tokenizer_sha256'][:12]} "
+                        f"(the shards were made with another tokenizer); {_fix_hint(corpus_dir)}", path, None, "tokenizer")
+    return tok
+
+
+# ----------------------------------------------------------------------------------------------------------
+# writing: documents -> whole-document shards
+
+def documents_to_tokens(tok, texts, num_threads=4):
+    """<|bos|> + tokens of each text, one uint16 array per document."""
+    out = []
+    for ids in tok.encode_batch(texts, num_threads=num_threads):
+        a = np.empty(len(ids) + 1, dtype=SHARD_DTYPE)
+        a[0] = tok.bos_id
+        a[1:] = ids
+        out.append(a)
+    return out
+
+
+def write_shard(path, tokens):
+    """Write a uint16 token array atomically; returns its sha256."""
+    data = np.ascontiguousarray(tokens, dtype=SHARD_DTYPE).tobytes()
+    _atomic_write(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+class ShardWriter:
+    """Packs whole documents into shards of at most shard_tokens tokens (a longer document gets a shard of its
+    own: never cut). make_source(list of per-document sources) -> the shard's "source" dict."""
+
+    def __init__(self, out_dir, split, shard_tokens, make_source):
+        self.out_dir, self.split, self.shard_tokens, self.make_source = str(out_dir), split, shard_tokens, make_source
+        self.entries, self.docs, self.doc_sources, self.n_tokens = [], [], [], 0
+
+    def add(self, doc_tokens, doc_source):
+        if self.docs and self.n_tokens + len(doc_tokens) > self.shard_tokens:
+            self.flush()
+        self.docs.append(doc_tokens)
+        self.doc_sources.append(doc_source)
+        self.n_tokens += len(doc_tokens)
+
+    def flush(self):
+        if not self.docs:
+            return
+        name = f"{self.split}_{len(self.entries):06d}.bin"
+        tokens = np.concatenate(self.docs)
+        sha = write_shard(os.path.join(self.out_dir, name), tokens)
+        self.entries.append({"file": name, "tokens": int(len(tokens)), "sha256": sha, "documents": len(self.docs),
+                             "source": self.make_source(self.doc_sources)})
+        self.docs, self.doc_sources, self.n_tokens = [], [], 0
+
+    def close(self):
+        self.flush()
+        return self.entries
+
+
+def remove_old_shards(out_dir):
+    """Delete shards of a previous prepare run (only *.bin named like ours) so none is left unindexed."""
+    for name in os.listdir(out_dir):
+        if name.endswith(".bin") and name.split("_")[0] in ("train", "val") and name[:-4].split("_")[-1].isdigit():
+            os.remove(os.path.join(out_dir, name))
+
+
+# sources: how each document is read back, shared by prepare scripts and refetch_shard
+
+def read_document(path):
+    """A text file as one document (invalid UTF-8 replaced, so any file reads)."""
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", errors="replace")
+
+
+def files_source(root, rel_paths):
+    return {"kind": "files", "root": os.path.abspath(root), "files": list(rel_paths)}
+
+
+def hub_source(repo, repo_type, revision, column, doc_rows):
+    """doc_rows: [(parquet file, row number), ...] in document order -> compact contiguous row ranges."""
+    rows = []
+    for file, row in doc_rows:
+        if rows and rows[-1]["file"] == file and rows[-1]["stop"] == row:
+            rows[-1]["stop"] = row + 1
+        else:
+            rows.append({"file": file, "start": row, "stop": row + 1})
+    return {"kind": "hub", "repo": repo, "repo_type": repo_type, "revision": revision, "column": column, "rows": rows}
+
+
+def parquet_texts(path, column, start=0, stop=None):
+    """Rows [start, stop) of one text column of a local parquet file, reading only the row groups needed."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    stop = pf.metadata.num_rows if stop is None else stop
+    texts, first = [], 0  # first: row number of the current row group's first row
+    for g in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if first < stop and first + n > start:
+            col = pf.read_row_group(g, columns=[column]).column(column)
+            lo, hi = max(start, first) - first, min(stop, first + n) - first
+            texts.extend(col.slice(lo, hi - lo).to_pylist())
+        first += n
+    return texts
+
+
+def _http_status(exc):
+    """The HTTP status behind an exception, following its cause/context chain (hf wraps errors), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status is not None:
+            return status
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@contextlib.contextmanager
+def hub_errors(what):
+    """Turn huggingface_hub failures into StorageError: 401/403 = denied (credentials or billing, not the data),
+    404 = not found, anything else on the wire = unreachable. Other errors pass through."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, (DataError, StorageError)):
+            raise
+        status = _http_status(e)
+        mod = type(e).__module__
+        if status in (401, 403):
+            raise StorageError(f"{what}: HTTP {status} from the Hub: storage denied (check the token/credentials or "
+                               f"billing; the data is not at fault)", what, status, "denied") from None
+        if status == 404:
+            raise StorageError(f"{what}: HTTP 404 from the Hub: not found (check --repo / the file name / the "
+                               f"revision)", what, status, "not_found") from None
+        if status is not None or isinstance(e, OSError) or mod.startswith(("huggingface_hub", "httpx", "requests")):
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise StorageError(f"{what}: Hub unreachable ({first[:160]}); check the network / HF_ENDPOINT and retry",
+                               what, status, "unreachable") from None
+        raise
+
+
+def hub_download(repo, filename, repo_type="dataset", revision=None, cache_dir=None):
+    """hf_hub_download (into the HF cache), remote faults as StorageError."""
+    from huggingface_hub import hf_hub_download
+
+    with hub_errors(f"{repo}/{filename}"):
+        return hf_hub_download(repo, filename, repo_type=repo_type, revision=revision, cache_dir=cache_dir)
+
+
+def source_texts(source):
+    """The documents of one shard, re-read from its recorded source."""
+    if source["kind"] == "files":
+        return [read_document(os.path.join(source["root"], f)) for f in source["files"]]
+    if source["kind"] == "hub":
+        texts = []
+        for r in source["rows"]:
+            path = hub_download(source["repo"], r["file"], source["repo_type"], source["revision"])
+            texts.extend(parquet_texts(path, source["column"], r["start"], r["stop"]))
+        return texts
+    raise ValueError(f"unknown source kind {source.get('kind')!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# integrity
+
+_VERIFIED = set()  # (realpath, size, mtime_ns, sha256) of shards whose hash was checked in this process
+
+
+def _zero_run(tokens, pos):
+    """(start, length) of the run of zeros containing tokens[pos] (tokens: the whole shard)."""
+    start, end, step = pos, pos + 1, 1 << 16
+    while start > 0:
+        chunk = tokens[max(0, start - step):start]
+        nz = np.flatnonzero(chunk)
+        if len(nz):
+            start = start - len(chunk) + int(nz[-1]) + 1
+            break
+        start -= len(chunk)
+    while end < len(tokens):
+        chunk = tokens[end:end + step]
+        nz = np.flatnonzero(chunk)
+        if len(nz):
+            end += int(nz[0])
+            break
+        end += len(chunk)
+    return start, end - start
+
+
+def _check_tokens(tokens, start, stop, vocab_size, path, corpus_dir, file):
+    """Check tokens[start:stop] of a shard (memmap): no id 0, no id >= vocab_size. Raise DataError at the first."""
+    piece = tokens[start:stop]
+    zeros = np.flatnonzero(piece == 0)
+    big = np.flatnonzero(piece >= vocab_size)
+    first_zero = int(zeros[0]) if len(zeros) else None
+    first_big = int(big[0]) if len(big) else None
+    if first_zero is not None and (first_big is None or first_zero < first_big):
+        run_start, run_len = _zero_run(tokens, start + first_zero)
+        raise DataError(f"{path} offset {run_start} (byte {2 * run_start}): {run_len} zero tokens (id 0 is reserved: "
+                        f"the page is corrupt); {_fix_hint(corpus_dir, file)}", path, run_start, "zeros")
+    if first_big is not None:
+        off = start + first_big
+        raise DataError(f"{path} offset {off} (byte {2 * off}): token id {int(piece[first_big])} >= vocab_size "
+                        f"{vocab_size} (corrupt data); {_fix_hint(corpus_dir, file)}", path, off, "vocab")
+
+
+def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
+    """Memory-map one shard after checking existence, size and (once per process) sha256."""
+    file = entry["file"]
+    path = os.path.join(str(corpus_dir), file)
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise DataError(f"{path}: shard missing; {_fix_hint(corpus_dir, file)}", path, None, "missing") from None
+    want = entry["tokens"] * SHARD_DTYPE.itemsize
+    if st.st_size != want:
+        what = "truncated" if st.st_size < want else "longer than recorded"
+        raise DataError(f"{path} offset {st.st_size // 2}: {what} ({st.st_size} bytes, index.json says {want}); "
+                        f"{_fix_hint(corpus_dir, file)}", path, min(st.st_size, want) // 2, "truncated")
+    tokens = np.memmap(path, dtype=SHARD_DTYPE, mode="r") if want else np.zeros(0, SHARD_DTYPE)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["sha256"])
+    if verify_hash and key not in _VERIFIED:
+        got = sha256_file(path)
+        if got != entry["sha256"]:
+            # say where it is wrong if we can: a zero run or an out-of-vocab id names the offset
+            try:
+                for s in range(0, len(tokens), 1 << 22):
+                    _check_tokens(tokens, s, min(len(tokens), s + (1 << 22)), vocab_size, path, corpus_dir, file)
+            except DataError as e:
+                raise DataError(f"{e} (sha256 mismatch)", path, e.offset, e.kind) from None
+            raise DataError(f"{path}: sha256 {got[:12]} differs from index.json's {entry['sha256'][:12]} (corrupt "
+                            f"shard); {_fix_hint(corpus_dir, file)}", path, None, "hash")
+        _VERIFIED.add(key)
+    return tokens
+
+
+def verify_corpus(corpus_dir):
+    """Re-hash every shard of every split (ignoring the per-process cache). Returns a list of one-line problems."""
+    try:
+        index = load_index(corpus_dir)
+        load_corpus_tokenizer(corpus_dir, index)
+    except DataError as e:
+        return [str(e)]
+    problems = []
+    for split, entries in index["splits"].items():
+        for entry in entries:
+            path = os.path.join(str(corpus_dir), entry["file"])
+            try:
+                st = os.stat(path)
+                _VERIFIED.discard((os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["sha256"]))
+            except OSError:
+                pass
+            try:
+                _open_shard(corpus_dir, entry, index["vocab_size"])
+            except DataError as e:
+                problems.append(str(e))
+    return problems
+
+
+def refetch_shard(corpus_dir, file):
+    """Re-create one shard from the source recorded in index.json (re-read the files or re-download the parquet,
+    re-tokenize with the corpus tokenizer), check it against the recorded sha256, put it in place, re-verify."""
+    corpus_dir = str(corpus_dir)
+    index = load_index(corpus_dir)
+    entry = next((e for entries in index["splits"].values() for e in entries if e["file"] == file), None)
+    path = os.path.join(corpus_dir, file)
+    if entry is None:
+        raise DataError(f"{path}: not in {corpus_dir}/index.json", path, None, "index")
+    if "source" not in entry:
+        raise DataError(f"{path}: index.json records no source for it; {_fix_hint(corpus_dir)}", path, None, "source")
+    tok = load_corpus_tokenizer(corpus_dir, index)
+    try:
+        texts = source_texts(entry["source"])
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot re-read its source ({str(e).splitlines()[0]}); {_fix_hint(corpus_dir)}",
+                        path, None, "source") from None
+    tokens = np.concatenate(documents_to_tokens(tok, texts)) if texts else np.zeros(0, SHARD_DTYPE)
+    data = tokens.astype(SHARD_DTYPE).tobytes()
+    got = hashlib.sha256(data).hexdigest()
+    if got != entry["sha256"]:
+        raise DataError(f"{path}: re-made from its source it hashes {got[:12]}, not {entry['sha256'][:12]} (the source "
+                        f"changed); {_fix_hint(corpus_dir)}", path, None, "source")
+    _atomic_write(path, data)
+    _open_shard(corpus_dir, entry, index["vocab_size"])  # re-verify what is on disk now
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reading
+
+class TokenStream:
+    """The split as one endless token stream: all shards concatenated, wrapping to shard 0 (epoch + 1)."""
+
+    def __init__(self, corpus_dir, split="train", vocab_size=None, skip_shards=()):
+        """vocab_size: the model's; must be >= the corpus's. skip_shards: files quarantined by an operator or the
+        guardian (read as empty, with a loud warning); positions keep indexing index.json's list."""
+        self.corpus_dir = str(corpus_dir)
+        self.index = load_index(self.corpus_dir)
+        index_path = os.path.join(self.corpus_dir, "index.json")
+        self.entries = self.index["splits"].get(split) or []
+        self.split = split
+        self.vocab_size = self.index["vocab_size"]
+        if vocab_size is not None and vocab_size < self.vocab_size:
+            raise DataError(f"{index_path}: corpus vocab_size {self.vocab_size} > model vocab_size {vocab_size}; set "
+                            f"vocab_size = {self.vocab_size} in the config or re-prepare with --vocab-size {vocab_size}",
+                            index_path, None, "index")
+        skip = set(skip_shards)
+        for f in skip:
+            print(f"WARNING: shard {os.path.join(self.corpus_dir, f)} is quarantined: skipped", file=sys.stderr)
+        self.lengths = [0 if e["file"] in skip else int(e["tokens"]) for e in self.entries]
+        if sum(self.lengths) < 2:
+            raise DataError(f"{index_path}: split {split!r} has no tokens to read; {_fix_hint(self.corpus_dir)}",
+                            index_path, None, "index")
+        self.total_tokens = sum(self.lengths)
+        self._maps = {}
+        self._shard, self._offset, self._epoch = self._advance(0, 0, 0, 0)
+
+    @property
+    def position(self):
+        return {"shard": self._shard, "offset": self._offset, "epoch": self._epoch}
+
+    def set_position(self, pos):
+        shard, offset, epoch = int(pos["shard"]), int(pos["offset"]), int(pos.get("epoch", 0))
+        if not (0 <= shard < len(self.entries) and 0 <= offset <= self.entries[shard]["tokens"]):
+            raise DataError(f"{self.corpus_dir}/index.json: position {pos} is outside split {self.split!r} (the corpus "
+                            f"changed since the checkpoint?)", os.path.join(self.corpus_dir, "index.json"), offset, "index")
+        self._shard, self._offset, self._epoch = self._advance(shard, offset, epoch, 0)
+
+    def _advance(self, shard, offset, epoch, n):
+        """Position n tokens further, normalised so that offset < length of a non-empty shard."""
+        while True:
+            rem = self.lengths[shard] - offset
+            if n < rem:
+                return shard, offset + n, epoch
+            n -= max(rem, 0)
+            shard, offset = shard + 1, 0
+            if shard == len(self.lengths):
+                shard, epoch = 0, epoch + 1
+
+    def _tokens(self, shard):
+        if shard not in self._maps:
+            self._maps[shard] = _open_shard(self.corpus_dir, self.entries[shard], self.vocab_size)
+        return self._maps[shard]
+
+    def _read(self, shard, offset, n):
+        """n tokens from (shard, offset), across shard ends and the wrap, each piece checked."""
+        out = np.empty(n, dtype=np.int64)
+        got = 0
+        while got < n:
+            take = min(n - got, self.lengths[shard] - offset)
+            tokens = self._tokens(shard)
+            _check_tokens(tokens, offset, offset + take, self.vocab_size,
+                          os.path.join(self.corpus_dir, self.entries[shard]["file"]), self.corpus_dir,
+                          self.entries[shard]["file"])
+            out[got:got + take] = tokens[offset:offset + take]
+            got += take
+            shard, offset, _ = self._advance(shard, offset, 0, take)
+        return out
+
+    def next_batch(self, batch_size, seq_len, rank=0, world_size=1, device=None):
+        """(x, y) int64 (B, T). Global row j is stream[p + j*T : p + j*T + T + 1] (x its first T, y its last T);
+        rank r takes rows r*B .. r*B+B-1. The call consumes world_size*B*T tokens on every rank."""
+        import torch
+
+        B, T = batch_size, seq_len
+        shard, offset, _ = self._advance(self._shard, self._offset, 0, rank * B * T)
+        span = torch.from_numpy(self._read(shard, offset, B * T + 1))
+        x, y = span[:-1].view(B, T), span[1:].view(B, T)
+        self._shard, self._offset, self._epoch = self._advance(self._shard, self._offset, self._epoch,
+                                                               world_size * B * T)
+        if device is not None and str(device).startswith("cuda"):
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        elif device is not None:
+            x, y = x.to(device), y.to(device)
+        return x, y
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Inspect, verify or repair a token-shard corpus.")
+    ap.add_argument("cmd", choices=["info", "verify", "refetch"])
+    ap.add_argument("corpus_dir")
+    ap.add_argument("file", nargs="?", help="shard file name (refetch)")
+    args = ap.parse_args()
+    try:
+        if args.cmd == "info":
+            index = load_index(args.corpus_dir)
+            print(f"{args.corpus_dir}: vocab_size {index['vocab_size']}, tokenizer {index['tokenizer_sha256'][:12]}")
+            for split, entries in index["splits"].items():
+                print(f"  {split}: {len(entries)} shards, {sum(e['tokens'] for e in entries):,} tokens, "
+                      f"{sum(e.get('documents', 0) for e in entries):,} documents")
+        elif args.cmd == "verify":
+            problems = verify_corpus(args.corpus_dir)
+            for p in problems:
+                print(p)
+            print(f"{args.corpus_dir}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+            sys.exit(1 if problems else 0)
+        else:
+            if not args.file:
+                sys.exit("error: refetch needs the shard FILE name (as in index.json)")
+            print(f"re-created and verified {refetch_shard(args.corpus_dir, args.file)}")
+    except (DataError, StorageError) as e:
+        sys.exit(f"error: {e}")
