@@ -344,3 +344,83 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
     assert [e["sha256"] for e in index2["splits"]["train"]] == [e["sha256"] for e in index["splits"]["train"]]
     r = _run(["data/local/prepare.py", "--src", str(tmp_path / "missing"), "--out", str(out2)], check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "missing" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data/fineweb_edu/prepare.py against a local fake Hub (tests/hub_server.py), the real huggingface_hub client
+
+def _write_parquets(repo_dir, rng):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    words = ["the", "cell", "energy", "photosynthesis", "Ω", "ü", "数学", "🌱", "42,", "learning.\n"]
+    all_texts = []
+    (repo_dir / "sample" / "10BT").mkdir(parents=True)
+    for k in range(2):
+        texts = [" ".join(rng.choice(words) for _ in range(rng.randrange(3, 60))) for _ in range(25)]
+        texts[5] = ""  # empty rows are skipped
+        texts[9] = None
+        pq.write_table(pa.table({"text": texts, "id": [f"{k}-{i}" for i in range(25)]}),
+                       repo_dir / "sample" / "10BT" / f"00{k}_00000.parquet", row_group_size=7)
+        all_texts += [t for t in texts if t]
+    (repo_dir / "README.md").write_text("fake fineweb-edu\n")
+    (repo_dir / "sample" / "100BT").mkdir()
+    pq.write_table(pa.table({"text": ["not this one"]}), repo_dir / "sample" / "100BT" / "000_00000.parquet")
+    return all_texts
+
+
+def test_fineweb_prepare_from_fake_hub(tok, tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from hub_server import FakeHub
+
+    repo_dir = tmp_path / "hub" / "datasets" / "HuggingFaceFW" / "fineweb-edu"
+    texts = _write_parquets(repo_dir, random.Random(5))
+    tok_file = tmp_path / "tok.json"
+    tok.save(tok_file)
+    lengths = [1 + len(tok.encode(t)) for t in texts]
+    cum = np.cumsum(lengths)
+    k = 33  # the corpus must end after document k, in the second parquet file
+    max_tokens = int(cum[k] + lengths[k + 1] // 2)
+    out = tmp_path / "fw"
+    with FakeHub(tmp_path / "hub") as hub:
+        env = hub.client_env(tmp_path / "hf_home")
+        r = _run(["data/fineweb_edu/prepare.py", "--tokenizer", str(tok_file), "--max-tokens", str(max_tokens),
+                  "--val-tokens", "60", "--shard-tokens", "250", "--threads", "2", "--out", str(out)], env=env)
+        assert "stopped: --max-tokens" in r.stdout
+        assert any(m == "GET" and "/resolve/" in p and p.endswith("001_00000.parquet") for m, p in hub.requests)
+        assert not any("100BT" in p and "/resolve/" in p for _, p in hub.requests)
+        index = shards.load_index(out)
+        got = []
+        for split in ("val", "train"):
+            for entry, docs in read_split_docs(out, tok, split):
+                got += docs
+                assert entry["source"]["kind"] == "hub" and entry["source"]["revision"] == index["source"]["revision"]
+        assert got == texts[:k + 1]  # whole documents, in order, stopping at a document boundary
+        total = sum(e["tokens"] for es in index["splits"].values() for e in es)
+        assert total == cum[k] <= max_tokens < cum[k + 1]
+        assert index["splits"]["val"] and index["splits"]["train"]
+        assert shards.verify_corpus(out) == []
+        # refetch a shard from the Hub with an empty HF cache: downloads the parquet again, re-makes it exactly
+        victim = index["splits"]["train"][-1]["file"]
+        _poke(out / victim, 0, bytes(2))
+        env2 = hub.client_env(tmp_path / "hf_home2")
+        n_before = len(hub.requests)
+        r = _run(["shards.py", "refetch", str(out), victim], env=env2)
+        assert any("/resolve/" in p for _, p in hub.requests[n_before:])
+        assert shards.verify_corpus(out) == []
+        # the store answering 403 is "storage denied", not corrupt data
+        hub.status_override = 403
+        _poke(out / victim, 0, bytes(2))
+        r = _run(["shards.py", "refetch", str(out), victim], env=hub.client_env(tmp_path / "hf_home3"), check=False)
+        assert r.returncode != 0 and "storage denied" in r.stderr and "Traceback" not in r.stderr
+        r = _run(["data/fineweb_edu/prepare.py", "--tokenizer", str(tok_file), "--out", str(tmp_path / "fw2")],
+                 env=env, check=False)
+        assert r.returncode != 0 and "storage denied" in r.stderr and "Traceback" not in r.stderr
+        hub.status_override = None
+        # training the tokenizer on the first documents (no --tokenizer)
+        r = _run(["data/fineweb_edu/prepare.py", "--vocab-size", "300", "--tokenizer-chars", "3000",
+                  "--max-tokens", "1500", "--shard-tokens", "400", "--threads", "2", "--out", str(tmp_path / "fw3")],
+                 env=env)
+        tok3 = tokmod.Tokenizer.load(tmp_path / "fw3" / "tokenizer.json")
+        assert tok3.vocab_size == 300 and shards.load_index(tmp_path / "fw3")["tokenizer_sha256"] == tok3.hash
+        assert shards.verify_corpus(tmp_path / "fw3") == []

@@ -1,0 +1,158 @@
+"""
+FineWeb-Edu from the Hugging Face Hub -> uint16 token shards (the nano run's data).
+
+    python data/fineweb_edu/prepare.py --max-tokens 5_300_000_000              # the nano run (vocab 32768)
+    python data/fineweb_edu/prepare.py --max-tokens 50_000_000 --tokenizer data/fineweb_edu/tokenizer.json
+
+Downloads the parquet files of --repo (default HuggingFaceFW/fineweb-edu, files matching --pattern, default
+the sample/10BT/ ones) one at a time with huggingface_hub (HF cache, pinned to the repo's commit sha),
+trains the tokenizer on the first --tokenizer-chars characters of documents unless --tokenizer is given,
+tokenizes with --threads tokenizer threads and a progress bar, and writes whole-document shards.
+
+Calls recorded here:
+- a document is <|bos|> + its tokens and is never cut; the run stops at the first document that would take
+  the total (val + train) past --max-tokens, so the corpus holds at most --max-tokens tokens. The documents
+  left out are not counted as dropped tokens: nothing is truncated, the cap just ends the corpus.
+- the first --val-tokens tokens of documents (default 0.5% of --max-tokens, at most 10M, at least one
+  document) form the val split; the rest is train. Empty rows are skipped.
+- index.json records, per shard, the repo, commit sha and parquet row ranges its documents came from, so
+  `python shards.py refetch data/fineweb_edu FILE` re-downloads and re-makes exactly that shard.
+- Remote failures exit with a one-line cause: HTTP 401/403 = storage denied (token or billing, not data).
+"""
+
+import argparse
+import fnmatch
+import os
+import sys
+import time
+
+from tqdm import tqdm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py
+import shards  # noqa: E402
+from tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+
+
+def documents(repo, revision, files, column, batch_rows=1024):
+    """(parquet file, row number, text) of every non-empty row, file by file, downloading each when reached."""
+    import pyarrow.parquet as pq
+
+    for file in files:
+        path = shards.hub_download(repo, file, "dataset", revision)
+        row = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=[column]):
+            for text in batch.column(0).to_pylist():
+                if text:
+                    yield file, row, text
+                row += 1
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repo", default="HuggingFaceFW/fineweb-edu", help="Hub dataset repo")
+    ap.add_argument("--revision", default="main", help="branch or commit (the commit sha is recorded)")
+    ap.add_argument("--pattern", default="sample/10BT/*.parquet", help="parquet files to use (glob, in name order)")
+    ap.add_argument("--column", default="text", help="text column of the parquet files")
+    ap.add_argument("--max-tokens", type=int, default=100_000_000, help="corpus size cap (whole documents only)")
+    ap.add_argument("--val-tokens", type=int, default=None, help="tokens of val documents (default 0.5%% of max, <=10M)")
+    ap.add_argument("--vocab-size", type=int, default=32768, help="vocab when training a tokenizer")
+    ap.add_argument("--tokenizer", default=None, help="reuse this tokenizer file instead of training one")
+    ap.add_argument("--tokenizer-chars", type=int, default=1_000_000_000, help="characters of text to train it on")
+    ap.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard (whole documents, so about)")
+    ap.add_argument("--out", default=HERE, help="corpus dir to write (default: this script's folder)")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1)), help="tokenizer threads")
+    args = ap.parse_args()
+    try:
+        run(args)
+    except (shards.StorageError, shards.DataError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+def run(args):
+    t0 = time.time()
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    with shards.hub_errors(f"{args.repo}@{args.revision}"):
+        revision = api.dataset_info(args.repo, revision=args.revision).sha
+        files = sorted(f for f in api.list_repo_files(args.repo, repo_type="dataset", revision=revision)
+                       if fnmatch.fnmatch(f, args.pattern))
+    if not files:
+        raise ValueError(f"{args.repo}@{revision}: no files match --pattern {args.pattern!r}")
+    print(f"{args.repo}@{revision[:12]}: {len(files)} parquet files match {args.pattern}")
+    os.makedirs(args.out, exist_ok=True)
+
+    tok_path = os.path.join(args.out, "tokenizer.json")
+    if args.tokenizer:
+        tok = Tokenizer.load(args.tokenizer)
+        if os.path.abspath(args.tokenizer) != os.path.abspath(tok_path):
+            tok.save(tok_path)
+        print(f"reusing tokenizer {args.tokenizer} (vocab {tok.vocab_size})")
+    else:
+        def training_texts():
+            chars = 0
+            with tqdm(total=args.tokenizer_chars, desc="tokenizer text", unit="char", unit_scale=True) as bar:
+                for _, _, text in documents(args.repo, revision, files, args.column):
+                    if chars >= args.tokenizer_chars:
+                        return
+                    chars += len(text)
+                    bar.update(len(text))
+                    yield text
+
+        t1 = time.time()
+        tok = train_tokenizer(training_texts(), args.vocab_size)
+        tok.save(tok_path)
+        print(f"trained tokenizer: vocab {tok.vocab_size} in {time.time() - t1:.0f}s -> {tok_path}")
+
+    val_target = args.val_tokens if args.val_tokens is not None else min(10_000_000, args.max_tokens // 200)
+    shards.remove_old_shards(args.out)
+    make_source = lambda rows: shards.hub_source(args.repo, "dataset", revision, args.column, rows)  # noqa: E731
+    writers = {s: shards.ShardWriter(args.out, s, args.shard_tokens, make_source) for s in ("val", "train")}
+    counts = {"val": 0, "train": 0}
+    used_files, n_docs, stop_reason = [], 0, "source exhausted"
+    batch_docs = 512 * max(1, args.threads)
+    bar = tqdm(total=args.max_tokens, desc="tokenizing", unit="tok", unit_scale=True)
+    doc_iter = documents(args.repo, revision, files, args.column)
+    done = False
+    while not done:
+        batch = [d for _, d in zip(range(batch_docs), doc_iter)]
+        if not batch:
+            break
+        for (file, row, _), toks in zip(batch, shards.documents_to_tokens(tok, [t for _, _, t in batch], args.threads)):
+            total = counts["val"] + counts["train"]
+            if total + len(toks) > args.max_tokens:  # whole documents only: the cap ends the corpus here
+                stop_reason = f"--max-tokens {args.max_tokens:,} reached (next document: {len(toks):,} tokens)"
+                done = True
+                break
+            split = "val" if counts["val"] < val_target or counts["val"] == 0 else "train"
+            writers[split].add(toks, (file, row))
+            counts[split] += len(toks)
+            n_docs += 1
+            if not used_files or used_files[-1] != file:
+                used_files.append(file)
+            bar.update(len(toks))
+    bar.close()
+    if counts["train"] == 0:
+        raise ValueError(f"{args.repo}: only {n_docs} document(s) fit in --max-tokens {args.max_tokens:,}; no train "
+                         f"split left (raise --max-tokens or lower --val-tokens)")
+    splits = {s: writers[s].close() for s in ("train", "val")}
+    index = {
+        "version": shards.INDEX_VERSION, "tokenizer": "tokenizer.json", "tokenizer_sha256": tok.hash,
+        "vocab_size": tok.vocab_size,
+        "source": {"kind": "hub", "repo": args.repo, "repo_type": "dataset", "revision": revision,
+                   "pattern": args.pattern, "column": args.column, "files": used_files, "documents": n_docs,
+                   "max_tokens": args.max_tokens, "stopped": stop_reason, "made_by": "data/fineweb_edu/prepare.py",
+                   "argv": sys.argv[1:]},
+        "splits": splits,
+    }
+    shards.write_index(args.out, index)
+    print(f"{n_docs:,} documents from {len(used_files)} parquet file(s); stopped: {stop_reason}")
+    for s, entries in splits.items():
+        print(f"{s}: {len(entries)} shards, {counts[s]:,} tokens")
+    print(f"wrote {os.path.join(args.out, 'index.json')} in {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
