@@ -184,7 +184,10 @@ class ShardWriter:
 
 
 def remove_old_shards(out_dir):
-    """Delete shards of a previous prepare run (only *.bin named like ours) so none is left unindexed."""
+    """Delete a previous prepare run's index.json and shards (only *.bin named like ours): none is left unindexed,
+    and an interrupted run leaves "no index.json" (run prepare.py) rather than an index naming deleted shards."""
+    if os.path.exists(os.path.join(out_dir, "index.json")):
+        os.remove(os.path.join(out_dir, "index.json"))
     for name in os.listdir(out_dir):
         if name.endswith(".bin") and name.split("_")[0] in ("train", "val") and name[:-4].split("_")[-1].isdigit():
             os.remove(os.path.join(out_dir, name))
