@@ -1,0 +1,538 @@
+"""
+Export a picaflor checkpoint for the tools people already use.
+
+    python export.py CKPT --format int4 --out model.pcf [--group-size N] [--embed-bits 4|8]
+    python export.py CKPT --format hf   --out DIR [--dtype bfloat16] [--max-shard-size 5GB]
+    python export.py CKPT --format gguf --out model.gguf [--gguf-type f16|bf16|q8_0|q4_0]
+
+CKPT is a checkpoint dir (step_NNNNNNN/) or a run dir (its LATEST); its MANIFEST.json is verified first.
+
+- int4: the streaming container of stream_infer.py, written and read by container.py (one place only).
+- hf: a directory transformers loads as HYV3ForCausalLM with no custom code: config.json, model.safetensors
+  (sharded with model.safetensors.index.json above --max-shard-size), generation_config.json (greedy, no
+  repetition or other sampling penalty), tokenizer.json + tokenizer_config.json for AutoTokenizer (with the
+  chat template), and picaflor_tokenizer.json (our own tiktoken file, what tokenizer.Tokenizer.load reads).
+- gguf: one file for llama.cpp, arch `hy_v3`, tokenizer embedded.
+
+Implementer's calls (DESIGN.md asks to record them here):
+- Streaming: tensors are read one at a time with safetensors `safe_open` and written out at once; the
+  safetensors and GGUF writers get every tensor's name/shape/dtype first (from the source header, no data
+  read), then the data tensor by tensor. Peak RAM is about the largest source tensor (one layer's stacked
+  experts) plus its converted copy, never the whole model.
+- HF expert layout: per-expert Hub names `mlp.experts.N.{gate,up,down}_proj.weight` (what Tencent's Hy3
+  checkpoints use). transformers' hy_v3 conversion mapping stacks them into gate_up_proj/down_proj on load
+  (the stacked names load too, with identical logits; both measured), and llama.cpp's convert_hf_to_gguf.py
+  (class HYV3Model) and other Hub tooling only understand the per-expert form.
+- Router weight and e_score_correction_bias stay float32 in every format (HF keeps them fp32 too).
+- HF tokenizer: byte-level BPE for the `tokenizers` library built from our tiktoken ranks. tiktoken merges
+  the adjacent pair whose concatenation has the lowest rank, so the merge list holds every split (a, b) of
+  every token with a, b and a+b all in the vocab, ordered by the rank of a+b; with `ignore_merges` (a whole
+  pre-token found in the vocab is taken as is, as tiktoken does) encodings are identical (tested). Id 0, the
+  reserved id that is never emitted, becomes the special `<|pad|>`. One difference by design: HF parses
+  special-token strings ("<|user|>") inside text as the special ids (chat templates need that); our
+  Tokenizer.encode treats them as plain text.
+- Chat template (simple, documented; the chat issue may refine it):
+  `<|bos|>[<|system|>TEXT<|end|>]<|user|>TEXT<|end|><|assistant|>TEXT<|end|>...`, generation prompt
+  `<|assistant|>`. AutoTokenizer(text) prepends <|bos|> like training documents; apply_chat_template adds it
+  through the template. eos = <|end|> (end of a turn); generation also stops at <|bos|> (a new document).
+- GGUF: names and keys from llama.cpp's hy_v3 loader (src/models/hy-v3.cpp, llama-arch.cpp). No Q/K
+  permutation: hy_v3 uses NEOX RoPE, which is HF's rotate_half layout (the llama.cpp converter does not
+  permute either). The selection bias is `blk.N.exp_probs_b` (the loader's name, no ".bias" suffix).
+  Norms, router and bias stay F32; q8_0/q4_0 need rows divisible by 32 (others fall back to F16); with
+  q4_0 the token embedding and output matrices are Q8_0 (they are the most sensitive). Pre-tokenizer name
+  "llama-bpe": its regex splits text the same way as our rustbpe (GPT-4 style) pattern (tested).
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+import checkpoint
+from model import ModelConfig, hf_name, to_hf_config
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ST_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+ST_NAME_TO_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+PAD_TOKEN = "<|pad|>"  # id 0: reserved, never emitted by the tokenizer
+
+
+class ExportError(Exception):
+    """Bad input for an export; the message names the file and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the source checkpoint, read one tensor at a time
+
+class Source:
+    """A verified checkpoint dir: config, tokenizer path, and tensors read lazily from model.safetensors."""
+
+    def __init__(self, path, tokenizer_path=None):
+        self.dir = checkpoint.resolve(path)
+        checkpoint.verify(self.dir)
+        state_path = os.path.join(self.dir, "state.json")
+        try:
+            with open(state_path) as f:
+                self.state = json.load(f)
+            self.cfg = ModelConfig.from_dict(self.state["model_config"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ExportError(f"{state_path}: no usable model_config ({e}); use a checkpoint written by train.py")
+        self.weights = os.path.join(self.dir, "model.safetensors")
+        self.f = safe_open(self.weights, framework="pt")
+        # layers in numeric order (layers.2 before layers.10), so files read layer by layer
+        self.names = sorted(self.f.keys(), key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)])
+        self._cache = (None, None)
+        tp = tokenizer_path or os.path.join(self.dir, "tokenizer.json")
+        self.tokenizer_path = tp if os.path.isfile(tp) else None
+        if tokenizer_path and not self.tokenizer_path:
+            raise ExportError(f"{tokenizer_path}: no such tokenizer file; pass the corpus's tokenizer file")
+
+    def shape(self, name):
+        return list(self.f.get_slice(name).get_shape())
+
+    def dtype(self, name):
+        return ST_NAME_TO_TORCH[self.f.get_slice(name).get_dtype()]
+
+    def get(self, name):
+        """One tensor; the last one read is kept so slicing experts out of a stacked tensor reads it once."""
+        if self._cache[0] != name:
+            self._cache = (None, None)  # drop the previous tensor before reading the next
+            self._cache = (name, self.f.get_tensor(name))
+        return self._cache[1]
+
+    def tokenizer(self):
+        import tokenizer as tokmod
+        if self.tokenizer_path is None:
+            return None
+        return tokmod.Tokenizer.load(self.tokenizer_path)
+
+
+def expert_part(t, part, e):
+    """Slice expert e's gate / up / down matrix out of stacked gate_up_proj [E, 2F, D] or down_proj [E, D, F]."""
+    if part == "down":
+        return t[e]
+    half = t.shape[1] // 2
+    return t[e, :half] if part == "gate" else t[e, half:]
+
+
+def keep_fp32(name):
+    return name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# safetensors written tensor by tensor (format: 8-byte little-endian header size, JSON header, raw data)
+
+def write_safetensors(path, entries, fetch, metadata=None, progress=None):
+    """entries: [(name, shape, torch dtype)]; fetch(i) returns entry i's tensor. Written in entry order."""
+    header, offset = {}, 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, shape, dt in entries:
+        n = int(np.prod(shape)) * torch.tensor([], dtype=dt).element_size()
+        header[name] = {"dtype": ST_DTYPE_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(hb).to_bytes(8, "little"))
+        f.write(hb)
+        for i, (name, shape, dt) in enumerate(entries):
+            t = fetch(i).to(dt).contiguous()
+            if list(t.shape) != list(shape):
+                raise ExportError(f"{name}: shape {list(t.shape)} but planned {list(shape)}")
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            if progress is not None:
+                progress.update(t.numel() * t.element_size())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def parse_size(s):
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", str(s), re.I)
+    if not m:
+        raise ExportError(f"--max-shard-size {s!r}: give a size like 5GB, 500MB or a byte count")
+    unit = (m.group(2) or "").upper().replace("I", "").rstrip("B")
+    return int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tokenizer conversion: our tiktoken ranks -> byte-level BPE strings, merges (HF tokenizers and GGUF "gpt2")
+
+def byte_to_unicode():
+    """GPT-2's reversible byte -> printable character table (openai/gpt-2 encoder.py): printable latin-1
+    bytes stand for themselves, the others are shifted to code points 256 and up, in byte order."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def bpe_vocab_and_merges(tok):
+    """(vocab {string: id}, merges [(left, right)]) equivalent to the tiktoken ranks (see the header)."""
+    table = byte_to_unicode()
+    to_str = lambda b: "".join(table[x] for x in b)
+    ids = {b: i + 1 for i, b in enumerate(tok.token_bytes)}  # id = rank (+1 for the reserved id 0)
+    merges = []
+    for b, i in ids.items():
+        for cut in range(1, len(b)):
+            left, right = b[:cut], b[cut:]
+            if left in ids and right in ids:
+                merges.append((i, ids[left], ids[right], left, right))
+    merges.sort()
+    return {to_str(b): i for b, i in ids.items()}, [(to_str(l), to_str(r)) for *_, l, r in merges]
+
+
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('roles must be system, user or assistant, got ' + message['role']) }}"
+    "{%- endif %}"
+    "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+
+
+def hf_tokenizer_files(tok, max_len):
+    """tokenizer.json (HF `tokenizers`) and tokenizer_config.json contents for a picaflor Tokenizer."""
+    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
+    vocab, merges = bpe_vocab_and_merges(tok)
+    hft = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False))
+    hft.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(tok.pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    hft.decoder = decoders.ByteLevel()
+    bos = "<|bos|>"
+    hft.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, tok.bos_id)])
+    doc = json.loads(hft.to_str())
+    specials = [(0, PAD_TOKEN)] + sorted((i, s) for s, i in tok.special_ids.items())
+    doc["added_tokens"] = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                            "normalized": False, "special": True} for i, s in specials]
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos, "eos_token": "<|end|>", "pad_token": PAD_TOKEN,
+        "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len, "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                                          "single_word": False, "special": True} for i, s in specials},
+    }
+    return doc, config
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face HYV3ForCausalLM
+
+def hf_plan(src, dtype):
+    """[(hf name, source name, expert part or None, expert index, shape, dtype)] in file order."""
+    plan = []
+    for name in src.names:
+        if name.endswith("load_accum"):
+            continue
+        shape = src.shape(name)
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            base = hf_name(name).rsplit(".", 1)[0]  # model.layers.N.mlp.experts
+            E = shape[0]
+            parts = ["down"] if name.endswith("down_proj") else ["gate", "up"]
+            for e in range(E):
+                for part in parts:
+                    sh = shape[1:] if part == "down" else [shape[1] // 2, shape[2]]
+                    plan.append((f"{base}.{e}.{part}_proj.weight", name, part, e, sh, dtype))
+        else:
+            plan.append((hf_name(name), name, None, None, shape, torch.float32 if keep_fp32(name) else dtype))
+    return plan
+
+
+def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=True):
+    cfg, dtype = src.cfg, TORCH_DTYPES[dtype_name]
+    tok = src.tokenizer()
+    limit = parse_size(max_shard_size)
+    plan = hf_plan(src, dtype)
+    nbytes = lambda p: int(np.prod(p[4])) * torch.tensor([], dtype=p[5]).element_size()
+    shards, cur, cur_size = [], [], 0
+    for p in plan:  # greedy: a tensor larger than the limit gets a shard of its own
+        if cur and cur_size + nbytes(p) > limit:
+            shards.append(cur)
+            cur, cur_size = [], 0
+        cur.append(p)
+        cur_size += nbytes(p)
+    shards.append(cur)
+    total = sum(nbytes(p) for p in plan)
+
+    tmp = out.rstrip("/") + f".tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf weights", disable=not progress)
+        weight_map = {}
+        for si, shard in enumerate(shards):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
+
+            def fetch(i, shard=shard):
+                _, sname, part, e, _, _ = shard[i]
+                t = src.get(sname)
+                return t if part is None else expert_part(t, part, e)
+
+            write_safetensors(os.path.join(tmp, fname), [(p[0], p[4], p[5]) for p in shard], fetch,
+                              metadata={"format": "pt"}, progress=bar)
+            weight_map.update({p[0]: fname for p in shard})
+        bar.close()
+        if len(shards) > 1:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+
+        special = {}
+        if tok is not None:
+            special = dict(bos_token_id=tok.bos_id, eos_token_id=tok.special_ids["<|end|>"], pad_token_id=0)
+        hf_cfg = to_hf_config(cfg, dtype=dtype_name, torch_dtype=dtype_name, **special)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_cfg, f, indent=1)
+        gen = {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+               "max_length": cfg.max_seq_len}
+        if tok is not None:  # stop at the end of a turn or at the start of a new document
+            gen.update(bos_token_id=tok.bos_id, eos_token_id=[tok.special_ids["<|end|>"], tok.bos_id], pad_token_id=0)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump(gen, f, indent=1)
+        if tok is not None:
+            tj, tc = hf_tokenizer_files(tok, cfg.max_seq_len)
+            with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+                json.dump(tj, f, ensure_ascii=False)
+            with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+                json.dump(tc, f, indent=1)
+            with open(os.path.join(tmp, "special_tokens_map.json"), "w") as f:
+                json.dump({"bos_token": "<|bos|>", "eos_token": "<|end|>", "pad_token": PAD_TOKEN}, f, indent=1)
+            shutil.copyfile(src.tokenizer_path, os.path.join(tmp, "picaflor_tokenizer.json"))
+        else:
+            print(f"warning: {src.dir} has no tokenizer.json; the export has no tokenizer (pass --tokenizer FILE)",
+                  file=sys.stderr)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"format": "hf", "out": out, "shards": len(shards), "bytes": total, "tensors": len(plan)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GGUF for llama.cpp (arch hy_v3)
+
+def gguf_name(name):
+    """picaflor parameter name -> llama.cpp hy_v3 tensor name(s) as [(gguf name, expert part or None)]."""
+    fixed = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if name in fixed:
+        return [(fixed[name], None)]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if not m:
+        raise ExportError(f"{name}: unknown tensor in the checkpoint; it does not belong to a picaflor model")
+    i, rest = m.groups()
+    if rest == "mlp.experts.gate_up_proj":
+        return [(f"blk.{i}.ffn_gate_exps.weight", "gate"), (f"blk.{i}.ffn_up_exps.weight", "up")]
+    per_layer = {
+        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.e_score_correction_bias": "exp_probs_b",
+        "mlp.experts.down_proj": "ffn_down_exps.weight",
+        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    }
+    if rest not in per_layer:
+        raise ExportError(f"{name}: unknown tensor in the checkpoint; it does not belong to a picaflor model")
+    return [(f"blk.{i}.{per_layer[rest]}", None)]
+
+
+def gguf_tensor_type(gname, shape, gguf_type):
+    import gguf
+    T = gguf.GGMLQuantizationType
+    if len(shape) == 1 or "ffn_gate_inp" in gname:
+        return T.F32
+    want = {"f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}[gguf_type]
+    if want == T.Q4_0 and gname in ("token_embd.weight", "output.weight"):
+        want = T.Q8_0
+    if want in (T.Q8_0, T.Q4_0) and shape[-1] % 32:
+        want = T.F16  # quant blocks are 32 values along a row
+    return want
+
+
+def gguf_vocab(tok, vocab_size):
+    """tokens, token types, merges for tokenizer.ggml.model "gpt2"; padded to the model's vocab_size."""
+    import gguf
+    TT = gguf.TokenType
+    vocab, merges = bpe_vocab_and_merges(tok)
+    by_id = {i: s for s, i in vocab.items()}
+    specials = {i: s for s, i in tok.special_ids.items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in by_id:
+            tokens.append(by_id[i]); types.append(TT.NORMAL)
+        elif i in specials:
+            tokens.append(specials[i]); types.append(TT.CONTROL)
+        elif i == 0:
+            tokens.append(PAD_TOKEN); types.append(TT.CONTROL)
+        else:
+            tokens.append(f"[PAD{i}]"); types.append(TT.UNUSED)
+    return tokens, types, [f"{l} {r}" for l, r in merges]
+
+
+def export_gguf(src, out, gguf_type="f16", progress=True):
+    import gguf
+    cfg = src.cfg
+    tok = src.tokenizer()
+    if tok is None:
+        raise ExportError(f"{src.dir}: no tokenizer.json in the checkpoint, and GGUF embeds the tokenizer; "
+                          f"pass --tokenizer FILE")
+    if tok.vocab_size > cfg.vocab_size:
+        raise ExportError(f"{src.tokenizer_path}: tokenizer vocab {tok.vocab_size} > model vocab {cfg.vocab_size}; "
+                          f"wrong tokenizer for this checkpoint")
+    plan = []  # (gguf name, source name, expert part, ggml type, numpy-order shape)
+    for name in src.names:
+        if name.endswith("load_accum"):
+            continue
+        shape = src.shape(name)
+        for gname, part in gguf_name(name):
+            sh = [shape[0], shape[1] // 2, shape[2]] if part else shape
+            plan.append((gname, name, part, gguf_tensor_type(gname, sh, gguf_type), sh))
+
+    tmp = f"{out}.tmp-{os.getpid()}"
+    w = gguf.GGUFWriter(tmp, arch="hy_v3")
+    try:
+        w.add_name(os.path.basename(os.path.normpath(out)).rsplit(".", 1)[0])
+        w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+                         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[gguf_type])
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_context_length(cfg.max_seq_len)
+        w.add_embedding_length(cfg.d_model)
+        w.add_block_count(cfg.n_layer)
+        w.add_feed_forward_length(cfg.dense_ffn)
+        w.add_head_count(cfg.n_head)
+        w.add_head_count_kv(cfg.n_kv_head)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_rope_dimension_count(cfg.head_dim)  # hy_v3 needs n_rot == head_dim (full NEOX RoPE)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_expert_count(cfg.n_experts)
+        w.add_expert_used_count(cfg.top_k)
+        w.add_expert_shared_count(cfg.n_shared)
+        w.add_expert_feed_forward_length(cfg.expert_ffn)
+        w.add_expert_shared_feed_forward_length(cfg.n_shared * cfg.expert_ffn)
+        w.add_leading_dense_block_count(cfg.n_dense_layers)
+        w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(float(cfg.route_scale))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        tokens, types, merges = gguf_vocab(tok, cfg.vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("llama-bpe")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(tok.bos_id)
+        w.add_eos_token_id(tok.special_ids["<|end|>"])
+        w.add_eot_token_id(tok.special_ids["<|end|>"])
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+        w.add_chat_template(CHAT_TEMPLATE)
+
+        total = 0
+        for gname, _, _, qtype, sh in plan:  # pass 1: tensor infos only, no data read
+            bshape = gguf.quant_shape_to_byte_shape(tuple(sh), qtype)
+            nb = int(np.prod(bshape))
+            w.add_tensor_info(gname, bshape, np.dtype(np.uint8), nb, raw_dtype=qtype)
+            total += nb
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"gguf {gguf_type}", disable=not progress)
+        for gname, sname, part, qtype, sh in plan:  # pass 2: data, one tensor at a time
+            t = src.get(sname)
+            if part:
+                half = t.shape[1] // 2
+                t = t[:, :half] if part == "gate" else t[:, half:]
+            data = gguf.quants.quantize(t.float().contiguous().numpy(), qtype)
+            data = np.ascontiguousarray(data).view(np.uint8)
+            w.write_tensor_data(data)
+            bar.update(data.nbytes)
+        bar.close()
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            w.close()
+        except Exception:
+            pass
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return {"format": "gguf", "out": out, "type": gguf_type, "bytes": os.path.getsize(out), "tensors": len(plan)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# int4 streaming container (format and reader: container.py)
+
+def export_int4(src, out, group_size=None, embed_bits=8, progress=True):
+    import container
+    kw = {} if group_size is None else {"group_size": group_size}
+    try:
+        report = container.write_container(src.dir, out, embed_bits=embed_bits, progress=progress, **kw)
+    except container.ContainerError as e:
+        raise ExportError(str(e))
+    return {"format": "int4", "out": out, **(report or {})}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Export a picaflor checkpoint: int4 streaming container, Hugging Face "
+                                             "HYV3ForCausalLM directory, or llama.cpp GGUF (hy_v3).")
+    ap.add_argument("ckpt", help="checkpoint dir (step_NNNNNNN/) or run dir (uses its LATEST)")
+    ap.add_argument("--format", required=True, choices=["int4", "hf", "gguf"])
+    ap.add_argument("--out", required=True, help="output file (int4, gguf) or directory (hf)")
+    ap.add_argument("--dtype", default="bfloat16", choices=list(TORCH_DTYPES), help="hf: weight dtype")
+    ap.add_argument("--max-shard-size", default="5GB", help="hf: split model.safetensors above this size")
+    ap.add_argument("--gguf-type", default="f16", choices=["f16", "bf16", "q8_0", "q4_0"], help="gguf: weight type")
+    ap.add_argument("--group-size", type=int, default=None, help="int4: quantization group size (container default)")
+    ap.add_argument("--embed-bits", type=int, default=8, choices=[4, 8], help="int4: embeddings / lm_head bits")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer file, if not the checkpoint's tokenizer.json")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    progress = not args.no_progress
+    try:
+        src = Source(args.ckpt, args.tokenizer)
+        if args.format == "hf":
+            rep = export_hf(src, args.out, args.dtype, args.max_shard_size, progress)
+        elif args.format == "gguf":
+            rep = export_gguf(src, args.out, args.gguf_type, progress)
+        else:
+            rep = export_int4(src, args.out, args.group_size, args.embed_bits, progress)
+    except (checkpoint.CheckpointError, ExportError) as e:
+        sys.exit(f"error: {e}")
+    except ValueError as e:  # tokenizer files and configs report bad input as ValueError, one line
+        sys.exit(f"error: {str(e).splitlines()[0]}")
+    except ImportError as e:
+        sys.exit(f"error: {e}; --format {args.format} needs it (pip install -r requirements.txt)")
+    except OSError as e:
+        sys.exit(f"error: {e.filename or args.out}: {e.strerror}")
+    print(json.dumps(rep, default=str))
+
+
+if __name__ == "__main__":
+    main()

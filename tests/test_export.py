@@ -1,0 +1,265 @@
+"""export.py: HF export loads in transformers with picaflor's logits and tokenization; GGUF has what llama.cpp's
+hy_v3 loader needs and dequantizes back to the weights; bad checkpoints give one-line errors.
+(int4 container round-trip, truncation and magic checks are container.py's tests.)"""
+
+import json
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import export  # noqa: E402
+import model as M  # noqa: E402
+import tokenizer as T  # noqa: E402
+
+CFG = dict(vocab_size=400, n_layer=3, n_dense_layers=1, d_model=64, n_head=4, n_kv_head=2, dense_ffn=128,
+           n_experts=8, expert_ffn=32, n_shared=2, top_k=2, route_scale=1.5, max_seq_len=128)
+
+WORDS = ("the quick brown fox jumps over the lazy dog café naïve über straße 東京 日本語 😀 🇫🇷 Ω≈ç√ "
+         "def return import class 123 4567 3.14159 don't I'll WE'RE hello world").split()
+
+SAMPLES = [
+    "Hello world, the quick brown fox!",
+    "café naïve über 東京 😀😀 ",
+    "def f(x):\n    return x**2  \n\n\n",
+    "   leading spaces\ttabs\r\nCRLF\r\n",
+    "numbers 1234567 3.14159 don't I'll WE'RE",
+    "ĀĂ ß ẞ ǅ  Ω≈ç√∫ 🇫🇷 \u200b zero-width 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "", " ", "a" * 50, "\n", "!!!???...", "ü" * 7 + " x",
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("export")
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(12)) + rng.choice(["\n", "  \n\n", " ", "\t"])
+             for _ in range(300)]
+    tok = T.train_tokenizer(texts, 400)
+    tok_path = str(d / "tok.json")
+    tok.save(tok_path)
+    torch.manual_seed(0)
+    m = M.Picaflor(M.ModelConfig(**CFG)).eval()
+    with torch.no_grad():
+        for moe in m.moe_layers():  # a non-trivial selection bias, so a dropped bias changes the logits
+            moe.e_score_correction_bias.normal_(0, 0.1)
+    path = M.save_checkpoint(m, str(d / "run"), 7, tokenizer_file=tok_path)
+    return {"dir": d, "path": path, "run": str(d / "run"), "tok": tok}
+
+
+def run_export(args):
+    """export.main; returns the report dict, or raises SystemExit with the error line."""
+    import io
+    from contextlib import redirect_stdout
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        export.main(args + ["--no-progress"])
+    return json.loads(buf.getvalue().strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def hf_fp32(ckpt):
+    out = str(ckpt["dir"] / "hf32")
+    rep = run_export([ckpt["run"], "--format", "hf", "--out", out, "--dtype", "float32", "--max-shard-size", "300KB"])
+    return out, rep
+
+
+def test_hf_export_loads_and_matches_logits_fp32(ckpt, hf_fp32):
+    from transformers import AutoModelForCausalLM
+    out, rep = hf_fp32
+    assert rep["shards"] > 1 and os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in index["weight_map"]  # per-expert Hub names
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["architectures"] == ["HYV3ForCausalLM"] and cfg["model_type"] == "hy_v3"
+    assert cfg["bos_token_id"] == ckpt["tok"].bos_id and cfg["torch_dtype"] == "float32"
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "HYV3ForCausalLM"
+    assert hf.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    ours = M.load_checkpoint(ckpt["path"])
+    idx = torch.randint(1, 400, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = ours(idx), hf(idx).logits
+    assert (a - b).abs().max().item() <= 1e-4
+
+
+def test_hf_export_bf16_within_bf16_tolerance(ckpt):
+    from transformers import AutoModelForCausalLM
+    out = str(ckpt["dir"] / "hf16")
+    run_export([ckpt["path"], "--format", "hf", "--out", out, "--dtype", "bfloat16"])
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))  # under 5GB: one file, no index
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert hf.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router stays fp32
+    ref = M.load_checkpoint(ckpt["path"])
+    idx = torch.randint(1, 400, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = ref(idx), hf(idx).logits.float()
+    scale = a.abs().max().item()
+    assert (a - b).abs().max().item() <= 0.05 * scale  # bf16 weights and activations: ~3 significant digits
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_generation_config_has_no_penalty(hf_fp32):
+    gen = json.load(open(os.path.join(hf_fp32[0], "generation_config.json")))
+    assert gen.get("repetition_penalty", 1.0) == 1.0
+    assert gen.get("no_repeat_ngram_size", 0) == 0
+    assert gen.get("encoder_repetition_penalty", 1.0) == 1.0
+    for k in ("presence_penalty", "frequency_penalty", "sequence_bias", "bad_words_ids", "exponential_decay_length_penalty"):
+        assert gen.get(k) in (None, 0, 0.0), k
+    from transformers import GenerationConfig
+    gc = GenerationConfig.from_pretrained(hf_fp32[0])
+    assert gc.repetition_penalty == 1.0 and not gc.no_repeat_ngram_size
+
+
+def test_hf_tokenizer_encodes_identically(ckpt, hf_fp32):
+    from transformers import AutoTokenizer
+    tok = ckpt["tok"]
+    ht = AutoTokenizer.from_pretrained(hf_fp32[0])
+    rng = random.Random(3)
+    texts = SAMPLES + ["".join(rng.choice(WORDS + [" ", "  ", "\n", ",", "'s"]) for _ in range(30)) for _ in range(40)]
+    for t in texts:
+        ids = tok.encode(t)
+        assert ht.encode(t, add_special_tokens=False) == ids, repr(t)
+        assert ht.decode(ids) == tok.decode(ids)
+    assert ht("hi").input_ids == [tok.bos_id] + tok.encode("hi")  # documents start with <|bos|>, as in training
+    assert ht.convert_tokens_to_ids("<|end|>") == tok.special_ids["<|end|>"]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = ht.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == "<|bos|><|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>"
+    ids = ht.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    sp = tok.special_ids
+    assert ids == ([sp["<|bos|>"], sp["<|system|>"]] + tok.encode("Be brief.") + [sp["<|end|>"], sp["<|user|>"]]
+                   + tok.encode("Hi") + [sp["<|end|>"], sp["<|assistant|>"]])
+    # the tiktoken file travels with the export
+    assert T.Tokenizer.load(os.path.join(hf_fp32[0], "picaflor_tokenizer.json")).hash == tok.hash
+
+
+def expected_gguf_tensors(c):
+    """name -> shape in ggml order (ne0 first), as llama.cpp's hy_v3 loader creates them (src/models/hy-v3.cpp)."""
+    hd, E, F, Fs = c.head_dim, c.n_experts, c.expert_ffn, c.n_shared * c.expert_ffn
+    want = {"token_embd.weight": [c.d_model, c.vocab_size], "output_norm.weight": [c.d_model],
+            "output.weight": [c.d_model, c.vocab_size]}
+    for i in range(c.n_layer):
+        b = f"blk.{i}."
+        want.update({b + "attn_norm.weight": [c.d_model], b + "attn_q.weight": [c.d_model, c.n_head * hd],
+                     b + "attn_k.weight": [c.d_model, c.n_kv_head * hd], b + "attn_v.weight": [c.d_model, c.n_kv_head * hd],
+                     b + "attn_output.weight": [c.n_head * hd, c.d_model], b + "attn_q_norm.weight": [hd],
+                     b + "attn_k_norm.weight": [hd], b + "ffn_norm.weight": [c.d_model]})
+        if i < c.n_dense_layers:
+            want.update({b + "ffn_gate.weight": [c.d_model, c.dense_ffn], b + "ffn_up.weight": [c.d_model, c.dense_ffn],
+                         b + "ffn_down.weight": [c.dense_ffn, c.d_model]})
+        else:
+            want.update({b + "ffn_gate_inp.weight": [c.d_model, E], b + "exp_probs_b": [E],
+                         b + "ffn_gate_exps.weight": [c.d_model, F, E], b + "ffn_up_exps.weight": [c.d_model, F, E],
+                         b + "ffn_down_exps.weight": [F, c.d_model, E],
+                         b + "ffn_gate_shexp.weight": [c.d_model, Fs], b + "ffn_up_shexp.weight": [c.d_model, Fs],
+                         b + "ffn_down_shexp.weight": [Fs, c.d_model]})
+    return want
+
+
+def source_weights_as_gguf(path):
+    """The checkpoint's tensors under their GGUF names (stacked experts split into gate / up), float32 numpy."""
+    from safetensors.torch import load_file
+    out = {}
+    for name, t in load_file(os.path.join(path, "model.safetensors")).items():
+        for gname, part in export.gguf_name(name):
+            if part:
+                half = t.shape[1] // 2
+                t2 = t[:, :half] if part == "gate" else t[:, half:]
+            else:
+                t2 = t
+            out[gname] = t2.float().numpy()
+    return out
+
+
+@pytest.mark.parametrize("gtype,tol", [("f16", 1e-3), ("q8_0", 0.02), ("q4_0", 0.25)])
+def test_gguf_has_loader_names_keys_and_dequantizes(ckpt, gtype, tol):
+    import gguf
+    out = str(ckpt["dir"] / f"m_{gtype}.gguf")
+    run_export([ckpt["path"], "--format", "gguf", "--out", out, "--gguf-type", gtype])
+    r = gguf.GGUFReader(out)
+    c = M.ModelConfig(**CFG)
+    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    assert kv["general.architecture"] == "hy_v3"
+    A = "hy_v3."
+    need = {A + "context_length": c.max_seq_len, A + "embedding_length": c.d_model, A + "block_count": c.n_layer,
+            A + "feed_forward_length": c.dense_ffn, A + "attention.head_count": c.n_head,
+            A + "attention.head_count_kv": c.n_kv_head, A + "rope.dimension_count": c.head_dim,
+            A + "expert_count": c.n_experts, A + "expert_used_count": c.top_k, A + "expert_shared_count": c.n_shared,
+            A + "expert_feed_forward_length": c.expert_ffn,
+            A + "expert_shared_feed_forward_length": c.n_shared * c.expert_ffn,
+            A + "leading_dense_block_count": c.n_dense_layers, A + "expert_weights_norm": True,
+            A + "expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID),
+            "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.bos_token_id": ckpt["tok"].bos_id,
+            "tokenizer.ggml.eos_token_id": ckpt["tok"].special_ids["<|end|>"]}
+    for k, v in need.items():
+        assert kv.get(k) == v, (k, kv.get(k), v)
+    assert kv[A + "expert_weights_scale"] == pytest.approx(c.route_scale)
+    assert kv[A + "rope.freq_base"] == pytest.approx(c.rope_theta)
+    assert kv[A + "attention.layer_norm_rms_epsilon"] == pytest.approx(c.norm_eps)
+    assert kv["tokenizer.ggml.pre"] == "llama-bpe"
+    tokens = kv["tokenizer.ggml.tokens"]
+    assert len(tokens) == c.vocab_size and len(kv["tokenizer.ggml.token_type"]) == c.vocab_size
+    inv = {ch: b for b, ch in export.byte_to_unicode().items()}
+    tok = ckpt["tok"]
+    assert [bytes(inv[ch] for ch in tokens[i + 1]) for i in range(len(tok.token_bytes))] == tok.token_bytes
+    assert tokens[tok.bos_id] == "<|bos|>"
+    hf_merges = export.bpe_vocab_and_merges(tok)[1]
+    assert kv["tokenizer.ggml.merges"] == [f"{a} {b}" for a, b in hf_merges]
+
+    want = expected_gguf_tensors(c)
+    got = {t.name: t for t in r.tensors}
+    assert set(got) == set(want)  # nothing missing, nothing extra (llama.cpp rejects unused tensors)
+    src = source_weights_as_gguf(ckpt["path"])
+    for name, shape in want.items():
+        t = got[name]
+        assert [int(x) for x in t.shape] == shape, name
+        deq = gguf.quants.dequantize(t.data, t.tensor_type).reshape(src[name].shape)
+        if len(shape) == 1 or "ffn_gate_inp" in name:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32, name
+            np.testing.assert_array_equal(deq, src[name])
+        else:
+            err = np.abs(deq - src[name]).max() / max(np.abs(src[name]).max(), 1e-12)
+            assert err <= tol, (name, err)
+
+
+def test_gguf_pretokenizer_regex_is_llama3s(ckpt):
+    """llama.cpp splits text with its 'llama-bpe' regex (llama-vocab.cpp, LLAMA3); ours must split the same."""
+    import regex
+    llama3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+              r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    ours = regex.compile(ckpt["tok"].pattern)
+    rng = random.Random(4)
+    pieces = WORDS + [" ", "  ", "\n", "\r\n", " \n ", "\t", "'s", "'LL", "...", "\n\n\n", "99999", "é'd"]
+    texts = SAMPLES + ["".join(rng.choice(pieces) for _ in range(40)) for _ in range(200)]
+    for t in texts:
+        assert ours.findall(t) == regex.findall(llama3, t), repr(t)
+
+
+def test_bad_manifest_is_one_line_error_naming_the_file(ckpt, tmp_path):
+    import shutil
+    bad = tmp_path / "step_0000007"
+    shutil.copytree(ckpt["path"], bad)
+    with open(bad / "model.safetensors", "r+b") as f:  # flip one byte of the weights
+        f.seek(200)
+        b = f.read(1)
+        f.seek(200)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(SystemExit) as e:
+        run_export([str(bad), "--format", "hf", "--out", str(tmp_path / "o")])
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg and "model.safetensors" in msg and "sha256" in msg
+    assert not os.path.exists(tmp_path / "o")
+    (bad / "MANIFEST.json").write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        run_export([str(bad), "--format", "gguf", "--out", str(tmp_path / "o.gguf")])
+    msg = str(e.value.code)
+    assert "MANIFEST.json" in msg and "\n" not in msg
+    assert not os.path.exists(tmp_path / "o.gguf")
