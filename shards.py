@@ -59,10 +59,18 @@ class StorageError(Exception):
 
 
 def _fix_hint(corpus_dir, file=None):
-    prep = os.path.join(corpus_dir, "prepare.py")
+    """The command that re-makes this corpus: its own prepare.py, else the script index.json says made it."""
+    corpus_dir = str(corpus_dir)
+    prep = f"python {os.path.join(corpus_dir, 'prepare.py')}"
+    if not os.path.isfile(os.path.join(corpus_dir, "prepare.py")):
+        try:
+            with open(os.path.join(corpus_dir, "index.json")) as f:
+                prep = f"python {json.load(f)['source']['made_by']} --out {corpus_dir}"
+        except (OSError, ValueError, KeyError, TypeError):
+            prep = f"python data/<corpus>/prepare.py --out {corpus_dir}"
     if file is None:
-        return f"run python {prep}"
-    return f"re-run python {prep} or re-fetch the shard (python shards.py refetch {corpus_dir} {file})"
+        return f"run {prep}"
+    return f"re-run {prep} or re-fetch the shard (python shards.py refetch {corpus_dir} {file})"
 
 
 def sha256_file(path, chunk=1 << 22):
@@ -356,7 +364,7 @@ def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
                 for s in range(0, len(tokens), 1 << 22):
                     _check_tokens(tokens, s, min(len(tokens), s + (1 << 22)), vocab_size, path, corpus_dir, file)
             except DataError as e:
-                raise DataError(f"{e} (sha256 mismatch)", path, e.offset, e.kind) from None
+                raise DataError(str(e).replace("; re-run", ", sha256 mismatch; re-run", 1), path, e.offset, e.kind) from None
             raise DataError(f"{path}: sha256 {got[:12]} differs from index.json's {entry['sha256'][:12]} (corrupt "
                             f"shard); {_fix_hint(corpus_dir, file)}", path, None, "hash")
         _VERIFIED.add(key)
