@@ -1,0 +1,689 @@
+"""
+The picaflor int4 streaming container: one file that a laptop streams routed experts from.
+Written and read here only (export.py --format int4 and stream_infer.py import this file).
+
+    python container.py CKPT_DIR --out model.pcf4 [--group-size 128] [--embed-bits 8] [--dense-bits 4]
+    python container.py --random-config config/micro.py --out micro.pcf4     # random weights, layer by layer
+    python container.py --check model.pcf4                                   # validate every checksum
+
+File layout (all integers little-endian):
+    0   8 bytes  magic b"PCFLINT4"
+    8   uint32   format version (1)
+    12  uint32   reserved (0)
+    16  uint64   H = length of the JSON header in bytes (space-padded)
+    24  H bytes  JSON header: format, version, model_config, tokenizer_json (the checkpoint's tokenizer.json
+                 text or null), random_weights, quant settings, `tensors` (resident tensors: name -> kind,
+                 shape, offset, nbytes, crc32, parts) and `experts` (per MoE layer, per expert: offset, crc32;
+                 the common part layout in `expert_layout`)
+    ...          zero padding to 4096, then the blobs; every blob starts at a multiple of 4096 and its nbytes
+                 is a multiple of 4096 (so O_DIRECT can read it); crc32 (zlib) covers the padded blob.
+
+Blob kinds:
+- "f32": raw float32 (router weight, e_score_correction_bias, every norm weight; kept exact).
+- "int4": group-wise 4-bit, w ~= (q - 8) * scale + zero for q in 0..15, one (scale, zero) pair in bf16 per
+  group of `group_size` consecutive input columns. Parts: `packed` (uint8) then `sz` (bf16 [K/g, N, 2]).
+  `packed` is in the layout of torch's CPU int4 kernel (`torch._weight_int4pack_mm_for_cpu`, torch 2.13):
+  output rows in blocks of 32; per block, per input column k, 16 bytes whose byte j holds row j in its low
+  nibble and row j + 16 in its high nibble. So the CPU fast path uses the bytes as read, with no repacking
+  (torch's own `_convert_weight_to_int4pack_for_cpu` costs ~25 ms per 2048x1024 matrix here, ~10x the read
+  itself). stream_infer checks once per process that torch still packs this way and otherwise falls back to
+  dequantize-then-matmul. Odd shapes are zero-padded to N % 32 == 0 and K % group_size == 0; the header keeps
+  the true shape. `sz` is exactly the kernel's scales_and_zeros tensor.
+- "int8": per output row symmetric 8-bit (embeddings / lm_head by default): `q` int8 [N, K] then `scale` f32 [N].
+- expert blob: one per (layer, expert): gate_up [2F, D] int4 (gate rows first, as model.py stores them) then
+  down [D, F] int4, parts at 64-byte offsets inside the blob: a cache miss is one aligned read.
+
+Quantization choice (measured with `python container.py --measure CKPT_OR_CONFIG`: relative RMS error over all
+int4 weights; bits per weight include the bf16 scale and zero of each group):
+                      40-step tiny checkpoint        random-init tiny model (N(0, 0.02))
+    group  32: asym 0.0749 / sym 0.0812        asym 0.0782 / sym 0.0859     5.00 bpw
+    group  64: asym 0.0846 / sym 0.0886        asym 0.0895 / sym 0.0950     4.50 bpw
+    group 128: asym 0.0925 / sym 0.0949        asym 0.0993 / sym 0.1028     4.25 bpw
+Asymmetric (min/max) beats symmetric (absmax, Q4_0 style) at every group size for the same bytes (the kernel's
+format carries a zero per group anyway, so symmetric saves nothing); halving the group buys ~9% less error for
++0.25..0.5 bpw. Default: group 64, asymmetric (4.5 bpw, llama.cpp Q4_0's size); --group-size 128 gives the
+4.25 bpw GPTQ/AWQ size. No trained model exists yet to measure perplexity; bench/quant_quality.py (export
+issue) is where that figure belongs.
+
+Streaming write: tensors are read one at a time with safetensors `safe_open` (experts one expert slice at a
+time), quantized and written at their precomputed offsets; peak RAM is about one layer's worth of fp32.
+"""
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import zlib
+from dataclasses import asdict, fields
+
+import torch
+
+from model import ModelConfig
+
+MAGIC = b"PCFLINT4"
+VERSION = 1
+ALIGN = 4096
+PART_ALIGN = 64
+PREFIX = struct.Struct("<8sIIQ")  # magic, version, reserved, header length
+ROW_BLOCK = 32  # output rows per block of the CPU int4 kernel's packed layout
+DEFAULT_GROUP = 64
+
+
+class ContainerError(Exception):
+    """A container that is missing, foreign, truncated or corrupt; the message is one line naming the file."""
+
+
+def align_up(n, a=ALIGN):
+    return (n + a - 1) // a * a
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantization (pure tensor functions; stream_infer and the tests use them too)
+
+def int4_padded_shape(shape, group_size):
+    N, K = shape
+    return align_up(N, ROW_BLOCK), align_up(K, group_size)
+
+
+def int4_nbytes(shape, group_size):
+    Np, Kp = int4_padded_shape(shape, group_size)
+    return Np * Kp // 2, (Kp // group_size) * Np * 2 * 2  # packed bytes, sz bytes (bf16 pairs)
+
+
+def quantize_int4(w, group_size, symmetric=False):
+    """w (N, K) float -> (packed uint8 (Np*Kp/2,), sz bf16 (Kp/g, Np, 2)) with w ~= (q - 8) * scale + zero."""
+    N, K = w.shape
+    Np, Kp = int4_padded_shape(w.shape, group_size)
+    w = w.float()
+    if (Np, Kp) != (N, K):
+        w = torch.nn.functional.pad(w, (0, Kp - K, 0, Np - N))
+    wg = w.view(Np, Kp // group_size, group_size)
+    if symmetric:  # Q4_0 style: the value of largest magnitude maps to -8 (llama.cpp ggml-quants.c)
+        amax_idx = wg.abs().argmax(dim=-1, keepdim=True)
+        scale = (wg.gather(-1, amax_idx).squeeze(-1) / -8.0)
+        scale = torch.where(scale == 0, torch.full_like(scale, 1e-8), scale).to(torch.bfloat16).float()
+        zero = torch.zeros_like(scale)
+    else:  # min/max asymmetric: q = round((w - min) / scale), expressed in the kernel's (q - 8) form
+        mn, mx = wg.amin(dim=-1), wg.amax(dim=-1)
+        scale = ((mx - mn) / 15.0).clamp_min(1e-8).to(torch.bfloat16).float()
+        zero = (mn + 8.0 * scale).to(torch.bfloat16).float()  # rounded first, so q is chosen against it
+    q = torch.round((wg - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8.0).clamp_(0, 15).to(torch.uint8)
+    q = q.view(Np // ROW_BLOCK, 2, 16, Kp)
+    packed = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 1).contiguous().view(-1)
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, sz
+
+
+def unpack_int4(packed, Np, Kp):
+    """packed uint8 in the kernel layout -> q uint8 (Np, Kp) with values 0..15."""
+    b = packed.view(Np // ROW_BLOCK, Kp, 16).permute(0, 2, 1)
+    return torch.cat([b & 15, b >> 4], dim=1).reshape(Np, Kp)
+
+
+def dequantize_int4(packed, sz, shape, group_size):
+    """Reference dequantization -> float32 (N, K) of the true (unpadded) shape."""
+    N, K = shape
+    Np, Kp = int4_padded_shape(shape, group_size)
+    q = unpack_int4(packed, Np, Kp).float().view(Np, Kp // group_size, group_size)
+    s = sz[..., 0].float().t().unsqueeze(-1)
+    z = sz[..., 1].float().t().unsqueeze(-1)
+    return ((q - 8.0) * s + z).view(Np, Kp)[:N, :K].contiguous()
+
+
+def quantize_int8(w):
+    """Per-row symmetric int8: w ~= q * scale[:, None]."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous().view(-1), scale.contiguous()
+
+
+def dequantize_int8(q, scale, shape):
+    return q.view(shape).float() * scale[:, None]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# what goes where
+
+def tensor_class(name):
+    if ".mlp.experts." in name:
+        return "experts"
+    if ".self_attn." in name and name.endswith("_proj.weight"):
+        return "attention"
+    if ".mlp.shared_experts." in name:
+        return "shared"
+    if ".mlp." in name and name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+        return "dense"
+    if name.startswith(("embed_tokens", "lm_head")):
+        return "embeddings"
+    return "exact"
+
+
+def tensor_kind(name, embed_bits, dense_bits):
+    cls = tensor_class(name)
+    if cls == "embeddings":
+        return "int8" if embed_bits == 8 else "int4"
+    if cls in ("attention", "shared", "dense"):
+        return "int8" if dense_bits == 8 else "int4"
+    return "f32"
+
+
+def expert_layout(cfg, group_size):
+    """Parts of one expert blob: name, true shape, and byte offsets (64-aligned) inside the blob."""
+    parts, off = [], 0
+    for pname, shape in (("gate_up_proj", [2 * cfg.expert_ffn, cfg.d_model]), ("down_proj", [cfg.d_model, cfg.expert_ffn])):
+        pk, szb = int4_nbytes(shape, group_size)
+        p = {"name": pname, "kind": "int4", "shape": shape, "group_size": group_size,
+             "packed": [off, pk]}
+        off = align_up(off + pk, PART_ALIGN)
+        p["sz"] = [off, szb]
+        off = align_up(off + szb, PART_ALIGN)
+        parts.append(p)
+    return {"parts": parts, "payload_bytes": off, "nbytes": align_up(off)}
+
+
+def resident_parts(kind, shape, group_size):
+    """Part offsets inside a resident blob."""
+    if kind == "f32":
+        return {"data": [0, 4 * math.prod(shape)]}, 4 * math.prod(shape)
+    if kind == "int8":
+        nq = math.prod(shape)
+        off = align_up(nq, PART_ALIGN)
+        return {"q": [0, nq], "scale": [off, 4 * shape[0]]}, off + 4 * shape[0]
+    pk, szb = int4_nbytes(shape, group_size)
+    off = align_up(pk, PART_ALIGN)
+    return {"packed": [0, pk], "sz": [off, szb]}, off + szb
+
+
+def encode_blob(kind, w, group_size, symmetric=False):
+    """Quantize one tensor -> (list of (part offset, bytes)), dequantized tensor for the error report."""
+    if kind == "f32":
+        t = w.float().contiguous()
+        return {"data": t.view(-1).view(torch.uint8)}, t
+    if kind == "int8":
+        q, s = quantize_int8(w)
+        return {"q": q.view(torch.uint8), "scale": s.view(torch.uint8)}, dequantize_int8(q, s, w.shape)
+    packed, sz = quantize_int4(w, group_size, symmetric)
+    return {"packed": packed, "sz": sz.view(-1).view(torch.uint8)}, dequantize_int4(packed, sz, w.shape, group_size)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# weight sources: a checkpoint (safe_open, one tensor / one expert at a time) or random weights
+
+class CheckpointSource:
+    def __init__(self, ckpt_dir):
+        import checkpoint
+        from safetensors import safe_open
+        try:
+            self.dir = checkpoint.resolve(ckpt_dir)
+            checkpoint.verify(self.dir)
+        except checkpoint.CheckpointError as e:
+            raise ContainerError(str(e)) from None
+        with open(os.path.join(self.dir, "state.json")) as f:
+            self.cfg = ModelConfig.from_dict(json.load(f)["model_config"])
+        self.f = safe_open(os.path.join(self.dir, "model.safetensors"), framework="pt", device="cpu")
+        self.names = set(self.f.keys())
+        tok = os.path.join(self.dir, "tokenizer.json")
+        self.tokenizer_json = open(tok, encoding="utf-8").read() if os.path.exists(tok) else None
+        self.random = False
+
+    def get(self, name):
+        return self.f.get_tensor(name)
+
+    def get_expert(self, name, e):
+        return self.f.get_slice(name)[e]
+
+
+class RandomSource:
+    """Random weights as model.Picaflor.init_weights draws them, generated per tensor / per expert from a seed,
+    so a model far larger than RAM is never materialised."""
+
+    def __init__(self, cfg, seed=0):
+        self.cfg, self.seed = cfg, seed
+        self.tokenizer_json = None
+        self.random = True
+        self.out_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+
+    def _gen(self, name, e=-1):
+        return torch.Generator().manual_seed((zlib.crc32(name.encode()) * 1000003 + e + 1 + self.seed) % (1 << 62))
+
+    def _std(self, name):
+        return self.out_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else 0.02
+
+    def get(self, name):
+        shape = expected_shapes(self.cfg)[name]
+        if name.endswith("norm.weight") or "layernorm" in name:
+            return torch.ones(shape)
+        if name.endswith("e_score_correction_bias"):
+            return torch.zeros(shape)
+        return torch.randn(shape, generator=self._gen(name)) * self._std(name)
+
+    def get_expert(self, name, e):
+        shape = expected_shapes(self.cfg)[name][1:]
+        return torch.randn(shape, generator=self._gen(name, e)) * self._std(name)
+
+
+def expected_shapes(cfg):
+    """name -> shape of every tensor a picaflor checkpoint holds (lm_head omitted when tied)."""
+    with torch.device("meta"):
+        from model import Picaflor
+        m = Picaflor(cfg)
+    sd = {k: list(v.shape) for k, v in m.state_dict().items() if not k.endswith("load_accum")}
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def layer_of(name):
+    return int(name.split(".")[1]) if name.startswith("layers.") else (-1 if name.startswith("embed") else 10 ** 9)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# writer
+
+def build_header(cfg, source, group_size, embed_bits, dense_bits, symmetric, data_start):
+    shapes = expected_shapes(cfg)
+    tensors, experts, off = {}, {}, data_start
+    layout = expert_layout(cfg, group_size)
+    order = sorted((n for n in shapes if ".mlp.experts." not in n), key=lambda n: (layer_of(n), n))
+    by_layer = {}
+    for n in order:
+        by_layer.setdefault(layer_of(n), []).append(n)
+    for layer in sorted(by_layer):
+        for n in by_layer[layer]:
+            kind = tensor_kind(n, embed_bits, dense_bits)
+            parts, nb = resident_parts(kind, shapes[n], group_size)
+            tensors[n] = {"kind": kind, "shape": shapes[n], "offset": off, "nbytes": align_up(nb),
+                          "parts": parts, "crc32": "00000000"}
+            if kind == "int4":
+                tensors[n]["group_size"] = group_size
+            off += align_up(nb)
+        if 0 <= layer < cfg.n_layer and layer >= cfg.n_dense_layers:
+            experts[str(layer)] = []
+            for e in range(cfg.n_experts):
+                experts[str(layer)].append({"offset": off, "crc32": "00000000"})
+                off += layout["nbytes"]
+    header = {
+        "format": "picaflor-int4-container", "version": VERSION, "model_config": asdict(cfg),
+        "random_weights": bool(source.random),
+        "quant": {"group_size": group_size, "scheme": "symmetric" if symmetric else "asymmetric",
+                  "formula": "w = (q - 8) * scale + zero, q in 0..15, (scale, zero) bf16 per group",
+                  "packed_layout": "torch_int4pack_cpu_v1: row blocks of 32; per column k 16 bytes; byte j = row j "
+                                   "(low nibble) | row j+16 (high nibble)",
+                  "embed_bits": embed_bits, "dense_bits": dense_bits},
+        "expert_layout": layout, "tensors": tensors, "experts": experts, "file_bytes": off,
+        "tokenizer_json": source.tokenizer_json,
+    }
+    return header
+
+
+def encode_header(header):
+    return json.dumps(header, separators=(",", ":")).encode("utf-8")
+
+
+def layout_header(cfg, source, group_size, embed_bits, dense_bits, symmetric):
+    """Offsets depend on where data starts, which depends on the header length: iterate to a fixed point."""
+    data_start = ALIGN
+    while True:
+        header = build_header(cfg, source, group_size, embed_bits, dense_bits, symmetric, data_start)
+        need = align_up(PREFIX.size + len(encode_header(header)))
+        if need <= data_start:
+            return header, data_start
+        data_start = need
+
+
+def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, progress=True, dense_bits=4,
+                    symmetric=False, source=None):
+    """Stream a checkpoint (or `source`, e.g. RandomSource) into an int4 container at out_path.
+    Returns the quantization report (relative RMS error per tensor class), also written to out_path + '.report.json'."""
+    from tqdm import tqdm
+    if group_size % 2 or group_size < 2:
+        raise ContainerError(f"{out_path}: group size {group_size} must be even and >= 2")
+    if embed_bits not in (4, 8) or dense_bits not in (4, 8):
+        raise ContainerError(f"{out_path}: --embed-bits / --dense-bits must be 4 or 8")
+    source = source or CheckpointSource(ckpt_dir)
+    cfg = source.cfg
+    header, data_start = layout_header(cfg, source, group_size, embed_bits, dense_bits, symmetric)
+    layout = header["expert_layout"]
+    err = {}  # class -> [sum sq error, sum sq weight, count]
+
+    def account(cls, w, wq):
+        a = err.setdefault(cls, [0.0, 0.0, 0])
+        a[0] += float((w.float() - wq).pow(2).sum())
+        a[1] += float(w.float().pow(2).sum())
+        a[2] += w.numel()
+
+    def write_blob(f, offset, nbytes, parts_spec, parts_bytes):
+        crc = 0
+        pos = 0
+        for pname, t in parts_bytes.items():
+            start, n = parts_spec[pname]
+            b = t.numpy().tobytes()
+            assert len(b) == n, (pname, len(b), n)
+            if start > pos:
+                crc = zlib.crc32(bytes(start - pos), crc)
+            f.seek(offset + start)
+            f.write(b)
+            crc = zlib.crc32(b, crc)
+            pos = start + n
+        crc = zlib.crc32(bytes(nbytes - pos), crc)
+        return f"{crc:08x}"
+
+    tmp = f"{out_path}.tmp{os.getpid()}"
+    n_items = len(header["tensors"]) + sum(len(v) for v in header["experts"].values())
+    bar = tqdm(total=n_items, desc=f"int4 container {os.path.basename(out_path)}", unit="blob", disable=not progress)
+    try:
+        with open(tmp, "wb") as f:
+            f.truncate(header["file_bytes"])
+            for name, t in header["tensors"].items():  # dict order = layer order (resident, then that layer's experts)
+                w = source.get(name)
+                if list(w.shape) != t["shape"]:
+                    raise ContainerError(f"{ckpt_dir}: tensor {name} has shape {list(w.shape)}, its config says {t['shape']}")
+                pb, wq = encode_blob(t["kind"], w, group_size, symmetric)
+                account(tensor_class(name), w, wq)
+                t["crc32"] = write_blob(f, t["offset"], t["nbytes"], t["parts"], pb)
+                bar.update(1)
+                layer = layer_of(name)
+                last_of_layer = name == max((n for n in header["tensors"] if layer_of(n) == layer), key=lambda n: n)
+                if last_of_layer and str(layer) in header["experts"]:
+                    for e, ent in enumerate(header["experts"][str(layer)]):
+                        pbs, spec = {}, {}
+                        for p in layout["parts"]:
+                            w = source.get_expert(f"layers.{layer}.mlp.experts.{p['name']}", e)
+                            pb, wq = encode_blob("int4", w, group_size, symmetric)
+                            account("experts", w, wq)
+                            pbs[p["name"] + ".packed"], pbs[p["name"] + ".sz"] = pb["packed"], pb["sz"]
+                            spec[p["name"] + ".packed"], spec[p["name"] + ".sz"] = p["packed"], p["sz"]
+                        ent["crc32"] = write_blob(f, ent["offset"], layout["nbytes"], spec, pbs)
+                        bar.update(1)
+            hb = encode_header(header)
+            hb += b" " * (data_start - PREFIX.size - len(hb))
+            f.seek(0)
+            f.write(PREFIX.pack(MAGIC, VERSION, 0, len(hb)) + hb)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    finally:
+        bar.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    report = {"container": out_path, "file_bytes": header["file_bytes"], "group_size": group_size,
+              "scheme": header["quant"]["scheme"], "embed_bits": embed_bits, "dense_bits": dense_bits,
+              "random_weights": header["random_weights"],
+              "relative_rms_error": {c: math.sqrt(a[0] / max(a[1], 1e-30)) for c, a in err.items() if c != "exact"},
+              "params": {c: a[2] for c, a in err.items()}}
+    with open(out_path + ".report.json", "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reader
+
+def part_tensor(buf, base, spec, dtype):
+    """A zero-copy tensor over buf[base + off : base + off + n]."""
+    off, n = spec
+    return torch.frombuffer(buf, dtype=dtype, count=n // torch.tensor([], dtype=dtype).element_size(), offset=base + off)
+
+
+class Container:
+    """An opened, validated container. Expert blobs are read with one aligned pread each (O_DIRECT when the
+    filesystem allows it) and checked against their crc32; resident tensors are read on demand."""
+
+    def __init__(self, path, header, file_size, data_start):
+        self.path, self.header, self.file_size, self.data_start = path, header, file_size, data_start
+        self.config = ModelConfig.from_dict(header["model_config"])
+        self.tokenizer_json = header.get("tokenizer_json")
+        self.layout = header["expert_layout"]
+        self.expert_nbytes = self.layout["nbytes"]
+        self.group_size = header["quant"]["group_size"]
+        self.fd = os.open(path, os.O_RDONLY)
+        self.direct_fd = None
+        if hasattr(os, "O_DIRECT"):
+            try:
+                self.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:
+                self.direct_fd = None  # tmpfs and some filesystems refuse O_DIRECT: buffered reads instead
+
+    def close(self):
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None:
+                os.close(fd)
+        self.fd = self.direct_fd = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # --- raw reads ---
+    def _pread(self, offset, nbytes, direct=True):
+        """One read of nbytes at offset into a fresh page-aligned buffer (anonymous mmap)."""
+        import mmap
+        buf = mmap.mmap(-1, max(nbytes, 1))
+        if direct and self.direct_fd is not None:
+            try:
+                got = os.preadv(self.direct_fd, [buf], offset)
+                if got == nbytes:
+                    return buf
+            except OSError:
+                self.direct_fd = None  # e.g. EINVAL on a filesystem that opened but cannot do O_DIRECT
+        got = os.preadv(self.fd, [buf], offset)
+        if got != nbytes:
+            raise ContainerError(f"{self.path}: short read at offset {offset} ({got} of {nbytes} bytes); the file is truncated")
+        return buf
+
+    def expert_entry(self, layer, expert):
+        try:
+            return self.header["experts"][str(layer)][expert]
+        except (KeyError, IndexError):
+            raise ContainerError(f"{self.path}: no routed expert {expert} in layer {layer}") from None
+
+    def read_expert_blob(self, layer, expert, verify=True):
+        """The whole blob of one routed expert (gate_up and down, packed and scales): one aligned read."""
+        ent = self.expert_entry(layer, expert)
+        buf = self._pread(ent["offset"], self.expert_nbytes)
+        if verify and f"{zlib.crc32(buf):08x}" != ent["crc32"]:
+            raise ContainerError(f"{self.path}: checksum mismatch in layer {layer} expert {expert} "
+                                 f"(offset {ent['offset']}); the file is corrupt, re-export it")
+        return buf
+
+    def decode_expert(self, buf):
+        """Blob buffer -> {part: {"packed": uint8, "sz": bf16 (K/g, N, 2), "shape", "group_size"}} (zero-copy)."""
+        out = {}
+        for p in self.layout["parts"]:
+            Np, Kp = int4_padded_shape(p["shape"], p["group_size"])
+            out[p["name"]] = {"packed": part_tensor(buf, 0, p["packed"], torch.uint8),
+                              "sz": part_tensor(buf, 0, p["sz"], torch.bfloat16).view(Kp // p["group_size"], Np, 2),
+                              "shape": p["shape"], "group_size": p["group_size"]}
+        return out
+
+    def expert_weights(self, layer, expert):
+        """Dequantized fp32 {"gate_up_proj": (2F, D), "down_proj": (D, F)} of one routed expert."""
+        dec = self.decode_expert(self.read_expert_blob(layer, expert))
+        return {k: dequantize_int4(v["packed"], v["sz"], v["shape"], v["group_size"]) for k, v in dec.items()}
+
+    def raw_tensor(self, name, verify=True):
+        """A resident tensor as stored: {"kind", "shape", parts as zero-copy tensors} (crc checked)."""
+        t = self.header["tensors"].get(name)
+        if t is None:
+            raise ContainerError(f"{self.path}: no tensor {name!r} in this container")
+        buf = self._pread(t["offset"], t["nbytes"], direct=False)
+        if verify and f"{zlib.crc32(buf):08x}" != t["crc32"]:
+            raise ContainerError(f"{self.path}: checksum mismatch in tensor {name} (offset {t['offset']}); "
+                                 f"the file is corrupt, re-export it")
+        out = {"kind": t["kind"], "shape": t["shape"]}
+        if t["kind"] == "f32":
+            out["data"] = part_tensor(buf, 0, t["parts"]["data"], torch.float32).view(t["shape"])
+        elif t["kind"] == "int8":
+            out["q"] = part_tensor(buf, 0, t["parts"]["q"], torch.int8).view(t["shape"])
+            out["scale"] = part_tensor(buf, 0, t["parts"]["scale"], torch.float32)
+        else:
+            g = t["group_size"]
+            Np, Kp = int4_padded_shape(t["shape"], g)
+            out["packed"] = part_tensor(buf, 0, t["parts"]["packed"], torch.uint8)
+            out["sz"] = part_tensor(buf, 0, t["parts"]["sz"], torch.bfloat16).view(Kp // g, Np, 2)
+            out["group_size"] = g
+        return out
+
+    def tensor(self, name):
+        """A resident tensor dequantized to fp32."""
+        r = self.raw_tensor(name)
+        if r["kind"] == "f32":
+            return r["data"].clone()
+        if r["kind"] == "int8":
+            return dequantize_int8(r["q"], r["scale"], r["shape"])
+        return dequantize_int4(r["packed"], r["sz"], r["shape"], r["group_size"])
+
+    def resident_bytes(self):
+        return sum(t["nbytes"] for t in self.header["tensors"].values())
+
+    def dequantized_state_dict(self):
+        """A picaflor state dict in fp32 (experts stacked as model.py keeps them); for quality checks and eval."""
+        cfg = self.config
+        sd = {name: self.tensor(name) for name in self.header["tensors"]}
+        for layer, ents in self.header["experts"].items():
+            ws = [self.expert_weights(int(layer), e) for e in range(len(ents))]
+            for pname in ("gate_up_proj", "down_proj"):
+                sd[f"layers.{layer}.mlp.experts.{pname}"] = torch.stack([w[pname] for w in ws])
+        if cfg.tie_embeddings:
+            sd["lm_head.weight"] = sd["embed_tokens.weight"]
+        return sd
+
+    def verify_all(self, progress=False):
+        """Read and check every blob (resident and experts)."""
+        from tqdm import tqdm
+        for name in tqdm(list(self.header["tensors"]), desc="resident", disable=not progress):
+            self.raw_tensor(name)
+        for layer, ents in tqdm(list(self.header["experts"].items()), desc="expert layers", disable=not progress):
+            for e in range(len(ents)):
+                self.read_expert_blob(int(layer), e)
+
+
+def load_container(path):
+    """Open and validate a container (magic, version, header, alignment, size); raises ContainerError."""
+    path = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(PREFIX.size)
+            if len(prefix) < PREFIX.size or prefix[:8] != MAGIC:
+                raise ContainerError(f"{path}: not a picaflor int4 container (wrong magic); "
+                                     f"make one with python export.py CKPT --format int4 --out {path}")
+            _, version, _, hlen = PREFIX.unpack(prefix)
+            if version != VERSION:
+                raise ContainerError(f"{path}: container format version {version}, this code reads version {VERSION}; "
+                                     f"re-export it with this version of export.py")
+            if PREFIX.size + hlen > size:
+                raise ContainerError(f"{path}: truncated (header needs {PREFIX.size + hlen} bytes, file has {size})")
+            raw = f.read(hlen)
+    except FileNotFoundError:
+        raise ContainerError(f"{path}: no such file; check the path or export one with export.py --format int4") from None
+    except IsADirectoryError:
+        raise ContainerError(f"{path}: is a directory, not a container file; pass the .pcf4 file") from None
+    except PermissionError:
+        raise ContainerError(f"{path}: permission denied") from None
+    try:
+        header = json.loads(raw)
+        cfg = ModelConfig.from_dict(header["model_config"])
+        tensors, experts, layout = header["tensors"], header["experts"], header["expert_layout"]
+        group = header["quant"]["group_size"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ContainerError(f"{path}: corrupt container header ({str(e).splitlines()[0][:120]}); re-export it") from None
+    data_start = align_up(PREFIX.size + hlen)
+    spans = [(t["offset"], t["nbytes"], name) for name, t in tensors.items()]
+    spans += [(ent["offset"], layout["nbytes"], f"layer {l} expert {e}") for l, ents in experts.items()
+              for e, ent in enumerate(ents)]
+    for off, n, what in spans:
+        if off % ALIGN or n % ALIGN or off < data_start:
+            raise ContainerError(f"{path}: {what} is not 4096-byte aligned (offset {off}, {n} bytes); corrupt header")
+    end = max((off + n for off, n, _ in spans), default=data_start)
+    if end > size or header.get("file_bytes", end) > size:
+        raise ContainerError(f"{path}: truncated (index needs {max(end, header.get('file_bytes', end))} bytes, "
+                             f"file has {size}); re-export or re-copy it")
+    want = set(expected_shapes(cfg))
+    have = set(tensors) | {f"layers.{l}.mlp.experts.{p}" for l in experts for p in ("gate_up_proj", "down_proj")}
+    if want != have:
+        missing = sorted(want - have)[:3]
+        raise ContainerError(f"{path}: header does not match its model config (missing {missing}); corrupt header")
+    if any(len(experts.get(str(l), [])) != cfg.n_experts for l in range(cfg.n_dense_layers, cfg.n_layer)):
+        raise ContainerError(f"{path}: expert index does not match n_experts={cfg.n_experts}; corrupt header")
+    del group
+    return Container(path, header, size, data_start)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# config files (config/micro.py): model fields as globals
+
+def config_from_file(path):
+    g = {}
+    try:
+        exec(open(path).read(), g)
+    except OSError as e:
+        raise ContainerError(f"{path}: cannot read config file ({e.strerror})") from None
+    return ModelConfig.from_dict({f.name: g[f.name] for f in fields(ModelConfig) if f.name in g})
+
+
+def measure_quantization(ckpt_or_cfg, group_sizes=(32, 64, 128)):
+    """Relative RMS error of int4 (all int4-eligible weights) for each group size, sym vs asym."""
+    src = CheckpointSource(ckpt_or_cfg) if os.path.isdir(ckpt_or_cfg) else RandomSource(config_from_file(ckpt_or_cfg))
+    shapes = expected_shapes(src.cfg)
+    rows = []
+    for g in group_sizes:
+        for sym in (False, True):
+            se = ss = 0.0
+            for name, shape in shapes.items():
+                if tensor_class(name) in ("exact", "embeddings"):
+                    continue
+                ws = [src.get_expert(name, e) for e in range(shape[0])] if tensor_class(name) == "experts" else [src.get(name)]
+                for w in ws:
+                    p, sz = quantize_int4(w, g, sym)
+                    se += float((dequantize_int4(p, sz, w.shape, g) - w.float()).pow(2).sum())
+                    ss += float(w.float().pow(2).sum())
+            rows.append({"group_size": g, "scheme": "symmetric" if sym else "asymmetric",
+                         "rel_rms_error": math.sqrt(se / ss), "bits_per_weight": 4 + 32 / g})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Write or check a picaflor int4 streaming container.")
+    ap.add_argument("ckpt", nargs="?", help="checkpoint dir (step_NNNNNNN/ or a run dir)")
+    ap.add_argument("--out", help="container path to write (e.g. model.pcf4)")
+    ap.add_argument("--random-config", help="write random weights for this config file (e.g. config/micro.py)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--group-size", type=int, default=DEFAULT_GROUP)
+    ap.add_argument("--embed-bits", type=int, default=8, choices=[4, 8])
+    ap.add_argument("--dense-bits", type=int, default=4, choices=[4, 8], help="attention, shared and dense FFN")
+    ap.add_argument("--symmetric", action="store_true", help="absmax (Q4_0-style) instead of min/max groups")
+    ap.add_argument("--check", metavar="CONTAINER", help="validate a container and every checksum")
+    ap.add_argument("--measure", metavar="CKPT_OR_CONFIG", help="print int4 error per group size, sym vs asym")
+    args = ap.parse_args(argv)
+    try:
+        if args.check:
+            c = load_container(args.check)
+            c.verify_all(progress=True)
+            print(f"{args.check}: ok ({c.file_size / 1e9:.3f} GB, {len(c.header['tensors'])} resident tensors, "
+                  f"{sum(len(v) for v in c.header['experts'].values())} expert blobs)")
+            return 0
+        if args.measure:
+            for r in measure_quantization(args.measure):
+                print(f"group {r['group_size']:4d} {r['scheme']:>10s}: rel RMS error {r['rel_rms_error']:.4f} "
+                      f"at {r['bits_per_weight']:.2f} bits/weight")
+            return 0
+        if not args.out or not (args.ckpt or args.random_config):
+            ap.error("give CKPT --out PATH, or --random-config CONFIG --out PATH, or --check CONTAINER")
+        source = RandomSource(config_from_file(args.random_config), args.seed) if args.random_config else None
+        rep = write_container(args.ckpt, args.out, args.group_size, args.embed_bits, True, args.dense_bits,
+                              args.symmetric, source)
+        print(json.dumps(rep, indent=1))
+        return 0
+    except (ContainerError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""int4 container: round trip, expert blobs, corrupt files (tiny random models, CPU, a few seconds)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import container as C  # noqa: E402
+from model import ModelConfig, Picaflor, save_checkpoint  # noqa: E402
+
+TINY = dict(vocab_size=300, n_layer=3, n_dense_layers=1, d_model=64, n_head=4, n_kv_head=2, dense_ffn=96,
+            n_experts=8, expert_ffn=48, n_shared=1, top_k=2, max_seq_len=64, tie_embeddings=False)
+
+
+def make_ckpt(tmp_path, seed=0, **over):
+    torch.manual_seed(seed)
+    m = Picaflor(ModelConfig(**{**TINY, **over}))
+    with torch.no_grad():  # a non-zero selection bias, so a lost or reordered bias would show
+        for moe in m.moe_layers():
+            moe.e_score_correction_bias.normal_(0, 0.01)
+    tok = tmp_path / "tok.json"
+    tok.write_text('{"format": "not-really-a-tokenizer"}')
+    return m, save_checkpoint(m, str(tmp_path / "run"), 1, tokenizer_file=str(tok))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ct")
+    m, ck = make_ckpt(tmp)
+    out = str(tmp / "m.pcf4")
+    rep = C.write_container(ck, out, group_size=32, progress=False)
+    return m, ck, out, rep
+
+
+@pytest.mark.parametrize("shape,g", [((64, 128), 32), ((40, 100), 32), ((33, 7), 16), ((96, 256), 128)])
+@pytest.mark.parametrize("sym", [False, True])
+def test_int4_round_trip_error_bound(shape, g, sym):
+    torch.manual_seed(1)
+    w = torch.randn(shape)
+    p, sz = C.quantize_int4(w, g, sym)
+    d = C.dequantize_int4(p, sz, shape, g)
+    assert d.shape == w.shape
+    # uniform quantizer: |error| <= scale / 2 per weight (plus bf16 rounding of scale/zero); relative RMS ~ 8-11%
+    rel = ((d - w).pow(2).mean() / w.pow(2).mean()).sqrt().item()
+    assert rel < 0.13, rel
+    gw = torch.nn.functional.pad(w, (0, (-shape[1]) % g)).view(shape[0], -1, g)
+    # asym: step = range / 15, error <= step / 2; sym (Q4_0): step = absmax / 8 and the extreme opposite to the
+    # absmax may clip from +8 to +7 steps, so error <= one step
+    step = (gw.amax(-1) - gw.amin(-1)) / 15 if not sym else gw.abs().amax(-1) / 8
+    step = step.repeat_interleave(g, dim=1)[:, :shape[1]]
+    assert ((d - w).abs() <= (1.0 if sym else 0.5) * step * 1.02 + 1e-6).all()
+
+
+def test_packed_layout_is_torch_cpu_kernel_layout():
+    q = torch.randint(0, 16, (64, 96), dtype=torch.int32)
+    ref = torch._convert_weight_to_int4pack_for_cpu(q, 1).flatten()
+    # pack q with our quantizer by building weights that quantize exactly to q
+    w = (q.float() - 8.0)  # scale 1, zero 0 per group when every group spans -8..7
+    w[:, ::32] = -8.0
+    w[:, 1::32] = 7.0
+    p, sz = C.quantize_int4(w, 32)
+    q2 = C.unpack_int4(p, 64, 96)
+    assert torch.equal(torch._convert_weight_to_int4pack_for_cpu(q2.to(torch.int32), 1).flatten(), p)
+    assert torch.equal(C.unpack_int4(ref, 64, 96).int(), q)
+
+
+def test_container_round_trip_and_report(built):
+    m, ck, out, rep = built
+    c = C.load_container(out)
+    assert c.config == m.cfg
+    assert c.tokenizer_json == '{"format": "not-really-a-tokenizer"}'
+    assert c.header["random_weights"] is False
+    sd = c.dequantized_state_dict()
+    ref = {k: v for k, v in m.state_dict().items() if not k.endswith("load_accum")}
+    assert set(sd) == set(ref)
+    for k, v in ref.items():
+        rel = ((sd[k] - v.float()).pow(2).sum() / v.float().pow(2).sum().clamp_min(1e-30)).sqrt().item()
+        if k.endswith(("norm.weight", "layernorm.weight", "mlp.gate.weight", "e_score_correction_bias")):
+            assert torch.equal(sd[k], v.float()), k  # router, bias and norms kept exact (fp32)
+        elif k.startswith(("embed_tokens", "lm_head")):
+            assert rel < 0.01, (k, rel)  # int8 per row
+        else:
+            assert rel < 0.12, (k, rel)
+    assert sd["layers.1.mlp.e_score_correction_bias"].abs().sum() > 0
+    r = json.load(open(out + ".report.json"))
+    assert set(r["relative_rms_error"]) == {"experts", "attention", "shared", "dense", "embeddings"}
+    assert 0.03 < r["relative_rms_error"]["experts"] < 0.12
+    assert r["relative_rms_error"]["embeddings"] < 0.01
+    # every blob aligned
+    for t in c.header["tensors"].values():
+        assert t["offset"] % 4096 == 0
+    for ents in c.header["experts"].values():
+        assert all(e["offset"] % 4096 == 0 for e in ents)
+
+
+def test_dequantized_model_runs_close_to_original(built):
+    m, ck, out, rep = built
+    c = C.load_container(out)
+    q = Picaflor(c.config)
+    q.load_state_dict(c.dequantized_state_dict(), strict=False)
+    q.eval()
+    idx = torch.randint(1, 300, (1, 16))
+    with torch.no_grad():
+        a, b = m.eval()(idx), q(idx)
+    assert (a - b).abs().max() < 0.15 * a.abs().max()
+
+
+def test_expert_blob_alone_equals_whole_file_view(built):
+    m, ck, out, rep = built
+    c = C.load_container(out)
+    whole = open(out, "rb").read()
+    for layer, e in [(1, 0), (2, 7), (1, 5)]:
+        blob = c.read_expert_blob(layer, e)
+        ent = c.header["experts"][str(layer)][e]
+        assert bytes(blob) == whole[ent["offset"]:ent["offset"] + c.expert_nbytes]
+        w = c.expert_weights(layer, e)
+        from_whole = c.decode_expert(bytearray(whole[ent["offset"]:ent["offset"] + c.expert_nbytes]))
+        for k, v in from_whole.items():
+            assert torch.equal(w[k], C.dequantize_int4(v["packed"], v["sz"], v["shape"], v["group_size"]))
+        orig = getattr(m.layers[layer].mlp.experts, "gate_up_proj")[e].detach()
+        assert ((w["gate_up_proj"] - orig).pow(2).mean() / orig.pow(2).mean()).sqrt() < 0.12
+
+
+def test_streaming_writer_matches_random_source_and_tied(tmp_path):
+    cfg = ModelConfig(**{**TINY, "tie_embeddings": True})
+    src = C.RandomSource(cfg, seed=3)
+    out = str(tmp_path / "r.pcf4")
+    C.write_container(None, out, group_size=32, progress=False, source=src, embed_bits=4, dense_bits=8)
+    c = C.load_container(out)
+    assert c.header["random_weights"] is True
+    assert "lm_head.weight" not in c.header["tensors"]
+    assert c.header["tensors"]["embed_tokens.weight"]["kind"] == "int4"
+    assert c.header["tensors"]["layers.0.self_attn.q_proj.weight"]["kind"] == "int8"
+    w = c.expert_weights(2, 3)["down_proj"]
+    ref = src.get_expert("layers.2.mlp.experts.down_proj", 3)
+    assert ((w - ref).pow(2).mean() / ref.pow(2).mean()).sqrt() < 0.12
+    sd = c.dequantized_state_dict()
+    assert sd["lm_head.weight"] is sd["embed_tokens.weight"]
+
+
+def _one_line_error(fn):
+    with pytest.raises(C.ContainerError) as ei:
+        fn()
+    msg = str(ei.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_corrupt_containers_give_one_line_errors(built, tmp_path):
+    m, ck, out, rep = built
+    data = open(out, "rb").read()
+    # wrong magic
+    bad = tmp_path / "bad_magic.pcf4"
+    bad.write_bytes(b"GGUF" + data[4:])
+    msg = _one_line_error(lambda: C.load_container(str(bad)))
+    assert "not a picaflor int4 container" in msg and str(bad) in msg
+    # truncated (cut the last expert blob in half)
+    tr = tmp_path / "trunc.pcf4"
+    tr.write_bytes(data[:len(data) - 6000])
+    msg = _one_line_error(lambda: C.load_container(str(tr)))
+    assert "truncated" in msg and str(tr) in msg
+    # truncated inside the header
+    tr2 = tmp_path / "trunc2.pcf4"
+    tr2.write_bytes(data[:100])
+    assert "truncated" in _one_line_error(lambda: C.load_container(str(tr2)))
+    # one flipped byte inside layer 2 expert 5
+    c = C.load_container(out)
+    off = c.header["experts"]["2"][5]["offset"] + 123
+    fl = tmp_path / "flip.pcf4"
+    fl.write_bytes(data[:off] + bytes([data[off] ^ 0x10]) + data[off + 1:])
+    cf = C.load_container(str(fl))
+    cf.read_expert_blob(2, 4)  # neighbours are fine
+    msg = _one_line_error(lambda: cf.read_expert_blob(2, 5))
+    assert "checksum mismatch" in msg and "layer 2 expert 5" in msg and str(fl) in msg
+    # corrupt header JSON
+    hj = tmp_path / "hdr.pcf4"
+    hj.write_bytes(data[:30] + b"\x00\x01" + data[32:])
+    assert "corrupt container header" in _one_line_error(lambda: C.load_container(str(hj)))
+    # missing file
+    assert "no such file" in _one_line_error(lambda: C.load_container(str(tmp_path / "nope.pcf4")))
+
+
+def test_cli_check_and_errors(built, tmp_path):
+    m, ck, out, rep = built
+    assert C.main(["--check", out]) == 0  # every checksum verified, in process (a subprocess costs ~9 s here)
+    bad = tmp_path / "x.pcf4"
+    bad.write_bytes(b"hello world" * 10)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "container.py"), "--check", str(bad)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "not a picaflor int4 container" in r.stderr
