@@ -104,7 +104,10 @@ class Source:
         """One tensor; the last one read is kept so slicing experts out of a stacked tensor reads it once."""
         if self._cache[0] != name:
             self._cache = (None, None)  # drop the previous tensor before reading the next
-            self._cache = (name, self.f.get_tensor(name))
+            # a fresh safe_open per read: its mmap is unmapped again right after, so the pages already read
+            # do not stay in this process's memory (the header parse costs well under a millisecond)
+            with safe_open(self.weights, framework="pt") as f:
+                self._cache = (name, f.get_tensor(name))
         return self._cache[1]
 
     def tokenizer(self):

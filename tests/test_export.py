@@ -263,3 +263,34 @@ def test_bad_manifest_is_one_line_error_naming_the_file(ckpt, tmp_path):
     msg = str(e.value.code)
     assert "MANIFEST.json" in msg and "\n" not in msg
     assert not os.path.exists(tmp_path / "o.gguf")
+
+
+def test_tied_embeddings_hf_and_gguf(ckpt, tmp_path):
+    """tie_embeddings (config/tiny.py): no lm_head in the checkpoint; HF ties it, GGUF has no output.weight."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(1)
+    m = M.Picaflor(M.ModelConfig(**{**CFG, "tie_embeddings": True})).eval()
+    path = M.save_checkpoint(m, str(tmp_path / "run"), 1, tokenizer_file=os.path.join(ckpt["dir"], "tok.json"))
+    run_export([path, "--format", "hf", "--out", str(tmp_path / "hf"), "--dtype", "float32"])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    idx = torch.randint(1, 400, (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (M.load_checkpoint(path)(idx) - hf(idx).logits).abs().max().item() <= 1e-4
+    run_export([path, "--format", "gguf", "--out", str(tmp_path / "t.gguf"), "--gguf-type", "q8_0"])
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "t.gguf")).tensors}
+    want = set(expected_gguf_tensors(m.cfg)) - {"output.weight"}  # llama.cpp falls back to token_embd
+    assert names == want
+
+
+def test_int4_export_writes_a_loadable_container(ckpt, tmp_path):
+    import container
+    out = str(tmp_path / "m.pcf4")
+    rep = run_export([ckpt["run"], "--format", "int4", "--out", out, "--group-size", "32"])
+    assert rep["format"] == "int4" and os.path.isfile(out)
+    c = container.load_container(out)
+    assert c.config == M.ModelConfig(**CFG) and c.group_size == 32
+    sd = c.dequantized_state_dict()
+    ref = M.load_checkpoint(ckpt["path"]).state_dict()
+    w, q = ref["layers.1.mlp.experts.gate_up_proj"], sd["layers.1.mlp.experts.gate_up_proj"]
+    assert (w - q).abs().max().item() <= 0.25 * w.abs().max().item()  # int4: coarse but close
