@@ -240,6 +240,59 @@ def hf_tokenizer_files(tok, max_len):
 # ----------------------------------------------------------------------------------------------------------
 # Hugging Face HYV3ForCausalLM
 
+def model_card(src, dtype_name, with_tokenizer):
+    """README.md for the Hub: what the model is, its size, how to load it, the chat format."""
+    c = src.cfg
+    total = sum(int(np.prod(src.shape(n))) for n in src.names if not n.endswith("e_score_correction_bias"))
+    n_moe = c.n_layer - c.n_dense_layers
+    active = total - n_moe * (c.n_experts - c.top_k) * 3 * c.d_model * c.expert_ffn
+    step, tokens = src.state.get("step"), src.state.get("tokens") or src.state.get("tokens_seen")
+    trained = f"step {step}" + (f", {tokens:,} tokens seen" if isinstance(tokens, int) else "")
+    tok_use = ("tok = AutoTokenizer.from_pretrained(path)\n"
+               "ids = tok(\"The history of\", return_tensors=\"pt\").input_ids  # starts with <|bos|>\n"
+               if with_tokenizer else "ids = torch.tensor([[...token ids...]])\n")
+    return f"""---
+library_name: transformers
+pipeline_tag: text-generation
+tags: [picaflor, hy_v3, mixture-of-experts]
+---
+# {os.path.basename(os.path.dirname(os.path.abspath(src.dir)))} (picaflor, {os.path.basename(os.path.normpath(src.dir))})
+
+A fine-grained Mixture-of-Experts language model trained with picaflor ({trained}), exported as Hugging Face
+`HYV3ForCausalLM` (model_type `hy_v3`): transformers loads it with no custom code.
+
+| | |
+|---|---|
+| parameters | {total / 1e6:.1f}M total, {active / 1e6:.1f}M active per token (top-{c.top_k}) |
+| layers | {c.n_layer} ({c.n_dense_layers} dense, {n_moe} MoE), d_model {c.d_model}, {c.n_head} heads / {c.n_kv_head} kv heads |
+| experts | {c.n_experts} routed of width {c.expert_ffn}, top-{c.top_k}, sigmoid router with selection bias, shared width {c.n_shared * c.expert_ffn} |
+| context | {c.max_seq_len} tokens, RoPE theta {c.rope_theta:g} |
+| vocab | {c.vocab_size} (byte-level BPE) |
+| weights | {dtype_name} (router and its bias float32); experts stored per expert (`mlp.experts.N.*_proj.weight`) |
+
+```python
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path = "."
+model = AutoModelForCausalLM.from_pretrained(path)
+{tok_use}out = model.generate(ids, max_new_tokens=50)
+```
+
+`generation_config.json` is greedy with no repetition penalty or any other sampling penalty: scoring and
+evaluation must see the model's own distribution. Generation stops at `<|end|>` (end of a turn) or `<|bos|>`
+(start of a new document).
+
+Tokenizer: `tokenizer.json` (for AutoTokenizer) encodes exactly like `picaflor_tokenizer.json`, the
+tiktoken-based file picaflor trains and serves with (`tokenizer.Tokenizer.load`). Id 0 (`<|pad|>`) is
+reserved and never produced. AutoTokenizer parses special-token strings such as `<|user|>` in text as the
+special tokens; picaflor's own encode treats them as plain text.
+
+Chat format (`tokenizer.apply_chat_template`):
+`<|bos|><|system|>SYSTEM<|end|><|user|>TEXT<|end|><|assistant|>TEXT<|end|>...`; the generation prompt is
+`<|assistant|>`.
+"""
+
+
 def hf_plan(src, dtype):
     """[(hf name, source name, expert part or None, expert index, shape, dtype)] in file order."""
     plan = []
@@ -322,6 +375,8 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
         else:
             print(f"warning: {src.dir} has no tokenizer.json; the export has no tokenizer (pass --tokenizer FILE)",
                   file=sys.stderr)
+        with open(os.path.join(tmp, "README.md"), "w") as f:
+            f.write(model_card(src, dtype_name, tok is not None))
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -78,6 +78,7 @@ def test_hf_export_loads_and_matches_logits_fp32(ckpt, hf_fp32):
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["architectures"] == ["HYV3ForCausalLM"] and cfg["model_type"] == "hy_v3"
     assert cfg["bos_token_id"] == ckpt["tok"].bos_id and cfg["torch_dtype"] == "float32"
+    assert "HYV3ForCausalLM" in open(os.path.join(out, "README.md")).read()  # the model card
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "HYV3ForCausalLM"
     assert hf.model.layers[1].mlp.gate.weight.dtype == torch.float32
