@@ -140,7 +140,8 @@ def build_plan(cfg, tokens_per_step):
         mix = s.get("mix") or {cfg["dataset"]: 1.0}
         if any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
             raise TrainError(f"stages[{i}]: mix weights must be >= 0 with a positive sum, got {mix}")
-        plan.append(dict(name=s.get("name", f"stage{i}"), mix=dict(mix), tokens=tokens, seq_len=T, lr_phase=phase))
+        plan.append(dict(name=s.get("name", f"stage{i}"), mix=dict(mix), tokens=tokens, seq_len=T, lr_phase=phase,
+                         seq_len_from_config="seq_len" not in s))
     if not plan:
         raise TrainError("the plan is empty: set stages or max_iters > 0")
     return plan
@@ -238,12 +239,14 @@ def grow_state_dict(sd, old_cfg, n_new, where):
     before it, with the attention output and every FFN down projection zeroed so the block adds nothing.
     Returns (new state dict, layer_origin list)."""
     import torch
-    L = old_cfg.n_layer
+    L, nd = old_cfg.n_layer, old_cfg.n_dense_layers
+    if nd >= L:
+        raise TrainError("growth copies MoE blocks, and this model has none (n_dense_layers == n_layer)")
     if where == "top":
         after = [L - 1] * n_new
-    elif where == "interleave":
-        every = max(1, L // n_new) if n_new else 1
-        after = [min(L - 1, (i + 1) * every - 1) for i in range(n_new)]
+    elif where == "interleave":  # spread over the MoE layers so the dense prefix stays as it is
+        every = max(1, (L - nd) // n_new) if n_new else 1
+        after = [min(L - 1, nd + (i + 1) * every - 1) for i in range(n_new)]
     else:
         raise TrainError(f"grow_where must be interleave or top, got {where!r}")
     order, origin = [], []
@@ -254,8 +257,6 @@ def grow_state_dict(sd, old_cfg, n_new, where):
             if a == i:
                 order.append(("new", i))
                 origin.append("new")
-    if order[0] != 0 or (old_cfg.n_dense_layers and any(isinstance(o, tuple) and o[1] < old_cfg.n_dense_layers - 1 for o in order)):
-        raise TrainError("growth would insert a block among the dense layers; use grow_where=top")
     out = {k: v for k, v in sd.items() if not k.startswith("layers.")}
     for new_i, o in enumerate(order):
         src = o if isinstance(o, int) else o[1]
@@ -509,6 +510,9 @@ def main(argv):
             state.setdefault("replans", []).append({"step": state["step"], "old": stored, "new": plan, "at": time.time()})
         else:
             plan = stored
+        for s in plan:  # stages that do not pin a seq_len follow the config's, so it may change on resume
+            if s.get("seq_len_from_config"):
+                s["seq_len"] = cfg["seq_len"]
     corpora = sorted({c for s in plan for c in s["mix"]})
     streams, val_stream = {}, None
     for c in corpora:

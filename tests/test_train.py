@@ -1,0 +1,226 @@
+"""train.py end to end on a tiny model and a tiny offline corpus (subprocesses, CPU)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import train  # noqa: E402
+from model import Picaflor, ModelConfig, load_checkpoint  # noqa: E402
+
+TINY = ["config/tiny.py", "--vocab_size=320", "--n_layer=3", "--d_model=32", "--n_head=4", "--n_kv_head=1",
+        "--dense_ffn=64", "--n_experts=8", "--expert_ffn=16", "--n_shared=1", "--max_seq_len=64", "--batch_size=4",
+        "--seq_len=32", "--sample_tokens=0", "--log_interval=1", "--eval_iters=2"]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    src = os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    r = subprocess.run([sys.executable, "data/local/prepare.py", "--src", src, "--out", str(root / "local"),
+                        "--vocab-size", "320", "--val-percent", "20"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return str(root)
+
+
+def run(args, check=True, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, env=env, **kw)
+    if check:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def metrics(out_dir):
+    """Last record per step (a killed run may have logged steps that the resumed run redoes)."""
+    recs = {}
+    for line in open(os.path.join(out_dir, "metrics.jsonl")):
+        d = json.loads(line)
+        recs[d["step"]] = d
+    return recs
+
+
+def test_loss_falls(data_root, tmp_path):
+    out = str(tmp_path / "run")
+    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=60", "--warmup_iters=5",
+                "--eval_interval=30", "--learning_rate=1e-2"])
+    m = metrics(out)
+    first = sum(m[s]["loss"] for s in range(1, 6)) / 5
+    last = sum(m[s]["loss"] for s in range(56, 61)) / 5
+    assert last < first - 1.0, (first, last)
+    assert m[60]["val_loss"] < m[30]["val_loss"] + 0.5
+    for key in ("step", "tokens", "loss", "lr", "tok_per_s", "load_cv", "dead_frac", "usd"):
+        assert key in m[60]
+    st = json.load(open(os.path.join(out, "step_0000060", "state.json")))
+    assert st["finished"] and st["tokens"] == 60 * 4 * 32
+
+
+def test_resume_after_sigkill_is_bitwise(data_root, tmp_path):
+    common = TINY + [f"--data_root={data_root}", "--max_iters=12", "--warmup_iters=2", "--eval_interval=100",
+                     "--ckpt_interval=6"]
+    straight = str(tmp_path / "straight")
+    run(common + [f"--out_dir={straight}"])
+    killed = str(tmp_path / "killed")
+    p = subprocess.Popen([sys.executable, "train.py", *common, f"--out_dir={killed}"], cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 120
+    while not os.path.exists(os.path.join(killed, "step_0000006", "MANIFEST.json")):
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    for name in os.listdir(killed):  # as if the kill came right after the step-6 checkpoint
+        if name.startswith("step_") and name != "step_0000006":
+            import shutil
+            shutil.rmtree(os.path.join(killed, name))
+    run(common + [f"--out_dir={killed}", "--init_from=resume"])
+    a, b = metrics(straight), metrics(killed)
+    assert [a[s]["loss"] for s in range(1, 13)] == [b[s]["loss"] for s in range(1, 13)]
+    ma, mb = load_checkpoint(straight), load_checkpoint(killed)
+    for (n, pa), (_, pb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert torch.equal(pa, pb), n
+
+
+def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, tmp_path):
+    out = str(tmp_path / "run")
+    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=20", "--warmup_iters=2", "--eval_interval=100"]
+    run(base + ["--stop_after_steps=4"])
+    st = json.load(open(os.path.join(out, "step_0000004", "state.json")))
+    assert st["tokens"] == 4 * 4 * 32
+    run(base + ["--init_from=resume", "--stop_after_steps=3", "--batch_size=2", "--seq_len=48", "--replan"])
+    st = json.load(open(os.path.join(out, "step_0000007", "state.json")))
+    assert st["tokens"] == 4 * 4 * 32 + 3 * 2 * 48
+    pos = st["data_position"]["local"]
+    assert pos["shard"] == 0 and pos["epoch"] == 0 and pos["offset"] == st["tokens"]
+    assert [h["seq_len"] for h in st["seq_len_history"]] == [32, 48]
+
+
+def test_torchrun_two_processes_gloo(data_root, tmp_path):
+    out = str(tmp_path / "ddp")
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
+            f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=6", "--warmup_iters=1", "--eval_interval=3",
+            "--ckpt_interval=3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(base + ["--stop_after_steps=3"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run(base + ["--init_from=resume"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    st = json.load(open(os.path.join(out, "step_0000006", "state.json")))
+    assert st["finished"] and st["tokens"] == 6 * 2 * 4 * 32  # two ranks' rows per step
+    assert st["data_position"]["local"]["offset"] == st["tokens"]
+
+
+def test_grow_starts_as_identity_and_groups_get_their_lr(data_root, tmp_path):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=320, n_layer=3, n_dense_layers=1, d_model=32, n_head=4, n_kv_head=1, dense_ffn=64,
+                      n_experts=8, expert_ffn=16, n_shared=1, max_seq_len=64, tie_embeddings=True)
+    src = Picaflor(cfg)
+    from model import save_checkpoint
+    save_checkpoint(src, str(tmp_path / "src"), 10)
+    out = str(tmp_path / "grown")
+    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--init_from=grow", f"--grow_from={tmp_path / 'src'}",
+                "--grow_layers=2", "--stop_after_steps=0"])
+    grown = load_checkpoint(out)
+    assert grown.cfg.n_layer == 5
+    idx = torch.randint(1, 320, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(src.eval()(idx), grown(idx))
+    st = json.load(open(os.path.join(out, "step_0000000", "state.json")))
+    assert st["layer_origin"].count("new") == 2 and st["layer_origin"][0] == "old"
+    groups = train.param_groups(grown, st["layer_origin"], {"lr_mult": {"embedding": 0.5, "old": 0.1, "new": 2.0},
+                                                              "weight_decay": 0.1})
+    for gr in groups:
+        assert gr["lr_mult"] == {"embedding": 0.5, "old": 0.1, "new": 2.0}[gr["origin"]]
+        for n in gr["names"]:
+            assert train.origin_of(n, st["layer_origin"]) == gr["origin"]
+    new_layers = {i for i, o in enumerate(st["layer_origin"]) if o == "new"}
+    assert any(int(n.split(".")[1]) in new_layers for gr in groups if gr["origin"] == "new" for n in gr["names"])
+
+
+def stage_file(tmp_path, name, decay_steps):
+    f = tmp_path / name
+    f.write_text("stages = [dict(name='warm', steps=3, lr_phase='warmup'), dict(name='flat', steps=4, lr_phase='stable'),"
+                 f" dict(name='down', steps={decay_steps}, lr_phase='decay')]\n")
+    return str(f)
+
+
+def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, tmp_path):
+    out = str(tmp_path / "run")
+    base = TINY + [stage_file(tmp_path, "plan.py", 4), f"--data_root={data_root}", f"--out_dir={out}",
+                   "--eval_interval=100", "--learning_rate=1e-3", "--min_lr=1e-4"]
+    run(base + ["--stop_after_steps=5"])
+    st = json.load(open(os.path.join(out, "step_0000005", "state.json")))
+    assert not st["finished"]
+    run(base + ["--init_from=resume", "--stop_after_steps=4"])
+    run(base + ["--init_from=resume"])
+    m = metrics(out)
+    assert sorted(m) == list(range(1, 12))
+    step_tokens = 4 * 32
+    expect = [1e-3 * 1 / 3, 1e-3 * 2 / 3, 1e-3] + [1e-3] * 4 + [1e-4 + 9e-4 * (1 - (i / 4) ** 0.5) for i in range(4)]
+    for s in range(1, 12):
+        assert abs(m[s]["lr"] - expect[s - 1]) < 1e-12, (s, m[s]["lr"], expect[s - 1])
+        assert m[s]["tokens"] == s * step_tokens
+    assert [m[s]["stage"] for s in (1, 5, 11)] == ["warm", "flat", "down"]
+    st = json.load(open(os.path.join(out, "step_0000011", "state.json")))
+    assert st["finished"]
+    # stage finals are kept by retention
+    assert os.path.isdir(os.path.join(out, "step_0000003")) and os.path.isdir(os.path.join(out, "step_0000007"))
+    # a changed plan on resume is refused without --replan
+    changed = [a for a in base if not a.endswith("plan.py")] + [stage_file(tmp_path, "plan2.py", 6)]
+    r = run(changed + ["--init_from=resume"], check=False)
+    assert r.returncode == 1 and "--replan" in r.stderr and "Traceback" not in r.stderr
+    # --status prints plan against progress
+    r = run(["--status", out])
+    assert "FINISHED" in r.stdout and "down" in r.stdout and "lr now" in r.stdout
+
+
+def test_start_decay_on_demand(data_root, tmp_path):
+    out = str(tmp_path / "run")
+    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=100", "--warmup_iters=2",
+                   "--decay_frac=0.0", "--decay_tokens=512", "--eval_interval=1000"]
+    run(base + ["--stop_after_steps=3"])
+    json.dump({"start_decay": True}, open(os.path.join(out, "control.json"), "w"))
+    run(base + ["--init_from=resume"])
+    st = json.load(open(os.path.join(out, "LATEST" and open(os.path.join(out, "LATEST")).read().strip(), "state.json")))
+    assert st["finished"] and st["step"] == 3 + 512 // 128 and st["plan"][-1]["lr_phase"] == "decay"
+
+
+@pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override"])
+def test_bad_input_one_line_errors(data_root, tmp_path, case):
+    out = str(tmp_path / "run")
+    args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
+    if case == "syntax":
+        bad = tmp_path / "bad.py"
+        bad.write_text("batch_size = (\n")
+        args = args + [str(bad)]
+    elif case == "missing_data":
+        args = args + ["--data_root=/nonexistent/data"]
+    elif case == "unknown_dataset":
+        args = args + ["--dataset=nope"]
+    elif case == "bad_override":
+        args = args + ["--batch_size=many"]
+    elif case == "corrupt_checkpoint":
+        run(args + ["--stop_after_steps=2"])
+        for name in os.listdir(out):  # every checkpoint corrupt (resume skips a bad newest one for an older valid one)
+            if name.startswith("step_"):
+                f = os.path.join(out, name, "model.safetensors")
+                data = bytearray(open(f, "rb").read())
+                data[len(data) // 2] ^= 0xFF
+                open(f, "wb").write(bytes(data))
+        args = args + ["--init_from=resume"]
+    r = run(args, check=False)
+    assert r.returncode != 0
+    err = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert len(err) == 1 and "error" in err[0] and "Traceback" not in r.stderr, r.stderr
+    if case == "corrupt_checkpoint":
+        assert os.path.isdir(os.path.join(out, "step_0000002"))  # nothing deleted
+        assert "no valid checkpoint" in err[0]
+    if case in ("missing_data", "unknown_dataset"):
+        assert "prepare.py" in err[0]
