@@ -37,10 +37,11 @@ from dataclasses import asdict, fields
 out_dir = "out"
 dataset = "local"            # a corpus folder under data_root; the default plan trains on it alone
 data_root = "data"
-init_from = "scratch"        # scratch | resume | grow
+init_from = "scratch"        # scratch | resume | grow | finetune
 resume_from = ""             # with init_from=resume: a specific step_* dir (default: newest valid in out_dir)
 grow_from = ""               # with init_from=grow: the checkpoint (dir) to grow
 grow_layers = 0              # new layers added by growth
+finetune_from = ""           # with init_from=finetune: start from these weights (fresh optimizer, plan and data)
 grow_where = "interleave"    # interleave (LLaMA Pro: one new block after every k old ones) | top
 # model (ModelConfig fields)
 vocab_size = 32768
@@ -495,8 +496,18 @@ def main(argv):
                                            cfg["grow_layers"], cfg["grow_where"])
         mcfg = ModelConfig.from_dict({**asdict(old), "n_layer": old.n_layer + cfg["grow_layers"]})
         log(f"growing {ck}: {old.n_layer} -> {mcfg.n_layer} layers (new blocks start as identity)")
+    elif cfg["init_from"] == "finetune":
+        if not cfg["finetune_from"]:
+            raise TrainError("init_from=finetune needs finetune_from=CHECKPOINT (a run dir or step_* dir)")
+        ck = checkpoint.resolve(cfg["finetune_from"])
+        checkpoint.verify(ck)
+        src_state = read_json(os.path.join(ck, "state.json"))
+        mcfg = model_config_from({**cfg, **src_state["model_config"]})
+        sd = load_file(os.path.join(ck, "model.safetensors"))
+        layer_origin = src_state.get("layer_origin") or ["new"] * mcfg.n_layer
+        log(f"fine-tuning from {ck} (step {src_state.get('step')}); fresh optimizer and plan")
     elif cfg["init_from"] != "scratch":
-        raise TrainError(f"init_from must be scratch, resume or grow, got {cfg['init_from']!r}")
+        raise TrainError(f"init_from must be scratch, resume, grow or finetune, got {cfg['init_from']!r}")
 
     # --- data ----------------------------------------------------------------------------------------------
     plan = build_plan(cfg, tokens_per_step)
