@@ -218,6 +218,221 @@ class FakeHub:
                                    "ETag": f'"{self.file_oid(full)}"', "Content-Type": "application/octet-stream"})
 
 
+# ---- versioned repos with commits (relay.py's hf:// store) ------------------------------------------------------
+# RelayHub adds git-like history to FakeHub: repos made with create_repo (or hub.create_versioned) live in memory
+# as commits {id, parent, time, message, tree {path: blob sha1}}; reads at any commit sha work, and a commit whose
+# parentCommit is not the branch head gets HTTP 412, as on the Hub. Folder-backed repos are served as before.
+#
+#   POST /api/repos/create                                 create_repo (409 if it exists)
+#   GET  /api/models/{id}/refs                             list_repo_refs
+#   GET  /api/models/{id}/commits/{rev}                    list_repo_commits (one page, newest first)
+#   POST /api/models/{id}/preupload/{rev}                  every file "regular" (inline base64, no LFS)
+#   POST /api/models/{id}/commit/{rev}                     ndjson: header (parentCommit), file, deletedFile, deletedFolder
+#   GET  info / tree / HEAD|GET resolve                    as FakeHub, at a commit of the history
+#
+#   hub.fail_after_commit = 1     the next commit lands, then the request answers 500 (the 2025 Hub bug)
+
+import base64 as _base64
+import time as _time
+import uuid as _uuid
+
+VERSIONED_ROUTES = [
+    ("POST", r"^/api/repos/create$", "create_repo"),
+    ("GET", rf"^/api/(?P<kind>models|datasets)/{REPO}/refs$", "refs"),
+    ("GET", rf"^/api/(?P<kind>models|datasets)/{REPO}/commits/(?P<rev>[^/]+)$", "commits"),
+    ("POST", rf"^/api/(?P<kind>models|datasets)/{REPO}/preupload/(?P<rev>[^/]+)$", "preupload"),
+    ("POST", rf"^/api/(?P<kind>models|datasets)/{REPO}/commit/(?P<rev>[^/]+)$", "commit"),
+    ("GET", rf"^/api/(?P<kind>models|datasets)/{REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?$", "vtree"),
+    ("GET", rf"^/api/(?P<kind>models|datasets)/{REPO}(?:/revision/(?P<rev>[^/]+))?$", "vinfo"),
+    ("HEAD", rf"^/(?:(?P<kind>datasets)/)?{REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$", "vresolve"),
+    ("GET", rf"^/(?:(?P<kind>datasets)/)?{REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$", "vresolve"),
+]
+
+
+def _iso(t):
+    return _time.strftime("%Y-%m-%dT%H:%M:%S", _time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+
+
+class RelayHub(FakeHub):
+    def __init__(self, root, host="127.0.0.1", port=0):
+        super().__init__(root, host, port)
+        self.vrepos = {}  # (kind, repo_id) -> {"head": sha, "commits": {sha: commit}}
+        self.blobs = {}  # git blob sha1 -> bytes
+        self.vlock = threading.Lock()  # one commit at a time, like the Hub's per-branch lock
+        self.fail_after_commit = 0  # > 0: that many commits land and then answer 500
+        # headers and body go out in separate writes: without TCP_NODELAY each keep-alive request waits ~40 ms
+        # on Nagle + delayed ACK, which the relay's many small requests feel
+        self.server.RequestHandlerClass.disable_nagle_algorithm = True
+
+    def client_env(self, hf_home):
+        return dict(super().client_env(hf_home), HF_TOKEN="hf_relaytest")  # writes need a token client-side
+
+    def create_versioned(self, kind, repo_id):
+        with self.vlock:
+            if (kind, repo_id) in self.vrepos:
+                return False
+            blob = self.put_blob(b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+            self.vrepos[(kind, repo_id)] = {"head": None, "commits": {}}
+            self.add_commit(kind, repo_id, {".gitattributes": blob}, "initial commit")
+            return True
+
+    def put_blob(self, data):
+        oid = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git's blob id
+        self.blobs[oid] = data
+        return oid
+
+    def add_commit(self, kind, repo_id, tree, message):
+        repo = self.vrepos[(kind, repo_id)]
+        sha = hashlib.sha1(f"{repo['head']}{_uuid.uuid4()}".encode()).hexdigest()
+        repo["commits"][sha] = {"id": sha, "parent": repo["head"], "time": _time.time(), "message": message,
+                                "tree": tree}
+        repo["head"] = sha
+        return sha
+
+    def dispatch(self, req, method):
+        url = urlsplit(req.path)
+        if self.status_override is None:
+            for m, pattern, name in VERSIONED_ROUTES:
+                match = re.match(pattern, url.path) if m == method else None
+                if not match:
+                    continue
+                groups = {k: unquote(v) if v is not None else None for k, v in match.groupdict().items()}
+                key = (groups.get("kind") or "models", groups.get("repo_id"))
+                if name == "create_repo" or key in self.vrepos:
+                    self.requests.append((method, url.path))
+                    groups.pop("kind", None)
+                    groups.pop("repo_id", None)
+                    return getattr(self, f"handle_{name}")(req, key, query=parse_qs(url.query), **groups)
+                break
+        return super().dispatch(req, method)
+
+    def read_body(self, req):
+        n = int(req.headers.get("Content-Length") or 0)
+        if n:
+            return req.rfile.read(n)
+        if req.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            out = b""
+            while True:
+                size = int(req.rfile.readline().strip() or b"0", 16)
+                if size == 0:
+                    req.rfile.readline()
+                    return out
+                out += req.rfile.read(size)
+                req.rfile.readline()
+        return b""
+
+    def at(self, req, key, rev):
+        """The commit `rev` (main or a sha) of versioned repo `key`, or None after answering 404."""
+        repo = self.vrepos[key]
+        sha = repo["head"] if rev in (None, "main") else rev
+        if sha not in repo["commits"]:
+            self.send_error_code(req, 404, "RevisionNotFound", f"Revision {rev} not found")
+            return None
+        return repo["commits"][sha]
+
+    def handle_create_repo(self, req, key, query):
+        body = json.loads(self.read_body(req) or b"{}")
+        kind = (body.get("type") or "model") + "s"
+        repo_id = f"{body.get('organization') or 'user'}/{body['name']}"
+        if not self.create_versioned(kind, repo_id):
+            return self.send_error_code(req, 409, None, "You already created this model repo")
+        self.send_json(req, {"url": f"{self.endpoint}/{repo_id}", "name": repo_id})
+
+    def handle_refs(self, req, key, query):
+        head = self.vrepos[key]["head"]
+        self.send_json(req, {"branches": [{"name": "main", "ref": "refs/heads/main", "targetCommit": head}],
+                             "tags": [], "converts": []})
+
+    def handle_commits(self, req, key, query, rev):
+        c = self.at(req, key, rev)
+        if c is None:
+            return
+        out = []
+        commits = self.vrepos[key]["commits"]
+        while c is not None and len(out) < 50:
+            out.append({"id": c["id"], "title": c["message"], "message": "", "authors": [], "date": _iso(c["time"])})
+            c = commits.get(c["parent"])
+        self.send_json(req, out)
+
+    def handle_preupload(self, req, key, query, rev):
+        files = json.loads(self.read_body(req))["files"]
+        self.send_json(req, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                       for f in files], "commitOid": self.vrepos[key]["head"]})
+
+    def handle_commit(self, req, key, query, rev):
+        lines = [json.loads(l) for l in self.read_body(req).splitlines() if l.strip()]
+        header = next((l["value"] for l in lines if l["key"] == "header"), {})
+        with self.vlock:
+            repo = self.vrepos[key]
+            parent = header.get("parentCommit")
+            if parent is not None and parent != repo["head"]:
+                return self.send_error_code(req, 412, None, "A commit has happened since. Please refresh and try again.")
+            tree = dict(repo["commits"][repo["head"]]["tree"])
+            for l in lines:
+                v = l["value"]
+                if l["key"] == "file":
+                    tree[v["path"]] = self.put_blob(_base64.b64decode(v["content"]))
+                elif l["key"] == "deletedFile":
+                    tree.pop(v["path"], None)
+                elif l["key"] == "deletedFolder":
+                    for p in [p for p in tree if p.startswith(v["path"].rstrip("/") + "/")]:
+                        del tree[p]
+                elif l["key"] != "header":
+                    return self.send_error_code(req, 400, None, f"unsupported commit operation {l['key']}")
+            sha = self.add_commit(*key, tree, header.get("summary", ""))
+            if self.fail_after_commit > 0:
+                self.fail_after_commit -= 1
+                return self.send_json(req, {"error": "Internal Error (injected after the commit landed)"}, 500)
+        self.send_json(req, {"success": True, "commitOid": sha, "commitUrl": f"{self.endpoint}/{key[1]}/commit/{sha}",
+                             "pullRequestUrl": None})
+
+    def handle_vinfo(self, req, key, query, rev=None):
+        c = self.at(req, key, rev)
+        if c is None:
+            return
+        self.send_json(req, {"id": key[1], "sha": c["id"], "private": False, "disabled": False,
+                             "lastModified": _iso(c["time"]), "tags": [],
+                             "siblings": [{"rfilename": p, "size": len(self.blobs[o])} for p, o in sorted(c["tree"].items())]})
+
+    def handle_vtree(self, req, key, query, rev, path=None):
+        c = self.at(req, key, rev)
+        if c is None:
+            return
+        base = (path or "").strip("/")
+        recursive = query.get("recursive", ["false"])[0].lower() in ("true", "1")
+        entries, folders = [], set()
+        for rel, oid in sorted(c["tree"].items()):
+            if base and not rel.startswith(base + "/"):
+                continue
+            parts = rel[len(base) + 1 if base else 0:].split("/")
+            for depth in range(1, len(parts) if recursive else min(2, len(parts))):
+                folder = "/".join(filter(None, [base] + parts[:depth]))
+                if folder not in folders:
+                    folders.add(folder)
+                    entries.append({"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(), "path": folder})
+            if recursive or len(parts) == 1:
+                entries.append({"type": "file", "oid": oid, "size": len(self.blobs[oid]), "path": rel})
+        if base and not entries:
+            return self.send_error_code(req, 404, "EntryNotFound", f"{base} does not exist on {rev}")
+        self.send_json(req, entries)
+
+    def handle_vresolve(self, req, key, query, rev, path):
+        c = self.at(req, key, rev)
+        if c is None:
+            return
+        oid = c["tree"].get(path)
+        if oid is None:
+            return self.send_error_code(req, 404, "EntryNotFound", f"{path} does not exist on {rev}")
+        data = self.blobs[oid]
+        req.send_response(200)
+        for k, v in {"X-Repo-Commit": c["id"], "ETag": f'"{oid}"', "Content-Type": "application/octet-stream",
+                     "Content-Length": str(len(data))}.items():
+            req.send_header(k, v)
+        req.end_headers()
+        if req.command == "GET":
+            req.wfile.write(data)
+
+
 if __name__ == "__main__":  # serve a folder by hand: python tests/hub_server.py ROOT [PORT]
     import sys
     import time

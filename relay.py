@@ -1,0 +1,1237 @@
+"""
+relay.py: one pretraining run trained in turns by volunteers, living in one store (a Hugging Face Hub model repo
+or a local directory), fenced by compare-and-swap commits.
+
+    python relay.py init hf://owner/name config/nano.py [--key=value ...]   # create the run (step-0 checkpoint)
+    python relay.py run hf://owner/name --hours 6 [--key=value ...]         # a contributor's whole job
+    python relay.py status|claim|pull|push|release|decay STORE
+    python relay.py dashboard STORE_OR_RUN_DIR                             # read-only web page on 127.0.0.1
+
+STORE is `hf://owner/name` (huggingface_hub; HF_ENDPOINT and HF_TOKEN as usual) or `file:///abs/path` (a local
+directory with the same compare-and-swap semantics, safe across processes; for offline use and tests).
+
+Files in the store (DESIGN.md, Relay):
+    RELAY.json           the lease: holder, nonce, generation, leg, claimed/heartbeat times, ttl, write_id
+    training_state.json  step, tokens, stage, plan, decay fields (copied from the checkpoint's state.json),
+                         decay_requested, legs (legs pushed so far), checkpoint (folder name)
+    config.py            the run's train.py config (init writes it; every leg trains with it)
+    checkpoint/          the latest checkpoint dir (MANIFEST.json verified before upload and after download)
+    logs/leg-NNNN.jsonl  the metrics.jsonl lines of every leg
+    LEDGER.md            one row per leg: who, GPU, steps, tokens, wall time, $, loss at start and end
+
+Safety (Kleppmann 2016, "How to do distributed locking"; see REFERENCES.md, Relay on the Hub): a lease alone
+cannot exclude a paused holder, so every write of a holder is a commit whose parent is the holder's own previous
+commit (`parent_commit=` on the Hub, a head check under flock for file://). Any other commit in between makes it
+fail (HTTP 412) and the holder stops training at once, keeping its local checkpoint. Timing decides only
+liveness: a lease has expired when the store's clock (HTTP Date / the local clock for file://) is more than
+ttl_s past the head commit's time (every holder write is a commit, so the head commit is the last renewal).
+Every commit carries a fresh write_id in RELAY.json; after a 5xx or a timeout the client re-reads the head and
+looks for its own write_id before retrying, so a commit that landed is never made twice.
+
+Implementer's calls: the repo holds only the latest checkpoint (older ones stay in git history); each leg trains
+in its own local folder WORKDIR/leg-NNNN-genG/, so a fenced leg's checkpoint is never touched again; `decay`
+refuses while someone holds the baton (its commit would fence them out); $ = wall hours x gpu_hourly_usd.
+"""
+
+import argparse
+import ast
+import base64
+import datetime as dt
+import email.utils
+import getpass
+import hashlib
+import html
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import checkpoint
+
+RELAY_FORMAT = "picaflor-relay"
+STATE_FORMAT = "picaflor-relay-state"
+CKPT_PREFIX = "checkpoint"
+LEDGER_HEADER = ("| leg | who | gpu | steps | tokens | wall | $ | loss start | loss end | step range | generation | finished (UTC) |\n"
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+STATE_KEYS = ("stage", "plan", "decay", "decay_started_at_tokens", "finished", "best_val_loss", "best_step")  # from state.json
+DEFAULT_TTL = 1200.0  # 20 min: TTL >= 3x the heartbeat interval (REFERENCES.md), heartbeats every few minutes (429s)
+DEFAULT_HEARTBEAT = 300.0
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class RelayError(Exception):
+    """Fatal, user-facing, one line."""
+
+
+class StoreError(RelayError):
+    """The store refused or failed a request for good."""
+
+
+class Transient(StoreError):
+    """A 5xx, a 429 or a timeout: the request may or may not have taken effect."""
+
+
+class Conflict(StoreError):
+    """The head is not the commit we chained from: someone else wrote (HTTP 412)."""
+
+
+class Busy(RelayError):
+    """Someone else holds a live lease."""
+
+
+class Fenced(RelayError):
+    """Our lease is gone: another commit landed after our last one."""
+
+
+def now_iso(t=None):
+    return dt.datetime.fromtimestamp(time.time() if t is None else t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stores: head() -> (sha, commit_time, server_now); read(sha, path) -> bytes|None; list(sha, prefix) -> [path];
+# download(sha, paths, dest); commit(parent, adds {path: bytes | local file path}, deletes, message) -> sha.
+
+
+class FileStore:
+    """A local directory with atomic compare-and-swap commits, safe across processes:
+        STORE        marker           objects/ab/<sha256>  content-addressed file bodies
+        commits/<id>.json  {id, parent, time, message, tree: {path: sha256}}   HEAD  the head commit id
+    A commit writes its objects first (outside the lock), then under flock(LOCK) checks HEAD == parent, writes the
+    commit record and replaces HEAD atomically. The local clock is this store's server clock."""
+
+    def __init__(self, root):
+        self.root = root
+        self.url = "file://" + root
+
+    def _p(self, *a):
+        return os.path.join(self.root, *a)
+
+    def exists(self):
+        return os.path.isfile(self._p("HEAD"))
+
+    def create(self):
+        if self.exists():
+            return
+        if os.path.isdir(self.root) and os.listdir(self.root):
+            raise StoreError(f"{self.root}: exists and is not an empty directory nor a relay store; pick a new path")
+        for d in ("objects", "commits"):
+            os.makedirs(self._p(d), exist_ok=True)
+        with open(self._p("STORE"), "w") as f:
+            json.dump({"format": "picaflor-file-store", "version": 1}, f)
+        import fcntl
+        with open(self._p("LOCK"), "a+") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)
+            if not self.exists():
+                self._write_commit(None, {}, "create store")
+
+    def _load_commit(self, cid):
+        try:
+            with open(self._p("commits", cid + ".json")) as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise StoreError(f"{self._p('commits', cid + '.json')}: unreadable commit record ({e}); the store is damaged")
+
+    def _head_id(self):
+        try:
+            return open(self._p("HEAD")).read().strip()
+        except FileNotFoundError:
+            raise StoreError(f"{self.url}: not a relay store (no HEAD); create the run with `relay.py init {self.url} CONFIG`")
+
+    def head(self):
+        cid = self._head_id()
+        return cid, self._load_commit(cid)["time"], time.time()
+
+    def read(self, sha, path):
+        obj = self._load_commit(sha)["tree"].get(path)  # commits are immutable: no cache needed, a local read is cheap
+        if obj is None:
+            return None
+        with open(self._p("objects", obj[:2], obj), "rb") as f:
+            return f.read()
+
+    def list(self, sha, prefix=""):
+        return sorted(p for p in self._load_commit(sha)["tree"] if p.startswith(prefix))
+
+    def download(self, sha, paths, dest):
+        tree = self._load_commit(sha)["tree"]
+        for p in paths:
+            out = os.path.join(dest, p)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            shutil.copyfile(self._p("objects", tree[p][:2], tree[p]), out)
+
+    def _put_object(self, data=None, path=None):
+        oid = checkpoint.sha256_file(path) if path is not None else hashlib.sha256(data).hexdigest()
+        final = self._p("objects", oid[:2], oid)
+        if not os.path.exists(final):
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            if path is not None:
+                shutil.copyfile(path, tmp)
+            else:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        return oid
+
+    def _write_commit(self, parent, tree, message):
+        t = time.time()
+        body = {"parent": parent, "time": t, "message": message, "tree": tree}
+        cid = hashlib.sha1(json.dumps(body, sort_keys=True).encode() + uuid.uuid4().bytes).hexdigest()
+        body["id"] = cid
+        checkpoint.write_atomic_text(self._p("commits", cid + ".json"), json.dumps(body))
+        checkpoint.write_atomic_text(self._p("HEAD"), cid + "\n")
+        return cid
+
+    def commit(self, parent, adds, deletes, message):
+        import fcntl
+        oids = {p: self._put_object(path=v) if isinstance(v, str) else self._put_object(data=v) for p, v in adds.items()}
+        with open(self._p("LOCK"), "a+") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+            head = self._head_id()
+            if head != parent:
+                raise Conflict(f"{self.url}: head moved to {head[:10]} (expected {str(parent)[:10]})")
+            tree = dict(self._load_commit(head)["tree"])
+            for p in deletes:
+                tree.pop(p, None)
+            tree.update(oids)
+            cid = self._write_commit(parent, tree, message)
+            if os.environ.get("RELAY_TEST_FAULT") == "file-commit-then-fail":  # tests: a commit that landed, then an error
+                raise Transient(f"{self.url}: injected failure after the commit landed")
+            return cid
+
+
+class HfStore:
+    """A Hugging Face Hub model repo through huggingface_hub (endpoint and token from HF_ENDPOINT / HF_TOKEN)."""
+
+    def __init__(self, repo_id):
+        from huggingface_hub import HfApi
+        self.repo_id = repo_id
+        self.url = "hf://" + repo_id
+        self.api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now, not at import time
+        self.cache = {}  # (commit sha, path) -> bytes | None
+
+    def _call(self, what, fn, *a, **kw):
+        from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+        try:
+            return fn(*a, **kw)
+        except EntryNotFoundError:
+            raise  # a missing file: the caller decides
+        except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+            raise StoreError(f"{self.url}: {what}: repository or revision not found ({one_line(e)}); check the name and HF_TOKEN")
+        except HfHubHTTPError as e:
+            code = e.response.status_code if e.response is not None else None
+            if code == 412:
+                raise Conflict(f"{self.url}: {what}: a commit has happened since ours (HTTP 412)")
+            if code is None or code >= 500 or code in (408, 429):
+                raise Transient(f"{self.url}: {what}: HTTP {code} ({one_line(e)})")
+            raise StoreError(f"{self.url}: {what}: HTTP {code} ({one_line(e)})")
+        except (OSError, TimeoutError) as e:  # connection errors and timeouts of the HTTP client
+            raise Transient(f"{self.url}: {what}: {type(e).__name__}: {one_line(e)}")
+        except Exception as e:
+            if type(e).__module__.startswith("httpx"):
+                raise Transient(f"{self.url}: {what}: {type(e).__name__}: {one_line(e)}")
+            raise
+
+    def exists(self):
+        try:
+            self.head()
+            return True
+        except StoreError:
+            return False
+
+    def create(self):
+        self._call("create repo", self.api.create_repo, self.repo_id, exist_ok=True)
+
+    def head(self):
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+        refs = self._call("list refs", self.api.list_repo_refs, self.repo_id)
+        sha = next((b.target_commit for b in refs.branches if b.name == "main"), None)
+        if sha is None:
+            raise StoreError(f"{self.url}: has no main branch; create the run with `relay.py init {self.url} CONFIG`")
+
+        def commit_time():  # one page of the commit list: the head's date and the server's Date header
+            r = get_session().get(f"{self.api.endpoint}/api/models/{self.repo_id}/commits/{sha}", headers=build_hf_headers())
+            hf_raise_for_status(r)
+            date = r.json()[0]["date"]
+            server_now = email.utils.parsedate_to_datetime(r.headers["Date"]).timestamp() if "Date" in r.headers else time.time()
+            return dt.datetime.fromisoformat(date.replace("Z", "+00:00")).timestamp(), server_now
+        t, server_now = self._call("read head commit", commit_time)
+        return sha, t, server_now
+
+    def read(self, sha, path):
+        """A small file at an exact commit (immutable, so kept in memory); None if the commit lacks it."""
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.errors import EntryNotFoundError
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+        if (sha, path) in self.cache:
+            return self.cache[(sha, path)]
+
+        def get():
+            r = get_session().get(hf_hub_url(self.repo_id, path, revision=sha, endpoint=self.api.endpoint),
+                                  headers=build_hf_headers(), follow_redirects=True)
+            hf_raise_for_status(r)
+            return r.content
+        try:
+            data = self._call(f"read {path}", get)
+        except EntryNotFoundError:
+            data = None
+        self.cache[(sha, path)] = data
+        return data
+
+    def list(self, sha, prefix=""):
+        files = self._call("list files", self.api.list_repo_files, self.repo_id, revision=sha)
+        return sorted(p for p in files if p.startswith(prefix))
+
+    def download(self, sha, paths, dest):
+        from huggingface_hub import hf_hub_download
+        for p in paths:
+            self._call(f"download {p}", hf_hub_download, self.repo_id, p, revision=sha, local_dir=dest,
+                       endpoint=self.api.endpoint)
+        shutil.rmtree(os.path.join(dest, ".cache"), ignore_errors=True)
+
+    def commit(self, parent, adds, deletes, message):
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+        ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=v) for p, v in adds.items()]
+        ops += [CommitOperationDelete(path_in_repo=p) for p in deletes]
+        info = self._call("commit", self.api.create_commit, self.repo_id, ops, commit_message=message, parent_commit=parent)
+        return info.oid
+
+
+def one_line(e):
+    return " ".join(str(e).split())[:300]
+
+
+def open_store(url):
+    if url.startswith("hf://"):
+        repo = url[len("hf://"):].strip("/")
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
+            raise RelayError(f"{url}: expected hf://owner/name")
+        return HfStore(repo)
+    if url.startswith("file://"):
+        root = url[len("file://"):]
+        if not root.startswith("/"):
+            raise RelayError(f"{url}: a file store needs an absolute path, e.g. file:///data/myrun")
+        return FileStore(os.path.normpath(root))
+    raise RelayError(f"{url}: unknown store; use hf://owner/name or file:///absolute/path")
+
+
+def commit_cas(store, parent, adds, deletes, message, relay, tries=5):
+    """One fenced commit. `relay` (the new RELAY.json) gets a fresh write_id; after a transient failure the head is
+    re-read and, if it holds our write_id, the commit landed (no retry, no duplicate). Returns the new head sha."""
+    relay = dict(relay, write_id=uuid.uuid4().hex)
+    adds = dict(adds, **{"RELAY.json": (json.dumps(relay, indent=1) + "\n").encode()})
+    delay = 0.2
+    for attempt in range(tries):
+        try:
+            return store.commit(parent, adds, deletes, message), relay
+        except Transient as e:
+            err = e
+        for _ in range(tries):  # find out whether it landed
+            time.sleep(delay)
+            delay = min(delay * 2, 10)
+            try:
+                head, _, _ = store.head()
+                landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
+                break
+            except Transient:
+                continue
+        else:
+            raise Transient(f"{err}; the store stayed unreachable, so it is unknown whether the commit landed")
+        if landed and landed.get("write_id") == relay["write_id"]:
+            return head, relay
+        if head != parent:
+            raise Conflict(f"{store.url}: after a failed commit the head moved to {head[:10]}, not ours")
+    raise Transient(f"{err} (gave up after {tries} tries)")
+
+
+def parse_json(data, name, store, sha):
+    if data is None:
+        return None
+    try:
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError("not a JSON object")
+        return obj
+    except ValueError as e:
+        raise RelayError(f"{store.url}: {name} at {sha[:10]} is malformed ({e}); restore it from the previous commit "
+                         f"(git revert on the repo); relay changed nothing")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run: RELAY.json (lease) + training_state.json, read at one head
+
+
+class Snapshot:
+    def __init__(self, store):
+        self.store = store
+        self.sha, self.commit_time, self.server_now = store.head()
+        self.relay = parse_json(store.read(self.sha, "RELAY.json"), "RELAY.json", store, self.sha)
+        if self.relay is None:
+            raise RelayError(f"{store.url}: not a relay run (no RELAY.json); create one with `relay.py init {store.url} CONFIG`")
+        if self.relay.get("format") != RELAY_FORMAT or not isinstance(self.relay.get("generation"), int):
+            raise RelayError(f"{store.url}: RELAY.json at {self.sha[:10]} is not a {RELAY_FORMAT} lease file (format/generation "
+                             f"missing); restore it from the previous commit; relay changed nothing")
+        self.state = parse_json(store.read(self.sha, "training_state.json"), "training_state.json", store, self.sha)
+        if self.state is None or self.state.get("format") != STATE_FORMAT:
+            raise RelayError(f"{store.url}: training_state.json at {self.sha[:10]} missing or not {STATE_FORMAT}; "
+                             f"restore it from the previous commit; relay changed nothing")
+
+    @property
+    def lease_age(self):  # seconds since the last holder write, on the store's clock
+        return self.server_now - self.commit_time
+
+    @property
+    def held(self):
+        return bool(self.relay.get("holder")) and self.lease_age <= float(self.relay.get("ttl_s", DEFAULT_TTL))
+
+    def ledger(self):
+        return (self.store.read(self.sha, "LEDGER.md") or b"").decode()
+
+
+def default_who():
+    return os.environ.get("RELAY_WHO") or f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+def workdir_for(args):
+    if args.workdir:
+        return os.path.abspath(args.workdir)
+    name = re.sub(r"[^\w.-]+", "_", args.store.split("://", 1)[-1].strip("/"))
+    return os.path.abspath(os.path.join("relay-work", name))
+
+
+class Lease:
+    """The holder's local record (WORKDIR/LEASE.json): which commit it chains from and what it holds."""
+
+    def __init__(self, path, **kw):
+        self.path = path
+        self.__dict__.update(kw)
+
+    @classmethod
+    def load(cls, workdir, store):
+        path = os.path.join(workdir, "LEASE.json")
+        try:
+            d = json.load(open(path))
+        except FileNotFoundError:
+            raise RelayError(f"{path}: no lease held from this workdir; run `relay.py claim {store.url}` first")
+        except ValueError as e:
+            raise RelayError(f"{path}: unreadable ({e}); delete it and claim again")
+        if d.get("store") != store.url:
+            raise RelayError(f"{path}: lease is for {d.get('store')}, not {store.url}; pass --workdir")
+        return cls(path, **d)
+
+    def save(self):
+        d = {k: v for k, v in self.__dict__.items() if k != "path"}
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        checkpoint.write_atomic_text(self.path, json.dumps(d, indent=1))
+
+    def drop(self):
+        if os.path.exists(self.path):
+            os.remove(self.path)
+
+
+def claim(store, workdir, who, ttl=DEFAULT_TTL, heartbeat=DEFAULT_HEARTBEAT):
+    if ttl < 3 * heartbeat:
+        raise RelayError(f"--ttl {ttl} must be at least 3x --heartbeat {heartbeat} (a lease needs missed beats to expire)")
+    snap = Snapshot(store)
+    r = snap.relay
+    lease_path = os.path.join(workdir, "LEASE.json")
+    mine = None
+    if os.path.exists(lease_path):
+        try:
+            mine = Lease.load(workdir, store)
+        except RelayError:
+            mine = None
+    if snap.held and not (mine and r.get("nonce") == mine.nonce and snap.sha == mine.sha):
+        until = snap.commit_time + float(r.get("ttl_s", DEFAULT_TTL))
+        raise Busy(f"{store.url}: {r['holder']} holds the baton (leg {r.get('leg')}, generation {r['generation']}, "
+                   f"last renewed {snap.lease_age:.0f}s ago); it expires at {now_iso(until)} UTC unless renewed")
+    legs = int(snap.state.get("legs", 0))
+    new = dict(r, holder=who, nonce=uuid.uuid4().hex, generation=r["generation"] + 1, leg=legs + 1,
+               claimed_at=time.time(), heartbeat_at=time.time(), ttl_s=float(ttl), heartbeat_s=float(heartbeat),
+               taken_from=r.get("holder") if r.get("holder") else None)
+    msg = f"relay: claim leg {legs + 1} (generation {new['generation']}) by {who}"
+    try:
+        sha, new = commit_cas(store, snap.sha, {}, [], msg, new)
+    except Conflict:
+        raise Busy(f"{store.url}: someone else committed first (claim of generation {new['generation']} lost the race); "
+                   f"try again later")
+    lease = Lease(lease_path, store=store.url, who=who, nonce=new["nonce"], generation=new["generation"], leg=new["leg"],
+                  sha=sha, relay=new, base_step=snap.state.get("step"), ttl_s=float(ttl), heartbeat_s=float(heartbeat),
+                  run_dir=None, pulled_at=None)
+    lease.save()
+    return lease
+
+
+def renew(store, lease):
+    """Heartbeat: a commit of RELAY.json chained from our last commit. Raises Fenced if anything else landed."""
+    new = dict(lease.relay, heartbeat_at=time.time())
+    try:
+        sha, new = commit_cas(store, lease.sha, {}, [], f"relay: heartbeat leg {lease.leg} by {lease.who}", new)
+    except Conflict as e:
+        raise Fenced(f"lease lost: {e}; another contributor took the baton (our lease had expired or was released)")
+    lease.sha, lease.relay = sha, new
+    lease.save()
+
+
+def release(store, lease):
+    new = dict(lease.relay, holder=None, nonce=None, released_at=time.time())
+    try:
+        sha, _ = commit_cas(store, lease.sha, {}, [], f"relay: release by {lease.who} after leg {lease.leg}", new)
+    except Conflict as e:
+        lease.drop()
+        raise Fenced(f"release: lease already lost ({e}); nothing to hand back")
+    lease.drop()
+    return sha
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pull / push
+
+
+def pull(store, dest_dir, sha=None):
+    """Download checkpoint/ at sha into dest_dir/step_NNNNNNN, verify its manifest, write LATEST. Returns the path."""
+    snap_sha = sha or store.head()[0]
+    paths = store.list(snap_sha, CKPT_PREFIX + "/")
+    if not paths:
+        raise RelayError(f"{store.url}: holds no checkpoint/ at {snap_sha[:10]}; nothing to pull")
+    os.makedirs(dest_dir, exist_ok=True)
+    tmp = os.path.join(dest_dir, f".pull-{uuid.uuid4().hex[:8]}")
+    try:
+        store.download(snap_sha, paths, tmp)
+        got = os.path.join(tmp, CKPT_PREFIX)
+        try:
+            manifest = checkpoint.verify(got)
+        except checkpoint.CheckpointError as e:
+            raise RelayError(f"{store.url}: checkpoint at {snap_sha[:10]} fails verification after download: {e} "
+                             f"(nothing installed locally)")
+        final = os.path.join(dest_dir, checkpoint.step_dir_name(int(manifest["step"])))
+        if os.path.exists(final):
+            if checkpoint.is_valid(final) and json.load(open(os.path.join(final, "MANIFEST.json")))["files"] == manifest["files"]:
+                return final
+            os.replace(final, final + f".replaced-{int(time.time())}")  # never delete a local checkpoint
+        os.replace(got, final)
+        checkpoint.fsync_dir(dest_dir)
+        checkpoint.write_atomic_text(os.path.join(dest_dir, "LATEST"), os.path.basename(final) + "\n")
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_metrics(path, after_step=None, offset=0):
+    out = []
+    if not os.path.isfile(path):
+        return out
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for line in f:
+            try:
+                m = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            if isinstance(m, dict) and (after_step is None or m.get("step", 0) > after_step):
+                out.append(m)
+    return out
+
+
+def fmt_wall(s):
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+
+
+def gpu_name(metrics):
+    for m in reversed(metrics):
+        if m.get("gpu"):
+            return str(m["gpu"])
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "cpu"
+
+
+def ledger_row(leg, who, gpu, steps, tokens, wall_s, usd, loss0, loss1, step0, step1, gen):
+    cell = lambda x: str(x).replace("|", "/").replace("\n", " ")
+    loss = lambda x: f"{x:.4f}" if isinstance(x, (int, float)) else "-"
+    return (f"| {leg} | {cell(who)} | {cell(gpu)} | {steps} | {tokens} | {fmt_wall(wall_s)} | {usd:.2f} | {loss(loss0)} | "
+            f"{loss(loss1)} | {step0}-{step1} | {gen} | {now_iso()} |\n")
+
+
+def parse_ledger(text):
+    rows = []
+    keys = ["leg", "who", "gpu", "steps", "tokens", "wall", "usd", "loss_start", "loss_end", "step_range", "generation", "finished"]
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != len(keys) or not cells[0].isdigit():
+            continue
+        row = dict(zip(keys, cells))
+        for k in ("leg", "steps", "tokens", "generation"):
+            row[k] = int(row[k]) if row[k].lstrip("-").isdigit() else row[k]
+        for k in ("usd", "loss_start", "loss_end"):
+            try:
+                row[k] = float(row[k])
+            except ValueError:
+                row[k] = None
+        rows.append(row)
+    return rows
+
+
+def push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0):
+    """One commit: checkpoint/ (verified first), training_state.json, logs/leg-N.jsonl, a LEDGER.md row,
+    RELAY.json, chained from our last commit. Raises Fenced if the lease is gone; the local dir is untouched."""
+    ckpts = checkpoint.list_checkpoints(run_dir)
+    if not ckpts:
+        raise RelayError(f"push refused: {run_dir} holds no step_* checkpoint dir; nothing was uploaded")
+    ck = ckpts[-1][1]  # the newest one, strictly: a corrupt newest checkpoint is an error, not silently skipped
+    try:
+        manifest = checkpoint.verify(ck)
+    except checkpoint.CheckpointError as e:
+        raise RelayError(f"push refused: {e}; nothing was uploaded")
+    try:
+        st = json.load(open(os.path.join(ck, "state.json")))
+    except (OSError, ValueError) as e:
+        raise RelayError(f"push refused: {ck}/state.json unreadable ({e}); nothing was uploaded")
+    step = int(st.get("step", manifest.get("step", 0)))
+    base = lease.base_step if lease.base_step is not None else 0
+    if step <= base:
+        raise RelayError(f"push refused: {ck} is at step {step}, not past the pulled step {base}; nothing to push")
+    # read the files at our own last commit: if anyone wrote after it, the commit below fails anyway
+    prev_state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha) or {}
+    ledger = (store.read(lease.sha, "LEDGER.md") or LEDGER_HEADER.encode()).decode()
+    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"), after_step=base, offset=metrics_offset)
+    losses = [m["loss"] for m in metrics if isinstance(m.get("loss"), (int, float))]
+    tokens0 = int(prev_state.get("tokens") or 0)
+    tokens1 = int(st.get("tokens", metrics[-1].get("tokens", tokens0) if metrics else tokens0))
+    if wall_s is None:
+        wall_s = time.time() - (lease.pulled_at or time.time())
+    usd = wall_s / 3600.0 * usd_per_hour
+    state = dict(prev_state, format=STATE_FORMAT, step=step, tokens=tokens1, legs=lease.leg, checkpoint=CKPT_PREFIX,
+                 updated_at=time.time(), usd_total=float(prev_state.get("usd_total", 0.0)) + usd)
+    for k in STATE_KEYS:
+        if k in st:
+            state[k] = st[k]
+    if state.get("decay_requested") and (st.get("decay") or st.get("decay_started_at_tokens") is not None):
+        state["decay_requested"] = False  # the trainer took the flag (state.json carries the decay fields now)
+    row = ledger_row(lease.leg, lease.who, gpu_name(metrics), step - base, tokens1 - tokens0, wall_s, usd,
+                     losses[0] if losses else None, losses[-1] if losses else None, base, step, lease.generation)
+    adds = {f"{CKPT_PREFIX}/{name}": os.path.join(ck, name) for name in list(manifest["files"]) + ["MANIFEST.json"]}
+    adds["training_state.json"] = (json.dumps(state, indent=1) + "\n").encode()
+    adds[f"logs/leg-{lease.leg:04d}.jsonl"] = "".join(json.dumps(m) + "\n" for m in metrics).encode()
+    adds["LEDGER.md"] = (ledger + row).encode()
+    stale = [p for p in store.list(lease.sha, CKPT_PREFIX + "/") if p not in adds]
+    new_relay = dict(lease.relay, leg=lease.leg + 1, heartbeat_at=time.time(), last_push_step=step)
+    try:
+        sha, new_relay = commit_cas(store, lease.sha, adds, stale, f"relay: leg {lease.leg} by {lease.who}: steps "
+                                    f"{base}-{step}", new_relay)
+    except Conflict as e:
+        raise Fenced(f"push rejected: {e}; your checkpoint is kept at {ck}, nothing was lost locally")
+    lease.sha, lease.relay, lease.leg, lease.base_step = sha, new_relay, lease.leg + 1, step
+    lease.save()
+    open(os.path.join(run_dir, "PUSHED"), "w").write(f"{sha}\n")
+    return sha, row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# run: claim -> pull -> train a leg (heartbeat thread) -> push -> release
+
+
+class Heartbeat(threading.Thread):
+    """Renews the lease every heartbeat_s. On a fenced renewal, or no successful renewal for ttl - margin seconds
+    (monotonic clock), sets `failed` and calls on_fail() (which stops the trainer)."""
+
+    def __init__(self, store, lease, on_fail):
+        super().__init__(daemon=True)
+        self.store, self.lease, self.on_fail = store, lease, on_fail
+        self.stop = threading.Event()
+        self.failed = None
+        self.last_ok = time.monotonic()
+        self.deadline_s = lease.ttl_s - max(lease.ttl_s / 5, 0.5)  # stop ourselves before anyone may take over
+
+    def fail(self, msg):
+        if self.failed is None:
+            self.failed = msg
+            self.on_fail()
+
+    def overdue(self):
+        return time.monotonic() - self.last_ok > self.deadline_s
+
+    def run(self):
+        wait = self.lease.heartbeat_s
+        while not self.stop.wait(wait):
+            if self.overdue():
+                return self.fail(f"lease not renewed for {time.monotonic() - self.last_ok:.0f}s (ttl {self.lease.ttl_s:.0f}s): "
+                                 f"stopped training before anyone else may take the baton")
+            try:
+                renew(self.store, self.lease)
+                self.last_ok, wait = time.monotonic(), self.lease.heartbeat_s
+            except Fenced as e:
+                return self.fail(str(e))
+            except (StoreError, RelayError) as e:
+                print(f"relay: heartbeat failed, retrying: {e}", file=sys.stderr)
+                wait = max(self.lease.heartbeat_s / 4, 0.1)
+
+
+def config_usd_per_hour(config_path, overrides):
+    for a in overrides:
+        if a.startswith("--gpu_hourly_usd="):
+            try:
+                return float(a.split("=", 1)[1])
+            except ValueError:
+                raise RelayError(f"{a}: not a number")
+    try:
+        for node in ast.parse(open(config_path).read()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "gpu_hourly_usd" for t in node.targets):
+                return float(ast.literal_eval(node.value))
+    except (OSError, SyntaxError, ValueError):
+        pass
+    return 0.0
+
+
+def train_command(args, config_path, run_dir):
+    cmd = [args.python, args.train_script, config_path, f"--out_dir={run_dir}", "--init_from=resume"]
+    if args.steps is not None:
+        cmd.append(f"--stop_after_steps={args.steps}")
+    if args.hours is not None:
+        cmd.append(f"--stop_after_hours={args.hours}")
+    return cmd + args.overrides
+
+
+def prepare_leg(store, lease, workdir):
+    """Pull the run's checkpoint and config into a fresh leg dir. Leg dirs of earlier legs that were pushed are
+    removed (their content is in the store); unpushed ones (fenced, crashed) are kept."""
+    os.makedirs(workdir, exist_ok=True)
+    for name in os.listdir(workdir):
+        d = os.path.join(workdir, name)
+        if name.startswith("leg-") and os.path.isfile(os.path.join(d, "PUSHED")):
+            shutil.rmtree(d, ignore_errors=True)
+    run_dir = os.path.join(workdir, f"leg-{lease.leg:04d}-gen{lease.generation}")
+    ck = pull(store, run_dir, lease.sha)
+    cfg = store.read(lease.sha, "config.py")
+    if cfg is None:
+        raise RelayError(f"{store.url}: no config.py at {lease.sha[:10]}; the run was not created by `relay.py init`")
+    open(os.path.join(run_dir, "relay_config.py"), "wb").write(cfg)
+    state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha)
+    if state.get("decay_requested"):
+        checkpoint.write_atomic_text(os.path.join(run_dir, "control.json"), json.dumps({"start_decay": True}))
+    lease.run_dir, lease.pulled_at = run_dir, time.time()
+    lease.base_step = json.load(open(os.path.join(ck, "state.json"))).get("step", lease.base_step)
+    lease.save()
+    return run_dir
+
+
+def cmd_run(args):
+    store = open_store(args.store)
+    workdir = workdir_for(args)
+    if args.steps is None and args.hours is None:
+        raise RelayError("run: give the leg's length with --steps N or --hours H")
+    while True:
+        try:
+            lease = claim(store, workdir, args.who, args.ttl, args.heartbeat)
+            break
+        except Busy as e:
+            if not args.wait:
+                raise
+            print(f"relay: {e}; waiting", file=sys.stderr)
+            time.sleep(args.poll)
+    print(f"relay: claimed leg {lease.leg} (generation {lease.generation}) of {store.url}")
+    try:
+        run_dir = prepare_leg(store, lease, workdir)
+    except BaseException:
+        release(store, lease)
+        raise
+    print(f"relay: pulled step {lease.base_step} into {run_dir}")
+    proc = None
+    stop_reason = []
+
+    def stop_trainer():
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # the trainer checkpoints, then exits 0
+
+    hb = Heartbeat(store, lease, stop_trainer)
+
+    def on_signal(signum, frame):  # Ctrl-C / SIGTERM: end the leg early but cleanly (checkpoint, push, release)
+        stop_reason.append(signal.Signals(signum).name)
+        stop_trainer()
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    cmd = train_command(args, os.path.join(run_dir, "relay_config.py"), run_dir)
+    t0 = time.time()
+    hb.start()
+    try:
+        try:
+            proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.abspath(args.train_script)))
+        except OSError as e:
+            hb.stop.set()
+            release(store, lease)
+            raise RelayError(f"cannot start the trainer {cmd[0]} ({e}); lease released")
+        while proc.poll() is None:
+            time.sleep(0.05)
+            if hb.overdue():  # also covers a heartbeat stuck in a hung request, or this process being paused
+                hb.fail(f"lease not renewed for {time.monotonic() - hb.last_ok:.0f}s (ttl {lease.ttl_s:.0f}s): "
+                        f"stopped training before anyone else may take the baton")
+        rc = proc.wait()
+    finally:
+        wall = time.time() - t0
+        hb.stop.set()
+        hb.join()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    if hb.failed:
+        ck = checkpoint.latest_valid(run_dir)
+        raise Fenced(f"{hb.failed}. Training stopped; nothing pushed; your local checkpoint is kept at {ck}")
+    if rc != 0:
+        release(store, lease)
+        raise RelayError(f"trainer exited with status {rc} ({' '.join(cmd[:3])} ...); lease released, nothing pushed, "
+                         f"local files kept in {run_dir}")
+    try:
+        sha, row = push(store, lease, run_dir, wall_s=wall, usd_per_hour=config_usd_per_hour(cmd[2], args.overrides))
+    except RelayError as e:
+        if isinstance(e, Fenced):
+            raise
+        release(store, lease)
+        raise RelayError(f"{e}; lease released")
+    print(f"relay: pushed {sha[:10]}: {row.strip()}")
+    release(store, lease)
+    print(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# init / status / decay and the small commands
+
+
+def cmd_init(args):
+    store = open_store(args.store)
+    if args.from_checkpoint is None and args.config is None:
+        raise RelayError("init: give a train.py CONFIG (with --key=value overrides) or --from-checkpoint DIR")
+    if store.exists():
+        sha, _, _ = store.head()
+        files = store.list(sha)
+        if "RELAY.json" in files:
+            raise RelayError(f"{store.url}: already a relay run; nothing overwritten (use `relay.py status`)")
+        if [f for f in files if f not in (".gitattributes", "README.md")]:
+            raise RelayError(f"{store.url}: repo is not empty and not a relay run ({len(files)} files); use a new repo")
+    else:
+        store.create()
+        sha, _, _ = store.head()
+    tmp = os.path.join(workdir_for(args), f"init-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        if args.from_checkpoint:
+            try:
+                ck = checkpoint.resolve(args.from_checkpoint)
+                checkpoint.verify(ck)
+            except checkpoint.CheckpointError as e:
+                raise RelayError(f"init refused: {e}")
+            cfg_src = args.config or os.path.join(ck, "config.py")
+            cfg_text = open(cfg_src).read() if os.path.isfile(cfg_src) else ""
+        else:
+            if not os.path.isfile(args.config):
+                raise RelayError(f"{args.config}: config file not found; pass a file under config/")
+            cfg_text = open(args.config).read()
+        run_level = [a for a in args.overrides if a.startswith("--") and "=" in a]
+        if run_level:
+            cfg_text += "\n# relay.py init overrides\n" + "".join(
+                f"{a[2:].split('=', 1)[0]} = {literal(a.split('=', 1)[1])}\n" for a in run_level)
+        cfg_path = os.path.join(tmp, "relay_config.py")
+        open(cfg_path, "w").write(cfg_text)
+        if not args.from_checkpoint:
+            cmd = [args.python, args.train_script, cfg_path, f"--out_dir={tmp}", "--init_from=scratch", "--stop_after_steps=0"]
+            r = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(args.train_script)))
+            if r.returncode != 0:
+                raise RelayError(f"init: {' '.join(cmd[:3])} ... exited {r.returncode}; nothing committed")
+            try:
+                ck = checkpoint.resolve(tmp)
+                checkpoint.verify(ck)
+            except checkpoint.CheckpointError as e:
+                raise RelayError(f"init: the trainer wrote no valid step-0 checkpoint: {e}")
+        st = json.load(open(os.path.join(ck, "state.json")))
+        manifest = json.load(open(os.path.join(ck, "MANIFEST.json")))
+        state = {"format": STATE_FORMAT, "step": int(st.get("step", manifest.get("step", 0))), "tokens": int(st.get("tokens", 0)),
+                 "legs": 0, "checkpoint": CKPT_PREFIX, "decay_requested": False, "usd_total": 0.0, "created_at": time.time()}
+        for k in STATE_KEYS:
+            if k in st:
+                state[k] = st[k]
+        adds = {f"{CKPT_PREFIX}/{n}": os.path.join(ck, n) for n in list(manifest["files"]) + ["MANIFEST.json"]}
+        adds["config.py"] = cfg_text.encode()
+        adds["training_state.json"] = (json.dumps(state, indent=1) + "\n").encode()
+        adds["LEDGER.md"] = ("# Ledger\n\nOne row per leg pushed by `relay.py`.\n\n" + LEDGER_HEADER).encode()
+        relay = {"format": RELAY_FORMAT, "version": 1, "holder": None, "nonce": None, "generation": 0, "leg": 1,
+                 "ttl_s": args.ttl, "heartbeat_s": args.heartbeat, "created_at": time.time()}
+        sha, _ = commit_cas(store, sha, adds, [], f"relay: init at step {state['step']}", relay)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"relay: created run {store.url} at step {state['step']} ({sha[:10]})")
+    return 0
+
+
+def literal(text):
+    try:
+        return repr(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+        return repr(text)
+
+
+def status_dict(store):
+    snap = Snapshot(store)
+    r, s = snap.relay, snap.state
+    return {"store": store.url, "head": snap.sha, "holder": r.get("holder") if snap.held else None,
+            "expired_holder": r.get("holder") if r.get("holder") and not snap.held else None,
+            "generation": r["generation"], "leg": r.get("leg"), "claimed_at": r.get("claimed_at"),
+            "lease_age_s": snap.lease_age, "ttl_s": r.get("ttl_s"), "step": s.get("step"), "tokens": s.get("tokens"),
+            "stage": s.get("stage"), "legs": s.get("legs"), "decay_requested": s.get("decay_requested"),
+            "decay": s.get("decay") or s.get("decay_started_at_tokens"), "finished": s.get("finished"), "usd_total": s.get("usd_total", 0.0), "ledger": parse_ledger(snap.ledger())}
+
+
+def cmd_status(args):
+    d = status_dict(open_store(args.store))
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    if d["holder"]:
+        who = f"{d['holder']} (leg {d['leg']}, generation {d['generation']}, claimed {now_iso(d['claimed_at'])} UTC, " \
+              f"renewed {d['lease_age_s']:.0f}s ago, ttl {d['ttl_s']:.0f}s)"
+    elif d["expired_holder"]:
+        who = f"free (lease of {d['expired_holder']} expired {d['lease_age_s'] - d['ttl_s']:.0f}s ago)"
+    else:
+        who = "free"
+    print(f"{d['store']} @ {d['head'][:10]}\n  baton: {who}\n  step {d['step']}, tokens {d['tokens']}, stage "
+          f"{d['stage']}, legs {d['legs']}, ${d['usd_total']:.2f} so far"
+          f"{', decay requested' if d['decay_requested'] else ''}")
+    for row in d["ledger"][-5:]:
+        print(f"  leg {row['leg']}: {row['who']} on {row['gpu']}, steps {row['step_range']}, {row['wall']}, "
+              f"loss {row['loss_start']} -> {row['loss_end']}, ${row['usd']}")
+    return 0
+
+
+def cmd_claim(args):
+    store = open_store(args.store)
+    lease = claim(store, workdir_for(args), args.who, args.ttl, args.heartbeat)
+    print(f"relay: claimed leg {lease.leg} (generation {lease.generation}); renew within {lease.ttl_s:.0f}s "
+          f"(`relay.py claim` again renews), lease file {lease.path}")
+    return 0
+
+
+def cmd_pull(args):
+    store = open_store(args.store)
+    workdir = workdir_for(args)
+    lease = None
+    if os.path.exists(os.path.join(workdir, "LEASE.json")) and not args.out:
+        lease = Lease.load(workdir, store)
+        run_dir = prepare_leg(store, lease, workdir)
+        print(f"relay: pulled step {lease.base_step} into {run_dir}; train with "
+              f"`python train.py {run_dir}/relay_config.py --out_dir={run_dir} --init_from=resume`, then `relay.py push`")
+        return 0
+    path = pull(store, os.path.abspath(args.out or os.path.join(workdir, "pulled")))
+    print(f"relay: pulled {path} (manifest verified)")
+    return 0
+
+
+def cmd_push(args):
+    store = open_store(args.store)
+    lease = Lease.load(workdir_for(args), store)
+    run_dir = args.run_dir or lease.run_dir
+    if not run_dir:
+        raise RelayError("push: no leg dir recorded; pass --run-dir DIR (a train.py out_dir)")
+    cfg = os.path.join(run_dir, "relay_config.py")
+    sha, row = push(store, lease, run_dir, usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
+                    else config_usd_per_hour(cfg, []))
+    print(f"relay: pushed {sha[:10]}: {row.strip()}")
+    return 0
+
+
+def cmd_release(args):
+    store = open_store(args.store)
+    release(store, Lease.load(workdir_for(args), store))
+    print("relay: released the baton")
+    return 0
+
+
+def cmd_decay(args):
+    store = open_store(args.store)
+    snap = Snapshot(store)
+    if snap.state.get("decay_requested") or snap.state.get("decay"):
+        print("relay: decay already requested or under way; nothing changed")
+        return 0
+    if snap.held:
+        raise Busy(f"{store.url}: {snap.relay['holder']} holds the baton; a commit now would fence them out. Run decay "
+                   f"after their leg (the next leg then starts the decay)")
+    state = dict(snap.state, decay_requested=True, decay_requested_at=time.time())
+    try:
+        commit_cas(store, snap.sha, {"training_state.json": (json.dumps(state, indent=1) + "\n").encode()}, [],
+                   "relay: request the WSD decay from the next leg on", snap.relay)
+    except Conflict:
+        raise Busy(f"{store.url}: the run changed while requesting decay; try again")
+    print("relay: decay requested; the next leg begins the WSD decay")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dashboard: one read-only page, data inlined (works offline, no CDN), refreshed from /data.json
+
+
+def dashboard_data(target):
+    """Everything the page shows, from a store URL or a local run dir (metrics.jsonl only)."""
+    d = {"source": target, "generated_at": time.time(), "metrics": [], "ledger": [], "baton": None, "state": None}
+    if "://" in target:
+        store = open_store(target)
+        st = status_dict(store)
+        d["baton"] = {k: st[k] for k in ("holder", "expired_holder", "generation", "leg", "claimed_at", "lease_age_s", "ttl_s")}
+        d["state"] = {k: st[k] for k in ("step", "tokens", "stage", "legs", "decay_requested", "decay", "usd_total")}
+        d["ledger"] = st["ledger"]
+        for p in store.list(st["head"], "logs/"):
+            if p.endswith(".jsonl"):
+                d["metrics"] += [m for m in (safe_json(l) for l in (store.read(st["head"], p) or b"").decode().splitlines()) if m]
+    else:
+        if not os.path.isdir(target):
+            raise RelayError(f"{target}: not a store URL nor a run directory; pass hf://owner/name, file:///path or a train.py out_dir")
+        for root in [target] + sorted(os.path.join(target, n) for n in os.listdir(target) if n.startswith("leg-")):
+            d["metrics"] += read_metrics(os.path.join(root, "metrics.jsonl"))
+        usd = [m["usd"] for m in d["metrics"] if isinstance(m.get("usd"), (int, float))]
+        d["state"] = {"step": d["metrics"][-1].get("step") if d["metrics"] else None,
+                      "tokens": d["metrics"][-1].get("tokens") if d["metrics"] else None, "usd_total": usd[-1] if usd else 0.0}
+    d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))
+    return d
+
+
+def safe_json(line):
+    try:
+        m = json.loads(line)
+        return m if isinstance(m, dict) else None
+    except ValueError:
+        return None
+
+
+PAGE = r"""<!doctype html>
+<html><head><meta charset="utf-8"><title>picaflor relay: __TITLE__</title>
+<style>
+body{font:14px system-ui,sans-serif;margin:20px;color:#222;background:#fafafa}
+h1{font-size:20px;margin:0 0 4px} h2{font-size:15px;margin:18px 0 6px}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:14px}
+.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:10px}
+.kv span{display:inline-block;margin-right:18px} .kv b{font-weight:600}
+table{border-collapse:collapse;font-size:12px;width:100%} td,th{border-bottom:1px solid #eee;padding:3px 6px;text-align:right}
+td:nth-child(2),td:nth-child(3),th:nth-child(2),th:nth-child(3){text-align:left}
+svg text{font-size:10px;fill:#555} .muted{color:#888}
+</style></head><body>
+<h1>picaflor relay &mdash; <span id="src"></span></h1>
+<div class="muted" id="updated"></div>
+<div class="card kv" id="baton"></div>
+<div class="grid">
+ <div class="card"><h2>Loss over tokens</h2><svg id="loss" width="440" height="230"></svg></div>
+ <div class="card"><h2>Throughput (tokens/s)</h2><svg id="tps" width="440" height="230"></svg></div>
+ <div class="card"><h2>Learning rate</h2><svg id="lr" width="440" height="230"></svg></div>
+ <div class="card"><h2>Dead-expert fraction</h2><svg id="dead" width="440" height="230"></svg></div>
+ <div class="card"><h2>Expert load CV per layer</h2><svg id="heat" width="440" height="230"></svg></div>
+</div>
+<div class="card"><h2>Ledger</h2><div id="ledger"></div></div>
+<script>
+var DATA = __DATA__;
+var COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
+function el(tag, attrs, text) { var e = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (var k in attrs) e.setAttribute(k, attrs[k]); if (text !== undefined) e.textContent = text; return e; }
+function fmt(v) { if (v === null || v === undefined) return "-"; var a = Math.abs(v);
+  if (a >= 1e9) return (v / 1e9).toFixed(2) + "B"; if (a >= 1e6) return (v / 1e6).toFixed(2) + "M";
+  if (a >= 1e3) return (v / 1e3).toFixed(1) + "k"; if (a > 0 && a < 0.01) return v.toExponential(1); return (+v.toFixed(4)).toString(); }
+function mean(x) { return Array.isArray(x) ? (x.length ? x.reduce(function (a, b) { return a + b; }, 0) / x.length : null) : x; }
+function num(v) { return typeof v === "number" && isFinite(v); }
+// series: [{name, pts:[[x,y],...]}]; draws axes, 4 ticks each, polylines, legend; "no data" when empty
+function lineChart(id, series, xlabel) {
+  var svg = document.getElementById(id); while (svg.firstChild) svg.removeChild(svg.firstChild);
+  var W = +svg.getAttribute("width"), H = +svg.getAttribute("height"), L = 54, R = 10, T = 10, B = 34;
+  var all = []; series.forEach(function (s) { all = all.concat(s.pts); });
+  if (!all.length) { svg.appendChild(el("text", {x: W / 2 - 20, y: H / 2, "class": "nodata"}, "no data")); return; }
+  var x0 = Math.min.apply(null, all.map(function (p) { return p[0]; })), x1 = Math.max.apply(null, all.map(function (p) { return p[0]; }));
+  var y0 = Math.min.apply(null, all.map(function (p) { return p[1]; })), y1 = Math.max.apply(null, all.map(function (p) { return p[1]; }));
+  if (x1 === x0) x1 = x0 + 1; if (y1 === y0) { y1 = y0 + Math.abs(y0 || 1) * 0.1; y0 = y0 - Math.abs(y0 || 1) * 0.1; }
+  var sx = function (x) { return L + (x - x0) / (x1 - x0) * (W - L - R); }, sy = function (y) { return H - B - (y - y0) / (y1 - y0) * (H - T - B); };
+  svg.appendChild(el("line", {x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#999"}));
+  svg.appendChild(el("line", {x1: L, y1: T, x2: L, y2: H - B, stroke: "#999"}));
+  for (var i = 0; i <= 4; i++) {
+    var xv = x0 + (x1 - x0) * i / 4, yv = y0 + (y1 - y0) * i / 4;
+    svg.appendChild(el("text", {x: sx(xv) - 12, y: H - B + 13}, fmt(xv)));
+    svg.appendChild(el("text", {x: 2, y: sy(yv) + 3}, fmt(yv)));
+    svg.appendChild(el("line", {x1: L, y1: sy(yv), x2: W - R, y2: sy(yv), stroke: "#eee"}));
+  }
+  svg.appendChild(el("text", {x: W / 2 - 20, y: H - 4}, xlabel));
+  series.forEach(function (s, k) {
+    if (!s.pts.length) return;
+    var d = s.pts.map(function (p) { return sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1); }).join(" ");
+    svg.appendChild(el("polyline", {points: d, fill: "none", stroke: COLORS[k % 4], "stroke-width": 1.5, "class": "series", "data-name": s.name}));
+    if (s.pts.length === 1) svg.appendChild(el("circle", {cx: sx(s.pts[0][0]), cy: sy(s.pts[0][1]), r: 3, fill: COLORS[k % 4]}));
+    svg.appendChild(el("text", {x: W - R - 90, y: T + 12 + 12 * k, style: "fill:" + COLORS[k % 4]}, s.name));
+  });
+}
+function heatmap(id, rows) { // rows: [{x, vals:[per layer]}]
+  var svg = document.getElementById(id); while (svg.firstChild) svg.removeChild(svg.firstChild);
+  var W = +svg.getAttribute("width"), H = +svg.getAttribute("height"), L = 54, B = 34, T = 10, R = 40;
+  if (!rows.length) { svg.appendChild(el("text", {x: W / 2 - 20, y: H / 2, "class": "nodata"}, "no data")); return; }
+  var nl = Math.max.apply(null, rows.map(function (r) { return r.vals.length; }));
+  var vmax = 0; rows.forEach(function (r) { r.vals.forEach(function (v) { if (num(v)) vmax = Math.max(vmax, v); }); });
+  vmax = vmax || 1;
+  var cw = (W - L - R) / rows.length, ch = (H - T - B) / nl;
+  rows.forEach(function (r, i) { r.vals.forEach(function (v, l) {
+    var t = num(v) ? v / vmax : 0, c = "rgb(" + Math.round(255 * t) + "," + Math.round(220 * (1 - t)) + "," + Math.round(120 * (1 - t)) + ")";
+    var rect = el("rect", {x: L + i * cw, y: T + l * ch, width: Math.max(cw, 1), height: Math.max(ch - 1, 1), fill: c, "class": "cell"});
+    rect.appendChild(el("title", {}, "layer " + l + ", tokens " + fmt(r.x) + ": cv " + fmt(v))); svg.appendChild(rect); }); });
+  for (var l = 0; l < nl; l++) if (nl <= 12 || l % Math.ceil(nl / 12) === 0) svg.appendChild(el("text", {x: 4, y: T + (l + 0.7) * ch}, "layer " + l));
+  svg.appendChild(el("text", {x: L, y: H - B + 13}, fmt(rows[0].x))); svg.appendChild(el("text", {x: W - R - 30, y: H - B + 13}, fmt(rows[rows.length - 1].x)));
+  svg.appendChild(el("text", {x: W / 2 - 20, y: H - 4}, "tokens"));
+  svg.appendChild(el("text", {x: W - R + 4, y: T + 10}, "max")); svg.appendChild(el("text", {x: W - R + 4, y: T + 22}, fmt(vmax)));
+}
+function pts(ms, key) { return ms.filter(function (m) { return num(m.tokens) && num(mean(m[key])); }).map(function (m) { return [m.tokens, mean(m[key])]; }); }
+function render(D) {
+  var ms = D.metrics || [];
+  document.getElementById("src").textContent = D.source;
+  document.getElementById("updated").textContent = "data read " + new Date(D.generated_at * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC, " + ms.length + " log points";
+  var b = D.baton, s = D.state || {}, h = [];
+  if (b) {
+    if (b.holder) h.push("<span>baton: <b id='holder'>" + esc(b.holder) + "</b> since " + (b.claimed_at ? new Date(b.claimed_at * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC" : "?") + " (leg " + b.leg + ", generation " + b.generation + ", renewed " + Math.round(b.lease_age_s) + "s ago)</span>");
+    else h.push("<span>baton: <b id='holder'>free</b>" + (b.expired_holder ? " (lease of " + esc(b.expired_holder) + " expired)" : "") + "</span>");
+  } else h.push("<span>local run dir (no relay)</span>");
+  h.push("<span>step <b>" + fmt(s.step) + "</b></span>", "<span>tokens <b>" + fmt(s.tokens) + "</b></span>");
+  if (s.stage !== undefined && s.stage !== null) h.push("<span>stage <b>" + esc(String(s.stage)) + "</b></span>");
+  if (s.legs !== undefined) h.push("<span>legs <b>" + s.legs + "</b></span>");
+  h.push("<span>spent <b id='usd'>$" + (s.usd_total || 0).toFixed(2) + "</b></span>");
+  if (s.decay_requested) h.push("<span><b>decay requested</b></span>");
+  document.getElementById("baton").innerHTML = h.join("");
+  lineChart("loss", [{name: "loss", pts: pts(ms, "loss")}, {name: "val loss", pts: pts(ms, "val_loss")}], "tokens");
+  lineChart("tps", [{name: "tok/s", pts: pts(ms, "tok_per_s")}], "tokens");
+  lineChart("lr", [{name: "lr", pts: pts(ms, "lr")}], "tokens");
+  lineChart("dead", [{name: "dead frac", pts: pts(ms, "dead_frac")}], "tokens");
+  heatmap("heat", ms.map(function (m) { return {x: m.tokens, vals: Array.isArray(m.load_cv_layers) ? m.load_cv_layers : m.load_cv}; })
+                    .filter(function (r) { return num(r.x) && Array.isArray(r.vals) && r.vals.length; }));
+  var rows = D.ledger || [], t = "<table id='ledgertable'><tr><th>leg</th><th>who</th><th>gpu</th><th>steps</th><th>tokens</th><th>wall</th><th>$</th><th>loss start</th><th>loss end</th><th>finished (UTC)</th></tr>";
+  rows.forEach(function (r) { t += "<tr><td>" + r.leg + "</td><td>" + esc(r.who) + "</td><td>" + esc(r.gpu) + "</td><td>" + r.steps + "</td><td>" + fmt(r.tokens) + "</td><td>" + esc(r.wall) + "</td><td>" + (r.usd === null ? "-" : r.usd.toFixed(2)) + "</td><td>" + fmt(r.loss_start) + "</td><td>" + fmt(r.loss_end) + "</td><td>" + esc(r.finished) + "</td></tr>"; });
+  document.getElementById("ledger").innerHTML = rows.length ? t + "</table>" : "<span class='muted'>no legs yet</span>";
+}
+function esc(x) { return String(x).replace(/[&<>"']/g, function (c) { return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]; }); }
+render(DATA);
+setInterval(function () { fetch("data.json").then(function (r) { return r.json(); }).then(render).catch(function () {}); }, 30000);
+</script></body></html>
+"""
+
+
+def cmd_dashboard(args):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    cache = {"t": 0.0, "data": None}
+    lock = threading.Lock()
+
+    def data():  # re-read the store at most every --refresh seconds, whatever the number of viewers
+        with lock:
+            if cache["data"] is None or time.time() - cache["t"] > args.refresh:
+                cache["data"], cache["t"] = dashboard_data(args.store), time.time()
+            return cache["data"]
+    data()  # fail early, with the one-line error, on a bad target
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            try:
+                d = data()
+            except RelayError as e:
+                return self.send(503, "text/plain", f"relay dashboard: {e}\n".encode())
+            if self.path in ("/", "/index.html"):
+                body = PAGE.replace("__TITLE__", html.escape(args.store)).replace(
+                    "__DATA__", json.dumps(d).replace("</", "<\\/"))
+                return self.send(200, "text/html; charset=utf-8", body.encode())
+            if self.path == "/data.json":
+                return self.send(200, "application/json", json.dumps(d).encode())
+            self.send(404, "text/plain", b"not found\n")
+
+        def do_POST(self):
+            self.send(405, "text/plain", b"read-only\n")
+
+        def send(self, code, ctype, body):
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer((args.host, args.port), Handler)
+    print(f"relay: dashboard for {args.store} at http://{args.host}:{srv.server_address[1]}/", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="relay.py", description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+                                epilog="Run `python relay.py CMD --help` for each command's options.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add(name, help_, store_help="hf://owner/name or file:///path"):
+        sp = sub.add_parser(name, help=help_, description=help_, allow_abbrev=False)
+        sp.add_argument("store", help=store_help)
+        sp.add_argument("--workdir", default=None, help="local folder for the lease file and leg dirs "
+                        "(default ./relay-work/<store name>)")
+        sp.add_argument("--who", default=default_who(), help="your name in RELAY.json and LEDGER.md (default $RELAY_WHO or user@host)")
+        return sp
+
+    for name, help_ in [("claim", "take the baton (or renew it if you hold it)"), ("run", "claim, pull, train a leg, push, release"),
+                        ("init", "create a run: a train.py config (+ --key=value) or --from-checkpoint DIR")]:
+        sp = add(name, help_)
+        sp.add_argument("--ttl", type=float, default=DEFAULT_TTL, help="lease time-to-live in seconds (>= 3x --heartbeat)")
+        sp.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT, help="seconds between lease renewals")
+        if name in ("run", "init"):
+            sp.add_argument("--python", default=sys.executable, help="python that runs the trainer")
+            sp.add_argument("--train-script", default=os.path.join(HERE, "train.py"), help="trainer (default train.py next to relay.py)")
+        if name == "run":
+            sp.add_argument("--steps", type=int, default=None, help="train this many optimizer steps")
+            sp.add_argument("--hours", type=float, default=None, help="train this many hours (wall clock)")
+            sp.add_argument("--wait", action="store_true", help="if the baton is taken, wait for it")
+            sp.add_argument("--poll", type=float, default=60.0, help="seconds between tries with --wait")
+        if name == "init":
+            sp.add_argument("config", nargs="?", default=None, help="train.py config file (config/*.py)")
+            sp.add_argument("--from-checkpoint", default=None, help="start from this checkpoint (run dir or step dir)")
+    add("status", "who holds the baton, lease age, step, tokens, stage, last legs").add_argument("--json", action="store_true")
+    sp = add("pull", "download and verify the latest checkpoint (into the leg dir when you hold the lease)")
+    sp.add_argument("--out", default=None, help="download into this dir instead (no lease needed)")
+    sp = add("push", "upload your leg (one commit) while you hold the lease")
+    sp.add_argument("--run-dir", default=None, help="the train.py out_dir to push (default: the leg dir from pull)")
+    sp.add_argument("--gpu-hourly-usd", type=float, default=None, help="$ per GPU hour for the ledger (default: the config's)")
+    add("release", "hand the baton back")
+    add("decay", "start the WSD decay from the next leg on")
+    sp = add("dashboard", "serve a read-only web page of the run", "store URL or a local train.py out_dir")
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8765)
+    sp.add_argument("--refresh", type=float, default=30.0, help="re-read the store at most this often (s)")
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = build_parser().parse_known_args(argv)
+    bad = [a for a in extra if not (a.startswith("--") and "=" in a)]
+    if bad or (extra and args.cmd not in ("run", "init")):
+        print(f"relay.py {args.cmd}: error: unrecognized arguments {' '.join(bad or extra)} (train.py overrides are "
+              f"--key=value, for run and init)", file=sys.stderr)
+        return 2
+    args.overrides = extra
+    try:
+        return globals()["cmd_" + args.cmd](args)
+    except (RelayError, checkpoint.CheckpointError) as e:
+        print(f"relay.py {args.cmd}: error: {e}", file=sys.stderr)
+        return 4 if isinstance(e, Fenced) else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""relay.py: stores (file:// and hf:// through the real huggingface_hub client against tests/hub_server.py's
+RelayHub), lease + fencing, contention, stale / killed holders, 5xx-after-commit, bad input, decay."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from relay_fixtures import ROOT, base_env, init_run, relay_cli, wait_for, write_fake_train
+
+import checkpoint  # noqa: E402
+import relay  # noqa: E402
+from hub_server import RelayHub  # noqa: E402
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with RelayHub(tmp_path / "hub_root") as h:
+        yield h
+
+
+def store_url(kind, tmp_path, hub, name="alice/run"):
+    if kind == "file":
+        return f"file://{tmp_path}/store"
+    return f"hf://{name}"
+
+
+def env_for(kind, tmp_path, hub, **extra):
+    env = base_env(extra)
+    if kind == "hf":
+        env.update(hub.client_env(tmp_path / "hf_home"))
+    return env
+
+
+@pytest.fixture
+def hf_env(hub, tmp_path, monkeypatch):
+    """In-process hf:// use: relay.HfStore reads endpoint, token and cache from the environment when built."""
+    for k, v in hub.client_env(tmp_path / "hf_home_inproc").items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.fixture
+def rl(monkeypatch, capsys):
+    """`python relay.py ARGS` run in this process (no interpreter start-up): returns returncode, stdout, stderr."""
+    def call(args, env=None):
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, str(v))
+        capsys.readouterr()
+        rc = relay.main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+    return call
+
+
+def ledger_rows(store):
+    snap = relay.Snapshot(store)
+    return relay.parse_ledger(snap.ledger()), snap
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["file", "hf"])
+def test_init_run_two_legs_status_pull(kind, tmp_path, hub, monkeypatch, rl):
+    url = store_url(kind, tmp_path, hub)
+    env = env_for(kind, tmp_path, hub)
+    relay_cli = globals()["relay_cli"] if kind == "file" else rl  # the script's entry point once, in-process for hf
+    fake = init_run(url, tmp_path, env, cli=relay_cli)
+    common = ["--train-script", fake, "--ttl", "3", "--heartbeat", "0.5"]
+    r = relay_cli(["run", url, "--steps", "7", "--workdir", tmp_path / "wa", *common], env)
+    assert r.returncode == 0, r.stderr
+    r = relay_cli(["run", url, "--steps", "4", "--workdir", tmp_path / "wb", *common], dict(env, RELAY_WHO="bob"))
+    assert r.returncode == 0, r.stderr
+    r = relay_cli(["status", url, "--json"], env)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert (st["step"], st["legs"], st["holder"], st["tokens"]) == (11, 2, None, 11 * 4096)
+    rows = st["ledger"]
+    assert [(x["leg"], x["who"], x["step_range"], x["steps"], x["gpu"]) for x in rows] == [
+        (1, "tester", "0-7", 7, "FakeGPU 80GB"), (2, "bob", "7-11", 4, "FakeGPU 80GB")]
+    assert rows[0]["loss_start"] == pytest.approx(6.0 / 1.05, abs=1e-3) and rows[1]["loss_end"] == pytest.approx(6.0 / 1.55, abs=1e-3)
+    assert rows[0]["usd"] is not None and rows[0]["usd"] >= 0
+    # the leg's metrics are in logs/, the checkpoint is step 11 and verifies after a pull into a fresh dir
+    r = relay_cli(["pull", url, "--out", tmp_path / "pulled"], env)
+    assert r.returncode == 0, r.stderr
+    ck = checkpoint.resolve(str(tmp_path / "pulled"))
+    assert os.path.basename(ck) == "step_0000011" and checkpoint.verify(ck)["step"] == 11
+    if kind == "file":
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+    store = relay.open_store(url)
+    head = store.head()[0]
+    logs = store.list(head, "logs/")
+    assert logs == ["logs/leg-0001.jsonl", "logs/leg-0002.jsonl"]
+    steps = [json.loads(l)["step"] for l in store.read(head, "logs/leg-0002.jsonl").decode().splitlines()]
+    assert steps == [8, 9, 10, 11]
+    text = relay_cli(["status", url], env).stdout
+    assert "baton: free" in text and "leg 2: bob" in text
+
+
+def contention_worker_src():
+    return r'''
+import json, os, random, sys, time
+sys.path.insert(0, os.environ["PICAFLOR_ROOT"])
+import checkpoint, relay
+url, wid, rounds, outp, go, poll = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6])
+while not os.path.exists(go):
+    time.sleep(0.005)
+store = relay.open_store(url)
+work = os.path.join(os.path.dirname(outp), f"worker-{wid}")
+log, busy = [], 0
+random.seed(wid)
+while True:
+    try:
+        lease = relay.claim(store, work, f"w{wid}", ttl=60, heartbeat=20)
+    except relay.Busy:
+        busy += 1
+        if busy % 5 == 0 and relay.Snapshot(store).state["legs"] >= rounds:
+            break
+        time.sleep(random.uniform(0.2, 1.0) * poll)
+        continue
+    except relay.Transient:
+        time.sleep(poll)
+        continue
+    if lease.leg > rounds:
+        relay.release(store, lease)
+        break
+    log.append({"generation": lease.generation, "leg": lease.leg, "who": f"w{wid}"})
+    run_dir = relay.prepare_leg(store, lease, work)
+    step = lease.base_step + 1
+    st = {"step": step, "tokens": step * 100}
+    checkpoint.save(run_dir, step, {"model.safetensors": lambda p: open(p, "w").write(f"w{wid} step {step}"),
+                                    "state.json": lambda p: json.dump(st, open(p, "w"))})
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "tokens": step * 100, "loss": 1.0 / step}) + "\n")
+    relay.push(store, lease, run_dir, wall_s=1.0)
+    relay.release(store, lease)
+json.dump(log, open(outp, "w"))
+'''
+
+
+@pytest.mark.parametrize("kind,rounds", [("file", 50), ("hf", 8)])
+def test_contention_eight_claimers(kind, rounds, tmp_path, hub, monkeypatch):
+    """8 processes race for the baton; every leg is one claim -> pull -> checkpoint -> push -> release."""
+    url = store_url(kind, tmp_path, hub)
+    env = env_for(kind, tmp_path, hub)
+    init_run(url, tmp_path, env)
+    worker = tmp_path / "worker.py"
+    worker.write_text(contention_worker_src())
+    go = tmp_path / "go"
+    poll = "0.05" if kind == "file" else "0.15"
+    procs = [subprocess.Popen([sys.executable, str(worker), url, str(i), str(rounds), str(tmp_path / f"log{i}.json"),
+                               str(go), poll], env=env, stderr=subprocess.PIPE, text=True) for i in range(8)]
+    time.sleep(0.3)
+    go.write_text("go")
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    logs = [e for i in range(8) for e in json.load(open(tmp_path / f"log{i}.json"))]
+    gens = [e["generation"] for e in logs]
+    assert len(gens) == len(set(gens)) == rounds  # exactly one holder per generation
+    assert sorted(e["leg"] for e in logs) == list(range(1, rounds + 1))
+    if kind == "hf":
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home2"))
+    store = relay.open_store(url)
+    rows, snap = ledger_rows(store)
+    assert [r["leg"] for r in rows] == list(range(1, rounds + 1))  # every leg once, in order
+    by_leg = {e["leg"]: e for e in logs}
+    for r in rows:  # the chain of checkpoints is unbroken: leg i trained from i-1, and the ledger names its holder
+        assert r["step_range"] == f"{r['leg'] - 1}-{r['leg']}"
+        assert (r["who"], r["generation"]) == (by_leg[r["leg"]]["who"], by_leg[r["leg"]]["generation"])
+    assert snap.state["step"] == rounds and snap.relay["holder"] is None
+    relay.pull(store, str(tmp_path / "final"))
+    ck = checkpoint.resolve(str(tmp_path / "final"))
+    who = by_leg[rounds]["who"]
+    assert open(os.path.join(ck, "model.safetensors")).read() == f"{who} step {rounds}"
+
+
+@pytest.mark.parametrize("kind", ["file", "hf"])
+def test_stale_holder_is_fenced(kind, tmp_path, hub, request):
+    """A pauses past its TTL; B claims and pushes; A's heartbeat and push are rejected, A's checkpoint survives."""
+    url = store_url(kind, tmp_path, hub)
+    env = env_for(kind, tmp_path, hub)
+    init_run(url, tmp_path, env)
+    if kind == "hf":
+        request.getfixturevalue("hf_env")
+    store = relay.open_store(url)
+    a = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=1.5, heartbeat=0.5)
+    with pytest.raises(relay.Busy):
+        relay.claim(store, str(tmp_path / "wb"), "bob", ttl=1.5, heartbeat=0.5)
+    a_dir = relay.prepare_leg(store, a, str(tmp_path / "wa"))
+    ck_a = checkpoint.save(a_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
+                                      "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    time.sleep(2.6)  # A is "paused": no heartbeat for longer than the TTL (+1 s: HTTP Date has 1 s resolution)
+    b = relay.claim(store, str(tmp_path / "wb"), "bob", ttl=1.5, heartbeat=0.5)
+    assert b.generation == a.generation + 1 and b.leg == a.leg
+    b_dir = relay.prepare_leg(store, b, str(tmp_path / "wb"))
+    checkpoint.save(b_dir, 2, {"model.safetensors": lambda p: open(p, "w").write("bob"),
+                               "state.json": lambda p: json.dump({"step": 2, "tokens": 200}, open(p, "w"))})
+    relay.push(store, b, b_dir, wall_s=1)
+    with pytest.raises(relay.Fenced, match="lease lost"):
+        relay.renew(store, a)
+    with pytest.raises(relay.Fenced, match="push rejected.*kept"):
+        relay.push(store, a, a_dir, wall_s=1)
+    assert checkpoint.verify(ck_a)["step"] == 3  # A's work is untouched
+    relay.release(store, b)
+    rows, snap = ledger_rows(store)
+    assert [(r["leg"], r["who"]) for r in rows] == [(1, "bob")] and snap.state["step"] == 2
+
+
+def start_run(url, tmp_path, env, workdir, fake, steps, ttl, hb):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "relay.py"), "run", url, "--steps", str(steps),
+                             "--train-script", fake, "--workdir", str(workdir), "--ttl", str(ttl), "--heartbeat", str(hb)],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def test_paused_relay_run_stops_itself_and_keeps_checkpoint(tmp_path, hub):
+    """`relay run` SIGSTOPped past the TTL (trainer included), another claims; on SIGCONT it stops training at
+    once, pushes nothing, exits 4 saying why, and its local checkpoint is kept."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env({"FAKE_STEP_S": "0.03", "FAKE_CKPT_EVERY": "5"})
+    fake = init_run(url, tmp_path, env)
+    p = start_run(url, tmp_path, env, tmp_path / "wa", fake, 100000, 1.5, 0.4)
+    leg = tmp_path / "wa" / "leg-0001-gen1"
+    wait_for(lambda: checkpoint.latest_valid(str(leg)) and checkpoint.latest_valid(str(leg)).endswith("0000010"), 20, "training")
+    os.killpg(p.pid, signal.SIGSTOP)
+    time.sleep(2.0)
+    r = relay_cli(["claim", url, "--workdir", tmp_path / "wb", "--ttl", "30", "--heartbeat", "10"], dict(env, RELAY_WHO="bob"))
+    assert r.returncode == 0, r.stderr
+    os.killpg(p.pid, signal.SIGCONT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 4, err
+    last = err.strip().splitlines()[-1]
+    assert "error:" in last and "lease" in last and "nothing pushed" in last and "kept" in last
+    assert "Traceback" not in err
+    ck = checkpoint.latest_valid(str(leg))
+    assert ck is not None and checkpoint.verify(ck)["step"] >= 10
+    store = relay.open_store(url)
+    rows, snap = ledger_rows(store)
+    assert rows == [] and snap.relay["holder"] == "bob" and snap.state["step"] == 0
+
+
+def test_sigkill_holder_mid_leg_next_resumes_from_last_push(tmp_path, hub):
+    url = store_url("file", tmp_path, hub)
+    env = base_env({"FAKE_STEP_S": "0.02"})
+    fake = init_run(url, tmp_path, env)
+    r = relay_cli(["run", url, "--steps", "4", "--train-script", fake, "--workdir", tmp_path / "wa", "--ttl", "1.5",
+                   "--heartbeat", "0.4"], env)
+    assert r.returncode == 0, r.stderr
+    p = start_run(url, tmp_path, dict(env, RELAY_WHO="doomed"), tmp_path / "wk", fake, 100000, 1.5, 0.4)
+    leg = tmp_path / "wk" / "leg-0002-gen2"
+    wait_for(lambda: checkpoint.latest_valid(str(leg)) and checkpoint.latest_valid(str(leg)).endswith("0000010"), 20, "training")
+    os.killpg(p.pid, signal.SIGKILL)  # relay and trainer die at once, no release
+    p.communicate(timeout=10)
+    r = relay_cli(["run", url, "--steps", "3", "--train-script", fake, "--workdir", tmp_path / "wb", "--ttl", "1.5",
+                   "--heartbeat", "0.4", "--wait", "--poll", "0.3"], dict(env, RELAY_WHO="bob"), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "doomed holds the baton" in r.stderr  # it had to wait for the lease to expire
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert [(x["leg"], x["who"], x["step_range"], x["generation"]) for x in rows] == [(1, "tester", "0-4", 1), (2, "bob", "4-7", 3)]
+    assert snap.state["step"] == 7
+    assert checkpoint.latest_valid(str(leg)) is not None  # the killed holder's local work was not deleted
+
+
+@pytest.mark.parametrize("kind", ["file", "hf"])
+def test_5xx_after_commit_landed_no_duplicate(kind, tmp_path, hub, rl):
+    url = store_url(kind, tmp_path, hub)
+    env = env_for(kind, tmp_path, hub)
+    relay_cli = rl
+    fake = init_run(url, tmp_path, env, cli=rl)
+    if kind == "hf":
+        n0 = len(hub.vrepos[("models", "alice/run")]["commits"])
+        hub.fail_after_commit = 3  # claim, push and release each land and then answer 500
+    else:
+        env["RELAY_TEST_FAULT"] = "file-commit-then-fail"  # every commit lands, then raises a transient error
+    r = relay_cli(["run", url, "--steps", "3", "--train-script", fake, "--workdir", tmp_path / "wa", "--ttl", "60",
+                   "--heartbeat", "20"], env)
+    assert r.returncode == 0, r.stderr
+    env.pop("RELAY_TEST_FAULT", None)
+    os.environ.pop("RELAY_TEST_FAULT", None)
+    r = relay_cli(["status", url, "--json"], env)
+    st = json.loads(r.stdout)
+    assert [x["leg"] for x in st["ledger"]] == [1] and st["step"] == 3 and st["holder"] is None and st["generation"] == 1
+    if kind == "hf":
+        assert hub.fail_after_commit == 0
+        msgs = [c["message"] for c in hub.vrepos[("models", "alice/run")]["commits"].values()]
+        assert len(msgs) - n0 == 3 and sum("leg 1 by" in m for m in msgs) == 1
+
+
+@pytest.mark.parametrize("kind", ["file", "hf"])
+def test_bad_input_one_line_errors_nothing_overwritten(kind, tmp_path, hub, rl):
+    url = store_url(kind, tmp_path, hub)
+    env = env_for(kind, tmp_path, hub)
+    relay_cli = rl  # in-process: an escaping exception would fail the test just as a traceback would
+    fake = init_run(url, tmp_path, env, cli=rl)
+    store = relay.open_store(url)
+
+    def one_line_error(r, *words):
+        assert r.returncode == 3, (r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        for w in words:
+            assert w in lines[0], lines[0]
+
+    # init over an existing run
+    head0 = store.head()[0]
+    one_line_error(relay_cli(["init", url, tmp_path / "run_config.py", "--train-script", fake], env), "already a relay run")
+    # ttl shorter than 3 heartbeats
+    one_line_error(relay_cli(["claim", url, "--ttl", "2", "--heartbeat", "1"], env), "3x")
+    assert store.head()[0] == head0
+    # a push whose local checkpoint has a bad manifest: refused before any upload, lease kept
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
+    ck = checkpoint.save(run_dir, 5, {"model.safetensors": lambda p: open(p, "w").write("good"),
+                                      "state.json": lambda p: json.dump({"step": 5, "tokens": 50}, open(p, "w"))})
+    with open(os.path.join(ck, "model.safetensors"), "w") as f:
+        f.write("evil")
+    head1 = store.head()[0]
+    one_line_error(relay_cli(["push", url, "--workdir", tmp_path / "wa"], env), "push refused", "sha256")
+    assert store.head()[0] == head1 == lease.sha
+    relay.release(store, relay.Lease.load(str(tmp_path / "wa"), store))
+    # a checkpoint in the store that fails its manifest: pull refuses, installs nothing
+    head = store.head()[0]
+    man = json.loads(store.read(head, "checkpoint/MANIFEST.json"))
+    bad_head = store.commit(head, {"checkpoint/model.safetensors": b"tampered"}, [], "tamper")
+    one_line_error(relay_cli(["pull", url, "--out", tmp_path / "pulled"], env), "fails verification")
+    assert not [n for n in os.listdir(tmp_path / "pulled") if n.startswith("step_")]
+    assert man["step"] == 0
+    # malformed RELAY.json: claim and status refuse, nothing is committed
+    bad = store.commit(bad_head, {"RELAY.json": b"{not json"}, [], "break the lease file")
+    one_line_error(relay_cli(["claim", url, "--workdir", tmp_path / "wc"], env), "RELAY.json", "malformed")
+    one_line_error(relay_cli(["status", url], env), "RELAY.json", "malformed")
+    assert store.head()[0] == bad
+    # a repo / dir that is not a relay run
+    if kind == "hf":
+        relay.open_store("hf://alice/other").create()
+        other = "hf://alice/other"
+    else:
+        os.makedirs(tmp_path / "empty")
+        other = f"file://{tmp_path}/empty"
+    one_line_error(relay_cli(["status", other], env), "not a relay")
+    one_line_error(relay_cli(["claim", other, "--workdir", tmp_path / "wd"], env), "not a relay")
+    one_line_error(relay_cli(["status", "s3://bucket/x"], env), "unknown store")
+
+
+def test_decay_flag_travels_to_the_next_leg(tmp_path, hub, rl):
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    relay_cli = rl
+    fake = init_run(url, tmp_path, env, cli=rl)
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=20)
+    r = relay_cli(["decay", url], env)
+    assert r.returncode == 3 and "alice holds the baton" in r.stderr  # would fence alice out
+    relay.release(store, lease)
+    r = relay_cli(["decay", url], env)
+    assert r.returncode == 0, r.stderr
+    assert relay.Snapshot(store).state["decay_requested"] is True
+    r = relay_cli(["run", url, "--steps", "2", "--train-script", fake, "--workdir", tmp_path / "wb"], env)
+    assert r.returncode == 0, r.stderr
+    st = relay.Snapshot(store).state
+    assert st["decay_requested"] is False and st["decay_started_at_tokens"] == 0 and st["step"] == 2
+
+
+def test_trainer_failure_releases_and_pushes_nothing(tmp_path, hub, rl):
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    relay_cli = rl
+    fake = init_run(url, tmp_path, env, cli=rl)
+    r = relay_cli(["run", url, "--steps", "2", "--train-script", fake, "--workdir", tmp_path / "wa"],
+                  dict(env, FAKE_TRAIN_FAIL="1"))
+    os.environ.pop("FAKE_TRAIN_FAIL")
+    assert r.returncode == 3 and "trainer exited with status 1" in r.stderr and "lease released" in r.stderr
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert rows == [] and snap.relay["holder"] is None and snap.state["step"] == 0
