@@ -238,7 +238,8 @@ class MoE(nn.Module):
         # selection-only bias: a buffer (no gradient, no weight decay), saved and exported
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
         # token-slots per expert summed over the training forwards since the last bias update
-        self.register_buffer("load_accum", torch.zeros(cfg.n_experts, dtype=torch.float32), persistent=False)
+        # (int64: exact counts, and model.to(bfloat16) leaves integer buffers alone)
+        self.register_buffer("load_accum", torch.zeros(cfg.n_experts, dtype=torch.int64), persistent=False)
         self.top_k = cfg.top_k  # may be lowered at serve time
         self.last_load = None
 
@@ -255,7 +256,7 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=E)
         self.last_load = counts.detach()
         if self.training:
-            self.load_accum += counts.detach().float()
+            self.load_accum += counts
         order = torch.argsort(flat, stable=True)
         token_of_slot = order // k
         offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -378,7 +379,7 @@ class Picaflor(nn.Module):
         moes = self.moe_layers()
         if not moes:
             return torch.zeros(0, self.cfg.n_experts)
-        load = torch.stack([m.load_accum.clone() for m in moes])
+        load = torch.stack([m.load_accum.float() for m in moes])
         for m in moes:
             m.load_accum.zero_()
         return load
@@ -592,9 +593,10 @@ def load_checkpoint(path, device="cpu", dtype=None):
         m.load_accum.zero_()
     if dtype is not None:
         model.to(dtype)
-        for m in model.moe_layers():  # the router and its bias stay fp32
-            m.gate.float()
-            m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
+        for name, m in model.named_modules():  # the router and its bias stay fp32, exactly as saved
+            if isinstance(m, MoE):
+                m.gate.weight.data = sd[f"{name}.gate.weight"].float()
+                m.e_score_correction_bias.data = sd[f"{name}.e_score_correction_bias"].float()
     model.eval()
     return model
 

@@ -1,0 +1,396 @@
+"""Tests for model.py: HYV3 parity, grouped dispatch vs the reference loop, balancing, KV cache, sizes,
+checkpoints. CPU only, tiny configs (d_model 32-64)."""
+
+import os
+import sys
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint  # noqa: E402
+import model as M  # noqa: E402
+
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny shapes: one thread is fastest, and on a loaded shared box 2 threads can be 30x slower (spinning)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+PARITY_CFG = M.ModelConfig(vocab_size=211, n_layer=4, n_dense_layers=2, d_model=64, n_head=4, n_kv_head=2,
+                           dense_ffn=96, n_experts=8, expert_ffn=32, n_shared=2, top_k=2, route_scale=2.5,
+                           rope_theta=500.0, max_seq_len=64, norm_eps=1e-6)
+
+
+def randomise(model, seed=0):
+    """Random weights everywhere, norms and the selection bias included, so that nothing hides behind ones/zeros."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+        for m in model.moe_layers():
+            m.e_score_correction_bias.copy_(0.1 * torch.randn(m.e_score_correction_bias.shape, generator=g))
+    return model
+
+
+def hf_model(cfg, **extra):
+    import transformers
+    return transformers.HYV3ForCausalLM(transformers.HYV3Config(**M.to_hf_config(cfg, **extra))).eval()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HYV3 interop
+
+@pytest.mark.parametrize("top_k", [2, 1])
+def test_hf_parity_picaflor_to_hf(top_k):
+    torch.manual_seed(0)
+    pf = randomise(M.Picaflor(PARITY_CFG)).eval()
+    # top_k=1 is served: the model is built (trained) at top_k=2 and lowered with set_top_k
+    pf.set_top_k(top_k)
+    hf = hf_model(replace(PARITY_CFG, top_k=top_k))
+    missing, unexpected = hf.load_state_dict(M.to_hf_state_dict(pf.state_dict()), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    bias_pf = pf.layers[3].mlp.e_score_correction_bias
+    assert torch.equal(hf.model.layers[3].mlp.e_score_correction_bias, bias_pf) and bias_pf.abs().sum() > 0
+    idx = torch.randint(0, PARITY_CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = pf(idx)
+        b = hf(input_ids=idx, use_cache=False).logits
+    assert a.dtype == b.dtype == torch.float32
+    assert (a - b).abs().max().item() <= 1e-4
+    assert a.abs().max().item() > 0.1  # not a trivially small output
+
+
+def test_hf_parity_top1_differs_from_top2():
+    # guards the test above against a set_top_k that does nothing
+    pf = randomise(M.Picaflor(PARITY_CFG)).eval()
+    idx = torch.randint(0, PARITY_CFG.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = pf(idx)
+        pf.set_top_k(1)
+        b = pf(idx)
+    assert (a - b).abs().max().item() > 1e-3
+    with pytest.raises(ValueError):
+        pf.set_top_k(PARITY_CFG.n_experts + 1)
+
+
+def test_hf_parity_hf_to_picaflor():
+    torch.manual_seed(3)
+    hf = hf_model(PARITY_CFG)
+    with torch.no_grad():  # HF inits the bias to zeros: randomise it and the norms
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        for layer in hf.model.layers[PARITY_CFG.n_dense_layers:]:
+            layer.mlp.e_score_correction_bias.copy_(0.1 * torch.randn(PARITY_CFG.n_experts))
+    cfg = M.from_hf_config(hf.config)
+    expect = asdict(PARITY_CFG)
+    got = asdict(cfg)
+    expect.pop("bias_update_rate"), got.pop("bias_update_rate")  # a training knob HF does not carry
+    assert got == expect
+    assert M.from_hf_config(M.to_hf_config(PARITY_CFG)) == cfg  # dict form too
+    pf = M.Picaflor(cfg).eval()
+    pf.load_state_dict(M.from_hf_state_dict(hf.state_dict()), strict=False)
+    sd_pf = pf.state_dict()
+    for k, v in M.from_hf_state_dict(hf.state_dict()).items():
+        assert torch.equal(sd_pf[k], v), k
+    idx = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (pf(idx) - hf(input_ids=idx, use_cache=False).logits).abs().max().item() <= 1e-4
+
+
+def test_from_hf_config_rejects_interleaved_layer_types():
+    d = M.to_hf_config(PARITY_CFG)
+    d["mlp_layer_types"] = ["dense", "sparse", "dense", "sparse"]
+    with pytest.raises(ValueError, match="dense layers first"):
+        M.from_hf_config(d)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# grouped dispatch vs the plain per-expert loop
+
+MOE_CFG = M.ModelConfig(vocab_size=64, n_layer=2, n_dense_layers=1, d_model=48, n_head=4, n_kv_head=2,
+                        dense_ffn=64, n_experts=8, expert_ffn=24, n_shared=1, top_k=2, route_scale=1.7)
+
+
+def make_moe(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    moe = M.MoE(MOE_CFG)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.15)
+        moe.e_score_correction_bias.normal_(0.0, 0.05)
+    moe.to(dtype)
+    moe.gate.float()
+    moe.e_score_correction_bias.data = moe.e_score_correction_bias.data.float()
+    return moe
+
+
+def fwd_bwd(fn, moe, x, gy):
+    moe.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    y = fn(x)
+    y.backward(gy)
+    grads = {n: p.grad.detach().clone() for n, p in moe.named_parameters()}
+    return y.detach(), x.grad.detach(), grads
+
+
+def assert_dispatch_matches_reference(moe, x, atol, rtol=0.0):
+    gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(x.dtype)
+    y, gx, gp = fwd_bwd(moe, moe, x, gy)
+    y_ref, gx_ref, gp_ref = fwd_bwd(lambda t: M.moe_reference(moe, t), moe, x, gy)
+    assert y.dtype == x.dtype
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(gx, gx_ref, atol=atol, rtol=rtol)
+    assert set(gp) == {n for n, _ in moe.named_parameters()} and len(gp) == 6
+    for n in gp:
+        torch.testing.assert_close(gp[n], gp_ref[n], atol=atol, rtol=rtol, msg=lambda m: f"{n}: {m}")
+    assert gp["gate.weight"].abs().max() > 0  # the router learns through the mixing weights
+
+
+@pytest.mark.parametrize("n_tokens", [40, 3])  # 3 tokens x top-2 leave most experts empty
+def test_grouped_dispatch_equals_reference_fp32(n_tokens):
+    moe = make_moe()
+    x = torch.randn(1, n_tokens, MOE_CFG.d_model, generator=torch.Generator().manual_seed(1))
+    assert M.grouped_mm_ok(x.view(-1, MOE_CFG.d_model), moe.experts.gate_up_proj)
+    assert_dispatch_matches_reference(moe, x, atol=2e-5)
+
+
+def test_padded_bmm_fallback_equals_reference(monkeypatch):
+    calls = []
+    monkeypatch.setattr(M, "grouped_mm_ok", lambda xs, w: calls.append(1) and False)
+    moe = make_moe(seed=1)
+    x = torch.randn(2, 17, MOE_CFG.d_model, generator=torch.Generator().manual_seed(2))
+    assert_dispatch_matches_reference(moe, x, atol=2e-5)
+    assert calls  # the fallback path really ran
+
+
+def test_grouped_dispatch_bf16_cpu():
+    moe = make_moe(torch.bfloat16, seed=2)
+    assert moe.experts.gate_up_proj.dtype == torch.bfloat16 and moe.gate.weight.dtype == torch.float32
+    x = torch.randn(2, 20, MOE_CFG.d_model, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    assert_dispatch_matches_reference(moe, x, atol=3e-2, rtol=3e-2)
+
+
+def test_moe_counts_load_in_training_only():
+    moe = make_moe()
+    x = torch.randn(30, MOE_CFG.d_model)
+    moe.eval()
+    with torch.no_grad():
+        moe(x)
+    assert moe.load_accum.sum() == 0 and moe.last_load.sum() == 30 * MOE_CFG.top_k
+    moe.train()
+    moe(x)
+    moe(x[:10])
+    assert moe.load_accum.sum() == 40 * MOE_CFG.top_k
+    moe.to(torch.bfloat16)  # counts stay exact in a bf16 model
+    moe.load_accum += 255
+    moe(x.to(torch.bfloat16)[:1])
+    assert moe.load_accum.sum() == 40 * MOE_CFG.top_k + 8 * 255 + MOE_CFG.top_k
+
+
+# ----------------------------------------------------------------------------------------------------------
+# balancing (aux-loss-free bias update)
+
+BAL_CFG = M.ModelConfig(vocab_size=96, n_layer=2, n_dense_layers=1, d_model=32, n_head=4, n_kv_head=2,
+                        dense_ffn=64, n_experts=8, expert_ffn=16, n_shared=1, top_k=2, bias_update_rate=0.02,
+                        max_seq_len=64)
+
+
+def skewed_model(seed=0):
+    """Every token embedding carries a large shared component u and the router rows of experts 0 and 1
+    point along u, so nearly all tokens pick experts 0 and 1 at init (tokens still differ: std-1 embeddings,
+    std-0.3 router rows, so a bias can spread them)."""
+    torch.manual_seed(seed)
+    model = M.Picaflor(BAL_CFG)
+    with torch.no_grad():
+        u = F.normalize(torch.randn(BAL_CFG.d_model), dim=0)
+        model.embed_tokens.weight.normal_(0.0, 1.0).add_(3.0 * u)
+        gate = model.layers[1].mlp.gate.weight
+        gate.normal_(0.0, 0.3)
+        gate[:2] += 3.0 * u
+    return model
+
+
+def train_tiny(model, steps, bias_update, lr=2e-3):
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(1, BAL_CFG.vocab_size, (8, 33), generator=g)  # one fixed random batch: memorisable
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses, cvs = [], []
+    for _ in range(steps):
+        _, loss = model(data[:, :-1], data[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        load = model.take_expert_load()
+        cvs.append(M.load_stats(load)[0].item())
+        if bias_update:
+            model.update_router_bias(load)
+        losses.append(loss.item())
+    return losses, cvs
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bias_update_balances_skewed_router_while_loss_falls(seed):
+    losses, cvs = train_tiny(skewed_model(seed), 30, bias_update=True)
+    start_cv = cvs[0]
+    assert start_cv > 1.4, start_cv  # the skew is real: 2 of 8 experts take nearly everything
+    end_cv = sum(cvs[-10:]) / 10
+    assert end_cv < 0.3 * start_cv, (start_cv, end_cv)
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5, (losses[0], losses[-5:])
+
+
+def test_without_bias_update_cv_stays_high():
+    losses, cvs = train_tiny(skewed_model(0), 30, bias_update=False)
+    assert sum(cvs[-10:]) / 10 > 0.6 * cvs[0], (cvs[0], cvs[-10:])
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5  # the same training, only the bias update is off
+
+
+def test_bias_update_per_layer_and_centred():
+    cfg = replace(BAL_CFG, n_layer=3, n_dense_layers=1)
+    model = M.Picaflor(cfg)
+    load = torch.tensor([[10., 0, 0, 0, 0, 0, 0, 6], [1., 1, 1, 1, 1, 1, 1, 9]])
+    model.update_router_bias(load, gamma=0.1)
+    b1, b2 = (m.e_score_correction_bias for m in model.moe_layers())
+    for b, l in ((b1, load[0]), (b2, load[1])):
+        delta = 0.1 * torch.sign(l.mean() - l)
+        torch.testing.assert_close(b, delta - delta.mean())
+        assert abs(b.sum().item()) < 1e-6
+    assert not torch.allclose(b1, b2)
+    assert b1[0] < 0 and b1[1] > 0 and b2[7] < 0 and b2[0] > 0  # overloaded down, underloaded up
+    # default gamma is the config's
+    model.update_router_bias(load)
+    torch.testing.assert_close(b1[0], torch.tensor(-1.5 * (0.1 + cfg.bias_update_rate)))  # -g - g * 4/8, twice
+
+
+def test_load_stats():
+    cv, dead = M.load_stats(torch.tensor([[4., 4, 4, 4], [16., 0, 0, 0]]))
+    torch.testing.assert_close(cv, torch.tensor([0.0, 3 ** 0.5]))
+    torch.testing.assert_close(dead, torch.tensor([0.0, 0.75]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generation and the KV cache
+
+SMALL_CFG = M.ModelConfig(vocab_size=128, n_layer=3, n_dense_layers=1, d_model=32, n_head=4, n_kv_head=2,
+                          dense_ffn=64, n_experts=8, expert_ffn=16, n_shared=1, top_k=2, max_seq_len=64)
+
+
+def test_generate_with_cache_equals_without():
+    model = randomise(M.Picaflor(SMALL_CFG), seed=4).eval()
+    prompt = torch.randint(0, SMALL_CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    a = model.generate(prompt, 20, temperature=0, use_cache=True)
+    b = model.generate(prompt, 20, temperature=0, use_cache=False)
+    assert a.shape == (2, 27) and torch.equal(a[:, :7], prompt)
+    assert torch.equal(a, b)
+    assert len(set(a[0, 7:].tolist())) > 1  # a degenerate constant sequence would prove little
+
+
+def test_chunked_prefill_equals_full_forward():
+    model = randomise(M.Picaflor(SMALL_CFG), seed=5).eval()
+    idx = torch.randint(0, SMALL_CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(idx)
+        cache = M.KVCache(SMALL_CFG, 2, 32, "cpu", torch.float32)
+        parts = [model(idx[:, :6], cache=cache), model(idx[:, 6:13], cache=cache),  # chunk after a cache
+                 model(idx[:, 13:14], cache=cache), model(idx[:, 14:], cache=cache)]
+    assert cache.pos == 20
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="KV cache full"), torch.no_grad():
+        model(idx, cache=cache)
+
+
+def test_sample_next_greedy_and_topk():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.9], [3.0, 0.0, 0.0, 0.0]])
+    assert M.sample_next(logits, temperature=0).flatten().tolist() == [1, 0]
+    g = torch.Generator().manual_seed(0)
+    draws = {M.sample_next(logits[:1], temperature=1.0, top_k=2, generator=g).item() for _ in range(200)}
+    assert draws == {1, 3}
+    draws = {M.sample_next(logits[:1], temperature=1.0, top_p=0.3, generator=g).item() for _ in range(50)}
+    assert draws == {1}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# sizes
+
+def test_param_counts_by_hand():
+    c = SMALL_CFG
+    D, hd = c.d_model, c.head_dim
+    attn = D * c.n_head * hd * 2 + D * c.n_kv_head * hd * 2 + 2 * hd  # q, o, k, v, q_norm, k_norm
+    norms = 2 * D
+    dense = 3 * D * c.dense_ffn
+    routed = c.n_experts * 3 * D * c.expert_ffn
+    moe = c.n_experts * D + routed + 3 * D * c.n_shared * c.expert_ffn
+    n_moe = c.n_layer - c.n_dense_layers
+    body = c.n_layer * (attn + norms) + c.n_dense_layers * dense + n_moe * moe + D
+    emb = c.vocab_size * D
+    model = M.Picaflor(c)
+    assert model.num_params() == body + 2 * emb
+    inactive = n_moe * (c.n_experts - c.top_k) * 3 * D * c.expert_ffn
+    assert model.active_params() == body + 2 * emb - inactive
+    assert model.active_params(top_k=1) == model.active_params() - n_moe * 3 * D * c.expert_ffn
+    assert model.active_params(include_embedding=False) == body + emb - inactive
+    tied = M.Picaflor(replace(c, tie_embeddings=True))
+    assert tied.num_params() == body + emb
+    assert tied.active_params(include_embedding=False) == body + emb - inactive  # the lm_head still works
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoints
+
+def test_checkpoint_round_trip(tmp_path):
+    model = randomise(M.Picaflor(SMALL_CFG), seed=6).eval()
+    path = M.save_checkpoint(model, str(tmp_path), step=12, state={"tokens": 99})
+    assert os.path.basename(path) == "step_0000012"
+    loaded = M.load_checkpoint(str(tmp_path))  # the run dir (LATEST) works as well as the step dir
+    assert not loaded.training and loaded.cfg == model.cfg
+    sd, sd2 = model.state_dict(), loaded.state_dict()
+    assert set(sd) == set(sd2)
+    for k in sd:
+        assert torch.equal(sd[k], sd2[k]), k
+    idx = torch.randint(0, SMALL_CFG.vocab_size, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(model(idx), loaded(idx))
+
+
+def test_checkpoint_tied_and_bf16(tmp_path):
+    model = randomise(M.Picaflor(replace(SMALL_CFG, tie_embeddings=True)), seed=7)
+    M.save_checkpoint(model, str(tmp_path), step=1)
+    loaded = M.load_checkpoint(os.path.join(str(tmp_path), "step_0000001"), dtype=torch.bfloat16)
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    assert loaded.embed_tokens.weight.dtype == torch.bfloat16
+    for m in loaded.moe_layers():
+        assert m.experts.gate_up_proj.dtype == torch.bfloat16
+        assert m.gate.weight.dtype == torch.float32 and m.e_score_correction_bias.dtype == torch.float32
+        assert m.e_score_correction_bias.abs().sum() > 0
+    for m, m0 in zip(loaded.moe_layers(), model.moe_layers()):
+        assert torch.equal(m.e_score_correction_bias, m0.e_score_correction_bias)  # bias exact, not rounded
+    idx = torch.randint(0, SMALL_CFG.vocab_size, (1, 9))
+    with torch.no_grad():
+        out = loaded(idx)
+        ref = model.eval()(idx)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_checkpoint_tampered_file_is_refused(tmp_path):
+    model = M.Picaflor(SMALL_CFG)
+    path = M.save_checkpoint(model, str(tmp_path), step=5)
+    weights = os.path.join(path, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.seek(os.path.getsize(weights) - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(checkpoint.CheckpointError, match="model.safetensors"):
+        M.load_checkpoint(path)
