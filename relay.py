@@ -978,9 +978,11 @@ def cmd_decay(args):
 # dashboard: one read-only page, data inlined (works offline, no CDN), refreshed from /data.json
 
 
-def dashboard_data(target):
-    """Everything the page shows, from a store URL or a local run dir (metrics.jsonl only)."""
+def dashboard_data(target, log_cache=None):
+    """Everything the page shows, from a store URL or a local run dir (metrics.jsonl only). log_cache keeps the
+    parsed logs/leg-N.jsonl between refreshes (a pushed leg's log never changes)."""
     d = {"source": target, "generated_at": time.time(), "metrics": [], "ledger": [], "baton": None, "state": None}
+    log_cache = {} if log_cache is None else log_cache
     if "://" in target:
         store = open_store(target)
         st = status_dict(store)
@@ -989,7 +991,9 @@ def dashboard_data(target):
         d["ledger"] = st["ledger"]
         for p in store.list(st["head"], "logs/"):
             if p.endswith(".jsonl"):
-                d["metrics"] += [m for m in (safe_json(l) for l in (store.read(st["head"], p) or b"").decode().splitlines()) if m]
+                if p not in log_cache:
+                    log_cache[p] = [m for m in (safe_json(l) for l in (store.read(st["head"], p) or b"").decode().splitlines()) if m]
+                d["metrics"] += log_cache[p]
     else:
         if not os.path.isdir(target):
             raise RelayError(f"{target}: not a store URL nor a run directory; pass hf://owner/name, file:///path or a train.py out_dir")
@@ -1030,7 +1034,7 @@ svg text{font-size:10px;fill:#555} .muted{color:#888}
  <div class="card"><h2>Throughput (tokens/s)</h2><svg id="tps" width="440" height="230"></svg></div>
  <div class="card"><h2>Learning rate</h2><svg id="lr" width="440" height="230"></svg></div>
  <div class="card"><h2>Dead-expert fraction</h2><svg id="dead" width="440" height="230"></svg></div>
- <div class="card"><h2>Expert load CV per layer</h2><svg id="heat" width="440" height="230"></svg></div>
+ <div class="card"><h2>Expert balance: load CV per MoE layer (green = even)</h2><svg id="heat" width="440" height="230"></svg></div>
 </div>
 <div class="card"><h2>Ledger</h2><div id="ledger"></div></div>
 <script>
@@ -1057,7 +1061,7 @@ function lineChart(id, series, xlabel) {
   svg.appendChild(el("line", {x1: L, y1: T, x2: L, y2: H - B, stroke: "#999"}));
   for (var i = 0; i <= 4; i++) {
     var xv = x0 + (x1 - x0) * i / 4, yv = y0 + (y1 - y0) * i / 4;
-    svg.appendChild(el("text", {x: sx(xv) - 12, y: H - B + 13}, fmt(xv)));
+    svg.appendChild(el("text", {x: sx(xv), y: H - B + 13, "text-anchor": i === 0 ? "start" : i === 4 ? "end" : "middle"}, fmt(xv)));
     svg.appendChild(el("text", {x: 2, y: sy(yv) + 3}, fmt(yv)));
     svg.appendChild(el("line", {x1: L, y1: sy(yv), x2: W - R, y2: sy(yv), stroke: "#eee"}));
   }
@@ -1082,12 +1086,14 @@ function heatmap(id, rows) { // rows: [{x, vals:[per layer]}]
     var t = num(v) ? v / vmax : 0, c = "rgb(" + Math.round(255 * t) + "," + Math.round(220 * (1 - t)) + "," + Math.round(120 * (1 - t)) + ")";
     var rect = el("rect", {x: L + i * cw, y: T + l * ch, width: Math.max(cw, 1), height: Math.max(ch - 1, 1), fill: c, "class": "cell"});
     rect.appendChild(el("title", {}, "layer " + l + ", tokens " + fmt(r.x) + ": cv " + fmt(v))); svg.appendChild(rect); }); });
-  for (var l = 0; l < nl; l++) if (nl <= 12 || l % Math.ceil(nl / 12) === 0) svg.appendChild(el("text", {x: 4, y: T + (l + 0.7) * ch}, "layer " + l));
-  svg.appendChild(el("text", {x: L, y: H - B + 13}, fmt(rows[0].x))); svg.appendChild(el("text", {x: W - R - 30, y: H - B + 13}, fmt(rows[rows.length - 1].x)));
+  for (var l = 0; l < nl; l++) if (nl <= 12 || l % Math.ceil(nl / 12) === 0) svg.appendChild(el("text", {x: 4, y: T + (l + 0.5) * ch + 3}, "layer " + l));
+  svg.appendChild(el("text", {x: L, y: H - B + 13}, fmt(rows[0].x))); svg.appendChild(el("text", {x: W - R, y: H - B + 13, "text-anchor": "end"}, fmt(rows[rows.length - 1].x)));
   svg.appendChild(el("text", {x: W / 2 - 20, y: H - 4}, "tokens"));
-  svg.appendChild(el("text", {x: W - R + 4, y: T + 10}, "max")); svg.appendChild(el("text", {x: W - R + 4, y: T + 22}, fmt(vmax)));
+  svg.appendChild(el("text", {x: W - R + 4, y: T + 10}, "red")); svg.appendChild(el("text", {x: W - R + 4, y: T + 22}, "cv " + fmt(vmax)));
+  svg.appendChild(el("text", {x: W - R + 4, y: H - B - 12}, "green")); svg.appendChild(el("text", {x: W - R + 4, y: H - B}, "cv 0"));
 }
-function pts(ms, key) { return ms.filter(function (m) { return num(m.tokens) && num(mean(m[key])); }).map(function (m) { return [m.tokens, mean(m[key])]; }); }
+function thin(a, n) { if (a.length <= n) return a; var k = Math.ceil(a.length / n); return a.filter(function (x, i) { return i % k === 0 || i === a.length - 1; }); }
+function pts(ms, key) { return thin(ms.filter(function (m) { return num(m.tokens) && num(mean(m[key])); }).map(function (m) { return [m.tokens, mean(m[key])]; }), 2000); }
 function render(D) {
   var ms = D.metrics || [];
   document.getElementById("src").textContent = D.source;
@@ -1108,7 +1114,8 @@ function render(D) {
   lineChart("lr", [{name: "lr", pts: pts(ms, "lr")}], "tokens");
   lineChart("dead", [{name: "dead frac", pts: pts(ms, "dead_frac")}], "tokens");
   heatmap("heat", ms.map(function (m) { return {x: m.tokens, vals: Array.isArray(m.load_cv_layers) ? m.load_cv_layers : m.load_cv}; })
-                    .filter(function (r) { return num(r.x) && Array.isArray(r.vals) && r.vals.length; }));
+                    .filter(function (r) { return num(r.x) && Array.isArray(r.vals) && r.vals.length; }).filter(function (r, i, a) {
+                      return a.length <= 240 || i % Math.ceil(a.length / 240) === 0; }));  // at most ~240 columns
   var rows = D.ledger || [], t = "<table id='ledgertable'><tr><th>leg</th><th>who</th><th>gpu</th><th>steps</th><th>tokens</th><th>wall</th><th>$</th><th>loss start</th><th>loss end</th><th>finished (UTC)</th></tr>";
   rows.forEach(function (r) { t += "<tr><td>" + r.leg + "</td><td>" + esc(r.who) + "</td><td>" + esc(r.gpu) + "</td><td>" + r.steps + "</td><td>" + fmt(r.tokens) + "</td><td>" + esc(r.wall) + "</td><td>" + (r.usd === null ? "-" : r.usd.toFixed(2)) + "</td><td>" + fmt(r.loss_start) + "</td><td>" + fmt(r.loss_end) + "</td><td>" + esc(r.finished) + "</td></tr>"; });
   document.getElementById("ledger").innerHTML = rows.length ? t + "</table>" : "<span class='muted'>no legs yet</span>";
@@ -1122,13 +1129,13 @@ setInterval(function () { fetch("data.json").then(function (r) { return r.json()
 
 def cmd_dashboard(args):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    cache = {"t": 0.0, "data": None}
+    cache = {"t": 0.0, "data": None, "logs": {}}
     lock = threading.Lock()
 
     def data():  # re-read the store at most every --refresh seconds, whatever the number of viewers
         with lock:
             if cache["data"] is None or time.time() - cache["t"] > args.refresh:
-                cache["data"], cache["t"] = dashboard_data(args.store), time.time()
+                cache["data"], cache["t"] = dashboard_data(args.store, cache["logs"]), time.time()
             return cache["data"]
     data()  # fail early, with the one-line error, on a bad target
 

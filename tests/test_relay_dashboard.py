@@ -1,0 +1,99 @@
+"""relay.py dashboard: served read-only on 127.0.0.1, rendered by headless Chromium (Debian `chromium`, installed
+by .ci/run) against a fixture run; the checks read the DOM after the page's own JavaScript drew it."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from relay_fixtures import ROOT, base_env, write_config, write_fake_train
+
+import relay  # noqa: E402
+
+
+def serve(target, env):
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "relay.py"), "dashboard", str(target), "--port", "0"],
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    m = re.search(r"(http://127\.0\.0\.1:\d+/)", line)
+    if not m:
+        p.kill()
+        raise AssertionError(f"dashboard did not start: {line!r} {p.stderr.read()}")
+    return p, m.group(1)
+
+
+def rendered_dom(url):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "chromium not installed (apt-get install chromium; .ci/run does it)"
+    r = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000",
+                        "--dump-dom", url], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0 and "<html" in r.stdout, r.stderr[-2000:]
+    return r.stdout
+
+
+@pytest.fixture
+def fixture_run(tmp_path, monkeypatch):
+    """A file:// run with two legs (tester, bob) of the stand-in trainer, and carol holding the baton now."""
+    for k, v in base_env().items():
+        monkeypatch.setenv(k, v)
+    url = f"file://{tmp_path}/store"
+    fake = write_fake_train(tmp_path)
+    cfg = write_config(tmp_path, "gpu_hourly_usd = 3600.0\n")  # $1 per second of leg: visible in the ledger
+    assert relay.main(["init", url, cfg, "--train-script", fake, "--workdir", str(tmp_path / "w0")]) == 0
+    monkeypatch.setenv("FAKE_STEP_S", "0.02")
+    assert relay.main(["run", url, "--steps", "10", "--train-script", fake, "--workdir", str(tmp_path / "wa")]) == 0
+    monkeypatch.setenv("RELAY_WHO", "bob")
+    assert relay.main(["run", url, "--steps", "6", "--train-script", fake, "--workdir", str(tmp_path / "wb")]) == 0
+    monkeypatch.setenv("RELAY_WHO", "carol <script>")  # escaped, not executed
+    assert relay.main(["claim", url, "--workdir", str(tmp_path / "wc")]) == 0
+    return url
+
+
+def test_dashboard_renders_run_in_chromium(fixture_run, tmp_path):
+    p, url = serve(fixture_run, base_env())
+    try:
+        page = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert "<script src" not in page and "https://" not in page  # works offline: nothing loaded from elsewhere
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(url, data=b"x", method="POST"), timeout=10)
+        assert e.value.code == 405  # read-only
+        dom = rendered_dom(url)
+    finally:
+        p.kill()
+        p.wait()
+    assert re.search(r'id="holder">carol &lt;script&gt;</b> since \d{4}-\d\d-\d\d', dom)
+    assert "(leg 3, generation 3" in dom and "legs <b>2</b>" in dom and "step <b>16</b>" in dom
+    # the charts drew one series each (loss, val loss, tok/s, lr, dead frac) and the per-layer heatmap 3 x 16
+    for name in ("loss", "val loss", "tok/s", "lr", "dead frac"):
+        assert f'data-name="{name}"' in dom, name
+    assert dom.count('class="cell"') == 3 * 16
+    assert 'class="nodata"' not in dom
+    rows = re.findall(r"<tr><td>(\d+)</td><td>([^<]*)</td><td>([^<]*)</td>", dom)
+    assert rows == [("1", "tester", "FakeGPU 80GB"), ("2", "bob", "FakeGPU 80GB")]
+    spent = float(re.search(r'id="usd">\$([\d.]+)', dom).group(1))
+    assert spent > 0.1  # 16 steps x 20 ms at $1/s
+
+
+def test_dashboard_local_run_dir_and_bad_target(tmp_path):
+    env = base_env({"FAKE_STEP_S": "0"})
+    fake = write_fake_train(tmp_path)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, fake, "cfg.py", f"--out_dir={out}", "--init_from=scratch", "--stop_after_steps=8"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    p, url = serve(out, env)
+    try:
+        dom = rendered_dom(url)
+    finally:
+        p.kill()
+        p.wait()
+    assert "local run dir (no relay)" in dom and "step <b>8</b>" in dom
+    assert 'data-name="loss"' in dom and dom.count('class="cell"') == 3 * 8 and "no legs yet" in dom
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "relay.py"), "dashboard", str(tmp_path / "nope")],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1 and "not a store URL" in r.stderr
