@@ -2,6 +2,7 @@
 Train a picaflor MoE model. One process:            python train.py config/tiny.py
                             torchrun DDP:           torchrun --standalone --nproc_per_node=8 train.py config/nano.py
                             progress of a run:      python train.py --status out/nano
+                            supervised (guardian):  python train.py config/nano.py --supervise   (guardian.py)
 Any config global can be overridden: --key=value (configurator.py). Formats: ../shared/DESIGN.md.
 
 The run's plan is data: `stages`, a list of dicts {name, mix {corpus: weight}, tokens | steps, seq_len,
@@ -17,8 +18,13 @@ checkpoint_minutes (replaced by the next), one on SIGTERM (preemption: save, exi
 (pointer file BEST). Retention keeps the last keep_last permanent ones, every stage final, the best, and the
 newest; it never deletes the only valid checkpoint.
 
-Exit codes (one line on stderr each): 0 done / leg done / preempted, 1 error (bad config, bad checkpoint,
-missing data), 3 corrupt data, 4 storage denied, 5 storage unreachable, 6 out of disk, 7 non-finite loss, 8 hang.
+Exit codes (one line on stderr each, and a crash-<ms>.json report in out_dir): 0 done / leg done / preempted
+(SIGTERM: checkpoint, then exit), 1 error (bad config, bad checkpoint, missing data), 2 bad config syntax or key,
+3 corrupt data (shard, offset, what), 4 storage denied (HTTP 401/403: credentials or billing, not data), 5 storage
+unreachable, 6 out of disk (previous checkpoint intact), 7 non-finite loss (the step is not applied and never
+reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread stacks in hang-*.txt).
+Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step; mirror_dir copies them
+and the newest checkpoint elsewhere. Documents are never cut (shards pack them whole), so no token is dropped.
 """
 
 import base64
@@ -84,6 +90,12 @@ log_interval = 10
 ckpt_interval = 1000
 checkpoint_minutes = 0.0     # >0: also a temporary checkpoint this often (wall clock)
 keep_last = 3
+mirror_dir = ""              # also copy logs and the newest checkpoint here (another disk, a bucket mount)
+hang_timeout = 1800.0        # seconds without step progress -> dump all thread stacks, exit 8 (0: off)
+quarantine_shards = []       # "corpus/file" shards to skip (the guardian adds to it; kept in state.json)
+on_stuck = ""                # guardian: shell command run when max_stuck_starts starts made no new checkpoint
+max_stuck_starts = 3
+max_restarts = 20
 sample_tokens = 64           # sample printed at the end (0: none)
 # this invocation
 stop_after_steps = -1        # >=0: stop after this many optimizer steps (a relay leg; 0 writes a checkpoint)
@@ -373,6 +385,98 @@ def retain(out_dir, keep):
 
 
 # -----------------------------------------------------------------------------------------------------------
+# durability: metrics file, hang watchdog, crash reports, mirror
+
+RUN_INFO = {}  # what a crash report needs: out_dir, state, streams
+
+
+def open_metrics(path):
+    """Append mode; a line cut by a kill is terminated so every later line parses."""
+    f = open(path, "a")
+    if f.tell() > 0:
+        with open(path, "rb") as r:
+            r.seek(-1, os.SEEK_END)
+            if r.read(1) != b"\n":
+                f.write("\n")
+    return f
+
+
+class Watchdog:
+    """Exit 8 when no step progress for `timeout` s (3x that before the first step: compile, data warm-up),
+    after dumping every thread's stack to out_dir/hang-<time>.txt."""
+
+    def __init__(self, timeout, out_dir, master):
+        import threading
+        self.timeout, self.out_dir, self.last, self.ticks = timeout, out_dir, time.monotonic(), 0
+        self.done = threading.Event()
+        if timeout > 0:
+            threading.Thread(target=self.watch, daemon=True, name="hang-watchdog").start()
+
+    def tick(self):
+        self.last, self.ticks = time.monotonic(), self.ticks + 1
+
+    def stop(self):
+        self.done.set()
+
+    def watch(self):
+        import faulthandler
+        while not self.done.wait(min(5.0, self.timeout / 4)):
+            limit = self.timeout * (3 if self.ticks == 0 else 1)
+            if time.monotonic() - self.last > limit:
+                os.makedirs(self.out_dir, exist_ok=True)
+                path = os.path.join(self.out_dir, f"hang-{int(time.time())}-rank{os.environ.get('RANK', '0')}.txt")
+                with open(path, "w") as f:
+                    f.write(f"no step progress for {limit:.0f} s; stacks of all threads:\n")
+                    f.flush()
+                    faulthandler.dump_traceback(file=f, all_threads=True)
+                msg = f"hang: no step progress for {limit:.0f} s (hang_timeout); thread stacks in {path}"
+                write_crash_report("hang", EXIT_HANG, msg)
+                print(f"train.py: error: {msg}", file=sys.stderr, flush=True)
+                os._exit(EXIT_HANG)
+
+
+CAUSES = {EXIT_ERROR: "error", EXIT_DATA: "corrupt data", EXIT_DENIED: "storage denied",
+          EXIT_UNREACHABLE: "storage unreachable", EXIT_DISK: "out of disk", EXIT_NONFINITE: "non-finite loss",
+          EXIT_HANG: "hang"}
+
+
+def write_crash_report(cause, code, message, **extra):
+    """crash-<time>.json in the run dir: what the guardian and a person read first."""
+    out = RUN_INFO.get("out_dir")
+    if not out or not RUN_INFO.get("master", True):
+        return
+    st = RUN_INFO.get("state") or {}
+    rep = {"cause": cause, "exit_code": code, "message": message, "time": time.time(), "step": st.get("step"),
+           "tokens": st.get("tokens"), **extra}
+    try:
+        rep["data_position"] = {c: s.position for c, s in (RUN_INFO.get("streams") or {}).items()}
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"crash-{int(time.time() * 1000)}.json"), "w") as f:
+            json.dump(rep, f, indent=1)
+    except Exception:
+        pass  # the report must never hide the error it reports
+
+
+def mirror(out_dir, dest, checkpoints=True):
+    """Copy logs (and the newest checkpoint, atomically) to dest, so they outlive the machine's disk."""
+    import shutil
+    import checkpoint
+    os.makedirs(dest, exist_ok=True)
+    for name in os.listdir(out_dir):
+        if name in ("metrics.jsonl", "guardian.json", "LATEST", "BEST") or name.startswith(("crash-", "hang-")):
+            shutil.copyfile(os.path.join(out_dir, name), os.path.join(dest, name + ".tmp"))
+            os.replace(os.path.join(dest, name + ".tmp"), os.path.join(dest, name))
+    if checkpoints:
+        newest = checkpoint.latest_valid(out_dir)
+        if newest and not checkpoint.is_valid(os.path.join(dest, os.path.basename(newest))):
+            tmp = os.path.join(dest, ".tmp-" + os.path.basename(newest))
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(newest, tmp)
+            shutil.rmtree(os.path.join(dest, os.path.basename(newest)), ignore_errors=True)
+            os.replace(tmp, os.path.join(dest, os.path.basename(newest)))
+
+
+# -----------------------------------------------------------------------------------------------------------
 # --status
 
 def print_status(run_dir):
@@ -525,6 +629,7 @@ def main(argv):
             if s.get("seq_len_from_config"):
                 s["seq_len"] = cfg["seq_len"]
     corpora = sorted({c for s in plan for c in s["mix"]})
+    quarantined = sorted(set(cfg["quarantine_shards"]) | set((state or {}).get("quarantined_shards", [])))
     streams, val_stream = {}, None
     for c in corpora:
         cdir = os.path.join(cfg["data_root"], c)
@@ -532,7 +637,11 @@ def main(argv):
             known = sorted(d for d in os.listdir(cfg["data_root"])) if os.path.isdir(cfg["data_root"]) else []
             raise TrainError(f"dataset {c!r}: no folder {cdir}; run python data/{c}/prepare.py first"
                              + (f" (corpora here: {', '.join(known)})" if known else ""))
-        streams[c] = shards.TokenStream(cdir, "train", vocab_size=mcfg.vocab_size)
+        skip = [q.split("/", 1)[1] for q in quarantined if q.startswith(c + "/")]
+        if skip:
+            log(f"WARNING: QUARANTINED shards of {c} are skipped: {', '.join(skip)} (see guardian.json; a fixed shard "
+                f"comes back when it is removed from quarantine_shards and state.json)")
+        streams[c] = shards.TokenStream(cdir, "train", vocab_size=mcfg.vocab_size, skip_shards=skip)
     first = plan[0]["mix"]
     val_corpus = max(sorted(first), key=lambda c: first[c])
     try:
@@ -588,13 +697,16 @@ def main(argv):
     st = state or {"step": 0, "tokens": 0, "best_val_loss": None, "elapsed_seconds": 0.0, "usd_spent": 0.0,
                    "created_at": time.time(), "seq_len_history": []}
     st["plan"], st["config_stages"], st["layer_origin"] = plan, cfg["stages"], layer_origin
+    st["quarantined_shards"] = quarantined
+    RUN_INFO.update(out_dir=out, state=st, streams=streams, master=master)
     if not cfg["stages"]:
         st["plan_source"] = {k: cfg[k] for k in ("max_iters", "warmup_iters", "decay_frac")}
     control_path = os.path.join(out, "control.json")
     gpu_name, peak = gpu_peak_flops(device_type)
     if master:
         os.makedirs(out, exist_ok=True)
-    metrics_f = open(os.path.join(out, "metrics.jsonl"), "a") if master else None
+    metrics_f = open_metrics(os.path.join(out, "metrics.jsonl")) if master else None
+    watchdog = Watchdog(cfg["hang_timeout"], out, master)
     stop = {"signal": None}
 
     def on_sigterm(signum, frame):
@@ -620,6 +732,7 @@ def main(argv):
     def save(kind):
         """Checkpoint on rank 0 (all ranks wait); returns its path."""
         path = None
+        watchdog.tick()
         if master:
             st["kind"] = kind
             st["data_position"] = {c: s.position for c, s in streams.items()}
@@ -627,6 +740,9 @@ def main(argv):
             st["config"] = cfg
             path = model_save(raw_model, out, st, opt, tokenizer_file)
             retain(out, cfg["keep_last"])
+            if cfg["mirror_dir"]:
+                mirror(out, cfg["mirror_dir"])
+        watchdog.tick()
         if ddp:
             dist.barrier()
         return path
@@ -696,6 +812,8 @@ def main(argv):
         for gr in opt.param_groups:
             gr["lr"] = lr * gr["lr_mult"]
         t0 = time.time()
+        if os.environ.get("PICAFLOR_INJECT_SLEEP_AT_STEP") == str(st["step"]):  # fault injection for the hang test
+            time.sleep(1e6)
         loss_acc = torch.zeros((), device=device)
         stage_start_tokens = sum(s["tokens"] for s in st["plan"][:idx_stage])
         for micro in range(cfg["grad_accum"]):
@@ -730,6 +848,7 @@ def main(argv):
         raw_model.update_router_bias(load)
         window_load = load.cpu() if window_load is None else window_load + load.cpu()
         step_tokens = tokens_per_step(T)
+        watchdog.tick()
         st["step"] += 1
         st["tokens"] += step_tokens
         steps_this_run += 1
@@ -763,10 +882,13 @@ def main(argv):
                    "elapsed_s": st["elapsed_seconds"], "gpu": gpu_name or "cpu", "world_size": world, "time": time.time()}
             if val_loss is not None:
                 rec["val_loss"] = val_loss
+            rec["quarantined_shards"] = len(quarantined)
             if master:
                 metrics_f.write(json.dumps(rec) + "\n")
                 metrics_f.flush()
                 os.fsync(metrics_f.fileno())
+                if cfg["mirror_dir"]:
+                    mirror(out, cfg["mirror_dir"], checkpoints=False)
             log(f"step {st['step']:>6} | loss {rec['loss']:.4f}" + (f" | val {val_loss:.4f}" if val_loss is not None else "")
                 + f" | lr {lr:.2e} | {tok_s:,.0f} tok/s | MFU {f'{100 * mfu:.1f}%' if mfu is not None else '-'}"
                 + f" | load cv {rec['load_cv'] if rec['load_cv'] is None else round(rec['load_cv'], 3)}"
@@ -816,6 +938,7 @@ def main(argv):
             print("sample:", tok.decode([t for t in outp[0, 1:].tolist()]))
         except Exception as e:  # a sample is a courtesy; never fail a finished run on it
             print(f"(no sample: {e})")
+    watchdog.stop()
     if metrics_f:
         metrics_f.close()
     if ddp:
@@ -828,15 +951,30 @@ def stored_plan_differs(state, cfg):
 
 
 if __name__ == "__main__":
+    import checkpoint
+    import shards
+    if "--supervise" in sys.argv[1:]:
+        import guardian
+        sys.exit(guardian.supervise([a for a in sys.argv[1:] if a != "--supervise"]))
     try:
-        import checkpoint
-        import shards
         main(sys.argv[1:])
     except TrainError as e:
+        write_crash_report(CAUSES.get(e.code, "error"), e.code, str(e))
         die(str(e), e.code)
     except checkpoint.CheckpointError as e:
         die(str(e), EXIT_ERROR)
     except shards.DataError as e:
+        write_crash_report("corrupt data", EXIT_DATA, str(e), path=e.path, offset=e.offset, kind=e.kind)
         die(f"corrupt data: {e}", EXIT_DATA)
+    except shards.StorageError as e:
+        code = EXIT_DENIED if e.kind == "denied" else EXIT_UNREACHABLE
+        write_crash_report(CAUSES[code], code, str(e), url=e.url, status=e.status)
+        die(f"{CAUSES[code]}: {e}", code)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            msg = f"out of disk: {e}; free space in {RUN_INFO.get('out_dir')} and resume (checkpoints are intact)"
+            write_crash_report("out of disk", EXIT_DISK, msg)
+            die(msg, EXIT_DISK)
+        raise
     except KeyboardInterrupt:
         die("interrupted", 130)

@@ -1,0 +1,215 @@
+"""
+The guardian: keeps a training run alive without looping on the same fault.
+
+    python train.py config/nano.py --supervise        (or: python guardian.py config/nano.py ...)
+
+It runs train.py as a child (resuming from the newest valid checkpoint after the first start), restarts it on
+failure, and keeps out_dir/guardian.json: every start, the checkpoint step at its start and end, its exit code
+and cause (train.py's exit codes; its crash-*.json report). What it does per cause:
+- corrupt data (3): re-verify the named shard; re-fetch it from its recorded source if it is corrupt on disk;
+  quarantine it (skipped with a loud warning, counted in metrics) if it cannot be re-fetched or the crash
+  repeats at the same place; then restart.
+- storage denied (4), out of disk (6), non-finite loss (7), config or checkpoint errors (1, 2): restarting cannot
+  help; stop with a report naming the cause. storage unreachable (5): retry with backoff, then stop.
+- hang (8), a signal (OOM kill), anything else: restart.
+- Field report this answers: systemd restarted onto the same bad page 13 times while the log looked healthy;
+  the only true signal was that the newest checkpoint stopped advancing. So: when max_stuck_starts (3)
+  consecutive starts produced no new checkpoint, run `on_stuck` (e.g. remount / re-sync the data), re-verify
+  every shard, repair what it finds and go on, or stop with exit 9 and a report.
+SIGTERM to the guardian is passed to the trainer (which checkpoints and exits 0) and ends supervision.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import checkpoint
+import configurator
+import shards
+import train
+
+EXIT_STUCK = 9
+NO_RESTART = {1: "error", 2: "config error", train.EXIT_DENIED: "storage denied", train.EXIT_DISK: "out of disk",
+              train.EXIT_NONFINITE: "non-finite loss"}
+
+
+def latest_step(out_dir):
+    p = checkpoint.latest_valid(out_dir)
+    return int(os.path.basename(p).split("_")[1]) if p else None
+
+
+def newest_crash_report(out_dir, since):
+    reps = []
+    if os.path.isdir(out_dir):
+        for n in os.listdir(out_dir):
+            if n.startswith("crash-") and n.endswith(".json") and os.path.getmtime(os.path.join(out_dir, n)) >= since:
+                reps.append(n)
+    if not reps:
+        return None, None
+    name = sorted(reps)[-1]
+    try:
+        return name, json.load(open(os.path.join(out_dir, name)))
+    except (OSError, ValueError):
+        return name, None
+
+
+class Guardian:
+    def __init__(self, argv):
+        self.argv = argv
+        g = {k: getattr(train, k) for k in configurator.config_keys(vars(train))}
+        configurator.configure(g, argv)
+        self.cfg = g
+        self.out = g["out_dir"]
+        self.path = os.path.join(self.out, "guardian.json")
+        os.makedirs(self.out, exist_ok=True)
+        self.log = train.read_json(self.path, None) or {"starts": [], "quarantined": [], "repairs": []}
+        self.log["status"] = "running"
+        self.child = None
+        self.stopping = False
+
+    def save(self):
+        checkpoint.write_atomic_text(self.path, json.dumps(self.log, indent=1))
+        if self.cfg["mirror_dir"]:
+            train.mirror(self.out, self.cfg["mirror_dir"], checkpoints=False)
+
+    def say(self, msg):
+        print(f"guardian: {msg}", file=sys.stderr, flush=True)
+
+    def corpora(self):
+        names = {self.cfg["dataset"]} | {c for s in self.cfg["stages"] for c in (s.get("mix") or {})}
+        return {n: os.path.join(self.cfg["data_root"], n) for n in sorted(names)}
+
+    def quarantine(self, shard_path, offset, reason):
+        corpus = os.path.basename(os.path.dirname(os.path.abspath(shard_path)))
+        key = f"{corpus}/{os.path.basename(shard_path)}"
+        if key not in [q["shard"] for q in self.log["quarantined"]]:
+            self.log["quarantined"].append({"shard": key, "offset": offset, "reason": reason, "at": time.time()})
+            self.say(f"QUARANTINED {key} ({reason}); training goes on without it")
+
+    def repair_shard(self, path, offset, repeated):
+        """A shard named by a corrupt-data exit: refetch if corrupt on disk, else quarantine on a repeat.
+        Returns None to go on, or (exit code, message) to stop."""
+        corpus_dir, file = os.path.dirname(path), os.path.basename(path)
+        entry_bad = any(file in p for p in shards.verify_corpus(corpus_dir))
+        if entry_bad:
+            try:
+                shards.refetch_shard(corpus_dir, file)
+                self.log["repairs"].append({"shard": path, "action": "refetched", "at": time.time()})
+                self.say(f"re-fetched {path} from its source; it verifies again")
+                return None
+            except shards.StorageError as e:
+                code = train.EXIT_DENIED if e.kind == "denied" else train.EXIT_UNREACHABLE
+                return code, f"{train.CAUSES[code]} while re-fetching {path}: {e}"
+            except shards.DataError as e:
+                self.quarantine(path, offset, f"corrupt on disk and not re-fetchable: {e}")
+                return None
+        if repeated:
+            self.quarantine(path, offset, "the crash repeated at the same place though the file verifies")
+        return None
+
+    def on_stuck(self, causes):
+        cmd = self.cfg["on_stuck"]
+        if cmd:
+            self.say(f"no new checkpoint in {len(causes)} starts; running on_stuck: {cmd}")
+            r = subprocess.run(cmd, shell=True)
+            self.log["repairs"].append({"action": "on_stuck", "command": cmd, "exit_code": r.returncode, "at": time.time()})
+        fixed = 0
+        for name, cdir in self.corpora().items():
+            for problem in shards.verify_corpus(cdir):
+                fixed += 1
+                bad = problem.split(" ", 1)[0].rstrip(":")
+                if os.path.isfile(bad) and self.repair_shard(bad, None, repeated=True) is not None:
+                    return False
+        return bool(cmd) or fixed > 0
+
+    def child_argv(self):
+        args = list(self.argv)
+        if latest_step(self.out) is not None:
+            args.append("--init_from=resume")
+        q = sorted(set(self.cfg["quarantine_shards"]) | {x["shard"] for x in self.log["quarantined"]})
+        if q:
+            args.append(f"--quarantine_shards={q!r}")
+        return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), *args]
+
+    def on_sigterm(self, signum, frame):
+        self.stopping = True
+        if self.child and self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+
+    def run(self):
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+        no_progress, unreachable_tries, last_data_fault = [], 0, None
+        while True:
+            if len(self.log["starts"]) >= self.cfg["max_restarts"] + 1:
+                return self.stop(train.EXIT_ERROR, f"gave up after {self.cfg['max_restarts']} restarts")
+            before = latest_step(self.out)
+            t0 = time.time()
+            start = {"started_at": t0, "checkpoint_step_at_start": before}
+            self.log["starts"].append(start)
+            self.save()
+            self.say(f"start {len(self.log['starts'])} (checkpoint step {before})")
+            self.child = subprocess.Popen(self.child_argv())
+            rc = self.child.wait()
+            after = latest_step(self.out)
+            rep_name, rep = newest_crash_report(self.out, t0)
+            cause = "ok" if rc == 0 else (train.CAUSES.get(rc) or NO_RESTART.get(rc) or
+                                          (f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"))
+            start.update(ended_at=time.time(), exit_code=rc, cause=cause, checkpoint_step_at_end=after,
+                         crash_report=rep_name, message=(rep or {}).get("message"))
+            self.save()
+            if rc == 0:
+                self.log["status"] = "stopped (SIGTERM)" if self.stopping else "done"
+                self.save()
+                return 0
+            if self.stopping:
+                return self.stop(rc, "stopped by SIGTERM")
+            if rc in NO_RESTART:
+                return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
+                                     f"restarting cannot fix this")
+            if rc == train.EXIT_UNREACHABLE:
+                unreachable_tries += 1
+                if unreachable_tries > 3:
+                    return self.stop(rc, f"storage unreachable 4 times: {(rep or {}).get('message')}")
+                time.sleep(min(60, 5 * 2 ** unreachable_tries))
+            if rc == train.EXIT_DATA and rep and rep.get("path"):
+                fault = (rep["path"], rep.get("offset"))
+                verdict = self.repair_shard(rep["path"], rep.get("offset"), repeated=fault == last_data_fault)
+                last_data_fault = fault
+                self.save()
+                if verdict is not None:
+                    return self.stop(*verdict)
+            progressed = after is not None and (before is None or after > before)
+            no_progress = [] if progressed else no_progress + [cause]
+            if len(no_progress) >= self.cfg["max_stuck_starts"]:
+                if not self.on_stuck(no_progress):
+                    return self.stop(EXIT_STUCK, f"stuck: {len(no_progress)} consecutive starts produced no new "
+                                                 f"checkpoint (causes: {', '.join(no_progress)}); data verifies; "
+                                                 f"set on_stuck or look at {self.out}/crash-*.json")
+                no_progress = []
+                self.save()
+
+    def stop(self, code, message):
+        self.log["status"] = "stopped"
+        self.log["report"] = {"exit_code": code, "cause": train.CAUSES.get(code) or NO_RESTART.get(code) or
+                              ("stuck" if code == EXIT_STUCK else "error"), "message": message, "at": time.time()}
+        self.save()
+        self.say(f"stopped: {message}")
+        return code
+
+
+def supervise(argv):
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        return Guardian(argv).run()
+    except configurator.ConfigError as e:
+        print(f"guardian: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(sys.argv[1:]))
