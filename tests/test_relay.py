@@ -380,3 +380,39 @@ def test_trainer_failure_releases_and_pushes_nothing(tmp_path, hub, rl):
     assert r.returncode == 3 and "trainer exited with status 1" in r.stderr and "lease released" in r.stderr
     rows, snap = ledger_rows(relay.open_store(url))
     assert rows == [] and snap.relay["holder"] is None and snap.state["step"] == 0
+
+
+def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
+    """The real train.py under relay: init writes the step-0 checkpoint, a decay request reaches the next leg
+    through control.json, the leg's checkpoint is pushed, pulled, verified and loads with model.load_checkpoint."""
+    import sysconfig
+    src = os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    data = tmp_path / "data"
+    r = subprocess.run([sys.executable, "data/local/prepare.py", "--src", src, "--out", str(data / "local"),
+                        "--vocab-size", "320", "--val-percent", "20"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("RELAY_WHO", "tester")
+    url = f"file://{tmp_path}/store"
+    tiny = ["--vocab_size=320", "--n_layer=3", "--d_model=32", "--n_head=4", "--n_kv_head=1", "--dense_ffn=64",
+            "--n_experts=8", "--expert_ffn=16", "--n_shared=1", "--max_seq_len=64", "--batch_size=4", "--seq_len=32",
+            "--sample_tokens=0", "--log_interval=1", "--eval_iters=2", "--eval_interval=2", "--max_iters=40",
+            "--warmup_iters=2", f"--data_root={data}", "--gpu_hourly_usd=3600.0"]
+    r = rl(["init", url, os.path.join(ROOT, "config", "tiny.py"), *tiny, "--workdir", tmp_path / "w0"])
+    assert r.returncode == 0, r.stderr
+    assert rl(["decay", url]).returncode == 0
+    r = rl(["run", url, "--steps", "3", "--workdir", tmp_path / "wa", "--device=cpu"])
+    assert r.returncode == 0, r.stderr
+    store = relay.open_store(url)
+    rows, snap = ledger_rows(store)
+    assert [(x["leg"], x["step_range"], x["steps"], x["tokens"]) for x in rows] == [(1, "0-3", 3, 3 * 4 * 32)]
+    assert rows[0]["loss_start"] > rows[0]["loss_end"] > 0 and rows[0]["usd"] > 0 and rows[0]["gpu"] == "cpu"
+    assert snap.state["step"] == 3 and snap.state["decay_requested"] is False
+    assert snap.state["decay_started_at_tokens"] is not None  # the trainer took the flag from control.json
+    assert snap.state["plan"][-1]["lr_phase"] == "decay"
+    ck = relay.pull(store, str(tmp_path / "pulled"))
+    man = checkpoint.verify(ck)
+    assert {"model.safetensors", "state.json", "tokenizer.json"} <= set(man["files"])
+    from model import load_checkpoint
+    model = load_checkpoint(ck)
+    assert sum(p.numel() for p in model.parameters()) > 0
