@@ -449,7 +449,10 @@ def claim(store, workdir, who, ttl=DEFAULT_TTL, heartbeat=DEFAULT_HEARTBEAT):
             mine = Lease.load(workdir, store)
         except RelayError:
             mine = None
-    if snap.held and not (mine and r.get("nonce") == mine.nonce and snap.sha == mine.sha):
+    if mine and snap.held and r.get("nonce") == mine.nonce and snap.sha == mine.sha:
+        renew(store, mine)  # we hold it already: `claim` again is a heartbeat (same generation, same leg)
+        return mine
+    if snap.held:
         until = snap.commit_time + float(r.get("ttl_s", DEFAULT_TTL))
         raise Busy(f"{store.url}: {r['holder']} holds the baton (leg {r.get('leg')}, generation {r['generation']}, "
                    f"last renewed {snap.lease_age:.0f}s ago); it expires at {now_iso(until)} UTC unless renewed")

@@ -192,6 +192,9 @@ def test_stale_holder_is_fenced(kind, tmp_path, hub, request):
         request.getfixturevalue("hf_env")
     store = relay.open_store(url)
     a = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=1.5, heartbeat=0.5)
+    again = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=1.5, heartbeat=0.5)  # renews, same generation
+    assert (again.generation, again.leg) == (a.generation, a.leg) and again.sha == store.head()[0]
+    a = again
     with pytest.raises(relay.Busy):
         relay.claim(store, str(tmp_path / "wb"), "bob", ttl=1.5, heartbeat=0.5)
     a_dir = relay.prepare_leg(store, a, str(tmp_path / "wa"))
@@ -416,3 +419,29 @@ def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
     from model import load_checkpoint
     model = load_checkpoint(ck)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_manual_claim_pull_train_push_release(tmp_path, hub, rl):
+    """The step-by-step commands: claim, pull (into a leg dir), train by hand, push, release."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    wd = tmp_path / "wm"
+    assert rl(["claim", url, "--workdir", wd, "--ttl", "60", "--heartbeat", "20"]).returncode == 0
+    r = rl(["claim", url, "--workdir", tmp_path / "other"], dict(env, RELAY_WHO="eve"))
+    assert r.returncode == 3 and "tester holds the baton" in r.stderr
+    r = rl(["pull", url, "--workdir", wd])
+    assert r.returncode == 0, r.stderr
+    leg = wd / "leg-0001-gen1"
+    assert (leg / "step_0000000" / "MANIFEST.json").is_file() and (leg / "relay_config.py").is_file()
+    t = subprocess.run([sys.executable, fake, str(leg / "relay_config.py"), f"--out_dir={leg}", "--init_from=resume",
+                        "--stop_after_steps=6"], env=env, capture_output=True, text=True, timeout=60)
+    assert t.returncode == 0, t.stderr
+    r = rl(["push", url, "--workdir", wd, "--gpu-hourly-usd", "1.5"])
+    assert r.returncode == 0, r.stderr
+    assert rl(["release", url, "--workdir", wd]).returncode == 0
+    r = rl(["release", url, "--workdir", wd])
+    assert r.returncode == 3 and "no lease held" in r.stderr
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert [(x["leg"], x["who"], x["step_range"]) for x in rows] == [(1, "tester", "0-6")]
+    assert snap.relay["holder"] is None and snap.relay["leg"] == 2 and snap.state["step"] == 6
