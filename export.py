@@ -574,6 +574,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     progress = not args.no_progress
     try:
+        parent = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(parent):
+            raise ExportError(f"{args.out}: directory {parent} does not exist; create it or choose another --out")
         src = Source(args.ckpt, args.tokenizer)
         if args.format == "hf":
             rep = export_hf(src, args.out, args.dtype, args.max_shard_size, progress)

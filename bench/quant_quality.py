@@ -100,7 +100,7 @@ def int4_nll(container_path, windows, args):
         import stream_infer
         if args.engine != "dequantize" and hasattr(stream_infer, "load"):
             try:
-                engine = stream_infer.load(container_path)
+                engine = stream_infer.load(container_path, context=windows.shape[1])
                 total, count = 0.0, 0
                 for w in windows:
                     ll = engine.loglikelihood(w.tolist())  # summed log p of tokens 1.. given the ones before
@@ -127,7 +127,7 @@ def main(argv=None):
     ap.add_argument("--container", help="int4 container of CKPT (default: write one to a temp file)")
     ap.add_argument("--group-size", type=int, default=None, help="int4 group size when writing the container")
     ap.add_argument("--embed-bits", type=int, default=8, choices=[4, 8])
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per window (default max_seq_len - 1)")
     ap.add_argument("--max-tokens", type=int, default=131072, help="evaluate on at most this many tokens")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
@@ -142,6 +142,8 @@ def main(argv=None):
         ckpt_dir = checkpoint.resolve(args.ckpt)
         ref = load_checkpoint(ckpt_dir, dtype=DTYPES[args.dtype])
         cfg = ref.cfg
+        # a window is seq_len inputs + 1 target; the streaming engine reads all seq_len + 1 as its context
+        args.seq_len = min(args.seq_len or cfg.max_seq_len - 1, cfg.max_seq_len - 1)
         windows = token_windows(args, cfg.vocab_size)
         t0 = time.time()
         ref_sum, count = nll_of(ref, windows, args.batch_size)
@@ -160,7 +162,7 @@ def main(argv=None):
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
         sys.exit(f"error: {str(e).splitlines()[0]}")
     except Exception as e:
-        if type(e).__name__ in ("ContainerError", "DataError"):
+        if type(e).__name__ in ("ContainerError", "DataError", "StreamError"):
             sys.exit(f"error: {e}")
         raise
     finally:

@@ -295,3 +295,16 @@ def test_int4_export_writes_a_loadable_container(ckpt, tmp_path):
     ref = M.load_checkpoint(ckpt["path"]).state_dict()
     w, q = ref["layers.1.mlp.experts.gate_up_proj"], sd["layers.1.mlp.experts.gate_up_proj"]
     assert (w - q).abs().max().item() <= 0.25 * w.abs().max().item()  # int4: coarse but close
+
+
+def test_quant_quality_bench_reports_both_perplexities(ckpt, tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import quant_quality
+    toks = np.random.default_rng(0).integers(1, ckpt["tok"].bos_id, size=300).astype("<u2")
+    toks.tofile(tmp_path / "toks.bin")
+    res = quant_quality.main([ckpt["path"], "--tokens", str(tmp_path / "toks.bin"), "--seq-len", "32",
+                              "--engine", "dequantize", "--dtype", "float32", "--json", str(tmp_path / "q.json")])
+    assert res["tokens"] == (300 - 1) // 32 * 32 and res["int4_path"] == "dequantize"
+    assert res["ppl_checkpoint"] > 1 and res["ppl_int4"] > 1
+    assert abs(res["rel_increase"]) < 0.05  # random weights: int4 barely moves a near-uniform distribution
+    assert json.load(open(tmp_path / "q.json"))["rel_increase"] == res["rel_increase"]
