@@ -180,7 +180,7 @@ def source_weights_as_gguf(path):
     return out
 
 
-@pytest.mark.parametrize("gtype,tol", [("f16", 1e-3), ("q8_0", 0.02), ("q4_0", 0.25)])
+@pytest.mark.parametrize("gtype,tol", [("f16", 1e-3), ("bf16", 8e-3), ("q8_0", 0.02), ("q4_0", 0.25)])
 def test_gguf_has_loader_names_keys_and_dequantizes(ckpt, gtype, tol):
     import gguf
     out = str(ckpt["dir"] / f"m_{gtype}.gguf")
