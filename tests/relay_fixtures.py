@@ -10,6 +10,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+os.environ.setdefault("RELAY_FSYNC", "0")  # before relay is imported: fsync durability is not under test here
 
 FAKE_TRAIN = r'''
 import hashlib, json, os, signal, sys, time
@@ -54,7 +55,7 @@ with open(os.path.join(out, "metrics.jsonl"), "a") as mf:
         w = hashlib.sha256(w).digest() * 2
         s = st["step"]
         m = {"step": s, "tokens": st["tokens"], "loss": 6.0 / (1 + 0.05 * s), "lr": 1e-3 * min(1, s / 10),
-             "tok_per_s": 4096 / step_s, "mfu": 0.3, "load_cv": 0.5 / (1 + 0.1 * s) * 2, "load_cv_layers": [0.5 / (1 + 0.1 * s) * (l + 1) for l in range(n_layer)],
+             "tok_per_s": 4096 / max(step_s, 1e-3), "mfu": 0.3, "load_cv": 0.5 / (1 + 0.1 * s) * 2, "load_cv_layers": [0.5 / (1 + 0.1 * s) * (l + 1) for l in range(n_layer)],
              "dead_frac": 0.2 / (1 + s), "dead_frac_layers": [0.2 / (1 + s)] * n_layer, "usd": 0.0, "gpu": "FakeGPU 80GB"}
         if s % 5 == 0:
             m["val_loss"] = 6.2 / (1 + 0.05 * s)
@@ -81,7 +82,7 @@ def write_config(tmp_path, text="gpu_hourly_usd = 2.0\n"):
 
 
 def base_env(extra=None):
-    env = dict(os.environ, PICAFLOR_ROOT=ROOT, PYTHONPATH=ROOT, RELAY_WHO="tester")
+    env = dict(os.environ, PICAFLOR_ROOT=ROOT, PYTHONPATH=ROOT, RELAY_WHO="tester", RELAY_FSYNC="0")
     env.update(extra or {})
     return env
 

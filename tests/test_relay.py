@@ -109,9 +109,10 @@ import json, os, random, sys, time
 sys.path.insert(0, os.environ["PICAFLOR_ROOT"])
 import checkpoint, relay
 url, wid, rounds, outp, go, poll = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6])
+store = relay.open_store(url)  # imports the Hub client before the start line, so all 8 start claiming together
+open(outp + ".ready", "w").close()
 while not os.path.exists(go):
     time.sleep(0.005)
-store = relay.open_store(url)
 work = os.path.join(os.path.dirname(outp), f"worker-{wid}")
 log, busy = [], 0
 random.seed(wid)
@@ -153,10 +154,10 @@ def test_contention_eight_claimers(kind, rounds, tmp_path, hub, monkeypatch):
     worker = tmp_path / "worker.py"
     worker.write_text(contention_worker_src())
     go = tmp_path / "go"
-    poll = "0.05" if kind == "file" else "0.15"
+    poll = "0.05" if kind == "file" else "0.3"
     procs = [subprocess.Popen([sys.executable, str(worker), url, str(i), str(rounds), str(tmp_path / f"log{i}.json"),
                                str(go), poll], env=env, stderr=subprocess.PIPE, text=True) for i in range(8)]
-    time.sleep(0.3)
+    wait_for(lambda: all(os.path.exists(tmp_path / f"log{i}.json.ready") for i in range(8)), 90, "workers ready")
     go.write_text("go")
     for p in procs:
         _, err = p.communicate(timeout=120)
