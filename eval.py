@@ -1,0 +1,978 @@
+"""
+Zero-shot evaluation with lm-evaluation-harness's task definitions, one scoring path for every model kind.
+
+    python eval.py MODEL --tasks lambada_openai,piqa,winogrande,arc_easy,arc_challenge,openbookqa,hellaswag
+    python eval.py MODEL --tasks piqa --limit 200 --out results/mymodel
+    python eval.py MODEL --tasks counting,gsm8k,passkey            # generation tasks (greedy)
+    python eval.py --compare results/a/summary.json results/b/summary.json
+
+MODEL is one of
+- a picaflor checkpoint dir `step_NNNNNNN/` or a run dir (its LATEST); tokenizer = the checkpoint's tokenizer.json
+  (or --tokenizer). Every encoded text starts with <|bos|> (picaflor documents start with it in training;
+  the harness's equivalent is HFLM's add_bos_token=True); an empty context is the <|bos|> token alone.
+- an int4 container file (through stream_infer.load, or container.py's dequantised weights into model.Picaflor);
+- a Hugging Face transformers model dir or Hub repo id (the baselines: EleutherAI/pythia-410m,
+  cerebras/Cerebras-GPT-256M, HuggingFaceTB/SmolLM2-360M), tokenised as lm-eval's HFLM does (the tokenizer's
+  own special-token default, no BOS added when the text already starts with it; empty context = BOS, else EOS).
+
+Tasks (lm-evaluation-harness v0.4.x definitions, checked against the installed lm-eval 0.4.13 task YAMLs):
+  lambada_openai (acc = greedy match, perplexity), piqa, winogrande (acc), arc_easy, arc_challenge, openbookqa,
+  hellaswag (acc, acc_norm); generation (greedy): gsm8k (zero-shot, strict-match and flexible-extract
+  exact_match), counting (synthetic, seeded), passkey (synthetic retrieval at 4K, 8K, ... up to the model's
+  context, reported per length as task "passkey@LEN").
+Scoring as the harness: request (context, " " + choice); continuation tokens = enc(ctx + cont)[len(enc(ctx)):],
+with the context's trailing spaces moved into the continuation; inputs longer than the model's context are cut
+on the left; acc = argmax of summed log-likelihood (first index on ties), acc_norm = argmax of log-likelihood /
+len(choice in characters); stderr of a mean = sample std / sqrt(n); lambada perplexity = exp(-mean ll) with the
+harness's bootstrap stderr (100000 resamples, chunk i drawn by random.Random(i), reproduced here with numpy).
+
+Speed (the scoring is exact, these only change what is computed together):
+- requests sorted by length and batched under a token budget, right-padded (causal models: padding after a
+  sequence cannot change it);
+- a question's choices that share one context run the context once; its KV cache is repeated per choice and
+  only the continuations run on it (contexts of equal token length batch together, so no padding is needed);
+- the output head runs only on positions whose log-likelihood is read, not on the whole sequence.
+
+Data: downloaded from the Hub with huggingface_hub (the dataset's auto-converted parquet branch
+`refs/convert/parquet`, else parquet/jsonl files on main) into --cache-dir; or --data-dir DIR with one file per
+task in the Hub dataset's own schema: DIR/<task>.jsonl (one JSON object per line), DIR/<task>.json (a list),
+DIR/<task>.parquet, or a folder DIR/<task>/ of such files (read in name order).
+
+Generation never inherits sampling settings from a model: decoding is greedy with no repetition / presence /
+frequency penalty, by eval.py's own loop; if the model ships such settings they are printed as a loud warning
+and recorded in summary.json as ignored.
+
+Outputs (--out DIR): <task>.jsonl per example (requests, per-choice log-likelihoods, prediction, gold, scores),
+summary.json {"results": {task: {metric, metric_stderr, "n"}}, "model", "harness_version", "seed", "dtype",
+"sampling", ...} and results.md (a markdown table). --compare prints several summaries side by side and marks
+each difference from the first column as within noise (~, |diff| < 2 * sqrt(se_a^2 + se_b^2)) or not (*).
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import checkpoint
+import model as picaflor
+
+HARNESS_VERSION = "lm-evaluation-harness v0.4.x task definitions (checked against lm-eval 0.4.13)"
+BOOTSTRAP_ITERS = 100000  # the harness's default for bootstrapped stderrs (perplexity)
+MAX_GEN_TOKS = 256  # the harness's default max_gen_toks
+PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size",
+                "encoder_repetition_penalty", "length_penalty", "do_sample", "temperature", "top_k", "top_p")
+
+
+class EvalError(Exception):
+    """Bad input (model path, task name, data file); the message names the thing and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tasks: a dataset row (doc) -> requests, as the harness's task YAMLs define them
+
+def hellaswag_pre(text):
+    # lm-eval tasks/hellaswag/utils.py preprocess: strip, " [title]" -> ". ", drop "[...]" spans, "  " -> " "
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def mc(context, choices, gold):
+    """Multiple choice: one request (context, " " + choice) per choice (target_delimiter " ")."""
+    return {"requests": [(context, " " + c) for c in choices], "choices": list(choices), "gold": int(gold)}
+
+
+def doc_lambada(d):
+    words = d["text"].split(" ")
+    return {"requests": [(" ".join(words[:-1]), " " + words[-1])]}
+
+
+def doc_piqa(d):
+    return mc(f"Question: {d['goal']}\nAnswer:", [d["sol1"], d["sol2"]], d["label"])
+
+
+def doc_winogrande(d):
+    # partial scoring: the two fillings are the contexts, the rest of the sentence is the shared continuation
+    s = d["sentence"]
+    i = s.index("_")
+    contexts = [s[:i] + d["option1"], s[:i] + d["option2"]]
+    cont = " " + s[i + 1:].strip()
+    return {"requests": [(c, cont) for c in contexts], "choices": contexts, "gold": {"1": 0, "2": 1}[d["answer"]]}
+
+
+def doc_arc(d):
+    return mc(f"Question: {d['question']}\nAnswer:", d["choices"]["text"],
+              d["choices"]["label"].index(d["answerKey"]))
+
+
+def doc_openbookqa(d):
+    return mc(d["question_stem"], d["choices"]["text"], d["choices"]["label"].index(d["answerKey"].lstrip()))
+
+
+def doc_hellaswag(d):
+    ctx = d["ctx_a"] + " " + d["ctx_b"].capitalize()
+    return mc(hellaswag_pre(d["activity_label"] + ": " + ctx), [hellaswag_pre(e) for e in d["endings"]],
+              int(d["label"]))
+
+
+def doc_gsm8k(d):
+    return {"prompt": f"Question: {d['question']}\nAnswer:", "target": d["answer"],
+            "until": ["Question:", "</s>", "<|im_end|>"], "max_gen_toks": MAX_GEN_TOKS}
+
+
+def gsm8k_scores(generation, target):
+    """The harness's gsm8k filters (strict-match, flexible-extract) then exact_match with its regexes_to_ignore."""
+    def extract(pattern, group_select):
+        found = re.findall(pattern, generation)
+        if not found:
+            return "[invalid]"
+        m = found[group_select]
+        if isinstance(m, tuple):
+            m = [x for x in m if x]
+            m = m[0] if m else "[invalid]"
+        return m.strip()
+
+    def norm(s):
+        for r in (",", "\\$", "(?s).*#### ", "\\.$"):
+            s = re.sub(r, "", s)
+        return s.lower()
+
+    strict = extract(r"#### (\-?[0-9\.\,]+)", 0)
+    flexible = extract(r"(-?[$0-9.,]{2,})|(-?[0-9]+)", -1)
+    return {"exact_match_strict": float(norm(strict) == norm(target)),
+            "exact_match_flexible": float(norm(flexible) == norm(target))}
+
+
+def counting_docs(n, seed):
+    """Synthetic counting (seeded): 'Count from a to b:' with the first three numbers given."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        a = rng.randint(1, 60)
+        b = a + rng.randint(6, 14)
+        docs.append({"prompt": f"Count from {a} to {b}:\n{a}, {a + 1}, {a + 2},",
+                     "target": " " + ", ".join(str(i) for i in range(a + 3, b + 1)),
+                     "until": ["\n"], "max_gen_toks": 4 * (b - a)})
+    return docs
+
+
+def counting_scores(generation, target):
+    want = re.findall(r"-?\d+", target)
+    got = re.findall(r"-?\d+", generation)[:len(want)]
+    return {"exact_match": float(got == want)}
+
+
+PASSKEY_FILLER = ["The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "Here we go. ",
+                  "There and back again. "]
+
+
+def filler(n):
+    return "".join(PASSKEY_FILLER[i % len(PASSKEY_FILLER)] for i in range(n))
+
+
+def passkey_docs(lm, lengths, n, seed):
+    """Synthetic passkey retrieval (Mohtashami & Jaggi 2023, arXiv 2305.16300 prompt): a 5-digit key hidden at a
+    random depth in filler text; the prompt is sized to just under LEN tokens with this model's tokenizer."""
+    rng = random.Random(seed)
+    head = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+            "I will quiz you about the important information there.\n")
+    tail = "\nWhat is the pass key? The pass key is"
+    per_sentence = max(1.0, len(lm.encode(filler(50), False)) / 50)
+    docs = []
+    for length in lengths:
+        for _ in range(n):
+            key = str(rng.randint(10000, 99999))
+            needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+            fixed = len(lm.encode(head + needle + tail))
+            if fixed + 16 > length:
+                raise EvalError(f"passkey length {length} is too short: the prompt without filler is already "
+                                f"{fixed} tokens; use --passkey-lengths of at least {fixed + 16}")
+            n_fill = int((length - 16 - fixed) / per_sentence) + 4
+            depth = rng.random()
+            while True:  # the estimate can overshoot; drop sentences until the prompt fits in LEN - 16 tokens
+                cut = int(depth * n_fill)
+                prompt = head + filler(cut) + needle + filler(n_fill)[len(filler(cut)):] + tail
+                if n_fill == 0 or len(lm.encode(prompt)) <= length - 16:
+                    break
+                n_fill -= 1
+            docs.append({"prompt": prompt, "target": key, "until": ["\n"], "max_gen_toks": 10, "length": length,
+                         "depth": round(depth, 3)})
+    return docs
+
+
+def passkey_scores(generation, target):
+    m = re.search(r"\d+", generation)
+    return {"acc": float(m is not None and m.group(0) == target)}
+
+
+# name -> (kind, Hub (repo, config, split) or None for synthetic, doc builder, metrics)
+TASKS = {
+    "lambada_openai": ("loglikelihood", ("EleutherAI/lambada_openai", "default", "test"), doc_lambada,
+                       ["acc", "perplexity"]),
+    "piqa": ("multiple_choice", ("baber/piqa", None, "validation"), doc_piqa, ["acc", "acc_norm"]),
+    "winogrande": ("multiple_choice", ("allenai/winogrande", "winogrande_xl", "validation"), doc_winogrande,
+                   ["acc"]),
+    "arc_easy": ("multiple_choice", ("allenai/ai2_arc", "ARC-Easy", "test"), doc_arc, ["acc", "acc_norm"]),
+    "arc_challenge": ("multiple_choice", ("allenai/ai2_arc", "ARC-Challenge", "test"), doc_arc,
+                      ["acc", "acc_norm"]),
+    "openbookqa": ("multiple_choice", ("allenai/openbookqa", "main", "test"), doc_openbookqa, ["acc", "acc_norm"]),
+    "hellaswag": ("multiple_choice", ("Rowan/hellaswag", None, "validation"), doc_hellaswag, ["acc", "acc_norm"]),
+    "gsm8k": ("generate_until", ("openai/gsm8k", "main", "test"), doc_gsm8k,
+              ["exact_match_strict", "exact_match_flexible"]),
+    "counting": ("generate_until", None, None, ["exact_match"]),
+    "passkey": ("generate_until", None, None, ["acc"]),
+}
+SCORERS = {"gsm8k": gsm8k_scores, "counting": counting_scores, "passkey": passkey_scores}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data: Hub parquet via huggingface_hub, or a local copy
+
+def read_rows(path):
+    """Rows (dicts) of one .parquet, .jsonl or .json file."""
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+            return pq.read_table(path).to_pylist()
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if path.endswith(".json") and text.lstrip().startswith("["):
+            return json.loads(text)
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        raise EvalError(f"{path}: cannot read task data ({str(e).splitlines()[0]}); "
+                        f"write .jsonl (one JSON object per line), a JSON list or parquet") from None
+
+
+DATA_EXTS = (".parquet", ".jsonl", ".json")
+
+
+def local_task_rows(data_dir, task):
+    for ext in DATA_EXTS:
+        p = os.path.join(data_dir, task + ext)
+        if os.path.isfile(p):
+            return read_rows(p)
+    folder = os.path.join(data_dir, task)
+    if os.path.isdir(folder):
+        files = sorted(f for f in os.listdir(folder) if f.endswith(DATA_EXTS))
+        if files:
+            return [r for f in files for r in read_rows(os.path.join(folder, f))]
+    raise EvalError(f"{data_dir}: no data file for task {task}; expected {task}.jsonl, {task}.json, "
+                    f"{task}.parquet or a folder {task}/ of those there (or drop --data-dir to download)")
+
+
+def hub_task_rows(task, cache_dir):
+    """Download the task's split from the Hub (parquet) into cache_dir and read it."""
+    repo, config, split = TASKS[task][1]
+    try:
+        from huggingface_hub import HfApi, hf_hub_download
+        api = HfApi()
+        # the Hub's auto-converted parquet branch has one layout for every dataset: CONFIG/SPLIT/NNNN.parquet
+        revision = "refs/convert/parquet"
+        files = [f for f in api.list_repo_files(repo, repo_type="dataset", revision=revision)
+                 if f.startswith(f"{config or 'default'}/{split}/") and f.endswith(".parquet")]
+        if not files:  # else the files on main whose path names the config (if any) and the split
+            revision = None
+            names = api.list_repo_files(repo, repo_type="dataset")
+            files = [f for f in names if f.endswith(DATA_EXTS) and re.search(rf"(^|[/_\-.]){split}([/_\-.]|$)", f)
+                     and (config in (None, "default") or config in f.split("/")[0])]
+        if not files:
+            raise EvalError(f"{repo}: no {split} split file found on the Hub; use --data-dir with {task}.jsonl")
+        paths = [hf_hub_download(repo, f, repo_type="dataset", revision=revision, cache_dir=cache_dir)
+                 for f in sorted(files)]
+    except EvalError:
+        raise
+    except Exception as e:  # network, auth, missing repo: all mean "get the data another way"
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise EvalError(f"cannot download {repo} for task {task} ({msg}); check the network or use "
+                        f"--data-dir DIR with DIR/{task}.jsonl") from None
+    return [r for p in paths for r in read_rows(p)]
+
+
+def task_docs(task, lm, args):
+    """The task's examples as dicts of requests (loglikelihood kinds) or prompts (generation)."""
+    limit = args.limit
+    if task == "counting":
+        return counting_docs(limit or 100, args.seed)
+    if task == "passkey":
+        return passkey_docs(lm, passkey_lengths(lm, args.passkey_lengths), limit or args.passkey_n, args.seed)
+    rows = local_task_rows(args.data_dir, task) if args.data_dir else hub_task_rows(task, args.cache_dir)
+    rows = rows[:limit] if limit else rows
+    build = TASKS[task][2]
+    docs = []
+    for i, row in enumerate(rows):
+        try:
+            docs.append(build(row))
+        except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
+            raise EvalError(f"task {task}: example {i} does not have the dataset's schema ({type(e).__name__}: "
+                            f"{e}); the data file must hold the Hub dataset's own fields") from None
+    return docs
+
+
+def passkey_lengths(lm, spec):
+    if spec:
+        lengths = [int(x) for x in spec.split(",")]
+    else:  # 4K, 8K, ... doubling, and the model's context itself (alone if it is under 4K)
+        lengths, n = [], 4096
+        while n <= lm.max_length:
+            lengths.append(n)
+            n *= 2
+        if not lengths or lengths[-1] != lm.max_length:
+            lengths.append(lm.max_length)
+    too_long = [n for n in lengths if n > lm.max_length]
+    if too_long:
+        raise EvalError(f"--passkey-lengths {too_long} exceed the model's context of {lm.max_length} tokens")
+    return lengths
+
+
+# ----------------------------------------------------------------------------------------------------------
+# models: each kind gives encode/decode, prefix/stop ids, max_length and either run/head (batched forward
+# returning hidden states, output head on chosen positions, KV caches) or an engine's loglikelihood/generate
+
+class PicaflorModel:
+    kind = "picaflor"
+    pad_mask = False  # its forward takes no attention mask: batches of shared contexts have one length
+
+    def __init__(self, model, tok, name, device):
+        self.model, self.tok, self.name, self.device = model, tok, name, device
+        self.dtype = str(model.embed_tokens.weight.dtype).replace("torch.", "")
+        self.max_length = model.cfg.max_seq_len
+        self.prefix_id = tok.bos_id
+        self.stop_ids = {tok.bos_id, tok.special_ids.get("<|end|>")} - {None}
+        self.generation_settings = {}
+
+    def encode(self, text, add_special_tokens=None):
+        ids = self.tok.encode(text)
+        return ids if add_special_tokens is False else [self.tok.bos_id] + ids
+
+    def decode(self, ids):
+        return self.tok.decode([i for i in ids if i not in self.tok.special_ids.values()])
+
+    def run(self, ids, cache=None):
+        """Hidden states (B, T, D) after the final norm: the model's forward with its lm_head set aside."""
+        head, self.model.lm_head = self.model.lm_head, nn.Identity()
+        try:
+            return self.model(ids, cache=cache)
+        finally:
+            self.model.lm_head = head
+
+    def head(self, h):
+        return self.model.lm_head(h)
+
+    def new_cache(self, batch, max_len):
+        return picaflor.KVCache(self.model.cfg, batch, max_len, self.device, self.model.embed_tokens.weight.dtype)
+
+    def repeat_cache(self, cache, index):
+        cache.k = [k.index_select(0, index) for k in cache.k]
+        cache.v = [v.index_select(0, index) for v in cache.v]
+        return cache
+
+
+# HF model types whose CausalLM logits are exactly lm_head(base_model(...)); others run the full forward
+HF_SPLIT_HEAD_TYPES = {"gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "hy_v3", "olmo", "olmo2", "phi3",
+                       "gptj", "opt"}
+
+
+class HFModel:
+    kind = "hf"
+    pad_mask = True  # takes attention_mask and position_ids: contexts of different lengths batch left-padded
+
+    def __init__(self, model, tok, name, device):
+        self.model, self.tok, self.name, self.device = model, tok, name, device
+        self.dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        cfg = model.config
+        self.max_length = next((int(getattr(cfg, a)) for a in ("n_positions", "max_position_embeddings", "n_ctx")
+                                if getattr(cfg, a, None) is not None), None)
+        if self.max_length is None:  # the harness's resolve_max_length order, then its default 2048
+            mml = getattr(tok, "model_max_length", None)
+            self.max_length = int(mml) if mml is not None and mml < 1e29 else 2048
+        self.prefix_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        self.bos_text = tok.decode(self.prefix_id) if self.prefix_id is not None else None
+        self.stop_ids = {tok.eos_token_id} - {None}
+        self.split_head = getattr(cfg, "model_type", None) in HF_SPLIT_HEAD_TYPES
+        self.generation_settings = shipped_penalties(getattr(model, "generation_config", None))
+
+    def encode(self, text, add_special_tokens=None):
+        # lm-eval HFLM.tok_encode: the tokenizer's default, except no specials when text starts with BOS
+        kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        if add_special_tokens is None and self.bos_text and text.startswith(self.bos_text):
+            kw = {"add_special_tokens": False}
+        return self.tok.encode(text, **kw)
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def run(self, ids, cache=None, mask=None, positions=None):
+        kw = dict(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None)
+        return self.model.base_model(**kw).last_hidden_state if self.split_head else self.model(**kw).logits
+
+    def head(self, h):
+        return self.model.get_output_embeddings()(h) if self.split_head else h
+
+    def new_cache(self, batch, max_len):
+        from transformers import DynamicCache
+        return DynamicCache()
+
+    def repeat_cache(self, cache, index):
+        cache.reorder_cache(index)
+        return cache
+
+
+class EngineModel:
+    """An int4 container served by stream_infer's Engine: per-request loglikelihood and greedy generate."""
+    kind = "int4"
+
+    def __init__(self, engine, tok, name):
+        self.engine, self.tok, self.name = engine, tok, name
+        self.dtype = "int4"
+        self.max_length = int(getattr(engine, "max_seq_len", None) or getattr(getattr(engine, "cfg", None),
+                                                                              "max_seq_len", 2048))
+        self.prefix_id = tok.bos_id
+        self.stop_ids = {tok.bos_id, tok.special_ids.get("<|end|>")} - {None}
+        self.generation_settings = {}
+
+    encode = PicaflorModel.encode
+    decode = PicaflorModel.decode
+
+
+def shipped_penalties(gen_cfg):
+    """Sampling settings a model ships (generation_config) that would change greedy scores if inherited."""
+    if gen_cfg is None:
+        return {}
+    d = gen_cfg if isinstance(gen_cfg, dict) else gen_cfg.to_dict()
+    neutral = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
+               "presence_penalty": 0.0, "frequency_penalty": 0.0, "no_repeat_ngram_size": 0, "do_sample": False}
+    return {k: d[k] for k in PENALTY_KEYS if k in d and d[k] is not None and k in neutral and d[k] != neutral[k]}
+
+
+def warn_shipped_settings(lm):
+    if lm.generation_settings:
+        bar = "!" * 100
+        print(f"{bar}\nWARNING: {lm.name} ships generation settings {lm.generation_settings}.\n"
+              f"eval.py IGNORES them: generation is greedy with no repetition/presence/frequency penalty, the same "
+              f"for every model.\nA model exported with these settings will generate differently elsewhere "
+              f"(e.g. in lm-eval with model defaults): remove them from its generation_config.json.\n{bar}",
+              file=sys.stderr, flush=True)
+
+
+def resolve_dtype(name, device):
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_picaflor_tokenizer(path, fallback_dir):
+    import tokenizer
+    path = path or os.path.join(fallback_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise EvalError(f"{path}: no tokenizer file; pass --tokenizer PATH (the corpus's tokenizer.json)")
+    try:
+        return tokenizer.Tokenizer.load(path)
+    except ValueError as e:  # its message already names the file and the fix
+        raise EvalError(str(e)) from None
+
+
+def load_model(spec, device, dtype_name, tokenizer_path=None):
+    """MODEL string -> one of the LM kinds above. One-line EvalError when it is none of them."""
+    dtype = resolve_dtype(dtype_name, device)
+    if os.path.isdir(spec):
+        if os.path.isfile(os.path.join(spec, "config.json")):
+            return load_hf(spec, device, dtype)
+        try:
+            ckpt_dir = checkpoint.resolve(spec)
+        except checkpoint.CheckpointError as e:
+            raise EvalError(f"{spec}: neither a Hugging Face model dir (no config.json) nor a picaflor checkpoint "
+                            f"({e})") from None
+        tok = load_picaflor_tokenizer(tokenizer_path, ckpt_dir)
+        m = picaflor.load_checkpoint(ckpt_dir, device=device, dtype=dtype)
+        lm = PicaflorModel(m, tok, spec, device)
+        gc_path = os.path.join(ckpt_dir, "generation_config.json")
+        if os.path.isfile(gc_path):
+            with open(gc_path) as f:
+                lm.generation_settings = shipped_penalties(json.load(f))
+        return lm
+    if os.path.isfile(spec):
+        return load_int4(spec, device, dtype, tokenizer_path)
+    if re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", spec) and not spec.startswith((".", "/")):
+        return load_hf(spec, device, dtype)
+    raise EvalError(f"{spec}: no such file or directory, and not a Hub repo id (owner/name); give a picaflor "
+                    f"checkpoint or run dir, an int4 container or a transformers model dir")
+
+
+def load_hf(spec, device, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # keep stderr for our own messages
+    try:
+        tok = AutoTokenizer.from_pretrained(spec)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
+    except (OSError, ValueError, KeyError) as e:
+        raise EvalError(f"{spec}: cannot load as a transformers model ({str(e).splitlines()[0]})") from None
+    return HFModel(model, tok, spec, device)
+
+
+def load_int4(path, device, dtype, tokenizer_path):
+    tok = load_picaflor_tokenizer(tokenizer_path, os.path.dirname(os.path.abspath(path)))
+    try:
+        import stream_infer
+    except ImportError:
+        stream_infer = None
+    if stream_infer is not None:
+        return EngineModel(stream_infer.load(path, ram_budget=None), tok, path)
+    try:
+        import container
+    except ImportError:
+        raise EvalError(f"{path}: a file, so an int4 container, but this checkout has neither stream_infer.py nor "
+                        f"container.py to read it; evaluate the checkpoint dir instead") from None
+    c = container.load_container(path)
+    cfg = picaflor.ModelConfig.from_dict(c.model_config if hasattr(c, "model_config") else c.header["model_config"])
+    with torch.device("meta"):
+        m = picaflor.Picaflor(cfg)
+    m.to_empty(device=device)
+    m.load_state_dict(c.dequantized_state_dict(), strict=False)
+    if cfg.tie_embeddings:
+        m.lm_head.weight = m.embed_tokens.weight
+    m.to(dtype).eval()
+    for moe in m.moe_layers():  # the router and its bias stay fp32 (as model.load_checkpoint keeps them)
+        moe.gate.float()
+        moe.e_score_correction_bias.data = moe.e_score_correction_bias.data.float()
+    return PicaflorModel(m, tok, path, device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# scoring: (context, continuation) strings -> token ids -> (sum log-prob, is_greedy)
+
+def encode_pair(lm, context, continuation, cache):
+    """lm-eval TemplateLM.loglikelihood/_encode_pair: trailing spaces move into the continuation; an empty
+    context is the prefix token (BOS/EOS) alone."""
+    if context == "":
+        cont = lm.encode(continuation, add_special_tokens=False)
+        return ([lm.prefix_id], cont) if lm.prefix_id != cont[0] else (cont[:1], cont[1:])
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
+    if context not in cache:
+        cache[context] = lm.encode(context)
+    ctx = cache[context]
+    whole = lm.encode(context + continuation)
+    return ctx, whole[len(ctx):]
+
+
+def token_logprobs(lm, h, targets):
+    """Output head on the chosen hidden states (N, D) only; (log-prob of each target, is it the argmax)."""
+    lps, greedy = [], []
+    for s in range(0, h.shape[0], 2048):  # bounded (chunk x vocab) logits
+        logits = lm.head(h[s:s + 2048]).float()
+        lp = F.log_softmax(logits, dim=-1)
+        t = targets[s:s + 2048]
+        lps.append(lp.gather(1, t[:, None])[:, 0])
+        greedy.append(logits.argmax(dim=-1) == t)
+    return torch.cat(lps).double().cpu(), torch.cat(greedy).cpu()
+
+
+def score_flat(lm, reqs, out, batch_size, max_batch_tokens):
+    """reqs: [(index, ctx_ids, cont_ids)]; the harness's input: (ctx + cont)[-(max_length+1):][:-1]."""
+    reqs = sorted(reqs, key=lambda r: -(len(r[1]) + len(r[2])))  # longest first, like the harness
+    i = 0
+    while i < len(reqs):
+        width = min(len(reqs[i][1]) + len(reqs[i][2]) - 1, lm.max_length)
+        n = max(1, min(batch_size, max_batch_tokens // max(1, width)))
+        batch = reqs[i:i + n]
+        i += n
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        rows, cols, tgts, counts = [], [], [], []
+        for b, (_, ctx, cont) in enumerate(batch):
+            inp = (ctx + cont)[-(lm.max_length + 1):][:-1]
+            ids[b, :len(inp)] = torch.tensor(inp)
+            L = len(cont)
+            rows += [b] * L
+            cols += range(len(inp) - L, len(inp))
+            tgts += cont
+            counts.append(L)
+        with torch.inference_mode():
+            h = lm.run(ids.to(lm.device))
+            lp, gr = token_logprobs(lm, h[torch.tensor(rows, device=h.device), torch.tensor(cols, device=h.device)],
+                                    torch.tensor(tgts, device=h.device))
+        for (idx, _, _), seg_lp, seg_gr in zip(batch, lp.split(counts), gr.split(counts)):
+            out[idx] = (float(seg_lp.sum()), bool(seg_gr.all()))
+
+
+def shared_prefix_batches(lm, groups, batch_size, max_batch_tokens):
+    """Batches of question groups. Models that take a padding mask (HF) get contexts of similar length, left-
+    padded; picaflor's forward has no mask, so its batches hold contexts of exactly one length."""
+    groups = sorted(groups, key=lambda g: (len(g[0]), max(len(c) for _, c in g[1])))
+    batch, rows, width = [], 0, 0
+    for g in groups:
+        n, w = len(g[1]), len(g[0]) + max(len(c) for _, c in g[1])
+        new_len = batch and not lm.pad_mask and len(batch[0][0]) != len(g[0])
+        if batch and (new_len or rows + n > batch_size or (rows + n) * max(width, w) > max_batch_tokens):
+            yield batch
+            batch, rows, width = [], 0, 0
+        batch.append(g)
+        rows, width = rows + n, max(width, w)
+    if batch:
+        yield batch
+
+
+def score_shared_prefix(lm, groups, out, batch_size, max_batch_tokens):
+    """groups: [(ctx_ids, [(index, cont_ids), ...])] with 2+ continuations of one context. A batch of contexts
+    runs once with a KV cache; the cache is repeated per choice and only the continuations (right-padded) run
+    on it. The last context position predicts every choice's first token."""
+    for batch in shared_prefix_batches(lm, groups, batch_size, max_batch_tokens):
+        C = max(len(g[0]) for g in batch)
+        Lmax = max(len(c) for _, conts in batch for _, c in conts)
+        ctx = torch.zeros(len(batch), C, dtype=torch.long)
+        mask = torch.zeros(len(batch), C, dtype=torch.long)
+        for b, (c_ids, _) in enumerate(batch):  # left padding: every context ends at position C - 1
+            ctx[b, C - len(c_ids):] = torch.tensor(c_ids)
+            mask[b, C - len(c_ids):] = 1
+        rep = [g for g, (_, conts) in enumerate(batch) for _ in conts]
+        flat = [(idx, c) for _, conts in batch for idx, c in conts]
+        dev = lm.device
+        with torch.inference_mode():
+            cache = lm.new_cache(len(batch), C + Lmax - 1)
+            kw = {}
+            if lm.pad_mask:
+                kw = dict(mask=mask.to(dev), positions=(mask.cumsum(1) - 1).clamp(min=0).to(dev))
+            h_last = lm.run(ctx.to(dev), cache, **kw)[:, -1]  # (G, D)
+            first_lp, first_gr = token_logprobs(lm, h_last[torch.tensor(rep, device=dev)],
+                                                torch.tensor([c[0] for _, c in flat], device=dev))
+            lp_sum, all_greedy = first_lp.tolist(), first_gr.tolist()
+            if Lmax > 1:
+                cache = lm.repeat_cache(cache, torch.tensor(rep, device=dev))
+                ids = torch.zeros(len(flat), Lmax - 1, dtype=torch.long)
+                rows, cols, tgts, counts = [], [], [], []
+                for r, (_, c) in enumerate(flat):
+                    ids[r, :len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
+                    rows += [r] * (len(c) - 1)
+                    cols += range(len(c) - 1)
+                    tgts += c[1:]
+                    counts.append(len(c) - 1)
+                if lm.pad_mask:
+                    ctx_len = mask.sum(1)[rep]
+                    kw = dict(mask=torch.cat([mask[rep], torch.ones(len(flat), Lmax - 1, dtype=torch.long)], 1).to(dev),
+                              positions=(ctx_len[:, None] + torch.arange(Lmax - 1)[None]).to(dev))
+                h = lm.run(ids.to(dev), cache, **kw)
+                lp, gr = token_logprobs(lm, h[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)],
+                                        torch.tensor(tgts, device=dev))
+                for r, (seg_lp, seg_gr) in enumerate(zip(lp.split(counts), gr.split(counts))):
+                    lp_sum[r] += float(seg_lp.sum())
+                    all_greedy[r] = all_greedy[r] and bool(seg_gr.all())
+        for r, (idx, _) in enumerate(flat):
+            out[idx] = (lp_sum[r], all_greedy[r])
+
+
+def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768):
+    """Fill doc["lls"], doc["greedy"] for every request of every doc (the one scoring path of every kind)."""
+    enc_cache, reqs, groups, flat = {}, [], [], []
+    for d_i, d in enumerate(docs):
+        pairs = [encode_pair(lm, c, x, enc_cache) for c, x in d["requests"]]
+        for r_i, (ctx, cont) in enumerate(pairs):
+            if not cont:
+                raise EvalError(f"request {d['requests'][r_i]!r} has an empty continuation after tokenisation")
+            if len(cont) > lm.max_length:
+                raise EvalError(f"a continuation of {len(cont)} tokens exceeds the model's {lm.max_length}")
+            reqs.append(((d_i, r_i), ctx, cont))
+        shared = (len(pairs) > 1 and all(p[0] == pairs[0][0] for p in pairs)
+                  and len(pairs[0][0]) + max(len(p[1]) for p in pairs) - 1 <= lm.max_length)
+        if shared and hasattr(lm, "new_cache"):
+            groups.append((pairs[0][0], [((d_i, r_i), cont) for r_i, (_, cont) in enumerate(pairs)]))
+        else:
+            flat += reqs[-len(pairs):]
+    out = {}
+    if hasattr(lm, "run"):
+        score_flat(lm, flat, out, batch_size, max_batch_tokens)
+        score_shared_prefix(lm, groups, out, batch_size, max_batch_tokens)
+    else:  # an engine that scores one request at a time
+        for idx, ctx, cont in flat:
+            inp = (ctx + cont)[-(lm.max_length + 1):]
+            ll, greedy = lm.engine.loglikelihood(inp[:len(inp) - len(cont)], cont)
+            out[idx] = (float(ll), bool(greedy))
+    for d_i, d in enumerate(docs):
+        d["lls"] = [out[(d_i, r)][0] for r in range(len(d["requests"]))]
+        d["greedy"] = [out[(d_i, r)][1] for r in range(len(d["requests"]))]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generation: eval.py's own greedy loop (nothing inherited from any generation config)
+
+@torch.inference_mode()
+def greedy_generate(lm, prompt, until, max_gen_toks):
+    """Greedy continuation of prompt, cut at the first stop string (the harness's `until`) or a stop token."""
+    max_gen_toks = min(max_gen_toks, lm.max_length - 1)
+    ids = lm.encode(prompt)[-(lm.max_length - max_gen_toks):]  # the harness's left truncation
+    if not hasattr(lm, "run"):
+        new = lm.engine.generate(ids, max_gen_toks, temperature=0)
+    else:
+        new = []
+        cache = lm.new_cache(1, len(ids) + max_gen_toks)
+        step = torch.tensor([ids], device=lm.device)
+        for _ in range(max_gen_toks):
+            h = lm.run(step, cache)[:, -1]
+            nxt = int(lm.head(h).float().argmax(dim=-1)[0])
+            if nxt in lm.stop_ids:
+                break
+            new.append(nxt)
+            if any(u in lm.decode(new) for u in until):
+                break
+            step = torch.tensor([[nxt]], device=lm.device)
+    new = [t for t in new if t not in lm.stop_ids]
+    text = lm.decode(new)
+    for u in until:
+        text = text.split(u)[0]
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# metrics and standard errors (lm-eval api/metrics.py: mean_stderr; bootstrap_stderr for perplexity)
+
+def mean_stderr(xs):
+    """Sample standard deviation / sqrt(n) (the harness's mean_stderr); None below two examples."""
+    n = len(xs)
+    if n < 2:
+        return None
+    mu = sum(xs) / n
+    return math.sqrt(sum((x - mu) ** 2 for x in xs) / (n - 1)) / math.sqrt(n)
+
+
+def python_random_uniforms(seed, n):
+    """random.Random(seed).random() x n, via numpy: CPython's seeded Mersenne Twister state loaded into numpy's
+    legacy MT19937, which makes doubles the same way ((a >> 5) * 2^26 + (b >> 6)) / 2^53."""
+    state = random.Random(seed).getstate()[1]
+    rs = np.random.RandomState()
+    rs.set_state(("MT19937", np.array(state[:624], dtype=np.uint32), state[624]))
+    return rs.random_sample(n)
+
+
+def bootstrap_perplexity_stderr(lls, iters=BOOTSTRAP_ITERS):
+    """The harness's bootstrap_stderr(perplexity, lls, iters): chunks of 1000 resamples, chunk i drawn by
+    random.Random(i).choices(lls, k=n) (index floor(random() * n)); sample stddev of exp(-mean)."""
+    if len(lls) < 2 or iters < 1:
+        return None
+    xs = np.asarray(lls, dtype=np.float64)
+    n, chunk = len(xs), min(1000, iters)
+    stats = []
+    for i in range(iters // chunk):
+        idx = np.floor(python_random_uniforms(i, chunk * n) * n).astype(np.int64).reshape(chunk, n)
+        stats.append(np.exp(-xs[idx].mean(axis=1)))
+    stats = np.concatenate(stats)
+    return float(np.std(stats, ddof=1))
+
+
+def doc_scores(task, d):
+    kind = TASKS[task][0]
+    if kind == "loglikelihood":
+        return {"acc": float(d["greedy"][0]), "perplexity": d["lls"][0]}
+    lls = np.array(d["lls"])
+    d["pred"] = int(np.argmax(lls))
+    d["pred_norm"] = int(np.argmax(lls / np.array([float(len(c)) for c in d["choices"]])))
+    return {"acc": float(d["pred"] == d["gold"]), "acc_norm": float(d["pred_norm"] == d["gold"])}
+
+
+def aggregate(task, docs, bootstrap_iters):
+    metrics = TASKS[task][3]
+    res = {}
+    for m in metrics:
+        xs = [d["scores"][m] for d in docs]
+        if m == "perplexity":
+            res[m] = math.exp(-sum(xs) / len(xs))
+            res[m + "_stderr"] = bootstrap_perplexity_stderr(xs, bootstrap_iters)
+        else:
+            res[m] = sum(xs) / len(xs)
+            res[m + "_stderr"] = mean_stderr(xs)
+    res["n"] = len(docs)
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one task, end to end
+
+def run_task(lm, task, args):
+    kind, _, _, metrics = TASKS[task]
+    docs = task_docs(task, lm, args)
+    if not docs:
+        raise EvalError(f"task {task}: no examples (empty data file or --limit 0)")
+    t0 = time.time()
+    if kind == "generate_until":
+        for d in docs:
+            d["generation"] = greedy_generate(lm, d["prompt"], d["until"], args.max_gen_toks or d["max_gen_toks"])
+            d["scores"] = SCORERS[task](d["generation"], d["target"])
+    else:
+        loglikelihoods(lm, docs, args.batch_size, args.max_batch_tokens)
+        for d in docs:
+            d["scores"] = doc_scores(task, d)
+    seconds = time.time() - t0
+    if task == "passkey":  # reported per length
+        results = {}
+        for length in sorted({d["length"] for d in docs}):
+            results[f"passkey@{length}"] = aggregate(task, [d for d in docs if d["length"] == length],
+                                                     args.bootstrap_iters)
+    else:
+        results = {task: aggregate(task, docs, args.bootstrap_iters)}
+    return docs, results, seconds
+
+
+def example_record(i, d):
+    rec = {"doc_id": i}
+    if "requests" in d:
+        rec.update(requests=[list(r) for r in d["requests"]], loglikelihoods=d["lls"], is_greedy=d["greedy"])
+        for k in ("pred", "pred_norm", "gold"):
+            if k in d:
+                rec[k] = d[k]
+    else:
+        rec.update(prompt=d["prompt"], generation=d["generation"], target=d["target"])
+        if "length" in d:
+            rec.update(length=d["length"], depth=d["depth"])
+    rec["scores"] = d["scores"]
+    return rec
+
+
+def fmt(v):
+    if v is None:
+        return "n/a"
+    return f"{v:.4f}" if abs(v) < 1000 else f"{v:.1f}"
+
+
+def markdown_table(summary):
+    lines = ["| task | metric | value | stderr | n |", "|---|---|---|---|---|"]
+    for task, res in summary["results"].items():
+        for m, v in res.items():
+            if m.endswith("_stderr") or m == "n":
+                continue
+            lines.append(f"| {task} | {m} | {fmt(v)} | {fmt(res.get(m + '_stderr'))} | {res['n']} |")
+    return "\n".join(lines) + "\n"
+
+
+def compare(paths):
+    """Side-by-side table; each value after the first column is marked ~ (within noise: |diff| < 2 x combined
+    stderr) or * (outside it) against the first column."""
+    sums = []
+    for p in paths:
+        try:
+            with open(p) as f:
+                sums.append(json.load(f))
+            sums[-1]["results"]
+        except (OSError, ValueError, KeyError) as e:
+            raise EvalError(f"{p}: not an eval.py summary.json ({type(e).__name__}); pass files written by --out")
+    names = [s.get("model", p) for s, p in zip(sums, paths)]
+    rows = []
+    for s in sums:
+        for task, res in s["results"].items():
+            for m in res:
+                if not m.endswith("_stderr") and m != "n" and (task, m) not in rows:
+                    rows.append((task, m))
+    lines = ["| task | metric | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for task, m in rows:
+        cells, ref = [], None
+        for s in sums:
+            res = s["results"].get(task, {})
+            v, se = res.get(m), res.get(m + "_stderr")
+            if v is None:
+                cells.append("-")
+                continue
+            cell = f"{fmt(v)} ± {fmt(se)}" if se is not None else fmt(v)
+            if ref is None:
+                ref = (v, se)
+            elif ref[1] is not None and se is not None:
+                noise = 2 * math.sqrt(ref[1] ** 2 + se ** 2)
+                cell += f" ({v - ref[0]:+.4f} {'~' if abs(v - ref[0]) < noise else '*'})"
+            cells.append(cell)
+        lines.append(f"| {task} | {m} | " + " | ".join(cells) + " |")
+    lines.append("\n~ = difference from the first column within noise (|diff| < 2 * sqrt(se1^2 + se2^2)); "
+                 "* = outside it")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description="Zero-shot evaluation with lm-evaluation-harness task definitions "
+                                 "(see the header of eval.py).")
+    ap.add_argument("model", nargs="?", help="picaflor checkpoint/run dir, int4 container, HF model dir or repo id")
+    ap.add_argument("--tasks", default="lambada_openai,piqa,winogrande,arc_easy,arc_challenge,openbookqa,hellaswag",
+                    help=f"comma-separated, from: {', '.join(TASKS)}")
+    ap.add_argument("--limit", type=int, default=None, help="first N examples per task (synthetic: N per length)")
+    ap.add_argument("--data-dir", default=None, help="local task files DIR/<task>.jsonl|.json|.parquet")
+    ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/picaflor/eval"),
+                    help="where Hub downloads are kept")
+    ap.add_argument("--out", default=None, help="write <task>.jsonl, summary.json and results.md here")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json for picaflor/int4 models (default: beside it)")
+    ap.add_argument("--batch-size", type=int, default=32, help="max sequences (questions for shared contexts) per forward")
+    ap.add_argument("--max-batch-tokens", type=int, default=32768, help="token budget per batched forward")
+    ap.add_argument("--seed", type=int, default=1234, help="for the synthetic tasks (counting, passkey)")
+    ap.add_argument("--passkey-lengths", default=None, help="e.g. 4096,8192 (default: 4K doubling to the context)")
+    ap.add_argument("--passkey-n", type=int, default=10, help="passkey examples per length")
+    ap.add_argument("--max-gen-toks", type=int, default=None,
+                    help="cap on generated tokens (default: the task's, e.g. the harness's 256 for gsm8k)")
+    ap.add_argument("--bootstrap-iters", type=int, default=BOOTSTRAP_ITERS, help="perplexity stderr resamples")
+    ap.add_argument("--compare", nargs="+", metavar="SUMMARY", help="print summaries side by side and exit")
+    return ap.parse_args(argv)
+
+
+def evaluate(args):
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise EvalError(f"unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")
+    if args.data_dir and not os.path.isdir(args.data_dir):
+        raise EvalError(f"{args.data_dir}: --data-dir is not a directory")
+    lm = load_model(args.model, args.device, args.dtype, args.tokenizer)
+    if any(TASKS[t][0] == "generate_until" for t in tasks):
+        warn_shipped_settings(lm)
+    summary = {"results": {}, "model": args.model, "model_kind": lm.kind, "harness_version": HARNESS_VERSION,
+               "seed": args.seed, "dtype": lm.dtype, "device": str(args.device), "max_length": lm.max_length,
+               "num_fewshot": 0, "limit": args.limit, "bootstrap_iters": args.bootstrap_iters,
+               "max_gen_toks": args.max_gen_toks,
+               "sampling": {"method": "greedy", "temperature": 0.0, "repetition_penalty": 1.0,
+                            "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                            "ignored_model_settings": lm.generation_settings},
+               "seconds": {}}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    for task in tasks:
+        docs, results, seconds = run_task(lm, task, args)
+        summary["results"].update(results)
+        summary["seconds"][task] = round(seconds, 3)
+        for name, res in results.items():
+            shown = ", ".join(f"{m} {fmt(v)}" for m, v in res.items() if not m.endswith("_stderr") and m != "n")
+            print(f"{name}: {shown} (n={res['n']}, {seconds:.1f}s)", flush=True)
+        if args.out:
+            with open(os.path.join(args.out, f"{task}.jsonl"), "w") as f:
+                for i, d in enumerate(docs):
+                    f.write(json.dumps(example_record(i, d)) + "\n")
+    if args.out:
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(f"# {args.model}\n\n" + markdown_table(summary))
+    print(markdown_table(summary))
+    return summary
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.compare:
+            print(compare(args.compare))
+            return 0
+        if not args.model:
+            raise EvalError("give a MODEL (or --compare SUMMARY.json ...); see --help")
+        evaluate(args)
+    except (EvalError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

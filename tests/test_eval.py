@@ -1,0 +1,307 @@
+"""
+eval.py against lm-evaluation-harness itself, on tiny models and small task files written here (no network):
+- a tiny GPT-2-style transformers model: lm-eval's own HF backend (HFLM) vs eval.py, all 7 tasks;
+- a tiny picaflor checkpoint: lm-eval's evaluator with a naive one-request-at-a-time LM wrapper vs eval.py's
+  batched / shared-context path;
+per-request log-likelihoods within 1e-4, identical greedy flags, identical metrics and stderrs. lm-eval reads
+the installed harness's own task YAMLs with only the dataset source changed (bench/eval_speed.py helpers).
+Plus: generation ignores a shipped repetition penalty, passkey per length, bad input, --compare, Hub layout.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ["DISABLE_MULTIPROC"] = "1"  # the harness's bootstrap in-process (same numbers as its pool)
+
+import eval as ev  # noqa: E402
+import eval_speed as es  # noqa: E402
+
+ALL_TASKS = ["lambada_openai", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa", "hellaswag"]
+N_DOCS = 6
+BOOT = 500  # bootstrap resamples for the perplexity stderr, the same in both
+
+
+def metric_rows(results):
+    return {k: v for k, v in results.items() if k != "n"}
+
+
+def assert_same_as_harness(ref, ours, tasks):
+    """ref: lm_eval.simple_evaluate output; ours: {task: (docs, results)}."""
+    for t in tasks:
+        samples = sorted(ref["samples"][t], key=lambda s: s["doc_id"])
+        docs, results = ours[t]
+        assert len(samples) == len(docs) == results[t]["n"]
+        for s, d in zip(samples, docs):
+            assert [tuple(a[:2]) for a in s["arguments"]] == [tuple(r) for r in d["requests"]], t
+            ref_ll = [float(r[0][0]) for r in s["resps"]]
+            ref_greedy = [bool(r[0][1]) for r in s["resps"]]
+            assert max(abs(a - b) for a, b in zip(ref_ll, d["lls"])) <= 1e-4, (t, ref_ll, d["lls"])
+            assert ref_greedy == d["greedy"], t
+        for m, v in metric_rows(results[t]).items():
+            key = f"{m.replace('_stderr', '')},none" if not m.endswith("_stderr") else f"{m[:-7]}_stderr,none"
+            assert key in ref["results"][t], (t, key)
+            want = ref["results"][t][key]
+            if m.startswith("perplexity"):
+                assert v == pytest.approx(want, rel=1e-4), (t, m)
+            else:
+                assert v == pytest.approx(want, abs=1e-9), (t, m)
+
+
+@pytest.fixture(scope="module")
+def hf_setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf")
+    os.environ["HF_DATASETS_CACHE"] = str(tmp / "hf_datasets")
+    model_dir = es.make_tiny_hf_model(str(tmp / "model"), vocab_size=300, d_model=32, n_layer=2, n_positions=256)
+    data_dir = es.write_task_data(str(tmp / "data"), ALL_TASKS + ["gsm8k"], N_DOCS)
+    yaml_dir = es.write_lm_eval_tasks(str(tmp / "tasks"), data_dir, ALL_TASKS)
+    return tmp, model_dir, data_dir, yaml_dir
+
+
+def test_parity_with_lm_eval_hf_backend(hf_setup):
+    from lm_eval.models.huggingface import HFLM
+    tmp, model_dir, data_dir, yaml_dir = hf_setup
+    ref = es.run_lm_eval(HFLM(pretrained=model_dir, device="cpu", batch_size=4, dtype="float32"), yaml_dir,
+                         ALL_TASKS, bootstrap_iters=BOOT)
+    # batch size 4 rows: several batches per task, left-padded shared contexts of different lengths
+    args = ev.parse_args([model_dir, "--data-dir", data_dir, "--device", "cpu", "--batch-size", "4",
+                          "--bootstrap-iters", str(BOOT)])
+    lm = ev.load_model(model_dir, "cpu", "float32")
+    ours = {t: ev.run_task(lm, t, args)[:2] for t in ALL_TASKS}
+    assert_same_as_harness(ref, ours, ALL_TASKS)
+    # the data exercises the edge cases: ARC numeric labels, OBQA leading-space keys, trailing-space contexts
+    assert any(d["requests"][0][0].endswith(" ") for d in ours["openbookqa"][0])
+    assert {d["gold"] for d in ours["arc_easy"][0]} and ours["lambada_openai"][1]["lambada_openai"]["n"] == N_DOCS
+
+
+class NaiveLM:
+    """lm-eval LM around a picaflor model: one request per forward, the harness's own truncation rule."""
+
+    def __new__(cls, model, tok):
+        from lm_eval.api.model import TemplateLM
+
+        class _LM(TemplateLM):
+            def __init__(self):
+                super().__init__()
+
+            @property
+            def eot_token_id(self):
+                return tok.bos_id
+
+            @property
+            def prefix_token_id(self):
+                return tok.bos_id
+
+            def tok_encode(self, string, add_special_tokens=None, **kw):
+                ids = tok.encode(string)
+                return ids if add_special_tokens is False else [tok.bos_id] + ids
+
+            def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kw):
+                out = []
+                for _, ctx, cont in requests:
+                    inp = (ctx + cont)[-(model.cfg.max_seq_len + 1):][:-1]
+                    with torch.no_grad():
+                        lp = torch.log_softmax(model(torch.tensor([inp]))[0].float(), -1)[-len(cont):]
+                    tgt = torch.tensor(cont)
+                    out.append((float(lp.gather(1, tgt[:, None]).sum()), bool((lp.argmax(-1) == tgt).all())))
+                return out
+
+            def loglikelihood_rolling(self, requests, disable_tqdm=False):
+                raise NotImplementedError
+
+            def generate_until(self, requests, disable_tqdm=False):
+                raise NotImplementedError
+
+        return _LM()
+
+
+def make_picaflor_ckpt(tmp, max_seq_len=256):
+    import model as picaflor
+    import tokenizer
+    tok = tokenizer.train_tokenizer(es.corpus(), 320)
+    tok_path = tok.save(str(tmp / "tok.json"))
+    cfg = picaflor.ModelConfig(vocab_size=tok.vocab_size, n_layer=2, n_dense_layers=1, d_model=32, n_head=4,
+                               n_kv_head=2, dense_ffn=64, n_experts=4, expert_ffn=16, n_shared=1, top_k=2,
+                               max_seq_len=max_seq_len)
+    torch.manual_seed(0)
+    m = picaflor.Picaflor(cfg)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() >= 2 and "gate.weight" not in name:
+                p.normal_(0.0, 0.1)
+    picaflor.save_checkpoint(m, str(tmp / "run"), 1, tokenizer_file=tok_path)
+    return str(tmp / "run"), tok
+
+
+def test_parity_picaflor_checkpoint_with_lm_eval(hf_setup, tmp_path):
+    import model as picaflor
+    _, _, data_dir, yaml_dir = hf_setup
+    run_dir, tok = make_picaflor_ckpt(tmp_path)
+    tasks = ["lambada_openai", "piqa", "winogrande", "arc_easy", "hellaswag"]
+    ref = es.run_lm_eval(NaiveLM(picaflor.load_checkpoint(run_dir), tok), yaml_dir, tasks, bootstrap_iters=BOOT)
+    out = tmp_path / "out"
+    assert ev.main([run_dir, "--tasks", ",".join(tasks), "--data-dir", data_dir, "--device", "cpu",
+                    "--batch-size", "3", "--bootstrap-iters", str(BOOT), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model_kind"] == "picaflor" and summary["sampling"]["repetition_penalty"] == 1.0
+    assert set(summary) >= {"results", "model", "harness_version", "seed", "dtype", "sampling"}
+    ours = {}
+    for t in tasks:
+        recs = [json.loads(line) for line in (out / f"{t}.jsonl").read_text().splitlines()]
+        docs = [{"requests": r["requests"], "lls": r["loglikelihoods"], "greedy": r["is_greedy"]} for r in recs]
+        ours[t] = (docs, summary["results"])
+        assert all("gold" in r and "pred" in r for r in recs) or t == "lambada_openai"
+    assert_same_as_harness(ref, ours, tasks)
+    assert "| piqa | acc |" in (out / "results.md").read_text()
+
+
+def test_shared_context_path_equals_flat_path(hf_setup, tmp_path):
+    """The KV-reuse path (picaflor: one context length per batch) gives the flat path's numbers."""
+    _, _, data_dir, _ = hf_setup
+    run_dir, _ = make_picaflor_ckpt(tmp_path)
+    lm = ev.load_model(run_dir, "cpu", "float32")
+    args = ev.parse_args([run_dir, "--data-dir", data_dir])
+    docs = ev.task_docs("hellaswag", lm, args)
+    ev.loglikelihoods(lm, docs, batch_size=8)
+    shared = [list(d["lls"]) for d in docs]
+    reqs = []
+    cache = {}
+    for i, d in enumerate(docs):
+        for j, (c, x) in enumerate(d["requests"]):
+            reqs.append(((i, j), *ev.encode_pair(lm, c, x, cache)))
+    out = {}
+    ev.score_flat(lm, reqs, out, 5, 10 ** 6)
+    flat = [[out[(i, j)][0] for j in range(len(d["requests"]))] for i, d in enumerate(docs)]
+    assert max(abs(a - b) for x, y in zip(shared, flat) for a, b in zip(x, y)) <= 1e-4
+
+
+def test_bootstrap_and_mean_stderr_match_harness():
+    from lm_eval.api import metrics as hm
+    rng = torch.Generator().manual_seed(0)
+    lls = (-torch.rand(37, generator=rng, dtype=torch.float64) * 8).tolist()
+    want = hm.bootstrap_stderr(hm.perplexity, lls, iters=3000)
+    assert ev.bootstrap_perplexity_stderr(lls, 3000) == pytest.approx(want, rel=1e-9)
+    accs = [float(x > -4) for x in lls]
+    assert ev.mean_stderr(accs) == pytest.approx(hm.mean_stderr(accs), rel=1e-12)
+
+
+def test_generation_ignores_shipped_repetition_penalty(hf_setup, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _, _, data_dir, _ = hf_setup
+    clean = es.make_tiny_hf_model(str(tmp_path / "clean"), vocab_size=300, d_model=32, n_layer=2, n_positions=256)
+    penal = es.make_tiny_hf_model(str(tmp_path / "penal"), vocab_size=300, d_model=32, n_layer=2, n_positions=256,
+                                  generation_config={"repetition_penalty": 1.3})
+    outs = {}
+    for name, d in (("clean", clean), ("penal", penal)):
+        assert ev.main([d, "--tasks", "counting,gsm8k", "--limit", "3", "--max-gen-toks", "24", "--data-dir", data_dir, "--device", "cpu",
+                        "--out", str(tmp_path / f"out_{name}")]) == 0
+        outs[name] = {t: [json.loads(x) for x in (tmp_path / f"out_{name}" / f"{t}.jsonl").read_text().splitlines()]
+                      for t in ("counting", "gsm8k")}
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "repetition_penalty" in err and err.count("IGNORES") == 1
+    for t in ("counting", "gsm8k"):
+        assert [r["generation"] for r in outs["clean"][t]] == [r["generation"] for r in outs["penal"][t]]
+        assert [r["scores"] for r in outs["clean"][t]] == [r["scores"] for r in outs["penal"][t]]
+    s_pen = json.loads((tmp_path / "out_penal" / "summary.json").read_text())
+    s_cln = json.loads((tmp_path / "out_clean" / "summary.json").read_text())
+    assert s_pen["results"] == s_cln["results"]
+    assert s_pen["sampling"]["ignored_model_settings"] == {"repetition_penalty": 1.3}
+    # the trap is real for this model: HF's generate with the shipped config decodes differently
+    tok = AutoTokenizer.from_pretrained(penal)
+    m = AutoModelForCausalLM.from_pretrained(penal).eval()
+    differs = False
+    for r in outs["penal"]["counting"]:
+        ids = torch.tensor([tok.encode(r["prompt"])])
+        gen = m.generate(ids, max_new_tokens=20, pad_token_id=tok.eos_token_id)[0, ids.shape[1]:]
+        ours = tok.encode(r["generation"]) if r["generation"] else []
+        differs |= gen[:len(ours)].tolist() != ours[:len(gen)] or not ours
+    assert differs
+
+
+def test_passkey_reported_per_length(tmp_path):
+    run_dir, tok = make_picaflor_ckpt(tmp_path, max_seq_len=1024)
+    out = tmp_path / "out"
+    assert ev.main([run_dir, "--tasks", "passkey", "--passkey-lengths", "384,512", "--limit", "2", "--device", "cpu",
+                    "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["results"]) == {"passkey@384", "passkey@512"}
+    assert all(r["n"] == 2 and 0.0 <= r["acc"] <= 1.0 for r in summary["results"].values())
+    recs = [json.loads(x) for x in (out / "passkey.jsonl").read_text().splitlines()]
+    for r in recs:
+        n_tok = len(tok.encode(r["prompt"])) + 1
+        assert r["length"] - 64 <= n_tok <= r["length"] - 10, (r["length"], n_tok)
+        assert r["target"] in r["prompt"] and len(r["target"]) == 5
+    # default lengths: 4K doubling up to the context, and the context itself when it is below 4K
+    lm = ev.load_model(run_dir, "cpu", "float32")
+    assert ev.passkey_lengths(lm, None) == [1024]
+    lm.max_length = 10000
+    assert ev.passkey_lengths(lm, None) == [4096, 8192, 10000]
+    assert ev.main([run_dir, "--tasks", "passkey", "--passkey-lengths", "4096", "--device", "cpu"]) == 2
+    assert ev.main([run_dir, "--tasks", "passkey", "--passkey-lengths", "64", "--device", "cpu"]) == 2
+
+
+def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
+    _, model_dir, data_dir, _ = hf_setup
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        ([model_dir, "--tasks", "piqa,nosuchtask", "--data-dir", data_dir], "unknown task 'nosuchtask'"),
+        ([model_dir, "--tasks", "piqa", "--data-dir", str(empty)], "no data file for task piqa"),
+        ([str(empty), "--tasks", "piqa", "--data-dir", data_dir], "neither a Hugging Face model dir"),
+        ([str(tmp_path / "nope"), "--tasks", "piqa"], "no such file or directory"),
+        (["--compare", str(tmp_path / "missing.json")], "not an eval.py summary.json"),
+    ]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "piqa.jsonl").write_text('{"goal": "x"}\n')
+    cases.append(([model_dir, "--tasks", "piqa", "--data-dir", str(bad)], "does not have the dataset's schema"))
+    for argv, msg in cases:
+        assert ev.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and msg in errors[0] and err.endswith(errors[0]) and "Traceback" not in err, err
+
+
+def test_compare_marks_noise(tmp_path, capsys):
+    def summary(name, acc, se):
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps({"model": name, "results": {"piqa": {"acc": acc, "acc_stderr": se, "n": 100},
+                                                            "arc_easy": {"acc": acc, "acc_stderr": se, "n": 100}}}))
+        return str(p)
+    a, b, c = summary("A", 0.60, 0.02), summary("B", 0.62, 0.02), summary("C", 0.75, 0.02)
+    assert ev.main(["--compare", a, b, c]) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("| piqa | acc |"))
+    assert "| A | B | C |" in table and "+0.0200 ~" in row and "+0.1500 *" in row
+
+
+def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch):
+    """The Hub path: the dataset's refs/convert/parquet branch, CONFIG/SPLIT/*.parquet, through huggingface_hub."""
+    import huggingface_hub
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = es.task_rows("arc_challenge", 3)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "0000.parquet")
+    calls = []
+
+    def list_repo_files(self, repo, repo_type=None, revision=None):
+        calls.append((repo, repo_type, revision))
+        return ["ARC-Easy/test/0000.parquet", "ARC-Challenge/test/0000.parquet", "ARC-Challenge/train/0000.parquet"]
+
+    def hf_hub_download(repo, filename, repo_type=None, revision=None, cache_dir=None):
+        calls.append((repo, filename, revision, cache_dir))
+        return str(tmp_path / "0000.parquet")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    got = ev.hub_task_rows("arc_challenge", str(tmp_path / "cache"))
+    assert got == rows
+    assert ("allenai/ai2_arc", "ARC-Challenge/test/0000.parquet", "refs/convert/parquet",
+            str(tmp_path / "cache")) in calls
