@@ -825,10 +825,38 @@ def cmd_run(args):
 # init / status / decay and the small commands
 
 
+INVOCATION_KEYS = {"out_dir", "init_from", "resume_from", "grow_from", "grow_layers", "stop_after_steps",
+                   "stop_after_hours", "mirror_dir"}  # per-run-of-train.py keys, not part of the run's config
+
+
+def config_from_checkpoint(ck):
+    """config.py text for a run started from a checkpoint: its state.json "config" (what train.py trained it with)."""
+    try:
+        cfg = json.load(open(os.path.join(ck, "state.json"))).get("config")
+    except (OSError, ValueError):
+        cfg = None
+    if not isinstance(cfg, dict) or not cfg:
+        raise RelayError(f"{ck}/state.json has no \"config\"; pass the train.py CONFIG it was trained with")
+    return "# from the checkpoint's state.json\n" + "".join(
+        f"{k} = {v!r}\n" for k, v in sorted(cfg.items()) if k not in INVOCATION_KEYS)
+
+
 def cmd_init(args):
     store = open_store(args.store)
-    if args.from_checkpoint is None and args.config is None:
+    ck = None
+    if args.from_checkpoint:  # everything is checked before the store is touched
+        try:
+            ck = checkpoint.resolve(args.from_checkpoint)
+            checkpoint.verify(ck)
+        except checkpoint.CheckpointError as e:
+            raise RelayError(f"init refused: {e}")
+        cfg_text = open(args.config).read() if args.config and os.path.isfile(args.config) else config_from_checkpoint(ck)
+    elif args.config is None:
         raise RelayError("init: give a train.py CONFIG (with --key=value overrides) or --from-checkpoint DIR")
+    elif not os.path.isfile(args.config):
+        raise RelayError(f"{args.config}: config file not found; pass a file under config/")
+    else:
+        cfg_text = open(args.config).read()
     if store.exists():
         sha, _, _ = store.head()
         files = store.list(sha)
@@ -842,18 +870,6 @@ def cmd_init(args):
     tmp = os.path.join(workdir_for(args), f"init-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        if args.from_checkpoint:
-            try:
-                ck = checkpoint.resolve(args.from_checkpoint)
-                checkpoint.verify(ck)
-            except checkpoint.CheckpointError as e:
-                raise RelayError(f"init refused: {e}")
-            cfg_src = args.config or os.path.join(ck, "config.py")
-            cfg_text = open(cfg_src).read() if os.path.isfile(cfg_src) else ""
-        else:
-            if not os.path.isfile(args.config):
-                raise RelayError(f"{args.config}: config file not found; pass a file under config/")
-            cfg_text = open(args.config).read()
         run_level = [a for a in args.overrides if a.startswith("--") and "=" in a]
         if run_level:
             cfg_text += "\n# relay.py init overrides\n" + "".join(

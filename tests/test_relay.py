@@ -446,3 +446,34 @@ def test_manual_claim_pull_train_push_release(tmp_path, hub, rl):
     rows, snap = ledger_rows(relay.open_store(url))
     assert [(x["leg"], x["who"], x["step_range"]) for x in rows] == [(1, "tester", "0-6")]
     assert snap.relay["holder"] is None and snap.relay["leg"] == 2 and snap.state["step"] == 6
+
+
+def test_init_from_existing_checkpoint(tmp_path, hub, rl):
+    env = base_env()
+    for k, v in env.items():
+        os.environ[k] = v  # rl's monkeypatch restores the environment afterwards
+    fake = write_fake_train(tmp_path)
+    out = tmp_path / "solo"
+    t = subprocess.run([sys.executable, fake, "cfg.py", f"--out_dir={out}", "--init_from=scratch", "--stop_after_steps=5"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert t.returncode == 0, t.stderr
+    url = f"file://{tmp_path}/store"
+    r = rl(["init", url, "--from-checkpoint", out, "--workdir", tmp_path / "w0"])
+    assert r.returncode == 3 and "has no \"config\"" in r.stderr and not os.path.exists(tmp_path / "store")
+    st_path = out / "step_0000005" / "state.json"
+    st = json.load(open(st_path))
+    st["config"] = {"n_layer": 3, "out_dir": "elsewhere", "learning_rate": 0.003, "stages": []}
+    blobs = {n: open(out / "step_0000005" / n, "rb").read() for n in ("model.safetensors", "optimizer.pt", "tokenizer.json")}
+    blobs["state.json"] = json.dumps(st).encode()
+    ck = checkpoint.save(str(out), 5, {n: (lambda p, b=b: open(p, "wb").write(b)) for n, b in blobs.items()})
+    r = rl(["init", url, "--from-checkpoint", ck, "--workdir", tmp_path / "w0"])
+    assert r.returncode == 0, r.stderr
+    store = relay.open_store(url)
+    snap = relay.Snapshot(store)
+    cfg = store.read(snap.sha, "config.py").decode()
+    assert "n_layer = 3" in cfg and "learning_rate = 0.003" in cfg and "out_dir" not in cfg
+    assert snap.state["step"] == 5 and snap.state["legs"] == 0
+    r = rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", tmp_path / "wa"])
+    assert r.returncode == 0, r.stderr
+    rows, snap = ledger_rows(store)
+    assert [x["step_range"] for x in rows] == ["5-7"]
