@@ -59,7 +59,7 @@ def newest_crash_report(out_dir, since):
 class Guardian:
     def __init__(self, argv):
         self.argv = argv
-        g = {k: getattr(train, k) for k in configurator.config_keys(vars(train))}
+        g = {k: getattr(train, k) for k in train._CONFIG_KEYS}
         configurator.configure(g, argv)
         self.cfg = g
         self.out = g["out_dir"]

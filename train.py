@@ -106,6 +106,7 @@ dtype = "bfloat16"           # autocast dtype on GPU; float32 everywhere on CPU
 compile = False
 seed = 1337
 gpu_hourly_usd = 0.0
+_CONFIG_KEYS = sorted(k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool, list, dict)))
 # -----------------------------------------------------------------------------------------------------------
 
 EXIT_OK, EXIT_ERROR, EXIT_DATA, EXIT_DENIED, EXIT_UNREACHABLE, EXIT_DISK, EXIT_NONFINITE, EXIT_HANG = 0, 1, 3, 4, 5, 6, 7, 8
@@ -387,7 +388,28 @@ def retain(out_dir, keep):
 # -----------------------------------------------------------------------------------------------------------
 # durability: metrics file, hang watchdog, crash reports, mirror
 
-RUN_INFO = {}  # what a crash report needs: out_dir, state, streams
+_RUN_INFO = {}  # what a crash report needs: out_dir, state, streams
+
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(directory, probe_bytes=1 << 20):
+    """Why a write in directory fails for lack of space (a probe write), or None if it has room."""
+    path = os.path.join(directory, f".disk-probe-{os.getpid()}")
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\0" * probe_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+        return None
+    except OSError as e:
+        return e.strerror if e.errno in DISK_ERRNOS else None
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 def open_metrics(path):
@@ -442,14 +464,14 @@ CAUSES = {EXIT_ERROR: "error", EXIT_DATA: "corrupt data", EXIT_DENIED: "storage 
 
 def write_crash_report(cause, code, message, **extra):
     """crash-<time>.json in the run dir: what the guardian and a person read first."""
-    out = RUN_INFO.get("out_dir")
-    if not out or not RUN_INFO.get("master", True):
+    out = _RUN_INFO.get("out_dir")
+    if not out or not _RUN_INFO.get("master", True):
         return
-    st = RUN_INFO.get("state") or {}
+    st = _RUN_INFO.get("state") or {}
     rep = {"cause": cause, "exit_code": code, "message": message, "time": time.time(), "step": st.get("step"),
            "tokens": st.get("tokens"), **extra}
     try:
-        rep["data_position"] = {c: s.position for c, s in (RUN_INFO.get("streams") or {}).items()}
+        rep["data_position"] = {c: s.position for c, s in (_RUN_INFO.get("streams") or {}).items()}
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"crash-{int(time.time() * 1000)}.json"), "w") as f:
             json.dump(rep, f, indent=1)
@@ -521,7 +543,7 @@ def main(argv):
     from model import Picaflor, load_stats, sample_next
     from safetensors.torch import load_file, save_file
 
-    g = globals()
+    g = {k: globals()[k] for k in _CONFIG_KEYS}
     flags = {"--replan": False}
     rest = []
     for a in argv:
@@ -538,7 +560,8 @@ def main(argv):
             die("usage: python train.py --status RUN_DIR")
         return print_status(run_dir)
     configurator.configure_or_exit(g, rest, "train.py")
-    cfg = {k: g[k] for k in configurator.config_keys(g)}
+    globals().update(g)
+    cfg = g
 
     # --- processes and device -----------------------------------------------------------------------------
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -698,7 +721,7 @@ def main(argv):
                    "created_at": time.time(), "seq_len_history": []}
     st["plan"], st["config_stages"], st["layer_origin"] = plan, cfg["stages"], layer_origin
     st["quarantined_shards"] = quarantined
-    RUN_INFO.update(out_dir=out, state=st, streams=streams, master=master)
+    _RUN_INFO.update(out_dir=out, state=st, streams=streams, master=master)
     if not cfg["stages"]:
         st["plan_source"] = {k: cfg[k] for k in ("max_iters", "warmup_iters", "decay_frac")}
     control_path = os.path.join(out, "control.json")
@@ -753,9 +776,10 @@ def main(argv):
         try:
             return save_checkpoint(m, out_dir, state_dict["step"], state=dict(state_dict), extra_writers=extra,
                                    tokenizer_file=tok_file if os.path.exists(tok_file) else None)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise TrainError(f"out of disk while writing a checkpoint in {out_dir} ({e.strerror}); the previous "
+        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+            reason = e.strerror if isinstance(e, OSError) and e.errno in DISK_ERRNOS else disk_full(out_dir)
+            if reason:
+                raise TrainError(f"out of disk while writing a checkpoint in {out_dir} ({reason}); the previous "
                                  f"checkpoint is intact; free space and resume", EXIT_DISK)
             raise
 
@@ -971,8 +995,8 @@ if __name__ == "__main__":
         write_crash_report(CAUSES[code], code, str(e), url=e.url, status=e.status)
         die(f"{CAUSES[code]}: {e}", code)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            msg = f"out of disk: {e}; free space in {RUN_INFO.get('out_dir')} and resume (checkpoints are intact)"
+        if e.errno in DISK_ERRNOS:
+            msg = f"out of disk: {e}; free space in {_RUN_INFO.get('out_dir')} and resume (checkpoints are intact)"
             write_crash_report("out of disk", EXIT_DISK, msg)
             die(msg, EXIT_DISK)
         raise

@@ -1,0 +1,221 @@
+"""Fault injection against train.py and the guardian (issue: training that survives its operators)."""
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+import checkpoint  # noqa: E402
+from model import load_checkpoint  # noqa: E402
+from test_train import TINY, metrics  # noqa: E402
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def make_corpus(root, src=None, shard_tokens=6000):
+    src = src or os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    r = subprocess.run([sys.executable, "data/local/prepare.py", "--src", str(src), "--out", str(root / "local"),
+                        "--vocab-size", "320", "--val-percent", "20", "--shard-tokens", str(shard_tokens)],
+                       cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("data"))
+
+
+def train(args, env=ENV, **kw):
+    return subprocess.run([sys.executable, "train.py", *TINY, *args], cwd=REPO, capture_output=True, text=True,
+                          env=env, **kw)
+
+
+def zero_page(path, at_fraction=0.5):
+    size = os.path.getsize(path)
+    off = (int(size * at_fraction) // 4096) * 4096
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(b"\0" * 4096)
+    return off // 2  # token offset of the page
+
+
+def test_zeroed_page_is_caught_and_quarantined_without_looping(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(sysconfig.get_paths()["stdlib"], "json"), src)
+    root = make_corpus(tmp_path, src=src)
+    shard = os.path.join(root, "local", "train_000000.bin")
+    tok_off = zero_page(shard)
+    shutil.rmtree(src)  # the source is gone: the shard cannot be re-fetched, so it must be quarantined
+    out = str(tmp_path / "run")
+    r = train([f"--data_root={root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1", "--eval_interval=100",
+               "--supervise"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    g = json.load(open(os.path.join(out, "guardian.json")))
+    assert len(g["starts"]) == 2  # one restart, no loop
+    assert g["starts"][0]["cause"] == "corrupt data"
+    msg = g["starts"][0]["message"]
+    assert "train_000000.bin" in msg and f"offset {tok_off}" in msg
+    assert g["quarantined"][0]["shard"] == "local/train_000000.bin"
+    assert metrics(out)[4]["quarantined_shards"] == 1
+    assert "QUARANTINED" in r.stdout + r.stderr
+
+
+def test_zeroed_page_is_refetched_from_source(data_root, tmp_path):
+    root = make_corpus(tmp_path)
+    shard = os.path.join(root, "local", "train_000000.bin")
+    zero_page(shard, 0.7)
+    out = str(tmp_path / "run")
+    r = train([f"--data_root={root}", f"--out_dir={out}", "--max_iters=3", "--warmup_iters=1", "--eval_interval=100",
+               "--supervise"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    g = json.load(open(os.path.join(out, "guardian.json")))
+    assert [s["cause"] for s in g["starts"]] == ["corrupt data", "ok"]
+    assert g["repairs"][0]["action"] == "refetched" and not g["quarantined"]
+
+
+def test_storage_denied_is_not_corrupt_data(data_root, tmp_path):
+    from hub_server import FakeHub
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    repo = tmp_path / "hub" / "datasets" / "HuggingFaceFW" / "fineweb-edu" / "sample" / "10BT"
+    repo.mkdir(parents=True)
+    rng = random.Random(0)
+    words = ["the", "cell", "energy", "light", "plant", "water", "grows", "in", "of", "and"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randrange(20, 80))) for _ in range(120)]
+    pq.write_table(pa.table({"text": texts}), repo / "000_00000.parquet")
+    tok = os.path.join(data_root, "local", "tokenizer.json")
+    corpus = tmp_path / "data" / "fineweb_edu"
+    with FakeHub(tmp_path / "hub") as hub:
+        env = dict(ENV, **hub.client_env(tmp_path / "hf_home"))
+        r = subprocess.run([sys.executable, "data/fineweb_edu/prepare.py", "--tokenizer", tok, "--max-tokens", "20000",
+                            "--val-tokens", "1500", "--shard-tokens", "3000", "--out", str(corpus)],
+                           cwd=REPO, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        zero_page(os.path.join(corpus, "train_000000.bin"), 0.3)
+        hub.status_override = 403  # the bill lapsed
+        shutil.rmtree(tmp_path / "hf_home")  # a fresh machine: nothing cached
+        out = str(tmp_path / "run")
+        r = train([f"--data_root={tmp_path / 'data'}", "--dataset=fineweb_edu", f"--out_dir={out}", "--max_iters=3",
+                   "--warmup_iters=1", "--eval_interval=100", "--supervise"], env=env)
+    assert r.returncode == 4, r.stderr[-3000:]
+    g = json.load(open(os.path.join(out, "guardian.json")))
+    assert g["report"]["cause"] == "storage denied" and "403" in g["report"]["message"]
+    assert "credentials" in g["report"]["message"] or "billing" in g["report"]["message"]
+    assert g["starts"][0]["cause"] == "corrupt data" and len(g["starts"]) == 1
+
+
+def test_hang_dumps_stacks_and_exits(data_root, tmp_path):
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                          "--max_iters=10", "--warmup_iters=1", "--eval_interval=100", "--hang_timeout=4"],
+                         cwd=REPO, env=dict(ENV, PICAFLOR_INJECT_SLEEP_AT_STEP="2"), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    mpath = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 120
+    while not (os.path.exists(mpath) and any(json.loads(l)["step"] == 2 for l in open(mpath) if l.strip())):
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.05)
+    t_stall = time.time()
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 8, err
+    assert time.time() - t_stall <= 4 + 10
+    dumps = [n for n in os.listdir(out) if n.startswith("hang-")]
+    text = open(os.path.join(out, dumps[0])).read()
+    assert "train.py" in text and " in main" in text and "in watch" in text  # the stuck main thread and the watchdog
+    assert "hang" in err and len(err.strip().splitlines()) == 1
+
+
+def test_sigterm_checkpoints_and_resume_is_bitwise(data_root, tmp_path):
+    common = [f"--data_root={data_root}", "--max_iters=10", "--warmup_iters=2", "--eval_interval=100", "--ckpt_interval=100"]
+    straight = str(tmp_path / "straight")
+    assert train(common + [f"--out_dir={straight}"]).returncode == 0
+    out = str(tmp_path / "pre")
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, *common, f"--out_dir={out}"], cwd=REPO, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    mpath = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 120
+    while not (os.path.exists(mpath) and sum(1 for l in open(mpath) if l.strip()) >= 3):
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    so, se = p.communicate(timeout=60)
+    assert p.returncode == 0, se
+    ck = checkpoint.latest_valid(out)
+    st = json.load(open(os.path.join(ck, "state.json")))
+    assert st["kind"] == "preempt" and 3 <= st["step"] < 10 and "SIGTERM" in so
+    assert train(common + [f"--out_dir={out}", "--init_from=resume"]).returncode == 0
+    a, b = metrics(straight), metrics(out)
+    assert [a[s]["loss"] for s in range(1, 11)] == [b[s]["loss"] for s in range(1, 11)]
+
+
+def test_nan_never_reaches_a_checkpoint(data_root, tmp_path):
+    out = str(tmp_path / "run")
+    r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=10", "--warmup_iters=1",
+               "--eval_interval=100", "--ckpt_interval=2"], env=dict(ENV, PICAFLOR_INJECT_NAN_AT_STEP="5"))
+    assert r.returncode == 7 and "non-finite loss" in r.stderr
+    steps = [s for s, p in checkpoint.list_checkpoints(out) if checkpoint.is_valid(p)]
+    assert steps and max(steps) <= 5
+    for s, p in checkpoint.list_checkpoints(out):
+        m = load_checkpoint(p)
+        assert all(torch.isfinite(t).all() for t in m.state_dict().values())
+    rep = [json.load(open(os.path.join(out, n))) for n in os.listdir(out) if n.startswith("crash-")]
+    assert rep[0]["cause"] == "non-finite loss" and rep[0]["exit_code"] == 7
+
+
+def test_disk_full_during_save_keeps_previous_checkpoint(data_root, tmp_path):
+    out = str(tmp_path / "run")
+    args = [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=10", "--warmup_iters=1", "--eval_interval=100",
+            "--ckpt_interval=2"]
+    assert train(args + ["--stop_after_steps=2"]).returncode == 0
+    good = checkpoint.latest_valid(out)
+    limit = os.path.getsize(os.path.join(good, "optimizer.pt")) // 2
+
+    def small_disk():  # a file-size limit: writes past it fail with EFBIG, like a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    r = train(args + ["--init_from=resume"], preexec_fn=small_disk)
+    assert r.returncode == 6 and "out of disk" in r.stderr, r.stderr
+    assert checkpoint.latest_valid(out) == good and load_checkpoint(out) is not None
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp")]
+
+
+def test_twenty_random_sigkills_end_bitwise_equal(data_root, tmp_path):
+    common = [f"--data_root={data_root}", "--max_iters=16", "--warmup_iters=2", "--eval_interval=8", "--ckpt_interval=1",
+              "--keep_last=2"]
+    straight = str(tmp_path / "straight")
+    assert train(common + [f"--out_dir={straight}"]).returncode == 0
+    out = str(tmp_path / "killed")
+    rng = random.Random(1234)
+    kills = 0
+    while True:
+        resume = ["--init_from=resume"] if checkpoint.latest_valid(out) else []
+        p = subprocess.Popen([sys.executable, "train.py", *TINY, *common, f"--out_dir={out}", *resume], cwd=REPO,
+                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if kills < 20:
+            try:
+                p.wait(timeout=rng.uniform(1.5, 4.0))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+                kills += 1
+                continue
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        if kills >= 20 or json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["finished"]:
+            break
+    assert kills == 20 or json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["finished"]
+    a, b = load_checkpoint(straight), load_checkpoint(out)
+    for (n, ta), (_, tb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(ta, tb), n
