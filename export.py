@@ -56,11 +56,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 import checkpoint
-from model import ModelConfig, hf_name, to_hf_config
+from model import ModelConfig, Picaflor, hf_name, to_hf_config
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ST_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-ST_NAME_TO_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 PAD_TOKEN = "<|pad|>"  # id 0: reserved, never emitted by the tokenizer
 
 
@@ -89,6 +88,7 @@ class Source:
         # layers in numeric order (layers.2 before layers.10), so files read layer by layer
         self.names = sorted(self.f.keys(), key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)])
         self._cache = (None, None)
+        self.check_against_config()
         tp = tokenizer_path or os.path.join(self.dir, "tokenizer.json")
         self.tokenizer_path = tp if os.path.isfile(tp) else None
         if tokenizer_path and not self.tokenizer_path:
@@ -97,8 +97,17 @@ class Source:
     def shape(self, name):
         return list(self.f.get_slice(name).get_shape())
 
-    def dtype(self, name):
-        return ST_NAME_TO_TORCH[self.f.get_slice(name).get_dtype()]
+    def check_against_config(self):
+        """Every tensor the config implies, with its shape, and nothing else (else exports would be broken)."""
+        with torch.device("meta"):
+            want = {k: list(v.shape) for k, v in Picaflor(self.cfg).state_dict().items() if not k.endswith("load_accum")}
+        if self.cfg.tie_embeddings:
+            want.pop("lm_head.weight")
+        have = {n: self.shape(n) for n in self.names}
+        bad = sorted(set(want) ^ set(have)) + sorted(n for n in want if n in have and want[n] != have[n])
+        if bad:
+            raise ExportError(f"{self.weights}: tensors do not match state.json's model_config (first: {bad[0]}); "
+                              f"the checkpoint is inconsistent, use another step_* dir")
 
     def get(self, name):
         """One tensor; the last one read is kept so slicing experts out of a stacked tensor reads it once."""

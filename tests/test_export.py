@@ -373,3 +373,19 @@ def test_gguf_alone_reproduces_the_logits(ckpt, tmp_path):
         got = gguf_forward(out, idx)
     assert (ref - got).abs().max().item() <= 3e-3 * ref.abs().max().item()  # f16 weights (measured ~3e-4)
     assert (ref.argmax(-1) == got.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_weights_not_matching_config_is_one_line_error(tmp_path):
+    import checkpoint
+    from safetensors.torch import save_file
+    m = M.Picaflor(M.ModelConfig(**CFG))
+    sd = {k: v for k, v in m.state_dict().items() if not k.endswith("load_accum")}
+    del sd["layers.2.mlp.experts.down_proj"]  # a file that lost a tensor but has an intact manifest
+    path = checkpoint.save(str(tmp_path / "run"), 1, {
+        "model.safetensors": lambda p: save_file(sd, p),
+        "state.json": lambda p: open(p, "w").write(json.dumps({"step": 1, "model_config": CFG}))})
+    with pytest.raises(SystemExit) as e:
+        run_export([path, "--format", "gguf", "--out", str(tmp_path / "o.gguf")])
+    msg = str(e.value.code)
+    assert "model.safetensors" in msg and "layers.2.mlp.experts.down_proj" in msg and "\n" not in msg
+    assert not os.path.exists(tmp_path / "o.gguf")
