@@ -101,6 +101,9 @@ def test_init_run_two_legs_status_pull(kind, tmp_path, hub, monkeypatch, rl):
     assert steps == [8, 9, 10, 11]
     text = relay_cli(["status", url], env).stdout
     assert "baton: free" in text and "leg 2: bob" in text
+    d = relay.dashboard_data(url)  # what the dashboard page is built from, read through the same store
+    assert [m["step"] for m in d["metrics"]] == list(range(1, 12)) and len(d["ledger"]) == 2
+    assert d["baton"]["holder"] is None and d["state"]["step"] == 11
 
 
 def contention_worker_src():
@@ -201,7 +204,7 @@ def test_stale_holder_is_fenced(kind, tmp_path, hub, request):
     a_dir = relay.prepare_leg(store, a, str(tmp_path / "wa"))
     ck_a = checkpoint.save(a_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
                                       "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
-    time.sleep(2.6)  # A is "paused": no heartbeat for longer than the TTL (+1 s: HTTP Date has 1 s resolution)
+    time.sleep(2.8)  # A is "paused": no heartbeat for longer than the TTL (+1 s: HTTP Date has 1 s resolution)
     b = relay.claim(store, str(tmp_path / "wb"), "bob", ttl=1.5, heartbeat=0.5)
     assert b.generation == a.generation + 1 and b.leg == a.leg
     b_dir = relay.prepare_leg(store, b, str(tmp_path / "wb"))
