@@ -366,8 +366,7 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
         hf_cfg = to_hf_config(cfg, dtype=dtype_name, torch_dtype=dtype_name, **special)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=1)
-        gen = {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-               "max_length": cfg.max_seq_len}
+        gen = {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
         if tok is not None:  # stop at the end of a turn or at the start of a new document
             gen.update(bos_token_id=tok.bos_id, eos_token_id=[tok.special_ids["<|end|>"], tok.bos_id], pad_token_id=0)
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
