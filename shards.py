@@ -21,6 +21,13 @@ opens it; every batch read is checked for ids >= vocab_size and for id 0, which 
 length). Failures raise DataError (path, offset, kind); remote faults raise StorageError, so an operator
 never mistakes a billing/credential problem for corrupt data.
 
+Loss masks (chat corpora, data/smoltalk/prepare.py): index.json "loss_mask": true, and each shard entry also has
+"mask" (e.g. train_000000.mask.bin: uint8, one byte per token, 1 = this token is a training target) and
+"mask_sha256". TokenStream.next_batch then sets y = -1 wherever the target token's mask is 0, so train.py's
+cross_entropy(ignore_index=-1) trains on assistant tokens only with no change. "row_tokens": R says the shards
+are made of rows of exactly R tokens (conversations never cross a row): batches of seq_len R (or a multiple)
+read whole rows; another seq_len still works but cuts conversations at window edges (warned once).
+
 TokenStream position is {"shard": i, "offset": o, "epoch": e} in tokens (i indexes the split's shard list
 in index.json), so changing batch_size or seq_len keeps it exact.
 
@@ -114,6 +121,8 @@ def load_index(corpus_dir):
             for e in entries:
                 if not {"file", "tokens", "sha256"} <= set(e):
                     raise ValueError(f"split {split!r} has an entry without file/tokens/sha256")
+                if index.get("loss_mask") and not {"mask", "mask_sha256"} <= set(e):
+                    raise ValueError(f"loss_mask is set but {e['file']} has no mask/mask_sha256")
     except (ValueError, TypeError, AttributeError) as e:
         msg = str(e).splitlines()[0]
         raise DataError(f"{path}: corrupt index ({msg}); {_fix_hint(corpus_dir)}", path, None, "index") from None
@@ -163,16 +172,22 @@ def write_shard(path, tokens):
 
 class ShardWriter:
     """Packs whole documents into shards of at most shard_tokens tokens (a longer document gets a shard of its
-    own: never cut). make_source(list of per-document sources) -> the shard's "source" dict."""
+    own: never cut). make_source(list of per-document sources) -> the shard's "source" dict. with_mask: every
+    document comes with a uint8 loss mask of its length, written as {split}_NNNNNN.mask.bin next to the shard."""
 
-    def __init__(self, out_dir, split, shard_tokens, make_source):
+    def __init__(self, out_dir, split, shard_tokens, make_source, with_mask=False):
         self.out_dir, self.split, self.shard_tokens, self.make_source = str(out_dir), split, shard_tokens, make_source
-        self.entries, self.docs, self.doc_sources, self.n_tokens = [], [], [], 0
+        self.with_mask = with_mask
+        self.entries, self.docs, self.masks, self.doc_sources, self.n_tokens = [], [], [], [], 0
 
-    def add(self, doc_tokens, doc_source):
+    def add(self, doc_tokens, doc_source, mask=None):
+        if self.with_mask and (mask is None or len(mask) != len(doc_tokens)):
+            raise ValueError(f"{self.split}: a masked corpus needs one mask byte per token")
         if self.docs and self.n_tokens + len(doc_tokens) > self.shard_tokens:
             self.flush()
         self.docs.append(doc_tokens)
+        if self.with_mask:
+            self.masks.append(np.asarray(mask, dtype=np.uint8))
         self.doc_sources.append(doc_source)
         self.n_tokens += len(doc_tokens)
 
@@ -182,9 +197,16 @@ class ShardWriter:
         name = f"{self.split}_{len(self.entries):06d}.bin"
         tokens = np.concatenate(self.docs)
         sha = write_shard(os.path.join(self.out_dir, name), tokens)
-        self.entries.append({"file": name, "tokens": int(len(tokens)), "sha256": sha, "documents": len(self.docs),
-                             "source": self.make_source(self.doc_sources)})
-        self.docs, self.doc_sources, self.n_tokens = [], [], 0
+        entry = {"file": name, "tokens": int(len(tokens)), "sha256": sha, "documents": len(self.docs),
+                 "source": self.make_source(self.doc_sources)}
+        if self.with_mask:
+            mask_name = name[:-4] + ".mask.bin"
+            data = np.concatenate(self.masks).astype(np.uint8).tobytes()
+            _atomic_write(os.path.join(self.out_dir, mask_name), data)
+            entry.update(mask=mask_name, mask_sha256=hashlib.sha256(data).hexdigest(),
+                         target_tokens=int(np.concatenate(self.masks).sum()))
+        self.entries.append(entry)
+        self.docs, self.masks, self.doc_sources, self.n_tokens = [], [], [], 0
 
     def close(self):
         self.flush()
@@ -197,7 +219,8 @@ def remove_old_shards(out_dir):
     if os.path.exists(os.path.join(out_dir, "index.json")):
         os.remove(os.path.join(out_dir, "index.json"))
     for name in os.listdir(out_dir):
-        if name.endswith(".bin") and name.split("_")[0] in ("train", "val") and name[:-4].split("_")[-1].isdigit():
+        stem = name[:-len(".mask.bin")] if name.endswith(".mask.bin") else name[:-4]
+        if name.endswith(".bin") and name.split("_")[0] in ("train", "val") and stem.split("_")[-1].isdigit():
             os.remove(os.path.join(out_dir, name))
 
 
@@ -371,6 +394,28 @@ def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
     return tokens
 
 
+def _open_mask(corpus_dir, entry):
+    """Memory-map one shard's loss mask (uint8, one byte per token) after checking size and (once) sha256."""
+    file = entry["mask"]
+    path = os.path.join(str(corpus_dir), file)
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise DataError(f"{path}: loss mask missing; {_fix_hint(corpus_dir)}", path, None, "missing") from None
+    if st.st_size != entry["tokens"]:
+        raise DataError(f"{path}: {st.st_size} bytes, index.json says {entry['tokens']} (one per token of "
+                        f"{entry['file']}); {_fix_hint(corpus_dir)}", path, min(st.st_size, entry["tokens"]), "truncated")
+    mask = np.memmap(path, dtype=np.uint8, mode="r") if entry["tokens"] else np.zeros(0, np.uint8)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["mask_sha256"])
+    if key not in _VERIFIED:
+        got = sha256_file(path)
+        if got != entry["mask_sha256"]:
+            raise DataError(f"{path}: sha256 {got[:12]} differs from index.json's {entry['mask_sha256'][:12]} (corrupt "
+                            f"loss mask); {_fix_hint(corpus_dir)}", path, None, "hash")
+        _VERIFIED.add(key)
+    return mask
+
+
 def verify_corpus(corpus_dir):
     """Re-hash every shard of every split (ignoring the per-process cache). Returns a list of one-line problems."""
     try:
@@ -391,6 +436,15 @@ def verify_corpus(corpus_dir):
                 _open_shard(corpus_dir, entry, index["vocab_size"])
             except DataError as e:
                 problems.append(str(e))
+            if "mask" in entry:
+                mpath = os.path.join(str(corpus_dir), entry["mask"])
+                with contextlib.suppress(OSError):
+                    st = os.stat(mpath)
+                    _VERIFIED.discard((os.path.realpath(mpath), st.st_size, st.st_mtime_ns, entry["mask_sha256"]))
+                try:
+                    _open_mask(corpus_dir, entry)
+                except DataError as e:
+                    problems.append(str(e))
     return problems
 
 
@@ -405,6 +459,9 @@ def refetch_shard(corpus_dir, file):
         raise DataError(f"{path}: not in {corpus_dir}/index.json", path, None, "index")
     if "source" not in entry:
         raise DataError(f"{path}: index.json records no source for it; {_fix_hint(corpus_dir)}", path, None, "source")
+    if "mask" in entry:  # chat shards are packed rows of rendered conversations, not documents re-read in order
+        raise DataError(f"{path}: a chat (loss-masked) shard cannot be re-made on its own; {_fix_hint(corpus_dir)}",
+                        path, None, "source")
     tok = load_corpus_tokenizer(corpus_dir, index)
     try:
         texts = source_texts(entry["source"])
@@ -449,7 +506,10 @@ class TokenStream:
             raise DataError(f"{index_path}: split {split!r} has no tokens to read; {_fix_hint(self.corpus_dir)}",
                             index_path, None, "index")
         self.total_tokens = sum(self.lengths)
-        self._maps = {}
+        self.has_mask = bool(self.index.get("loss_mask"))  # y = -1 where the target token's mask is 0
+        self.row_tokens = self.index.get("row_tokens")
+        self._warned_rows = False
+        self._maps, self._mask_maps = {}, {}
         self._shard, self._offset, self._epoch = self._advance(0, 0, 0, 0)
 
     @property
@@ -479,8 +539,14 @@ class TokenStream:
             self._maps[shard] = _open_shard(self.corpus_dir, self.entries[shard], self.vocab_size)
         return self._maps[shard]
 
-    def _read(self, shard, offset, n):
-        """n tokens from (shard, offset), across shard ends and the wrap, each piece checked."""
+    def _mask(self, shard):
+        if shard not in self._mask_maps:
+            self._mask_maps[shard] = _open_mask(self.corpus_dir, self.entries[shard])
+        return self._mask_maps[shard]
+
+    def _read(self, shard, offset, n, masks=None):
+        """n tokens from (shard, offset), across shard ends and the wrap, each piece checked. masks: a uint8 array
+        of n that receives the loss mask of the same tokens (masked corpora)."""
         out = np.empty(n, dtype=np.int64)
         got = 0
         while got < n:
@@ -490,6 +556,8 @@ class TokenStream:
                           os.path.join(self.corpus_dir, self.entries[shard]["file"]), self.corpus_dir,
                           self.entries[shard]["file"])
             out[got:got + take] = tokens[offset:offset + take]
+            if masks is not None:
+                masks[got:got + take] = self._mask(shard)[offset:offset + take]
             got += take
             shard, offset, _ = self._advance(shard, offset, 0, take)
         return out
@@ -501,8 +569,16 @@ class TokenStream:
 
         B, T = batch_size, seq_len
         shard, offset, _ = self._advance(self._shard, self._offset, 0, rank * B * T)
-        span = torch.from_numpy(self._read(shard, offset, B * T + 1))
+        masks = np.empty(B * T + 1, dtype=np.uint8) if self.has_mask else None
+        span = torch.from_numpy(self._read(shard, offset, B * T + 1, masks))
         x, y = span[:-1].view(B, T), span[1:].view(B, T)
+        if masks is not None:
+            y = y.masked_fill(torch.from_numpy(masks[1:] == 0).view(B, T), -1)  # no loss on non-target tokens
+            if self.row_tokens and T % self.row_tokens and not self._warned_rows:
+                self._warned_rows = True
+                print(f"WARNING: {self.corpus_dir} packs conversations in rows of {self.row_tokens} tokens but batches "
+                      f"use seq_len {T}: conversations get cut at window edges; set seq_len = {self.row_tokens}",
+                      file=sys.stderr)
         self._shard, self._offset, self._epoch = self._advance(self._shard, self._offset, self._epoch,
                                                                world_size * B * T)
         if device is not None and str(device).startswith("cuda"):

@@ -1,0 +1,440 @@
+"""
+Chat with a picaflor model: the chat format (one render function for training, inference and export), a
+terminal chat that keeps the history in the KV cache, and checkpoint choice for an SFT run.
+
+    python chat.py out/sft                          # chat with a checkpoint (run dir or step_* dir)
+    python chat.py model.pcf4 --ram-budget 4G       # chat with an int4 container (stream_infer.py's engine)
+    python chat.py pick out/sft --data data/smoltalk   # score every checkpoint of an SFT run -> sft_pick.md/.json
+
+The format (tokenizer.py reserves the special tokens, so no tokenizer resize is ever needed):
+
+    <|bos|>[<|system|>TEXT<|end|>]<|user|>TEXT<|end|><|assistant|>TEXT<|end|><|user|>...
+
+Every turn is <|role|> + content + <|end|>, roles system / user / assistant, content encoded with
+Tokenizer.encode (special-token strings inside text stay plain text). The loss mask is 1 exactly on the
+assistant's content tokens and its closing <|end|> (the model learns to answer and to stop), 0 elsewhere.
+A prompt for generation is the rendered history + <|assistant|>. export.py's jinja chat template renders the
+same ids (tests/test_chat.py checks it with transformers' apply_chat_template).
+
+Terminal chat (the implementer's calls):
+- The KV cache holds the whole conversation; each new user turn appends only its own tokens (plus the
+  <|end|> that closed the last reply) to the cache: the history is never re-prefilled. When the context is full,
+  the oldest exchanges are dropped and what is left is prefilled once (said on screen).
+- Output streams token by token. Stops at <|end|> (or any other special token) or --max-new-tokens; a reply
+  cut by the limit or by Ctrl-C is closed with <|end|> in the cache, as render_conversation would write it.
+- /reset starts a new conversation (same system prompt), /exit or Ctrl-D quits, Ctrl-C at the prompt quits,
+  Ctrl-C while the model is answering stops that answer. Greedy by default (--temperature 0); --temperature T
+  with --top-p P samples. No repetition penalty, ever.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROLES = ("system", "user", "assistant")
+
+
+class ChatFormatError(ValueError):
+    """A conversation that cannot be rendered. kind: 'unknown_role' | 'empty_assistant' | 'malformed' |
+    'no_assistant' (a training conversation with nothing to learn)."""
+
+    def __init__(self, message, kind):
+        super().__init__(message)
+        self.kind = kind
+
+
+def check_messages(messages, need_assistant=False):
+    """Raise ChatFormatError unless messages is a list of {"role": system|user|assistant, "content": str} with no
+    empty assistant turn (and, with need_assistant, at least one assistant turn)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ChatFormatError("a conversation must be a non-empty list of {role, content} messages", "malformed")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ChatFormatError(f"message {i} is not a {{role, content}} object", "malformed")
+        if not isinstance(m["content"], str) or not isinstance(m["role"], str):
+            raise ChatFormatError(f"message {i}: role and content must be strings", "malformed")
+        if m["role"] not in ROLES:
+            raise ChatFormatError(f"message {i}: unknown role {m['role']!r} (roles: {', '.join(ROLES)})", "unknown_role")
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise ChatFormatError(f"message {i}: empty assistant turn", "empty_assistant")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise ChatFormatError("no assistant turn (nothing to learn)", "no_assistant")
+
+
+def render_turn(tok, role, content, body=None):
+    """(ids, mask) of one turn: <|role|> content <|end|>; mask 1 on an assistant's content and its <|end|>.
+    body: tok.encode(content) when the caller already has it (corpus builders encode in batches)."""
+    sp = tok.special_ids
+    body = tok.encode(content) if body is None else list(body)
+    ids = [sp[f"<|{role}|>"]] + body + [sp["<|end|>"]]
+    target = 1 if role == "assistant" else 0
+    return ids, [0] + [target] * (len(body) + 1)
+
+
+def render_conversation(tok, messages, need_assistant=False, bodies=None):
+    """(ids, mask) of a whole conversation: <|bos|> then every turn. The one place the chat format is written.
+    bodies: per-message content ids already encoded (optional)."""
+    check_messages(messages, need_assistant)
+    ids, mask = [tok.bos_id], [0]
+    for j, m in enumerate(messages):
+        i, k = render_turn(tok, m["role"], m["content"], None if bodies is None else bodies[j])
+        ids += i
+        mask += k
+    return ids, mask
+
+
+def render_prompt(tok, messages):
+    """Ids to generate the next assistant turn from: the rendered history + <|assistant|>."""
+    ids, _ = render_conversation(tok, messages)
+    return ids + [tok.special_ids["<|assistant|>"]]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a conversation held in the KV cache (model.py's KVCache; any backend that appends to it)
+
+def picaflor_backend(model):
+    """forward(ids (1, T), cache) -> logits (1, V) of the last position, new_cache(n), max_len for a Picaflor."""
+    import torch
+    from model import KVCache
+
+    w = model.embed_tokens.weight
+
+    def forward(ids, cache):
+        with torch.no_grad():
+            return model(ids, cache=cache)[:, -1].float()
+
+    return dict(forward=forward, new_cache=lambda n: KVCache(model.cfg, 1, n, w.device, w.dtype),
+                max_len=model.cfg.max_seq_len, device=w.device, after_reply=None)
+
+
+def engine_backend(eng, experts_per_token=None):
+    """The same for stream_infer.py's Engine (int4 container, routed experts streamed under a RAM budget)."""
+    import torch
+    from model import KVCache
+
+    eng.set_experts_per_token(experts_per_token)
+    return dict(forward=lambda ids, cache: eng.logits(eng.forward(ids, cache)[:, -1]),
+                new_cache=lambda n: KVCache(eng.cfg, 1, n, eng.device, torch.float32),
+                max_len=eng.context, device=eng.device, after_reply=eng.cache.settle)
+
+
+class Conversation:
+    """Messages so far and their tokens; the cache holds ids[:cache.pos], each call feeds only ids[cache.pos:]."""
+
+    def __init__(self, tok, backend, system=None, context=None):
+        self.tok, self.b, self.system = tok, backend, system
+        self.max_len = min(context or backend["max_len"], backend["max_len"])
+        self.stop_ids = set(tok.special_ids.values())  # <|end|> ends a reply; any other special one does too
+        self.fed_tokens = []  # tokens fed per forward call (tests check the history is never re-prefilled)
+        self.reset()
+
+    def reset(self):
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.ids = [self.tok.bos_id] + (render_turn(self.tok, "system", self.system)[0] if self.system else [])
+        self.cache = self.b["new_cache"](self.max_len)
+
+    def _feed(self):
+        import torch
+        new = self.ids[self.cache.pos:]
+        self.fed_tokens.append(len(new))
+        return self.b["forward"](torch.tensor([new], device=self.b["device"]), self.cache)
+
+    def _fit(self, user_ids, max_new_tokens):
+        """Make room for this turn: drop the oldest exchanges and prefill what is left once. Returns a note or None.
+        Room is kept for min(max_new_tokens, half the context) new tokens; the answer may use all that is left."""
+        max_new_tokens = min(max_new_tokens, self.max_len // 2)
+        if len(self.ids) + len(user_ids) + max_new_tokens <= self.max_len:
+            return None
+        system = self.messages[:1] if self.system else []
+        turns = self.messages[len(system):]
+        dropped = 0
+        while turns:
+            turns = turns[1:]
+            while turns and turns[0]["role"] != "user":
+                turns = turns[1:]
+            dropped += 1
+            ids, _ = render_conversation(self.tok, system + turns) if system + turns else ([self.tok.bos_id], None)
+            if len(ids) + len(user_ids) + max_new_tokens <= self.max_len:
+                break
+        ids = render_conversation(self.tok, system + turns)[0] if system + turns else [self.tok.bos_id]
+        if len(ids) + len(user_ids) + max_new_tokens > self.max_len:
+            raise ValueError(f"this message ({len(user_ids)} tokens) + {max_new_tokens} new tokens does not fit the "
+                             f"context of {self.max_len} tokens; shorten it or lower --max-new-tokens")
+        self.messages, self.ids = system + turns, ids
+        self.cache = self.b["new_cache"](self.max_len)
+        return f"[context full: dropped the {dropped} oldest exchange(s)]"
+
+    def reply(self, text, max_new_tokens=256, temperature=0.0, top_p=None, generator=None, on_text=None):
+        """Append the user's turn, generate the assistant's (streamed to on_text), return its text."""
+        from model import sample_next
+
+        user_ids = render_turn(self.tok, "user", text)[0] + [self.tok.special_ids["<|assistant|>"]]
+        note = self._fit(user_ids, max_new_tokens)
+        if note and on_text:
+            on_text(note + "\n")
+        self.ids += user_ids
+        self.messages.append({"role": "user", "content": text})
+        max_new_tokens = min(max_new_tokens, self.max_len - len(self.ids))
+        out, shown = [], ""
+        self.last_stop = "interrupted"  # how the last reply ended: end (a stop token), max_new_tokens, interrupted
+        try:
+            logits = self._feed()
+            while True:
+                t = int(sample_next(logits, temperature, None, top_p, generator).item())
+                if t in self.stop_ids:
+                    self.last_stop = "end"
+                    break
+                out.append(t)
+                self.ids.append(t)
+                text_now = self.tok.decode(out)
+                if on_text and not text_now.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    on_text(text_now[len(shown):])
+                    shown = text_now
+                if len(out) >= max_new_tokens:
+                    self.last_stop = "max_new_tokens"
+                    break
+                logits = self._feed()
+        finally:  # also on Ctrl-C: close the turn as render_conversation would, keep the cache consistent
+            self.ids.append(self.tok.special_ids["<|end|>"])
+            answer = self.tok.decode(out)
+            self.last_tokens = len(out)
+            self.messages.append({"role": "assistant", "content": answer})
+            if self.b["after_reply"]:
+                self.b["after_reply"]()
+        return answer
+
+
+def chat_loop(tok, backend, system=None, max_new_tokens=256, temperature=0.0, top_p=None, seed=None,
+              context=None, input_fn=input, out=None):
+    """The terminal chat. Returns 0 (a clean exit) on /exit, Ctrl-D or Ctrl-C at the prompt."""
+    import torch
+
+    out = out or sys.stdout
+    try:
+        import readline  # noqa: F401  (line editing and history for input(), where available)
+    except ImportError:
+        pass
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    conv = Conversation(tok, backend, system, context)
+    mode = "greedy" if temperature == 0 else f"temperature {temperature}" + (f", top-p {top_p}" if top_p else "")
+    out.write(f"chat ({mode}, context {conv.max_len} tokens): /reset starts over, /exit or Ctrl-D quits, "
+              f"Ctrl-C stops an answer\n")
+    out.flush()
+
+    def show(s):
+        out.write(s)
+        out.flush()
+
+    while True:
+        try:
+            line = input_fn(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            out.write("\n")
+            break
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit"):
+            break
+        if cmd == "/reset":
+            conv.reset()
+            show("[new conversation]\n")
+            continue
+        if cmd.startswith("/") and " " not in cmd:
+            show(f"unknown command {cmd}: /reset, /exit\n")
+            continue
+        try:
+            conv.reply(line, max_new_tokens, temperature, top_p, generator, on_text=show)
+            show("\n")
+        except KeyboardInterrupt:
+            show(" [stopped]\n")
+        except ValueError as e:
+            show(f"[{e}]\n")
+    show("bye\n")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# loading a model: a checkpoint (run dir / step dir) or an int4 container
+
+class ChatError(Exception):
+    """Bad input; a one-line message naming the file and the fix."""
+
+
+def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, context=None):
+    """(tokenizer, backend) for a checkpoint dir or an int4 container file."""
+    import checkpoint
+    from tokenizer import Tokenizer
+
+    if not os.path.exists(path):
+        raise ChatError(f"{path}: no such file or directory; pass a checkpoint (run dir or step_* dir) or an int4 "
+                        f"container (python export.py CKPT --format int4 --out model.pcf4)")
+    if os.path.isdir(path):
+        from model import load_checkpoint
+        try:
+            ck = checkpoint.resolve(path)
+            model = load_checkpoint(ck, device=device)
+        except checkpoint.CheckpointError as e:
+            raise ChatError(str(e)) from None
+        tok_path = os.path.join(ck, "tokenizer.json")
+        if not os.path.exists(tok_path):
+            raise ChatError(f"{ck}: no tokenizer.json in the checkpoint; copy the corpus's tokenizer.json into it")
+        try:
+            tok = Tokenizer.load(tok_path)
+        except ValueError as e:
+            raise ChatError(str(e)) from None
+        if experts_per_token:
+            model.set_top_k(experts_per_token)
+        return tok, picaflor_backend(model)
+    import container
+    import stream_infer
+    try:
+        eng = stream_infer.load(path, ram_budget, device, context=context)
+    except (stream_infer.StreamError, container.ContainerError) as e:
+        raise ChatError(str(e)) from None
+    tok = stream_infer.load_tokenizer(eng.container)
+    if tok is None:
+        raise ChatError(f"{path}: the container carries no tokenizer; re-export it from a checkpoint with tokenizer.json")
+    return tok, engine_backend(eng, experts_per_token)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoint choice for an SFT run: held-out assistant loss and greedy answers to fixed prompts, per checkpoint
+
+PICK_PROMPTS = [
+    "Hi! Who are you?",
+    "What is the capital of France?",
+    "Explain photosynthesis in one sentence.",
+    "Write a haiku about a hummingbird.",
+    "What is 12 + 7?",
+    "Give me three tips for sleeping better.",
+]
+
+
+def val_assistant_loss(model, corpus_dir, max_rows=256, batch_rows=8):
+    """Mean cross-entropy over the assistant tokens (mask 1) of the val split, whole rows; (loss, n targets)."""
+    import torch
+    import torch.nn.functional as F
+    import shards
+
+    ts = shards.TokenStream(corpus_dir, "val", vocab_size=model.cfg.vocab_size)
+    if not ts.has_mask:
+        raise ChatError(f"{corpus_dir}/index.json: not a chat corpus (no loss masks); run data/smoltalk/prepare.py")
+    T = min(ts.row_tokens or model.cfg.max_seq_len, model.cfg.max_seq_len)
+    rows = max(1, min(max_rows, ts.total_tokens // T))
+    dev = model.embed_tokens.weight.device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, rows, batch_rows):
+            x, y = ts.next_batch(min(batch_rows, rows - start), T)
+            logits = model(x.to(dev)).float()
+            total += F.cross_entropy(logits.view(-1, logits.size(-1)), y.to(dev).view(-1), ignore_index=-1,
+                                     reduction="sum").item()
+            count += int((y != -1).sum())
+    return (total / count if count else float("nan")), count
+
+
+def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, device="cpu", log=print):
+    """Score every valid checkpoint of run_dir; write run_dir/sft_pick.json and sft_pick.md. Returns the report."""
+    import checkpoint
+    import shards
+    from model import load_checkpoint
+    from tokenizer import Tokenizer
+
+    prompts = prompts or PICK_PROMPTS
+    ckpts = [(s, p) for s, p in checkpoint.list_checkpoints(run_dir) if checkpoint.is_valid(p)]
+    if not ckpts:
+        raise ChatError(f"{run_dir}: no valid checkpoint (step_* dir with an intact MANIFEST.json); train first "
+                        f"(python train.py config/sft.py)")
+    try:
+        index = shards.load_index(data_dir)
+    except shards.DataError as e:
+        raise ChatError(str(e)) from None
+    results = []
+    for step, path in ckpts:
+        t0 = time.time()
+        model = load_checkpoint(path, device=device)
+        tok = Tokenizer.load(os.path.join(path, "tokenizer.json"))
+        if tok.hash != index["tokenizer_sha256"]:
+            raise ChatError(f"{path}/tokenizer.json differs from {data_dir}'s tokenizer; pass the --data corpus "
+                            f"prepared with this model's tokenizer")
+        loss, n = val_assistant_loss(model, data_dir, max_rows)
+        answers = []
+        for p in prompts:
+            conv = Conversation(tok, picaflor_backend(model))
+            a = conv.reply(p, max_new_tokens, temperature=0.0)
+            answers.append({"prompt": p, "answer": a, "tokens": conv.last_tokens, "stopped": conv.last_stop})
+        results.append({"step": step, "checkpoint": os.path.basename(path), "val_loss": loss, "val_targets": n,
+                        "answers": answers})
+        log(f"{os.path.basename(path)}: val assistant loss {loss:.4f} over {n:,} tokens ({time.time() - t0:.1f}s)")
+    lowest = min(results, key=lambda r: r["val_loss"])["checkpoint"]
+    best_file = os.path.join(run_dir, "BEST")
+    report = {"run_dir": os.path.abspath(run_dir), "data": os.path.abspath(data_dir), "greedy": True,
+              "max_new_tokens": max_new_tokens, "lowest_val_loss": lowest,
+              "train_best": open(best_file).read().strip() if os.path.exists(best_file) else None,
+              "prompts": prompts, "checkpoints": results}
+    with open(os.path.join(run_dir, "sft_pick.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    lines = [f"# Checkpoint choice for {run_dir}", "",
+             f"Held-out chat set: {data_dir} (val split, loss on assistant tokens only). Answers are greedy, at most "
+             f"{max_new_tokens} tokens. The lowest loss is not always the best chat model: read the answers.", "",
+             "| checkpoint | val assistant loss | |", "|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['checkpoint']} | {r['val_loss']:.4f} | {'lowest loss' if r['checkpoint'] == lowest else ''} |")
+    for i, p in enumerate(prompts):
+        lines += ["", f"## {i + 1}. {p}", ""]
+        for r in results:
+            a = r["answers"][i]["answer"].strip().replace("\n", "\n> ")
+            lines += [f"**{r['checkpoint']}** (loss {r['val_loss']:.4f})", "", f"> {a}" if a else "> (empty)", ""]
+    with open(os.path.join(run_dir, "sft_pick.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    log(f"wrote {os.path.join(run_dir, 'sft_pick.md')} and sft_pick.json; lowest val loss: {lowest}")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------
+# command line
+
+def add_sampling_args(ap):
+    ap.add_argument("--system", default=None, help="system prompt (kept across /reset)")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling with --temperature > 0")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--context", type=int, default=None, help="KV cache positions (default: the model's max)")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["pick"]:
+            ap = argparse.ArgumentParser(prog="chat.py pick", description="Score every checkpoint of an SFT run on "
+                                         "the held-out chat set and fixed prompts; write RUN_DIR/sft_pick.md/.json")
+            ap.add_argument("run_dir")
+            ap.add_argument("--data", default="data/smoltalk", help="chat corpus (its val split is the held-out set)")
+            ap.add_argument("--prompt", action="append", default=None, help="a fixed prompt (repeat; default: 6 built in)")
+            ap.add_argument("--max-new-tokens", type=int, default=128)
+            ap.add_argument("--max-rows", type=int, default=256, help="val rows scored per checkpoint")
+            ap.add_argument("--device", default="cpu")
+            a = ap.parse_args(argv[1:])
+            pick(a.run_dir, a.data, a.prompt, a.max_new_tokens, a.max_rows, a.device)
+            return 0
+        ap = argparse.ArgumentParser(description="Chat with a picaflor model at the terminal (or: chat.py pick ...).",
+                                     epilog="python chat.py pick RUN_DIR --data data/smoltalk: choose a checkpoint")
+        ap.add_argument("model", help="checkpoint (run dir or step_* dir) or int4 container")
+        ap.add_argument("--ram-budget", default=None, help="int4 container: bound for the whole process, e.g. 4G")
+        ap.add_argument("--experts-per-token", type=int, default=None, help="default: the model's top_k")
+        ap.add_argument("--device", default="cpu")
+        add_sampling_args(ap)
+        a = ap.parse_args(argv)
+        tok, backend = load_model(a.model, a.ram_budget, a.device, a.experts_per_token, a.context)
+        return chat_loop(tok, backend, a.system, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.context)
+    except ChatError as e:
+        print(f"chat.py: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+# sft: chat fine-tune of a pretrained checkpoint on the loss-masked chat corpus (loss on assistant tokens only).
+#
+#   python data/smoltalk/prepare.py --tokenizer out/tiny --max-len 256     # rows of 256 = seq_len below
+#   python train.py config/sft.py                                          # tiny (CPU), defaults below
+#   python chat.py pick out/sft --data data/smoltalk                       # read the candidates, pick one
+#   python chat.py out/sft/step_NNNNNNN                                    # chat with it
+#
+# nano (the headline model, ~1,500 updates on one GPU):
+#   python data/smoltalk/prepare.py --tokenizer out/nano --max-len 2048
+#   python train.py config/sft.py --finetune_from=out/nano --out_dir=out/nano_sft --device=cuda --dtype=bfloat16 \
+#       --compile=True --seq_len=2048 --batch_size=16 --grad_accum=2 --learning_rate=1e-4 --min_lr=1e-5 \
+#       "--stages=[dict(name='warmup', steps=50, lr_phase='warmup'), dict(name='stable', steps=1150, lr_phase='stable'), dict(name='decay', steps=300, lr_phase='decay')]" \
+#       --eval_interval=100 --eval_iters=40 --ckpt_interval=250 --keep_last=6
+#   (16 x 2048 x 2 = 65,536 tokens per update, 1,500 updates = ~98M tokens; a checkpoint every 250 updates, all
+#   six kept, so `chat.py pick` can compare them: the lowest val loss is not always the best chat model.)
+#
+# The model's shape comes from the checkpoint (init_from=finetune ignores the model fields here); the optimizer,
+# the plan and the data position start fresh. Masks: shards.py sets the targets of non-assistant tokens to -1,
+# so train.py's loss and its val loss are over assistant tokens only.
+init_from = "finetune"
+finetune_from = "out/tiny"
+out_dir = "out/sft"
+dataset = "smoltalk"
+device = "cpu"
+dtype = "float32"
+compile = False
+
+# seq_len must equal prepare.py's --max-len (rows of whole conversations); the tiny model's max_seq_len is 256
+batch_size = 8
+seq_len = 256
+grad_accum = 1
+
+# its own schedule: a short warmup, constant, then a (1 - sqrt) decay (WSD) over the last ~20%
+learning_rate = 1e-3        # tiny; nano: 1e-4 (about a third of pretraining's peak)
+min_lr = 1e-4
+weight_decay = 0.0          # a short fine-tune: do not pull the pretrained weights towards zero
+stages = [
+    dict(name="warmup", steps=20, lr_phase="warmup"),
+    dict(name="stable", steps=220, lr_phase="stable"),
+    dict(name="decay", steps=60, lr_phase="decay"),
+]
+
+eval_interval = 50
+eval_iters = 10
+log_interval = 10
+ckpt_interval = 60          # 5 checkpoints to choose from (chat.py pick)
+keep_last = 6
+sample_tokens = 0

@@ -1,0 +1,312 @@
+"""
+Chat corpus for supervised fine-tuning: conversations -> uint16 token shards + uint8 loss masks.
+
+    python data/smoltalk/prepare.py --tokenizer out/tiny                     # smol-smoltalk from the Hub
+    python data/smoltalk/prepare.py --tokenizer out/nano --max-len 2048      # the nano SFT run
+    python data/smoltalk/prepare.py --tokenizer out/tiny --jsonl my_chats.jsonl   # offline: local conversations
+
+--tokenizer is the PRETRAINED model's tokenizer (a checkpoint dir / run dir, or a tokenizer.json file): SFT data
+must be tokenized exactly as the model was pretrained. From the Hub (--repo, default HuggingFaceTB/smol-smoltalk,
+a dataset) it downloads the parquet files matching --pattern with huggingface_hub (HF cache, commit pinned) and
+reads the "messages" column (a list of {role, content}); files whose name contains "test" are the val split.
+--jsonl FILE reads one conversation per line instead: a JSON list of {role, content} (or {"messages": [...]}).
+
+Calls recorded here:
+- Rendering is chat.py's render_conversation (the one chat format); the mask is 1 on assistant content and its
+  closing <|end|> (shards.py applies it: y = -1 elsewhere).
+- Packing: conversations go whole into rows of exactly --max-len tokens (best fit among a few open rows); the
+  rest of a row is padding <|bos|> tokens with mask 0. Shards hold whole rows, so train.py with
+  seq_len = --max-len reads every conversation whole in one window (index.json "row_tokens").
+- A conversation longer than --max-len is split at exchange boundaries (an exchange = a user turn and the
+  replies up to the next user turn); each piece starts with <|bos|> and the system prompt if it fits. Splits are
+  counted. An exchange that alone exceeds --max-len is dropped (counted, its tokens reported): never cut.
+- Bad rows are counted by kind and skipped, never a crash: unknown role, empty assistant turn, no assistant
+  turn, malformed row (not a list of {role, content} strings), malformed JSON (--jsonl).
+- val: the Hub's test file(s) (at most --val-conversations conversations); without one (or with --jsonl) the
+  first --val-conversations conversations (at most 10%) are held out.
+"""
+
+import argparse
+import fnmatch
+import json
+import os
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py, chat.py
+import shards  # noqa: E402
+from chat import ChatFormatError, check_messages, render_conversation  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+
+OPEN_ROWS = 16  # rows kept open for best-fit packing (more: less padding, a little more memory)
+
+
+def load_tokenizer_arg(path):
+    """A tokenizer file, or a checkpoint/run dir holding tokenizer.json."""
+    if os.path.isdir(path):
+        import checkpoint
+        try:
+            path = os.path.join(checkpoint.resolve(path), "tokenizer.json")
+        except checkpoint.CheckpointError as e:
+            raise ValueError(str(e)) from None
+        if not os.path.exists(path):
+            raise ValueError(f"{path}: the checkpoint has no tokenizer.json; pass --tokenizer the corpus's tokenizer.json")
+    return Tokenizer.load(path), path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# sources: (reference, messages) or (reference, ChatFormatError) per conversation
+
+def jsonl_conversations(path):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                yield (path, n), ChatFormatError("not valid JSON", "malformed_json")
+                continue
+            yield (path, n), row.get("messages") if isinstance(row, dict) else row
+
+
+def hub_conversations(repo, revision, files, column, limit=None):
+    import pyarrow.parquet as pq
+
+    n = 0
+    for file in files:
+        path = shards.hub_download(repo, file, "dataset", revision)
+        row = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[column]):
+            for messages in batch.column(0).to_pylist():
+                if limit is not None and n >= limit:
+                    return
+                yield (file, row), messages
+                row += 1
+                n += 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# conversation -> pieces of at most max_len tokens, split at exchange boundaries
+
+def pieces_of(tok, messages, bodies, max_len, stats):
+    """[(ids, mask), ...] for one valid conversation; updates stats (splits, dropped exchanges)."""
+    ids, mask = render_conversation(tok, messages, need_assistant=True, bodies=bodies)
+    if len(ids) <= max_len:
+        return [(ids, mask)]
+    turn_len = [len(b) + 2 for b in bodies]  # <|role|> + content + <|end|>
+    system = [0] if messages[0]["role"] == "system" else []
+    exchanges, cur = [], []  # lists of message indices; a new exchange starts at each user turn
+    for i in range(len(system), len(messages)):
+        if messages[i]["role"] == "user" and cur:
+            exchanges.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        exchanges.append(cur)
+    groups, cur, cur_len = [], None, 0
+    for ex in exchanges:
+        ex_len = sum(turn_len[i] for i in ex)
+        if cur is not None and cur_len + ex_len <= max_len:
+            cur += ex
+            cur_len += ex_len
+            continue
+        if cur is not None:
+            groups.append(cur)
+        sys_len = sum(turn_len[i] for i in system)
+        if 1 + sys_len + ex_len <= max_len:
+            cur, cur_len = system + ex, 1 + sys_len + ex_len
+        elif 1 + ex_len <= max_len:
+            cur, cur_len = list(ex), 1 + ex_len
+        else:  # one exchange longer than a row: dropped, never cut
+            stats["exchanges_dropped_too_long"] += 1
+            stats["tokens_dropped_too_long"] += ex_len
+            cur, cur_len = None, 0
+    if cur is not None:
+        groups.append(cur)
+    out = []
+    for g in groups:
+        sub = [messages[i] for i in g]
+        if not any(m["role"] == "assistant" for m in sub):
+            stats["pieces_without_assistant"] += 1
+            continue
+        out.append(render_conversation(tok, sub, bodies=[bodies[i] for i in g]))
+    stats["conversations_split"] += 1
+    stats["split_pieces"] += len(out)
+    return out
+
+
+class RowPacker:
+    """Best-fit packing of pieces into rows of exactly row_len tokens (padding: <|bos|>, mask 0)."""
+
+    def __init__(self, writer, row_len, pad_id):
+        self.writer, self.row_len, self.pad_id = writer, row_len, pad_id
+        self.rows = []  # [ids, mask, refs]
+        self.pad_tokens = self.n_rows = 0
+
+    def add(self, ids, mask, ref):
+        fits = [r for r in self.rows if len(r[0]) + len(ids) <= self.row_len]
+        if fits:
+            row = min(fits, key=lambda r: self.row_len - len(r[0]))
+        else:
+            if len(self.rows) >= OPEN_ROWS:
+                self.emit(max(self.rows, key=lambda r: len(r[0])))
+            row = [[], [], []]
+            self.rows.append(row)
+        row[0] += ids
+        row[1] += mask
+        row[2].append(ref)
+
+    def emit(self, row):
+        self.rows.remove(row)
+        pad = self.row_len - len(row[0])
+        self.pad_tokens += pad
+        self.n_rows += 1
+        ids = np.array(row[0] + [self.pad_id] * pad, dtype=shards.SHARD_DTYPE)
+        self.writer.add(ids, row[2], np.array(row[1] + [0] * pad, dtype=np.uint8))
+
+    def close(self):
+        for row in sorted(self.rows, key=lambda r: -len(r[0])):
+            self.emit(row)
+        return self.writer.close()
+
+
+def build(tok, split_sources, max_len, out_dir, shard_tokens, stats):
+    """split_sources: {split: iterator of (ref, messages)} -> {split: shard entries}."""
+    shard_tokens = max(max_len, shard_tokens // max_len * max_len)  # shards hold whole rows
+    make_source = lambda refs: {"kind": "chat", "conversations": sum(len(r) for r in refs)}  # noqa: E731
+    out = {}
+    for split, source in split_sources.items():
+        packer = RowPacker(shards.ShardWriter(out_dir, split, shard_tokens, make_source, with_mask=True), max_len,
+                           tok.bos_id)
+        batch = []
+
+        def flush(batch):
+            texts = [m["content"] for _, msgs in batch for m in msgs]
+            flat = tok.encode_batch(texts) if texts else []
+            k = 0
+            for ref, msgs in batch:
+                bodies, k = flat[k:k + len(msgs)], k + len(msgs)
+                for ids, mask in pieces_of(tok, msgs, bodies, max_len, stats):
+                    packer.add(ids, mask, ref)
+                    stats[f"{split}_pieces"] += 1
+                    stats[f"{split}_target_tokens"] += sum(mask)
+                stats[f"{split}_conversations"] += 1
+
+        for ref, msgs in source:
+            stats["rows_read"] += 1
+            try:
+                if isinstance(msgs, ChatFormatError):
+                    raise msgs
+                check_messages(msgs, need_assistant=True)
+            except ChatFormatError as e:
+                stats[f"bad_{e.kind}"] += 1
+                if stats[f"bad_{e.kind}"] <= 3:  # a few examples, then only the count
+                    print(f"skipped {ref[0]}:{ref[1]}: {e}", file=sys.stderr)
+                continue
+            batch.append((ref, msgs))
+            if len(batch) >= 512:
+                flush(batch)
+                batch = []
+        flush(batch)
+        out[split] = packer.close()
+        stats[f"{split}_rows"] = packer.n_rows
+        stats[f"{split}_pad_tokens"] = packer.pad_tokens
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", required=True, help="the pretrained model's tokenizer: checkpoint dir or tokenizer.json")
+    ap.add_argument("--jsonl", default=None, help="local conversations instead of the Hub (one JSON list per line)")
+    ap.add_argument("--repo", default="HuggingFaceTB/smol-smoltalk", help="Hub dataset repo")
+    ap.add_argument("--revision", default="main", help="branch or commit (the commit sha is recorded)")
+    ap.add_argument("--pattern", default="data/*.parquet", help="parquet files to use (glob); names with 'test' = val")
+    ap.add_argument("--column", default="messages", help="conversation column (a list of {role, content})")
+    ap.add_argument("--max-len", type=int, default=2048, help="row length in tokens = train seq_len (default 2048, nano)")
+    ap.add_argument("--max-conversations", type=int, default=None, help="cap on train conversations (default: all)")
+    ap.add_argument("--val-conversations", type=int, default=1000, help="val conversations held out")
+    ap.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (whole rows)")
+    ap.add_argument("--out", default=HERE, help="corpus dir to write (default: this script's folder)")
+    args = ap.parse_args()
+    try:
+        run(args)
+    except (shards.StorageError, shards.DataError, ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+
+def run(args):
+    t0 = time.time()
+    tok, tok_src = load_tokenizer_arg(args.tokenizer)
+    if args.max_len < 8:
+        raise ValueError(f"--max-len {args.max_len}: too short for a conversation")
+    os.makedirs(args.out, exist_ok=True)
+    stats = Counter()
+    if args.jsonl:
+        if not os.path.isfile(args.jsonl):
+            raise ValueError(f"{args.jsonl}: no such file; --jsonl takes one JSON list of {{role, content}} per line")
+        n_lines = sum(1 for line in open(args.jsonl, encoding="utf-8", errors="replace") if line.strip())
+        n_val = min(args.val_conversations, max(1, n_lines // 10))
+        it = jsonl_conversations(args.jsonl)
+        val = [c for _, c in zip(range(n_val), it)]
+        train = (c for i, c in enumerate(it) if args.max_conversations is None or i < args.max_conversations)
+        source = {"kind": "jsonl", "file": os.path.abspath(args.jsonl), "lines": n_lines}
+    else:
+        from huggingface_hub import HfApi
+        api = HfApi()
+        with shards.hub_errors(f"{args.repo}@{args.revision}"):
+            revision = api.dataset_info(args.repo, revision=args.revision).sha
+            files = sorted(f for f in api.list_repo_files(args.repo, repo_type="dataset", revision=revision)
+                           if fnmatch.fnmatch(f, args.pattern))
+        if not files:
+            raise ValueError(f"{args.repo}@{revision}: no files match --pattern {args.pattern!r}")
+        test_files = [f for f in files if "test" in os.path.basename(f)]
+        train_files = [f for f in files if f not in test_files]
+        print(f"{args.repo}@{revision[:12]}: train {train_files}, val {test_files or '(held out from train)'}")
+        if test_files:
+            val = hub_conversations(args.repo, revision, test_files, args.column, args.val_conversations)
+            train = hub_conversations(args.repo, revision, train_files, args.column, args.max_conversations)
+        else:
+            it = hub_conversations(args.repo, revision, train_files, args.column)
+            val = [c for _, c in zip(range(args.val_conversations), it)]
+            train = (c for i, c in enumerate(it) if args.max_conversations is None or i < args.max_conversations)
+        source = {"kind": "hub", "repo": args.repo, "repo_type": "dataset", "revision": revision,
+                  "pattern": args.pattern, "column": args.column, "train_files": train_files, "val_files": test_files}
+
+    shards.remove_old_shards(args.out)
+    tok_path = os.path.join(args.out, "tokenizer.json")
+    if os.path.abspath(tok_src) != os.path.abspath(tok_path):
+        tok.save(tok_path)
+    splits = build(tok, {"val": iter(val), "train": train}, args.max_len, args.out, args.shard_tokens, stats)
+    for s in ("train", "val"):
+        if not splits[s]:
+            raise ValueError(f"{args.jsonl or args.repo}: no usable conversation for the {s} split "
+                             f"(bad rows: {dict((k, v) for k, v in stats.items() if k.startswith('bad_'))})")
+    report = dict(sorted(stats.items()))
+    source.update(made_by="data/smoltalk/prepare.py", argv=sys.argv[1:], tokenizer_from=os.path.abspath(tok_src),
+                  report=report)
+    index = {"version": shards.INDEX_VERSION, "tokenizer": "tokenizer.json", "tokenizer_sha256": tok.hash,
+             "vocab_size": tok.vocab_size, "loss_mask": True, "row_tokens": args.max_len, "source": source,
+             "splits": splits}
+    shards.write_index(args.out, index)
+    bad = {k[4:]: v for k, v in report.items() if k.startswith("bad_")}
+    print(f"read {stats['rows_read']:,} conversations; bad rows skipped: {sum(bad.values())} {bad or ''}")
+    print(f"split at exchange boundaries (longer than --max-len {args.max_len}): {stats['conversations_split']} "
+          f"conversations -> {stats['split_pieces']} pieces; exchanges dropped (alone longer than a row): "
+          f"{stats['exchanges_dropped_too_long']} ({stats['tokens_dropped_too_long']:,} tokens)")
+    for s in ("train", "val"):
+        total = stats[f"{s}_rows"] * args.max_len
+        print(f"{s}: {stats[f'{s}_conversations']:,} conversations, {stats[f'{s}_rows']:,} rows of {args.max_len} "
+              f"= {total:,} tokens, {stats[f'{s}_target_tokens']:,} target (assistant) tokens, padding "
+              f"{stats[f'{s}_pad_tokens'] / max(total, 1):.1%}, {len(splits[s])} shards")
+    print(f"wrote {os.path.join(args.out, 'index.json')} in {time.time() - t0:.0f}s "
+          f"(train with seq_len = {args.max_len}: python train.py config/sft.py)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""Chat: the format and its loss mask (token level and through TokenStream), the chat corpus builder (bad rows
+counted, long conversations split at turn boundaries), an SFT run of train.py that learns a fixed pattern, the
+KV-cache chat (history never re-prefilled), checkpoint choice, a real terminal session in tmux, and the HF
+export's chat template rendering the same ids."""
+
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import chat  # noqa: E402
+import shards  # noqa: E402
+from model import ModelConfig, Picaflor, load_checkpoint, save_checkpoint  # noqa: E402
+from tokenizer import train_tokenizer  # noqa: E402
+
+MODEL = dict(vocab_size=384, n_layer=2, n_dense_layers=1, d_model=64, n_head=4, n_kv_head=2, dense_ffn=128,
+             n_experts=4, expert_ffn=32, n_shared=1, top_k=2, max_seq_len=96)
+ROW = 32  # prepare.py --max-len = the SFT seq_len
+torch.set_num_threads(1)  # tiny models: extra threads only wait on each other (2 shared cores)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    rng = random.Random(0)
+    words = "hello world the quick brown fox says what is your name ping pong".split()
+    texts = [" ".join(rng.choice(words) for _ in range(20)) + f" ping {i} pong {i}" for i in range(400)]
+    t = train_tokenizer(texts, MODEL["vocab_size"])
+    t.path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    t.save(t.path)
+    return t
+
+
+@pytest.fixture(scope="module")
+def corpus(tok, tmp_path_factory):
+    """ping N -> pong N conversations, plus bad rows and a conversation too long for one row."""
+    d = tmp_path_factory.mktemp("chatdata")
+    rng = random.Random(1)
+    lines = []
+    for i in range(600):
+        n = rng.randrange(10)
+        lines.append(json.dumps([{"role": "user", "content": f"ping {n}"}, {"role": "assistant", "content": f"pong {n}"}]))
+    long_conv = [{"role": "system", "content": "be brief"}]
+    for n in range(4):  # 4 exchanges of ~10 tokens: longer than a row of 32, split into pieces
+        long_conv += [{"role": "user", "content": f"ping {n}"}, {"role": "assistant", "content": f"pong {n}"}]
+    lines.insert(100, json.dumps(long_conv))
+    lines.insert(200, json.dumps([{"role": "user", "content": "hello " * 40}, {"role": "assistant", "content": "x"}]))
+    lines.insert(300, "{this is not json")
+    lines.insert(301, json.dumps([{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "pong 1"}]))
+    lines.insert(302, json.dumps([{"role": "user", "content": "ping 1"}, {"role": "assistant", "content": "  "}]))
+    lines.insert(303, json.dumps([{"role": "user", "content": "ping 1"}]))
+    lines.insert(304, json.dumps({"messages": [{"role": "user", "content": 5}]}))
+    src = d / "chats.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = d / "pp"
+    r = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", tok.path, "--jsonl", str(src),
+                        "--max-len", str(ROW), "--val-conversations", "40", "--shard-tokens", "4000", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out, r
+
+
+@pytest.fixture(scope="module")
+def sft_run(tok, corpus, tmp_path_factory):
+    """A random-init 'pretrained' checkpoint, then config/sft.py fine-tunes it (train.py, a subprocess)."""
+    d = tmp_path_factory.mktemp("sft")
+    torch.manual_seed(0)
+    save_checkpoint(Picaflor(ModelConfig(**MODEL)), str(d / "pre"), 0, tokenizer_file=tok.path)
+    stages = [{"name": "warmup", "steps": 10, "lr_phase": "warmup"}, {"name": "stable", "steps": 150, "lr_phase": "stable"},
+              {"name": "decay", "steps": 40, "lr_phase": "decay"}]
+    args = ["config/sft.py", f"--finetune_from={d / 'pre'}", f"--data_root={corpus[0].parent}", "--dataset=pp",
+            f"--out_dir={d / 'sft'}", f"--seq_len={ROW}", "--batch_size=8", "--learning_rate=5e-3",
+            f"--stages={json.dumps(stages)}", "--ckpt_interval=100", "--eval_interval=100", "--eval_iters=2",
+            "--log_interval=50"]
+    r = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return str(d / "sft")
+
+
+def test_render_mask_token_level(tok):
+    sp = tok.special_ids
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ping 3 <|end|>"},
+            {"role": "assistant", "content": "pong 3"}, {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "pong"}]
+    ids, mask = chat.render_conversation(tok, msgs)
+    E = tok.encode
+    want = ([sp["<|bos|>"], sp["<|system|>"]] + E("be brief") + [sp["<|end|>"], sp["<|user|>"]] + E("ping 3 <|end|>")
+            + [sp["<|end|>"], sp["<|assistant|>"]] + E("pong 3") + [sp["<|end|>"], sp["<|user|>"]] + E("again")
+            + [sp["<|end|>"], sp["<|assistant|>"]] + E("pong") + [sp["<|end|>"]])
+    assert ids == want
+    # 1 exactly on the assistant content and its <|end|>
+    a1 = want.index(sp["<|assistant|>"])
+    a2 = len(want) - 1 - len(E("pong")) - 1
+    assert want[a2] == sp["<|assistant|>"]
+    target = set(range(a1 + 1, a1 + 2 + len(E("pong 3")))) | set(range(a2 + 1, len(want)))
+    assert [i for i, m in enumerate(mask) if m] == sorted(target)
+    assert [ids[i] for i in sorted(target)] == E("pong 3") + [sp["<|end|>"]] + E("pong") + [sp["<|end|>"]]
+    assert sp["<|end|>"] not in E("ping 3 <|end|>")  # special strings in text stay text
+    prompt = chat.render_prompt(tok, msgs[:2])
+    assert prompt == want[:a1 + 1]  # history + <|assistant|>
+    for bad, kind in [([{"role": "robot", "content": "x"}], "unknown_role"),
+                      ([{"role": "user", "content": "x"}, {"role": "assistant", "content": " \n"}], "empty_assistant"),
+                      ([{"role": "user"}], "malformed"), ("not a list", "malformed")]:
+        with pytest.raises(chat.ChatFormatError) as e:
+            chat.render_conversation(tok, bad)
+        assert e.value.kind == kind
+
+
+def expected_targets(tokens, sp):
+    """Independent of the renderer: token i is a target iff it is assistant content or the <|end|> closing it."""
+    roles = {sp[f"<|{r}|>"]: r for r in ("system", "user", "assistant")}
+    out, role = [], None
+    for t in tokens:
+        if t in roles:
+            role = roles[t]
+            out.append(0)
+        elif t == sp["<|end|>"]:
+            out.append(int(role == "assistant"))
+            role = None
+        elif t == sp["<|bos|>"]:
+            role = None
+            out.append(0)
+        else:
+            out.append(int(role == "assistant"))
+    return np.array(out, dtype=np.uint8)
+
+
+def test_corpus_masks_and_token_stream(tok, corpus):
+    out, _ = corpus
+    index = shards.load_index(out)
+    assert index["loss_mask"] and index["row_tokens"] == ROW and shards.verify_corpus(out) == []
+    sp = tok.special_ids
+    for split in ("train", "val"):
+        for e in index["splits"][split]:
+            toks = np.fromfile(out / e["file"], dtype="<u2")
+            mask = np.fromfile(out / e["mask"], dtype=np.uint8)
+            assert len(toks) % ROW == 0 and (toks[::ROW] == tok.bos_id).all()  # whole rows, each starts a conversation
+            assert (mask == expected_targets(toks, sp)).all()
+    # through TokenStream: y == -1 exactly where the target token is not assistant content / its <|end|>
+    ts = shards.TokenStream(out, "train", vocab_size=MODEL["vocab_size"])
+    stream = np.concatenate([np.fromfile(out / e["file"], dtype="<u2") for e in index["splits"]["train"]])
+    want = expected_targets(stream, sp)
+    B, pos, n_checked = 3, 0, 0
+    while pos + B * ROW + 1 <= len(stream):
+        x, y = ts.next_batch(B, ROW)
+        span = stream[pos:pos + B * ROW + 1].astype(np.int64)
+        assert (x.numpy().ravel() == span[:-1]).all()
+        t = want[pos + 1:pos + B * ROW + 1].astype(bool)
+        yy = y.numpy().ravel()
+        assert (yy[~t] == -1).all() and (yy[t] == span[1:][t]).all()
+        n_checked += int(t.sum())
+        pos += B * ROW
+    assert n_checked > 1000
+    # a masked shard whose mask is corrupted is caught like a corrupt shard
+    e = index["splits"]["val"][0]
+    raw = bytearray((out / e["mask"]).read_bytes())
+    raw[5] ^= 1
+    bad = out.parent / "bad"
+    shutil.copytree(out, bad)
+    (bad / e["mask"]).write_bytes(bytes(raw))
+    assert any("corrupt loss mask" in p for p in shards.verify_corpus(bad))
+
+
+def test_bad_rows_counted_and_long_conversations_split(corpus):
+    out, r = corpus
+    rep = shards.load_index(out)["source"]["report"]
+    assert rep["bad_malformed_json"] == 1 and rep["bad_unknown_role"] == 1 and rep["bad_empty_assistant"] == 1
+    assert rep["bad_no_assistant"] == 1 and rep["bad_malformed"] == 1
+    assert "bad rows skipped: 5" in r.stdout and "Traceback" not in r.stderr
+    assert rep["conversations_split"] == 2 and rep["split_pieces"] == 2  # 4 exchanges -> 2 pieces; the other: none
+    assert rep["exchanges_dropped_too_long"] == 1 and rep["tokens_dropped_too_long"] > ROW
+    assert "split at exchange boundaries" in r.stdout and "dropped" in r.stdout
+    # nothing usable: a one-line error, no traceback
+    bad = out.parent / "only_bad.jsonl"
+    bad.write_text("{oops\n" + json.dumps([{"role": "robot", "content": "x"}]) + "\n")
+    r2 = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", str(out / "tokenizer.json"),
+                         "--jsonl", str(bad), "--out", str(out.parent / "empty")], cwd=REPO, capture_output=True, text=True)
+    assert r2.returncode != 0 and "Traceback" not in r2.stderr and "no usable conversation" in r2.stderr
+
+
+def test_sft_learns_the_pattern_and_chat_keeps_history_in_cache(tok, sft_run):
+    model = load_checkpoint(sft_run)
+    sp = tok.special_ids
+    for n in range(10):
+        prompt = chat.render_prompt(tok, [{"role": "user", "content": f"ping {n}"}])
+        out = model.generate(torch.tensor([prompt]), 6, temperature=0, eos_id=sp["<|end|>"])[0, len(prompt):].tolist()
+        assert out == tok.encode(f"pong {n}") + [sp["<|end|>"]], (n, out)
+    # a multi-turn conversation in the KV cache: turn 2 feeds only its own tokens, and answers exactly what a
+    # full re-render of the history would
+    conv = chat.Conversation(tok, chat.picaflor_backend(model))
+    shown = []
+    assert conv.reply("ping 3", 8, on_text=shown.append) == "pong 3" and "".join(shown) == "pong 3"
+    fed_before = len(conv.fed_tokens)
+    a2 = conv.reply("ping 7", 8)
+    turn2 = [sp["<|end|>"]] + chat.render_turn(tok, "user", "ping 7")[0] + [sp["<|assistant|>"]]
+    assert conv.fed_tokens[fed_before] == len(turn2)  # not the whole history
+    assert all(n == 1 for n in conv.fed_tokens[fed_before + 1:])
+    full = chat.render_prompt(tok, [{"role": "user", "content": "ping 3"}, {"role": "assistant", "content": "pong 3"},
+                                    {"role": "user", "content": "ping 7"}])
+    ref = model.generate(torch.tensor([full]), 8, temperature=0, eos_id=sp["<|end|>"])[0, len(full):].tolist()
+    assert a2 == tok.decode([t for t in ref if t != sp["<|end|>"]])
+    assert conv.ids + [] == full + tok.encode(a2) + [sp["<|end|>"]]
+
+
+def test_chat_loop_commands_and_exits(tok, sft_run):
+    model = load_checkpoint(sft_run)
+    backend = chat.picaflor_backend(model)
+
+    def scripted(lines):
+        it = iter(lines)
+
+        def input_fn(prompt):
+            v = next(it)
+            if isinstance(v, BaseException):
+                raise v
+            return v
+        return input_fn
+
+    class Out:
+        def __init__(self):
+            self.text = ""
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+    for ending in ["/exit", EOFError(), KeyboardInterrupt()]:
+        o = Out()
+        rc = chat.chat_loop(tok, backend, input_fn=scripted(["ping 2", "/reset", "/nope", "ping 5", ending]), out=o)
+        assert rc == 0 and o.text.count("pong") == 2 and "[new conversation]" in o.text and "unknown command" in o.text
+        assert o.text.endswith("bye\n")
+
+
+def test_pick_scores_every_checkpoint(tok, corpus, sft_run):
+    rep = chat.pick(sft_run, str(corpus[0]), prompts=["ping 4", "ping 8"], max_new_tokens=6, max_rows=16,
+                    log=lambda *a: None)
+    steps = [r["step"] for r in rep["checkpoints"]]
+    assert steps == sorted(steps) and 200 in steps and len(steps) >= 2
+    last = rep["checkpoints"][-1]
+    assert [a["answer"] for a in last["answers"]] == ["pong 4", "pong 8"] and last["answers"][0]["stopped"] == "end"
+    assert last["val_loss"] < rep["checkpoints"][0]["val_loss"] and last["val_targets"] > 0
+    md = open(os.path.join(sft_run, "sft_pick.md")).read()
+    assert "## 1. ping 4" in md and "pong 8" in md and "val assistant loss" in md
+    assert json.load(open(os.path.join(sft_run, "sft_pick.json")))["lowest_val_loss"] == rep["lowest_val_loss"]
+
+
+def test_terminal_chat_in_tmux(sft_run, tmp_path):
+    sess = f"pcf-chat-{os.getpid()}"
+    done = tmp_path / "rc"
+    cmd = (f"cd {shlex.quote(REPO)} && OMP_NUM_THREADS=1 {shlex.quote(sys.executable)} chat.py {shlex.quote(sft_run)} "
+           f"--max-new-tokens 8 2>&1; echo $? > {shlex.quote(str(done))}; sleep 60")
+    subprocess.run(["tmux", "new-session", "-d", "-s", sess, "-x", "120", "-y", "40", cmd], check=True)
+
+    def pane():
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", sess], capture_output=True, text=True).stdout
+
+    def wait_for(pred, timeout=60):
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            text = pane()
+            if pred(text):
+                return text
+            time.sleep(0.2)
+        raise AssertionError(f"timed out; the pane shows:\n{pane()}")
+
+    try:
+        wait_for(lambda t: t.rstrip().endswith(">>>"))
+        subprocess.run(["tmux", "send-keys", "-t", sess, "ping 3", "Enter"], check=True)
+        wait_for(lambda t: t.count(">>>") >= 2 and t.rstrip().endswith(">>>"))
+        subprocess.run(["tmux", "send-keys", "-t", sess, "ping 6", "Enter"], check=True)
+        text = wait_for(lambda t: t.count(">>>") >= 3 and t.rstrip().endswith(">>>"))
+        answers = re.findall(r">>> ping \d\n(.*)\n", text)
+        assert len(answers) == 2 and answers[0] == "pong 3" and re.fullmatch(r"pong \d", answers[1]), text
+        subprocess.run(["tmux", "send-keys", "-t", sess, "C-c"], check=True)  # Ctrl-C at the prompt: a clean exit
+        wait_for(lambda t: done.exists() and done.read_text().strip() != "", timeout=30)
+        text = pane()
+        assert done.read_text().strip() == "0" and "bye" in text and "Traceback" not in text, text
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", sess], capture_output=True)
+
+
+def test_hf_export_chat_template_renders_the_same_ids(tok, sft_run, tmp_path):
+    import export
+    from transformers import AutoTokenizer
+
+    out = str(tmp_path / "hf")
+    export.export_hf(export.Source(sft_run), out, "float32", progress=False)
+    ht = AutoTokenizer.from_pretrained(out)
+    convs = [
+        [{"role": "user", "content": "ping 3"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ping 3"},
+         {"role": "assistant", "content": "pong 3"}, {"role": "user", "content": "hello world, what is your name?"}],
+    ]
+
+    def hf_ids(msgs, gen):
+        ids = ht.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    for msgs in convs:
+        assert hf_ids(msgs, True) == chat.render_prompt(tok, msgs)
+        full = msgs + [{"role": "assistant", "content": "pong 5"}]
+        assert hf_ids(full, False) == chat.render_conversation(tok, full)[0]
