@@ -192,7 +192,8 @@ def test_start_decay_on_demand(data_root, tmp_path):
     assert st["finished"] and st["step"] == 3 + 512 // 128 and st["plan"][-1]["lr_phase"] == "decay"
 
 
-@pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override"])
+@pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
+                                  "too_big"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -206,6 +207,8 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         args = args + ["--dataset=nope"]
     elif case == "bad_override":
         args = args + ["--batch_size=many"]
+    elif case == "too_big":  # the memory plan refuses before allocating anything
+        args = args + ["--batch_size=1000000"]
     elif case == "corrupt_checkpoint":
         run(args + ["--stop_after_steps=2"])
         for name in os.listdir(out):  # every checkpoint corrupt (resume skips a bad newest one for an older valid one)
@@ -224,3 +227,16 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         assert "no valid checkpoint" in err[0]
     if case in ("missing_data", "unknown_dataset"):
         assert "prepare.py" in err[0]
+    if case == "too_big":
+        assert "memory plan" in err[0] and "lower batch_size" in err[0]
+
+
+@pytest.mark.parametrize("path", sorted(f"config/{n}" for n in os.listdir(os.path.join(REPO, "config")) if n.endswith(".py")))
+def test_every_config_file_is_valid(path):
+    import configurator
+    g = {k: getattr(train, k) for k in train._CONFIG_KEYS}
+    configurator.configure(g, [os.path.join(REPO, path)])  # unknown keys or wrong types raise
+    cfg = train.model_config_from(g)
+    assert cfg.vocab_size <= 65535
+    plan = train.build_plan(g, lambda T: g["batch_size"] * T * g["grad_accum"])
+    assert train.plan_tokens(plan) > 0
