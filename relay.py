@@ -745,6 +745,16 @@ def prepare_leg(store, lease, workdir):
     return run_dir
 
 
+def pdeathsig_setter():
+    """A preexec_fn asking Linux to SIGTERM the child when relay dies (prctl PR_SET_PDEATHSIG = 1, linux/prctl.h);
+    everything is looked up here, in the parent, so the child runs no import between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, int(signal.SIGTERM))
+
+
 def cmd_run(args):
     store = open_store(args.store)
     workdir = workdir_for(args)
@@ -781,14 +791,16 @@ def cmd_run(args):
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     cmd = train_command(args, os.path.join(run_dir, "relay_config.py"), run_dir)
     t0 = time.time()
-    hb.start()
     try:
-        try:
-            proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.abspath(args.train_script)))
-        except OSError as e:
-            hb.stop.set()
-            release(store, lease)
-            raise RelayError(f"cannot start the trainer {cmd[0]} ({e}); lease released")
+        # own session: a terminal's Ctrl-C reaches only relay, which ends the leg cleanly (SIGTERM -> checkpoint ->
+        # push); PR_SET_PDEATHSIG: if relay itself is killed, the trainer gets SIGTERM instead of training on unleased
+        proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.abspath(args.train_script)), start_new_session=True,
+                                preexec_fn=pdeathsig_setter())
+    except OSError as e:
+        release(store, lease)
+        raise RelayError(f"cannot start the trainer {cmd[0]} ({e}); lease released")
+    hb.start()  # after the fork: preexec_fn is unsafe while other threads run
+    try:
         while proc.poll() is None:
             time.sleep(0.05)
             if hb.overdue():  # also covers a heartbeat stuck in a hung request, or this process being paused

@@ -264,8 +264,18 @@ def test_sigkill_holder_mid_leg_next_resumes_from_last_push(tmp_path, hub):
     p = start_run(url, tmp_path, dict(env, RELAY_WHO="doomed"), tmp_path / "wk", fake, 100000, 1.5, 0.4)
     leg = tmp_path / "wk" / "leg-0002-gen2"
     wait_for(lambda: checkpoint.latest_valid(str(leg)) and checkpoint.latest_valid(str(leg)).endswith("0000010"), 20, "training")
-    os.killpg(p.pid, signal.SIGKILL)  # relay and trainer die at once, no release
+    os.killpg(p.pid, signal.SIGKILL)  # relay dies at once, no release; its trainer (own session) gets SIGTERM
     p.communicate(timeout=10)
+
+    def trainer_alive():
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if f"--out_dir={leg}".encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                    return True
+            except OSError:
+                pass
+        return False
+    wait_for(lambda: not trainer_alive(), 30, "the orphaned trainer to stop (PR_SET_PDEATHSIG)")
     r = relay_cli(["run", url, "--steps", "3", "--train-script", fake, "--workdir", tmp_path / "wb", "--ttl", "1.5",
                    "--heartbeat", "0.4", "--wait", "--poll", "0.3"], dict(env, RELAY_WHO="bob"), timeout=60)
     assert r.returncode == 0, r.stderr
