@@ -490,3 +490,20 @@ def test_init_from_existing_checkpoint(tmp_path, hub, rl):
     assert r.returncode == 0, r.stderr
     rows, snap = ledger_rows(store)
     assert [x["step_range"] for x in rows] == ["5-7"]
+
+
+def test_ctrl_c_ends_the_leg_cleanly(tmp_path, hub):
+    """SIGINT to `relay run` (a volunteer's Ctrl-C): the trainer checkpoints, the leg is pushed, the baton released."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env({"FAKE_STEP_S": "0.03"})
+    fake = init_run(url, tmp_path, env)
+    p = start_run(url, tmp_path, env, tmp_path / "wa", fake, 100000, 30, 10)
+    leg = tmp_path / "wa" / "leg-0001-gen1"
+    wait_for(lambda: checkpoint.latest_valid(str(leg)) and checkpoint.latest_valid(str(leg)).endswith("0000005"), 20, "training")
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    assert "released the baton (SIGINT)" in out
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert len(rows) == 1 and rows[0]["steps"] >= 5 and snap.relay["holder"] is None
+    assert snap.state["step"] == rows[0]["steps"]
