@@ -1,7 +1,8 @@
 # nano: the headline run. python model.py config/nano.py prints:
 #   total params 2.604B, active per token 0.361B (top_k=2; 0.325B at top_k=1)
 # 24 layers (1 dense + 23 MoE), d_model 1024, 16 heads of 64, 4 kv heads, 64 experts x 512, top-2, shared 2048.
-# One H100/H200, bf16. Plan: FineWeb-Edu, ~5.2B tokens in ~20k updates of 256k tokens (WSD; decay over the
+# One H200, bf16 (train.py's memory plan: ~92 GiB at batch_size 16; on an 80 GB H100 use --batch_size=8
+# --grad_accum=16, same tokens per update). Plan: FineWeb-Edu, ~5.2B tokens in ~20k updates of 256k tokens (WSD; decay over the
 # last ~15%). Prepare the data first: python data/fineweb_edu/prepare.py --max-tokens 5500000000
 out_dir = "out/nano"
 dataset = "fineweb_edu"
