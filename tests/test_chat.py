@@ -313,3 +313,56 @@ def test_hf_export_chat_template_renders_the_same_ids(tok, sft_run, tmp_path):
         assert hf_ids(msgs, True) == chat.render_prompt(tok, msgs)
         full = msgs + [{"role": "assistant", "content": "pong 5"}]
         assert hf_ids(full, False) == chat.render_conversation(tok, full)[0]
+
+
+def test_prepare_from_fake_hub(tok, tmp_path):
+    """smol-smoltalk's layout (data/train-*.parquet, data/test-*.parquet, a "messages" column) from tests/hub_server.py,
+    through the real huggingface_hub client; a 403 is reported as storage denied."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from hub_server import FakeHub
+
+    repo = tmp_path / "hub" / "datasets" / "HuggingFaceTB" / "smol-smoltalk" / "data"
+    repo.mkdir(parents=True)
+
+    def conv(n):
+        return [{"content": f"ping {n}", "role": "user"}, {"content": f"pong {n}", "role": "assistant"}]
+    train = [conv(i % 10) for i in range(30)]
+    train[4] = [{"content": "hi", "role": "user"}, {"content": "", "role": "assistant"}]
+    pq.write_table(pa.table({"messages": train, "source": ["x"] * 30}), repo / "train-00000-of-00001.parquet",
+                   row_group_size=8)
+    pq.write_table(pa.table({"messages": [conv(i) for i in range(6)]}), repo / "test-00000-of-00001.parquet")
+    out = tmp_path / "st"
+    with FakeHub(tmp_path / "hub") as hub:
+        env = dict(os.environ, **hub.client_env(tmp_path / "hf_home"))
+        r = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", tok.path, "--max-len", str(ROW),
+                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        index = shards.load_index(out)
+        rep = index["source"]["report"]
+        assert rep["val_conversations"] == 6 and rep["train_conversations"] == 29 and rep["bad_empty_assistant"] == 1
+        assert index["source"]["val_files"] == ["data/test-00000-of-00001.parquet"]
+        assert len(index["source"]["revision"]) == 40 and shards.verify_corpus(out) == []
+        hub.status_override = 403
+        r = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", tok.path, "--out",
+                            str(tmp_path / "st2")], cwd=REPO, capture_output=True, text=True,
+                           env=dict(os.environ, **hub.client_env(tmp_path / "hf_home2")))
+        assert r.returncode != 0 and "storage denied" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_with_int4_container(tok, sft_run, tmp_path):
+    """The same chat over stream_infer.py's engine (int4 container, experts streamed): history stays in its cache."""
+    import export
+
+    path = str(tmp_path / "m.pcf4")
+    export.export_int4(export.Source(sft_run), path, progress=False)
+    tok2, backend = chat.load_model(path)
+    assert tok2.hash == tok.hash
+    conv = chat.Conversation(tok2, backend)
+    assert conv.reply("ping 3", 8) == "pong 3"
+    n = len(conv.fed_tokens)
+    assert conv.reply("ping 6", 8).startswith("pong")
+    assert conv.fed_tokens[n] == 1 + len(chat.render_turn(tok, "user", "ping 6")[0]) + 1
+    with pytest.raises(chat.ChatError):
+        chat.load_model(str(tmp_path / "missing.pcf4"))
