@@ -238,13 +238,27 @@ class CheckpointSource:
 
 class RandomSource:
     """Random weights as model.Picaflor.init_weights draws them, generated per tensor / per expert from a seed,
-    so a model far larger than RAM is never materialised."""
+    so a model far larger than RAM is never materialised. With direct=True (the benchmark models) quantized
+    weights are drawn directly: uniform random 4-bit codes (8-bit for int8 tensors) with a scale that gives the
+    init std, so building a 7B container costs a disk write, not 7B float draws and quantizations."""
 
-    def __init__(self, cfg, seed=0):
-        self.cfg, self.seed = cfg, seed
+    def __init__(self, cfg, seed=0, direct=False):
+        self.cfg, self.seed, self.direct = cfg, seed, direct
         self.tokenizer_json = None
-        self.random = True
+        self.random = "direct-quantized" if direct else True
         self.out_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+
+    def random_blob(self, kind, name, shape, group_size, e=-1):
+        """Parts of a directly drawn quantized tensor (direct mode)."""
+        gen, std = self._gen(name, e), self._std(name)
+        if kind == "int8":
+            q = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
+            return {"q": q.view(-1).view(torch.uint8), "scale": torch.full((shape[0],), std / 73.3).view(torch.uint8)}
+        Np, Kp = int4_padded_shape(shape, group_size)
+        packed = torch.randint(0, 256, (Np * Kp // 2,), dtype=torch.uint8, generator=gen)
+        scale = std / 4.61  # uniform codes 0..15 have std 4.61 steps; zero = scale / 2 centres (q - 8)
+        sz = torch.tensor([scale, scale / 2], dtype=torch.bfloat16).expand(Kp // group_size, Np, 2).contiguous()
+        return {"packed": packed, "sz": sz.view(-1).view(torch.uint8)}
 
     def _gen(self, name, e=-1):
         return torch.Generator().manual_seed((zlib.crc32(name.encode()) * 1000003 + e + 1 + self.seed) % (1 << 62))
@@ -307,7 +321,7 @@ def build_header(cfg, source, group_size, embed_bits, dense_bits, symmetric, dat
                 off += layout["nbytes"]
     header = {
         "format": "picaflor-int4-container", "version": VERSION, "model_config": asdict(cfg),
-        "random_weights": bool(source.random),
+        "random_weights": source.random,  # False, True, or "direct-quantized" (codes drawn, not weights)
         "quant": {"group_size": group_size, "scheme": "symmetric" if symmetric else "asymmetric",
                   "formula": "w = (q - 8) * scale + zero, q in 0..15, (scale, zero) bf16 per group",
                   "packed_layout": "torch_int4pack_cpu_v1: row blocks of 32; per column k 16 bytes; byte j = row j "
@@ -378,11 +392,15 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
         with open(tmp, "wb") as f:
             f.truncate(header["file_bytes"])
             for name, t in header["tensors"].items():  # dict order = layer order (resident, then that layer's experts)
-                w = source.get(name)
+                direct = getattr(source, "direct", False) and t["kind"] != "f32"
+                w = source.get(name) if not direct else torch.empty(t["shape"], device="meta")
                 if list(w.shape) != t["shape"]:
                     raise ContainerError(f"{ckpt_dir}: tensor {name} has shape {list(w.shape)}, its config says {t['shape']}")
-                pb, wq = encode_blob(t["kind"], w, group_size, symmetric)
-                account(tensor_class(name), w, wq)
+                if direct:
+                    pb = source.random_blob(t["kind"], name, t["shape"], group_size)
+                else:
+                    pb, wq = encode_blob(t["kind"], w, group_size, symmetric)
+                    account(tensor_class(name), w, wq)
                 t["crc32"] = write_blob(f, t["offset"], t["nbytes"], t["parts"], pb)
                 bar.update(1)
                 layer = layer_of(name)
@@ -391,9 +409,13 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
                     for e, ent in enumerate(header["experts"][str(layer)]):
                         pbs, spec = {}, {}
                         for p in layout["parts"]:
-                            w = source.get_expert(f"layers.{layer}.mlp.experts.{p['name']}", e)
-                            pb, wq = encode_blob("int4", w, group_size, symmetric)
-                            account("experts", w, wq)
+                            pname = f"layers.{layer}.mlp.experts.{p['name']}"
+                            if getattr(source, "direct", False):
+                                pb = source.random_blob("int4", pname, p["shape"], group_size, e)
+                            else:
+                                w = source.get_expert(pname, e)
+                                pb, wq = encode_blob("int4", w, group_size, symmetric)
+                                account("experts", w, wq)
                             pbs[p["name"] + ".packed"], pbs[p["name"] + ".sz"] = pb["packed"], pb["sz"]
                             spec[p["name"] + ".packed"], spec[p["name"] + ".sz"] = p["packed"], p["sz"]
                         ent["crc32"] = write_blob(f, ent["offset"], layout["nbytes"], spec, pbs)
@@ -654,6 +676,8 @@ def main(argv=None):
     ap.add_argument("--out", help="container path to write (e.g. model.pcf4)")
     ap.add_argument("--random-config", help="write random weights for this config file (e.g. config/micro.py)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exact-random", action="store_true",
+                    help="with --random-config: draw fp32 weights and quantize them (slow) instead of drawing codes")
     ap.add_argument("--group-size", type=int, default=DEFAULT_GROUP)
     ap.add_argument("--embed-bits", type=int, default=8, choices=[4, 8])
     ap.add_argument("--dense-bits", type=int, default=4, choices=[4, 8], help="attention, shared and dense FFN")
@@ -675,7 +699,8 @@ def main(argv=None):
             return 0
         if not args.out or not (args.ckpt or args.random_config):
             ap.error("give CKPT --out PATH, or --random-config CONFIG --out PATH, or --check CONTAINER")
-        source = RandomSource(config_from_file(args.random_config), args.seed) if args.random_config else None
+        source = (RandomSource(config_from_file(args.random_config), args.seed, direct=not args.exact_random)
+                  if args.random_config else None)
         rep = write_container(args.ckpt, args.out, args.group_size, args.embed_bits, True, args.dense_bits,
                               args.symmetric, source)
         print(json.dumps(rep, indent=1))

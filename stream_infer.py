@@ -1,0 +1,913 @@
+"""
+stream_infer: run an int4 MoE container under a fixed RAM budget, routed experts streamed from disk.
+
+    python stream_infer.py model.pcf4 --ram-budget 2G --prompt "The hummingbird" --max-new-tokens 64
+    python stream_infer.py model.pcf4 --ram-budget 1G --bench --json bench.json   # honest benchmark
+    python stream_infer.py model.pcf4 --ram-budget 4G --experts-per-token 1 --temperature 0.8 --top-p 0.95
+
+Python API (eval.py, bench/quant_quality.py):
+    eng = stream_infer.load("model.pcf4", ram_budget="2G")
+    eng.generate(prompt_ids, max_new_tokens, temperature=0, top_p=None, experts_per_token=None) -> list[int]
+    eng.stream(...)  yields token ids as they are made
+    eng.loglikelihood(context_ids, continuation_ids) -> (sum log p, is_greedy); continuation None scores
+    tokens[1:] of context_ids; eng.loglikelihood_batch([(ctx, cont), ...])
+
+How it works (the implementer's calls, as DESIGN.md asks):
+- The model is model.py's Picaflor built on the meta device, its modules swapped for container-backed ones, so
+  attention, RoPE, the KV cache, norms and the block wiring are model.py's code, not a copy. Resident (read once
+  into anonymous memory): embeddings and lm_head (int8 rows by default), attention, dense FFN and shared experts
+  (int4), norms, routers and selection biases (fp32), plus the KV cache.
+- Routed experts live in ONE byte-budget cache over all layers (LRU), filled by aligned single reads of each
+  expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader threads, O_DIRECT when the
+  filesystem allows (so the page cache cannot hide a miss) with a buffered fallback. A layer's missing experts
+  are read in parallel; the next MoE layer's likely experts are prefetched by applying ITS router to the current
+  hidden state (mixtral-offloading's speculative prefetch), overlapping this layer's compute. Prefetches never
+  evict an expert the current layer needs, and never push the cache over budget.
+- Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
+  is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
+  `context` positions - working memory (activations, logits, one dequantized temporary; `working_bytes`). If
+  less than 2 x top_k experts would fit, it refuses before loading, saying how much is needed.
+- CPU int4 path: torch's `_weight_int4pack_mm_for_cpu` on bf16 activations reading the container's bytes as-is
+  (container.py stores its packed layout). Measured here (2 shared cores, 1 thread, GEMV 2048x1024): 0.34 ms vs
+  dense fp32 0.38 ms vs dequantize-then-matmul ~25 ms, so it is the default; `--kernel reference` dequantizes
+  then multiplies (the check, and the fallback when torch packs differently). fp32 activations through the
+  kernel are ~30x slower than bf16 here, hence bf16 at the matmul only; the residual stream stays fp32.
+- CUDA: `triton_int4_matmul` (bottom of this file) reads the same bytes; Triton is imported only on that path.
+- Output is identical whatever the budget: the compute order never depends on what was cached.
+- No repetition penalty or any other sampling penalty, ever.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import container as C
+from model import KVCache, Picaflor, rope_cos_sin, sample_next
+
+
+class StreamError(Exception):
+    """Bad input or a budget that cannot work; the message is one line naming the file and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# sizes and process probes
+
+UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(s):
+    """'4G', '512M', '1.5G', '1024' (bytes) -> bytes; binary units; a trailing 'B'/'iB' is allowed."""
+    if isinstance(s, (int, float)):
+        return int(s)
+    t = str(s).strip().upper()
+    t = t[:-2] if t.endswith("IB") else (t[:-1] if t.endswith("B") and len(t) > 1 and t[-2] in UNITS else t)
+    unit = t[-1] if t and t[-1] in UNITS else ""
+    num = t[:-1] if unit else t
+    try:
+        v = float(num)
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError
+    except ValueError:
+        raise StreamError(f"--ram-budget {s!r}: not a size; use a number with K, M, G or T, e.g. 4G, 512M, 1.5G") from None
+    return int(v * UNITS[unit])
+
+
+def fmt_size(n):
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n}B"
+
+
+def proc_status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_bytes():
+    return proc_status("VmRSS")
+
+
+def peak_rss_bytes():
+    return proc_status("VmHWM")
+
+
+def io_counters():
+    """(read_bytes really fetched from storage, rchar bytes returned by read syscalls) of this process."""
+    try:
+        d = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines() if ": " in line)
+        return int(d["read_bytes"]), int(d["rchar"])
+    except OSError:
+        return 0, 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# weights as stored in the container
+
+_INT4PACK_OK = None
+
+
+def cpu_int4pack_ok():
+    """torch's CPU int4 kernel exists and packs exactly as container.py stores (checked once per process)."""
+    global _INT4PACK_OK
+    if _INT4PACK_OK is None:
+        try:
+            q = torch.randint(0, 16, (64, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+            ref = torch._convert_weight_to_int4pack_for_cpu(q, 1).flatten()
+            _INT4PACK_OK = torch.equal(C.unpack_int4(ref, 64, 64).int(), q)
+        except (AttributeError, RuntimeError):
+            _INT4PACK_OK = False
+    return _INT4PACK_OK
+
+
+def int4_matmul_reference(x, packed, sz, shape, group_size):
+    """The reference every int4 path must equal: dequantize to fp32, then x @ W^T."""
+    return x.float() @ C.dequantize_int4(packed, sz, shape, group_size).t()
+
+
+def int4_matmul_cpu(x, packed, sz, shape, group_size):
+    """x (M, K) -> (M, N) fp32 through torch's int4pack CPU kernel (bf16 activations)."""
+    if group_size not in (32, 64, 128, 256):  # the kernel's supported group sizes (torch 2.13)
+        return int4_matmul_reference(x, packed, sz, shape, group_size)
+    N, K = shape
+    Np, Kp = C.int4_padded_shape(shape, group_size)
+    xb = x.to(torch.bfloat16)
+    if Kp != K:
+        xb = F.pad(xb, (0, Kp - K))
+    y = torch._weight_int4pack_mm_for_cpu(xb.contiguous(), packed.view(Np, Kp // 2), group_size, sz)
+    return y[:, :N].float()
+
+
+class QLinear(nn.Module):
+    """A linear layer over a container tensor (int4 / int8 / f32), y = x @ W^T, fp32 in and out."""
+
+    def __init__(self, raw, kernel):
+        super().__init__()
+        self.raw, self.kind, self.shape, self.kernel = raw, raw["kind"], raw["shape"], kernel
+        if self.kind == "int8":
+            self.scale_bf16 = raw["scale"].to(torch.bfloat16)
+        self.nbytes = sum(v.numel() * v.element_size() for v in raw.values() if isinstance(v, torch.Tensor))
+
+    def forward(self, x):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        r = self.raw
+        if self.kind == "f32":
+            y = x2.float() @ r["data"].t()
+        elif self.kind == "int8":
+            if self.kernel != "reference" and hasattr(torch, "_weight_int8pack_mm"):
+                y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), r["q"], self.scale_bf16).float()
+            else:
+                y = x2.float() @ C.dequantize_int8(r["q"], r["scale"], self.shape).t()
+        elif self.kernel == "int4pack":
+            y = int4_matmul_cpu(x2, r["packed"], r["sz"], self.shape, r["group_size"])
+        elif self.kernel == "triton":
+            y = triton_int4_matmul(x2, r["packed"], r["sz"], self.shape, r["group_size"])
+        else:
+            y = int4_matmul_reference(x2, r["packed"], r["sz"], self.shape, r["group_size"])
+        return y.reshape(*lead, self.shape[0])
+
+
+class QEmbedding(nn.Module):
+    """Token embedding rows dequantized on lookup (int8 rows, int4 row blocks or f32)."""
+
+    def __init__(self, raw):
+        super().__init__()
+        self.raw, self.shape = raw, raw["shape"]
+
+    def forward(self, idx):
+        r, flat = self.raw, idx.reshape(-1)
+        if r["kind"] == "f32":
+            out = r["data"][flat]
+        elif r["kind"] == "int8":
+            out = r["q"][flat].float() * r["scale"][flat, None]
+        else:  # int4: dequantize the 32-row block of each id
+            g, (V, D) = r["group_size"], self.shape
+            Np, Kp = C.int4_padded_shape(self.shape, g)
+            blk = 16 * Kp
+            rows = []
+            for i in flat.tolist():
+                b = i // C.ROW_BLOCK
+                q = C.unpack_int4(r["packed"][b * blk:(b + 1) * blk], C.ROW_BLOCK, Kp)[i % C.ROW_BLOCK].float()
+                sz = r["sz"][:, i].float()
+                rows.append(((q.view(-1, g) - 8) * sz[:, :1] + sz[:, 1:]).view(-1)[:D])
+            out = torch.stack(rows)
+        return out.reshape(*idx.shape, self.shape[1])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the expert cache
+
+class Expert:
+    """One routed expert, decoded zero-copy over its blob buffer."""
+
+    def __init__(self, container, buf, kernel):
+        dec = container.decode_expert(buf)
+        self.gate_up = QLinear({"kind": "int4", **dec["gate_up_proj"]}, kernel)
+        self.down = QLinear({"kind": "int4", **dec["down_proj"]}, kernel)
+
+    def __call__(self, x):
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(g) * u)
+
+
+class ExpertCache:
+    """All routed experts of all layers share one byte budget. LRU: a hit moves to the back, eviction takes the
+    front. Reads happen on a small thread pool (os.preadv releases the GIL; so does zlib.crc32 on big buffers);
+    the dict itself is only touched by the calling thread."""
+
+    def __init__(self, container, budget_bytes, kernel, n_readers=4):
+        self.c, self.budget, self.kernel = container, budget_bytes, kernel
+        self.nbytes = container.expert_nbytes
+        self.entries = OrderedDict()  # (layer, expert) -> Expert
+        self.inflight = {}  # (layer, expert) -> (Future, is_prefetch)
+        self.pool = ThreadPoolExecutor(max_workers=n_readers, thread_name_prefix="expert-reader")
+        self.reset_counters()
+
+    def reset_counters(self):
+        self.lookups = self.hits = self.prefetch_hits = self.misses = 0
+        self.reads = self.prefetch_reads = 0
+        self.bytes_read = 0
+        self.trace = []  # demanded keys in order (tests replay it)
+
+    @property
+    def used(self):
+        return (len(self.entries) + len(self.inflight)) * self.nbytes
+
+    def _ensure_room(self, protect, wait):
+        """Evict LRU entries not in `protect` until one more blob fits. With wait, finish in-flight reads (they
+        become evictable entries) when nothing else can go; False if it cannot fit."""
+        while self.used + self.nbytes > self.budget:
+            victim = next((k for k in self.entries if k not in protect), None)
+            if victim is not None:
+                del self.entries[victim]
+                continue
+            pending = next((k for k in self.inflight if k not in protect), None) if wait else None
+            if pending is None:
+                return False
+            self._finish(pending)
+        return True
+
+    def _submit(self, key, prefetch):
+        fut = self.pool.submit(self.c.read_expert_blob, *key)
+        self.inflight[key] = (fut, prefetch)
+        self.reads += 1
+        self.prefetch_reads += prefetch
+        self.bytes_read += self.nbytes
+
+    def _finish(self, key):
+        fut, prefetch = self.inflight.pop(key)
+        self.entries[key] = Expert(self.c, fut.result(), self.kernel)
+        return prefetch
+
+    def request(self, keys, protect, prefetch):
+        """Start reads for keys neither cached nor in flight, while they fit without evicting `protect`."""
+        for key in keys:
+            if key in self.entries or key in self.inflight:
+                continue
+            if not self._ensure_room(protect, wait=False):
+                return
+            self._submit(key, prefetch)
+
+    def get(self, key, protect):
+        self.lookups += 1
+        self.trace.append(key)
+        if key in self.entries:
+            self.hits += 1
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        if key in self.inflight and self.inflight[key][1]:
+            self.prefetch_hits += 1
+        else:
+            self.misses += 1
+        if key not in self.inflight:
+            if not self._ensure_room({key}, wait=True):
+                raise StreamError(f"{self.c.path}: expert cache of {fmt_size(self.budget)} cannot hold one expert "
+                                  f"({fmt_size(self.nbytes)}); raise --ram-budget")
+            self._submit(key, prefetch=False)
+        self._finish(key)
+        return self.entries[key]
+
+    def settle(self):
+        """Wait for every in-flight read (end of a request) so counters and memory are final."""
+        for key in list(self.inflight):
+            self._finish(key)
+
+    def stats(self):
+        return {"lookups": self.lookups, "hits": self.hits, "prefetch_hits": self.prefetch_hits,
+                "misses": self.misses, "hit_rate": (self.hits + self.prefetch_hits) / max(self.lookups, 1),
+                "cache_hit_rate": self.hits / max(self.lookups, 1), "reads": self.reads,
+                "prefetch_reads": self.prefetch_reads, "bytes_read": self.bytes_read,
+                "cached_experts": len(self.entries), "capacity_experts": self.budget // self.nbytes}
+
+
+class StreamedMoE(nn.Module):
+    """model.MoE's forward with routed experts fetched from the cache (same router, same mixing)."""
+
+    def __init__(self, cfg, layer, router_w, bias, shared, cache):
+        super().__init__()
+        self.cfg, self.layer, self.router_w, self.bias, self.shared, self.cache = cfg, layer, router_w, bias, shared, cache
+        self.top_k = cfg.top_k
+        self.next_moe = None  # the next MoE layer, for prefetch
+        self.prefetch = True
+
+    def route(self, x, top_k=None):
+        # DeepSeek-V3 router (as model.Router): sigmoid scores in fp32, bias only selects, weights normalised
+        scores = torch.sigmoid(x.float() @ self.router_w.t())
+        _, idx = torch.topk(scores + self.bias, top_k or self.top_k, dim=-1, sorted=False)
+        w = scores.gather(1, idx)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.cfg.route_scale, idx
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).float()
+        w, idx = self.route(x)
+        needed = sorted(set(idx.reshape(-1).tolist()))
+        keys = [(self.layer, e) for e in needed]
+        protect = set(keys)
+        self.cache.request(keys, protect, prefetch=False)  # this layer's misses, read in parallel
+        if self.prefetch and self.next_moe is not None:  # the next layer's router on this hidden state
+            _, nidx = self.next_moe.route(x)
+            nxt = [(self.next_moe.layer, e) for e in sorted(set(nidx.reshape(-1).tolist()))]
+            self.cache.request(nxt, protect | set(nxt), prefetch=True)
+        out = self.shared(x).float()
+        for key in keys:  # fixed order: the result never depends on what was cached
+            tok, slot = torch.where(idx == key[1])
+            y = self.cache.get(key, {key})(x[tok])
+            out.index_add_(0, tok, y * w[tok, slot, None])
+        return out.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the engine
+
+def pick_kernel(kernel, device):
+    if kernel == "auto":
+        if device.startswith("cuda"):
+            return "triton"
+        return "int4pack" if cpu_int4pack_ok() else "reference"
+    if kernel == "int4pack" and not cpu_int4pack_ok():
+        raise StreamError("--kernel int4pack: this torch build lacks the CPU int4 kernel or packs differently; "
+                          "use --kernel reference (torch is pinned in requirements.txt)")
+    return kernel
+
+
+class Engine:
+    def __init__(self, path, ram_budget=None, device="cpu", kernel="auto", n_readers=4, prefetch=True,
+                 context=None):
+        if device != "cpu" and not str(device).startswith("cuda"):
+            raise StreamError(f"device {device!r}: use cpu or cuda")
+        try:
+            self.container = c = C.load_container(path)
+        except C.ContainerError as e:
+            raise StreamError(str(e)) from None
+        self.path, self.device = str(path), str(device)
+        self.cfg = cfg = c.config
+        self.max_seq_len = cfg.max_seq_len
+        self.context = min(context or 512, cfg.max_seq_len)  # KV positions reserved in the budget
+        self.kernel = pick_kernel(kernel, self.device)
+        self.budget = parse_size(ram_budget) if ram_budget is not None else None
+        # budget accounting, before anything big is loaded
+        self.baseline_rss = rss_bytes()
+        self.resident_bytes = c.resident_bytes()
+        self.kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * self.context * 4
+        # activations of a full-context prefill (three FFN-wide fp32 temporaries), a few logit rows, allocator slack
+        self.working_bytes = (32 << 20) + 4 * cfg.vocab_size * 8 + 3 * 4 * self.context * max(cfg.d_model, cfg.dense_ffn)
+        n_moe = cfg.n_layer - cfg.n_dense_layers
+        self.min_cache = 2 * cfg.top_k * c.expert_nbytes if n_moe else 0
+        needed = self.baseline_rss + self.resident_bytes + self.kv_bytes + self.working_bytes + self.min_cache
+        if self.budget is not None and self.budget < needed:
+            raise StreamError(
+                f"{path}: --ram-budget {fmt_size(self.budget)} is below what this model needs resident: "
+                f"{fmt_size(needed)} (python+torch {fmt_size(self.baseline_rss)}, resident weights "
+                f"{fmt_size(self.resident_bytes)}, KV cache {fmt_size(self.kv_bytes)} for {self.context} positions, "
+                f"working memory {fmt_size(self.working_bytes)}, >= {2 * cfg.top_k} experts "
+                f"{fmt_size(self.min_cache)}); raise it to at least {fmt_size(needed)}")
+        t0 = time.perf_counter()
+        self.model = self._build_model()
+        self.load_s = time.perf_counter() - t0
+        self.resident_rss = rss_bytes()
+        if self.budget is None:
+            cache_budget = (n_moe * cfg.n_experts + 1) * c.expert_nbytes
+        else:
+            cache_budget = self.budget - self.resident_rss - self.kv_bytes - self.working_bytes
+            if cache_budget < self.min_cache:
+                raise StreamError(f"{path}: --ram-budget {fmt_size(self.budget)} leaves {fmt_size(max(cache_budget, 0))} "
+                                  f"for experts after loading the resident part ({fmt_size(self.resident_rss)} RSS); "
+                                  f"raise it to at least {fmt_size(self.budget - cache_budget + self.min_cache)}")
+        self.cache.budget = cache_budget
+        self.set_prefetch(prefetch)
+
+    def _build_model(self):
+        c, cfg, kernel = self.container, self.cfg, self.kernel
+        try:
+            raw = {name: c.raw_tensor(name) for name in c.header["tensors"]}
+        except C.ContainerError as e:
+            raise StreamError(str(e)) from None
+        dev = self.device
+
+        def to_dev(r):
+            return {k: (v.to(dev) if isinstance(v, torch.Tensor) and dev != "cpu" else v) for k, v in r.items()}
+
+        def lin(name):
+            return QLinear(to_dev(raw[name]), kernel)
+
+        def vec(name):
+            return nn.Parameter(raw[name]["data"].to(dev), requires_grad=False)
+
+        with torch.device("meta"):
+            m = Picaflor(cfg)
+        self.cache = ExpertCache(c, 0, kernel)
+        m.embed_tokens = QEmbedding(to_dev(raw["embed_tokens.weight"]))
+        m.lm_head = lin("embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight")
+        m.norm.weight = vec("norm.weight")
+        self.moes = []
+        for i, b in enumerate(m.layers):
+            p = f"layers.{i}."
+            b.input_layernorm.weight = vec(p + "input_layernorm.weight")
+            b.post_attention_layernorm.weight = vec(p + "post_attention_layernorm.weight")
+            a = b.self_attn
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                setattr(a, proj, lin(p + f"self_attn.{proj}.weight"))
+            a.q_norm.weight = vec(p + "self_attn.q_norm.weight")
+            a.k_norm.weight = vec(p + "self_attn.k_norm.weight")
+            if b.is_moe:
+                shared = b.mlp.shared_experts
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    setattr(shared, proj, lin(p + f"mlp.shared_experts.{proj}.weight"))
+                moe = StreamedMoE(cfg, i, raw[p + "mlp.gate.weight"]["data"].to(dev),
+                                  raw[p + "mlp.e_score_correction_bias"]["data"].to(dev), shared, self.cache)
+                b.mlp = moe
+                self.moes.append(moe)
+            else:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    setattr(b.mlp, proj, lin(p + f"mlp.{proj}.weight"))
+        for a, b in zip(self.moes, self.moes[1:]):
+            a.next_moe = b
+        left = [n for n, t in list(m.named_parameters()) + list(m.named_buffers()) if t.is_meta]
+        if left:
+            raise StreamError(f"{self.path}: container lacks {left[:3]}; corrupt or foreign container")
+        m.eval()
+        return m
+
+    # --- settings ---
+    def set_prefetch(self, on):
+        for moe in self.moes:
+            moe.prefetch = bool(on)
+
+    def set_experts_per_token(self, k):
+        k = k or self.cfg.top_k
+        if not 1 <= k <= self.cfg.n_experts:
+            raise StreamError(f"--experts-per-token {k}: must be in 1..{self.cfg.n_experts}")
+        for moe in self.moes:
+            moe.top_k = k
+
+    # --- forward ---
+    @torch.no_grad()
+    def forward(self, ids, cache=None, positions=None):
+        """ids (1, T) -> final hidden states (1, T, D) (fp32); the KV cache advances by T."""
+        m = self.model
+        start = cache.pos if cache is not None else 0
+        x = m.embed_tokens(ids).float()
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device)
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for block in m.layers:
+            x = block(x, cos, sin, cache)
+        if cache is not None:
+            cache.pos += ids.shape[1]
+        return m.norm(x)
+
+    def logits(self, h):
+        return self.model.lm_head(h).float()
+
+    def _check_ids(self, ids, what):
+        bad = [i for i in ids if not 0 <= int(i) < self.cfg.vocab_size]
+        if bad:
+            raise StreamError(f"{self.path}: {what} token id {bad[0]} outside vocab 0..{self.cfg.vocab_size - 1}")
+
+    @torch.no_grad()
+    def stream(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=None, experts_per_token=None, seed=None,
+               eos_id=None, timings=None):
+        """Yield new token ids one by one (prefill the prompt in one pass, then one token per step)."""
+        prompt_ids = [int(i) for i in prompt_ids]
+        if not prompt_ids:
+            raise StreamError("empty prompt: give at least one token")
+        self._check_ids(prompt_ids, "prompt")
+        total = len(prompt_ids) + max_new_tokens
+        if total > self.context:
+            raise StreamError(f"prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceeds the reserved context "
+                              f"{self.context} (max_seq_len {self.cfg.max_seq_len}); pass a larger --context")
+        self.set_experts_per_token(experts_per_token)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        kv = KVCache(self.cfg, 1, total, self.device, torch.float32)
+        ids = torch.tensor([prompt_ids], device=self.device)
+        try:
+            for step in range(max_new_tokens):
+                t0 = time.perf_counter()
+                h = self.forward(ids, kv)
+                logits = self.logits(h[:, -1])
+                nxt = sample_next(logits, temperature, None, top_p, gen)
+                tok = int(nxt.item())
+                if timings is not None:
+                    timings.append(time.perf_counter() - t0)
+                yield tok
+                if eos_id is not None and tok == eos_id:
+                    break
+                ids = nxt.view(1, 1)
+        finally:
+            self.cache.settle()
+
+    def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=None, experts_per_token=None, seed=None,
+                 eos_id=None):
+        return list(self.stream(prompt_ids, max_new_tokens, temperature, top_p, experts_per_token, seed, eos_id))
+
+    @torch.no_grad()
+    def loglikelihood(self, context_ids, continuation_ids=None):
+        """(sum of log p(continuation | context), whether every continuation token is the greedy argmax).
+        With continuation_ids None: scores tokens[1:] of context_ids given the ones before."""
+        ctx = [int(i) for i in context_ids]
+        if continuation_ids is None:
+            ctx, cont = ctx[:1], ctx[1:]
+        else:
+            cont = [int(i) for i in continuation_ids]
+        if not ctx or not cont:
+            raise StreamError("loglikelihood needs a non-empty context and continuation")
+        ids = ctx + cont
+        if len(ids) > self.context:
+            raise StreamError(f"{len(ids)} tokens exceed the reserved context {self.context}; load with a larger context")
+        self._check_ids(ids, "input")
+        self.set_experts_per_token(None)
+        h = self.forward(torch.tensor([ids], device=self.device))
+        logits = self.logits(h[0, len(ctx) - 1:len(ids) - 1])
+        logp = torch.log_softmax(logits, dim=-1)
+        target = torch.tensor(cont, device=logp.device)
+        total = float(logp.gather(1, target[:, None]).sum())
+        greedy = bool((logits.argmax(dim=-1) == target).all())
+        self.cache.settle()
+        return total, greedy
+
+    def loglikelihood_batch(self, requests):
+        return [self.loglikelihood(ctx, cont) for ctx, cont in requests]
+
+
+def load(path, ram_budget=None, device="cpu", **kw):
+    """An Engine over an int4 container; ram_budget like '2G' (None: no limit, every expert cacheable)."""
+    return Engine(path, ram_budget=ram_budget, device=device, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# honest benchmark
+
+def measure_disk_bandwidth(cont, n_blobs=16, n_readers=4):
+    """O_DIRECT (when possible) reads of n_blobs expert blobs spread over the file, in parallel like the cache."""
+    keys = [(int(l), e) for l, ents in cont.header["experts"].items() for e in range(len(ents))]
+    if not keys:
+        return None
+    step = max(1, len(keys) // n_blobs)
+    pick = keys[::step][:n_blobs]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n_readers) as pool:
+        list(pool.map(lambda k: cont._pread(cont.header["experts"][str(k[0])][k[1]]["offset"], cont.expert_nbytes), pick))
+    return len(pick) * cont.expert_nbytes / (time.perf_counter() - t0)
+
+
+def measure_memory_bandwidth(mb=64, reps=5):
+    a = torch.empty(mb << 18, dtype=torch.float32).fill_(1.0)
+    b = torch.empty_like(a)
+    best = 1e9
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best  # read + write
+
+
+def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0):
+    cfg, cont = eng.cfg, eng.container
+    disk_bw = measure_disk_bandwidth(cont)
+    mem_bw = measure_memory_bandwidth()
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
+    eng.cache.reset_counters()
+    timings = []
+    rb0, _ = io_counters()
+    t0 = time.perf_counter()
+    it = eng.stream(prompt, n_new, temperature=0.0, experts_per_token=experts_per_token, timings=timings)
+    first = next(it)
+    prefill_s = time.perf_counter() - t0
+    st_prefill = eng.cache.stats()
+    rb1, _ = io_counters()
+    lookups0, hits0 = eng.cache.lookups, eng.cache.hits + eng.cache.prefetch_hits
+    bytes0 = eng.cache.bytes_read
+    out = [first] + list(it)
+    rb2, _ = io_counters()
+    decode_lat = timings[1:]
+    n_dec = len(decode_lat)
+    k = experts_per_token or cfg.top_k
+    n_moe = cfg.n_layer - cfg.n_dense_layers
+    st = eng.cache.stats()
+    dec_lookups = st["lookups"] - lookups0
+    dec_hit = (st["hits"] + st["prefetch_hits"] - hits0) / max(dec_lookups, 1)
+    disk_per_tok = (rb2 - rb1) / max(n_dec, 1)
+    counted_per_tok = (st["bytes_read"] - bytes0) / max(n_dec, 1)
+    embed = cont.header["tensors"]["embed_tokens.weight"]["nbytes"] if not cfg.tie_embeddings else 0
+    mem_per_tok = cont.resident_bytes() - embed + k * n_moe * cont.expert_nbytes
+    t_mem = mem_per_tok / mem_bw
+    t_disk = max(disk_per_tok, counted_per_tok) / disk_bw if disk_bw else 0.0
+    lat = sorted(decode_lat)
+    pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan"))
+    return {
+        "container": eng.path, "container_bytes": cont.file_size, "random_weights": cont.header.get("random_weights"),
+        "ram_budget": eng.budget, "kernel": eng.kernel, "experts_per_token": k, "threads": torch.get_num_threads(),
+        "prompt_tokens": n_prompt, "new_tokens": len(out),
+        "prefill_tok_s": n_prompt / prefill_s, "decode_tok_s": n_dec / max(sum(decode_lat), 1e-9),
+        "p50_token_latency_s": pct(0.5), "p99_token_latency_s": pct(0.99),
+        "hit_rate": dec_hit, "hit_rate_with_prefill": st["hit_rate"], "prefill_reads": st_prefill["reads"],
+        "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
+        "expert_bytes": cont.expert_nbytes, "cache_capacity_experts": st["capacity_experts"],
+        "peak_rss_bytes": peak_rss_bytes(), "resident_rss_bytes": eng.resident_rss, "baseline_rss_bytes": eng.baseline_rss,
+        "disk_bw_bytes_s": disk_bw, "mem_bw_bytes_s": mem_bw,
+        "bound_tok_s": 1.0 / max(t_mem, t_disk, 1e-12), "bound_tok_s_serial": 1.0 / max(t_mem + t_disk, 1e-12),
+        "direct_io": cont.direct_fd is not None, "load_s": eng.load_s, "cache": st,
+    }
+
+
+def cgroup_memory_dir():
+    """A fresh child memory cgroup (v2 memory.max or v1 memory.limit_in_bytes) or None; we must be root."""
+    name = f"picaflor-bench-{os.getpid()}"
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        ctl = os.path.join(root, "cgroup.controllers")
+        if os.path.exists(ctl) and "memory" in open(ctl).read().split():
+            rel = next((l.split(":", 2)[2].strip() for l in open("/proc/self/cgroup") if l.startswith("0::")), "/")
+            d = os.path.join(root, rel.lstrip("/"), name)
+            try:
+                os.mkdir(d)
+                return d, "v2"
+            except OSError:
+                pass
+    rel = next((l.split(":", 2)[2].strip() for l in open("/proc/self/cgroup") if ":memory:" in l), None)
+    if rel is not None and os.path.isdir("/sys/fs/cgroup/memory"):
+        d = os.path.join("/sys/fs/cgroup/memory", rel.lstrip("/"), name)
+        try:
+            os.mkdir(d)
+            return d, "v1"
+        except OSError:
+            pass
+    return None, None
+
+
+def bench_in_cgroup(args, argv):
+    """Parent side: drop the container's page cache, make a memory cgroup of --ram-budget, run the benchmark in
+    a child process inside it. Returns the result dict."""
+    import subprocess
+    import tempfile
+    budget = parse_size(args.ram_budget) if args.ram_budget else None
+    dropped = False
+    try:
+        fd = os.open(args.container, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        dropped = True
+    except (OSError, AttributeError):
+        pass
+    cg, ver = cgroup_memory_dir() if budget else (None, None)
+    if cg:
+        try:
+            if ver == "v2":
+                open(os.path.join(cg, "memory.max"), "w").write(str(budget))
+                try:
+                    open(os.path.join(cg, "memory.swap.max"), "w").write("0")
+                except OSError:
+                    pass
+            else:
+                open(os.path.join(cg, "memory.limit_in_bytes"), "w").write(str(budget))
+        except OSError:
+            os.rmdir(cg)
+            cg = None
+    with tempfile.TemporaryDirectory() as td:
+        res_path = os.path.join(td, "result.json")
+        argv = [sys.executable, os.path.abspath(__file__)] + list(argv)
+        env = dict(os.environ, PICAFLOR_BENCH_CHILD=res_path)
+        procs = os.path.join(cg, "cgroup.procs") if cg else None
+
+        def enter_cgroup():
+            if procs:
+                with open(procs, "w") as f:
+                    f.write(str(os.getpid()))
+
+        r = subprocess.run(argv, env=env, preexec_fn=enter_cgroup)
+        cg_peak = None
+        if cg:
+            for fname in ("memory.peak", "memory.max_usage_in_bytes"):
+                try:
+                    cg_peak = int(open(os.path.join(cg, fname)).read().split()[0])
+                    break
+                except (OSError, ValueError):
+                    pass
+            try:
+                os.rmdir(cg)
+            except OSError:
+                pass
+        if r.returncode != 0 or not os.path.exists(res_path):
+            why = "killed (out of memory inside the cgroup?)" if r.returncode < 0 else f"exit {r.returncode}"
+            raise StreamError(f"{args.container}: benchmark child failed ({why}) at --ram-budget {args.ram_budget}")
+        res = json.load(open(res_path))
+    res["cgroup"] = ver if cg else None
+    res["cgroup_peak_bytes"] = cg_peak
+    res["page_cache_dropped"] = dropped
+    res["page_cache_excluded"] = bool(dropped and (cg is not None or res.get("direct_io")))
+    return res
+
+
+def print_bench(res):
+    g = lambda n: f"{n / 1e9:.2f} GB" if n is not None else "n/a"  # noqa: E731
+    print(f"container {res['container']} ({g(res['container_bytes'])}, random weights: {res['random_weights']}), "
+          f"budget {fmt_size(res['ram_budget']) if res['ram_budget'] else 'none'}, kernel {res['kernel']}, "
+          f"{res['threads']} threads, top-{res['experts_per_token']}")
+    print(f"prefill {res['prefill_tok_s']:.2f} tok/s ({res['prompt_tokens']} tokens) | decode {res['decode_tok_s']:.2f} tok/s "
+          f"| token latency p50 {res['p50_token_latency_s'] * 1e3:.1f} ms p99 {res['p99_token_latency_s'] * 1e3:.1f} ms")
+    print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), capacity {res['cache_capacity_experts']} experts of "
+          f"{res['expert_bytes'] / 1e6:.2f} MB | disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
+          f"(/proc/self/io; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB)")
+    print(f"peak RSS {g(res['peak_rss_bytes'])} (cgroup peak incl. page cache {g(res.get('cgroup_peak_bytes'))}) | "
+          f"disk {res['disk_bw_bytes_s'] / 1e9:.2f} GB/s, memory {res['mem_bw_bytes_s'] / 1e9:.2f} GB/s -> bound "
+          f"{res['bound_tok_s']:.2f} tok/s (serial {res['bound_tok_s_serial']:.2f}); decode is "
+          f"{res['decode_tok_s'] / res['bound_tok_s'] * 100:.0f}% of the bound")
+    print(f"cgroup: {res.get('cgroup')}, O_DIRECT: {res['direct_io']}, page cache excluded: {res.get('page_cache_excluded')}")
+    if not res.get("page_cache_excluded"):
+        print("WARNING: the page cache could not be excluded (no memory cgroup and no O_DIRECT): misses may have been "
+              "served from RAM, so these figures are NOT disk-bound", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton int4 dequant-matmul (CUDA; tested on CPU with TRITON_INTERPRET=1). Imported lazily.
+
+_TRITON_KERNEL = None
+
+
+def _triton_kernel():
+    global _TRITON_KERNEL
+    if _TRITON_KERNEL is not None:
+        return _TRITON_KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def int4_mm_kernel(x_ptr, p_ptr, sz_ptr, y_ptr, M, N, K, Np, stride_xm, stride_ym,
+                       GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # y[m, n] = sum_k x[m, k] * ((q[n, k] - 8) * scale[k // G, n] + zero[k // G, n]); q read from the
+        # container layout: byte (n // 32) * 16 * Kp + k * 16 + n % 16, high nibble when n % 32 >= 16
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        Kp = (K + GROUP - 1) // GROUP * GROUP
+        for k0 in range(0, Kp, BK):
+            rk = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            nmask = rn < Np
+            byte = (rn[None, :] // 32) * 16 * Kp + rk[:, None] * 16 + rn[None, :] % 16
+            b = tl.load(p_ptr + byte, mask=nmask[None, :] & (rk[:, None] < Kp), other=0).to(tl.int32)
+            q = (b >> ((rn[None, :] % 32) // 16 * 4)) & 15
+            sidx = ((rk[:, None] // GROUP) * Np + rn[None, :]) * 2
+            s = tl.load(sz_ptr + sidx, mask=nmask[None, :] & (rk[:, None] < Kp), other=0.0).to(tl.float32)
+            z = tl.load(sz_ptr + sidx + 1, mask=nmask[None, :] & (rk[:, None] < Kp), other=0.0).to(tl.float32)
+            w = (q.to(tl.float32) - 8.0) * s + z
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    _TRITON_KERNEL = (triton, int4_mm_kernel)
+    return _TRITON_KERNEL
+
+
+def triton_int4_matmul(x, packed, sz, shape, group_size, BM=16, BN=32, BK=32):
+    """x (M, K) fp32/bf16 -> (M, N) fp32 with the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+    Decode (M = 1..16) uses one row block; prefill tiles M."""
+    triton, kern = _triton_kernel()
+    N, K = shape
+    Np, Kp = C.int4_padded_shape(shape, group_size)
+    x = x.float().contiguous()
+    M = x.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    kern[grid](x, packed, sz.view(-1), y, M, N, K, Np, x.stride(0), y.stride(0), GROUP=group_size, BM=BM, BN=BN, BK=BK)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+def load_tokenizer(cont):
+    if not cont.tokenizer_json:
+        return None
+    import tempfile
+    import tokenizer
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(cont.tokenizer_json)
+    try:
+        return tokenizer.Tokenizer.load(f.name)
+    except ValueError:
+        return None
+    finally:
+        os.remove(f.name)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="int4 MoE inference under a RAM budget, routed experts streamed from disk.")
+    ap.add_argument("container", help="int4 container (python export.py CKPT --format int4 --out model.pcf4)")
+    ap.add_argument("--ram-budget", help="bound for the whole process, e.g. 4G, 512M, 1.5G (default: no bound)")
+    ap.add_argument("--prompt", default="Once upon a time", help="prompt text (token ids '1,2,3' if no tokenizer)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--experts-per-token", type=int, default=None, help="default: the container's top_k")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--bench", action="store_true", help="honest benchmark (memory cgroup, page cache dropped)")
+    ap.add_argument("--bench-prompt-tokens", type=int, default=32)
+    ap.add_argument("--json", help="write the benchmark result here")
+    ap.add_argument("--chat", action="store_true", help="chat mode (not yet)")
+    ap.add_argument("--kernel", default="auto", choices=["auto", "int4pack", "reference", "triton"])
+    ap.add_argument("--readers", type=int, default=4, help="expert reader threads")
+    ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="torch threads (default: half the cores; on this shared 2-core machine 1 thread decoded 6x "
+                         "faster than 2, whose OpenMP barriers stall when a core is taken)")
+    ap.add_argument("--context", type=int, default=None, help="KV cache positions reserved in the budget (default 512)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = ap.parse_args(argv)
+    try:
+        if args.chat:
+            raise StreamError("--chat: not yet; it needs the chat issue (a chat template and turn tokens) to land")
+        if args.ram_budget is not None:
+            parse_size(args.ram_budget)
+        if not os.path.exists(args.container):
+            raise StreamError(f"{args.container}: no such file; export one with python export.py CKPT --format int4 --out PATH")
+        torch.set_num_threads(max(1, args.threads))
+        child_result = os.environ.get("PICAFLOR_BENCH_CHILD")
+        if args.bench and not child_result:
+            res = bench_in_cgroup(args, argv)
+            print_bench(res)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1)
+            return 0
+        eng = load(args.container, args.ram_budget, args.device, kernel=args.kernel, n_readers=args.readers,
+                   prefetch=not args.no_prefetch, context=args.context)
+        if args.bench:
+            n_new = args.max_new_tokens
+            res = run_bench(eng, args.bench_prompt_tokens, n_new, args.experts_per_token)
+            with open(child_result, "w") as f:
+                json.dump(res, f)
+            return 0
+        tok = load_tokenizer(eng.container)
+        if tok is not None:
+            ids = [tok.bos_id] + tok.encode(args.prompt)
+            eos = tok.bos_id
+        else:
+            try:
+                ids = [int(t) for t in args.prompt.split(",")]
+            except ValueError:
+                ids = [b % (eng.cfg.vocab_size - 1) + 1 for b in args.prompt.encode()]
+                print(f"note: {args.container} has no tokenizer; prompt bytes used as token ids", file=sys.stderr)
+            eos = None
+        out, shown = [], ""
+        sys.stdout.write(args.prompt if tok is not None else "")
+        t0 = time.perf_counter()
+        for t in eng.stream(ids, args.max_new_tokens, args.temperature, args.top_p, args.experts_per_token,
+                            args.seed, eos):
+            out.append(t)
+            if tok is not None:
+                text = tok.decode(out)
+                if not text.endswith("\ufffd"):
+                    sys.stdout.write(text[len(shown):])
+                    shown = text
+            else:
+                sys.stdout.write(f"{t} ")
+            sys.stdout.flush()
+        dt = time.perf_counter() - t0
+        st = eng.cache.stats()
+        print()
+        print(f"[{len(out)} tokens in {dt:.2f} s, {len(out) / dt:.2f} tok/s, expert hit rate {st['hit_rate']:.3f}, "
+              f"read {st['bytes_read'] / 1e6:.1f} MB, peak RSS {fmt_size(peak_rss_bytes())}]", file=sys.stderr)
+        return 0
+    except (StreamError, C.ContainerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
