@@ -113,6 +113,13 @@ def now_iso(t=None):
 # download(sha, paths, dest); commit(parent, adds {path: bytes | local file path}, deletes, message) -> sha.
 
 
+class Staged:
+    """A file body a FileStore already holds (FileStore.stage)."""
+
+    def __init__(self, oid):
+        self.oid = oid
+
+
 class FileStore:
     """A local directory with atomic compare-and-swap commits, safe across processes:
         STORE        marker           objects/ab/<sha256>  content-addressed file bodies
@@ -205,9 +212,14 @@ class FileStore:
         write_atomic(self._p("HEAD"), cid + "\n")
         return cid
 
+    def stage(self, adds):
+        """Store the file bodies now (content-addressed; invisible until a commit names them)."""
+        return {p: Staged(self._put_object(path=v) if isinstance(v, str) else self._put_object(data=v)) for p, v in adds.items()}
+
     def commit(self, parent, adds, deletes, message):
         import fcntl
-        oids = {p: self._put_object(path=v) if isinstance(v, str) else self._put_object(data=v) for p, v in adds.items()}
+        oids = {p: v.oid for p, v in self.stage({p: v for p, v in adds.items() if not isinstance(v, Staged)}).items()}
+        oids.update({p: v.oid for p, v in adds.items() if isinstance(v, Staged)})
         with open(self._p("LOCK"), "a+") as lk:
             fcntl.flock(lk, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
             head = self._head_id()
@@ -312,9 +324,17 @@ class HfStore:
                        endpoint=self.api.endpoint)
         shutil.rmtree(os.path.join(dest, ".cache"), ignore_errors=True)
 
+    def stage(self, adds):
+        """Upload the LFS files now (preupload_lfs_files); the commit then only names them."""
+        from huggingface_hub import CommitOperationAdd
+        ops = {p: CommitOperationAdd(path_in_repo=p, path_or_fileobj=v) for p, v in adds.items()}
+        self._call("upload", self.api.preupload_lfs_files, self.repo_id, additions=list(ops.values()))
+        return ops
+
     def commit(self, parent, adds, deletes, message):
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-        ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=v) for p, v in adds.items()]
+        ops = [v if isinstance(v, CommitOperationAdd) else CommitOperationAdd(path_in_repo=p, path_or_fileobj=v)
+               for p, v in adds.items()]
         ops += [CommitOperationDelete(path_in_repo=p) for p in deletes]
         info = self._call("commit", self.api.create_commit, self.repo_id, ops, commit_message=message, parent_commit=parent)
         return info.oid
@@ -602,9 +622,10 @@ def parse_ledger(text):
     return rows
 
 
-def push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0):
-    """One commit: checkpoint/ (verified first), training_state.json, logs/leg-N.jsonl, a LEDGER.md row,
-    RELAY.json, chained from our last commit. Raises Fenced if the lease is gone; the local dir is untouched."""
+def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0):
+    """Everything a push commits, built and verified, with the big files already uploaded (store.stage): that
+    can take long, so `run` does it while the heartbeat still renews the lease. Nothing is visible until
+    commit_push."""
     ckpts = checkpoint.list_checkpoints(run_dir)
     if not ckpts:
         raise RelayError(f"push refused: {run_dir} holds no step_* checkpoint dir; nothing was uploaded")
@@ -645,16 +666,29 @@ def push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0)
     adds[f"logs/leg-{lease.leg:04d}.jsonl"] = "".join(json.dumps(m) + "\n" for m in metrics).encode()
     adds["LEDGER.md"] = (ledger + row).encode()
     stale = [p for p in store.list(lease.sha, CKPT_PREFIX + "/") if p not in adds]
+    return {"ck": ck, "step": step, "base": base, "row": row, "stale": stale, "adds": store.stage(adds)}
+
+
+def commit_push(store, lease, plan, run_dir):
+    """The push itself: one commit chained from our last one. Raises Fenced if the lease is gone; the local dir is
+    untouched either way."""
+    step, base = plan["step"], plan["base"]
     new_relay = dict(lease.relay, leg=lease.leg + 1, heartbeat_at=time.time(), last_push_step=step)
     try:
-        sha, new_relay = commit_cas(store, lease.sha, adds, stale, f"relay: leg {lease.leg} by {lease.who}: steps "
-                                    f"{base}-{step}", new_relay)
+        sha, new_relay = commit_cas(store, lease.sha, plan["adds"], plan["stale"], f"relay: leg {lease.leg} by "
+                                    f"{lease.who}: steps {base}-{step}", new_relay)
     except Conflict as e:
-        raise Fenced(f"push rejected: {e}; your checkpoint is kept at {ck}, nothing was lost locally")
+        raise Fenced(f"push rejected: {e}; your checkpoint is kept at {plan['ck']}, nothing was lost locally")
     lease.sha, lease.relay, lease.leg, lease.base_step = sha, new_relay, lease.leg + 1, step
     lease.save()
     open(os.path.join(run_dir, "PUSHED"), "w").write(f"{sha}\n")
-    return sha, row
+    return sha, plan["row"]
+
+
+def push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0):
+    """One commit: checkpoint/ (verified first), training_state.json, logs/leg-N.jsonl, a LEDGER.md row,
+    RELAY.json, chained from our last commit."""
+    return commit_push(store, lease, prepare_push(store, lease, run_dir, wall_s, usd_per_hour, metrics_offset), run_dir)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -770,11 +804,23 @@ def cmd_run(args):
             print(f"relay: {e}; waiting {args.poll:.0f}s", file=sys.stderr)
             time.sleep(args.poll)
     print(f"relay: claimed leg {lease.leg} (generation {lease.generation}) of {store.url}")
+
+    def stop_heartbeat(hb):
+        hb.stop.set()
+        hb.join()
+        if hb.failed:
+            raise Fenced(f"{hb.failed}. Training stopped; nothing pushed; local checkpoints are kept in "
+                         f"{lease.run_dir or workdir}")
+
+    hb = Heartbeat(store, lease, lambda: None)  # the download of a big checkpoint may outlast the TTL
+    hb.start()
     try:
         run_dir = prepare_leg(store, lease, workdir)
-    except BaseException:
+    except RelayError:
+        stop_heartbeat(hb)
         release(store, lease)
         raise
+    stop_heartbeat(hb)
     print(f"relay: pulled step {lease.base_step} into {run_dir}")
     proc = None
     stop_reason = []
@@ -782,8 +828,6 @@ def cmd_run(args):
     def stop_trainer():
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)  # the trainer checkpoints, then exits 0
-
-    hb = Heartbeat(store, lease, stop_trainer)
 
     def on_signal(signum, frame):  # Ctrl-C / SIGTERM: end the leg early but cleanly (checkpoint, push, release)
         stop_reason.append(signal.Signals(signum).name)
@@ -799,7 +843,9 @@ def cmd_run(args):
     except OSError as e:
         release(store, lease)
         raise RelayError(f"cannot start the trainer {cmd[0]} ({e}); lease released")
+    hb = Heartbeat(store, lease, stop_trainer)
     hb.start()  # after the fork: preexec_fn is unsafe while other threads run
+    plan, failure = None, None
     try:
         while proc.poll() is None:
             time.sleep(0.05)
@@ -807,26 +853,22 @@ def cmd_run(args):
                 hb.fail(f"lease not renewed for {time.monotonic() - hb.last_ok:.0f}s (ttl {lease.ttl_s:.0f}s): "
                         f"stopped training before anyone else may take the baton")
         rc = proc.wait()
-    finally:
         wall = time.time() - t0
-        hb.stop.set()
-        hb.join()
+        if rc == 0 and not hb.failed:
+            try:  # verify and upload while the heartbeat still renews the lease
+                plan = prepare_push(store, lease, run_dir, wall_s=wall,
+                                    usd_per_hour=config_usd_per_hour(cmd[2], args.overrides))
+            except RelayError as e:
+                failure = e
+    finally:
         for s, h in old_handlers.items():
             signal.signal(s, h)
-    if hb.failed:
-        ck = checkpoint.latest_valid(run_dir)
-        raise Fenced(f"{hb.failed}. Training stopped; nothing pushed; your local checkpoint is kept at {ck}")
-    if rc != 0:
+        stop_heartbeat(hb)
+    if rc != 0 or failure:
         release(store, lease)
-        raise RelayError(f"trainer exited with status {rc} ({' '.join(cmd[:3])} ...); lease released, nothing pushed, "
-                         f"local files kept in {run_dir}")
-    try:
-        sha, row = push(store, lease, run_dir, wall_s=wall, usd_per_hour=config_usd_per_hour(cmd[2], args.overrides))
-    except RelayError as e:
-        if isinstance(e, Fenced):
-            raise
-        release(store, lease)
-        raise RelayError(f"{e}; lease released")
+        raise RelayError(f"{failure}; lease released" if failure else f"trainer exited with status {rc} "
+                         f"({' '.join(cmd[:3])} ...); lease released, nothing pushed, local files kept in {run_dir}")
+    sha, row = commit_push(store, lease, plan, run_dir)
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     release(store, lease)
     print(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")
