@@ -28,14 +28,21 @@ ttl_s past the head commit's time (every holder write is a commit, so the head c
 Every commit carries a fresh write_id in RELAY.json; after a 5xx or a timeout the client re-reads the head and
 looks for its own write_id before retrying, so a commit that landed is never made twice.
 
+`run` renews the lease from a heartbeat thread during the pull, the training and the upload of the leg's files
+(uploaded before the commit that names them: preupload_lfs_files on the Hub), then stops it for the one push
+commit. The trainer runs in its own session: Ctrl-C (SIGINT) or SIGTERM to relay ends the leg cleanly (trainer
+checkpoints, push, release); if relay itself dies, the kernel SIGTERMs the trainer (PR_SET_PDEATHSIG).
+Exit status: 0 done, 2 usage, 3 error (one line, nothing overwritten), 4 lease lost (local checkpoint kept).
+
 Implementer's calls: the repo holds only the latest checkpoint (older ones stay in git history); each leg trains
-in its own local folder WORKDIR/leg-NNNN-genG/, so a fenced leg's checkpoint is never touched again; `decay`
-refuses while someone holds the baton (its commit would fence them out); $ = wall hours x gpu_hourly_usd.
+in its own local folder WORKDIR/leg-NNNN-genG/ (default WORKDIR ./relay-work/<store name>), so a fenced leg's
+checkpoint is never touched again (leg dirs are removed only once pushed); `decay` refuses while someone holds the
+baton (its commit would fence them out); `claim` by the current holder renews; $ = wall hours x gpu_hourly_usd
+(the config's, or --gpu_hourly_usd=); defaults ttl 1200 s, heartbeat 300 s (Hub rate limits).
 """
 
 import argparse
 import ast
-import base64
 import datetime as dt
 import email.utils
 import getpass

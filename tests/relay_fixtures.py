@@ -2,7 +2,6 @@
 contract (CONFIG --out_dir --init_from=scratch|resume --stop_after_steps/--stop_after_hours, SIGTERM ->
 checkpoint + exit 0, control.json start_decay, metrics.jsonl, step_NNNNNNN/ via checkpoint.save), and helpers."""
 
-import json
 import os
 import subprocess
 import sys
