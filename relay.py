@@ -648,7 +648,8 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     step = int(st.get("step", manifest.get("step", 0)))
     base = lease.base_step if lease.base_step is not None else 0
     if step <= base:
-        raise RelayError(f"push refused: {ck} is at step {step}, not past the pulled step {base}; nothing to push")
+        raise RelayError(f"push refused: {ck} is at step {step}, not past the pulled step {base}, so the trainer made "
+                         f"no step (is the plan finished? `python train.py --status {run_dir}`); nothing to push")
     # read the files at our own last commit: if anyone wrote after it, the commit below fails anyway
     prev_state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha) or {}
     ledger = (store.read(lease.sha, "LEDGER.md") or LEDGER_HEADER.encode()).decode()
