@@ -277,7 +277,7 @@ def test_terminal_chat_in_tmux(sft_run, tmp_path):
         raise AssertionError(f"timed out; the pane shows:\n{pane()}")
 
     try:
-        wait_for(lambda t: t.rstrip().endswith(">>>"))
+        wait_for(lambda t: t.rstrip().endswith(">>>"), timeout=180)  # python + torch start (slow on a busy box)
         subprocess.run(["tmux", "send-keys", "-t", sess, "ping 3", "Enter"], check=True)
         wait_for(lambda t: t.count(">>>") >= 2 and t.rstrip().endswith(">>>"))
         subprocess.run(["tmux", "send-keys", "-t", sess, "ping 6", "Enter"], check=True)
