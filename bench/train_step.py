@@ -58,10 +58,14 @@ def matmul_peak_gflops(n=2048, reps=8):
     return 2 * n ** 3 / best / 1e9
 
 
+HF_EXPERTS = "default"
+
+
 def hf_model(cfg):
     import transformers
     hc = transformers.HYV3Config(**M.to_hf_config(cfg))
-    return transformers.HYV3ForCausalLM(hc)
+    kw = {} if HF_EXPERTS == "default" else {"experts_implementation": HF_EXPERTS}
+    return transformers.HYV3ForCausalLM._from_config(hc, **kw)
 
 
 def moe_active_params(cfg):
@@ -166,6 +170,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per step for the MoE layer (default 2048)")
     ap.add_argument("--vocab", type=int, default=8192, help="vocab of the 4-layer model (default 8192)")
     ap.add_argument("--skip-model", action="store_true", help="only the MoE layer")
+    ap.add_argument("--hf-experts", default="default", choices=["default", "eager", "grouped_mm", "batched_mm"],
+                    help="transformers' experts_implementation (default: what HYV3ForCausalLM picks)")
+    ap.add_argument("--no-malloc-tune", action="store_true", help="skip model.tune_cpu_malloc() (glibc heap reuse)")
     ap.add_argument("--json", metavar="OUT", help="write {moe_layer_ratio, model_ratio, gflops, peak_gflops, ...}")
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.quick else 6)
@@ -173,8 +180,11 @@ def main():
     tokens = 512 if args.quick else args.tokens
     batch, seq_len = (1, 512) if args.quick else (2, 1024)
     torch.manual_seed(0)
+    global HF_EXPERTS
+    HF_EXPERTS = args.hf_experts
+    tuned = False if args.no_malloc_tune else M.tune_cpu_malloc()
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, rounds {rounds} (+{warmup} warm-up)")
+    print(f"malloc tune {'on' if tuned else 'off'}; torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, rounds {rounds} (+{warmup} warm-up)")
     peaks = [matmul_peak_gflops()]
     res = {}
 

@@ -165,6 +165,19 @@ def test_grouped_dispatch_equals_reference_fp32(n_tokens):
     assert_dispatch_matches_reference(moe, x, atol=2e-5)
 
 
+def test_grouped_dispatch_backward_from_sum():
+    # .sum() hands back a zero-stride gradient, which torch._grouped_mm's backward rejects unless made contiguous
+    moe = make_moe(seed=3)
+    x = torch.randn(2, 9, MOE_CFG.d_model, requires_grad=True)
+    moe(x).sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    g_experts = moe.experts.gate_up_proj.grad.clone()
+    moe.zero_grad(set_to_none=True)
+    M.moe_reference(moe, x2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, atol=2e-5, rtol=0)
+    torch.testing.assert_close(g_experts, moe.experts.gate_up_proj.grad, atol=2e-5, rtol=0)
+
+
 def test_padded_bmm_fallback_equals_reference(monkeypatch):
     calls = []
     monkeypatch.setattr(M, "grouped_mm_ok", lambda xs, w: calls.append(1) and False)
