@@ -366,3 +366,39 @@ def test_chat_with_int4_container(tok, sft_run, tmp_path):
     assert conv.fed_tokens[n] == 1 + len(chat.render_turn(tok, "user", "ping 6")[0]) + 1
     with pytest.raises(chat.ChatError):
         chat.load_model(str(tmp_path / "missing.pcf4"))
+
+
+def test_interrupt_reset_and_full_context(tok, sft_run):
+    """Ctrl-C mid-answer closes the turn (the cache stays consistent), /reset starts a fresh cache, and a full
+    context drops the oldest exchanges instead of failing."""
+    model = load_checkpoint(sft_run)
+    sp = tok.special_ids
+    backend = chat.picaflor_backend(model)
+    calls = {"n": 0}
+
+    def flaky_forward(ids, cache):
+        calls["n"] += 1
+        if calls["n"] == 3:  # during the answer's second token
+            raise KeyboardInterrupt
+        return chat.picaflor_backend(model)["forward"](ids, cache)
+
+    conv = chat.Conversation(tok, dict(backend, forward=flaky_forward))
+    with pytest.raises(KeyboardInterrupt):
+        conv.reply("ping 3", 8)
+    assert conv.last_stop == "interrupted" and conv.messages[-1]["role"] == "assistant"
+    assert conv.ids[-1] == sp["<|end|>"] and conv.cache.pos < len(conv.ids)
+    partial = conv.messages[-1]["content"]
+    assert conv.reply("ping 5", 8) == "pong 5"
+    want = chat.render_conversation(tok, [{"role": "user", "content": "ping 3"},
+                                          {"role": "assistant", "content": partial or "x"},
+                                          {"role": "user", "content": "ping 5"},
+                                          {"role": "assistant", "content": "pong 5"}])[0]
+    assert partial and conv.ids == want  # the cut answer stays in the history, closed by <|end|>
+    conv.reset()
+    conv.fed_tokens.clear()
+    assert conv.reply("ping 4", 8) == "pong 4" and conv.fed_tokens[0] == 1 + 5 + 1  # <|bos|>, the user turn, <|assistant|>
+    small = chat.Conversation(tok, backend, context=30)
+    notes = []
+    for n in (1, 2, 3, 4):
+        assert small.reply(f"ping {n}", 6, on_text=notes.append) == f"pong {n}"
+    assert any("context full" in s for s in notes) and small.messages[0]["content"] != "ping 1"
