@@ -14,6 +14,12 @@
 #   (16 x 2048 x 2 = 65,536 tokens per update, 1,500 updates = ~98M tokens; a checkpoint every 250 updates, all
 #   six kept, so `chat.py pick` can compare them: the lowest val loss is not always the best chat model.)
 #
+# On the relay (an SFT leg is a leg): make the SFT run's step-0 checkpoint here, then hand it to the relay:
+#   python train.py config/sft.py --finetune_from=out/nano --out_dir=out/nano_sft --stop_after_steps=0 [nano keys]
+#   python relay.py init hf://owner/nano-sft --from-checkpoint out/nano_sft     # legs then resume this plan
+#   python relay.py run hf://owner/nano-sft --hours 1                           # (each leg needs data/smoltalk)
+# (tried with file:// stores: a leg resumed the SFT plan and pushed.)
+#
 # The model's shape comes from the checkpoint (init_from=finetune ignores the model fields here); the optimizer,
 # the plan and the data position start fresh. Masks: shards.py sets the targets of non-assistant tokens to -1,
 # so train.py's loss and its val loss are over assistant tokens only.
