@@ -461,10 +461,10 @@ def test_manual_claim_pull_train_push_release(tmp_path, hub, rl):
     assert snap.relay["holder"] is None and snap.relay["leg"] == 2 and snap.state["step"] == 6
 
 
-def test_init_from_existing_checkpoint(tmp_path, hub, rl):
+def test_init_from_existing_checkpoint(tmp_path, hub, rl, monkeypatch):
     env = base_env()
     for k, v in env.items():
-        os.environ[k] = v  # rl's monkeypatch restores the environment afterwards
+        monkeypatch.setenv(k, v)
     fake = write_fake_train(tmp_path)
     out = tmp_path / "solo"
     t = subprocess.run([sys.executable, fake, "cfg.py", f"--out_dir={out}", "--init_from=scratch", "--stop_after_steps=5"],
