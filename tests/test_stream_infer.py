@@ -230,3 +230,21 @@ print(json.dumps([rc, rc2, rc3]))
     errs = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert len(errs) == 2 and "4X" in errs[0] and "raise it to at least" in errs[1]
     assert "Traceback" not in r.stderr
+
+
+def test_bench_result_fields_and_lfu_policy(tiny):
+    m, path = tiny
+    eng = S.load(path, ram_budget=None, cache_policy="lfu")
+    eng.cache.budget = 5 * eng.container.expert_nbytes
+    res = S.run_bench(eng, n_prompt=6, n_new=5)
+    for key in ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token", "peak_rss_bytes", "bound_tok_s"):
+        assert isinstance(res[key], (int, float)) and res[key] >= 0, key
+    assert res["new_tokens"] == 5 and res["decode_tok_s"] > 0 and res["bound_tok_s"] > 0
+    # the counted bytes and /proc/self/io agree when reads are O_DIRECT
+    if res["direct_io"]:
+        assert res["disk_bytes_per_token"] >= res["counted_bytes_per_token"]
+    # the policy changes what is cached, never the output
+    lru = S.load(path)
+    lru.cache.budget = 5 * lru.container.expert_nbytes
+    assert eng.generate([3, 4, 5], 8) == lru.generate([3, 4, 5], 8)
+    assert S.strip_args(["m", "--sweep", "1G,2G", "--bench", "--json=x"], {"--sweep", "--json"}, {"--bench"}) == ["m"]
