@@ -738,7 +738,7 @@ def main(argv):
 
     def check_control():
         ctl = read_json(control_path, {}) if master else {}
-        want = bool(ctl.get("start_decay")) and not st.get("decay_started_at_tokens")
+        want = bool(ctl.get("start_decay")) and st.get("decay_started_at_tokens") is None
         if ddp:
             t = torch.tensor([int(want)], device=device)
             dist.broadcast(t, 0)
