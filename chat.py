@@ -336,7 +336,7 @@ def val_assistant_loss(model, corpus_dir, max_rows=256, batch_rows=8):
     return (total / count if count else float("nan")), count
 
 
-def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, device="cpu", log=print):
+def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, device="cpu", dtype=None, log=print):
     """Score every valid checkpoint of run_dir; write run_dir/sft_pick.json and sft_pick.md. Returns the report."""
     import checkpoint
     import shards
@@ -355,7 +355,7 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
     results = []
     for step, path in ckpts:
         t0 = time.time()
-        model = load_checkpoint(path, device=device)
+        model = load_checkpoint(path, device=device, dtype=dtype)
         tok = Tokenizer.load(os.path.join(path, "tokenizer.json"))
         if tok.hash != index["tokenizer_sha256"]:
             raise ChatError(f"{path}/tokenizer.json differs from {data_dir}'s tokenizer; pass the --data corpus "
@@ -418,8 +418,12 @@ def main(argv=None):
             ap.add_argument("--max-new-tokens", type=int, default=128)
             ap.add_argument("--max-rows", type=int, default=256, help="val rows scored per checkpoint")
             ap.add_argument("--device", default="cpu")
+            ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                            help="weights dtype (default: as saved; bfloat16 halves memory on a GPU)")
             a = ap.parse_args(argv[1:])
-            pick(a.run_dir, a.data, a.prompt, a.max_new_tokens, a.max_rows, a.device)
+            import torch
+            pick(a.run_dir, a.data, a.prompt, a.max_new_tokens, a.max_rows, a.device,
+                 getattr(torch, a.dtype) if a.dtype else None)
             return 0
         ap = argparse.ArgumentParser(description="Chat with a picaflor model at the terminal (or: chat.py pick ...).",
                                      epilog="python chat.py pick RUN_DIR --data data/smoltalk: choose a checkpoint")
@@ -432,6 +436,13 @@ def main(argv=None):
         tok, backend = load_model(a.model, a.ram_budget, a.device, a.experts_per_token, a.context)
         return chat_loop(tok, backend, a.system, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.context)
     except ChatError as e:
+        print(f"chat.py: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # data and checkpoint faults of the files given: one line, no traceback
+        import checkpoint
+        import shards
+        if not isinstance(e, (shards.DataError, checkpoint.CheckpointError)):
+            raise
         print(f"chat.py: error: {e}", file=sys.stderr)
         return 1
 
