@@ -207,11 +207,12 @@ class Conversation:
 
 
 def chat_loop(tok, backend, system=None, max_new_tokens=256, temperature=0.0, top_p=None, seed=None,
-              context=None, input_fn=input, out=None):
+              context=None, input_fn=None, out=None):
     """The terminal chat. Returns 0 (a clean exit) on /exit, Ctrl-D or Ctrl-C at the prompt."""
     import torch
 
     out = out or sys.stdout
+    input_fn = input_fn or input
     try:
         import readline  # noqa: F401  (line editing and history for input(), where available)
     except ImportError:

@@ -402,3 +402,20 @@ def test_interrupt_reset_and_full_context(tok, sft_run):
     for n in (1, 2, 3, 4):
         assert small.reply(f"ping {n}", 6, on_text=notes.append) == f"pong {n}"
     assert any("context full" in s for s in notes) and small.messages[0]["content"] != "ping 1"
+
+
+def test_chat_cli_with_checkpoint(sft_run, monkeypatch, capsys):
+    """python chat.py CKPT (in-process): a person types two turns and Ctrl-D."""
+    lines = iter(["ping 1", "ping 8"])
+
+    def fake_input(prompt):
+        print(prompt, end="")
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert chat.main([sft_run, "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert ">>> pong 1\n>>> pong" in out and out.endswith("bye\n")
+    assert chat.main([sft_run + "/nope"]) == 1 and "no such file" in capsys.readouterr().err
