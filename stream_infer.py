@@ -172,7 +172,7 @@ class QLinear(nn.Module):
         if self.kind == "f32":
             y = x2.float() @ r["data"].t()
         elif self.kind == "int8":
-            if self.kernel != "reference" and hasattr(torch, "_weight_int8pack_mm"):
+            if self.kernel != "reference" and x2.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
                 y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), r["q"], self.scale_bf16).float()
             else:
                 y = x2.float() @ C.dequantize_int8(r["q"], r["scale"], self.shape).t()
@@ -218,8 +218,10 @@ class QEmbedding(nn.Module):
 class Expert:
     """One routed expert, decoded zero-copy over its blob buffer."""
 
-    def __init__(self, container, buf, kernel):
+    def __init__(self, container, buf, kernel, device="cpu"):
         dec = container.decode_expert(buf)
+        if device != "cpu":  # CUDA: the blob goes to the GPU once per miss (the host buffer is then dropped)
+            dec = {k: {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in v.items()} for k, v in dec.items()}
         self.gate_up = QLinear({"kind": "int4", **dec["gate_up_proj"]}, kernel)
         self.down = QLinear({"kind": "int4", **dec["down_proj"]}, kernel)
 
@@ -236,6 +238,7 @@ class ExpertCache:
     def __init__(self, container, budget_bytes, kernel, n_readers=4, policy="lru"):
         self.c, self.budget, self.kernel, self.policy = container, budget_bytes, kernel, policy
         self.freq = {}  # (layer, expert) -> decayed demand count, for policy "lfu"
+        self.device = "cpu"
         self.nbytes = container.expert_nbytes
         self.entries = OrderedDict()  # (layer, expert) -> Expert
         self.inflight = {}  # (layer, expert) -> (Future, is_prefetch)
@@ -279,7 +282,7 @@ class ExpertCache:
 
     def _finish(self, key):
         fut, prefetch = self.inflight.pop(key)
-        self.entries[key] = Expert(self.c, fut.result(), self.kernel)
+        self.entries[key] = Expert(self.c, fut.result(), self.kernel, self.device)
         return prefetch
 
     def request(self, keys, protect, prefetch):
@@ -444,6 +447,7 @@ class Engine:
         with torch.device("meta"):
             m = Picaflor(cfg)
         self.cache = ExpertCache(c, 0, kernel, n_readers=self.n_readers, policy=self.cache_policy)
+        self.cache.device = dev
         m.embed_tokens = QEmbedding(to_dev(raw["embed_tokens.weight"]))
         m.lm_head = lin("embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight")
         m.norm.weight = vec("norm.weight")
@@ -593,7 +597,7 @@ def measure_disk_bandwidth(cont, n_blobs=16, n_readers=4):
     pick = keys[::step][:n_blobs]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(n_readers) as pool:
-        list(pool.map(lambda k: cont._pread(cont.header["experts"][str(k[0])][k[1]]["offset"], cont.expert_nbytes), pick))
+        list(pool.map(lambda k: len(cont._pread(cont.header["experts"][str(k[0])][k[1]]["offset"], cont.expert_nbytes)), pick))
     return len(pick) * cont.expert_nbytes / (time.perf_counter() - t0)
 
 
