@@ -149,16 +149,19 @@ class Conversation:
             return None
         system = self.messages[:1] if self.system else []
         turns = self.messages[len(system):]
+
+        def history_ids(msgs):  # what render_conversation writes; no validation (a Ctrl-C'd answer may be empty)
+            return [self.tok.bos_id] + [i for m in msgs for i in render_turn(self.tok, m["role"], m["content"])[0]]
+
         dropped = 0
         while turns:
             turns = turns[1:]
             while turns and turns[0]["role"] != "user":
                 turns = turns[1:]
             dropped += 1
-            ids, _ = render_conversation(self.tok, system + turns) if system + turns else ([self.tok.bos_id], None)
-            if len(ids) + len(user_ids) + max_new_tokens <= self.max_len:
+            if len(history_ids(system + turns)) + len(user_ids) + max_new_tokens <= self.max_len:
                 break
-        ids = render_conversation(self.tok, system + turns)[0] if system + turns else [self.tok.bos_id]
+        ids = history_ids(system + turns)
         if len(ids) + len(user_ids) + max_new_tokens > self.max_len:
             raise ValueError(f"this message ({len(user_ids)} tokens) + {max_new_tokens} new tokens does not fit the "
                              f"context of {self.max_len} tokens; shorten it or lower --max-new-tokens")
