@@ -28,6 +28,7 @@ Calls recorded here:
 
 import argparse
 import fnmatch
+import itertools
 import json
 import os
 import sys
@@ -254,7 +255,7 @@ def run(args):
         n_val = min(args.val_conversations, max(1, n_lines // 10))
         it = jsonl_conversations(args.jsonl)
         val = [c for _, c in zip(range(n_val), it)]
-        train = (c for i, c in enumerate(it) if args.max_conversations is None or i < args.max_conversations)
+        train = itertools.islice(it, args.max_conversations)
         source = {"kind": "jsonl", "file": os.path.abspath(args.jsonl), "lines": n_lines}
     else:
         from huggingface_hub import HfApi
@@ -274,7 +275,7 @@ def run(args):
         else:
             it = hub_conversations(args.repo, revision, train_files, args.column)
             val = [c for _, c in zip(range(args.val_conversations), it)]
-            train = (c for i, c in enumerate(it) if args.max_conversations is None or i < args.max_conversations)
+            train = itertools.islice(it, args.max_conversations)
         source = {"kind": "hub", "repo": args.repo, "repo_type": "dataset", "revision": revision,
                   "pattern": args.pattern, "column": args.column, "train_files": train_files, "val_files": test_files}
 
