@@ -612,6 +612,28 @@ def measure_memory_bandwidth(mb=64, reps=5):
     return 2 * a.numel() * 4 / best  # read + write
 
 
+def measure_kernels(cont, reps=20):
+    """ms per decode GEMV (M=1) of one expert's gate_up: int4pack kernel vs dequantize-then-matmul vs fp32."""
+    dec = cont.decode_expert(cont.read_expert_blob(int(next(iter(cont.header["experts"]))), 0))["gate_up_proj"]
+    shape, g = dec["shape"], dec["group_size"]
+    x = torch.randn(1, shape[1])
+    w = C.dequantize_int4(dec["packed"], dec["sz"], shape, g)
+    fns = {"reference_dequant_matmul": lambda: int4_matmul_reference(x, dec["packed"], dec["sz"], shape, g),
+           "fp32_dense": lambda: x @ w.t()}
+    if cpu_int4pack_ok() and g in (32, 64, 128, 256):
+        fns["int4pack"] = lambda: int4_matmul_cpu(x, dec["packed"], dec["sz"], shape, g)
+    out = {"shape": shape}
+    for name, fn in fns.items():
+        fn()
+        ts = []
+        for _ in range(reps if name != "reference_dequant_matmul" else 3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        out[name] = sorted(ts)[len(ts) // 2] * 1e3
+    return out
+
+
 def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0):
     cfg, cont = eng.cfg, eng.container
     disk_bw = measure_disk_bandwidth(cont)
@@ -659,6 +681,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0):
         "disk_bw_bytes_s": disk_bw, "mem_bw_bytes_s": mem_bw,
         "bound_tok_s": 1.0 / max(t_mem, t_disk, 1e-12), "bound_tok_s_serial": 1.0 / max(t_mem + t_disk, 1e-12),
         "direct_io": cont.direct_fd is not None, "load_s": eng.load_s, "cache": st,
+        "kernel_ms": measure_kernels(cont) if eng.device == "cpu" else None,
     }
 
 
@@ -759,10 +782,15 @@ def print_bench(res):
     print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), capacity {res['cache_capacity_experts']} experts of "
           f"{res['expert_bytes'] / 1e6:.2f} MB | disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
           f"(/proc/self/io; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB)")
-    print(f"peak RSS {g(res['peak_rss_bytes'])} (cgroup peak incl. page cache {g(res.get('cgroup_peak_bytes'))}) | "
+    cgp = res.get("cgroup_peak_bytes")
+    print(f"peak RSS {fmt_size(res['peak_rss_bytes'])} (cgroup peak incl. page cache "
+          f"{fmt_size(cgp) if cgp else 'n/a'}) | "
           f"disk {res['disk_bw_bytes_s'] / 1e9:.2f} GB/s, memory {res['mem_bw_bytes_s'] / 1e9:.2f} GB/s -> bound "
           f"{res['bound_tok_s']:.2f} tok/s (serial {res['bound_tok_s_serial']:.2f}); decode is "
           f"{res['decode_tok_s'] / res['bound_tok_s'] * 100:.0f}% of the bound")
+    km = res.get("kernel_ms")
+    if km:
+        print(f"expert gate_up GEMV {km['shape']}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in km.items() if k != "shape"))
     print(f"cgroup: {res.get('cgroup')}, O_DIRECT: {res['direct_io']}, page cache excluded: {res.get('page_cache_excluded')}")
     if not res.get("page_cache_excluded"):
         print("WARNING: the page cache could not be excluded (no memory cgroup and no O_DIRECT): misses may have been "
