@@ -340,6 +340,12 @@ def val_assistant_loss(model, corpus_dir, max_rows=256, batch_rows=8):
     return (total / count if count else float("nan")), count
 
 
+def repeated_ngrams(ids, n=3):
+    """Share of the n-grams of ids that already occurred earlier in ids (0 = no repetition)."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return (len(grams) - len(set(grams))) / len(grams) if grams else 0.0
+
+
 def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, device="cpu", dtype=None, log=print):
     """Score every valid checkpoint of run_dir; write run_dir/sft_pick.json and sft_pick.md. Returns the report."""
     import checkpoint
@@ -370,8 +376,10 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
             conv = Conversation(tok, picaflor_backend(model))
             a = conv.reply(p, max_new_tokens, temperature=0.0)
             answers.append({"prompt": p, "answer": a, "tokens": conv.last_tokens, "stopped": conv.last_stop})
+        ended = sum(a["stopped"] == "end" for a in answers)
+        rep = sum(repeated_ngrams(tok.encode(a["answer"])) for a in answers) / len(answers)
         results.append({"step": step, "checkpoint": os.path.basename(path), "val_loss": loss, "val_targets": n,
-                        "answers": answers})
+                        "answers_ended": ended, "repetition": rep, "answers": answers})
         log(f"{os.path.basename(path)}: val assistant loss {loss:.4f} over {n:,} tokens ({time.time() - t0:.1f}s)")
     lowest = min(results, key=lambda r: r["val_loss"])["checkpoint"]
     best_file = os.path.join(run_dir, "BEST")
@@ -384,9 +392,12 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
     lines = [f"# Checkpoint choice for {run_dir}", "",
              f"Held-out chat set: {data_dir} (val split, loss on assistant tokens only). Answers are greedy, at most "
              f"{max_new_tokens} tokens. The lowest loss is not always the best chat model: read the answers.", "",
-             "| checkpoint | val assistant loss | |", "|---|---|---|"]
+             "Answers ended: how many answers closed their turn (<|end|>) within the limit. Repetition: mean share of "
+             "repeated 3-grams of tokens in an answer (looping shows up here).", "",
+             "| checkpoint | val assistant loss | answers ended | repetition | |", "|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['checkpoint']} | {r['val_loss']:.4f} | {'lowest loss' if r['checkpoint'] == lowest else ''} |")
+        lines.append(f"| {r['checkpoint']} | {r['val_loss']:.4f} | {r['answers_ended']}/{len(prompts)} | "
+                     f"{r['repetition']:.2f} | {'lowest loss' if r['checkpoint'] == lowest else ''} |")
     for i, p in enumerate(prompts):
         lines += ["", f"## {i + 1}. {p}", ""]
         for r in results:

@@ -252,6 +252,8 @@ def test_pick_scores_every_checkpoint(tok, corpus, sft_run):
     last = rep["checkpoints"][-1]
     assert [a["answer"] for a in last["answers"]] == ["pong 4", "pong 8"] and last["answers"][0]["stopped"] == "end"
     assert last["val_loss"] < rep["checkpoints"][0]["val_loss"] and last["val_targets"] > 0
+    assert last["answers_ended"] == 2 and last["repetition"] == 0.0
+    assert chat.repeated_ngrams([1, 2, 3, 1, 2, 3, 1, 2, 3]) == 4 / 7
     md = open(os.path.join(sft_run, "sft_pick.md")).read()
     assert "## 1. ping 4" in md and "pong 8" in md and "val assistant loss" in md
     assert json.load(open(os.path.join(sft_run, "sft_pick.json")))["lowest_val_loss"] == rep["lowest_val_loss"]
