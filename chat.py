@@ -446,8 +446,12 @@ def main(argv=None):
         ap.add_argument("--ram-budget", default=None, help="int4 container: bound for the whole process, e.g. 4G")
         ap.add_argument("--experts-per-token", type=int, default=None, help="default: the model's top_k")
         ap.add_argument("--device", default="cpu")
+        ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="torch threads (default: half the cores, as stream_infer.py)")
         add_sampling_args(ap)
         a = ap.parse_args(argv)
+        import torch
+        torch.set_num_threads(max(1, a.threads))
         tok, backend = load_model(a.model, a.ram_budget, a.device, a.experts_per_token, a.context)
         return chat_loop(tok, backend, a.system, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.context)
     except ChatError as e:
