@@ -1,12 +1,12 @@
 # sft: chat fine-tune of a pretrained checkpoint on the loss-masked chat corpus (loss on assistant tokens only).
 #
-#   python data/smoltalk/prepare.py --tokenizer out/tiny --max-len 256     # rows of 256 = seq_len below
-#   python train.py config/sft.py                                          # tiny (CPU), defaults below
-#   python chat.py pick out/sft --data data/smoltalk                       # read the candidates, pick one
-#   python chat.py out/sft/step_NNNNNNN                                    # chat with it
+#   python data/smoltalk/prepare.py --tokenizer out/tiny   # rows of 256 (tiny's max_seq_len) = seq_len below
+#   python train.py config/sft.py                           # tiny (CPU), defaults below
+#   python chat.py pick out/sft --data data/smoltalk        # read the candidates, pick one
+#   python chat.py out/sft/step_NNNNNNN                     # chat with it
 #
 # nano (the headline model, ~1,500 updates on one GPU):
-#   python data/smoltalk/prepare.py --tokenizer out/nano --max-len 2048
+#   python data/smoltalk/prepare.py --tokenizer out/nano   # rows of 2048
 #   python train.py config/sft.py --finetune_from=out/nano --out_dir=out/nano_sft --device=cuda --dtype=bfloat16 \
 #       --compile=True --seq_len=2048 --batch_size=16 --grad_accum=2 --learning_rate=1e-4 --min_lr=1e-5 \
 #       "--stages=[dict(name='warmup', steps=50, lr_phase='warmup'), dict(name='stable', steps=1150, lr_phase='stable'), dict(name='decay', steps=300, lr_phase='decay')]" \

@@ -1,8 +1,8 @@
 """
 Chat corpus for supervised fine-tuning: conversations -> uint16 token shards + uint8 loss masks.
 
-    python data/smoltalk/prepare.py --tokenizer out/tiny                     # smol-smoltalk from the Hub
-    python data/smoltalk/prepare.py --tokenizer out/nano --max-len 2048      # the nano SFT run
+    python data/smoltalk/prepare.py --tokenizer out/tiny                     # smol-smoltalk, rows of 256 (tiny)
+    python data/smoltalk/prepare.py --tokenizer out/nano                     # the nano SFT run: rows of 2048
     python data/smoltalk/prepare.py --tokenizer out/tiny --jsonl my_chats.jsonl   # offline: local conversations
 
 --tokenizer is the PRETRAINED model's tokenizer (a checkpoint dir / run dir, or a tokenizer.json file): SFT data
@@ -47,16 +47,22 @@ OPEN_ROWS = 16  # rows kept open for best-fit packing (more: less padding, a lit
 
 
 def load_tokenizer_arg(path):
-    """A tokenizer file, or a checkpoint/run dir holding tokenizer.json."""
+    """(tokenizer, its file, the model's max_seq_len or None) from a tokenizer file or a checkpoint/run dir."""
+    max_seq_len = None
     if os.path.isdir(path):
         import checkpoint
         try:
-            path = os.path.join(checkpoint.resolve(path), "tokenizer.json")
+            ck = checkpoint.resolve(path)
         except checkpoint.CheckpointError as e:
             raise ValueError(str(e)) from None
+        path = os.path.join(ck, "tokenizer.json")
         if not os.path.exists(path):
             raise ValueError(f"{path}: the checkpoint has no tokenizer.json; pass --tokenizer the corpus's tokenizer.json")
-    return Tokenizer.load(path), path
+        try:
+            max_seq_len = int(json.load(open(os.path.join(ck, "state.json")))["model_config"]["max_seq_len"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return Tokenizer.load(path), path, max_seq_len
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -229,7 +235,8 @@ def main():
     ap.add_argument("--revision", default="main", help="branch or commit (the commit sha is recorded)")
     ap.add_argument("--pattern", default="data/*.parquet", help="parquet files to use (glob); names with 'test' = val")
     ap.add_argument("--column", default="messages", help="conversation column (a list of {role, content})")
-    ap.add_argument("--max-len", type=int, default=2048, help="row length in tokens = train seq_len (default 2048, nano)")
+    ap.add_argument("--max-len", type=int, default=None, help="row length in tokens = train seq_len (default: the "
+                    "--tokenizer checkpoint's max_seq_len, at most 2048; 2048 for a tokenizer file)")
     ap.add_argument("--max-conversations", type=int, default=None, help="cap on train conversations (default: all)")
     ap.add_argument("--val-conversations", type=int, default=1000, help="val conversations held out")
     ap.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (whole rows)")
@@ -243,7 +250,10 @@ def main():
 
 def run(args):
     t0 = time.time()
-    tok, tok_src = load_tokenizer_arg(args.tokenizer)
+    tok, tok_src, model_max = load_tokenizer_arg(args.tokenizer)
+    if args.max_len is None:  # the model's context, at most 2048 (nano's SFT rows); config/sft.py's seq_len matches
+        args.max_len = min(2048, model_max or 2048)
+        print(f"--max-len {args.max_len} (rows = train seq_len)")
     if args.max_len < 8:
         raise ValueError(f"--max-len {args.max_len}: too short for a conversation")
     os.makedirs(args.out, exist_ok=True)
