@@ -336,12 +336,14 @@ def test_prepare_from_fake_hub(tok, tmp_path):
                    row_group_size=8)
     pq.write_table(pa.table({"messages": [conv(i) for i in range(6)]}), repo / "test-00000-of-00001.parquet")
     out = tmp_path / "st"
+    save_checkpoint(Picaflor(ModelConfig(**MODEL)), str(tmp_path / "pre"), 0, tokenizer_file=tok.path)
     with FakeHub(tmp_path / "hub") as hub:
         env = dict(os.environ, **hub.client_env(tmp_path / "hf_home"))
-        r = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", tok.path, "--max-len", str(ROW),
+        r = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", str(tmp_path / "pre"),
                             "--out", str(out)], cwd=REPO, capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stdout + r.stderr
         index = shards.load_index(out)
+        assert index["row_tokens"] == MODEL["max_seq_len"] and index["tokenizer_sha256"] == tok.hash
         rep = index["source"]["report"]
         assert rep["val_conversations"] == 6 and rep["train_conversations"] == 29 and rep["bad_empty_assistant"] == 1
         assert index["source"]["val_files"] == ["data/test-00000-of-00001.parquet"]
