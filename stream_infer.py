@@ -392,8 +392,9 @@ class Engine:
             raise StreamError(str(e)) from None
         self.path, self.device = str(path), str(device)
         self.cfg = cfg = c.config
-        self.max_seq_len = cfg.max_seq_len
-        self.context = min(context or 512, cfg.max_seq_len)  # KV positions reserved in the budget
+        # KV positions reserved in the budget (unbounded runs, e.g. eval, get the model's whole context)
+        self.context = min(context or (512 if ram_budget is not None else cfg.max_seq_len), cfg.max_seq_len)
+        self.max_seq_len = self.context
         self.kernel = pick_kernel(kernel, self.device)
         self.budget = parse_size(ram_budget) if ram_budget is not None else None
         # budget accounting, before anything big is loaded
@@ -977,8 +978,18 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     try:
-        if args.chat:
-            raise StreamError("--chat: not yet; it needs the chat issue (a chat template and turn tokens) to land")
+        if args.chat:  # the chat loop, template and turn tokens live in chat.py; this is its int4 entry point
+            if not os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.py")):
+                raise StreamError("--chat: needs chat.py (the chat issue), which this checkout lacks")
+            import chat
+            fwd = [args.container, "--temperature", str(args.temperature), "--device", args.device]
+            for flag, v in (("--ram-budget", args.ram_budget), ("--top-p", args.top_p), ("--seed", args.seed),
+                            ("--experts-per-token", args.experts_per_token), ("--context", args.context)):
+                if v is not None:
+                    fwd += [flag, str(v)]
+            if "--max-new-tokens" in argv or any(a.startswith("--max-new-tokens=") for a in argv):
+                fwd += ["--max-new-tokens", str(args.max_new_tokens)]
+            return chat.main(fwd)
         if args.ram_budget is not None:
             parse_size(args.ram_budget)
         if not os.path.exists(args.container):

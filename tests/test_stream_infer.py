@@ -194,7 +194,6 @@ def test_bad_input_one_line_errors(tiny, tmp_path):
         for e in range(16):
             eng.cache.get((2, e), set())
     assert "layer 2 expert 0" in str(ei.value)
-    assert S.main([path, "--chat"]) == 1
 
 
 def test_cli_budget_rss_and_errors(tiny, tmp_path):
