@@ -682,6 +682,9 @@ def main(argv):
                 streams[c].set_position(pos)
 
     # --- model and optimizer ------------------------------------------------------------------------------
+    if device_type == "cpu":
+        from model import tune_cpu_malloc
+        tune_cpu_malloc()  # glibc keeps freed expert-grad blocks for reuse instead of page-faulting them each step
     torch.manual_seed(cfg["seed"] + rank)
     with torch.device(device):
         model = Picaflor(mcfg)
