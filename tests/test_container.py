@@ -1,7 +1,6 @@
 """int4 container: round trip, expert blobs, corrupt files (tiny random models, CPU, a few seconds)."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -185,12 +184,14 @@ def test_corrupt_containers_give_one_line_errors(built, tmp_path):
     assert "no such file" in _one_line_error(lambda: C.load_container(str(tmp_path / "nope.pcf4")))
 
 
-def test_cli_check_and_errors(built, tmp_path):
+def test_cli_check_and_errors(built, tmp_path, capsys):
     m, ck, out, rep = built
-    assert C.main(["--check", out]) == 0  # every checksum verified, in process (a subprocess costs ~9 s here)
+    assert C.main(["--check", out]) == 0  # every checksum verified (in process: a subprocess costs ~9 s here)
+    assert "ok" in capsys.readouterr().out
     bad = tmp_path / "x.pcf4"
     bad.write_bytes(b"hello world" * 10)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "container.py"), "--check", str(bad)],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "not a picaflor int4 container" in r.stderr
+    assert C.main(["--check", str(bad)]) == 1  # main catches ContainerError: one line on stderr, no traceback
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not a picaflor int4 container" in err
+    assert C.main(["--random-config", str(tmp_path / "nope.py"), "--out", str(tmp_path / "o.pcf4")]) == 1
+    assert "cannot read config file" in capsys.readouterr().err
