@@ -19,10 +19,11 @@ Implementer's calls (DESIGN.md asks to record them here):
   safetensors and GGUF writers get every tensor's name/shape/dtype first (from the source header, no data
   read), then the data tensor by tensor. Peak RAM is about the largest source tensor (one layer's stacked
   experts) plus its converted copy, never the whole model.
-- HF expert layout: per-expert Hub names `mlp.experts.N.{gate,up,down}_proj.weight` (what Tencent's Hy3
-  checkpoints use). transformers' hy_v3 conversion mapping stacks them into gate_up_proj/down_proj on load
-  (the stacked names load too, with identical logits; both measured), and llama.cpp's convert_hf_to_gguf.py
-  (class HYV3Model) and other Hub tooling only understand the per-expert form.
+- HF tensor names: the Hub form of Tencent's Hy3 checkpoints: experts per expert
+  `mlp.experts.N.{gate,up,down}_proj.weight`, router `mlp.router.gate.weight`, selection bias
+  `mlp.expert_bias`, shared expert `mlp.shared_mlp.*`. transformers' hy_v3 conversion mapping stacks and
+  renames them on load (the in-memory names `experts.gate_up_proj` etc. load too; both give identical
+  logits, measured), and llama.cpp's convert_hf_to_gguf.py (class HYV3Model) only understands the Hub form.
 - Router weight and e_score_correction_bias stay float32 in every format (HF keeps them fp32 too).
 - HF tokenizer: byte-level BPE for the `tokenizers` library built from our tiktoken ranks. tiktoken merges
   the adjacent pair whose concatenation has the lowest rank, so the merge list holds every split (a, b) of
@@ -277,7 +278,7 @@ A fine-grained Mixture-of-Experts language model trained with picaflor ({trained
 | experts | {c.n_experts} routed of width {c.expert_ffn}, top-{c.top_k}, sigmoid router with selection bias, shared width {c.n_shared * c.expert_ffn} |
 | context | {c.max_seq_len} tokens, RoPE theta {c.rope_theta:g} |
 | vocab | {c.vocab_size} (byte-level BPE) |
-| weights | {dtype_name} (router and its bias float32); experts stored per expert (`mlp.experts.N.*_proj.weight`) |
+| weights | {dtype_name} (router and its bias float32); Hub tensor names (`mlp.experts.N.*_proj.weight`, `mlp.router.gate.weight`, `mlp.expert_bias`, `mlp.shared_mlp.*`) |
 
 ```python
 import torch
@@ -302,6 +303,20 @@ Chat format (`tokenizer.apply_chat_template`):
 """
 
 
+# Hub (Tencent Hy3) names for the MoE tensors that transformers renames on load (its hy_v3 conversion mapping)
+# and that llama.cpp's convert_hf_to_gguf.py (class HYV3Model) expects
+HUB_RENAMES = [(".mlp.gate.weight", ".mlp.router.gate.weight"), (".mlp.e_score_correction_bias", ".mlp.expert_bias"),
+               (".mlp.shared_experts.", ".mlp.shared_mlp.")]
+
+
+def hub_name(name):
+    """picaflor parameter name -> its name in a Hub checkpoint of HYV3ForCausalLM."""
+    out = hf_name(name)
+    for a, b in HUB_RENAMES:
+        out = out.replace(a, b)
+    return out
+
+
 def hf_plan(src, dtype):
     """[(hf name, source name, expert part or None, expert index, shape, dtype)] in file order."""
     plan = []
@@ -318,7 +333,7 @@ def hf_plan(src, dtype):
                     sh = shape[1:] if part == "down" else [shape[1] // 2, shape[2]]
                     plan.append((f"{base}.{e}.{part}_proj.weight", name, part, e, sh, dtype))
         else:
-            plan.append((hf_name(name), name, None, None, shape, torch.float32 if keep_fp32(name) else dtype))
+            plan.append((hub_name(name), name, None, None, shape, torch.float32 if keep_fp32(name) else dtype))
     return plan
 
 

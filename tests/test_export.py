@@ -74,7 +74,9 @@ def test_hf_export_loads_and_matches_logits_fp32(ckpt, hf_fp32):
     out, rep = hf_fp32
     assert rep["shards"] > 1 and os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in index["weight_map"]  # per-expert Hub names
+    for name in ("model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.2.mlp.router.gate.weight",
+                 "model.layers.1.mlp.expert_bias", "model.layers.2.mlp.shared_mlp.up_proj.weight"):
+        assert name in index["weight_map"], name  # Hub (Hy3) names, as llama.cpp's converter expects
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["architectures"] == ["HYV3ForCausalLM"] and cfg["model_type"] == "hy_v3"
     assert cfg["bos_token_id"] == ckpt["tok"].bos_id and cfg["torch_dtype"] == "float32"
