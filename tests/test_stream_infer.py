@@ -62,11 +62,11 @@ def test_budgeted_greedy_equals_resident_token_for_token(tiny):
     full = S.load(path)
     ref = full.generate(prompt, 16)
     assert full.cache.stats()["capacity_experts"] >= 48  # everything fits: a fully resident run
-    small = S.load(path)
+    small = S.load(path, prefetch=True)
     small.cache.budget = 3 * small.container.expert_nbytes  # 3 of 48 experts (the container has 48)
     assert small.generate(prompt, 16) == ref
     st = small.cache.stats()
-    assert st["misses"] > 20 and st["cached_experts"] <= 3 and st["hits"] + st["prefetch_hits"] > 0
+    assert st["misses"] > 20 and st["cached_experts"] <= 3 and st["prefetch_reads"] > 0
     nopf = S.load(path, prefetch=False)
     nopf.cache.budget = 4 * nopf.container.expert_nbytes
     assert nopf.generate(prompt, 16) == ref
