@@ -34,8 +34,9 @@ How it works (the implementer's calls, as DESIGN.md asks):
   `context` positions - working memory (activations, logits, one dequantized temporary; `working_bytes`). If
   less than 2 x top_k experts would fit, it refuses before loading, saying how much is needed.
 - CPU int4 path: torch's `_weight_int4pack_mm_for_cpu` on bf16 activations reading the container's bytes as-is
-  (container.py stores its packed layout). Measured here (2 shared cores, 1 thread, GEMV 2048x1024): 0.34 ms vs
-  dense fp32 0.38 ms vs dequantize-then-matmul ~25 ms, so it is the default; `--kernel reference` dequantizes
+  (container.py stores its packed layout). Measured here (2 shared cores, 1 thread, M=1): GEMV 2048x1024 0.34 ms
+  vs dense fp32 0.38 ms; a micro expert's gate_up 2048x2048 (--bench prints it) 0.69-0.89 ms vs fp32 dense
+  1.45-2.33 ms vs dequantize-then-matmul 33-300 ms, so it is the default; `--kernel reference` dequantizes
   then multiplies (the check, and the fallback when torch packs differently). fp32 activations through the
   kernel are ~30x slower than bf16 here, hence bf16 at the matmul only; the residual stream stays fp32.
 - Cache policy: LRU. The smarter policy tried, `--cache-policy lfu` (evict the fewest decayed demands), was
@@ -52,7 +53,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
