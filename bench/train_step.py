@@ -82,16 +82,21 @@ def model_active_matmul_params(model):
 
 
 def time_steps(step_fns, rounds, warmup):
-    """Run each fn in step_fns alternately; returns per-fn lists of seconds (after warmup rounds)."""
+    """Run each fn in step_fns alternately; returns per-fn lists of (wall s, process CPU s) after warm-up.
+    CPU time is printed too: on a shared, oversubscribed box it says what wall time would be on idle cores."""
     times = [[] for _ in step_fns]
     for r in range(warmup + rounds):
         order = range(len(step_fns)) if r % 2 == 0 else reversed(range(len(step_fns)))  # ABBA: no position bias
         for i in order:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             step_fns[i]()
             if r >= warmup:
-                times[i].append(time.perf_counter() - t)
+                times[i].append((time.perf_counter() - t, time.process_time() - c))
     return times
+
+
+def medians(times):
+    return statistics.median(w for w, _ in times), statistics.median(c for _, c in times)
 
 
 def bench_moe_layer(tokens, rounds, warmup, lr=1e-4):
@@ -162,6 +167,25 @@ def bench_model(batch, seq_len, vocab, rounds, warmup, lr=1e-4):
     return times, flops, impl
 
 
+def report(res, key, title, times, flops, n_tokens):
+    (pf_s, pf_c), (hf_s, hf_c) = medians(times[0]), medians(times[1])
+    pf_best, hf_best = min(w for w, _ in times[0]), min(w for w, _ in times[1])
+    res[f"{key}_ratio"] = hf_s / pf_s
+    res[f"{key}_ratio_best"] = hf_best / pf_best
+    res[f"{key}_ratio_cpu_time"] = hf_c / pf_c
+    res[f"{key}_tokens_per_s"] = {"picaflor": n_tokens / pf_s, "transformers": n_tokens / hf_s}
+    res[f"{key}_gflops"] = {"picaflor": flops / pf_s / 1e9, "transformers": flops / hf_s / 1e9}
+    res[f"{key}_gflops_best"] = {"picaflor": flops / pf_best / 1e9, "transformers": flops / hf_best / 1e9}
+    res[f"{key}_cpu_s"] = {"picaflor": pf_c, "transformers": hf_c}
+    print(title + ":")
+    print("    (median wall time per step, then the best round's, then median process CPU time)")
+    for name, s, b, c in (("picaflor", pf_s, pf_best, pf_c), ("transformers", hf_s, hf_best, hf_c)):
+        print(f"    {name:12s} {s * 1e3:8.1f} ms {n_tokens / s:7.0f} tok/s {flops / s / 1e9:6.1f} GFLOP/s | best "
+              f"{b * 1e3:8.1f} ms {flops / b / 1e9:6.1f} GFLOP/s | CPU {c:.2f} s")
+    print(f"    ratio {res[key + '_ratio']:.2f}x (best {res[key + '_ratio_best']:.2f}x, "
+          f"CPU time {res[key + '_ratio_cpu_time']:.2f}x)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,6 +197,7 @@ def main():
     ap.add_argument("--hf-experts", default="default", choices=["default", "eager", "grouped_mm", "batched_mm"],
                     help="transformers' experts_implementation (default: what HYV3ForCausalLM picks)")
     ap.add_argument("--no-malloc-tune", action="store_true", help="skip model.tune_cpu_malloc() (glibc heap reuse)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--json", metavar="OUT", help="write {moe_layer_ratio, model_ratio, gflops, peak_gflops, ...}")
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.quick else 6)
@@ -183,41 +208,34 @@ def main():
     global HF_EXPERTS
     HF_EXPERTS = args.hf_experts
     tuned = False if args.no_malloc_tune else M.tune_cpu_malloc()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
-    print(f"malloc tune {'on' if tuned else 'off'}; torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, rounds {rounds} (+{warmup} warm-up)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, malloc tune {'on' if tuned else 'off'}, "
+          f"{rounds} timed rounds (+{warmup} warm-up), medians")
     peaks = [matmul_peak_gflops()]
     res = {}
 
     times, flops, impl = bench_moe_layer(tokens, rounds, warmup)
     peaks.append(matmul_peak_gflops())
-    pf_s, hf_s = (statistics.median(t) for t in times)
-    res["moe_layer_ratio"] = hf_s / pf_s
-    res["moe_layer_tokens_per_s"] = {"picaflor": tokens / pf_s, "transformers": tokens / hf_s}
-    res["moe_layer_gflops"] = {"picaflor": flops / pf_s / 1e9, "transformers": flops / hf_s / 1e9}
-    print(f"(a) MoE layer, {tokens} tokens, fwd+bwd+AdamW (transformers experts_implementation={impl}):")
-    print(f"    picaflor     {pf_s * 1e3:8.1f} ms  {tokens / pf_s:9.0f} tok/s  {flops / pf_s / 1e9:6.1f} GFLOP/s")
-    print(f"    transformers {hf_s * 1e3:8.1f} ms  {tokens / hf_s:9.0f} tok/s  {flops / hf_s / 1e9:6.1f} GFLOP/s")
-    print(f"    ratio {res['moe_layer_ratio']:.2f}x")
+    report(res, "moe_layer", f"(a) MoE layer, {tokens} tokens, fwd+bwd+AdamW (transformers experts_implementation="
+           f"{impl})", times, flops, tokens)
 
     if not args.skip_model:
         times, flops, impl = bench_model(batch, seq_len, args.vocab, rounds, warmup)
         peaks.append(matmul_peak_gflops())
-        pf_s, hf_s = (statistics.median(t) for t in times)
-        n = batch * seq_len
-        res["model_ratio"] = hf_s / pf_s
-        res["model_tokens_per_s"] = {"picaflor": n / pf_s, "transformers": n / hf_s}
-        res["model_gflops"] = {"picaflor": flops / pf_s / 1e9, "transformers": flops / hf_s / 1e9}
-        print(f"(b) 4-layer nano-width model (vocab {args.vocab}), {batch}x{seq_len} tokens, fwd+bwd+AdamW:")
-        print(f"    picaflor     {pf_s * 1e3:8.1f} ms  {n / pf_s:9.0f} tok/s  {flops / pf_s / 1e9:6.1f} GFLOP/s")
-        print(f"    transformers {hf_s * 1e3:8.1f} ms  {n / hf_s:9.0f} tok/s  {flops / hf_s / 1e9:6.1f} GFLOP/s")
-        print(f"    ratio {res['model_ratio']:.2f}x")
+        report(res, "model", f"(b) 4-layer nano-width model (vocab {args.vocab}), {batch}x{seq_len} tokens, "
+               f"fwd+bwd+AdamW", times, flops, batch * seq_len)
 
     peak = max(peaks)
     res["peak_gflops"] = peak
     res["gflops"] = res["moe_layer_gflops"]["picaflor"]
-    print(f"fp32 matmul peak {peak:.1f} GFLOP/s (best of {len(peaks)} probes); picaflor MoE layer at "
-          f"{100 * res['gflops'] / peak:.0f}% of peak"
-          + (f", whole model at {100 * res['model_gflops']['picaflor'] / peak:.0f}%" if "model_gflops" in res else ""))
+    line = (f"fp32 matmul peak {peak:.1f} GFLOP/s (best of {len(peaks)} probes); picaflor MoE layer at "
+            f"{100 * res['gflops'] / peak:.0f}% of peak (best round {100 * res['moe_layer_gflops_best']['picaflor'] / peak:.0f}%)")
+    if "model_gflops" in res:
+        line += (f", 4-layer model at {100 * res['model_gflops']['picaflor'] / peak:.0f}% "
+                 f"(best round {100 * res['model_gflops_best']['picaflor'] / peak:.0f}%)")
+    print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
