@@ -10,7 +10,9 @@ MODEL is one of
 - a picaflor checkpoint dir `step_NNNNNNN/` or a run dir (its LATEST); tokenizer = the checkpoint's tokenizer.json
   (or --tokenizer). Every encoded text starts with <|bos|> (picaflor documents start with it in training;
   the harness's equivalent is HFLM's add_bos_token=True); an empty context is the <|bos|> token alone.
-- an int4 container file (through stream_infer.load, or container.py's dequantised weights into model.Picaflor);
+- an int4 container file (container.py): its dequantised weights in model.Picaflor, batched like a checkpoint
+  (int4 -> float is exact, so this scores the int4 model), or with --int4-engine through stream_infer.load's
+  Engine (the served kernels and expert streaming, one request at a time);
 - a Hugging Face transformers model dir or Hub repo id (the baselines: EleutherAI/pythia-410m,
   cerebras/Cerebras-GPT-256M, HuggingFaceTB/SmolLM2-360M), tokenised as lm-eval's HFLM does (the tokenizer's
   own special-token default, no BOS added when the text already starts with it; empty context = BOS, else EOS).
@@ -429,13 +431,12 @@ class HFModel:
 
 class EngineModel:
     """An int4 container served by stream_infer's Engine: per-request loglikelihood and greedy generate."""
-    kind = "int4"
+    kind = "int4 (stream_infer engine)"
 
     def __init__(self, engine, tok, name):
         self.engine, self.tok, self.name = engine, tok, name
         self.dtype = "int4"
-        self.max_length = int(getattr(engine, "max_seq_len", None) or getattr(getattr(engine, "cfg", None),
-                                                                              "max_seq_len", 2048))
+        self.max_length = int(getattr(engine, "context", None) or engine.max_seq_len)
         self.prefix_id = tok.bos_id
         self.stop_ids = {tok.bos_id, tok.special_ids.get("<|end|>")} - {None}
         self.generation_settings = {}
@@ -481,7 +482,7 @@ def load_picaflor_tokenizer(path, fallback_dir):
         raise EvalError(str(e)) from None
 
 
-def load_model(spec, device, dtype_name, tokenizer_path=None):
+def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False):
     """MODEL string -> one of the LM kinds above. One-line EvalError when it is none of them."""
     dtype = resolve_dtype(dtype_name, device)
     if os.path.isdir(spec):
@@ -501,7 +502,7 @@ def load_model(spec, device, dtype_name, tokenizer_path=None):
                 lm.generation_settings = shipped_penalties(json.load(f))
         return lm
     if os.path.isfile(spec):
-        return load_int4(spec, device, dtype, tokenizer_path)
+        return load_int4(spec, device, dtype, tokenizer_path, int4_engine)
     if re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", spec) and not spec.startswith((".", "/")):
         return load_hf(spec, device, dtype)
     raise EvalError(f"{spec}: no such file or directory, and not a Hub repo id (owner/name); give a picaflor "
@@ -520,32 +521,54 @@ def load_hf(spec, device, dtype):
     return HFModel(model, tok, spec, device)
 
 
-def load_int4(path, device, dtype, tokenizer_path):
-    tok = load_picaflor_tokenizer(tokenizer_path, os.path.dirname(os.path.abspath(path)))
-    try:
-        import stream_infer
-    except ImportError:
-        stream_infer = None
-    if stream_infer is not None:
-        return EngineModel(stream_infer.load(path, ram_budget=None), tok, path)
+def load_int4(path, device, dtype, tokenizer_path, use_engine=False):
+    """An int4 container: its weights dequantised into model.Picaflor (batched, the same path as checkpoints;
+    int4 -> float is exact, so this scores the int4 model) or, with use_engine, stream_infer's Engine (the
+    kernels and expert streaming a laptop runs; one request at a time)."""
     try:
         import container
     except ImportError:
-        raise EvalError(f"{path}: a file, so an int4 container, but this checkout has neither stream_infer.py nor "
-                        f"container.py to read it; evaluate the checkpoint dir instead") from None
-    c = container.load_container(path)
-    cfg = picaflor.ModelConfig.from_dict(c.model_config if hasattr(c, "model_config") else c.header["model_config"])
+        raise EvalError(f"{path}: a file, so an int4 container, but this checkout has no container.py to read it; "
+                        f"evaluate the checkpoint dir instead") from None
+    try:
+        c = container.load_container(path)
+    except container.ContainerError as e:
+        raise EvalError(f"{path}: not a picaflor checkpoint, HF model dir or readable int4 container ({e})") from None
+    if tokenizer_path or not getattr(c, "tokenizer_json", None):
+        tok = load_picaflor_tokenizer(tokenizer_path, os.path.dirname(os.path.abspath(path)))
+    else:
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:  # the container carries the checkpoint's tokenizer.json
+            with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
+                f.write(c.tokenizer_json)
+            tok = load_picaflor_tokenizer(None, d)
+    if use_engine:
+        import stream_infer
+        try:
+            engine = stream_infer.load(path, ram_budget=None, device=device, context=c.config.max_seq_len)
+        except stream_infer.StreamError as e:
+            raise EvalError(str(e)) from None
+        return EngineModel(engine, tok, path)
+    cfg = c.config
     with torch.device("meta"):
         m = picaflor.Picaflor(cfg)
     m.to_empty(device=device)
-    m.load_state_dict(c.dequantized_state_dict(), strict=False)
+    missing, unexpected = m.load_state_dict(c.dequantized_state_dict(), strict=False)
+    missing = [k for k in missing if not k.endswith("load_accum")]
+    if missing or unexpected:
+        raise EvalError(f"{path}: container tensors do not match its model_config (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]})")
     if cfg.tie_embeddings:
         m.lm_head.weight = m.embed_tokens.weight
+    for moe in m.moe_layers():
+        moe.load_accum.zero_()
     m.to(dtype).eval()
     for moe in m.moe_layers():  # the router and its bias stay fp32 (as model.load_checkpoint keeps them)
         moe.gate.float()
         moe.e_score_correction_bias.data = moe.e_score_correction_bias.data.float()
-    return PicaflorModel(m, tok, path, device)
+    lm = PicaflorModel(m, tok, path, device)
+    lm.kind = "int4 (dequantized)"
+    return lm
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -614,7 +637,9 @@ def shared_prefix_batches(lm, groups, batch_size, max_batch_tokens):
     for g in groups:
         n, w = len(g[1]), len(g[0]) + max(len(c) for _, c in g[1])
         new_len = batch and not lm.pad_mask and len(batch[0][0]) != len(g[0])
-        if batch and (new_len or rows + n > batch_size or (rows + n) * max(width, w) > max_batch_tokens):
+        # batch_size counts questions here (their choices share one context row); the token budget bounds the
+        # continuation pass, whose KV cache holds every choice's copy of its context
+        if batch and (new_len or len(batch) + 1 > batch_size or (rows + n) * max(width, w) > max_batch_tokens):
             yield batch
             batch, rows, width = [], 0, 0
         batch.append(g)
@@ -907,7 +932,12 @@ def parse_args(argv):
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="auto: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json for picaflor/int4 models (default: beside it)")
-    ap.add_argument("--batch-size", type=int, default=32, help="max sequences (questions for shared contexts) per forward")
+    ap.add_argument("--int4-engine", action="store_true",
+                    help="int4 containers: score through stream_infer's Engine (served kernels, one request at a "
+                    "time) instead of the dequantised weights in the batched path")
+    ap.add_argument("--batch-size", type=int, default=32,
+                    help="max sequences per forward; for choices sharing a context: max questions per batch "
+                    "(all their choices run on the shared context's cache, bounded by --max-batch-tokens)")
     ap.add_argument("--max-batch-tokens", type=int, default=32768, help="token budget per batched forward")
     ap.add_argument("--seed", type=int, default=1234, help="for the synthetic tasks (counting, passkey)")
     ap.add_argument("--passkey-lengths", default=None, help="e.g. 4096,8192 (default: 4K doubling to the context)")
@@ -926,7 +956,7 @@ def evaluate(args):
         raise EvalError(f"unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")
     if args.data_dir and not os.path.isdir(args.data_dir):
         raise EvalError(f"{args.data_dir}: --data-dir is not a directory")
-    lm = load_model(args.model, args.device, args.dtype, args.tokenizer)
+    lm = load_model(args.model, args.device, args.dtype, args.tokenizer, args.int4_engine)
     if any(TASKS[t][0] == "generate_until" for t in tasks):
         warn_shipped_settings(lm)
     summary = {"results": {}, "model": args.model, "model_kind": lm.kind, "harness_version": HARNESS_VERSION,

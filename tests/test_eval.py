@@ -305,3 +305,29 @@ def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch):
     assert got == rows
     assert ("allenai/ai2_arc", "ARC-Challenge/test/0000.parquet", "refs/convert/parquet",
             str(tmp_path / "cache")) in calls
+
+
+def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):
+    """An int4 container (container.py) evaluates exactly as a checkpoint holding its dequantised weights."""
+    import checkpoint
+    import container
+    import model as picaflor
+    _, _, data_dir, _ = hf_setup
+    run_dir, _ = make_picaflor_ckpt(tmp_path)
+    path = str(tmp_path / "model.int4")
+    container.write_container(checkpoint.resolve(run_dir), path, group_size=32, progress=False)
+    c = container.load_container(path)
+    m = picaflor.Picaflor(c.config)
+    m.load_state_dict(c.dequantized_state_dict(), strict=False)
+    picaflor.save_checkpoint(m, str(tmp_path / "deq"), 1, tokenizer_file=os.path.join(checkpoint.resolve(run_dir),
+                                                                                      "tokenizer.json"))
+    got = {}
+    for name, spec in (("int4", path), ("deq", str(tmp_path / "deq"))):
+        out = tmp_path / f"out_{name}"
+        assert ev.main([spec, "--tasks", "piqa,lambada_openai", "--data-dir", data_dir, "--device", "cpu",
+                        "--out", str(out), "--bootstrap-iters", "0"]) == 0
+        got[name] = [json.loads(x)["loglikelihoods"] for t in ("piqa", "lambada_openai")
+                     for x in (out / f"{t}.jsonl").read_text().splitlines()]
+        if name == "int4":
+            assert json.loads((out / "summary.json").read_text())["model_kind"] == "int4 (dequantized)"
+    assert max(abs(a - b) for x, y in zip(got["int4"], got["deq"]) for a, b in zip(x, y)) <= 1e-4
