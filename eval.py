@@ -357,7 +357,15 @@ class PicaflorModel:
         return ids if add_special_tokens is False else [self.tok.bos_id] + ids
 
     def decode(self, ids):
-        return self.tok.decode([i for i in ids if i not in self.tok.special_ids.values()])
+        """Specials are dropped; an id no text maps to (reserved 0, unused top ids) shows as U+FFFD."""
+        out, run = [], []
+        for i in ids:
+            if 0 < i < self.tok.bos_id:  # ordinary ids: bytes and merges
+                run.append(i)
+            elif i not in self.tok.special_ids.values():
+                out += [self.tok.decode(run), "\ufffd"]
+                run = []
+        return "".join(out) + self.tok.decode(run)
 
     def run(self, ids, cache=None):
         """Hidden states (B, T, D) after the final norm: the model's forward with its lm_head set aside."""

@@ -144,7 +144,7 @@ def test_parity_picaflor_checkpoint_with_lm_eval(hf_setup, tmp_path):
     import model as picaflor
     _, _, data_dir, yaml_dir = hf_setup
     run_dir, tok = make_picaflor_ckpt(tmp_path)
-    tasks = ["lambada_openai", "piqa", "winogrande", "arc_easy", "hellaswag"]
+    tasks = ["lambada_openai", "piqa", "winogrande", "hellaswag"]
     ref = es.run_lm_eval(NaiveLM(picaflor.load_checkpoint(run_dir), tok), yaml_dir, tasks, bootstrap_iters=BOOT)
     out = tmp_path / "out"
     assert ev.main([run_dir, "--tasks", ",".join(tasks), "--data-dir", data_dir, "--device", "cpu",
@@ -240,6 +240,8 @@ def test_passkey_reported_per_length(tmp_path):
         assert r["target"] in r["prompt"] and len(r["target"]) == 5
     # default lengths: 4K doubling up to the context, and the context itself when it is below 4K
     lm = ev.load_model(run_dir, "cpu", "float32")
+    # a model may emit ids no text maps to (reserved 0, unused top ids): shown as U+FFFD, specials dropped
+    assert lm.decode([0, 72, tok.bos_id, 0]) == "\ufffd" + tok.decode([72]) + "\ufffd"
     assert ev.passkey_lengths(lm, None) == [1024]
     lm.max_length = 10000
     assert ev.passkey_lengths(lm, None) == [4096, 8192, 10000]
@@ -322,12 +324,14 @@ def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):
     picaflor.save_checkpoint(m, str(tmp_path / "deq"), 1, tokenizer_file=os.path.join(checkpoint.resolve(run_dir),
                                                                                       "tokenizer.json"))
     got = {}
-    for name, spec in (("int4", path), ("deq", str(tmp_path / "deq"))):
+    for name, argv in (("int4", [path]), ("deq", [str(tmp_path / "deq")]), ("engine", [path, "--int4-engine"])):
         out = tmp_path / f"out_{name}"
-        assert ev.main([spec, "--tasks", "piqa,lambada_openai", "--data-dir", data_dir, "--device", "cpu",
-                        "--out", str(out), "--bootstrap-iters", "0"]) == 0
+        assert ev.main(argv + ["--tasks", "piqa,lambada_openai", "--data-dir", data_dir, "--device", "cpu",
+                               "--limit", "4", "--out", str(out), "--bootstrap-iters", "0"]) == 0
         got[name] = [json.loads(x)["loglikelihoods"] for t in ("piqa", "lambada_openai")
                      for x in (out / f"{t}.jsonl").read_text().splitlines()]
-        if name == "int4":
-            assert json.loads((out / "summary.json").read_text())["model_kind"] == "int4 (dequantized)"
+        kind = json.loads((out / "summary.json").read_text())["model_kind"]
+        assert kind == {"int4": "int4 (dequantized)", "deq": "picaflor", "engine": "int4 (stream_infer engine)"}[name]
     assert max(abs(a - b) for x, y in zip(got["int4"], got["deq"]) for a, b in zip(x, y)) <= 1e-4
+    # stream_infer's Engine (int4 kernels, one request at a time) agrees up to its kernels' rounding
+    assert all(abs(a - b) <= 1e-3 * abs(a) + 1e-2 for x, y in zip(got["int4"], got["engine"]) for a, b in zip(x, y))
