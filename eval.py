@@ -32,8 +32,11 @@ Speed (the scoring is exact, these only change what is computed together):
 - requests sorted by length and batched under a token budget, right-padded (causal models: padding after a
   sequence cannot change it);
 - a question's choices that share one context run the context once; its KV cache is repeated per choice and
-  only the continuations run on it (contexts of equal token length batch together, so no padding is needed);
-- the output head runs only on positions whose log-likelihood is read, not on the whole sequence.
+  only the continuations run on it (HF models: contexts of similar length left-padded with an attention mask
+  and position ids; picaflor, whose forward takes no mask: contexts of one token length per batch);
+- the output head and the fp32 log-softmax run only on positions whose log-likelihood is read (the harness
+  runs them on every position, in the model's dtype).
+bench/eval_speed.py measures this against lm-eval's HFLM on the same model and data, with identical metrics.
 
 Data: downloaded from the Hub with huggingface_hub (the dataset's auto-converted parquet branch
 `refs/convert/parquet`, else parquet/jsonl files on main) into --cache-dir; or --data-dir DIR with one file per
@@ -70,8 +73,9 @@ import model as picaflor
 HARNESS_VERSION = "lm-evaluation-harness v0.4.x task definitions (checked against lm-eval 0.4.13)"
 BOOTSTRAP_ITERS = 100000  # the harness's default for bootstrapped stderrs (perplexity)
 MAX_GEN_TOKS = 256  # the harness's default max_gen_toks
-PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size",
-                "encoder_repetition_penalty", "length_penalty", "do_sample", "temperature", "top_k", "top_p")
+# generation settings a model may ship that change greedy outputs, with their neutral values
+NEUTRAL_SETTINGS = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0, "no_repeat_ngram_size": 0, "do_sample": False}
 
 
 class EvalError(Exception):
@@ -458,9 +462,7 @@ def shipped_penalties(gen_cfg):
     if gen_cfg is None:
         return {}
     d = gen_cfg if isinstance(gen_cfg, dict) else gen_cfg.to_dict()
-    neutral = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
-               "presence_penalty": 0.0, "frequency_penalty": 0.0, "no_repeat_ngram_size": 0, "do_sample": False}
-    return {k: d[k] for k in PENALTY_KEYS if k in d and d[k] is not None and k in neutral and d[k] != neutral[k]}
+    return {k: d[k] for k, v in NEUTRAL_SETTINGS.items() if d.get(k) is not None and d[k] != v}
 
 
 def warn_shipped_settings(lm):
