@@ -335,3 +335,19 @@ def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):
     assert max(abs(a - b) for x, y in zip(got["int4"], got["deq"]) for a, b in zip(x, y)) <= 1e-4
     # stream_infer's Engine (int4 kernels, one request at a time) agrees up to its kernels' rounding
     assert all(abs(a - b) <= 1e-3 * abs(a) + 1e-2 for x, y in zip(got["int4"], got["engine"]) for a, b in zip(x, y))
+
+
+def test_cli_end_to_end(hf_setup, tmp_path):
+    """The script as a user runs it: outputs on success; on bad input exit 2 with one stderr line, no traceback."""
+    import subprocess
+    _, model_dir, data_dir, _ = hf_setup
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), model_dir, "--tasks", "piqa,winogrande",
+                        "--limit", "3", "--data-dir", data_dir, "--device", "cpu", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| piqa | acc |" in r.stdout and "| winogrande | acc |" in r.stdout
+    assert {p.name for p in out.iterdir()} == {"piqa.jsonl", "winogrande.jsonl", "summary.json", "results.md"}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), model_dir, "--tasks", "piqa", "--data-dir",
+                        str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--data-dir is not a directory" in r.stderr
