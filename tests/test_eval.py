@@ -351,3 +351,17 @@ def test_cli_end_to_end(hf_setup, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), model_dir, "--tasks", "piqa", "--data-dir",
                         str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--data-dir is not a directory" in r.stderr
+
+
+def test_encode_pair_as_harness(hf_setup):
+    """Empty context -> the prefix token (BOS/EOS) alone; trailing context spaces move into the continuation."""
+    from lm_eval.models.huggingface import HFLM
+    _, model_dir, _, _ = hf_setup
+    lm = ev.load_model(model_dir, "cpu", "float32")
+    ref = HFLM(pretrained=model_dir, device="cpu", batch_size=1, dtype="float32")
+    pairs = [("", " the dog runs"), ("the cat  ", "sees the dog"), ("Question: a b?\nAnswer:", " c d")]
+    for ctx, cont in pairs:
+        got = ev.encode_pair(lm, ctx, cont, {})
+        want = ref._encode_pair(ctx, cont) if ctx else ([ref.prefix_token_id], ref.tok_encode(cont, add_special_tokens=False))
+        assert (list(got[0]), list(got[1])) == (list(want[0]), list(want[1])), (ctx, cont)
+    assert ev.encode_pair(lm, "", " the dog runs", {})[0] == [lm.prefix_id]
