@@ -2,29 +2,32 @@
 Training-step throughput: picaflor vs transformers' HYV3ForCausalLM (the reference implementation of the same
 architecture), on this machine's CPU, in fp32.
 
-One "step" = forward + backward + AdamW step, with the same config, the same weights and the same batch for
-both implementations, alternated A B A B ... in one process so that machine noise (other jobs on shared cores)
-hits both alike; figures are medians over the rounds.
+One "step" = forward + backward + AdamW step (fused AdamW, the fast one on CPU, for both), with the same config,
+the same weights and the same batch, alternated A B B A ... in one process so that machine noise (other jobs on
+shared cores) hits both alike. The transformers modules are handed picaflor's very Parameter objects, so the
+weights are identical by construction and exist once in memory (one optimizer steps them).
 
   (a) the MoE layer alone at nano width: d_model 1024, 64 experts x 512, top-2, shared width 2048, 2048 tokens
-      (input (1, 2048, 1024) with requires_grad, a fixed random upstream gradient);
+      (input (1, 2048, 1024) with requires_grad, a fixed random upstream gradient). transformers' HYV3MoE is
+      taken out of an HYV3ForCausalLM, so it runs the experts_implementation that model picks by default
+      (grouped_mm, i.e. torch._grouped_mm like picaflor, in transformers 5.24 + torch 2.13), and also, unless
+      --no-eager, with experts_implementation="eager" (HYV3's own per-expert loop, what an HYV3MoE built on its
+      own runs).
   (b) a 4-layer nano-width model (1 dense + 3 MoE layers, 16 heads / 4 kv heads, dense ffn 4096) on a batch
-      of 2 x 1024 tokens with an LM loss. Vocab 8192 by default (--vocab), not nano's 32768, to keep two
-      models' weights, grads and AdamW states within a shared 2-core box's memory; the lm_head is then ~3% of
-      the active matmul work instead of ~11%.
+      of 2 x 1024 tokens with an LM loss. Vocab 8192 by default (--vocab), not nano's 32768, to keep memory
+      small on a shared box; the lm_head is then ~3% of the active matmul work instead of ~11%.
 
-FLOPs are active-parameter FLOPs: 6 * N_active per token for forward + backward (Kaplan et al. 2020,
-arXiv 2001.08361 sec. 2.1), where N_active counts the matmul weights a token touches (router, top_k routed
-experts, shared expert, attention, dense FFN, lm_head; no embedding lookup, no norms); attention's
-sequence-length term is left out. Peak = the best of several fp32 (2048 x 2048) @ (2048 x 2048) matmuls timed
-in this same run.
+Figures per implementation: median wall time per step (what the issue asks), the best round (closest to an idle
+machine), and median process CPU time. FLOPs are active-parameter FLOPs: 6 * N_active per token for forward +
+backward (Kaplan et al. 2020, arXiv 2001.08361 sec. 2.1), N_active = the matmul weights a token touches (router,
+top_k routed experts, shared expert, attention, dense FFN, lm_head; no embedding lookup, no norms; attention's
+sequence-length term left out). Peak = the best of several fp32 2048^3 matmuls timed in this same run.
+model.tune_cpu_malloc() is applied (process-wide, so to both) unless --no-malloc-tune, and OMP_WAIT_POLICY is
+PASSIVE unless set otherwise or --omp-spin (both help either implementation alike on a shared CPU).
 
-transformers runs with its defaults (experts_implementation as HYV3ForCausalLM picks it, sdpa attention);
-the script prints which.
-
-    python bench/train_step.py                 # full run (a few minutes on 2 cores)
+    python bench/train_step.py                 # full run (~10 min on 2 busy cores)
     python bench/train_step.py --quick         # short smoke run
-    python bench/train_step.py --json out.json
+    python bench/train_step.py --json out.json # {"moe_layer_ratio", "model_ratio", "gflops", "peak_gflops", ...}
 """
 
 import argparse
@@ -34,7 +37,13 @@ import statistics
 import sys
 import time
 
-import torch
+# OpenMP threads that spin while waiting for work burn the cores other jobs need, and on a shared, busy box they
+# made a nano-width MoE step 2x slower in wall time (5x in CPU time); sleeping waiters avoid that. libgomp reads
+# this when torch loads it, so it is set before the import; --omp-spin keeps the OpenMP default.
+if "--omp-spin" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
@@ -58,14 +67,24 @@ def matmul_peak_gflops(n=2048, reps=8):
     return 2 * n ** 3 / best / 1e9
 
 
-HF_EXPERTS = "default"
-
-
-def hf_model(cfg):
+def hf_model(cfg, experts="default"):
+    """HYV3ForCausalLM as transformers builds it; experts="default" keeps its own experts_implementation choice."""
     import transformers
     hc = transformers.HYV3Config(**M.to_hf_config(cfg))
-    kw = {} if HF_EXPERTS == "default" else {"experts_implementation": HF_EXPERTS}
+    kw = {} if experts == "default" else {"experts_implementation": experts}
     return transformers.HYV3ForCausalLM._from_config(hc, **kw)
+
+
+def share_parameters(pf, hf, hf_name=lambda n: n):
+    """Make hf use pf's very Parameter objects (and selection-bias buffers): same weights by construction, one
+    AdamW serves both, and weights, grads and optimizer state exist once in memory."""
+    for name, p in pf.named_parameters():
+        parent, _, leaf = hf_name(name).rpartition(".")
+        setattr(hf.get_submodule(parent), leaf, p)
+    for name, b in pf.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            parent, _, leaf = hf_name(name).rpartition(".")
+            setattr(hf.get_submodule(parent), leaf, b)
 
 
 def moe_active_params(cfg):
@@ -75,10 +94,8 @@ def moe_active_params(cfg):
 
 
 def model_active_matmul_params(model):
-    c = model.cfg
     n = model.active_params(include_embedding=False)
-    n -= sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
-    return n
+    return n - sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
 
 
 def time_steps(step_fns, rounds, warmup):
@@ -95,55 +112,47 @@ def time_steps(step_fns, rounds, warmup):
     return times
 
 
-def medians(times):
-    return statistics.median(w for w, _ in times), statistics.median(c for _, c in times)
-
-
-def bench_moe_layer(tokens, rounds, warmup, lr=1e-4):
+def bench_moe_layer(tokens, rounds, warmup, hf_variants, lr=1e-4):
+    """(a): picaflor's MoE block vs HYV3MoE taken from HYV3ForCausalLM (one per experts_implementation)."""
     cfg = nano_width_config(n_layer=2, vocab_size=256)
-    hf = hf_model(cfg)
-    hf_moe = hf.model.layers[1].mlp
-    impl = hf.config._experts_implementation
     torch.manual_seed(0)
-    with torch.no_grad():  # HF's own init for experts is N(0, 0.02) everywhere; use a realistic picaflor init
-        for p in hf_moe.parameters():
-            p.normal_(0.0, 0.02)
     pf_moe = M.MoE(cfg)
-    pf_moe.load_state_dict({k: v for k, v in hf_moe.state_dict().items()}, strict=False)
-    del hf
-    pf_moe.train(), hf_moe.train()
+    with torch.no_grad():  # picaflor's init: N(0, 0.02), zero bias
+        for p in pf_moe.parameters():
+            p.normal_(0.0, 0.02)
+    names, mods = ["picaflor"], [pf_moe]
+    for experts in hf_variants:
+        hf = hf_model(cfg, experts)
+        hf_moe = hf.model.layers[1].mlp  # keeps the HF config (and so its experts_implementation) it was built with
+        share_parameters(pf_moe, hf_moe)
+        names.append(f"transformers[{hf.config._experts_implementation}]")
+        mods.append(hf_moe)
+        del hf
+    opt = torch.optim.AdamW(pf_moe.parameters(), lr=lr, fused=True)  # fused: one pass over the weights on CPU
     x0 = torch.randn(1, tokens, cfg.d_model)
-    gy = torch.randn(1, tokens, cfg.d_model)
-    opts = [torch.optim.AdamW(m.parameters(), lr=lr, fused=True) for m in (pf_moe, hf_moe)]
+    gy = torch.randn(1, tokens, cfg.d_model)  # a fixed upstream gradient
 
-    def make_step(m, opt):
+    def make_step(m):
         def step():
             x = x0.clone().requires_grad_(True)
-            y = m(x)
-            y.backward(gy)
+            m(x).backward(gy)
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
 
-    times = time_steps([make_step(pf_moe, opts[0]), make_step(hf_moe, opts[1])], rounds, warmup)
-    flops = 6 * moe_active_params(cfg) * tokens
-    return times, flops, impl
+    for m in mods:
+        m.train()
+    times = time_steps([make_step(m) for m in mods], rounds, warmup)
+    return names, times, 6 * moe_active_params(cfg) * tokens
 
 
-def bench_model(batch, seq_len, vocab, rounds, warmup, lr=1e-4):
+def bench_model(batch, seq_len, vocab, rounds, warmup, hf_experts, lr=1e-4):
+    """(b): a 4-layer nano-width model, LM loss on a fixed random batch."""
     cfg = nano_width_config(n_layer=4, vocab_size=vocab)
     torch.manual_seed(0)
     pf = M.Picaflor(cfg)
-    hf = hf_model(cfg)
-    impl = hf.config._experts_implementation
-    # the HF model takes picaflor's very Parameter objects: same weights, and one AdamW serves both, which
-    # halves the memory (weights, grads and optimizer state exist once)
-    for name, p in pf.named_parameters():
-        parent, leaf = M.hf_name(name).rsplit(".", 1)
-        setattr(hf.get_submodule(parent), leaf, p)
-    for m_pf, layer in zip(pf.layers, hf.model.layers):
-        if m_pf.is_moe:
-            layer.mlp.e_score_correction_bias = m_pf.mlp.e_score_correction_bias
+    hf = hf_model(cfg, hf_experts)
+    share_parameters(pf, hf, M.hf_name)
     pf.train(), hf.train()
     opt = torch.optim.AdamW(pf.parameters(), lr=lr, fused=True)
     idx = torch.randint(1, vocab, (batch, seq_len + 1))
@@ -155,35 +164,44 @@ def bench_model(batch, seq_len, vocab, rounds, warmup, lr=1e-4):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def hf_step():
-        loss = hf(input_ids=inp, labels=None, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(loss.float().view(-1, vocab), tgt.reshape(-1))
+    def hf_step():  # the same loss as picaflor's (fp32 cross-entropy over all positions)
+        logits = hf(input_ids=inp, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), tgt.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     times = time_steps([pf_step, hf_step], rounds, warmup)
-    flops = 6 * model_active_matmul_params(pf) * batch * seq_len
-    return times, flops, impl
+    names = ["picaflor", f"transformers[{hf.config._experts_implementation}]"]
+    return names, times, 6 * model_active_matmul_params(pf) * batch * seq_len
 
 
-def report(res, key, title, times, flops, n_tokens):
-    (pf_s, pf_c), (hf_s, hf_c) = medians(times[0]), medians(times[1])
-    pf_best, hf_best = min(w for w, _ in times[0]), min(w for w, _ in times[1])
-    res[f"{key}_ratio"] = hf_s / pf_s
-    res[f"{key}_ratio_best"] = hf_best / pf_best
-    res[f"{key}_ratio_cpu_time"] = hf_c / pf_c
-    res[f"{key}_tokens_per_s"] = {"picaflor": n_tokens / pf_s, "transformers": n_tokens / hf_s}
-    res[f"{key}_gflops"] = {"picaflor": flops / pf_s / 1e9, "transformers": flops / hf_s / 1e9}
-    res[f"{key}_gflops_best"] = {"picaflor": flops / pf_best / 1e9, "transformers": flops / hf_best / 1e9}
-    res[f"{key}_cpu_s"] = {"picaflor": pf_c, "transformers": hf_c}
-    print(title + ":")
-    print("    (median wall time per step, then the best round's, then median process CPU time)")
-    for name, s, b, c in (("picaflor", pf_s, pf_best, pf_c), ("transformers", hf_s, hf_best, hf_c)):
-        print(f"    {name:12s} {s * 1e3:8.1f} ms {n_tokens / s:7.0f} tok/s {flops / s / 1e9:6.1f} GFLOP/s | best "
+def medians(times):
+    return statistics.median(w for w, _ in times), statistics.median(c for _, c in times)
+
+
+def report(res, key, title, names, times, flops, n_tokens):
+    """Print each implementation's figures; res gets {key}_ratio (vs the first transformers variant: its
+    default), {key}_ratio_<impl> for any others, and per-implementation tokens/s and GFLOP/s."""
+    print(title + ":  (median wall time per step | the best round | median process CPU time)")
+    stats = []
+    for name, t in zip(names, times):
+        s, c = medians(t)
+        b = min(w for w, _ in t)
+        stats.append((s, b, c))
+        print(f"    {name:26s} {s * 1e3:8.1f} ms {n_tokens / s:7.0f} tok/s {flops / s / 1e9:6.1f} GFLOP/s | "
               f"{b * 1e3:8.1f} ms {flops / b / 1e9:6.1f} GFLOP/s | CPU {c:.2f} s")
-    print(f"    ratio {res[key + '_ratio']:.2f}x (best {res[key + '_ratio_best']:.2f}x, "
-          f"CPU time {res[key + '_ratio_cpu_time']:.2f}x)")
+        res.setdefault(f"{key}_tokens_per_s", {})[name] = n_tokens / s
+        res.setdefault(f"{key}_gflops", {})[name] = flops / s / 1e9
+        res.setdefault(f"{key}_gflops_best", {})[name] = flops / b / 1e9
+        res.setdefault(f"{key}_cpu_s", {})[name] = c
+    (pf_s, pf_b, pf_c) = stats[0]
+    for i, ((s, b, c), name) in enumerate(zip(stats[1:], names[1:])):
+        suffix = "" if i == 0 else "_" + name.split("[")[1].rstrip("]")
+        res[f"{key}_ratio{suffix}"] = s / pf_s
+        res[f"{key}_ratio{suffix}_best"] = b / pf_b
+        res[f"{key}_ratio{suffix}_cpu_time"] = c / pf_c
+        print(f"    picaflor vs {name}: {s / pf_s:.2f}x (best rounds {b / pf_b:.2f}x, CPU time {c / pf_c:.2f}x)")
 
 
 def main():
@@ -195,9 +213,12 @@ def main():
     ap.add_argument("--vocab", type=int, default=8192, help="vocab of the 4-layer model (default 8192)")
     ap.add_argument("--skip-model", action="store_true", help="only the MoE layer")
     ap.add_argument("--hf-experts", default="default", choices=["default", "eager", "grouped_mm", "batched_mm"],
-                    help="transformers' experts_implementation (default: what HYV3ForCausalLM picks)")
+                    help="transformers' experts_implementation in (b) (default: what HYV3ForCausalLM picks)")
+    ap.add_argument("--no-eager", action="store_true",
+                    help="in (a), skip the extra comparison with transformers' eager per-expert loop")
     ap.add_argument("--no-malloc-tune", action="store_true", help="skip model.tune_cpu_malloc() (glibc heap reuse)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument("--omp-spin", action="store_true", help="keep OpenMP's default wait policy (default: PASSIVE)")
     ap.add_argument("--json", metavar="OUT", help="write {moe_layer_ratio, model_ratio, gflops, peak_gflops, ...}")
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.quick else 6)
@@ -205,33 +226,33 @@ def main():
     tokens = 512 if args.quick else args.tokens
     batch, seq_len = (1, 512) if args.quick else (2, 1024)
     torch.manual_seed(0)
-    global HF_EXPERTS
-    HF_EXPERTS = args.hf_experts
     tuned = False if args.no_malloc_tune else M.tune_cpu_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, malloc tune {'on' if tuned else 'off'}, "
-          f"{rounds} timed rounds (+{warmup} warm-up), medians")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, "
+          f"malloc tune {'on' if tuned else 'off'}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+          f"{rounds} timed rounds (+{warmup} warm-up), alternated")
     peaks = [matmul_peak_gflops()]
     res = {}
 
-    times, flops, impl = bench_moe_layer(tokens, rounds, warmup)
+    hf_variants = ["default"] + ([] if args.no_eager else ["eager"])
+    names, times, flops = bench_moe_layer(tokens, rounds, warmup, hf_variants)
     peaks.append(matmul_peak_gflops())
-    report(res, "moe_layer", f"(a) MoE layer, {tokens} tokens, fwd+bwd+AdamW (transformers experts_implementation="
-           f"{impl})", times, flops, tokens)
+    report(res, "moe_layer", f"(a) MoE layer, {tokens} tokens, fwd+bwd+AdamW", names, times, flops, tokens)
 
     if not args.skip_model:
-        times, flops, impl = bench_model(batch, seq_len, args.vocab, rounds, warmup)
+        names, times, flops = bench_model(batch, seq_len, args.vocab, rounds, warmup, args.hf_experts)
         peaks.append(matmul_peak_gflops())
         report(res, "model", f"(b) 4-layer nano-width model (vocab {args.vocab}), {batch}x{seq_len} tokens, "
-               f"fwd+bwd+AdamW", times, flops, batch * seq_len)
+               f"fwd+bwd+AdamW", names, times, flops, batch * seq_len)
 
     peak = max(peaks)
     res["peak_gflops"] = peak
     res["gflops"] = res["moe_layer_gflops"]["picaflor"]
+    res["model_ratio"] = res.get("model_ratio")
+    best = res["moe_layer_gflops_best"]["picaflor"]
     line = (f"fp32 matmul peak {peak:.1f} GFLOP/s (best of {len(peaks)} probes); picaflor MoE layer at "
-            f"{100 * res['gflops'] / peak:.0f}% of peak (best round {100 * res['moe_layer_gflops_best']['picaflor'] / peak:.0f}%)")
+            f"{100 * res['gflops'] / peak:.0f}% of peak (best round {100 * best / peak:.0f}%)")
     if "model_gflops" in res:
         line += (f", 4-layer model at {100 * res['model_gflops']['picaflor'] / peak:.0f}% "
                  f"(best round {100 * res['model_gflops_best']['picaflor'] / peak:.0f}%)")
