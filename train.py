@@ -546,12 +546,19 @@ def main(argv):
     g = {k: globals()[k] for k in _CONFIG_KEYS}
     flags = {"--replan": False}
     rest = []
-    for a in argv:
+    args = list(argv)
+    while args:
+        a = args.pop(0)
         if a in ("-h", "--help"):
             print(configurator.help_text(g, __doc__, "train.py"))
             return
         if a in flags:
             flags[a] = True
+        elif a == "--mirror" or a.startswith("--mirror="):  # --mirror DIR is --mirror_dir=DIR
+            d = a.partition("=")[2] or (args.pop(0) if args else "")
+            if not d:
+                die("usage: --mirror DIR")
+            rest.append(f"--mirror_dir={d}")
         else:
             rest.append(a)
     if rest[:1] == ["--status"] or (rest and rest[0].startswith("--status")):

@@ -219,3 +219,14 @@ def test_twenty_random_sigkills_end_bitwise_equal(data_root, tmp_path):
     a, b = load_checkpoint(straight), load_checkpoint(out)
     for (n, ta), (_, tb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(ta, tb), n
+
+
+def test_mirror_keeps_logs_and_newest_checkpoint_elsewhere(data_root, tmp_path):
+    out, mirror = str(tmp_path / "run"), str(tmp_path / "mirror")
+    r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1",
+               "--eval_interval=100", "--ckpt_interval=2", "--mirror", mirror])
+    assert r.returncode == 0, r.stderr
+    assert open(os.path.join(mirror, "metrics.jsonl")).read() == open(os.path.join(out, "metrics.jsonl")).read()
+    newest = os.path.basename(checkpoint.latest_valid(out))
+    assert checkpoint.is_valid(os.path.join(mirror, newest))
+    assert load_checkpoint(mirror) is not None
