@@ -210,6 +210,8 @@ def grouped_mm_ok(x, w):
     """torch._grouped_mm covers fp32/bf16 on CPU and bf16 on CUDA (sm90+); else the padded-bmm path."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # its meta (compile-time) kernel takes bf16 only (torch 2.13)
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16)
     if x.device.type == "cuda":
