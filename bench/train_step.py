@@ -12,7 +12,7 @@ weights are identical by construction and exist once in memory (one optimizer st
       taken out of an HYV3ForCausalLM, so it runs the experts_implementation that model picks by default
       (grouped_mm, i.e. torch._grouped_mm like picaflor, in transformers 5.24 + torch 2.13), and also, unless
       --no-eager, with experts_implementation="eager" (HYV3's own per-expert loop, what an HYV3MoE built on its
-      own runs).
+      own runs). (b) compares the same two transformers variants.
   (b) a 4-layer nano-width model (1 dense + 3 MoE layers, 16 heads / 4 kv heads, dense ffn 4096) on a batch
       of 2 x 1024 tokens with an LM loss. Vocab 8192 by default (--vocab), not nano's 32768, to keep memory
       small on a shared box; the lm_head is then ~3% of the active matmul work instead of ~11%.
@@ -146,14 +146,17 @@ def bench_moe_layer(tokens, rounds, warmup, hf_variants, lr=1e-4):
     return names, times, 6 * moe_active_params(cfg) * tokens
 
 
-def bench_model(batch, seq_len, vocab, rounds, warmup, hf_experts, lr=1e-4):
+def bench_model(batch, seq_len, vocab, rounds, warmup, hf_variants, lr=1e-4):
     """(b): a 4-layer nano-width model, LM loss on a fixed random batch."""
     cfg = nano_width_config(n_layer=4, vocab_size=vocab)
     torch.manual_seed(0)
     pf = M.Picaflor(cfg)
-    hf = hf_model(cfg, hf_experts)
-    share_parameters(pf, hf, M.hf_name)
-    pf.train(), hf.train()
+    names, models = ["picaflor"], [pf]
+    for experts in hf_variants:
+        hf = hf_model(cfg, experts)
+        share_parameters(pf, hf, M.hf_name)
+        names.append(f"transformers[{hf.config._experts_implementation}]")
+        models.append(hf)
     opt = torch.optim.AdamW(pf.parameters(), lr=lr, fused=True)
     idx = torch.randint(1, vocab, (batch, seq_len + 1))
     inp, tgt = idx[:, :-1], idx[:, 1:]
@@ -164,15 +167,18 @@ def bench_model(batch, seq_len, vocab, rounds, warmup, hf_experts, lr=1e-4):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def hf_step():  # the same loss as picaflor's (fp32 cross-entropy over all positions)
-        logits = hf(input_ids=inp, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), tgt.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def make_hf_step(hf):
+        def step():  # the same loss as picaflor's (fp32 cross-entropy over all positions)
+            logits = hf(input_ids=inp, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), tgt.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
 
-    times = time_steps([pf_step, hf_step], rounds, warmup)
-    names = ["picaflor", f"transformers[{hf.config._experts_implementation}]"]
+    for m in models:
+        m.train()
+    times = time_steps([pf_step] + [make_hf_step(hf) for hf in models[1:]], rounds, warmup)
     return names, times, 6 * model_active_matmul_params(pf) * batch * seq_len
 
 
@@ -207,21 +213,19 @@ def report(res, key, title, names, times, flops, n_tokens):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="few rounds, fewer tokens: a smoke run (~1 min)")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per implementation (default 6, quick 2)")
+    ap.add_argument("--quick", action="store_true", help="2 rounds, 512 tokens: a smoke run (a few minutes)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per implementation (default 5, quick 2)")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per step for the MoE layer (default 2048)")
     ap.add_argument("--vocab", type=int, default=8192, help="vocab of the 4-layer model (default 8192)")
     ap.add_argument("--skip-model", action="store_true", help="only the MoE layer")
-    ap.add_argument("--hf-experts", default="default", choices=["default", "eager", "grouped_mm", "batched_mm"],
-                    help="transformers' experts_implementation in (b) (default: what HYV3ForCausalLM picks)")
     ap.add_argument("--no-eager", action="store_true",
-                    help="in (a), skip the extra comparison with transformers' eager per-expert loop")
+                    help="skip the extra comparison with transformers' eager per-expert loop")
     ap.add_argument("--no-malloc-tune", action="store_true", help="skip model.tune_cpu_malloc() (glibc heap reuse)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--omp-spin", action="store_true", help="keep OpenMP's default wait policy (default: PASSIVE)")
     ap.add_argument("--json", metavar="OUT", help="write {moe_layer_ratio, model_ratio, gflops, peak_gflops, ...}")
     args = ap.parse_args()
-    rounds = args.rounds or (2 if args.quick else 6)
+    rounds = args.rounds or (2 if args.quick else 5)
     warmup = 1
     tokens = 512 if args.quick else args.tokens
     batch, seq_len = (1, 512) if args.quick else (2, 1024)
@@ -241,7 +245,7 @@ def main():
     report(res, "moe_layer", f"(a) MoE layer, {tokens} tokens, fwd+bwd+AdamW", names, times, flops, tokens)
 
     if not args.skip_model:
-        names, times, flops = bench_model(batch, seq_len, args.vocab, rounds, warmup, args.hf_experts)
+        names, times, flops = bench_model(batch, seq_len, args.vocab, rounds, warmup, hf_variants)
         peaks.append(matmul_peak_gflops())
         report(res, "model", f"(b) 4-layer nano-width model (vocab {args.vocab}), {batch}x{seq_len} tokens, "
                f"fwd+bwd+AdamW", names, times, flops, batch * seq_len)
