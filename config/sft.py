@@ -9,7 +9,7 @@
 #   python data/smoltalk/prepare.py --tokenizer out/nano   # rows of 2048
 #   python train.py config/sft.py --finetune_from=out/nano --out_dir=out/nano_sft --device=cuda --dtype=bfloat16 \
 #       --compile=True --seq_len=2048 --batch_size=16 --grad_accum=2 --learning_rate=1e-4 --min_lr=1e-5 \
-#       "--stages=[dict(name='warmup', steps=50, lr_phase='warmup'), dict(name='stable', steps=1150, lr_phase='stable'), dict(name='decay', steps=300, lr_phase='decay')]" \
+#       "--stages=[{'name': 'warmup', 'steps': 50, 'lr_phase': 'warmup'}, {'name': 'stable', 'steps': 1150, 'lr_phase': 'stable'}, {'name': 'decay', 'steps': 300, 'lr_phase': 'decay'}]" \
 #       --eval_interval=100 --eval_iters=40 --ckpt_interval=250 --keep_last=6
 #   (16 x 2048 x 2 = 65,536 tokens per update, 1,500 updates = ~98M tokens; a checkpoint every 250 updates, all
 #   six kept, so `chat.py pick` can compare them: the lowest val loss is not always the best chat model.)
