@@ -27,11 +27,12 @@ Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each
 and the newest checkpoint elsewhere. Documents are never cut (shards pack them whole), so no token is dropped.
 """
 
+import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep instead of spinning (2x wall on shared CPUs)
 import base64
 import errno
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -714,7 +715,7 @@ def main(argv):
                          f"{gib(parts['activations'])}) and raise grad_accum, shorten seq_len, or use more GPUs (torchrun)")
     groups = param_groups(model, layer_origin, cfg)
     opt = torch.optim.AdamW([{k: v for k, v in gr.items() if k != "names"} for gr in groups], lr=cfg["learning_rate"],
-                            betas=(cfg["beta1"], cfg["beta2"]), fused=device_type == "cuda")
+                            betas=(cfg["beta1"], cfg["beta2"]), fused=True)  # fused on CPU too: ~14x faster step there
     if opt_sd is not None:
         opt.load_state_dict(opt_sd)
     if state is not None and "rng" in state:
