@@ -970,7 +970,7 @@ def main(argv=None):
     ap.add_argument("--plot", help="PNG path for --sweep (default: next to --json, or sweep.png)")
     ap.add_argument("--llamacpp-json", default="bench/vs_llamacpp.json",
                     help="llama.cpp figures from bench/vs_llamacpp.py to draw beside the sweep")
-    ap.add_argument("--chat", action="store_true", help="chat mode (not yet)")
+    ap.add_argument("--chat", action="store_true", help="multi-turn chat at the terminal (chat.py; history kept in the KV cache)")
     ap.add_argument("--kernel", default="auto", choices=["auto", "int4pack", "reference", "triton"])
     ap.add_argument("--readers", type=int, default=4, help="expert reader threads")
     ap.add_argument("--prefetch", action="store_true",
