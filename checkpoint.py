@@ -119,14 +119,19 @@ def resolve(path):
     return cand
 
 
-def write_atomic_text(path, text):
+def write_atomic(path, data):
+    """Write bytes to path so a reader sees the old file or the whole new one, never a part."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_atomic_text(path, text):
+    write_atomic(path, text.encode())
 
 
 def save(out_dir, step, writers, extra_manifest=None):

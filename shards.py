@@ -44,6 +44,8 @@ import sys
 
 import numpy as np
 
+from checkpoint import sha256_file, write_atomic as _atomic_write  # one copy of the file-integrity helpers
+
 SHARD_DTYPE = np.dtype("<u2")  # uint16, little endian: vocab_size <= 65535
 INDEX_VERSION = 1
 
@@ -78,25 +80,6 @@ def _fix_hint(corpus_dir, file=None):
     if file is None:
         return f"run {prep}"
     return f"re-run {prep} or re-fetch the shard (python shards.py refetch {corpus_dir} {file})"
-
-
-def sha256_file(path, chunk=1 << 22):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
-
-
-def _atomic_write(path, data):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -306,6 +289,21 @@ def hub_download(repo, filename, repo_type="dataset", revision=None, cache_dir=N
 
     with hub_errors(f"{repo}/{filename}"):
         return hf_hub_download(repo, filename, repo_type=repo_type, revision=revision, cache_dir=cache_dir)
+
+
+def hub_dataset_files(repo, revision, pattern):
+    """(commit sha, sorted files matching the glob pattern) of a Hub dataset repo; remote faults as StorageError;
+    no match is a ValueError naming the repo and pattern."""
+    import fnmatch
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    with hub_errors(f"{repo}@{revision}"):
+        sha = api.dataset_info(repo, revision=revision).sha
+        files = sorted(f for f in api.list_repo_files(repo, repo_type="dataset", revision=sha) if fnmatch.fnmatch(f, pattern))
+    if not files:
+        raise ValueError(f"{repo}@{sha}: no files match --pattern {pattern!r}")
+    return sha, files
 
 
 def source_texts(source):

@@ -541,8 +541,8 @@ def main(argv):
     import configurator
     import checkpoint
     import shards
-    from model import Picaflor, load_stats, sample_next
-    from safetensors.torch import load_file, save_file
+    from model import Picaflor, load_stats
+    from safetensors.torch import load_file
 
     g = {k: globals()[k] for k in _CONFIG_KEYS}
     flags = {"--replan": False}
@@ -846,7 +846,6 @@ def main(argv):
         lr = lr_at(st["plan"], st["tokens"], cfg["learning_rate"], cfg["min_lr"], tokens_per_step(T))
         for gr in opt.param_groups:
             gr["lr"] = lr * gr["lr_mult"]
-        t0 = time.time()
         if os.environ.get("PICAFLOR_INJECT_SLEEP_AT_STEP") == str(st["step"]):  # fault injection for the hang test
             time.sleep(1e6)
         loss_acc = torch.zeros((), device=device)
@@ -889,7 +888,6 @@ def main(argv):
         steps_this_run += 1
         window_loss.append(loss_val)
         window_tokens += step_tokens
-        dt_step = time.time() - t0
         st["elapsed_seconds"] = elapsed_base + (time.time() - t_start)
         st["usd_spent"] = cfg["gpu_hourly_usd"] * world * st["elapsed_seconds"] / 3600
 

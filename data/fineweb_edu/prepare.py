@@ -21,7 +21,6 @@ Calls recorded here:
 """
 
 import argparse
-import fnmatch
 import os
 import sys
 import time
@@ -72,15 +71,7 @@ def main():
 
 def run(args):
     t0 = time.time()
-    from huggingface_hub import HfApi
-
-    api = HfApi()
-    with shards.hub_errors(f"{args.repo}@{args.revision}"):
-        revision = api.dataset_info(args.repo, revision=args.revision).sha
-        files = sorted(f for f in api.list_repo_files(args.repo, repo_type="dataset", revision=revision)
-                       if fnmatch.fnmatch(f, args.pattern))
-    if not files:
-        raise ValueError(f"{args.repo}@{revision}: no files match --pattern {args.pattern!r}")
+    revision, files = shards.hub_dataset_files(args.repo, args.revision, args.pattern)
     print(f"{args.repo}@{revision[:12]}: {len(files)} parquet files match {args.pattern}")
     os.makedirs(args.out, exist_ok=True)
 

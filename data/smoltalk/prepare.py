@@ -27,7 +27,6 @@ Calls recorded here:
 """
 
 import argparse
-import fnmatch
 import itertools
 import json
 import os
@@ -268,14 +267,7 @@ def run(args):
         train = itertools.islice(it, args.max_conversations)
         source = {"kind": "jsonl", "file": os.path.abspath(args.jsonl), "lines": n_lines}
     else:
-        from huggingface_hub import HfApi
-        api = HfApi()
-        with shards.hub_errors(f"{args.repo}@{args.revision}"):
-            revision = api.dataset_info(args.repo, revision=args.revision).sha
-            files = sorted(f for f in api.list_repo_files(args.repo, repo_type="dataset", revision=revision)
-                           if fnmatch.fnmatch(f, args.pattern))
-        if not files:
-            raise ValueError(f"{args.repo}@{revision}: no files match --pattern {args.pattern!r}")
+        revision, files = shards.hub_dataset_files(args.repo, args.revision, args.pattern)
         test_files = [f for f in files if "test" in os.path.basename(f)]
         train_files = [f for f in files if f not in test_files]
         print(f"{args.repo}@{revision[:12]}: train {train_files}, val {test_files or '(held out from train)'}")
