@@ -1,5 +1,5 @@
 """
-Checkpoint directories on disk: atomic writes, manifests, LATEST, retention. Format (DESIGN.md):
+Checkpoint directories on disk: atomic writes, manifests, LATEST (retention is train.py's `retain`). Format (DESIGN.md):
 
     out_dir/step_NNNNNNN/model.safetensors   weights (+ the router bias buffers)
                          optimizer.pt        tensors only, loads with torch.load(weights_only=True)
@@ -172,20 +172,3 @@ def save(out_dir, step, writers, extra_manifest=None):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
-
-
-def prune(out_dir, keep_last, protect=()):
-    """Delete step_* dirs except the newest keep_last valid ones and those in protect (paths or names).
-    Never deletes the only valid checkpoint, and never a valid one to keep an invalid one."""
-    protect = {os.path.basename(os.path.normpath(p)) for p in protect if p}
-    ckpts = list_checkpoints(out_dir)
-    valid = [p for _, p in ckpts if is_valid(p, check_hashes=False)]
-    keep = set(os.path.basename(p) for p in valid[-max(keep_last, 1):]) | protect
-    removed = []
-    for _, p in ckpts:
-        name = os.path.basename(p)
-        if name in keep or p not in valid:
-            continue  # invalid dirs are left for a person to inspect; they are never loaded
-        shutil.rmtree(p)
-        removed.append(name)
-    return removed

@@ -33,6 +33,7 @@ import base64
 import errno
 import json
 import math
+import shutil
 import signal
 import sys
 import time
@@ -380,7 +381,6 @@ def retain(out_dir, keep):
     removed = []
     for _, p in valid:
         if p not in protect:
-            import shutil
             shutil.rmtree(p)
             removed.append(os.path.basename(p))
     return removed
@@ -482,7 +482,6 @@ def write_crash_report(cause, code, message, **extra):
 
 def mirror(out_dir, dest, checkpoints=True):
     """Copy logs (and the newest checkpoint, atomically) to dest, so they outlive the machine's disk."""
-    import shutil
     import checkpoint
     os.makedirs(dest, exist_ok=True)
     for name in os.listdir(out_dir):
@@ -942,10 +941,8 @@ def main(argv):
         elif cfg["checkpoint_minutes"] > 0 and time.time() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60:
             save("temporary")
             last_saved_step, t_last_ckpt = st["step"], time.time()
-        if master and st["step"] % cfg["log_interval"] == 0 and os.path.exists(control_path):
-            check_control()
-        elif ddp and st["step"] % cfg["log_interval"] == 0:
-            check_control()
+        if st["step"] % cfg["log_interval"] == 0 and (ddp or os.path.exists(control_path)):
+            check_control()  # under DDP every rank joins its broadcast
 
     # --- end of this invocation ---------------------------------------------------------------------------
     st["finished"] = stage_at(st["plan"], st["tokens"])[1] is None
