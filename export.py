@@ -127,6 +127,69 @@ class Source:
         return tokmod.Tokenizer.load(self.tokenizer_path)
 
 
+class ContainerSource:
+    """An int4 container read as a source for GGUF: every tensor dequantized to fp32 on demand, so a model
+    that only ever existed quantized (config/micro.py's random benchmark weights) can go to llama.cpp too."""
+
+    def __init__(self, path, tokenizer_path=None):
+        import container
+        try:
+            self.cont = container.load_container(path)
+        except container.ContainerError as e:
+            raise ExportError(str(e)) from None
+        self.dir, self.cfg = str(path), self.cont.config
+        self.state = {"model_config": self.cont.header["model_config"],
+                      "from_container": str(path), "random_weights": self.cont.header.get("random_weights")}
+        expert_names = [f"layers.{i}.mlp.experts.{p}" for i in map(int, self.cont.header["experts"])
+                        for p in ("gate_up_proj", "down_proj")]
+        key = lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)]  # noqa: E731
+        self.names = sorted(list(self.cont.header["tensors"]) + expert_names, key=key)
+        self._cache = (None, None)
+        self._tmp_tok = None
+        self.tokenizer_path = tokenizer_path
+        if tokenizer_path and not os.path.isfile(tokenizer_path):
+            raise ExportError(f"{tokenizer_path}: no such tokenizer file; pass the corpus's tokenizer file")
+        if not tokenizer_path and self.cont.tokenizer_json:
+            import tempfile
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                f.write(self.cont.tokenizer_json)
+            self.tokenizer_path = self._tmp_tok = f.name
+
+    def __del__(self):
+        if getattr(self, "_tmp_tok", None) and os.path.exists(self._tmp_tok):
+            os.remove(self._tmp_tok)
+
+    def shape(self, name):
+        if ".mlp.experts." in name:
+            part = next(p for p in self.cont.layout["parts"] if name.endswith(p["name"]))
+            return [self.cfg.n_experts] + list(part["shape"])
+        return list(self.cont.header["tensors"][name]["shape"])
+
+    def get(self, name):
+        if self._cache[0] != name:
+            self._cache = (None, None)
+            if ".mlp.experts." in name:
+                layer, pname = int(name.split(".")[1]), name.rsplit(".", 1)[1]
+                t = torch.stack([self.cont.expert_weights(layer, e)[pname] for e in range(self.cfg.n_experts)])
+            else:
+                t = self.cont.tensor(name)
+            self._cache = (name, t)
+        return self._cache[1]
+
+    def tokenizer(self):
+        import tokenizer as tokmod
+        return tokmod.Tokenizer.load(self.tokenizer_path) if self.tokenizer_path else None
+
+
+def is_container(path):
+    import container
+    try:
+        with open(path, "rb") as f:
+            return os.path.isfile(path) and f.read(len(container.MAGIC)) == container.MAGIC
+    except OSError:
+        return False
+
+
 def expert_part(t, part, e):
     """Slice expert e's gate / up / down matrix out of stacked gate_up_proj [E, 2F, D] or down_proj [E, D, F]."""
     if part == "down":
@@ -584,7 +647,8 @@ def export_int4(src, out, group_size=None, embed_bits=8, progress=True):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Export a picaflor checkpoint: int4 streaming container, Hugging Face "
                                              "HYV3ForCausalLM directory, or llama.cpp GGUF (hy_v3).")
-    ap.add_argument("ckpt", help="checkpoint dir (step_NNNNNNN/) or run dir (uses its LATEST)")
+    ap.add_argument("ckpt", help="checkpoint dir (step_NNNNNNN/) or run dir (uses its LATEST); for --format gguf "
+                                 "also an int4 container (its dequantized weights)")
     ap.add_argument("--format", required=True, choices=["int4", "hf", "gguf"])
     ap.add_argument("--out", required=True, help="output file (int4, gguf) or directory (hf)")
     ap.add_argument("--dtype", default="bfloat16", choices=list(TORCH_DTYPES), help="hf: weight dtype")
@@ -600,7 +664,13 @@ def main(argv=None):
         parent = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(parent):
             raise ExportError(f"{args.out}: directory {parent} does not exist; create it or choose another --out")
-        src = Source(args.ckpt, args.tokenizer)
+        if is_container(args.ckpt):  # re-export of an int4 container: GGUF only (values are the int4 ones)
+            if args.format != "gguf":
+                raise ExportError(f"{args.ckpt}: an int4 container can only be re-exported as --format gguf; "
+                                  f"export --format {args.format} from the training checkpoint")
+            src = ContainerSource(args.ckpt, args.tokenizer)
+        else:
+            src = Source(args.ckpt, args.tokenizer)
         if args.format == "hf":
             rep = export_hf(src, args.out, args.dtype, args.max_shard_size, progress)
         elif args.format == "gguf":

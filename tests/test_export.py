@@ -391,3 +391,23 @@ def test_weights_not_matching_config_is_one_line_error(tmp_path):
     msg = str(e.value.code)
     assert "model.safetensors" in msg and "layers.2.mlp.experts.down_proj" in msg and "\n" not in msg
     assert not os.path.exists(tmp_path / "o.gguf")
+
+
+def test_gguf_from_int4_container_matches_the_container(ckpt, tmp_path):
+    """A container (e.g. micro's random benchmark weights, which never existed in float) re-exported as GGUF:
+    the GGUF's logits are the container's dequantized model's; other formats from a container are refused."""
+    import container
+    pcf = str(tmp_path / "m.pcf4")
+    run_export([ckpt["path"], "--format", "int4", "--out", pcf, "--group-size", "32"])
+    out = str(tmp_path / "from_int4.gguf")
+    run_export([pcf, "--format", "gguf", "--out", out, "--gguf-type", "f16"])
+    m = M.Picaflor(M.ModelConfig(**CFG))
+    m.load_state_dict(container.load_container(pcf).dequantized_state_dict(), strict=False)
+    idx = torch.randint(1, 400, (1, 10), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref, got = m.eval()(idx)[0], gguf_forward(out, idx)
+    assert (ref - got).abs().max().item() <= 3e-3 * ref.abs().max().item()
+    with pytest.raises(SystemExit) as e:
+        run_export([pcf, "--format", "hf", "--out", str(tmp_path / "hf")])
+    msg = str(e.value.code)
+    assert msg.startswith("error:") and pcf in msg and "--format gguf" in msg and "\n" not in msg
