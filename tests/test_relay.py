@@ -229,19 +229,33 @@ def start_run(url, tmp_path, env, workdir, fake, steps, ttl, hb):
                             start_new_session=True)
 
 
-def test_paused_relay_run_stops_itself_and_keeps_checkpoint(tmp_path, hub):
-    """`relay run` SIGSTOPped past the TTL (trainer included), another claims; on SIGCONT it stops training at
-    once, pushes nothing, exits 4 saying why, and its local checkpoint is kept."""
-    url = store_url("file", tmp_path, hub)
-    env = base_env({"FAKE_STEP_S": "0.03", "FAKE_CKPT_EVERY": "5"})
+def ckpt_step(run_dir):
+    """Step of the newest valid checkpoint in run_dir, -1 if none (polling for ">= N" cannot miss a step)."""
+    ck = checkpoint.latest_valid(str(run_dir))
+    return int(os.path.basename(ck).split("_")[1]) if ck else -1
+
+
+# (ttl, heartbeat) of the holder in the paused / killed tests: slack for a renewal over HTTP on 2 busy cores before
+# the holder's own deadline (ttl - ttl/5) trips, and for bob's interpreter start-up before the dead lease expires
+LEASE_TIMES = {"file": (3.0, 0.75), "hf": (3.0, 0.75)}
+
+
+@pytest.mark.parametrize("kind", ["file", "hf"])
+def test_paused_relay_run_stops_itself_and_keeps_checkpoint(kind, tmp_path, hub, rl):
+    """`relay run` SIGSTOPped past the TTL (its trainer runs on, in its own session), another claims; on SIGCONT it
+    stops training at once, pushes nothing, exits 4 saying why, and its local checkpoint is kept."""
+    url = store_url(kind, tmp_path, hub)
+    env = env_for(kind, tmp_path, hub, FAKE_STEP_S="0.03", FAKE_CKPT_EVERY="5")
+    ttl, hb = LEASE_TIMES[kind]
     fake = init_run(url, tmp_path, env)
-    p = start_run(url, tmp_path, env, tmp_path / "wa", fake, 100000, 1.5, 0.4)
+    p = start_run(url, tmp_path, env, tmp_path / "wa", fake, 100000, ttl, hb)
     leg = tmp_path / "wa" / "leg-0001-gen1"
-    wait_for(lambda: checkpoint.latest_valid(str(leg)) and checkpoint.latest_valid(str(leg)).endswith("0000010"), 20, "training")
+    wait_for(lambda: ckpt_step(leg) >= 10, 30, "training")
     os.killpg(p.pid, signal.SIGSTOP)
-    time.sleep(2.0)
-    r = relay_cli(["claim", url, "--workdir", tmp_path / "wb", "--ttl", "30", "--heartbeat", "10"], dict(env, RELAY_WHO="bob"))
-    assert r.returncode == 0, r.stderr
+    # bob claims as soon as the store says the lease expired (HTTP Date has 1 s resolution: up to ttl + 1 s)
+    bob = dict(env, RELAY_WHO="bob")
+    wait_for(lambda: rl(["claim", url, "--workdir", tmp_path / "wb", "--ttl", "30", "--heartbeat", "10"], bob).returncode == 0,
+             ttl + 20, "bob's claim", step=0.2)
     os.killpg(p.pid, signal.SIGCONT)
     out, err = p.communicate(timeout=30)
     assert p.returncode == 4, err
@@ -255,18 +269,24 @@ def test_paused_relay_run_stops_itself_and_keeps_checkpoint(tmp_path, hub):
     assert rows == [] and snap.relay["holder"] == "bob" and snap.state["step"] == 0
 
 
-def test_sigkill_holder_mid_leg_next_resumes_from_last_push(tmp_path, hub):
-    url = store_url("file", tmp_path, hub)
-    env = base_env({"FAKE_STEP_S": "0.02"})
+@pytest.mark.parametrize("kind", ["file", "hf"])
+def test_sigkill_holder_mid_leg_next_resumes_from_last_push(kind, tmp_path, hub, monkeypatch):
+    url = store_url(kind, tmp_path, hub)
+    env = env_for(kind, tmp_path, hub, FAKE_STEP_S="0.02")
+    ttl, hb = LEASE_TIMES[kind]
+    lease_args = ["--ttl", str(ttl), "--heartbeat", str(hb)]
     fake = init_run(url, tmp_path, env)
-    r = relay_cli(["run", url, "--steps", "4", "--train-script", fake, "--workdir", tmp_path / "wa", "--ttl", "1.5",
-                   "--heartbeat", "0.4"], env)
+    r = relay_cli(["run", url, "--steps", "4", "--train-script", fake, "--workdir", tmp_path / "wa", *lease_args], env)
     assert r.returncode == 0, r.stderr
-    p = start_run(url, tmp_path, dict(env, RELAY_WHO="doomed"), tmp_path / "wk", fake, 100000, 1.5, 0.4)
+    p = start_run(url, tmp_path, dict(env, RELAY_WHO="doomed"), tmp_path / "wk", fake, 100000, ttl, hb)
     leg = tmp_path / "wk" / "leg-0002-gen2"
-    wait_for(lambda: checkpoint.latest_valid(str(leg)) and checkpoint.latest_valid(str(leg)).endswith("0000010"), 20, "training")
+    wait_for(lambda: ckpt_step(leg) >= 10, 30, "training")
     os.killpg(p.pid, signal.SIGKILL)  # relay dies at once, no release; its trainer (own session) gets SIGTERM
     p.communicate(timeout=10)
+    # bob starts at once with --wait: the dead holder's lease is still live, so he has to wait for it to expire
+    bob = subprocess.Popen([sys.executable, os.path.join(ROOT, "relay.py"), "run", url, "--steps", "3", "--train-script",
+                            fake, "--workdir", str(tmp_path / "wb"), *lease_args, "--wait", "--poll", "0.3"],
+                           env=dict(env, RELAY_WHO="bob"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def trainer_alive():
         for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -277,10 +297,11 @@ def test_sigkill_holder_mid_leg_next_resumes_from_last_push(tmp_path, hub):
                 pass
         return False
     wait_for(lambda: not trainer_alive(), 30, "the orphaned trainer to stop (PR_SET_PDEATHSIG)")
-    r = relay_cli(["run", url, "--steps", "3", "--train-script", fake, "--workdir", tmp_path / "wb", "--ttl", "1.5",
-                   "--heartbeat", "0.4", "--wait", "--poll", "0.3"], dict(env, RELAY_WHO="bob"), timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "doomed holds the baton" in r.stderr  # it had to wait for the lease to expire
+    out, err = bob.communicate(timeout=60)
+    assert bob.returncode == 0, err
+    assert "doomed holds the baton" in err  # it had to wait for the lease to expire
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     rows, snap = ledger_rows(relay.open_store(url))
     assert [(x["leg"], x["who"], x["step_range"], x["generation"]) for x in rows] == [(1, "tester", "0-4", 1), (2, "bob", "4-7", 3)]
     assert snap.state["step"] == 7
