@@ -158,15 +158,18 @@ def assert_dispatch_matches_reference(moe, x, atol, rtol=0.0):
 
 
 @pytest.mark.parametrize("n_tokens", [40, 3])  # 3 tokens x top-2 leave most experts empty
-def test_grouped_dispatch_equals_reference_fp32(n_tokens):
+def test_grouped_dispatch_equals_reference_fp32(n_tokens, monkeypatch):
+    monkeypatch.setattr(M, "CPU_EXPERT_PARALLEL", False)  # torch._grouped_mm, the CUDA path, on CPU
     moe = make_moe()
     x = torch.randn(1, n_tokens, MOE_CFG.d_model, generator=torch.Generator().manual_seed(1))
     assert M.grouped_mm_ok(x.view(-1, MOE_CFG.d_model), moe.experts.gate_up_proj)
     assert_dispatch_matches_reference(moe, x, atol=2e-5)
 
 
-def test_grouped_dispatch_backward_from_sum():
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_grouped_dispatch_backward_from_sum(expert_parallel, monkeypatch):
     # .sum() hands back a zero-stride gradient, which torch._grouped_mm's backward rejects unless made contiguous
+    monkeypatch.setattr(M, "CPU_EXPERT_PARALLEL", expert_parallel)
     moe = make_moe(seed=3)
     x = torch.randn(2, 9, MOE_CFG.d_model, requires_grad=True)
     moe(x).sum().backward()
@@ -178,7 +181,26 @@ def test_grouped_dispatch_backward_from_sum():
     torch.testing.assert_close(g_experts, moe.experts.gate_up_proj.grad, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("n_tokens,threads", [(40, 2), (3, 2), (40, 1), (64, 3)])
+def test_cpu_expert_parallel_equals_reference(n_tokens, threads, monkeypatch):
+    """The CPU path: experts dealt to threads, single-threaded GEMMs each; forward and every grad."""
+    calls = []
+    orig = M.ExpertFFNCPU.forward
+    monkeypatch.setattr(M.ExpertFFNCPU, "forward", staticmethod(lambda *a: calls.append(1) or orig(*a)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        moe = make_moe(seed=4)
+        x = torch.randn(1, n_tokens, MOE_CFG.d_model, generator=torch.Generator().manual_seed(5))
+        assert_dispatch_matches_reference(moe, x, atol=2e-5)
+        assert torch.get_num_threads() == threads  # the thread count is restored after each expert region
+    finally:
+        torch.set_num_threads(before)
+    assert calls
+
+
 def test_padded_bmm_fallback_equals_reference(monkeypatch):
+    monkeypatch.setattr(M, "CPU_EXPERT_PARALLEL", False)
     calls = []
     monkeypatch.setattr(M, "grouped_mm_ok", lambda xs, w: calls.append(1) and False)
     moe = make_moe(seed=1)
@@ -187,7 +209,9 @@ def test_padded_bmm_fallback_equals_reference(monkeypatch):
     assert calls  # the fallback path really ran
 
 
-def test_grouped_dispatch_bf16_cpu():
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_grouped_dispatch_bf16_cpu(expert_parallel, monkeypatch):
+    monkeypatch.setattr(M, "CPU_EXPERT_PARALLEL", expert_parallel)
     moe = make_moe(torch.bfloat16, seed=2)
     assert moe.experts.gate_up_proj.dtype == torch.bfloat16 and moe.gate.weight.dtype == torch.float32
     x = torch.randn(2, 20, MOE_CFG.d_model, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
