@@ -247,3 +247,18 @@ def test_bench_result_fields_and_lfu_policy(tiny):
     lru.cache.budget = 5 * lru.container.expert_nbytes
     assert eng.generate([3, 4, 5], 8) == lru.generate([3, 4, 5], 8)
     assert S.strip_args(["m", "--sweep", "1G,2G", "--bench", "--json=x"], {"--sweep", "--json"}, {"--bench"}) == ["m"]
+
+
+def test_vs_llamacpp_budgets_and_bad_input(tmp_path):
+    """bench/vs_llamacpp.py: budgets as % of the container, 'none' or sizes; a missing container is one line."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import vs_llamacpp as V
+    assert V.budget_bytes_of("none", 4000) is None
+    assert V.budget_bytes_of("50%", 4000) == 2000 and V.budget_bytes_of("25%", 4000) == 1000
+    assert V.budget_bytes_of("1G", 4000) == 1 << 30
+    with pytest.raises(S.StreamError):
+        V.budget_bytes_of("4X", 4000)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vs_llamacpp.py"), str(tmp_path / "nope.pcf4")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and r.stderr.strip().startswith("error:") and "nope.pcf4" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
