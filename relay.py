@@ -269,6 +269,12 @@ class HfStore:
             raise StoreError(f"{self.url}: {what}: HTTP {code} ({one_line(e)})")
         except (OSError, TimeoutError) as e:  # connection errors and timeouts of the HTTP client
             raise Transient(f"{self.url}: {what}: {type(e).__name__}: {one_line(e)}")
+        except RuntimeError as e:
+            if e.__cause__ is None:
+                raise
+            # a failed LFS upload (the PUT to storage) comes wrapped: RuntimeError("Error while uploading ...") from
+            # the HTTP error; classify the cause like any other call's error
+            return self._call(f"{what}: {one_line(e)}", reraise, e.__cause__)
         except Exception as e:
             if type(e).__module__.startswith("httpx"):
                 raise Transient(f"{self.url}: {what}: {type(e).__name__}: {one_line(e)}")
@@ -349,6 +355,10 @@ class HfStore:
 
 def one_line(e):
     return " ".join(str(e).split())[:300]
+
+
+def reraise(e):
+    raise e
 
 
 def open_store(url):

@@ -59,6 +59,9 @@ class FakeHub:
             def do_POST(self):
                 hub.dispatch(self, "POST")
 
+            def do_PUT(self):
+                hub.dispatch(self, "PUT")
+
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.endpoint = f"http://{host}:{self.server.server_address[1]}"
         self.thread = None
@@ -226,15 +229,37 @@ class FakeHub:
 #   POST /api/repos/create                                 create_repo (409 if it exists)
 #   GET  /api/models/{id}/refs                             list_repo_refs
 #   GET  /api/models/{id}/commits/{rev}                    list_repo_commits (one page, newest first)
-#   POST /api/models/{id}/preupload/{rev}                  every file "regular" (inline base64, no LFS)
-#   POST /api/models/{id}/commit/{rev}                     ndjson: header (parentCommit), file, deletedFile, deletedFolder
+#   POST /api/models/{id}/preupload/{rev}                  "lfs" or "regular" per file, the Hub's rule (below)
+#   POST /api/models/{id}/commit/{rev}                     ndjson: header (parentCommit), file, lfsFile, deletedFile,
+#                                                          deletedFolder
 #   GET  info / tree / HEAD|GET resolve                    as FakeHub, at a commit of the history
 #
+# Git LFS, as the Hub does it for huggingface_hub 2.4.0 with HF_HUB_DISABLE_XET=1 (_commit_api.py, lfs.py,
+# file_download.py). A file is "lfs" if it is larger than hub.lfs_threshold (10 MB on the Hub), binary (a NUL byte in
+# its first 512 bytes, the sample the client sends), or matched by a filter=lfs pattern of the repo's .gitattributes
+# (*.safetensors, *.pt, ... in a new repo, as on the Hub). Its bytes go to a second server on another port, standing
+# in for S3 and the CDN (another origin, so the client behaves as with the real ones: no auth, no redirect follow):
+#
+#   POST /{id}.git/info/lfs/objects/batch                  upload actions per {oid, size}: a signed PUT href on the
+#                                                          storage server + a verify href; none if already stored
+#   PUT  STORAGE/lfs-upload/{token}                        the body; refused (400) unless its sha256 and size are the
+#                                                          signed ones; nothing stored then
+#   POST /{id}.git/info/lfs/objects/verify                 200 if {oid, size} is stored, else 404
+#   commit "lfsFile" {path, algo: sha256, oid, size}       400 unless that object was uploaded to this repo; the tree
+#                                                          holds the LFS pointer file (its git blob id)
+#   HEAD|GET resolve of an LFS file                        302 to STORAGE/lfs-cdn/{kind}/{id}/{sha256} with
+#                                                          X-Linked-Etag (sha256), X-Linked-Size, X-Repo-Commit, ETag
+#   tree entries of an LFS file                            real size and "lfs": {oid, size, pointerSize}
+#
 #   hub.fail_after_commit = 1     the next commit lands, then the request answers 500 (the 2025 Hub bug)
+#   hub.corrupt_uploads = 1       the next LFS PUT body arrives with one byte flipped (damage in transit)
+#   hub.lfs_objects               {(kind, repo_id): {sha256 hex: bytes}}, for assertions
 
 import base64 as _base64
+import fnmatch as _fnmatch
 import time as _time
 import uuid as _uuid
+from http.server import ThreadingHTTPServer as _ThreadingHTTPServer
 
 VERSIONED_ROUTES = [
     ("POST", r"^/api/repos/create$", "create_repo"),
@@ -242,11 +267,26 @@ VERSIONED_ROUTES = [
     ("GET", rf"^/api/(?P<kind>models|datasets)/{REPO}/commits/(?P<rev>[^/]+)$", "commits"),
     ("POST", rf"^/api/(?P<kind>models|datasets)/{REPO}/preupload/(?P<rev>[^/]+)$", "preupload"),
     ("POST", rf"^/api/(?P<kind>models|datasets)/{REPO}/commit/(?P<rev>[^/]+)$", "commit"),
+    ("POST", r"^/(?:(?P<kind>datasets)/)?(?P<repo_id>[^/]+/[^/]+?)\.git/info/lfs/objects/batch$", "lfs_batch"),
+    ("POST", r"^/(?:(?P<kind>datasets)/)?(?P<repo_id>[^/]+/[^/]+?)\.git/info/lfs/objects/verify$", "lfs_verify"),
     ("GET", rf"^/api/(?P<kind>models|datasets)/{REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?$", "vtree"),
     ("GET", rf"^/api/(?P<kind>models|datasets)/{REPO}(?:/revision/(?P<rev>[^/]+))?$", "vinfo"),
     ("HEAD", rf"^/(?:(?P<kind>datasets)/)?{REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$", "vresolve"),
     ("GET", rf"^/(?:(?P<kind>datasets)/)?{REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$", "vresolve"),
 ]
+
+
+STORAGE_ROUTES = [  # served only on the storage server (S3 + CDN stand-in)
+    ("PUT", r"^/lfs-upload/(?P<token>[0-9a-f]+)$", "lfs_put"),
+    ("GET", rf"^/lfs-cdn/(?P<kind>models|datasets)/{REPO}/(?P<oid>[0-9a-f]{{64}})$", "lfs_get"),
+    ("HEAD", rf"^/lfs-cdn/(?P<kind>models|datasets)/{REPO}/(?P<oid>[0-9a-f]{{64}})$", "lfs_get"),
+]
+NEW_REPO_GITATTRIBUTES = "".join(f"{p} filter=lfs diff=lfs merge=lfs -text\n" for p in (
+    "*.bin", "*.ckpt", "*.gguf", "*.h5", "*.npy", "*.onnx", "*.pt", "*.pth", "*.safetensors", "*.tar.*", "*.zip"))
+
+
+def _lfs_pointer(oid, size):  # the git-lfs pointer file (git-lfs spec v1) that the repo's tree holds
+    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {size}\n".encode()
 
 
 def _iso(t):
@@ -260,9 +300,25 @@ class RelayHub(FakeHub):
         self.blobs = {}  # git blob sha1 -> bytes
         self.vlock = threading.Lock()  # one commit at a time, like the Hub's per-branch lock
         self.fail_after_commit = 0  # > 0: that many commits land and then answer 500
+        self.lfs_threshold = 10 * 1000 * 1000  # bytes; bigger files are "lfs" (the Hub's 10 MB rule)
+        self.lfs_objects = {}  # (kind, repo_id) -> {sha256 hex: bytes}
+        self.lfs_pointers = {}  # git blob id of a pointer file -> (sha256 hex, size)
+        self.upload_tokens = {}  # signed PUT href token -> ((kind, repo_id), sha256 hex, size)
+        self.corrupt_uploads = 0  # > 0: that many LFS PUT bodies arrive with a byte flipped
+        self.storage = _ThreadingHTTPServer(self.server.server_address[:1] + (0,), self.server.RequestHandlerClass)
+        self.storage_endpoint = f"http://{host}:{self.storage.server_address[1]}"
         # headers and body go out in separate writes: without TCP_NODELAY each keep-alive request waits ~40 ms
         # on Nagle + delayed ACK, which the relay's many small requests feel
         self.server.RequestHandlerClass.disable_nagle_algorithm = True
+
+    def start(self):
+        threading.Thread(target=self.storage.serve_forever, daemon=True).start()
+        return super().start()
+
+    def stop(self):
+        super().stop()
+        self.storage.shutdown()
+        self.storage.server_close()
 
     def client_env(self, hf_home):
         return dict(super().client_env(hf_home), HF_TOKEN="hf_relaytest")  # writes need a token client-side
@@ -271,7 +327,8 @@ class RelayHub(FakeHub):
         with self.vlock:
             if (kind, repo_id) in self.vrepos:
                 return False
-            blob = self.put_blob(b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+            blob = self.put_blob(NEW_REPO_GITATTRIBUTES.encode())
+            self.lfs_objects[(kind, repo_id)] = {}
             self.vrepos[(kind, repo_id)] = {"head": None, "commits": {}}
             self.add_commit(kind, repo_id, {".gitattributes": blob}, "initial commit")
             return True
@@ -291,6 +348,13 @@ class RelayHub(FakeHub):
 
     def dispatch(self, req, method):
         url = urlsplit(req.path)
+        if req.server is self.storage:  # the storage server answers only its own routes
+            for m, pattern, name in STORAGE_ROUTES:
+                match = re.match(pattern, url.path) if m == method else None
+                if match:
+                    self.requests.append((method, "STORAGE" + url.path))
+                    return getattr(self, f"handle_{name}")(req, **match.groupdict())
+            return self.send_error_code(req, 404, None, f"no storage route for {method} {url.path}")
         if self.status_override is None:
             for m, pattern, name in VERSIONED_ROUTES:
                 match = re.match(pattern, url.path) if m == method else None
@@ -354,10 +418,96 @@ class RelayHub(FakeHub):
             c = commits.get(c["parent"])
         self.send_json(req, out)
 
+    def lfs_patterns(self, key):
+        """filter=lfs patterns of .gitattributes at the head."""
+        c = self.vrepos[key]["commits"][self.vrepos[key]["head"]]
+        text = self.blobs[c["tree"][".gitattributes"]].decode() if ".gitattributes" in c["tree"] else ""
+        return [l.split()[0] for l in text.splitlines() if "filter=lfs" in l.split()[1:]]
+
+    def is_lfs(self, key, path, size, sample):
+        patterns = self.lfs_patterns(key)
+        name = path.rsplit("/", 1)[-1]  # a pattern without a slash matches the file name at any depth (gitattributes)
+        matched = any(_fnmatch.fnmatchcase(path if "/" in p else name, p.lstrip("/")) for p in patterns)
+        return size > self.lfs_threshold or b"\0" in sample or matched
+
     def handle_preupload(self, req, key, query, rev):
         files = json.loads(self.read_body(req))["files"]
-        self.send_json(req, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                       for f in files], "commitOid": self.vrepos[key]["head"]})
+        out = []
+        for f in files:
+            lfs = self.is_lfs(key, f["path"], int(f["size"]), _base64.b64decode(f.get("sample", "")))
+            out.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False})
+        self.send_json(req, {"files": out, "commitOid": self.vrepos[key]["head"]})
+
+    def handle_lfs_batch(self, req, key, query):
+        body = json.loads(self.read_body(req))
+        if body.get("operation") != "upload" or body.get("hash_algo", "sha256") != "sha256":
+            return self.send_json(req, {"message": "only sha256 uploads are supported"}, 422)
+        out = []
+        for o in body.get("objects", []):
+            oid, size = o.get("oid"), o.get("size")
+            if not (isinstance(oid, str) and re.fullmatch(r"[0-9a-f]{64}", oid)) or not isinstance(size, int) or size < 0:
+                out.append({"oid": str(oid), "size": size if isinstance(size, int) else 0,
+                            "error": {"code": 422, "message": "invalid oid or size"}})
+                continue
+            with self.vlock:
+                stored = self.lfs_objects[key].get(oid)
+                if stored is not None and len(stored) == size:
+                    out.append({"oid": oid, "size": size})  # already there: no actions, the client skips the upload
+                    continue
+                token = _uuid.uuid4().hex
+                self.upload_tokens[token] = (key, oid, size)
+            prefix = "datasets/" if key[0] == "datasets" else ""
+            out.append({"oid": oid, "size": size, "authenticated": True, "actions": {
+                "upload": {"href": f"{self.storage_endpoint}/lfs-upload/{token}", "header": {}},
+                "verify": {"href": f"{self.endpoint}/{prefix}{key[1]}.git/info/lfs/objects/verify", "header": {}}}})
+        self.send_json(req, {"transfer": "basic", "objects": out}, headers={"Content-Type": "application/vnd.git-lfs+json"})
+
+    def handle_lfs_put(self, req, token):
+        data = self.read_body(req)
+        with self.vlock:
+            signed = self.upload_tokens.get(token)
+            if self.corrupt_uploads > 0 and data:
+                self.corrupt_uploads -= 1
+                data = bytes([data[0] ^ 0xFF]) + data[1:]
+        if signed is None:
+            return self.send_error_code(req, 403, None, "upload URL unknown or expired")
+        key, oid, size = signed
+        if len(data) != size:
+            return self.send_error_code(req, 400, None, f"size {len(data)} is not the signed size {size}")
+        if hashlib.sha256(data).hexdigest() != oid:
+            return self.send_error_code(req, 400, None, "BadDigest: the body's sha256 is not the signed oid")
+        with self.vlock:
+            self.lfs_objects[key][oid] = data
+            self.upload_tokens.pop(token, None)
+        req.send_response(200)
+        req.send_header("ETag", f'"{hashlib.md5(data).hexdigest()}"')
+        req.send_header("Content-Length", "0")
+        req.end_headers()
+
+    def handle_lfs_verify(self, req, key, query):
+        body = json.loads(self.read_body(req) or b"{}")
+        stored = self.lfs_objects[key].get(body.get("oid"))
+        if stored is None or len(stored) != body.get("size"):
+            return self.send_error_code(req, 404, None, f"LFS object {body.get('oid')} not found (or another size)")
+        self.send_json(req, {"success": True})
+
+    def handle_lfs_get(self, req, kind, repo_id, oid):
+        data = self.lfs_objects.get((kind, repo_id), {}).get(oid)
+        if data is None:
+            return self.send_error_code(req, 404, None, "NoSuchKey")
+        start, status = 0, 200
+        m = re.match(r"bytes=(\d+)-$", req.headers.get("Range", ""))
+        if m and req.command == "GET":  # resumed download
+            start, status = min(int(m.group(1)), len(data)), 206
+        req.send_response(status)
+        req.send_header("Content-Type", "application/octet-stream")
+        req.send_header("ETag", f'"{oid}"')
+        req.send_header("Content-Length", str(len(data) - start))
+        if status == 206:
+            req.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        req.end_headers()
+        if req.command == "GET":
+            req.wfile.write(data[start:])
 
     def handle_commit(self, req, key, query, rev):
         lines = [json.loads(l) for l in self.read_body(req).splitlines() if l.strip()]
@@ -371,7 +521,19 @@ class RelayHub(FakeHub):
             for l in lines:
                 v = l["value"]
                 if l["key"] == "file":
-                    tree[v["path"]] = self.put_blob(_base64.b64decode(v["content"]))
+                    data = _base64.b64decode(v["content"])
+                    if data and self.is_lfs(key, v["path"], len(data), data[:512]):  # the Hub refuses these outside LFS
+                        return self.send_error_code(req, 400, None, f"{v['path']}: binary, too big or an LFS pattern: "
+                                                    f"upload it with Git LFS")
+                    tree[v["path"]] = self.put_blob(data)
+                elif l["key"] == "lfsFile":
+                    stored = self.lfs_objects[key].get(v.get("oid"))
+                    if v.get("algo", "sha256") != "sha256" or stored is None or v.get("size", len(stored)) != len(stored):
+                        return self.send_error_code(req, 400, None, f"{v.get('path')}: LFS object {v.get('oid')} was "
+                                                    f"never uploaded to this repo (or has another size)")
+                    pointer = self.put_blob(_lfs_pointer(v["oid"], len(stored)))
+                    self.lfs_pointers[pointer] = (v["oid"], len(stored))
+                    tree[v["path"]] = pointer
                 elif l["key"] == "deletedFile":
                     tree.pop(v["path"], None)
                 elif l["key"] == "deletedFolder":
@@ -386,13 +548,16 @@ class RelayHub(FakeHub):
         self.send_json(req, {"success": True, "commitOid": sha, "commitUrl": f"{self.endpoint}/{key[1]}/commit/{sha}",
                              "pullRequestUrl": None})
 
+    def file_size(self, oid):  # what the Hub reports: the LFS object's size for a pointer, else the blob's
+        return self.lfs_pointers[oid][1] if oid in self.lfs_pointers else len(self.blobs[oid])
+
     def handle_vinfo(self, req, key, query, rev=None):
         c = self.at(req, key, rev)
         if c is None:
             return
         self.send_json(req, {"id": key[1], "sha": c["id"], "private": False, "disabled": False,
                              "lastModified": _iso(c["time"]), "tags": [],
-                             "siblings": [{"rfilename": p, "size": len(self.blobs[o])} for p, o in sorted(c["tree"].items())]})
+                             "siblings": [{"rfilename": p, "size": self.file_size(o)} for p, o in sorted(c["tree"].items())]})
 
     def handle_vtree(self, req, key, query, rev, path=None):
         c = self.at(req, key, rev)
@@ -411,7 +576,11 @@ class RelayHub(FakeHub):
                     folders.add(folder)
                     entries.append({"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(), "path": folder})
             if recursive or len(parts) == 1:
-                entries.append({"type": "file", "oid": oid, "size": len(self.blobs[oid]), "path": rel})
+                entry = {"type": "file", "oid": oid, "size": self.file_size(oid), "path": rel}
+                if oid in self.lfs_pointers:
+                    sha256, size = self.lfs_pointers[oid]
+                    entry["lfs"] = {"oid": sha256, "size": size, "pointerSize": len(self.blobs[oid])}
+                entries.append(entry)
         if base and not entries:
             return self.send_error_code(req, 404, "EntryNotFound", f"{base} does not exist on {rev}")
         self.send_json(req, entries)
@@ -423,6 +592,14 @@ class RelayHub(FakeHub):
         oid = c["tree"].get(path)
         if oid is None:
             return self.send_error_code(req, 404, "EntryNotFound", f"{path} does not exist on {rev}")
+        if oid in self.lfs_pointers:  # as the Hub: a redirect to the CDN, the file's metadata on the redirect itself
+            sha256, size = self.lfs_pointers[oid]
+            req.send_response(302)
+            for k, v in {"Location": f"{self.storage_endpoint}/lfs-cdn/{key[0]}/{key[1]}/{sha256}", "X-Repo-Commit": c["id"],
+                         "X-Linked-Etag": f'"{sha256}"', "X-Linked-Size": str(size), "ETag": f'"{oid}"',
+                         "Content-Length": "0"}.items():
+                req.send_header(k, v)
+            return req.end_headers()
         data = self.blobs[oid]
         req.send_response(200)
         for k, v in {"X-Repo-Commit": c["id"], "ETag": f'"{oid}"', "Content-Type": "application/octet-stream",

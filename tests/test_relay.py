@@ -17,6 +17,9 @@ import checkpoint  # noqa: E402
 import relay  # noqa: E402
 from hub_server import RelayHub  # noqa: E402
 
+# huggingface_hub's own LFS PUT (lfs.py: http_backoff("PUT", data=fileobj)) trips an httpx2 deprecation notice
+pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
+
 
 @pytest.fixture
 def hub(tmp_path):
@@ -306,6 +309,116 @@ def test_sigkill_holder_mid_leg_next_resumes_from_last_push(kind, tmp_path, hub,
     assert [(x["leg"], x["who"], x["step_range"], x["generation"]) for x in rows] == [(1, "tester", "0-4", 1), (2, "bob", "4-7", 3)]
     assert snap.state["step"] == 7
     assert checkpoint.latest_valid(str(leg)) is not None  # the killed holder's local work was not deleted
+
+
+def test_hf_checkpoint_travels_through_git_lfs(tmp_path, hub, hf_env):
+    """As on the Hub, model.safetensors (an LFS pattern), the binary optimizer.pt and any file over the size
+    threshold go through Git LFS: preupload says "lfs", the bytes are PUT to the storage server, the commit names
+    them by sha256, and downloads follow the 302 to the CDN. What comes back is bit-identical to the manifest."""
+    import hashlib
+    import numpy as np
+    from safetensors.numpy import save_file
+    url = "hf://alice/run"
+    init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
+    hub.lfs_threshold = 10_000  # so the leg's metrics log (> 10 kB, plain text) goes through LFS by size
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
+    weights = {"wte": np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)}  # 64 kB of weights
+    ck = checkpoint.save(run_dir, 9, {"model.safetensors": lambda p: save_file(weights, p),
+                                      "optimizer.pt": lambda p: open(p, "wb").write(bytes(range(256)) * 40),
+                                      "state.json": lambda p: json.dump({"step": 9, "tokens": 900}, open(p, "w"))})
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        for s in range(1, 10):
+            f.write(json.dumps({"step": s, "tokens": s * 100, "loss": 5.0 / s, "pad": "x" * 2000}) + "\n")
+    relay.push(store, lease, run_dir, wall_s=1)
+    relay.release(store, lease)
+    man = json.load(open(os.path.join(ck, "MANIFEST.json")))
+    stored = hub.lfs_objects[("models", "alice/run")]
+    for name in ("model.safetensors", "optimizer.pt"):
+        assert man["files"][name]["sha256"] in stored  # uploaded as an LFS object, by its sha256
+    tree = {f.path: f for f in store.api.list_repo_tree("alice/run", recursive=True) if hasattr(f, "lfs")}  # files
+    assert tree["checkpoint/model.safetensors"].lfs.sha256 == man["files"]["model.safetensors"]["sha256"]
+    assert tree["logs/leg-0001.jsonl"].lfs is not None  # LFS by size
+    assert tree["checkpoint/state.json"].lfs is None and tree["RELAY.json"].lfs is None  # small text: regular
+    n0 = len(hub.requests)
+    out = relay.pull(relay.open_store(url), str(tmp_path / "pulled"))  # relay's pull verifies the manifest too
+    for name in ("model.safetensors", "optimizer.pt"):
+        data = open(os.path.join(out, name), "rb").read()
+        assert hashlib.sha256(data).hexdigest() == man["files"][name]["sha256"] and data == open(os.path.join(ck, name), "rb").read()
+    sha = man["files"]["model.safetensors"]["sha256"]
+    assert any(p.startswith("STORAGE/lfs-cdn/") and p.endswith(sha) for _, p in hub.requests[n0:])  # bytes from the CDN
+    assert not any(p.startswith("/alice/run/resolve/") and p.endswith("model.safetensors") and m == "GET"
+                   for m, p in hub.requests[n0:])
+    d = relay.dashboard_data(url)  # relay's small-file reads follow the redirect too (the log is an LFS file now)
+    assert [m["step"] for m in d["metrics"]] == list(range(1, 10))
+
+
+def test_hf_lfs_upload_with_wrong_bytes_is_refused(tmp_path, hub, hf_env):
+    """The fake Hub's LFS checks, raw: preupload's rule; a PUT whose sha256 or size is not the signed one is
+    refused and stores nothing; a commit naming an object never uploaded is refused; then the right bytes go through.
+    Through relay: an upload damaged in transit makes the push fail with a one-line error, nothing committed,
+    the lease and the local checkpoint kept."""
+    import base64
+    import hashlib
+    import urllib.error
+    import urllib.request
+
+    def call(method, url, body=b"", ctype="application/json"):
+        req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": ctype})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+    url = "hf://alice/run"
+    init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
+    api = f"{hub.endpoint}/api/models/alice/run"
+    files = [{"path": "a/model.safetensors", "size": 5, "text": b"hello"}, {"path": "notes.txt", "size": 5, "text": b"hello"},
+             {"path": "blob.dat", "size": 6, "text": b"ab\0cde"}, {"path": "big.txt", "size": 11_000_000, "text": b"aaaa"}]
+    st, body = call("POST", f"{api}/preupload/main", json.dumps({"files": [
+        {"path": f["path"], "size": f["size"], "sample": base64.b64encode(f["text"]).decode()} for f in files]}).encode())
+    assert st == 200 and [f["uploadMode"] for f in json.loads(body)["files"]] == ["lfs", "regular", "lfs", "lfs"]
+
+    good = os.urandom(4096)
+    oid = hashlib.sha256(good).hexdigest()
+    st, body = call("POST", f"{hub.endpoint}/alice/run.git/info/lfs/objects/batch", json.dumps(
+        {"operation": "upload", "transfers": ["basic"], "hash_algo": "sha256", "objects": [{"oid": oid, "size": len(good)}]}).encode())
+    assert st == 200
+    actions = json.loads(body)["objects"][0]["actions"]
+    put, verify = actions["upload"]["href"], actions["verify"]["href"]
+    assert put.startswith(hub.storage_endpoint)  # another origin, like S3
+    bad_content = bytes([good[0] ^ 1]) + good[1:]
+    assert call("PUT", put, bad_content, "application/octet-stream")[0] == 400  # same size, wrong sha256
+    assert call("PUT", put, good[:-1], "application/octet-stream")[0] == 400  # wrong size
+    assert oid not in hub.lfs_objects[("models", "alice/run")]
+    assert call("POST", verify, json.dumps({"oid": oid, "size": len(good)}).encode())[0] == 404
+    store = relay.open_store(url)
+    head = store.head()[0]
+    commit = "\n".join(json.dumps(l) for l in [
+        {"key": "header", "value": {"summary": "sneak", "parentCommit": head}},
+        {"key": "lfsFile", "value": {"path": "extra/blob.bin", "algo": "sha256", "oid": oid, "size": len(good)}}])
+    st, body = call("POST", f"{api}/commit/main", commit.encode(), "application/x-ndjson")
+    assert st == 400 and b"never uploaded" in body and store.head()[0] == head
+    assert call("PUT", put, good, "application/octet-stream")[0] == 200
+    assert call("POST", verify, json.dumps({"oid": oid, "size": len(good)}).encode())[0] == 200
+    st, body = call("POST", f"{api}/commit/main", commit.encode(), "application/x-ndjson")
+    assert st == 200 and store.head()[0] == json.loads(body)["commitOid"]
+    assert relay.open_store(url).read(json.loads(body)["commitOid"], "extra/blob.bin") == good
+    # through relay: the push's LFS upload arrives damaged, the storage refuses it
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
+    ck = checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "wb").write(os.urandom(3000)),
+                                      "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    hub.corrupt_uploads = 1
+    with pytest.raises(relay.StoreError, match="upload") as e:
+        relay.push(store, lease, run_dir, wall_s=1)
+    assert "\n" not in str(e.value) and "HTTP 400" in str(e.value) and "model.safetensors" in str(e.value), str(e.value)
+    assert hub.corrupt_uploads == 0 and store.head()[0] == lease.sha  # nothing committed, our lease still the head
+    assert checkpoint.verify(ck)["step"] == 3
+    relay.push(store, lease, run_dir, wall_s=1)  # the retry goes through
+    relay.release(store, lease)
+    assert relay.Snapshot(store).state["step"] == 3
 
 
 @pytest.mark.parametrize("kind", ["file", "hf"])
