@@ -68,7 +68,8 @@ class FakeHub:
 
     # ---- lifecycle ----
     def start(self):
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # a short poll interval: shutdown() waits up to one interval, and every test stops its server
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
         return self
 
@@ -312,7 +313,7 @@ class RelayHub(FakeHub):
         self.server.RequestHandlerClass.disable_nagle_algorithm = True
 
     def start(self):
-        threading.Thread(target=self.storage.serve_forever, daemon=True).start()
+        threading.Thread(target=self.storage.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return super().start()
 
     def stop(self):
