@@ -8,7 +8,8 @@ For every budget (default: none, 100%, 50%, 25% of the int4 container) it runs
   - llama.cpp (llama-cpp-python) on a Q4_0 GGUF of the same weights, in a memory cgroup of the same size after
     dropping the GGUF's page cache, once per setting: mmap; mmap + its repacked weight copy (use_extra_bufts);
     mmap + lazy tensor reads (lazy_mode ON). The best setting at each budget is llama.cpp's figure.
-Both decode the same number of tokens with the same thread count, greedy, from the same random prompt ids.
+Both decode the same number of tokens, greedy, from random prompt ids; llama.cpp on --threads (every core by
+default), picaflor with its own --threads auto (every core when nothing streams, else 1: its best, measured).
 A run that is killed (out of memory inside the cgroup) or refuses is a row with no figure, not an error.
 
 The GGUF is written from the container (export.py CONTAINER --format gguf --gguf-type q4_0), so both engines
@@ -182,7 +183,7 @@ def run_picaflor(args, budget_str):
     with tempfile.TemporaryDirectory() as td:
         out = os.path.join(td, "p.json")
         cmd = [sys.executable, os.path.join(ROOT, "stream_infer.py"), args.container, "--bench", "--max-new-tokens",
-               str(args.tokens), "--bench-prompt-tokens", str(args.prompt_tokens), "--threads", str(args.threads),
+               str(args.tokens), "--bench-prompt-tokens", str(args.prompt_tokens), "--threads", str(args.picaflor_threads),
                "--json", out] + (["--ram-budget", budget_str] if budget_str else [])
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if r.returncode != 0 or not os.path.exists(out):
@@ -230,7 +231,8 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="tokenizer file for the GGUF when the container has none")
     ap.add_argument("--budgets", default="none,100%,50%,25%", help="memory limits: none, N%% of the container, or 2G")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="llama.cpp settings to try at each budget")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads for both engines")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
+    ap.add_argument("--picaflor-threads", default="auto", help="stream_infer --threads (auto: its own best choice)")
     ap.add_argument("--tokens", type=int, default=16, help="decoded tokens per run")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--max-seconds", type=float, default=180, help="stop a llama.cpp decode after this long (rate kept)")

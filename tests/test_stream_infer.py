@@ -61,14 +61,17 @@ def test_budgeted_greedy_equals_resident_token_for_token(tiny):
     prompt = list(range(5, 25))
     full = S.load(path)
     ref = full.generate(prompt, 16)
-    assert full.cache.stats()["capacity_experts"] >= 48  # everything fits: a fully resident run
-    small = S.load(path, prefetch=True)
+    assert full.cache.stats()["capacity_experts"] >= 48  # everything fits: a fully resident run ...
+    assert full.preloaded and full.cache.stats()["reads"] == 0  # ... read at load, so decoding reads nothing
+    assert S.compute_threads(full) == (os.cpu_count() or 1) and S.compute_threads(full, "3") == 3
+    small = S.load(path, prefetch=True, preload=False)
     small.cache.budget = 3 * small.container.expert_nbytes  # 3 of 48 experts (the container has 48)
     assert small.generate(prompt, 16) == ref
     st = small.cache.stats()
     assert st["misses"] > 20 and st["cached_experts"] <= 3 and st["prefetch_reads"] > 0
-    nopf = S.load(path, prefetch=False)
+    nopf = S.load(path, prefetch=False, preload=False)
     nopf.cache.budget = 4 * nopf.container.expert_nbytes
+    assert S.compute_threads(nopf) == 1  # experts stream: one compute thread
     assert nopf.generate(prompt, 16) == ref
     # top-1 serving and sampling run, sampling reproducible with a seed
     assert len(full.generate(prompt, 5, experts_per_token=1)) == 5
@@ -78,7 +81,7 @@ def test_budgeted_greedy_equals_resident_token_for_token(tiny):
 
 def test_hit_rate_and_bytes_agree_with_independent_count(tiny):
     m, path = tiny
-    eng = S.load(path, prefetch=False)
+    eng = S.load(path, prefetch=False, preload=False)
     cap = 7
     eng.cache.budget = cap * eng.container.expert_nbytes
     eng.cache.reset_counters()
@@ -189,7 +192,10 @@ def test_bad_input_one_line_errors(tiny, tmp_path):
     data[off] ^= 0xFF
     fl = tmp_path / "flip.pcf4"
     fl.write_bytes(bytes(data))
-    eng = S.load(str(fl), prefetch=False)
+    with pytest.raises(C.ContainerError) as ei:  # preloading (every expert fits) checks every crc at load
+        S.load(str(fl), prefetch=False)
+    assert "layer 2 expert 0" in str(ei.value)
+    eng = S.load(str(fl), prefetch=False, preload=False)
     with pytest.raises(C.ContainerError) as ei:
         for e in range(16):
             eng.cache.get((2, e), set())
@@ -233,7 +239,7 @@ print(json.dumps([rc, rc2, rc3]))
 
 def test_bench_result_fields_and_lfu_policy(tiny):
     m, path = tiny
-    eng = S.load(path, ram_budget=None, cache_policy="lfu")
+    eng = S.load(path, ram_budget=None, cache_policy="lfu", preload=False)
     eng.cache.budget = 5 * eng.container.expert_nbytes
     res = S.run_bench(eng, n_prompt=6, n_new=5)
     for key in ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token", "peak_rss_bytes", "bound_tok_s"):
@@ -243,7 +249,7 @@ def test_bench_result_fields_and_lfu_policy(tiny):
     if res["direct_io"]:
         assert res["disk_bytes_per_token"] >= res["counted_bytes_per_token"]
     # the policy changes what is cached, never the output
-    lru = S.load(path)
+    lru = S.load(path, preload=False)
     lru.cache.budget = 5 * lru.container.expert_nbytes
     assert eng.generate([3, 4, 5], 8) == lru.generate([3, 4, 5], 8)
     assert S.strip_args(["m", "--sweep", "1G,2G", "--bench", "--json=x"], {"--sweep", "--json"}, {"--bench"}) == ["m"]
