@@ -2,6 +2,7 @@
 picaflor's stream_infer vs llama.cpp on the same model, under the same memory limit, side by side in one run.
 
     python bench/vs_llamacpp.py micro.pcf4 --json bench/vs_llamacpp.json
+    python bench/vs_llamacpp.py --parity out/tiny      # llama.cpp computes picaflor's logits (f16 GGUF)
 
 For every budget (default: none, 100%, 50%, 25% of the int4 container) it runs
   - picaflor: `stream_infer.py MODEL --bench --ram-budget B` (its own cgroup, page cache dropped), and
@@ -103,6 +104,55 @@ def llama_child(args):
             break
     res["phase"] = "done"
     dump()
+
+
+def parity(ckpt, threads):
+    """llama.cpp's logits on an f16 GGUF export of a training checkpoint vs picaflor's own (model.py), position by
+    position: proof that the GGUF llama.cpp runs is the same model."""
+    import ctypes
+    import numpy as np
+    import torch
+    import checkpoint
+    import llama_cpp as L
+    import model as M
+    try:
+        ck = checkpoint.resolve(ckpt)
+    except checkpoint.CheckpointError as e:
+        raise BenchError(str(e)) from None
+    with tempfile.TemporaryDirectory() as td:
+        gg = os.path.join(td, "m.gguf")
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), ck, "--format", "gguf", "--gguf-type",
+                            "f16", "--out", gg, "--no-progress"], stdout=subprocess.DEVNULL)
+        if r.returncode:
+            raise BenchError(f"{ck}: GGUF export failed (see above)")
+        m = M.load_checkpoint(ck).float().eval()
+        T = min(24, m.cfg.max_seq_len)
+        ids = torch.randint(1, min(m.cfg.vocab_size, 4000), (1, T), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = m(ids)[0].float().numpy()
+        global _QUIET
+        _QUIET = L.llama_log_callback(lambda level, text, data: None)
+        L.llama_log_set(_QUIET, ctypes.c_void_p(0))
+        L.llama_backend_init()
+        model = L.llama_model_load_from_file(gg.encode(), L.llama_model_default_params())
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 2 * T, T, T, threads, threads
+        ctx = L.llama_init_from_model(model, cp)
+        nv = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+        got = []
+        for t in range(T):  # one position at a time, so every position's logits come back
+            arr = (L.llama_token * 1)(int(ids[0, t]))
+            if L.llama_decode(ctx, L.llama_batch_get_one(arr, 1)) != 0:
+                raise BenchError("llama_decode failed")
+            got.append(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(nv,)).copy())
+        got = np.stack(got)[:, :ref.shape[-1]]
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    res = {"checkpoint": ck, "positions": T, "max_abs_diff": float(np.abs(got - ref).max()),
+           "max_abs_logit": float(np.abs(ref).max()), "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean())}
+    print(f"parity {ck}: llama.cpp vs picaflor logits over {T} positions: max |diff| {res['max_abs_diff']:.2e} "
+          f"(max |logit| {res['max_abs_logit']:.2f}), top-1 agreement {res['top1_agreement']:.3f}")
+    return res
 
 
 def peak_rss():
@@ -238,6 +288,8 @@ def main(argv=None):
     ap.add_argument("--max-seconds", type=float, default=180, help="stop a llama.cpp decode after this long (rate kept)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the rows here (stream_infer.py --sweep plots llama.cpp's curve from it)")
+    ap.add_argument("--parity", metavar="CKPT", help="only check that llama.cpp computes picaflor's logits on an f16 "
+                                                      "GGUF of this training checkpoint, then exit")
     ap.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--setting", default="mmap", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -245,6 +297,12 @@ def main(argv=None):
     if args.llama_child:
         return llama_child(args)
     try:
+        if args.parity:
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                raise BenchError("llama-cpp-python is not installed (see --help)") from None
+            return parity(args.parity, args.threads)
         if not args.container or not os.path.isfile(args.container):
             raise BenchError(f"{args.container}: no such container; make one with python container.py "
                              f"--random-config config/micro.py --out micro.pcf4")
