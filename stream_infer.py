@@ -903,7 +903,8 @@ def run_sweep(args, argv):
         ax[0].plot(x, [r["decode_tok_s"] for r in ok], "o-", label="picaflor decode")
         ax[0].plot(x, [r["bound_tok_s"] for r in ok], "k--", label="bound (disk + memory bandwidth)")
         if args.llamacpp_json and os.path.exists(args.llamacpp_json):
-            lc = [r for r in json.load(open(args.llamacpp_json)).get("rows", []) if r.get("llamacpp_tok_s")]
+            lc = [r for r in json.load(open(args.llamacpp_json)).get("rows", [])
+                  if r.get("llamacpp_tok_s") and r.get("budget_bytes")]  # the unlimited row has no x position
             ax[0].plot([r["budget_bytes"] / (1 << 30) for r in lc], [r["llamacpp_tok_s"] for r in lc], "s-",
                        label="llama.cpp")
         ax[0].set_ylabel("tok/s")
