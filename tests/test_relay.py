@@ -47,6 +47,14 @@ def hf_env(hub, tmp_path, monkeypatch):
         monkeypatch.setenv(k, v)
 
 
+@pytest.fixture(autouse=True)
+def no_xet_in_process(monkeypatch):
+    """huggingface_hub reads HF_HUB_DISABLE_XET once, at import, which an earlier test file may have done without
+    it; with hf_xet installed the client would then try Xet, which the fake Hub (like the tests) does not speak."""
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+
+
 @pytest.fixture
 def rl(monkeypatch, capsys):
     """`python relay.py ARGS` run in this process (no interpreter start-up): returns returncode, stdout, stderr."""
