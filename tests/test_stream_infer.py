@@ -108,6 +108,23 @@ def test_hit_rate_and_bytes_agree_with_independent_count(tiny):
         assert rb1 - rb0 >= st["bytes_read"]
 
 
+def test_landed_unwanted_prefetches_do_not_block_later_ones(tiny):
+    """A full cache of prefetched reads that landed but were never asked for is evictable: the next prefetch
+    still goes out (it used to be refused until the end of the request, so prefetch starved at small budgets)."""
+    m, path = tiny
+    eng = S.load(path, prefetch=False, preload=False)
+    c = eng.cache
+    c.budget = 3 * c.nbytes
+    first = [(1, 0), (1, 1), (1, 2)]
+    c.request(first, set(first), prefetch=True)
+    for key in first:
+        c.inflight[key][0].result()  # landed, never demanded
+    c.request([(2, 5)], {(2, 5)}, prefetch=True)
+    assert (2, 5) in c.inflight and c.prefetch_reads == 4
+    assert c.used <= c.budget
+    c.settle()
+
+
 def test_loglikelihood(tiny):
     m, path = tiny
     eng = S.load(path, kernel="reference")
