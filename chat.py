@@ -447,7 +447,7 @@ def main(argv=None):
         ap.add_argument("--experts-per-token", type=int, default=None, help="default: the model's top_k")
         ap.add_argument("--device", default="cpu")
         ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                        help="torch threads (default: half the cores; sleeping OpenMP threads, safe on a shared machine)")
+                        help="torch threads (default: half the cores)")
         add_sampling_args(ap)
         a = ap.parse_args(argv)
         import torch
