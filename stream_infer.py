@@ -766,21 +766,21 @@ def cgroup_memory_dir():
     return None, None
 
 
-def bench_in_cgroup(args, argv):
-    """Parent side: drop the container's page cache, make a memory cgroup of --ram-budget, run the benchmark in
-    a child process inside it. Returns the result dict."""
-    import subprocess
-    import tempfile
-    budget = parse_size(args.ram_budget) if args.ram_budget else None
-    dropped = False
+def drop_page_cache(path):
+    """posix_fadvise(DONTNEED) over a whole file, so the next reads come from the disk; True if it was done."""
     try:
-        fd = os.open(args.container, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-        dropped = True
+        return True
     except (OSError, AttributeError):
-        pass
-    cg, ver = cgroup_memory_dir() if budget else (None, None)
+        return False
+
+
+def limited_cgroup(budget):
+    """A fresh memory cgroup limited to budget bytes (page cache included, no swap): (dir, "v1"/"v2") or
+    (None, None) where none can be made. Processes join by writing their pid to dir/cgroup.procs."""
+    cg, ver = cgroup_memory_dir()
     if cg:
         try:
             if ver == "v2":
@@ -793,7 +793,36 @@ def bench_in_cgroup(args, argv):
                 open(os.path.join(cg, "memory.limit_in_bytes"), "w").write(str(budget))
         except OSError:
             os.rmdir(cg)
-            cg = None
+            return None, None
+    return cg, ver
+
+
+def close_cgroup(cg):
+    """The peak memory the cgroup saw (bytes, or None), then remove it (its processes have exited)."""
+    if not cg:
+        return None
+    peak = None
+    for fname in ("memory.peak", "memory.max_usage_in_bytes"):
+        try:
+            peak = int(open(os.path.join(cg, fname)).read().split()[0])
+            break
+        except (OSError, ValueError):
+            pass
+    try:
+        os.rmdir(cg)
+    except OSError:
+        pass
+    return peak
+
+
+def bench_in_cgroup(args, argv):
+    """Parent side: drop the container's page cache, make a memory cgroup of --ram-budget, run the benchmark in
+    a child process inside it. Returns the result dict."""
+    import subprocess
+    import tempfile
+    budget = parse_size(args.ram_budget) if args.ram_budget else None
+    dropped = drop_page_cache(args.container)
+    cg, ver = limited_cgroup(budget) if budget else (None, None)
     with tempfile.TemporaryDirectory() as td:
         res_path = os.path.join(td, "result.json")
         argv = [sys.executable, os.path.abspath(__file__)] + list(argv)
@@ -806,18 +835,7 @@ def bench_in_cgroup(args, argv):
                     f.write(str(os.getpid()))
 
         r = subprocess.run(argv, env=env, preexec_fn=enter_cgroup)
-        cg_peak = None
-        if cg:
-            for fname in ("memory.peak", "memory.max_usage_in_bytes"):
-                try:
-                    cg_peak = int(open(os.path.join(cg, fname)).read().split()[0])
-                    break
-                except (OSError, ValueError):
-                    pass
-            try:
-                os.rmdir(cg)
-            except OSError:
-                pass
+        cg_peak = close_cgroup(cg)
         if r.returncode != 0 or not os.path.exists(res_path):
             why = "killed (out of memory inside the cgroup?)" if r.returncode < 0 else f"exit {r.returncode}"
             raise StreamError(f"{args.container}: benchmark child failed ({why}) at --ram-budget {args.ram_budget}")

@@ -165,29 +165,14 @@ def peak_rss():
 # ----------------------------------------------------------------------------------------------------------
 # parent side
 
-def drop_page_cache(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        return True
-    except (OSError, AttributeError):
-        return False
-
-
 def run_llama(args, budget_bytes, setting):
     """One llama.cpp run in a fresh memory cgroup of budget_bytes (None: no limit). Returns its result dict."""
     import stream_infer
-    dropped = drop_page_cache(args.gguf)
-    cg, ver = stream_infer.cgroup_memory_dir() if budget_bytes else (None, None)
+    dropped = stream_infer.drop_page_cache(args.gguf)
+    cg, ver = stream_infer.limited_cgroup(budget_bytes) if budget_bytes else (None, None)
     if budget_bytes and not cg:
         raise BenchError("cannot create a memory cgroup (needs root and cgroup v1/v2 memory controller); "
                          "the comparison would not be under the same limit")
-    if cg:
-        limit_file = "memory.max" if ver == "v2" else "memory.limit_in_bytes"
-        open(os.path.join(cg, limit_file), "w").write(str(budget_bytes))
-        if ver == "v2" and os.path.exists(os.path.join(cg, "memory.swap.max")):
-            open(os.path.join(cg, "memory.swap.max"), "w").write("0")
     with tempfile.TemporaryDirectory() as td:
         out = os.path.join(td, "r.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--llama-child", "--gguf", args.gguf, "--setting", setting,
@@ -210,18 +195,8 @@ def run_llama(args, budget_bytes, setting):
             p.communicate()
             why = "timed out"
         res = json.load(open(out)) if os.path.exists(out) else {"setting": setting, "tokens": 0}
-        res.update(wall_s=time.time() - t0, page_cache_dropped=dropped, cgroup=ver)
-        if cg:
-            for fname in ("memory.peak", "memory.max_usage_in_bytes"):
-                try:
-                    res["cgroup_peak_bytes"] = int(open(os.path.join(cg, fname)).read().split()[0])
-                    break
-                except (OSError, ValueError):
-                    pass
-            try:
-                os.rmdir(cg)
-            except OSError:
-                pass
+        res.update(wall_s=time.time() - t0, page_cache_dropped=dropped, cgroup=ver,
+                   cgroup_peak_bytes=stream_infer.close_cgroup(cg))
     if why:
         res["error"] = why
     if res.get("tokens", 0) < 2:
