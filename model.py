@@ -21,10 +21,11 @@ Implementer's calls (recorded here as DESIGN.md asks):
   experts.down_proj [E, D, F]; dispatch sorts token-slots by expert and runs torch._grouped_mm (bf16 on CUDA
   sm90+), with a padded-bmm fallback elsewhere; on CPU the sorted rows go to `ExpertFFNCPU`, which deals whole
   experts to the cores (single-threaded GEMMs each): ~20% faster than grouped_mm for a nano-width MoE layer on
-  2 cores (bench/train_step.py); `moe_reference` is the plain per-expert loop that tests compare against. The row shuffles around the grouped matmuls are small autograd Functions whose
-  backward is a gather through the inverse permutation (no scatter-add: deterministic on GPU, faster on CPU),
-  and the SwiGLU between them writes its (rows, 2F) grad in one contiguous piece; the k expert outputs are
-  mixed with the routing weights in fp32.
+  2 cores (bench/train_step.py); `moe_reference` is the plain per-expert loop that tests compare against.
+  The row shuffles around the grouped matmuls are small autograd Functions whose backward is a gather through
+  the inverse permutation (no scatter-add: deterministic on GPU, faster on CPU), and the SwiGLU between them
+  writes its (rows, 2F) grad in one contiguous piece; the k expert outputs are mixed with the routing weights
+  in fp32.
 - on CPU, `tune_cpu_malloc()` (call once at start-up) keeps glibc from unmapping and page-faulting the big
   expert-grad tensors every step; with it a nano-width MoE layer's backward took ~20% less CPU time here.
 - the per-expert token counts of training forwards accumulate in a non-persistent buffer (`load_accum`) so
@@ -347,9 +348,14 @@ class ExpertFFNCPU(torch.autograd.Function):
         xs, w_gu, w_d, h = ctx.saved_tensors
         bounds, Fw = ctx.bounds, w_d.shape[2]
         dy = dy.contiguous()
-        dxs = torch.zeros_like(xs)
-        dw_gu = torch.zeros_like(w_gu) if ctx.needs_input_grad[1] else None
-        dw_d = torch.zeros_like(w_d) if ctx.needs_input_grad[2] else None
+        dxs = torch.empty_like(xs)  # every row belongs to one expert: all written below
+        dw_gu = torch.empty_like(w_gu) if ctx.needs_input_grad[1] else None
+        dw_d = torch.empty_like(w_d) if ctx.needs_input_grad[2] else None
+        for e, (s, t) in enumerate(bounds):  # experts with no rows get zero grads (no memset of the rest)
+            if t <= s:
+                for g in (dw_gu, dw_d):
+                    if g is not None:
+                        g[e].zero_()
 
         def run(es):
             for e in es:
