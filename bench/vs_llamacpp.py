@@ -46,8 +46,25 @@ class BenchError(Exception):
 # ----------------------------------------------------------------------------------------------------------
 # the llama.cpp child: runs inside the cgroup, writes its result after every token (a timeout keeps the rate)
 
-def llama_child(args):
+def import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise BenchError('llama-cpp-python is not installed; CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" '
+                         'pip install llama-cpp-python==0.3.36 (builds llama.cpp, ~25 min on 2 cores)') from None
+    return llama_cpp
+
+
+def start_llama(L):
+    """llama.cpp's log silenced (its callback kept referenced: llama.cpp calls it later) and its backend up."""
     import ctypes
+    global _QUIET
+    _QUIET = L.llama_log_callback(lambda level, text, data: None)
+    L.llama_log_set(_QUIET, ctypes.c_void_p(0))
+    L.llama_backend_init()
+
+
+def llama_child(args):
     import numpy as np
     import llama_cpp as L
     res = {"setting": args.setting, "tokens": 0, "phase": "load"}
@@ -58,10 +75,7 @@ def llama_child(args):
         os.replace(args.result + ".tmp", args.result)
 
     dump()
-    global _QUIET
-    _QUIET = L.llama_log_callback(lambda level, text, data: None)  # kept referenced: llama.cpp calls it later
-    L.llama_log_set(_QUIET, ctypes.c_void_p(0))
-    L.llama_backend_init()
+    start_llama(L)
     mp = L.llama_model_default_params()
     mp.load_mode = L.LLAMA_LOAD_MODE_MMAP
     mp.use_extra_bufts = SETTINGS[args.setting]["use_extra_bufts"]
@@ -109,7 +123,6 @@ def llama_child(args):
 def parity(ckpt, threads):
     """llama.cpp's logits on an f16 GGUF export of a training checkpoint vs picaflor's own (model.py), position by
     position: proof that the GGUF llama.cpp runs is the same model."""
-    import ctypes
     import numpy as np
     import torch
     import checkpoint
@@ -130,10 +143,7 @@ def parity(ckpt, threads):
         ids = torch.randint(1, min(m.cfg.vocab_size, 4000), (1, T), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             ref = m(ids)[0].float().numpy()
-        global _QUIET
-        _QUIET = L.llama_log_callback(lambda level, text, data: None)
-        L.llama_log_set(_QUIET, ctypes.c_void_p(0))
-        L.llama_backend_init()
+        start_llama(L)
         model = L.llama_model_load_from_file(gg.encode(), L.llama_model_default_params())
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 2 * T, T, T, threads, threads
@@ -273,19 +283,12 @@ def main(argv=None):
         return llama_child(args)
     try:
         if args.parity:
-            try:
-                import llama_cpp  # noqa: F401
-            except ImportError:
-                raise BenchError("llama-cpp-python is not installed (see --help)") from None
+            import_llama_cpp()
             return parity(args.parity, args.threads)
         if not args.container or not os.path.isfile(args.container):
             raise BenchError(f"{args.container}: no such container; make one with python container.py "
                              f"--random-config config/micro.py --out micro.pcf4")
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            raise BenchError('llama-cpp-python is not installed; CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" '
-                             'pip install llama-cpp-python==0.3.36 (builds llama.cpp, ~25 min on 2 cores)') from None
+        import_llama_cpp()
         settings = [s for s in args.settings.split(",") if s]
         bad = [s for s in settings if s not in SETTINGS]
         if bad:
