@@ -150,13 +150,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_head * hd, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(hd, cfg.norm_eps)
         self.k_norm = RMSNorm(hd, cfg.norm_eps)
+        self.qkv_proj = None  # optional fused q|k|v (stream_infer's int4 engine: one GEMV); checkpoints keep three
 
     def forward(self, x, cos, sin, cache=None):
         B, T, _ = x.shape
         hd = self.cfg.head_dim
-        q = self.q_norm(self.q_proj(x).view(B, T, -1, hd)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, -1, hd)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        if self.qkv_proj is not None:
+            kv = self.cfg.n_kv_head * hd
+            q, k, v = self.qkv_proj(x).split([self.cfg.n_head * hd, kv, kv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.view(B, T, -1, hd)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, -1, hd)).transpose(1, 2)
+        v = v.view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past = 0
         if cache is not None:
@@ -180,8 +186,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d_model, width, bias=False)
         self.up_proj = nn.Linear(d_model, width, bias=False)
         self.down_proj = nn.Linear(width, d_model, bias=False)
+        self.gate_up_proj = None  # optional fused gate|up (stream_infer's int4 engine); checkpoints keep two
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

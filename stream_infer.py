@@ -36,12 +36,18 @@ How it works (the implementer's calls, as DESIGN.md asks):
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
   `context` positions - working memory (activations, logits, one dequantized temporary; `working_bytes`). If
   less than 2 x top_k experts would fit, it refuses before loading, saying how much is needed.
-- CPU int4 path: torch's `_weight_int4pack_mm_for_cpu` on bf16 activations reading the container's bytes as-is
-  (container.py stores its packed layout). Measured here (2 shared cores, 1 thread, M=1): GEMV 2048x1024 0.34 ms
-  vs dense fp32 0.38 ms; a micro expert's gate_up 2048x2048 (--bench prints it) 0.69-0.89 ms vs fp32 dense
-  1.45-2.33 ms vs dequantize-then-matmul 33-300 ms, so it is the default; `--kernel reference` dequantizes
-  then multiplies (the check, and the fallback when torch packs differently). fp32 activations through the
-  kernel are ~30x slower than bf16 here, hence bf16 at the matmul only; the residual stream stays fp32.
+- CPU int4 path (`--kernel native`, the default): int4_cpu.cpp, compiled on first use (g++ and ninja; ~20 s,
+  cached), reads the container's bytes as they are. On AVX2 it quantizes activations per group to int8 and
+  multiplies integers, as llama.cpp's Q4_0 x Q8_0 kernels do (relative error ~0.6% on random activations, the
+  size of bf16 rounding); its portable fp32 loop (other CPUs) is slower than int4pack, so auto picks it only on AVX2. Measured here (2 cores, M=1, micro shapes, weights cold
+  in DRAM, `python bench/int4_gemv.py`): 7-9 GB/s of int4 weights on 1 thread and 10-13 GB/s on 2,
+  vs 3.2 / 6.1 GB/s for torch's `_weight_int4pack_mm_for_cpu` (which dequantizes to bf16); hot in cache 15 GB/s
+  per thread vs 3. A software prefetch 1 KB ahead added ~20% cold. Without a compiler it warns once and falls
+  back to the int4pack kernel (`--kernel int4pack`); `--kernel reference` dequantizes then multiplies (the check).
+  int8 rows (embeddings, lm_head) go through the same extension with fp32 activations.
+- Decode-time fusions: q|k|v and the shared / dense gate|up are concatenated at load into one int4 matrix each
+  (the packed layout is whole 32-row blocks, so this is a byte concatenation), one GEMV instead of three or two;
+  a one-token MoE step uses scalar routing weights. Both keep the arithmetic of the unfused path.
 - Cache policy: LRU. The smarter policy tried, `--cache-policy lfu` (evict the fewest decayed demands), was
   replayed on the decode trace of the only trained model here (a 26-step tiny run, 7200 lookups): hit rate 0.938
   vs LRU 0.917 at 6/48 experts, equal at 12/48 and above; but that model routes to only 8 distinct experts, and
@@ -175,6 +181,49 @@ def int4_matmul_cpu(x, packed, sz, shape, group_size):
     return y[:, :N].float()
 
 
+_NATIVE = None
+
+
+def native_int4():
+    """torch.ops of int4_cpu.cpp (the fast CPU int4 matmul), compiled on first use (~20 s, then cached under
+    ~/.cache/torch_extensions, rebuilt when the source changes) or None when it cannot be built here."""
+    global _NATIVE
+    if _NATIVE is None:
+        import hashlib
+        import platform
+        from torch.utils import cpp_extension
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int4_cpu.cpp")
+        # -march=native: the build dir is keyed by this machine's CPU flags, so a shared home cannot hand a
+        # binary to a CPU that lacks its instructions
+        try:
+            cpu = next((l for l in open("/proc/cpuinfo") if l.startswith(("flags", "Features"))), "")
+        except OSError:
+            cpu = platform.processor()
+        name = "picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__).encode()).hexdigest()[:10]
+        omp = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has no OpenMP: serial kernel
+        # ninja is a pip dependency: make the venv's bin findable when python runs without activating it
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        try:
+            if not os.path.exists(os.path.join(cpp_extension._get_build_directory(name, False), name + ".so")):
+                print("stream_infer: compiling int4_cpu.cpp, the fast CPU int4 kernel (first use only, ~20 s)",
+                      file=sys.stderr)
+            cpp_extension.load(name=name, sources=[src], extra_cflags=["-O3", "-march=native"] + omp,
+                               extra_ldflags=omp, is_python_module=False, verbose=False)
+            _NATIVE = torch.ops.picaflor_int4
+        except Exception as e:  # no compiler, no ninja, a foreign toolchain: fall back, loudly, once
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+            print(f"stream_infer: warning: could not build {src} ({why}); using torch's slower int4pack kernel. "
+                  f"Install a C++ compiler (apt install g++) and ninja (pip install -r requirements.txt)",
+                  file=sys.stderr)
+            _NATIVE = False
+    return _NATIVE or None
+
+
+def int4_matmul_native(x, packed, sz, shape, group_size):
+    """x (M, K) -> (M, N) fp32 through int4_cpu.cpp (fp32 activations, the container's bytes as they are)."""
+    return native_int4().int4_mm(x, packed, sz, shape[0], group_size)
+
+
 class QLinear(nn.Module):
     """A linear layer over a container tensor (int4 / int8 / f32), y = x @ W^T, fp32 in and out."""
 
@@ -186,16 +235,22 @@ class QLinear(nn.Module):
         self.nbytes = sum(v.numel() * v.element_size() for v in raw.values() if isinstance(v, torch.Tensor))
 
     def forward(self, x):
+        r = self.raw
+        if self.kernel == "native" and self.kind == "int4":  # the decode hot path: any leading dims, no reshapes
+            return _NATIVE.int4_mm(x, r["packed"], r["sz"], self.shape[0], r["group_size"])
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        r = self.raw
         if self.kind == "f32":
             y = x2.float() @ r["data"].t()
         elif self.kind == "int8":
-            if self.kernel != "reference" and x2.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
+            if self.kernel == "native":
+                y = _NATIVE.int8_mm(x2, r["q"], r["scale"])
+            elif self.kernel != "reference" and x2.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
                 y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), r["q"], self.scale_bf16).float()
             else:
                 y = x2.float() @ C.dequantize_int8(r["q"], r["scale"], self.shape).t()
+        elif self.kernel == "native":
+            y = int4_matmul_native(x2, r["packed"], r["sz"], self.shape, r["group_size"])
         elif self.kernel == "int4pack":
             y = int4_matmul_cpu(x2, r["packed"], r["sz"], self.shape, r["group_size"])
         elif self.kernel == "triton":
@@ -383,6 +438,11 @@ class StreamedMoE(nn.Module):
             nxt = [(self.next_moe.layer, e) for e in sorted(set(nidx.reshape(-1).tolist()))]
             self.cache.request(nxt, protect | set(nxt), prefetch=True)
         out = self.shared(x).float()
+        if x.shape[0] == 1:  # decode: one token, scalar weights (a third of the ops of the general loop below)
+            weight = dict(zip(idx[0].tolist(), w[0].tolist()))
+            for key in keys:  # the same fixed order and the same arithmetic as the general loop
+                out += self.cache.get(key, {key})(x) * weight[key[1]]
+            return out.reshape(shape)
         for key in keys:  # fixed order: the result never depends on what was cached
             tok, slot = torch.where(idx == key[1])
             y = self.cache.get(key, {key})(x[tok])
@@ -397,7 +457,12 @@ def pick_kernel(kernel, device):
     if kernel == "auto":
         if device.startswith("cuda"):
             return "triton"
+        if native_int4() is not None and native_int4().has_avx2():  # its portable loop is slower than int4pack
+            return "native"
         return "int4pack" if cpu_int4pack_ok() else "reference"
+    if kernel == "native" and (device != "cpu" or native_int4() is None):
+        raise StreamError("--kernel native: int4_cpu.cpp runs on CPU only and needs a C++ compiler and ninja "
+                          "(the warning above says why it did not build); use --kernel int4pack")
     if kernel == "int4pack" and not cpu_int4pack_ok():
         raise StreamError("--kernel int4pack: this torch build lacks the CPU int4 kernel or packs differently; "
                           "use --kernel reference (torch is pinned in requirements.txt)")
@@ -490,6 +555,25 @@ class Engine:
         def lin(name):
             return QLinear(to_dev(raw[name]), kernel)
 
+        def fuse(module, fused_name, names):
+            """q|k|v or gate|up as one int4 GEMV when they concatenate as bytes (int4, same K and group size, row
+            counts that are whole 32-row blocks); else the separate projections. Parts are freed as they go."""
+            parts = [raw[n] for n in names]
+            attrs = [n.split(".")[-2] for n in names]
+            if (all(r["kind"] == "int4" for r in parts) and all(r["shape"][0] % C.ROW_BLOCK == 0 for r in parts)
+                    and len({(r["shape"][1], r["group_size"]) for r in parts}) == 1):
+                joined = {"kind": "int4", "shape": [sum(r["shape"][0] for r in parts), parts[0]["shape"][1]],
+                          "group_size": parts[0]["group_size"], "packed": torch.cat([r["packed"] for r in parts]),
+                          "sz": torch.cat([r["sz"] for r in parts], dim=1)}
+                setattr(module, fused_name, QLinear(to_dev(joined), kernel))
+                for a in attrs:
+                    setattr(module, a, None)
+            else:
+                for n, a in zip(names, attrs):
+                    setattr(module, a, lin(n))
+            for n in names:
+                del raw[n]
+
         def vec(name):
             return nn.Parameter(raw[name]["data"].to(dev), requires_grad=False)
 
@@ -506,21 +590,21 @@ class Engine:
             b.input_layernorm.weight = vec(p + "input_layernorm.weight")
             b.post_attention_layernorm.weight = vec(p + "post_attention_layernorm.weight")
             a = b.self_attn
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                setattr(a, proj, lin(p + f"self_attn.{proj}.weight"))
+            a.o_proj = lin(p + "self_attn.o_proj.weight")
+            fuse(a, "qkv_proj", [p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj")])
             a.q_norm.weight = vec(p + "self_attn.q_norm.weight")
             a.k_norm.weight = vec(p + "self_attn.k_norm.weight")
             if b.is_moe:
                 shared = b.mlp.shared_experts
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    setattr(shared, proj, lin(p + f"mlp.shared_experts.{proj}.weight"))
+                shared.down_proj = lin(p + "mlp.shared_experts.down_proj.weight")
+                fuse(shared, "gate_up_proj", [p + f"mlp.shared_experts.{proj}.weight" for proj in ("gate_proj", "up_proj")])
                 moe = StreamedMoE(cfg, i, raw[p + "mlp.gate.weight"]["data"].to(dev),
                                   raw[p + "mlp.e_score_correction_bias"]["data"].to(dev), shared, self.cache)
                 b.mlp = moe
                 self.moes.append(moe)
             else:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    setattr(b.mlp, proj, lin(p + f"mlp.{proj}.weight"))
+                b.mlp.down_proj = lin(p + "mlp.down_proj.weight")
+                fuse(b.mlp, "gate_up_proj", [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj")])
         for a, b in zip(self.moes, self.moes[1:]):
             a.next_moe = b
         left = [n for n, t in list(m.named_parameters()) + list(m.named_buffers()) if t.is_meta]
@@ -670,13 +754,16 @@ def measure_memory_bandwidth(mb=64, reps=5):
 
 
 def measure_kernels(cont, reps=20):
-    """ms per decode GEMV (M=1) of one expert's gate_up: int4pack kernel vs dequantize-then-matmul vs fp32."""
+    """ms per decode GEMV (M=1) of one expert's gate_up (hot in cache): native (int4_cpu.cpp) vs torch's int4pack
+    kernel vs dequantize-then-matmul vs fp32 dense."""
     dec = cont.decode_expert(cont.read_expert_blob(int(next(iter(cont.header["experts"]))), 0))["gate_up_proj"]
     shape, g = dec["shape"], dec["group_size"]
     x = torch.randn(1, shape[1])
     w = C.dequantize_int4(dec["packed"], dec["sz"], shape, g)
     fns = {"reference_dequant_matmul": lambda: int4_matmul_reference(x, dec["packed"], dec["sz"], shape, g),
            "fp32_dense": lambda: x @ w.t()}
+    if native_int4() is not None:
+        fns["native"] = lambda: int4_matmul_native(x, dec["packed"], dec["sz"], shape, g)
     if cpu_int4pack_ok() and g in (32, 64, 128, 256):
         fns["int4pack"] = lambda: int4_matmul_cpu(x, dec["packed"], dec["sz"], shape, g)
     out = {"shape": shape}
@@ -1040,7 +1127,9 @@ def main(argv=None):
     ap.add_argument("--llamacpp-json", default="bench/vs_llamacpp.json",
                     help="llama.cpp figures from bench/vs_llamacpp.py to draw beside the sweep")
     ap.add_argument("--chat", action="store_true", help="multi-turn chat at the terminal (chat.py; history kept in the KV cache)")
-    ap.add_argument("--kernel", default="auto", choices=["auto", "int4pack", "reference", "triton"])
+    ap.add_argument("--kernel", default="auto", choices=["auto", "native", "int4pack", "reference", "triton"],
+                    help="int4 matmul: auto = triton on CUDA, else native (int4_cpu.cpp, built on first use), else "
+                         "int4pack (torch's CPU kernel); reference dequantizes then multiplies")
     ap.add_argument("--readers", type=int, default=4, help="expert reader threads")
     ap.add_argument("--prefetch", action="store_true",
                     help="read the next layer's likely experts ahead (its router on this hidden state); off by default, "

@@ -44,7 +44,7 @@ def test_engine_equals_dequantized_model(tiny):
     ids = torch.randint(1, 300, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = q(ids)
-        for kernel, tol in (("reference", 1e-5), ("int4pack", 2e-2)):
+        for kernel, tol in (("reference", 1e-5), ("native", 2e-2), ("int4pack", 2e-2)):
             eng = S.load(path, kernel=kernel)
             got = eng.logits(eng.forward(ids))
             assert (got - ref).abs().max() < tol * ref.abs().max(), kernel
@@ -143,6 +143,71 @@ def test_loglikelihood(tiny):
 
 ODD_SHAPES = [((1, 64), (32, 64), 32), ((3, 100), (40, 100), 32), ((16, 48), (33, 48), 16), ((5, 256), (96, 256), 128),
               ((17, 70), (64, 70), 64)]
+# the native kernel takes rows of x 4 at a time and reads any group size: M = 1..9 and groups the int4pack kernel lacks
+NATIVE_SHAPES = ODD_SHAPES + [((2, 200), (70, 200), 64), ((4, 96), (32, 96), 48), ((6, 33), (31, 33), 32),
+                              ((9, 130), (65, 130), 128), ((7, 512), (256, 512), 256), ((2, 90), (32, 90), 30)]
+
+
+@pytest.mark.parametrize("xs,ws,g", NATIVE_SHAPES)
+def test_native_int4_kernel_equals_reference(xs, ws, g):
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(xs, generator=gen), torch.randn(ws, generator=gen)
+    p, sz = C.quantize_int4(w, g)
+    ref = S.int4_matmul_reference(x, p, sz, ws, g)
+    op = S.native_int4()
+    assert op is not None, "int4_cpu.cpp did not build (see the warning above)"
+    # the portable path multiplies fp32 activations: equal to the reference up to summation order
+    got = op.int4_mm_generic(x, p, sz, ws[0], g)
+    assert got.shape == ref.shape and (got - ref).abs().max() < 1e-5 * ref.abs().max()
+    # the default path (int8 activations per group on AVX2, else the portable one) equals the reference applied to
+    # x as it quantizes it, and stays within int8 rounding of the exact result
+    xq = q8_activations(x, g) if op.has_avx2() and g % 4 == 0 else x
+    want = S.int4_matmul_reference(xq, p, sz, ws, g)
+    for got in (op.int4_mm(x, p, sz, ws[0], g), op.int4_mm(torch.cat([x, x], 1)[:, :ws[1]], p, sz, ws[0], g),
+                op.int4_mm(x.view(1, *xs), p, sz, ws[0], g)[0]):  # non-contiguous and 3-D inputs
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        assert (got - want).abs().max() < 1e-5 * ref.abs().max()
+        assert (got - ref).norm() < 2e-2 * ref.norm()
+    got = op.int4_mm(x.to(torch.bfloat16), p, sz, ws[0], g)  # bf16 in: the same as its fp32 value
+    xb = x.to(torch.bfloat16).float()
+    xbq = q8_activations(xb, g) if op.has_avx2() and g % 4 == 0 else xb
+    assert (got - S.int4_matmul_reference(xbq, p, sz, ws, g)).abs().max() < 1e-5 * ref.abs().max()
+
+
+def q8_activations(x, g):
+    """x as int4_cpu.cpp's AVX2 path sees it: per row and group of g columns, round(x * 127 / max|x|) * max|x| / 127."""
+    M, K = x.shape
+    Kp = -(-K // g) * g
+    xg = torch.nn.functional.pad(x, (0, Kp - K)).view(M, Kp // g, g)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xg * inv) * (amax / 127.0)).view(M, Kp)[:, :K]
+
+
+def test_native_int8_kernel_equals_reference():
+    gen = torch.Generator().manual_seed(0)
+    op = S.native_int4()
+    for M, N, K in ((1, 300, 64), (3, 70, 37), (6, 129, 200)):  # K not a multiple of the 8-wide vector: tail loop
+        x = torch.randn(M, K, generator=gen)
+        q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+        scale = torch.rand(N, generator=gen) * 0.01
+        ref = (x @ q.float().t()) * scale
+        for got in (op.int8_mm(x, q, scale), op.int8_mm_generic(x, q, scale)):
+            assert got.shape == (M, N) and (got - ref).abs().max() < 1e-5 * ref.abs().max()
+    with pytest.raises(RuntimeError, match="columns"):
+        op.int8_mm(torch.randn(1, 10), q, scale)
+
+
+def test_native_int4_kernel_rejects_wrong_sizes():
+    w = torch.randn(40, 100)
+    p, sz = C.quantize_int4(w, 32)
+    op = S.native_int4()
+    with pytest.raises(RuntimeError, match="packed has"):
+        op.int4_mm(torch.randn(1, 100), p[:-16], sz, 40, 32)
+    with pytest.raises(RuntimeError, match="sz has"):
+        op.int4_mm(torch.randn(1, 100), p, sz[:-1], 40, 32)
+    with pytest.raises(RuntimeError, match="packed has"):  # K that does not match the packed bytes
+        op.int4_mm(torch.randn(1, 200), p, sz, 40, 32)
 
 
 @pytest.mark.parametrize("xs,ws,g", ODD_SHAPES)

@@ -1,0 +1,82 @@
+"""
+The CPU int4 GEMV that decode spends most of its time in: int4_cpu.cpp (stream_infer --kernel native) vs torch's
+_weight_int4pack_mm_for_cpu (--kernel int4pack), side by side in one run, on the container's layout.
+
+    python bench/int4_gemv.py [--shape 2048x2048] [--group-size 64] [--mb 320] [--threads 1,2] [--json OUT]
+
+"cold": a loop over enough distinct random matrices (--mb of them) that the weights come from DRAM, as in
+decode, where every token reads each weight once. "hot": one matrix again and again (it stays in cache).
+Prints GB/s of int4 weights (packed bytes + bf16 scales) and ms per GEMV (M=1), median of --reps rounds.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import container as C  # noqa: E402
+import stream_infer as S  # noqa: E402
+
+
+def median_time(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="2048x2048", help="N x K of each weight matrix (micro's expert gate_up)")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--mb", type=int, default=320, help="MB of distinct matrices in the cold loop (>> L3)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args()
+    N, K = (int(v) for v in a.shape.lower().split("x"))
+    g = a.group_size
+    Np, Kp = C.int4_padded_shape((N, K), g)
+    op = S.native_int4()
+    if op is None:
+        sys.exit("error: int4_cpu.cpp did not build (see the warning above); install g++ and ninja")
+    gen = torch.Generator().manual_seed(0)
+    one = Np * Kp // 2 + (Kp // g) * Np * 2 * 2
+    n_mats = max(1, (a.mb << 20) // one)
+    mats = [(torch.randint(0, 256, (Np * Kp // 2,), dtype=torch.uint8, generator=gen),
+             (torch.randn(Kp // g, Np, 2, generator=gen) * 0.01).to(torch.bfloat16)) for _ in range(n_mats)]
+    x = torch.randn(1, K, generator=gen)
+    xb = torch.nn.functional.pad(x, (0, Kp - K)).to(torch.bfloat16)
+    kernels = {"native": lambda p, sz: op.int4_mm(x, p, sz, N, g)}
+    if S.cpu_int4pack_ok() and g in (32, 64, 128, 256):
+        kernels["int4pack"] = lambda p, sz: torch._weight_int4pack_mm_for_cpu(xb, p.view(Np, Kp // 2), g, sz)
+    print(f"shape {N}x{K} group {g}: {one / 1e6:.2f} MB per matrix, cold loop over {n_mats} ({n_mats * one / 1e6:.0f} MB); "
+          f"AVX2 path: {op.has_avx2()}")
+    rows = []
+    for th in (int(t) for t in a.threads.split(",")):
+        torch.set_num_threads(th)
+        for name, fn in kernels.items():
+            cold = median_time(lambda: [fn(p, sz) for p, sz in mats], a.reps) / n_mats
+            hot = median_time(lambda: fn(*mats[0]), a.reps * 20)
+            rows.append(dict(kernel=name, threads=th, cold_ms=cold * 1e3, cold_gb_s=one / cold / 1e9,
+                             hot_ms=hot * 1e3, hot_gb_s=one / hot / 1e9))
+            r = rows[-1]
+            print(f"{name:9s} {th} thread(s): cold {r['cold_gb_s']:5.1f} GB/s ({r['cold_ms']:.3f} ms) | "
+                  f"hot {r['hot_gb_s']:5.1f} GB/s ({r['hot_ms']:.3f} ms)")
+        if "int4pack" in kernels:
+            nat, pack = rows[-2], rows[-1]
+            print(f"  native / int4pack at {th} thread(s): cold {pack['cold_ms'] / nat['cold_ms']:.2f}x, "
+                  f"hot {pack['hot_ms'] / nat['hot_ms']:.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(shape=[N, K], group_size=g, matrix_bytes=one, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+// int4_cpu.cpp: stream_infer's CPU int4 matmul, y = x @ W^T with W read straight from the container's bytes.
+// Built on first use by stream_infer.native_int4() (torch.utils.cpp_extension, -O3 -march=native, cached).
+//
+// Why not torch's _weight_int4pack_mm_for_cpu: it dequantizes to bf16 and streamed ~3 GB/s of int4 weights per
+// thread here, while decode is a memory-bound GEMV: the kernel has to keep up with DRAM, not with the ALUs.
+//
+// Layout (container.py, "int4"): output rows in blocks of 32; per block, per input column k, 16 bytes whose
+// byte j holds row j in its low nibble and row j + 16 in its high nibble. sz is bf16 [Kp/G, Np, 2] =
+// (scale, zero) per (group of G input columns, row): w = (q - 8) * scale + zero. Per group,
+//     sum_k w[r,k] x[k] = scale[r] * (sum_k q[r,k] x[k] - 8 sx) + zero[r] * sx,   sx = sum_k x[k],
+// so the inner loop only needs the raw nibbles q, and each group ends with one fix-up per row.
+// Two inner loops:
+// - AVX2 (x86 with AVX2 and G % 4 == 0): integer dot products, as llama.cpp's Q4_0 x Q8_0 ones; x is quantized
+//   per (row, group) to int8 first (Q8_0-style, the same rounding llama.cpp applies to activations).
+// - portable fp32 (every other CPU, and the exact check the tests compare against).
+// Each thread owns whole 32-row blocks; rows of x go 4 at a time so a block's bytes are decoded once per 4 rows
+// and stay in L1/L2 for the next 4.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int ROWS = 32;  // rows per packed block
+constexpr int MB_MAX = 4;  // rows of x per pass over a block
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 1024
+#endif
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Portable path (any CPU the compiler targets; also what the AVX2 path is tested against).
+template <int MB>
+void block_generic(const float* x, int64_t ldx, const float* sx, const uint8_t* blk, const uint16_t* sz,
+                   int64_t Np, int64_t b, int64_t K, int G, int n_groups, float* out /* [MB][32] */) {
+  float total[MB][ROWS] = {};
+  for (int g = 0; g < n_groups; g++) {
+    float acc[MB][ROWS] = {};
+    const int64_t k0 = int64_t(g) * G, k1 = std::min<int64_t>(k0 + G, K);
+    for (int64_t k = k0; k < k1; k++) {
+      const uint8_t* p = blk + k * 16;
+      for (int m = 0; m < MB; m++) {
+        const float xv = x[m * ldx + k];
+        for (int j = 0; j < 16; j++) {
+          acc[m][j] += float(p[j] & 15) * xv;
+          acc[m][j + 16] += float(p[j] >> 4) * xv;
+        }
+      }
+    }
+    const uint16_t* s = sz + (int64_t(g) * Np + b * ROWS) * 2;
+    for (int m = 0; m < MB; m++) {
+      const float sxg = sx[m * n_groups + g];
+      for (int r = 0; r < ROWS; r++)
+        total[m][r] += bf16_to_f32(s[2 * r]) * (acc[m][r] - 8.0f * sxg) + bf16_to_f32(s[2 * r + 1]) * sxg;
+    }
+  }
+  std::memcpy(out, total, sizeof(total));
+}
+
+#ifdef __AVX2__
+// The AVX2 path multiplies integers, as llama.cpp's Q4_0 x Q8_0 dot products do: x is quantized per (row, group)
+// to int8 (xq = round(x / dx), dx = max|x| / 127), and each group's sum_k q[r,k] xq[k] comes from maddubs
+// (u8 x s8 -> pairwise int16 sums): ~6 instructions per 32 weights instead of ~17 for the fp32 path.
+// Pairing: lanes hold columns (k, k+2) and (k+1, k+3); unpacking them byte by byte puts q[r,k] next to q[r,k+1].
+template <int MB>
+void block_q8(const int8_t* xq, int64_t ldq, const float* dx, const float* sq, const uint8_t* blk,
+              const uint16_t* sz, int64_t Np, int64_t b, int G, int n_groups, float* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
+  // x bytes (k, k+1, k+2, k+3) broadcast -> lane 0: (k, k+1) x 8, lane 1: (k+2, k+3) x 8
+  const __m256i pair_idx = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  __m256 total[MB][4];
+  for (int m = 0; m < MB; m++)
+    for (int i = 0; i < 4; i++) total[m][i] = _mm256_setzero_ps();
+  for (int g = 0; g < n_groups; g++) {
+    __m256i acc32[MB][4];
+    for (int m = 0; m < MB; m++)
+      for (int i = 0; i < 4; i++) acc32[m][i] = _mm256_setzero_si256();
+    const int64_t g0 = int64_t(g) * G, g1 = g0 + G;
+    for (int64_t k0 = g0; k0 < g1; k0 += 32) {  // int16 sums: 8 steps of <= 2*15*127 each stay below 32767
+      __m256i acc16[MB][4];
+      for (int m = 0; m < MB; m++)
+        for (int i = 0; i < 4; i++) acc16[m][i] = _mm256_setzero_si256();
+      const int64_t k1 = std::min<int64_t>(k0 + 32, g1);
+      for (int64_t k = k0; k < k1; k += 4) {
+        const uint8_t* p = blk + k * 16;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
+        const __m256i A = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 32), reinterpret_cast<const __m128i*>(p));
+        const __m256i B = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 48), reinterpret_cast<const __m128i*>(p + 16));
+        const __m256i Alo = _mm256_and_si256(A, low4), Ahi = _mm256_and_si256(_mm256_srli_epi16(A, 4), low4);
+        const __m256i Blo = _mm256_and_si256(B, low4), Bhi = _mm256_and_si256(_mm256_srli_epi16(B, 4), low4);
+        const __m256i w[4] = {_mm256_unpacklo_epi8(Alo, Blo), _mm256_unpackhi_epi8(Alo, Blo),   // rows 0-7, 8-15
+                              _mm256_unpacklo_epi8(Ahi, Bhi), _mm256_unpackhi_epi8(Ahi, Bhi)};  // rows 16-23, 24-31
+        for (int m = 0; m < MB; m++) {
+          int32_t x4;
+          std::memcpy(&x4, xq + m * ldq + k, 4);
+          const __m256i xv = _mm256_shuffle_epi8(_mm256_set1_epi32(x4), pair_idx);
+          for (int i = 0; i < 4; i++) acc16[m][i] = _mm256_add_epi16(acc16[m][i], _mm256_maddubs_epi16(w[i], xv));
+        }
+      }
+      for (int m = 0; m < MB; m++)  // lane 0 (columns k, k+1) + lane 1 (k+2, k+3) of the same 8 rows, as int32
+        for (int i = 0; i < 4; i++)
+          acc32[m][i] = _mm256_add_epi32(acc32[m][i],
+                                         _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[m][i])),
+                                                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[m][i], 1))));
+    }
+    // (scale, zero) of 8 consecutive rows = 8 little-endian uint32: scale in the low half, zero in the high half
+    const uint16_t* s = sz + (int64_t(g) * Np + b * ROWS) * 2;
+    __m256 scale[4], zero[4];
+    for (int i = 0; i < 4; i++) {
+      const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * i));
+      scale[i] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+      zero[i] = _mm256_castsi256_ps(_mm256_and_si256(pair, hi16));
+    }
+    for (int m = 0; m < MB; m++) {  // sum_k w x = dx * (scale * (isum - 8 sq) + zero * sq)
+      const float d = dx[m * n_groups + g], c = sq[m * n_groups + g] * d;
+      const __m256 dv = _mm256_set1_ps(d), cv = _mm256_set1_ps(c), m8c = _mm256_set1_ps(-8.0f * c);
+      for (int i = 0; i < 4; i++) {
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc32[m][i]), dv, m8c);
+        total[m][i] = _mm256_fmadd_ps(zero[i], cv, _mm256_fmadd_ps(scale[i], t, total[m][i]));
+      }
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + m * ROWS + 8 * i, total[m][i]);
+}
+#endif
+
+// x [..., K] as fp32 and contiguous, with no dispatch when it already is (decode calls these ~200 times a token)
+at::Tensor as_float_contiguous(const at::Tensor& x) {
+  return (x.scalar_type() == at::kFloat && x.is_contiguous()) ? x : x.to(at::kFloat).contiguous();
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return shape;
+}
+
+// Runs fn(i0, i1) over [0, n) in contiguous chunks on torch's intra-op threads (its libgomp): a static split,
+// no per-element scheduling; one fork/join per call.
+template <typename F>
+void parallel_chunks(int64_t n, const F& fn) {
+  const int nt = int(std::min<int64_t>(at::get_num_threads(), n));
+  if (nt <= 1) {
+    fn(int64_t(0), n);
+    return;
+  }
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int t = 0; t < nt; t++) fn(n * t / nt, n * (t + 1) / nt);
+}
+
+template <int MB>
+void run_generic(const float* x, int64_t K, const float* sx, const uint8_t* blk, const uint16_t* sz, int64_t Np,
+                 int64_t b, int G, int n_groups, float* out) {
+  block_generic<MB>(x, K, sx, blk, sz, Np, b, K, G, n_groups, out);
+}
+
+at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+                        int64_t group_size, bool generic) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "int4_mm: x must be a CPU tensor [..., K]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_mm: packed must be contiguous uint8");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(), "int4_mm: sz must be contiguous bf16");
+  const at::Tensor x = as_float_contiguous(x_in);
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, G = group_size;
+  TORCH_CHECK(G > 0 && N > 0 && K > 0, "int4_mm: bad shape");
+  const int64_t n_groups = (K + G - 1) / G, Kp = n_groups * G, Np = (N + ROWS - 1) / ROWS * ROWS;
+  TORCH_CHECK(packed.numel() == Np * Kp / 2, "int4_mm: packed has ", packed.numel(), " bytes, expected ", Np * Kp / 2);
+  TORCH_CHECK(sz.numel() == n_groups * Np * 2, "int4_mm: sz has ", sz.numel(), " values, expected ", n_groups * Np * 2);
+  at::Tensor y = at::empty(out_shape(x, N), x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  const int64_t n_blocks = Np / ROWS;
+  bool q8 = false;
+#ifdef __AVX2__
+  q8 = !generic && G % 4 == 0;
+#endif
+  // per (row of x, group): the group's scale dx and sum of x (fp32 path) or of xq (int8 path), shared by every block
+  std::vector<float> dx(M * n_groups, 0.0f), sx(M * n_groups, 0.0f);
+  std::vector<int8_t> xq;
+  if (q8) {
+    xq.assign(M * Kp, 0);
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t g = 0; g < n_groups; g++) {
+        const int64_t k0 = g * G, k1 = std::min(k0 + G, K);
+        float amax = 0.0f;
+        for (int64_t k = k0; k < k1; k++) amax = std::max(amax, std::fabs(xp[m * K + k]));
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t total = 0;
+        for (int64_t k = k0; k < k1; k++) {
+          const int32_t v = int32_t(std::nearbyint(xp[m * K + k] * inv));  // round half to even, as torch.round
+          xq[m * Kp + k] = int8_t(v);
+          total += v;
+        }
+        dx[m * n_groups + g] = d;
+        sx[m * n_groups + g] = float(total);
+      }
+  } else {
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t k = 0; k < K; k++) sx[m * n_groups + k / G] += xp[m * K + k];
+  }
+  parallel_chunks(n_blocks, [&](int64_t b0, int64_t b1) {
+    float out[MB_MAX * ROWS];
+    for (int64_t b = b0; b < b1; b++) {
+      const uint8_t* blk = pp + b * Kp * 16;
+      for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
+        const int mb = int(std::min<int64_t>(MB_MAX, M - m0));
+        const float* sxm = sx.data() + m0 * n_groups;
+        if (q8) {
+#ifdef __AVX2__
+          const int8_t* xm = xq.data() + m0 * Kp;
+          const float* dxm = dx.data() + m0 * n_groups;
+          if (mb == 1) block_q8<1>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+          else if (mb == 2) block_q8<2>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+          else if (mb == 3) block_q8<3>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+          else block_q8<4>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+#endif
+        } else {
+          const float* xm = xp + m0 * K;
+          if (mb == 1) run_generic<1>(xm, K, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+          else if (mb == 2) run_generic<2>(xm, K, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+          else if (mb == 3) run_generic<3>(xm, K, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+          else run_generic<4>(xm, K, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+        }
+        const int64_t rows = std::min<int64_t>(ROWS, N - b * ROWS);
+        for (int m = 0; m < mb; m++) std::memcpy(yp + (m0 + m) * N + b * ROWS, out + m * ROWS, rows * sizeof(float));
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+                   int64_t group_size) {
+  return int4_mm_impl(x, packed, sz, N, group_size, false);
+}
+
+at::Tensor int4_mm_generic(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+                           int64_t group_size) {
+  return int4_mm_impl(x, packed, sz, N, group_size, true);
+}
+
+// int8 rows (container.py "int8": q [N, K] int8, one fp32 scale per row; embeddings / lm_head): y = (x @ q^T) * scale.
+// Rows of W are dot products along K; rows of x go 4 at a time so each converted weight vector is used 4 times.
+template <int MB>
+void int8_rows(const float* x, int64_t K, const int8_t* q, const float* scale, int64_t n0, int64_t n1, int64_t N,
+               float* y, bool generic) {
+  for (int64_t n = n0; n < n1; n++) {
+    const int8_t* w = q + n * K;
+    float acc[MB] = {};
+    int64_t k = 0;
+#ifdef __AVX2__
+    if (!generic) {
+      __m256 v[MB];
+      for (int m = 0; m < MB; m++) v[m] = _mm256_setzero_ps();
+      for (; k + 8 <= K; k += 8) {
+        const __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
+        for (int m = 0; m < MB; m++) v[m] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + m * K + k), v[m]);
+      }
+      for (int m = 0; m < MB; m++) {  // horizontal sum of 8 lanes
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v[m]), _mm256_extractf128_ps(v[m], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        acc[m] = _mm_cvtss_f32(h);
+      }
+    }
+#endif
+    for (; k < K; k++)
+      for (int m = 0; m < MB; m++) acc[m] += float(w[k]) * x[m * K + k];
+    for (int m = 0; m < MB; m++) y[m * N + n] = acc[m] * scale[n];
+  }
+}
+
+at::Tensor int8_mm_impl(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale_in, bool generic) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "int8_mm: x must be a CPU tensor [..., K]");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "int8_mm: q must be contiguous int8 [N, K]");
+  const at::Tensor x = as_float_contiguous(x_in), scale = as_float_contiguous(scale_in);
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, N = q.size(0);
+  TORCH_CHECK(q.size(1) == K, "int8_mm: q has ", q.size(1), " columns, x has ", K);
+  TORCH_CHECK(scale.numel() == N, "int8_mm: scale has ", scale.numel(), " values, expected ", N);
+  at::Tensor y = at::empty(out_shape(x, N), x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  parallel_chunks(N, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
+      const int64_t mb = std::min<int64_t>(MB_MAX, M - m0);
+      const float* xm = xp + m0 * K;
+      float* ym = yp + m0 * N;
+      if (mb == 1) int8_rows<1>(xm, K, qp, sp, n0, n1, N, ym, generic);
+      else if (mb == 2) int8_rows<2>(xm, K, qp, sp, n0, n1, N, ym, generic);
+      else if (mb == 3) int8_rows<3>(xm, K, qp, sp, n0, n1, N, ym, generic);
+      else int8_rows<4>(xm, K, qp, sp, n0, n1, N, ym, generic);
+    }
+  });
+  return y;
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+  return int8_mm_impl(x, q, scale, false);
+}
+
+at::Tensor int8_mm_generic(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+  return int8_mm_impl(x, q, scale, true);
+}
+
+bool has_avx2() {
+#ifdef __AVX2__
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(picaflor_int4, m) {
+  m.def("int4_mm(Tensor x, Tensor packed, Tensor sz, int N, int group_size) -> Tensor", &int4_mm);
+  m.def("int4_mm_generic(Tensor x, Tensor packed, Tensor sz, int N, int group_size) -> Tensor", &int4_mm_generic);
+  m.def("int8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_mm);
+  m.def("int8_mm_generic(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_mm_generic);
+  m.def("has_avx2() -> bool", &has_avx2);
+}
