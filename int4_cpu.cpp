@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #ifdef __AVX2__
@@ -273,6 +274,13 @@ void int8_rows(const float* x, int64_t K, const int8_t* q, const float* scale, i
     if (!generic) {
       __m256 v[MB];
       for (int m = 0; m < MB; m++) v[m] = _mm256_setzero_ps();
+      for (; k + 32 <= K; k += 32) {  // one cache line of weights per two iterations, fetched 1 KB ahead
+        _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
+        for (int64_t kk = k; kk < k + 32; kk += 8) {
+          const __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + kk))));
+          for (int m = 0; m < MB; m++) v[m] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + m * K + kk), v[m]);
+        }
+      }
       for (; k + 8 <= K; k += 8) {
         const __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
         for (int m = 0; m < MB; m++) v[m] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + m * K + k), v[m]);
@@ -326,6 +334,197 @@ at::Tensor int8_mm_generic(const at::Tensor& x, const at::Tensor& q, const at::T
   return int8_mm_impl(x, q, scale, true);
 }
 
+// ----------------------------------------------------------------------------------------------------------
+// Decode-step helpers. A one-token step is ~100 small torch ops per layer, and at ~5-40 us each (F.rms_norm on a
+// 2048-vector took 40 us here) they cost as much as the GEMVs; these do the same arithmetic in one call each.
+
+float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#ifdef __AVX2__
+  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    v0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v0);
+    v1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), v1);
+  }
+  v0 = _mm256_add_ps(v0, v1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v0), _mm256_extractf128_ps(v0, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  s = _mm_cvtss_f32(h);
+#endif
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+// y = weight * x / sqrt(mean(x^2) + eps) over the last dim (model.RMSNorm, fp32)
+void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
+  const float r = 1.0f / std::sqrt(dot(x, x, n) / float(n) + eps);
+  for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  const at::Tensor x = as_float_contiguous(x_in), w = as_float_contiguous(w_in);
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  TORCH_CHECK(w.numel() == n, "rms_norm: weight has ", w.numel(), " values, x rows have ", n);
+  at::Tensor y = at::empty_like(x);
+  for (int64_t r = 0; r < rows; r++)
+    rms_norm_row(x.data_ptr<float>() + r * n, w.data_ptr<float>(), float(eps), n, y.data_ptr<float>() + r * n);
+  return y;
+}
+
+// NEOX rotate_half RoPE on one head: x*cos + cat(-x2, x1)*sin (model.apply_rope)
+void rope_head(float* x, const float* cos, const float* sin, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; i++) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// One query position of model.Attention after the q|k|v projection, for batch 1 with a KV cache: per-head QK
+// RMSNorm, RoPE, the new key and value written at `pos`, softmax(q k^T / sqrt(hd)) v over positions 0..pos with
+// grouped-query heads (query head h reads kv head h / (H / KV), as SDPA's enable_gqa). Returns [1, 1, H * hd].
+at::Tensor attn_decode(const at::Tensor& qkv_in, const at::Tensor& q_norm_w, const at::Tensor& k_norm_w, double eps,
+                       const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_cache, at::Tensor v_cache,
+                       int64_t pos, int64_t n_head, int64_t n_kv_head) {
+  const at::Tensor qkv = as_float_contiguous(qkv_in), cs = as_float_contiguous(cos_in), sn = as_float_contiguous(sin_in);
+  const at::Tensor qw = as_float_contiguous(q_norm_w), kw = as_float_contiguous(k_norm_w);
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.size(0) == 1 && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
+                  v_cache.scalar_type() == at::kFloat,
+              "attn_decode: caches must be contiguous fp32 [1, KV, max_len, hd]");
+  const int64_t hd = k_cache.size(3), max_len = k_cache.size(2), H = n_head, KV = n_kv_head;
+  TORCH_CHECK(k_cache.size(1) == KV && H % KV == 0, "attn_decode: head counts do not match the cache");
+  TORCH_CHECK(qkv.numel() == (H + 2 * KV) * hd, "attn_decode: qkv has ", qkv.numel(), " values, expected ", (H + 2 * KV) * hd);
+  TORCH_CHECK(cs.numel() == hd && sn.numel() == hd, "attn_decode: cos/sin must hold one position");
+  TORCH_CHECK(pos >= 0 && pos < max_len, "KV cache full: ", pos, " + 1 > ", max_len, " positions");
+  const float* src = qkv.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  std::vector<float> q(H * hd);
+  for (int64_t h = 0; h < H; h++) {
+    rms_norm_row(src + h * hd, qw.data_ptr<float>(), float(eps), hd, q.data() + h * hd);
+    rope_head(q.data() + h * hd, cs.data_ptr<float>(), sn.data_ptr<float>(), hd);
+  }
+  for (int64_t j = 0; j < KV; j++) {
+    float* kdst = kc + (j * max_len + pos) * hd;
+    rms_norm_row(src + (H + j) * hd, kw.data_ptr<float>(), float(eps), hd, kdst);
+    rope_head(kdst, cs.data_ptr<float>(), sn.data_ptr<float>(), hd);
+    std::memcpy(vc + (j * max_len + pos) * hd, src + (H + KV + j) * hd, hd * sizeof(float));
+  }
+  at::Tensor y = at::zeros({1, 1, H * hd}, qkv.options());
+  float* yp = y.data_ptr<float>();
+  const int64_t T = pos + 1, group = H / KV;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  auto one_head = [&](int64_t h) {
+    const int64_t j = h / group;
+    const float* qh = q.data() + h * hd;
+    std::vector<float> p(T);
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < T; t++) {
+      p[t] = dot(qh, kc + (j * max_len + t) * hd, hd) * scale;
+      mx = std::max(mx, p[t]);
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t < T; t++) total += (p[t] = std::exp(p[t] - mx));
+    float* out = yp + h * hd;
+    for (int64_t t = 0; t < T; t++) {
+      const float a = p[t] / total;
+      const float* vt = vc + (j * max_len + t) * hd;
+      for (int64_t i = 0; i < hd; i++) out[i] += a * vt[i];
+    }
+  };
+  if (T * H * hd < (1 << 16)) {  // short contexts: not worth waking threads
+    for (int64_t h = 0; h < H; h++) one_head(h);
+  } else {
+    parallel_chunks(H, [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; h++) one_head(h);
+    });
+  }
+  return y;
+}
+
+// SwiGLU FFN on int4 weights: down(silu(gate) * up) with gate|up fused as one [2F, D] matrix (gate rows first,
+// as model.py and container.py store routed experts): the whole expert in one call.
+at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& gu_packed, const at::Tensor& gu_sz, int64_t two_f,
+                      int64_t gu_group, const at::Tensor& down_packed, const at::Tensor& down_sz, int64_t d_out,
+                      int64_t down_group) {
+  TORCH_CHECK(two_f % 2 == 0, "swiglu_ffn: gate|up rows must be even");
+  at::Tensor h = int4_mm_impl(x, gu_packed, gu_sz, two_f, gu_group, false);
+  const int64_t F = two_f / 2, rows = h.numel() / two_f;
+  std::vector<int64_t> shape(h.sizes().begin(), h.sizes().end());
+  shape.back() = F;
+  at::Tensor a = at::empty(shape, h.options());
+  const float* hp = h.data_ptr<float>();
+  float* ap = a.data_ptr<float>();
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t i = 0; i < F; i++) {
+      const float g = hp[r * two_f + i], u = hp[r * two_f + F + i];
+      ap[r * F + i] = g / (1.0f + std::exp(-g)) * u;
+    }
+  return int4_mm_impl(a, down_packed, down_sz, d_out, down_group, false);
+}
+
+// A one-token MoE layer's FFNs in one call: sum_i weights[i] * swiglu_ffn_i(x), in the order given (the shared
+// expert first with weight 1, then the routed experts in a fixed order, as stream_infer's general path adds them).
+at::Tensor swiglu_mix(const at::Tensor& x, at::TensorList gu_packed, at::TensorList gu_sz, at::TensorList down_packed,
+                      at::TensorList down_sz, at::IntArrayRef two_f, at::IntArrayRef group_size,
+                      at::ArrayRef<double> weights) {
+  const size_t n = gu_packed.size();
+  TORCH_CHECK(n > 0 && gu_sz.size() == n && down_packed.size() == n && down_sz.size() == n && two_f.size() == n &&
+                  group_size.size() == n && weights.size() == n, "swiglu_mix: lists of different lengths");
+  const int64_t d_out = x.size(-1);
+  at::Tensor out;
+  for (size_t i = 0; i < n; i++) {
+    at::Tensor y = swiglu_ffn(x, gu_packed[i], gu_sz[i], two_f[i], group_size[i], down_packed[i], down_sz[i], d_out,
+                              group_size[i]);
+    if (i == 0 && weights[0] == 1.0) {
+      out = y;
+      continue;
+    }
+    if (!out.defined()) out = at::zeros_like(y);
+    float* o = out.data_ptr<float>();
+    const float* yp = y.data_ptr<float>();
+    const float wt = float(weights[i]);
+    for (int64_t j = 0; j < y.numel(); j++) {
+      const float t = yp[j] * wt;  // rounded product, then the add: torch's `out += y * w`
+      o[j] += t;
+    }
+  }
+  return out;
+}
+
+// The DeepSeek-V3 router of model.Router for rows of x: scores = sigmoid(x W^T) in fp32, experts chosen by
+// scores + bias (the bias only selects), weights = chosen scores / their sum * route_scale.
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& bias_in,
+                                         int64_t top_k, double route_scale) {
+  const at::Tensor x = as_float_contiguous(x_in), w = as_float_contiguous(w_in), bias = as_float_contiguous(bias_in);
+  const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0, E = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == D && bias.numel() == E && top_k >= 1 && top_k <= E, "route: bad shapes");
+  at::Tensor weights = at::empty({rows, top_k}, x.options());
+  at::Tensor idx = at::empty({rows, top_k}, x.options().dtype(at::kLong));
+  std::vector<float> score(E), key(E);
+  std::vector<int64_t> order(E);
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t e = 0; e < E; e++) {
+      score[e] = 1.0f / (1.0f + std::exp(-dot(x.data_ptr<float>() + r * D, w.data_ptr<float>() + e * D, D)));
+      key[e] = score[e] + bias.data_ptr<float>()[e];
+      order[e] = e;
+    }
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int64_t a, int64_t b) { return key[a] > key[b] || (key[a] == key[b] && a < b); });
+    float total = 0.0f;
+    for (int64_t i = 0; i < top_k; i++) total += score[order[i]];
+    for (int64_t i = 0; i < top_k; i++) {
+      idx.data_ptr<int64_t>()[r * top_k + i] = order[i];
+      weights.data_ptr<float>()[r * top_k + i] = score[order[i]] / (total + 1e-20f) * float(route_scale);
+    }
+  }
+  return {weights, idx};
+}
+
 bool has_avx2() {
 #ifdef __AVX2__
   return true;
@@ -342,4 +541,12 @@ TORCH_LIBRARY(picaflor_int4, m) {
   m.def("int8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_mm);
   m.def("int8_mm_generic(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_mm_generic);
   m.def("has_avx2() -> bool", &has_avx2);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("attn_decode(Tensor qkv, Tensor q_norm_w, Tensor k_norm_w, float eps, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head, int n_kv_head) -> Tensor", &attn_decode);
+  m.def("swiglu_ffn(Tensor x, Tensor gu_packed, Tensor gu_sz, int two_f, int gu_group, Tensor down_packed, "
+        "Tensor down_sz, int d_out, int down_group) -> Tensor", &swiglu_ffn);
+  m.def("swiglu_mix(Tensor x, Tensor[] gu_packed, Tensor[] gu_sz, Tensor[] down_packed, Tensor[] down_sz, "
+        "int[] two_f, int[] group_size, float[] weights) -> Tensor", &swiglu_mix);
+  m.def("route(Tensor x, Tensor w, Tensor bias, int top_k, float route_scale) -> (Tensor, Tensor)", &route);
 }

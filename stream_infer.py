@@ -297,12 +297,66 @@ class Expert:
         dec = container.decode_expert(buf)
         if device != "cpu":  # CUDA: the blob goes to the GPU once per miss (the host buffer is then dropped)
             dec = {k: {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in v.items()} for k, v in dec.items()}
-        self.gate_up = QLinear({"kind": "int4", **dec["gate_up_proj"]}, kernel)
-        self.down = QLinear({"kind": "int4", **dec["down_proj"]}, kernel)
+        self.gate_up = self.gate_up_proj = QLinear({"kind": "int4", **dec["gate_up_proj"]}, kernel)
+        self.down = self.down_proj = QLinear({"kind": "int4", **dec["down_proj"]}, kernel)
 
     def __call__(self, x):
+        if self.gate_up.kernel == "native":
+            return native_swiglu(x, self.gate_up, self.down)
         g, u = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(g) * u)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one-call versions of model.py's small modules for the native kernel (int4_cpu.cpp's decode-step helpers):
+# a one-token step is otherwise ~100 small torch ops per layer, which cost as much as the GEMVs here
+
+def native_swiglu(x, gate_up, down):
+    """down(silu(gate) * up) over a fused int4 gate|up QLinear, in one call."""
+    gu, dn = gate_up.raw, down.raw
+    return _NATIVE.swiglu_ffn(x, gu["packed"], gu["sz"], gate_up.shape[0], gu["group_size"], dn["packed"], dn["sz"],
+                              down.shape[0], dn["group_size"])
+
+
+class NativeFFN(nn.Module):
+    """model.MLP (dense FFN, shared expert) with its fused gate|up (stream_infer's fuse()), in one call."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = mlp.gate_up_proj, mlp.down_proj
+
+    def forward(self, x):
+        return native_swiglu(x, self.gate_up_proj, self.down_proj)
+
+
+class NativeRMSNorm(nn.Module):
+    """model.RMSNorm (fp32: weight * x / rms(x)) in one call."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x):
+        return _NATIVE.rms_norm(x, self.weight, self.eps)
+
+
+class NativeAttention(nn.Module):
+    """model.Attention whose one-token, batch-1, KV-cached step (decode) runs after the fused q|k|v GEMV in one
+    call: QK norms, RoPE, the cache write and grouped-query softmax attention. Every other call (prefill, chunks,
+    no cache) is model.py's forward."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x, cos, sin, cache=None):
+        a, i = self.attn, self.attn.layer_idx
+        if (cache is None or x.shape[:2] != (1, 1) or a.qkv_proj is None or cache.pos >= cache.max_len
+                or cache.k[i].dtype != torch.float32):
+            return a(x, cos, sin, cache)
+        y = _NATIVE.attn_decode(a.qkv_proj(x), a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin,
+                                cache.k[i], cache.v[i], cache.pos, a.cfg.n_head, a.cfg.n_kv_head)
+        return a.o_proj(y)
 
 
 class ExpertCache:
@@ -416,10 +470,13 @@ class StreamedMoE(nn.Module):
         self.cfg, self.layer, self.router_w, self.bias, self.shared, self.cache = cfg, layer, router_w, bias, shared, cache
         self.top_k = cfg.top_k
         self.next_moe = None  # the next MoE layer, for prefetch
+        self.native = cache.kernel == "native"
         self.prefetch = True
 
     def route(self, x, top_k=None):
         # DeepSeek-V3 router (as model.Router): sigmoid scores in fp32, bias only selects, weights normalised
+        if self.native:
+            return _NATIVE.route(x, self.router_w, self.bias, top_k or self.top_k, self.cfg.route_scale)
         scores = torch.sigmoid(x.float() @ self.router_w.t())
         _, idx = torch.topk(scores + self.bias, top_k or self.top_k, dim=-1, sorted=False)
         w = scores.gather(1, idx)
@@ -437,6 +494,15 @@ class StreamedMoE(nn.Module):
             _, nidx = self.next_moe.route(x)
             nxt = [(self.next_moe.layer, e) for e in sorted(set(nidx.reshape(-1).tolist()))]
             self.cache.request(nxt, protect | set(nxt), prefetch=True)
+        if self.native and x.shape[0] == 1 and isinstance(self.shared, NativeFFN):  # decode: the FFNs in one call
+            weight = dict(zip(idx[0].tolist(), w[0].tolist()))
+            ffns = [self.shared] + [self.cache.get(key, protect) for key in keys]
+            parts = [(f.gate_up_proj.raw, f.down_proj.raw, f.gate_up_proj.shape[0]) for f in ffns]
+            out = _NATIVE.swiglu_mix(x, [gu["packed"] for gu, _, _ in parts], [gu["sz"] for gu, _, _ in parts],
+                                     [dn["packed"] for _, dn, _ in parts], [dn["sz"] for _, dn, _ in parts],
+                                     [n for _, _, n in parts], [gu["group_size"] for gu, _, _ in parts],
+                                     [1.0] + [weight[key[1]] for key in keys])
+            return out.reshape(shape)
         out = self.shared(x).float()
         if x.shape[0] == 1:  # decode: one token, scalar weights (a third of the ops of the general loop below)
             weight = dict(zip(idx[0].tolist(), w[0].tolist()))
@@ -543,6 +609,7 @@ class Engine:
 
     def _build_model(self):
         c, cfg, kernel = self.container, self.cfg, self.kernel
+        native = kernel == "native"
         try:
             raw = {name: c.raw_tensor(name) for name in c.header["tensors"]}
         except C.ContainerError as e:
@@ -584,6 +651,8 @@ class Engine:
         m.embed_tokens = QEmbedding(to_dev(raw["embed_tokens.weight"]))
         m.lm_head = lin("embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight")
         m.norm.weight = vec("norm.weight")
+        if native:
+            m.norm = NativeRMSNorm(m.norm)
         self.moes = []
         for i, b in enumerate(m.layers):
             p = f"layers.{i}."
@@ -592,12 +661,19 @@ class Engine:
             a = b.self_attn
             a.o_proj = lin(p + "self_attn.o_proj.weight")
             fuse(a, "qkv_proj", [p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj")])
+            if native:
+                a.q_norm, a.k_norm = NativeRMSNorm(a.q_norm), NativeRMSNorm(a.k_norm)
+                b.input_layernorm = NativeRMSNorm(b.input_layernorm)
+                b.post_attention_layernorm = NativeRMSNorm(b.post_attention_layernorm)
+                b.self_attn = NativeAttention(a)
             a.q_norm.weight = vec(p + "self_attn.q_norm.weight")
             a.k_norm.weight = vec(p + "self_attn.k_norm.weight")
             if b.is_moe:
                 shared = b.mlp.shared_experts
                 shared.down_proj = lin(p + "mlp.shared_experts.down_proj.weight")
                 fuse(shared, "gate_up_proj", [p + f"mlp.shared_experts.{proj}.weight" for proj in ("gate_proj", "up_proj")])
+                if native and shared.gate_up_proj is not None:
+                    shared = NativeFFN(shared)
                 moe = StreamedMoE(cfg, i, raw[p + "mlp.gate.weight"]["data"].to(dev),
                                   raw[p + "mlp.e_score_correction_bias"]["data"].to(dev), shared, self.cache)
                 b.mlp = moe
@@ -605,6 +681,8 @@ class Engine:
             else:
                 b.mlp.down_proj = lin(p + "mlp.down_proj.weight")
                 fuse(b.mlp, "gate_up_proj", [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj")])
+                if native and b.mlp.gate_up_proj is not None:
+                    b.mlp = NativeFFN(b.mlp)
         for a, b in zip(self.moes, self.moes[1:]):
             a.next_moe = b
         left = [n for n, t in list(m.named_parameters()) + list(m.named_buffers()) if t.is_meta]
