@@ -198,6 +198,67 @@ def test_native_int8_kernel_equals_reference():
         op.int8_mm(torch.randn(1, 10), q, scale)
 
 
+def test_native_decode_helpers_equal_model_py():
+    """int4_cpu.cpp's one-call decode helpers against the model.py modules they stand in for."""
+    import model as M
+    op = S.native_int4()
+    gen = torch.Generator().manual_seed(0)
+    # RMSNorm, on a width that leaves a tail after the 16-wide vector loop
+    norm = M.RMSNorm(40, 1e-6)
+    norm.weight.data = torch.randn(40, generator=gen)
+    x = torch.randn(3, 5, 40, generator=gen)
+    with torch.no_grad():
+        assert (op.rms_norm(x, norm.weight, 1e-6) - norm(x)).abs().max() < 1e-5
+    # the router: same experts and weights as model.Router (top-2 of 16, bias only selects)
+    cfg = M.ModelConfig(**dict(CFG, d_model=40, n_head=5, n_kv_head=1))
+    router = M.Router(cfg)
+    router.weight.data = torch.randn(16, 40, generator=gen) * 0.3
+    bias = torch.randn(16, generator=gen) * 0.1
+    xr = torch.randn(7, 40, generator=gen)
+    with torch.no_grad():
+        w_ref, i_ref = router(xr, bias, 2, 1.5)
+    w, i = op.route(xr, router.weight, bias, 2, 1.5)
+    order_ref, order = i_ref.sort(-1), i.sort(-1)
+    assert torch.equal(order_ref.values, order.values)
+    assert (w.gather(1, order.indices) - w_ref.gather(1, order_ref.indices)).abs().max() < 1e-6
+    # one decode step of attention: QK norms, RoPE, cache write, 5 query heads on 1 kv head, head_dim 8
+    attn = M.Attention(cfg, 0)
+    for prm in attn.parameters():
+        prm.data = torch.randn(prm.shape, generator=gen) * 0.3
+    cache = M.KVCache(cfg, 1, 12, "cpu", torch.float32)
+    hd = cfg.head_dim
+    xs = torch.randn(1, 7, 40, generator=gen)
+    with torch.no_grad():
+        cos, sin = M.rope_cos_sin(torch.arange(7), hd, cfg.rope_theta, torch.float32)
+        want = attn(xs, cos, sin)[:, -1:]  # no cache: the full causal forward's last position
+        attn(xs[:, :6], cos[:6], sin[:6], cache)
+        cache.pos = 6
+        qkv = torch.cat([attn.q_proj(xs[:, 6:]), attn.k_proj(xs[:, 6:]), attn.v_proj(xs[:, 6:])], -1)
+        y = op.attn_decode(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos[6:], sin[6:],
+                           cache.k[0], cache.v[0], 6, cfg.n_head, cfg.n_kv_head)
+        assert (attn.o_proj(y) - want).abs().max() < 1e-5 * want.abs().max() + 1e-6
+    with pytest.raises(RuntimeError, match="KV cache full"):
+        op.attn_decode(qkv, attn.q_norm.weight, attn.k_norm.weight, 1e-6, cos[6:], sin[6:], cache.k[0], cache.v[0],
+                       12, cfg.n_head, cfg.n_kv_head)
+    # SwiGLU FFNs on int4 weights, alone and mixed (shared with weight 1, then weighted routed experts)
+    ffns = []
+    for width in (24, 16, 16):
+        gu = C.quantize_int4(torch.randn(2 * width, 40, generator=gen), 8)
+        dn = C.quantize_int4(torch.randn(40, width, generator=gen), 8)
+        ffns.append((gu, dn, width))
+    xf = torch.randn(1, 40, generator=gen)
+
+    def ref_ffn(gu, dn, width):
+        g, u = S.int4_matmul_reference(q8_activations(xf, 8), *gu, (2 * width, 40), 8).chunk(2, -1)
+        return S.int4_matmul_reference(q8_activations(torch.nn.functional.silu(g) * u, 8), *dn, (40, width), 8)
+    want = ref_ffn(*ffns[0]) + 0.7 * ref_ffn(*ffns[1]) + 0.2 * ref_ffn(*ffns[2])
+    got = op.swiglu_mix(xf, [f[0][0] for f in ffns], [f[0][1] for f in ffns], [f[1][0] for f in ffns],
+                        [f[1][1] for f in ffns], [2 * f[2] for f in ffns], [8, 8, 8], [1.0, 0.7, 0.2])
+    if op.has_avx2():
+        assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    assert (got - want).norm() < 3e-2 * want.norm()
+
+
 def test_native_int4_kernel_rejects_wrong_sizes():
     w = torch.randn(40, 100)
     p, sz = C.quantize_int4(w, 32)
