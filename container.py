@@ -56,6 +56,11 @@ import os
 import struct
 import sys
 import zlib
+
+try:  # ISA-L's crc32: the same checksum as zlib's, ~4x faster here (9.5 vs 2.2 GB/s); every streamed expert pays it
+    from isal.isal_zlib import crc32
+except ImportError:
+    crc32 = zlib.crc32
 from dataclasses import asdict, fields
 
 import torch
@@ -377,12 +382,12 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
             b = t.numpy().tobytes()
             assert len(b) == n, (pname, len(b), n)
             if start > pos:
-                crc = zlib.crc32(bytes(start - pos), crc)
+                crc = crc32(bytes(start - pos), crc)
             f.seek(offset + start)
             f.write(b)
-            crc = zlib.crc32(b, crc)
+            crc = crc32(b, crc)
             pos = start + n
-        crc = zlib.crc32(bytes(nbytes - pos), crc)
+        crc = crc32(bytes(nbytes - pos), crc)
         return f"{crc:08x}"
 
     tmp = f"{out_path}.tmp{os.getpid()}"
@@ -482,10 +487,12 @@ class Container:
             pass
 
     # --- raw reads ---
-    def _pread(self, offset, nbytes, direct=True):
-        """One read of nbytes at offset into a fresh page-aligned buffer (anonymous mmap)."""
+    def _pread(self, offset, nbytes, direct=True, buf=None):
+        """One read of nbytes at offset into `buf` (a page-aligned anonymous mmap of that size, reused by the
+        caller) or a fresh one."""
         import mmap
-        buf = mmap.mmap(-1, max(nbytes, 1))
+        if buf is None or len(buf) != max(nbytes, 1):
+            buf = mmap.mmap(-1, max(nbytes, 1))
         if direct and self.direct_fd is not None:
             try:
                 got = os.preadv(self.direct_fd, [buf], offset)
@@ -504,11 +511,12 @@ class Container:
         except (KeyError, IndexError):
             raise ContainerError(f"{self.path}: no routed expert {expert} in layer {layer}") from None
 
-    def read_expert_blob(self, layer, expert, verify=True):
-        """The whole blob of one routed expert (gate_up and down, packed and scales): one aligned read."""
+    def read_expert_blob(self, layer, expert, verify=True, buf=None):
+        """The whole blob of one routed expert (gate_up and down, packed and scales): one aligned read (into
+        `buf` when given: stream_infer recycles evicted experts' buffers)."""
         ent = self.expert_entry(layer, expert)
-        buf = self._pread(ent["offset"], self.expert_nbytes)
-        if verify and f"{zlib.crc32(buf):08x}" != ent["crc32"]:
+        buf = self._pread(ent["offset"], self.expert_nbytes, buf=buf)
+        if verify and f"{crc32(buf):08x}" != ent["crc32"]:
             raise ContainerError(f"{self.path}: checksum mismatch in layer {layer} expert {expert} "
                                  f"(offset {ent['offset']}); the file is corrupt, re-export it")
         return buf
@@ -534,7 +542,7 @@ class Container:
         if t is None:
             raise ContainerError(f"{self.path}: no tensor {name!r} in this container")
         buf = self._pread(t["offset"], t["nbytes"], direct=False)
-        if verify and f"{zlib.crc32(buf):08x}" != t["crc32"]:
+        if verify and f"{crc32(buf):08x}" != t["crc32"]:
             raise ContainerError(f"{self.path}: checksum mismatch in tensor {name} (offset {t['offset']}); "
                                  f"the file is corrupt, re-export it")
         out = {"kind": t["kind"], "shape": t["shape"]}

@@ -34,7 +34,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
   (hit rate 0.60 vs 0, 147 vs 113 MB/token), 2.2G 2.68 vs 3.18 tok/s; still no gain on this model.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
-  `context` positions - working memory (activations, logits, one dequantized temporary; `working_bytes`). If
+  `context` positions - working memory (one prefill chunk of 64 tokens: activations, logit rows, slack; `working_bytes`). If
   less than 2 x top_k experts would fit, it refuses before loading, saying how much is needed.
 - CPU int4 path (`--kernel native`, the default): int4_cpu.cpp, compiled on first use (g++ and ninja; ~20 s,
   cached), reads the container's bytes as they are. On AVX2 it quantizes activations per group to int8 and
@@ -295,8 +295,10 @@ class Expert:
 
     def __init__(self, container, buf, kernel, device="cpu"):
         dec = container.decode_expert(buf)
+        self.buf = buf  # the cache recycles it on eviction when nothing else holds this expert
         if device != "cpu":  # CUDA: the blob goes to the GPU once per miss (the host buffer is then dropped)
             dec = {k: {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in v.items()} for k, v in dec.items()}
+            self.buf = None
         self.gate_up = self.gate_up_proj = QLinear({"kind": "int4", **dec["gate_up_proj"]}, kernel)
         self.down = self.down_proj = QLinear({"kind": "int4", **dec["down_proj"]}, kernel)
 
@@ -361,8 +363,10 @@ class NativeAttention(nn.Module):
 
 class ExpertCache:
     """All routed experts of all layers share one byte budget. LRU: a hit moves to the back, eviction takes the
-    front. Reads happen on a small thread pool (os.preadv releases the GIL; so does zlib.crc32 on big buffers);
-    the dict itself is only touched by the calling thread."""
+    front. Reads happen on a small thread pool (os.preadv releases the GIL; so does the crc32 check);
+    the dict itself is only touched by the calling thread. An evicted expert's buffer is read into again by the
+    next miss (`free_bufs`), unless something still holds that expert: a fresh 3.5 MB anonymous mmap cost ~4.6 ms
+    to fault in and its munmap ~0.9 ms here, per miss."""
 
     def __init__(self, container, budget_bytes, kernel, n_readers=4, policy="lru"):
         self.c, self.budget, self.kernel, self.policy = container, budget_bytes, kernel, policy
@@ -371,6 +375,7 @@ class ExpertCache:
         self.nbytes = container.expert_nbytes
         self.entries = OrderedDict()  # (layer, expert) -> Expert
         self.inflight = {}  # (layer, expert) -> (Future, is_prefetch)
+        self.free_bufs = []  # evicted experts' buffers, for the next read (counted in `used` until reused)
         self.pool = ThreadPoolExecutor(max_workers=n_readers, thread_name_prefix="expert-reader")
         self.reset_counters()
 
@@ -382,19 +387,25 @@ class ExpertCache:
 
     @property
     def used(self):
-        return (len(self.entries) + len(self.inflight)) * self.nbytes
+        return (len(self.entries) + len(self.inflight) + len(self.free_bufs)) * self.nbytes
+
+    def _evict(self, key):
+        expert = self.entries.pop(key)
+        if sys.getrefcount(expert) <= 2 and expert.buf is not None:  # only `expert` and getrefcount's argument
+            self.free_bufs.append(expert.buf)
 
     def _ensure_room(self, protect, wait):
-        """Evict LRU entries not in `protect` until one more blob fits. With wait, finish in-flight reads (they
-        become evictable entries) when nothing else can go; False if it cannot fit."""
-        while self.used + self.nbytes > self.budget:
+        """Evict LRU entries not in `protect` until one more blob fits (a free buffer is one: the next read goes
+        into it). With wait, finish in-flight reads (they become evictable entries) when nothing else can go;
+        False if it cannot fit."""
+        while not self.free_bufs and self.used + self.nbytes > self.budget:
             if self.policy == "lfu":  # least (decayed) demand count first, LRU order breaks ties
                 victim = min((k for k in self.entries if k not in protect), key=lambda k: self.freq.get(k, 0.0),
                              default=None)
             else:
                 victim = next((k for k in self.entries if k not in protect), None)
             if victim is not None:
-                del self.entries[victim]
+                self._evict(victim)
                 continue
             # reads that already landed (e.g. prefetches nobody asked for) become evictable entries at no cost;
             # left in flight they would hold the budget and block every later prefetch
@@ -407,7 +418,8 @@ class ExpertCache:
         return True
 
     def _submit(self, key, prefetch):
-        fut = self.pool.submit(self.c.read_expert_blob, *key)
+        buf = self.free_bufs.pop() if self.free_bufs else None
+        fut = self.pool.submit(self.c.read_expert_blob, *key, True, buf)
         self.inflight[key] = (fut, prefetch)
         self.reads += 1
         self.prefetch_reads += prefetch
@@ -535,6 +547,9 @@ def pick_kernel(kernel, device):
     return kernel
 
 
+PREFILL_CHUNK = 64  # tokens per forward pass over a long prompt: bounds activation memory under --ram-budget
+
+
 class Engine:
     def __init__(self, path, ram_budget=None, device="cpu", kernel="auto", n_readers=4, prefetch=False,
                  context=None, cache_policy="lru", preload="auto"):
@@ -556,8 +571,11 @@ class Engine:
         self.baseline_rss = rss_bytes()
         self.resident_bytes = c.resident_bytes()
         self.kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * self.context * 4
-        # activations of a full-context prefill (three FFN-wide fp32 temporaries), a few logit rows, allocator slack
-        self.working_bytes = (32 << 20) + 4 * cfg.vocab_size * 8 + 3 * 4 * self.context * max(cfg.d_model, cfg.dense_ffn)
+        # allocator slack, one prefill chunk's logit rows (+ log-softmax) and activations (four fp32 temporaries as
+        # wide as the widest fused gate|up), and for --kernel reference one dequantized fp32 copy of the largest matrix
+        widest = max(cfg.d_model, 2 * cfg.dense_ffn, 2 * cfg.n_shared * cfg.expert_ffn, 2 * cfg.expert_ffn)
+        self.working_bytes = ((32 << 20) + 2 * 4 * PREFILL_CHUNK * cfg.vocab_size + 4 * 4 * PREFILL_CHUNK * widest
+                              + (4 * widest * cfg.d_model if self.kernel == "reference" else 0))
         n_moe = cfg.n_layer - cfg.n_dense_layers
         self.min_cache = 2 * cfg.top_k * c.expert_nbytes if n_moe else 0
         needed = self.baseline_rss + self.resident_bytes + self.kv_bytes + self.working_bytes + self.min_cache
@@ -706,7 +724,14 @@ class Engine:
     # --- forward ---
     @torch.no_grad()
     def forward(self, ids, cache=None, positions=None):
-        """ids (1, T) -> final hidden states (1, T, D) (fp32); the KV cache advances by T."""
+        """ids (1, T) -> final hidden states (1, T, D) (fp32); the KV cache advances by T. Long inputs go through
+        in chunks of PREFILL_CHUNK tokens (on a KV cache, a fresh one when none is given), so activation memory
+        does not grow with the prompt: the budget reserves one chunk's worth."""
+        T = ids.shape[1]
+        if T > PREFILL_CHUNK:
+            if cache is None:
+                cache = KVCache(self.cfg, 1, T, self.device, torch.float32)
+            return torch.cat([self.forward(ids[:, i:i + PREFILL_CHUNK], cache) for i in range(0, T, PREFILL_CHUNK)], 1)
         m = self.model
         start = cache.pos if cache is not None else 0
         x = m.embed_tokens(ids).float()
@@ -778,12 +803,14 @@ class Engine:
             raise StreamError(f"{len(ids)} tokens exceed the reserved context {self.context}; load with a larger context")
         self._check_ids(ids, "input")
         self.set_experts_per_token(None)
-        h = self.forward(torch.tensor([ids], device=self.device))
-        logits = self.logits(h[0, len(ctx) - 1:len(ids) - 1])
-        logp = torch.log_softmax(logits, dim=-1)
-        target = torch.tensor(cont, device=logp.device)
-        total = float(logp.gather(1, target[:, None]).sum())
-        greedy = bool((logits.argmax(dim=-1) == target).all())
+        h = self.forward(torch.tensor([ids], device=self.device))[0, len(ctx) - 1:len(ids) - 1]
+        target = torch.tensor(cont, device=h.device)
+        total, greedy = 0.0, True
+        for i in range(0, len(cont), PREFILL_CHUNK):  # logit rows a chunk at a time (the budget holds one chunk)
+            logits = self.logits(h[i:i + PREFILL_CHUNK])
+            t = target[i:i + PREFILL_CHUNK]
+            total += float(torch.log_softmax(logits, dim=-1).gather(1, t[:, None]).sum())
+            greedy = greedy and bool((logits.argmax(dim=-1) == t).all())
         self.cache.settle()
         return total, greedy
 
