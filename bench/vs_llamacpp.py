@@ -10,7 +10,7 @@ For every budget (default: none, 100%, 50%, 25% of the int4 container) it runs
     dropping the GGUF's page cache, once per setting: mmap; mmap + its repacked weight copy (use_extra_bufts);
     mmap + lazy tensor reads (lazy_mode ON). The best setting at each budget is llama.cpp's figure.
 Both decode the same number of tokens, greedy, from random prompt ids; llama.cpp on --threads (every core by
-default), picaflor with its own --threads auto (every core when nothing streams, else 1: its best, measured).
+default), picaflor with its own --threads auto (every core; its best, measured in stream_infer.py's header).
 A run that is killed (out of memory inside the cgroup) or refuses is a row with no figure, not an error.
 
 The GGUF is written from the container (export.py CONTAINER --format gguf --gguf-type q4_0), so both engines

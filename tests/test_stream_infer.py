@@ -71,7 +71,7 @@ def test_budgeted_greedy_equals_resident_token_for_token(tiny):
     assert st["misses"] > 20 and st["cached_experts"] <= 3 and st["prefetch_reads"] > 0
     nopf = S.load(path, prefetch=False, preload=False)
     nopf.cache.budget = 4 * nopf.container.expert_nbytes
-    assert S.compute_threads(nopf) == 1  # experts stream: one compute thread
+    assert S.compute_threads(nopf) == (os.cpu_count() or 1)  # streaming too (buffers are recycled)
     assert nopf.generate(prompt, 16) == ref
     # top-1 serving and sampling run, sampling reproducible with a seed
     assert len(full.generate(prompt, 5, experts_per_token=1)) == 5
