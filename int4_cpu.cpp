@@ -467,25 +467,21 @@ at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& gu_packed, const at
   return int4_mm_impl(a, down_packed, down_sz, d_out, down_group, false);
 }
 
-// A one-token MoE layer's FFNs in one call: sum_i weights[i] * swiglu_ffn_i(x), in the order given (the shared
-// expert first with weight 1, then the routed experts in a fixed order, as stream_infer's general path adds them).
-at::Tensor swiglu_mix(const at::Tensor& x, at::TensorList gu_packed, at::TensorList gu_sz, at::TensorList down_packed,
-                      at::TensorList down_sz, at::IntArrayRef two_f, at::IntArrayRef group_size,
-                      at::ArrayRef<double> weights) {
+// A one-token MoE layer's routed FFNs in one call: out += weights[i] * swiglu_ffn_i(x) for each i in the order
+// given (stream_infer passes the shared expert's output as `out`, then the routed experts in a fixed order).
+void swiglu_mix(const at::Tensor& x, at::Tensor out, at::TensorList gu_packed, at::TensorList gu_sz,
+                at::TensorList down_packed, at::TensorList down_sz, at::IntArrayRef two_f, at::IntArrayRef group_size,
+                at::ArrayRef<double> weights) {
   const size_t n = gu_packed.size();
-  TORCH_CHECK(n > 0 && gu_sz.size() == n && down_packed.size() == n && down_sz.size() == n && two_f.size() == n &&
+  TORCH_CHECK(gu_sz.size() == n && down_packed.size() == n && down_sz.size() == n && two_f.size() == n &&
                   group_size.size() == n && weights.size() == n, "swiglu_mix: lists of different lengths");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == x.numel(),
+              "swiglu_mix: out must be contiguous fp32 shaped like x");
   const int64_t d_out = x.size(-1);
-  at::Tensor out;
+  float* o = out.data_ptr<float>();
   for (size_t i = 0; i < n; i++) {
     at::Tensor y = swiglu_ffn(x, gu_packed[i], gu_sz[i], two_f[i], group_size[i], down_packed[i], down_sz[i], d_out,
                               group_size[i]);
-    if (i == 0 && weights[0] == 1.0) {
-      out = y;
-      continue;
-    }
-    if (!out.defined()) out = at::zeros_like(y);
-    float* o = out.data_ptr<float>();
     const float* yp = y.data_ptr<float>();
     const float wt = float(weights[i]);
     for (int64_t j = 0; j < y.numel(); j++) {
@@ -493,7 +489,6 @@ at::Tensor swiglu_mix(const at::Tensor& x, at::TensorList gu_packed, at::TensorL
       o[j] += t;
     }
   }
-  return out;
 }
 
 // The DeepSeek-V3 router of model.Router for rows of x: scores = sigmoid(x W^T) in fp32, experts chosen by
@@ -546,7 +541,7 @@ TORCH_LIBRARY(picaflor_int4, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head, int n_kv_head) -> Tensor", &attn_decode);
   m.def("swiglu_ffn(Tensor x, Tensor gu_packed, Tensor gu_sz, int two_f, int gu_group, Tensor down_packed, "
         "Tensor down_sz, int d_out, int down_group) -> Tensor", &swiglu_ffn);
-  m.def("swiglu_mix(Tensor x, Tensor[] gu_packed, Tensor[] gu_sz, Tensor[] down_packed, Tensor[] down_sz, "
-        "int[] two_f, int[] group_size, float[] weights) -> Tensor", &swiglu_mix);
+  m.def("swiglu_mix(Tensor x, Tensor(a!) out, Tensor[] gu_packed, Tensor[] gu_sz, Tensor[] down_packed, "
+        "Tensor[] down_sz, int[] two_f, int[] group_size, float[] weights) -> ()", &swiglu_mix);
   m.def("route(Tensor x, Tensor w, Tensor bias, int top_k, float route_scale) -> (Tensor, Tensor)", &route);
 }

@@ -79,6 +79,18 @@ def test_budgeted_greedy_equals_resident_token_for_token(tiny):
     assert a == full.generate(prompt, 8, temperature=0.9, top_p=0.9, seed=3)
 
 
+def test_partial_preload_fills_the_cache_evenly(tiny):
+    m, path = tiny
+    ref = S.load(path).generate(list(range(5, 25)), 8)
+    eng = S.load(path, preload=False)
+    eng.cache.budget = 7 * eng.container.expert_nbytes  # 7 of 48 experts: 2 per MoE layer (3 layers) fit evenly
+    eng.preload_experts(partial=True)
+    layers = sorted(k[0] for k in eng.cache.entries)
+    assert layers == [1, 1, 2, 2, 3, 3] and eng.preloaded_experts == 6 and not eng.preloaded
+    assert eng.cache.stats()["reads"] == 0  # counters start after the preload
+    assert eng.generate(list(range(5, 25)), 8) == ref and eng.cache.used <= eng.cache.budget
+
+
 def test_evicted_buffers_are_recycled_unless_held(tiny):
     m, path = tiny
     eng = S.load(path, prefetch=False, preload=False)
@@ -141,7 +153,7 @@ def test_landed_unwanted_prefetches_do_not_block_later_ones(tiny):
     first = [(1, 0), (1, 1), (1, 2)]
     c.request(first, set(first), prefetch=True)
     for key in first:
-        c.inflight[key][0].result()  # landed, never demanded
+        [f.result() for f in c.inflight[key][0]]  # landed (every part), never demanded
     c.request([(2, 5)], {(2, 5)}, prefetch=True)
     assert (2, 5) in c.inflight and c.prefetch_reads == 4
     assert c.used <= c.budget
@@ -275,8 +287,9 @@ def test_native_decode_helpers_equal_model_py():
         g, u = S.int4_matmul_reference(q8_activations(xf, 8), *gu, (2 * width, 40), 8).chunk(2, -1)
         return S.int4_matmul_reference(q8_activations(torch.nn.functional.silu(g) * u, 8), *dn, (40, width), 8)
     want = ref_ffn(*ffns[0]) + 0.7 * ref_ffn(*ffns[1]) + 0.2 * ref_ffn(*ffns[2])
-    got = op.swiglu_mix(xf, [f[0][0] for f in ffns], [f[0][1] for f in ffns], [f[1][0] for f in ffns],
-                        [f[1][1] for f in ffns], [2 * f[2] for f in ffns], [8, 8, 8], [1.0, 0.7, 0.2])
+    got = op.swiglu_ffn(xf, *ffns[0][0], 48, 8, *ffns[0][1], 40, 8)  # the shared expert alone, then mixed into
+    op.swiglu_mix(xf, got, [f[0][0] for f in ffns[1:]], [f[0][1] for f in ffns[1:]], [f[1][0] for f in ffns[1:]],
+                  [f[1][1] for f in ffns[1:]], [2 * f[2] for f in ffns[1:]], [8, 8], [0.7, 0.2])
     if op.has_avx2():
         assert (got - want).abs().max() < 1e-4 * want.abs().max()
     assert (got - want).norm() < 3e-2 * want.norm()
