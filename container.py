@@ -493,9 +493,10 @@ class Container:
         import mmap
         if buf is None or len(buf) != max(nbytes, 1):
             buf = mmap.mmap(-1, max(nbytes, 1))
-        if direct and self.direct_fd is not None:
+        direct_fd = self.direct_fd  # one read of the attribute: another reader thread may clear it
+        if direct and direct_fd is not None:
             try:
-                got = os.preadv(self.direct_fd, [buf], offset)
+                got = os.preadv(direct_fd, [buf], offset)
                 if got == nbytes:
                     return buf
             except OSError:
@@ -518,10 +519,10 @@ class Container:
         1 MB reads four at a time. Check the whole blob afterwards with check_expert_blob."""
         ent = self.expert_entry(layer, expert)
         view = memoryview(buf)[start:start + nbytes]
-        got = -1
-        if self.direct_fd is not None:
+        got, direct_fd = -1, self.direct_fd  # one read of the attribute: another reader may clear it
+        if direct_fd is not None:
             try:
-                got = os.preadv(self.direct_fd, [view], ent["offset"] + start)
+                got = os.preadv(direct_fd, [view], ent["offset"] + start)
             except OSError:
                 self.direct_fd = None
         if got != nbytes:

@@ -21,6 +21,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -205,15 +206,21 @@ at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const 
       for (int64_t g = 0; g < n_groups; g++) {
         const int64_t k0 = g * G, k1 = std::min(k0 + G, K);
         float amax = 0.0f;
-        for (int64_t k = k0; k < k1; k++) amax = std::max(amax, std::fabs(xp[m * K + k]));
-        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t total = 0;
+        bool finite = true;
         for (int64_t k = k0; k < k1; k++) {
-          const int32_t v = int32_t(std::nearbyint(xp[m * K + k] * inv));  // round half to even, as torch.round
-          xq[m * Kp + k] = int8_t(v);
-          total += v;
+          amax = std::max(amax, std::fabs(xp[m * K + k]));
+          finite = finite && std::isfinite(xp[m * K + k]);
         }
-        dx[m * n_groups + g] = d;
+        int32_t total = 0;
+        if (finite && amax >= FLT_MIN) {  // else the group stays 0 (all zero, or tiny denormals)
+          const float inv = 127.0f / amax;
+          for (int64_t k = k0; k < k1; k++) {
+            const int32_t v = int32_t(std::nearbyint(xp[m * K + k] * inv));  // round half to even, as torch.round
+            xq[m * Kp + k] = int8_t(v);
+            total += v;
+          }
+        }
+        dx[m * n_groups + g] = finite ? amax / 127.0f : NAN;  // NaN / inf in x: NaN out, as torch would give
         sx[m * n_groups + g] = float(total);
       }
   } else {
@@ -399,6 +406,7 @@ at::Tensor attn_decode(const at::Tensor& qkv_in, const at::Tensor& q_norm_w, con
   TORCH_CHECK(k_cache.size(1) == KV && H % KV == 0, "attn_decode: head counts do not match the cache");
   TORCH_CHECK(qkv.numel() == (H + 2 * KV) * hd, "attn_decode: qkv has ", qkv.numel(), " values, expected ", (H + 2 * KV) * hd);
   TORCH_CHECK(cs.numel() == hd && sn.numel() == hd, "attn_decode: cos/sin must hold one position");
+  TORCH_CHECK(qw.numel() == hd && kw.numel() == hd, "attn_decode: QK norm weights must have head_dim values");
   TORCH_CHECK(pos >= 0 && pos < max_len, "KV cache full: ", pos, " + 1 > ", max_len, " positions");
   const float* src = qkv.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
@@ -475,8 +483,8 @@ void swiglu_mix(const at::Tensor& x, at::Tensor out, at::TensorList gu_packed, a
   const size_t n = gu_packed.size();
   TORCH_CHECK(gu_sz.size() == n && down_packed.size() == n && down_sz.size() == n && two_f.size() == n &&
                   group_size.size() == n && weights.size() == n, "swiglu_mix: lists of different lengths");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == x.numel(),
-              "swiglu_mix: out must be contiguous fp32 shaped like x");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == x.numel() && !out.is_alias_of(x),
+              "swiglu_mix: out must be contiguous fp32 shaped like x, and not x itself");
   const int64_t d_out = x.size(-1);
   float* o = out.data_ptr<float>();
   for (size_t i = 0; i < n; i++) {

@@ -74,6 +74,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -306,6 +307,7 @@ class Expert:
             self.buf = None
         self.gate_up = self.gate_up_proj = QLinear({"kind": "int4", **dec["gate_up_proj"]}, kernel)
         self.down = self.down_proj = QLinear({"kind": "int4", **dec["down_proj"]}, kernel)
+        self.tensors = [t for part in dec.values() for t in part.values() if isinstance(t, torch.Tensor)]
 
     def __call__(self, x):
         if self.gate_up.kernel == "native":
@@ -399,9 +401,14 @@ class ExpertCache:
         return (len(self.entries) + len(self.inflight) + len(self.free_bufs)) * self.nbytes
 
     def _evict(self, key):
+        """Drop an entry; recycle its buffer only when nothing else holds the expert or any tensor over the buffer
+        (weak references, not reference counts: those differ between Python versions)."""
         expert = self.entries.pop(key)
-        if sys.getrefcount(expert) <= 2 and expert.buf is not None:  # only `expert` and getrefcount's argument
-            self.free_bufs.append(expert.buf)
+        buf = expert.buf
+        refs = [weakref.ref(expert)] + [weakref.ref(t) for t in expert.tensors]
+        del expert
+        if buf is not None and all(r() is None for r in refs):
+            self.free_bufs.append(buf)
 
     def _ensure_room(self, protect, wait):
         """Evict LRU entries not in `protect` until one more blob fits (a free buffer is one: the next read goes
@@ -525,12 +532,18 @@ class StreamedMoE(nn.Module):
         if self.native and x.shape[0] == 1 and isinstance(self.shared, NativeFFN):  # decode: the FFNs in one call
             out = self.shared(x)  # while this layer's missing experts are read
             weight = dict(zip(idx[0].tolist(), w[0].tolist()))
-            ffns = [self.cache.get(key, protect) for key in keys]
-            parts = [(f.gate_up_proj.raw, f.down_proj.raw, f.gate_up_proj.shape[0]) for f in ffns]
-            _NATIVE.swiglu_mix(x, out, [gu["packed"] for gu, _, _ in parts], [gu["sz"] for gu, _, _ in parts],
-                               [dn["packed"] for _, dn, _ in parts], [dn["sz"] for _, dn, _ in parts],
-                               [n for _, _, n in parts], [gu["group_size"] for gu, _, _ in parts],
-                               [weight[key[1]] for key in keys])
+            # all of this layer's experts at once when they fit together (the budget guarantees 2 x top_k; more
+            # with --experts-per-token: then one at a time, the same order and sums)
+            together = len(keys) * self.cache.nbytes <= self.cache.budget
+            groups = [keys] if together else [[key] for key in keys]
+            for group in groups:
+                ffns = [self.cache.get(key, set(group)) for key in group]
+                parts = [(f.gate_up_proj.raw, f.down_proj.raw, f.gate_up_proj.shape[0]) for f in ffns]
+                _NATIVE.swiglu_mix(x, out, [gu["packed"] for gu, _, _ in parts], [gu["sz"] for gu, _, _ in parts],
+                                   [dn["packed"] for _, dn, _ in parts], [dn["sz"] for _, dn, _ in parts],
+                                   [n for _, _, n in parts], [gu["group_size"] for gu, _, _ in parts],
+                                   [weight[key[1]] for key in group])
+                del ffns, parts
             return out.reshape(shape)
         out = self.shared(x).float()
         if x.shape[0] == 1:  # decode: one token, scalar weights (a third of the ops of the general loop below)

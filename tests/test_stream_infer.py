@@ -295,6 +295,27 @@ def test_native_decode_helpers_equal_model_py():
     assert (got - want).norm() < 3e-2 * want.norm()
 
 
+def test_native_int4_kernel_nan_and_zero_rows():
+    op = S.native_int4()
+    p, sz = C.quantize_int4(torch.randn(32, 128), 64)
+    x = torch.randn(3, 128)
+    x[0, 5] = float("nan")
+    x[1] = 0.0
+    x[2, 70] = float("inf")
+    y = op.int4_mm(x, p, sz, 32, 64)
+    assert torch.isnan(y[0]).all() and torch.equal(y[1], op.int4_mm_generic(x[1:2], p, sz, 32, 64)[0])
+    assert not torch.isfinite(y[2]).any()
+
+
+def test_more_experts_per_token_than_the_cache_holds_at_once(tiny):
+    m, path = tiny
+    prompt = list(range(5, 25))
+    ref = S.load(path).generate(prompt, 6, experts_per_token=6)
+    eng = S.load(path, preload=False)
+    eng.cache.budget = 4 * eng.container.expert_nbytes  # 2 x top_k: six experts of a layer never fit at once
+    assert eng.generate(prompt, 6, experts_per_token=6) == ref and eng.cache.used <= eng.cache.budget
+
+
 def test_native_int4_kernel_rejects_wrong_sizes():
     w = torch.randn(40, 100)
     p, sz = C.quantize_int4(w, 32)
