@@ -34,6 +34,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   (hit rate 0.60 vs 0, 147 vs 113 MB/token), 2.2G 2.68 vs 3.18 tok/s; still no gain on this model. With the
   native kernel and 2 threads (2G, 16 decode tokens): 9.4 / 10.1 vs 10.8 / 9.8 tok/s off, hit rate 0.825 vs 0.677,
   59.7 vs 36.6 MB read per token: it guesses well but evicts experts that would have hit, and the disk is the limit.
+  Giving prefetches their own reader thread (so demand reads never queue behind them) did not change that: 3G
+  11.6 vs 13.5 tok/s off, 1G 3.2 vs 4.0 (32 decode tokens); not kept.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
   `context` positions - working memory (one prefill chunk of 64 tokens: activations, logit rows, slack; `working_bytes`). If
@@ -305,15 +307,15 @@ class Expert:
         if device != "cpu":  # CUDA: the blob goes to the GPU once per miss (the host buffer is then dropped)
             dec = {k: {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in v.items()} for k, v in dec.items()}
             self.buf = None
-        self.gate_up = self.gate_up_proj = QLinear({"kind": "int4", **dec["gate_up_proj"]}, kernel)
-        self.down = self.down_proj = QLinear({"kind": "int4", **dec["down_proj"]}, kernel)
+        self.gate_up_proj = QLinear({"kind": "int4", **dec["gate_up_proj"]}, kernel)
+        self.down_proj = QLinear({"kind": "int4", **dec["down_proj"]}, kernel)
         self.tensors = [t for part in dec.values() for t in part.values() if isinstance(t, torch.Tensor)]
 
     def __call__(self, x):
-        if self.gate_up.kernel == "native":
-            return native_swiglu(x, self.gate_up, self.down)
-        g, u = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(g) * u)
+        if self.gate_up_proj.kernel == "native":
+            return native_swiglu(x, self.gate_up_proj, self.down_proj)
+        g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(g) * u)
 
 
 # ----------------------------------------------------------------------------------------------------------

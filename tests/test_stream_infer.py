@@ -183,12 +183,17 @@ NATIVE_SHAPES = ODD_SHAPES + [((2, 200), (70, 200), 64), ((4, 96), (32, 96), 48)
                               ((9, 130), (65, 130), 128), ((7, 512), (256, 512), 256), ((2, 90), (32, 90), 30)]
 
 
-@pytest.mark.parametrize("xs,ws,g", NATIVE_SHAPES)
-def test_native_int4_kernel_equals_reference(xs, ws, g):
+def int4_case(xs, ws, g):
+    """Random x (xs) and W (ws) quantized at group g: x, packed, sz and the reference x @ W^T."""
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(xs, generator=gen), torch.randn(ws, generator=gen)
     p, sz = C.quantize_int4(w, g)
-    ref = S.int4_matmul_reference(x, p, sz, ws, g)
+    return x, p, sz, S.int4_matmul_reference(x, p, sz, ws, g)
+
+
+@pytest.mark.parametrize("xs,ws,g", NATIVE_SHAPES)
+def test_native_int4_kernel_equals_reference(xs, ws, g):
+    x, p, sz, ref = int4_case(xs, ws, g)
     op = S.native_int4()
     assert op is not None, "int4_cpu.cpp did not build (see the warning above)"
     # the portable path multiplies fp32 activations: equal to the reference up to summation order
@@ -330,10 +335,7 @@ def test_native_int4_kernel_rejects_wrong_sizes():
 
 @pytest.mark.parametrize("xs,ws,g", ODD_SHAPES)
 def test_cpu_int4_path_equals_reference(xs, ws, g):
-    gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(xs, generator=gen), torch.randn(ws, generator=gen)
-    p, sz = C.quantize_int4(w, g)
-    ref = S.int4_matmul_reference(x, p, sz, ws, g)
+    x, p, sz, ref = int4_case(xs, ws, g)
     got = S.int4_matmul_cpu(x, p, sz, ws, g)
     assert got.shape == ref.shape
     assert (got - ref).abs().max() < 2e-2 * ref.abs().max()  # bf16 activations
