@@ -370,9 +370,6 @@ class NativeAttention(nn.Module):
         return a.o_proj(y)
 
 
-ALIGN_READ = 4096  # O_DIRECT granularity of expert part reads (the container aligns every blob to it)
-
-
 class ExpertCache:
     """All routed experts of all layers share one byte budget. LRU: a hit moves to the back, eviction takes the
     front. Reads happen on a small thread pool (os.preadv releases the GIL; so does the crc32 check);
@@ -440,7 +437,7 @@ class ExpertCache:
         import mmap
         buf = self.free_bufs.pop() if self.free_bufs else mmap.mmap(-1, self.nbytes)
         # one blob = n_readers aligned parts read at once (queue depth; see container.read_expert_part)
-        step = -(-self.nbytes // self.n_parts // ALIGN_READ) * ALIGN_READ
+        step = -(-self.nbytes // self.n_parts // C.ALIGN) * C.ALIGN
         fut = [self.pool.submit(self.c.read_expert_part, *key, buf, o, min(step, self.nbytes - o))
                for o in range(0, self.nbytes, step)]
         self.inflight[key] = (fut, prefetch, buf)
@@ -887,7 +884,7 @@ def measure_disk_bandwidth(cont, n_blobs=16, n_readers=4):
     import random
     pick = random.sample(keys, min(n_blobs, len(keys)))  # fresh picks each time: a storage-side cache of
     n = cont.expert_nbytes                                # yesterday's picks would inflate the figure
-    part = -(-n // n_readers // ALIGN_READ) * ALIGN_READ
+    part = -(-n // n_readers // C.ALIGN) * C.ALIGN
     bufs = [mmap.mmap(-1, n) for _ in range(2)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(n_readers) as pool:
