@@ -488,8 +488,8 @@ class Container:
 
     # --- raw reads ---
     def _pread(self, offset, nbytes, direct=True, buf=None):
-        """One read of nbytes at offset into `buf` (a page-aligned anonymous mmap of that size, reused by the
-        caller) or a fresh one."""
+        """One read of nbytes at offset into `buf` (a page-aligned anonymous mmap, or a view into one, of that
+        size, reused by the caller) or a fresh one."""
         import mmap
         if buf is None or len(buf) != max(nbytes, 1):
             buf = mmap.mmap(-1, max(nbytes, 1))
@@ -519,18 +519,12 @@ class Container:
         1 MB reads four at a time. Check the whole blob afterwards with check_expert_blob."""
         ent = self.expert_entry(layer, expert)
         view = memoryview(buf)[start:start + nbytes]
-        got, direct_fd = -1, self.direct_fd  # one read of the attribute: another reader may clear it
-        if direct_fd is not None:
-            try:
-                got = os.preadv(direct_fd, [view], ent["offset"] + start)
-            except OSError:
-                self.direct_fd = None
-        if got != nbytes:
-            got = os.preadv(self.fd, [view], ent["offset"] + start)
-        view.release()
-        if got != nbytes:
-            raise ContainerError(f"{self.path}: short read in layer {layer} expert {expert} ({got} of {nbytes} "
-                                 f"bytes at {ent['offset'] + start}); the file is truncated")
+        try:
+            self._pread(ent["offset"] + start, nbytes, buf=view)
+        except ContainerError as e:
+            raise ContainerError(f"{e} (layer {layer} expert {expert})") from None
+        finally:
+            view.release()
 
     def check_expert_blob(self, layer, expert, buf):
         ent = self.expert_entry(layer, expert)

@@ -169,12 +169,6 @@ void parallel_chunks(int64_t n, const F& fn) {
   for (int t = 0; t < nt; t++) fn(n * t / nt, n * (t + 1) / nt);
 }
 
-template <int MB>
-void run_generic(const float* x, int64_t K, const float* sx, const uint8_t* blk, const uint16_t* sz, int64_t Np,
-                 int64_t b, int G, int n_groups, float* out) {
-  block_generic<MB>(x, K, sx, blk, sz, Np, b, K, G, n_groups, out);
-}
-
 at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
                         int64_t group_size, bool generic) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "int4_mm: x must be a CPU tensor [..., K]");
@@ -245,10 +239,10 @@ at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const 
 #endif
         } else {
           const float* xm = xp + m0 * K;
-          if (mb == 1) run_generic<1>(xm, K, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-          else if (mb == 2) run_generic<2>(xm, K, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-          else if (mb == 3) run_generic<3>(xm, K, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-          else run_generic<4>(xm, K, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+          if (mb == 1) block_generic<1>(xm, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
+          else if (mb == 2) block_generic<2>(xm, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
+          else if (mb == 3) block_generic<3>(xm, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
+          else block_generic<4>(xm, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
         }
         const int64_t rows = std::min<int64_t>(ROWS, N - b * ROWS);
         for (int m = 0; m < mb; m++) std::memcpy(yp + (m0 + m) * N + b * ROWS, out + m * ROWS, rows * sizeof(float));

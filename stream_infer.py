@@ -257,8 +257,6 @@ class QLinear(nn.Module):
                 y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), r["q"], self.scale_bf16).float()
             else:
                 y = x2.float() @ C.dequantize_int8(r["q"], r["scale"], self.shape).t()
-        elif self.kernel == "native":
-            y = int4_matmul_native(x2, r["packed"], r["sz"], self.shape, r["group_size"])
         elif self.kernel == "int4pack":
             y = int4_matmul_cpu(x2, r["packed"], r["sz"], self.shape, r["group_size"])
         elif self.kernel == "triton":
@@ -383,7 +381,7 @@ class ExpertCache:
         self.device = "cpu"
         self.nbytes = container.expert_nbytes
         self.entries = OrderedDict()  # (layer, expert) -> Expert
-        self.inflight = {}  # (layer, expert) -> (Future, is_prefetch)
+        self.inflight = {}  # (layer, expert) -> ([Future per part], is_prefetch, buffer)
         self.free_bufs = []  # evicted experts' buffers, for the next read (counted in `used` until reused)
         self.pool = ThreadPoolExecutor(max_workers=n_readers, thread_name_prefix="expert-reader")
         self.n_parts = max(1, n_readers)
@@ -874,14 +872,14 @@ def load(path, ram_budget=None, device="cpu", **kw):
 # ----------------------------------------------------------------------------------------------------------
 # honest benchmark
 
-def measure_disk_bandwidth(cont, n_blobs=16, n_readers=4):
+def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4):
     """O_DIRECT (when possible) reads of n_blobs expert blobs spread over the file, each as n_readers aligned parts
     on n_readers threads, as the cache reads them."""
     import mmap
+    import random
     keys = [(int(l), e) for l, ents in cont.header["experts"].items() for e in range(len(ents))]
     if not keys:
         return None
-    import random
     pick = random.sample(keys, min(n_blobs, len(keys)))  # fresh picks each time: a storage-side cache of
     n = cont.expert_nbytes                                # yesterday's picks would inflate the figure
     part = -(-n // n_readers // C.ALIGN) * C.ALIGN
@@ -933,7 +931,7 @@ def measure_kernels(cont, reps=20):
 
 def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_bw=None):
     cfg, cont = eng.cfg, eng.container
-    disk_bw = disk_bw or measure_disk_bandwidth(cont, n_blobs=64, n_readers=eng.n_readers)
+    disk_bw = disk_bw or measure_disk_bandwidth(cont, n_readers=eng.n_readers)
     mem_bw = measure_memory_bandwidth()
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(1, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
@@ -1331,7 +1329,7 @@ def main(argv=None):
         disk_bw = None
         if args.bench:  # before loading: the preload's reads would leave the storage's own cache warm
             try:
-                disk_bw = measure_disk_bandwidth(C.load_container(args.container), 64, args.readers)
+                disk_bw = measure_disk_bandwidth(C.load_container(args.container), n_readers=args.readers)
             except C.ContainerError as e:
                 raise StreamError(str(e)) from None
         eng = load(args.container, args.ram_budget, args.device, kernel=args.kernel, n_readers=args.readers,
