@@ -21,21 +21,18 @@ How it works (the implementer's calls, as DESIGN.md asks):
   expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader threads, O_DIRECT when the
   filesystem allows (so the page cache cannot hide a miss) with a buffered fallback. A layer's missing experts
   are read in parallel; the next MoE layer's likely experts are prefetched by applying ITS router to the current
-  hidden state (mixtral-offloading's speculative prefetch), overlapping this layer's compute. Prefetches never
-  evict an expert the current layer needs, and never push the cache over budget. Prefetch is OFF by default
-  (`--prefetch` turns it on): on the random-weight micro model at 2G (16 prompt + 32 decode tokens) its guesses
-  were right 80% of the time (459 of 576), yet they evicted experts that would have hit: 845 reads instead of
-  604, disk bytes per decode token 58.3 MB instead of 37.9 MB, and decode no faster (0.65-1.14 vs 1.32-1.69
-  tok/s over runs; CPU-bound on 2 shared cores). Entering guesses at the LRU cold end was tried and was worse
-  (905 reads). Greedy decoding of a random model cycles, the worst case for LRU plus prefetch; re-measure on a
-  trained model with a fast disk and idle cores, where overlap is what prefetch buys. Re-measured on the quiet
-  machine after landed-but-unwanted prefetches were made evictable (before, they held the budget and blocked
-  later prefetches at small budgets: 91 prefetch reads in 752 lookups at 1.1G): 1.1G 1.68 vs 1.74 tok/s off
-  (hit rate 0.60 vs 0, 147 vs 113 MB/token), 2.2G 2.68 vs 3.18 tok/s; still no gain on this model. With the
-  native kernel and 2 threads (2G, 16 decode tokens): 9.4 / 10.1 vs 10.8 / 9.8 tok/s off, hit rate 0.825 vs 0.677,
-  59.7 vs 36.6 MB read per token: it guesses well but evicts experts that would have hit, and the disk is the limit.
-  Giving prefetches their own reader thread (so demand reads never queue behind them) did not change that: 3G
-  11.6 vs 13.5 tok/s off, 1G 3.2 vs 4.0 (32 decode tokens); not kept.
+  hidden state (mixtral-offloading's speculative prefetch), overlapping this layer's compute. Guesses are read into
+  their own buffers (2 x top_k, carved out of the budget): a wrong guess only ever replaces an older guess, never a
+  cached expert, and a right one joins the cache when demanded. (Guesses used to enter the cache itself and evicted
+  experts that would have hit: at 3G on micro, 21.8 vs 15.9 MB read per token.) Prefetch is OFF by default
+  (`--prefetch` turns it on), because on this machine it still loses. `python bench/prefetch_ab.py micro.pcf4
+  --ram-budget B` (one process, fresh random prompts, off and on in turn, medians of 3 runs of 24 tokens): 3G
+  14.0 / 12.4 tok/s (off / on), 2G 11.8 / 9.2, 1G 3.7 / 3.3, although guesses now keep every hit (2G: 548-609
+  hits on vs 587-622 off) and cut the misses by 30-45%. Two reasons, both measured there: half the guesses are
+  wrong on a random-weight model (+20-40% reads), and on this VM reading costs compute: the 2-thread int4 GEMV
+  ran at 10.5-12.4 GB/s alone and 5.9-6.6 GB/s while expert blobs were read in the background (with 1 thread it
+  kept its speed), so there was little to overlap with. Re-measure on a trained model and a laptop whose NVMe
+  reads by DMA.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
   `context` positions - working memory (one prefill chunk of 64 tokens: activations, logit rows, slack; `working_bytes`). If
@@ -383,6 +380,12 @@ class ExpertCache:
         self.entries = OrderedDict()  # (layer, expert) -> Expert
         self.inflight = {}  # (layer, expert) -> ([Future per part], is_prefetch, buffer)
         self.free_bufs = []  # evicted experts' buffers, for the next read (counted in `used` until reused)
+        # prefetch: guesses are read into their own few buffers (`n_slots`, carved out of the budget), so a wrong
+        # guess never evicts a cached expert; a right one joins the cache when demanded
+        self.n_slots = 0
+        self.slot_bufs = []  # guess buffers not in use
+        self.guesses = OrderedDict()  # (layer, expert) -> ([Future per part], buffer), oldest first
+        self.read_keys = set()  # every blob read since load (the bench measures the disk on others)
         self.pool = ThreadPoolExecutor(max_workers=n_readers, thread_name_prefix="expert-reader")
         self.n_parts = max(1, n_readers)
         self.reset_counters()
@@ -395,7 +398,8 @@ class ExpertCache:
 
     @property
     def used(self):
-        return (len(self.entries) + len(self.inflight) + len(self.free_bufs)) * self.nbytes
+        return (len(self.entries) + len(self.inflight) + len(self.free_bufs) + len(self.slot_bufs)
+                + len(self.guesses)) * self.nbytes
 
     def _evict(self, key):
         """Drop an entry; recycle its buffer only when nothing else holds the expert or any tensor over the buffer
@@ -420,10 +424,11 @@ class ExpertCache:
             if victim is not None:
                 self._evict(victim)
                 continue
-            # reads that already landed (e.g. prefetches nobody asked for) become evictable entries at no cost;
-            # left in flight they would hold the budget and block every later prefetch
+            # demand reads that already landed become evictable entries at no cost; then spare guess buffers
             pending = next((k for k in self.inflight if k not in protect and all(f.done() for f in self.inflight[k][0])),
                            None)
+            if pending is None and self._drop_guess(protect, wait):
+                continue
             if pending is None and wait:
                 pending = next((k for k in self.inflight if k not in protect), None)
             if pending is None:
@@ -431,17 +436,36 @@ class ExpertCache:
             self._finish(pending)
         return True
 
-    def _submit(self, key, prefetch):
-        import mmap
-        buf = self.free_bufs.pop() if self.free_bufs else mmap.mmap(-1, self.nbytes)
+    def _drop_guess(self, protect, wait):
+        """Give one guess buffer (a spare one, else the oldest landed guess not in `protect`; with wait, the oldest
+        one) to free_bufs, for a demand read that has no other room. False if there is none."""
+        if self.slot_bufs:
+            self.free_bufs.append(self.slot_bufs.pop())
+            return True
+        key = next((k for k in self.guesses if k not in protect and (wait or all(f.done() for f in self.guesses[k][0]))),
+                   None)
+        if key is None:
+            return False
+        fut, buf = self.guesses.pop(key)
+        for f in fut:
+            f.result()
+        self.free_bufs.append(buf)
+        return True
+
+    def _read(self, key, buf):
+        """Start reading one blob into buf: [Future per part]."""
         # one blob = n_readers aligned parts read at once (queue depth; see container.read_expert_part)
         step = -(-self.nbytes // self.n_parts // C.ALIGN) * C.ALIGN
-        fut = [self.pool.submit(self.c.read_expert_part, *key, buf, o, min(step, self.nbytes - o))
-               for o in range(0, self.nbytes, step)]
-        self.inflight[key] = (fut, prefetch, buf)
         self.reads += 1
-        self.prefetch_reads += prefetch
         self.bytes_read += self.nbytes
+        self.read_keys.add(key)
+        return [self.pool.submit(self.c.read_expert_part, *key, buf, o, min(step, self.nbytes - o))
+                for o in range(0, self.nbytes, step)]
+
+    def _submit(self, key):
+        import mmap
+        buf = self.free_bufs.pop() if self.free_bufs else mmap.mmap(-1, self.nbytes)
+        self.inflight[key] = (self._read(key, buf), False, buf)
 
     def _finish(self, key):
         fut, prefetch, buf = self.inflight.pop(key)
@@ -450,14 +474,48 @@ class ExpertCache:
         self.entries[key] = Expert(self.c, self.c.check_expert_blob(*key, buf), self.kernel, self.device)
         return prefetch
 
-    def request(self, keys, protect, prefetch):
-        """Start reads for keys neither cached nor in flight, while they fit without evicting `protect`."""
+    def request(self, keys, protect):
+        """Start reads for keys neither cached nor in flight, while they fit without evicting `protect`. A key
+        that was guessed leaves the guess buffers with its read (landed or not) and joins the cache."""
         for key in keys:
             if key in self.entries or key in self.inflight:
                 continue
+            if key in self.guesses:
+                fut, buf = self.guesses.pop(key)
+                self.inflight[key] = (fut, True, buf)
+                continue
             if not self._ensure_room(protect, wait=False):
                 return
-            self._submit(key, prefetch)
+            self._submit(key)
+
+    def guess(self, keys, protect):
+        """Prefetch: start reading keys (the next layer's likely experts) into the guess buffers. A guess buffer is
+        a spare one, else (once there are n_slots) the oldest guess that has landed: guesses only ever replace
+        guesses, never cached experts (except once per slot, to make it). Skipped while every guess is still in
+        flight (the disk is busy), and for small caches (fewer than 4 experts per slot), which keep their room."""
+        import mmap
+        for key in keys:
+            if key in self.entries or key in self.inflight or key in self.guesses:
+                continue
+            slots = min(self.n_slots, self.budget // self.nbytes // 4)
+            if not self.slot_bufs and len(self.guesses) < slots and self._ensure_room(protect, wait=False):
+                self.slot_bufs.append(self.free_bufs.pop() if self.free_bufs else mmap.mmap(-1, self.nbytes))
+            if not self.slot_bufs:
+                old = next((k for k in self.guesses if all(f.done() for f in self.guesses[k][0])), None)
+                if old is None:
+                    return
+                self.slot_bufs.append(self.guesses.pop(old)[1])
+            buf = self.slot_bufs.pop()
+            self.guesses[key] = (self._read(key, buf), buf)
+            self.prefetch_reads += 1
+
+    def set_slots(self, n):
+        """n guess buffers (0: prefetch off; the buffers go back to the cache as free ones)."""
+        self.n_slots = n
+        if n == 0:
+            self.settle()
+            self.free_bufs += self.slot_bufs + [buf for _, buf in self.guesses.values()]
+            self.slot_bufs, self.guesses = [], OrderedDict()
 
     def get(self, key, protect):
         self.lookups += 1
@@ -469,6 +527,8 @@ class ExpertCache:
             self.hits += 1
             self.entries.move_to_end(key)
             return self.entries[key]
+        if key in self.guesses:
+            self.request([key], {key})
         if key in self.inflight and self.inflight[key][1]:
             self.prefetch_hits += 1
         else:
@@ -477,7 +537,7 @@ class ExpertCache:
             if not self._ensure_room({key}, wait=True):
                 raise StreamError(f"{self.c.path}: expert cache of {fmt_size(self.budget)} cannot hold one expert "
                                   f"({fmt_size(self.nbytes)}); raise --ram-budget")
-            self._submit(key, prefetch=False)
+            self._submit(key)
         self._finish(key)
         return self.entries[key]
 
@@ -485,6 +545,9 @@ class ExpertCache:
         """Wait for every in-flight read (end of a request) so counters and memory are final."""
         for key in list(self.inflight):
             self._finish(key)
+        for fut, _ in self.guesses.values():
+            for f in fut:
+                f.result()
 
     def stats(self):
         return {"lookups": self.lookups, "hits": self.hits, "prefetch_hits": self.prefetch_hits,
@@ -521,11 +584,11 @@ class StreamedMoE(nn.Module):
         needed = sorted(set(idx.reshape(-1).tolist()))
         keys = [(self.layer, e) for e in needed]
         protect = set(keys)
-        self.cache.request(keys, protect, prefetch=False)  # this layer's misses, read in parallel
+        self.cache.request(keys, protect)  # this layer's misses, read in parallel (right guesses join the cache)
         if self.prefetch and self.next_moe is not None:  # the next layer's router on this hidden state
             _, nidx = self.next_moe.route(x)
             nxt = [(self.next_moe.layer, e) for e in sorted(set(nidx.reshape(-1).tolist()))]
-            self.cache.request(nxt, protect | set(nxt), prefetch=True)
+            self.cache.guess(nxt, protect)
         if self.native and x.shape[0] == 1 and isinstance(self.shared, NativeFFN):  # decode: the FFNs in one call
             out = self.shared(x)  # while this layer's missing experts are read
             weight = dict(zip(idx[0].tolist(), w[0].tolist()))
@@ -656,7 +719,7 @@ class Engine:
         bar = tqdm(total=len(keys), desc="preload experts", unit="expert", disable=not sys.stderr.isatty())
         for i in range(0, len(keys), 64):
             chunk = keys[i:i + 64]
-            self.cache.request(chunk, set(chunk), prefetch=False)
+            self.cache.request(chunk, set(chunk))
             self.cache.settle()
             bar.update(len(chunk))
         bar.close()
@@ -752,6 +815,7 @@ class Engine:
     def set_prefetch(self, on):
         for moe in self.moes:
             moe.prefetch = bool(on)
+        self.cache.set_slots(2 * self.cfg.top_k if on else 0)  # a layer's guesses in flight, the last layer's landed
 
     def set_experts_per_token(self, k):
         k = k or self.cfg.top_k
@@ -872,13 +936,16 @@ def load(path, ram_budget=None, device="cpu", **kw):
 # ----------------------------------------------------------------------------------------------------------
 # honest benchmark
 
-def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4):
+def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=()):
     """O_DIRECT (when possible) reads of n_blobs expert blobs spread over the file, each as n_readers aligned parts
-    on n_readers threads, as the cache reads them."""
+    on n_readers threads, as the cache reads them; only blobs not in `exclude` (those this run already read: a
+    cache below the guest served recently read blobs at 2 GB/s here, fresh ones at 0.6-1.6). None if fewer than
+    8 such blobs are left."""
     import mmap
     import random
     keys = [(int(l), e) for l, ents in cont.header["experts"].items() for e in range(len(ents))]
-    if not keys:
+    keys = [k for k in keys if k not in exclude]
+    if len(keys) < 8:
         return None
     pick = random.sample(keys, min(n_blobs, len(keys)))  # fresh picks each time: a storage-side cache of
     n = cont.expert_nbytes                                # yesterday's picks would inflate the figure
@@ -929,10 +996,15 @@ def measure_kernels(cont, reps=20):
     return out
 
 
-def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_bw=None):
+def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_bw=None, mem_bw=None):
+    """Decode n_new tokens after an n_prompt-token random prompt and measure. The disk is measured before loading
+    (disk_bw; by the caller) and again right after decoding, on blobs this run has not read; the bound uses their
+    mean: this VM's disk drifted 0.6-2 GB/s between runs minutes apart, and one figure taken before a run
+    misjudged it. Memory bandwidth is measured before loading too (mem_bw): its 128 MB of buffers would not fit
+    in the budget's working memory."""
     cfg, cont = eng.cfg, eng.container
-    disk_bw = disk_bw or measure_disk_bandwidth(cont, n_readers=eng.n_readers)
-    mem_bw = measure_memory_bandwidth()
+    disk_before = disk_bw or measure_disk_bandwidth(cont, n_readers=eng.n_readers)
+    mem_bw = mem_bw or measure_memory_bandwidth()
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(1, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
     eng.cache.reset_counters()
@@ -959,6 +1031,9 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     counted_per_tok = (st["bytes_read"] - bytes0) / max(n_dec, 1)
     embed = cont.header["tensors"]["embed_tokens.weight"]["nbytes"] if not cfg.tie_embeddings else 0
     mem_per_tok = cont.resident_bytes() - embed + k * n_moe * cont.expert_nbytes
+    disk_after = measure_disk_bandwidth(cont, n_readers=eng.n_readers, exclude=eng.cache.read_keys)
+    known = [b for b in (disk_before, disk_after) if b]
+    disk_bw = sum(known) / len(known) if known else None
     t_mem = mem_per_tok / mem_bw
     t_disk = max(disk_per_tok, counted_per_tok) / disk_bw if disk_bw else 0.0
     lat = sorted(decode_lat)
@@ -973,7 +1048,8 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
         "expert_bytes": cont.expert_nbytes, "cache_capacity_experts": st["capacity_experts"],
         "peak_rss_bytes": peak_rss_bytes(), "resident_rss_bytes": eng.resident_rss, "baseline_rss_bytes": eng.baseline_rss,
-        "disk_bw_bytes_s": disk_bw, "mem_bw_bytes_s": mem_bw,
+        "disk_bw_bytes_s": disk_bw, "disk_bw_before_bytes_s": disk_before, "disk_bw_after_bytes_s": disk_after,
+        "mem_bw_bytes_s": mem_bw,
         "bound_tok_s": 1.0 / max(t_mem, t_disk, 1e-12), "bound_tok_s_serial": 1.0 / max(t_mem + t_disk, 1e-12),
         "direct_io": cont.direct_fd is not None, "load_s": eng.load_s, "cache": st, "preloaded": eng.preloaded, "preloaded_experts": eng.preloaded_experts,
         "kernel_ms": measure_kernels(cont) if eng.device == "cpu" else None,
@@ -1085,6 +1161,12 @@ def bench_in_cgroup(args, argv):
     return res
 
 
+def disk_spread(res):
+    """' (before 0.81, after 1.20)': the two disk measurements the bound's figure is the mean of."""
+    b, a = res.get("disk_bw_before_bytes_s"), res.get("disk_bw_after_bytes_s")
+    return f" (before {b / 1e9:.2f}, after {a / 1e9:.2f})" if a and b else ""
+
+
 def print_bench(res):
     g = lambda n: f"{n / 1e9:.2f} GB" if n is not None else "n/a"  # noqa: E731
     print(f"container {res['container']} ({g(res['container_bytes'])}, random weights: {res['random_weights']}), "
@@ -1098,7 +1180,7 @@ def print_bench(res):
     cgp = res.get("cgroup_peak_bytes")
     print(f"peak RSS {fmt_size(res['peak_rss_bytes'])} (cgroup peak incl. page cache "
           f"{fmt_size(cgp) if cgp else 'n/a'}) | "
-          f"disk {res['disk_bw_bytes_s'] / 1e9:.2f} GB/s, memory {res['mem_bw_bytes_s'] / 1e9:.2f} GB/s -> bound "
+          f"disk {res['disk_bw_bytes_s'] / 1e9:.2f} GB/s{disk_spread(res)}, memory {res['mem_bw_bytes_s'] / 1e9:.2f} GB/s -> bound "
           f"{res['bound_tok_s']:.2f} tok/s (serial {res['bound_tok_s_serial']:.2f}); decode is "
           f"{res['decode_tok_s'] / res['bound_tok_s'] * 100:.0f}% of the bound")
     km = res.get("kernel_ms")
@@ -1326,19 +1408,21 @@ def main(argv=None):
                 with open(args.json, "w") as f:
                     json.dump(res, f, indent=1)
             return 0
-        disk_bw = None
+        disk_bw = mem_bw = None
         if args.bench:  # before loading: the preload's reads would leave the storage's own cache warm
             try:
                 disk_bw = measure_disk_bandwidth(C.load_container(args.container), n_readers=args.readers)
             except C.ContainerError as e:
                 raise StreamError(str(e)) from None
+            torch.set_num_threads(compute_threads(None, args.threads))  # as decode will run
+            mem_bw = measure_memory_bandwidth()
         eng = load(args.container, args.ram_budget, args.device, kernel=args.kernel, n_readers=args.readers,
                    prefetch=args.prefetch, context=args.context, cache_policy=args.cache_policy,
                    preload=False if args.no_preload else "auto")
         torch.set_num_threads(compute_threads(eng, args.threads))
         if args.bench:
             n_new = args.max_new_tokens
-            res = run_bench(eng, args.bench_prompt_tokens, n_new, args.experts_per_token, disk_bw=disk_bw)
+            res = run_bench(eng, args.bench_prompt_tokens, n_new, args.experts_per_token, disk_bw=disk_bw, mem_bw=mem_bw)
             with open(child_result, "w") as f:
                 json.dump(res, f)
             return 0
