@@ -177,9 +177,9 @@ def peak_rss():
 
 def run_llama(args, budget_bytes, setting):
     """One llama.cpp run in a fresh memory cgroup of budget_bytes (None: no limit). Returns its result dict."""
-    import stream_infer
-    dropped = stream_infer.drop_page_cache(args.gguf)
-    cg, ver = stream_infer.limited_cgroup(budget_bytes) if budget_bytes else (None, None)
+    import stream_bench
+    dropped = stream_bench.drop_page_cache(args.gguf)
+    cg, ver = stream_bench.limited_cgroup(budget_bytes) if budget_bytes else (None, None)
     if budget_bytes and not cg:
         raise BenchError("cannot create a memory cgroup (needs root and cgroup v1/v2 memory controller); "
                          "the comparison would not be under the same limit")
@@ -206,7 +206,7 @@ def run_llama(args, budget_bytes, setting):
             why = "timed out"
         res = json.load(open(out)) if os.path.exists(out) else {"setting": setting, "tokens": 0}
         res.update(wall_s=time.time() - t0, page_cache_dropped=dropped, cgroup=ver,
-                   cgroup_peak_bytes=stream_infer.close_cgroup(cg))
+                   cgroup_peak_bytes=stream_bench.close_cgroup(cg))
     if why:
         res["error"] = why
     if res.get("tokens", 0) < 2:

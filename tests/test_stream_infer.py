@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import container as C  # noqa: E402
+import stream_bench as B  # noqa: E402
 import stream_infer as S  # noqa: E402
 from model import ModelConfig, Picaflor, save_checkpoint  # noqa: E402
 
@@ -451,11 +452,38 @@ print(json.dumps([rc, rc2, rc3]))
     assert "Traceback" not in r.stderr
 
 
+def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
+    """stream_bench.py (= stream_infer.py --bench) runs the measuring child in its own cgroup and writes the JSON
+    the issue names; --sweep gives one row per budget (a budget below the resident size is a row with its error,
+    and the sweep goes on), a table and a PNG."""
+    m, path = tiny
+    one, rows, png = tmp_path / "one.json", tmp_path / "sweep.json", tmp_path / "sweep.png"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_bench.py"), path, "--ram-budget", "3G",
+                        "--max-new-tokens", "3", "--bench-prompt-tokens", "4", "--threads", "1", "--json", str(one)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(one.read_text())
+    for key in ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token", "peak_rss_bytes", "bound_tok_s"):
+        assert isinstance(res[key], (int, float)) and res[key] >= 0, key
+    assert isinstance(res["page_cache_excluded"], bool) and res["new_tokens"] == 3 and res["ram_budget"] == 3 << 30
+    assert "decode" in r.stdout and "% of the bound" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--sweep", "3G,1M,2G",
+                        "--max-new-tokens", "2", "--bench-prompt-tokens", "4", "--threads", "1", "--json", str(rows),
+                        "--plot", str(png), "--llamacpp-json", str(tmp_path / "absent.json")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(rows.read_text())
+    assert [row["budget_str"] for row in got] == ["3G", "1M", "2G"]
+    assert "--ram-budget 1M" in got[1]["error"] and got[0]["decode_tok_s"] > 0 and got[2]["decode_tok_s"] > 0
+    assert png.stat().st_size > 10_000 and "refused" in r.stdout
+
+
 def test_bench_result_fields_and_lfu_policy(tiny):
     m, path = tiny
     eng = S.load(path, ram_budget=None, cache_policy="lfu", preload=False)
     eng.cache.budget = 5 * eng.container.expert_nbytes
-    res = S.run_bench(eng, n_prompt=6, n_new=5)
+    res = B.run_bench(eng, n_prompt=6, n_new=5)
     for key in ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token", "peak_rss_bytes", "bound_tok_s"):
         assert isinstance(res[key], (int, float)) and res[key] >= 0, key
     assert res["new_tokens"] == 5 and res["decode_tok_s"] > 0 and res["bound_tok_s"] > 0
@@ -466,9 +494,9 @@ def test_bench_result_fields_and_lfu_policy(tiny):
     seen, read = [], eng.container.read_expert_part
     eng.container.read_expert_part = lambda layer, e, *a: (seen.append((layer, e)), read(layer, e, *a))[1]
     done, every = {(1, e) for e in range(16)}, {(layer, e) for layer in (1, 2, 3) for e in range(16)}
-    assert S.measure_disk_bandwidth(eng.container, exclude=done) > 0
+    assert B.measure_disk_bandwidth(eng.container, exclude=done) > 0
     assert set(seen) == every - done  # 64 asked for: all 32 blobs that are left, none of the excluded
-    assert S.measure_disk_bandwidth(eng.container, exclude=set(sorted(every)[7:])) is None  # 7 left: too few
+    assert B.measure_disk_bandwidth(eng.container, exclude=set(sorted(every)[7:])) is None  # 7 left: too few
     eng.container.read_expert_part = read
     # the counted bytes and /proc/self/io agree when reads are O_DIRECT
     if res["direct_io"]:
@@ -477,7 +505,7 @@ def test_bench_result_fields_and_lfu_policy(tiny):
     lru = S.load(path, preload=False)
     lru.cache.budget = 5 * lru.container.expert_nbytes
     assert eng.generate([3, 4, 5], 8) == lru.generate([3, 4, 5], 8)
-    assert S.strip_args(["m", "--sweep", "1G,2G", "--bench", "--json=x"], {"--sweep", "--json"}, {"--bench"}) == ["m"]
+    assert B.strip_args(["m", "--sweep", "1G,2G", "--bench", "--json=x"], {"--sweep", "--json"}, {"--bench"}) == ["m"]
 
 
 def test_vs_llamacpp_budgets_and_bad_input(tmp_path):

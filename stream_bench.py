@@ -1,0 +1,414 @@
+"""
+stream_bench: stream_infer's honest benchmark (issue 9, items 4 and 6), one budget or a sweep of them.
+
+    python stream_infer.py model.pcf4 --ram-budget 2G --bench [--json OUT]
+    python stream_infer.py model.pcf4 --sweep 3G,2G,1G --json OUT.json [--plot OUT.png]
+    python stream_bench.py model.pcf4 --ram-budget 2G [--json OUT]   # the same as the first line
+
+Each budget runs in a child process (stream_infer.py again, PICAFLOR_BENCH_CHILD set) inside a fresh memory
+cgroup limited to the budget, page cache included (v2 memory.max, or v1 memory.limit_in_bytes; we must be root),
+after the container's page cache was dropped (posix_fadvise DONTNEED). Where neither can be done the result says
+so (page_cache_excluded false) and the figures are not disk-bound. The child measures the disk (expert blobs read
+as the cache reads them) and memory bandwidth before loading, decodes, measures the disk again on blobs it never
+read, and reports: prefill / decode tok/s, p50 / p99 token latency, hit rate, disk bytes per token from
+/proc/self/io (and as counted), peak RSS, and the lower bound 1 / max(disk time, memory time) per token.
+A sweep writes a table and a PNG (decode tok/s, hit rate and disk bytes per token against the budget, with
+llama.cpp's curve from bench/vs_llamacpp.py's JSON when there is one).
+"""
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # as stream_infer.py: read by libgomp at torch import
+
+import torch
+
+import container as C
+import stream_infer as S
+
+
+# ----------------------------------------------------------------------------------------------------------
+# measurements
+
+def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=()):
+    """O_DIRECT (when possible) reads of n_blobs expert blobs spread over the file, each as n_readers aligned parts
+    on n_readers threads, as the cache reads them; only blobs not in `exclude` (those this run already read: a
+    cache below the guest served recently read blobs at 2 GB/s here, fresh ones at 0.6-1.6). None if fewer than
+    8 such blobs are left."""
+    import mmap
+    import random
+    keys = [(int(l), e) for l, ents in cont.header["experts"].items() for e in range(len(ents))]
+    keys = [k for k in keys if k not in exclude]
+    if len(keys) < 8:
+        return None
+    pick = random.sample(keys, min(n_blobs, len(keys)))  # fresh picks each time: a storage-side cache of
+    n = cont.expert_nbytes                                # yesterday's picks would inflate the figure
+    part = -(-n // n_readers // C.ALIGN) * C.ALIGN
+    bufs = [mmap.mmap(-1, n) for _ in range(2)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n_readers) as pool:
+        futs = [pool.submit(cont.read_expert_part, *k, bufs[i % 2], o, min(part, n - o))
+                for i, k in enumerate(pick) for o in range(0, n, part)]
+        for f in futs:
+            f.result()
+    return len(pick) * n / (time.perf_counter() - t0)
+
+
+def measure_memory_bandwidth(mb=64, reps=5):
+    a = torch.empty(mb << 18, dtype=torch.float32).fill_(1.0)
+    b = torch.empty_like(a)
+    best = 1e9
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best  # read + write
+
+
+def measure_kernels(cont, reps=20):
+    """ms per decode GEMV (M=1) of one expert's gate_up (hot in cache): native (int4_cpu.cpp) vs torch's int4pack
+    kernel vs dequantize-then-matmul vs fp32 dense."""
+    dec = cont.decode_expert(cont.read_expert_blob(int(next(iter(cont.header["experts"]))), 0))["gate_up_proj"]
+    shape, g = dec["shape"], dec["group_size"]
+    x = torch.randn(1, shape[1])
+    w = C.dequantize_int4(dec["packed"], dec["sz"], shape, g)
+    fns = {"reference_dequant_matmul": lambda: S.int4_matmul_reference(x, dec["packed"], dec["sz"], shape, g),
+           "fp32_dense": lambda: x @ w.t()}
+    if S.native_int4() is not None:
+        fns["native"] = lambda: S.int4_matmul_native(x, dec["packed"], dec["sz"], shape, g)
+    if S.cpu_int4pack_ok() and g in (32, 64, 128, 256):
+        fns["int4pack"] = lambda: S.int4_matmul_cpu(x, dec["packed"], dec["sz"], shape, g)
+    out = {"shape": shape}
+    for name, fn in fns.items():
+        fn()
+        ts = []
+        for _ in range(reps if name != "reference_dequant_matmul" else 3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        out[name] = sorted(ts)[len(ts) // 2] * 1e3
+    return out
+
+
+def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_bw=None, mem_bw=None):
+    """Decode n_new tokens after an n_prompt-token random prompt and measure. The disk is measured before loading
+    (disk_bw; by the caller) and again right after decoding, on blobs this run has not read; the bound uses their
+    mean: this VM's disk drifted 0.6-2 GB/s between runs minutes apart, and one figure taken before a run
+    misjudged it. Memory bandwidth is measured before loading too (mem_bw): its 128 MB of buffers would not fit
+    in the budget's working memory."""
+    cfg, cont = eng.cfg, eng.container
+    disk_before = disk_bw or measure_disk_bandwidth(cont, n_readers=eng.n_readers)
+    mem_bw = mem_bw or measure_memory_bandwidth()
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
+    eng.cache.reset_counters()
+    timings = []
+    rb0, _ = S.io_counters()
+    t0 = time.perf_counter()
+    it = eng.stream(prompt, n_new, temperature=0.0, experts_per_token=experts_per_token, timings=timings)
+    first = next(it)
+    prefill_s = time.perf_counter() - t0
+    st_prefill = eng.cache.stats()
+    rb1, _ = S.io_counters()
+    lookups0, hits0 = eng.cache.lookups, eng.cache.hits + eng.cache.prefetch_hits
+    bytes0 = eng.cache.bytes_read
+    out = [first] + list(it)
+    rb2, _ = S.io_counters()
+    decode_lat = timings[1:]
+    n_dec = len(decode_lat)
+    k = experts_per_token or cfg.top_k
+    n_moe = cfg.n_layer - cfg.n_dense_layers
+    st = eng.cache.stats()
+    dec_lookups = st["lookups"] - lookups0
+    dec_hit = (st["hits"] + st["prefetch_hits"] - hits0) / max(dec_lookups, 1)
+    disk_per_tok = (rb2 - rb1) / max(n_dec, 1)
+    counted_per_tok = (st["bytes_read"] - bytes0) / max(n_dec, 1)
+    embed = cont.header["tensors"]["embed_tokens.weight"]["nbytes"] if not cfg.tie_embeddings else 0
+    mem_per_tok = cont.resident_bytes() - embed + k * n_moe * cont.expert_nbytes
+    disk_after = measure_disk_bandwidth(cont, n_readers=eng.n_readers, exclude=eng.cache.read_keys)
+    known = [b for b in (disk_before, disk_after) if b]
+    disk_bw = sum(known) / len(known) if known else None
+    t_mem = mem_per_tok / mem_bw
+    t_disk = max(disk_per_tok, counted_per_tok) / disk_bw if disk_bw else 0.0
+    lat = sorted(decode_lat)
+    pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan"))
+    return {
+        "container": eng.path, "container_bytes": cont.file_size, "random_weights": cont.header.get("random_weights"),
+        "ram_budget": eng.budget, "kernel": eng.kernel, "experts_per_token": k, "threads": torch.get_num_threads(),
+        "prompt_tokens": n_prompt, "new_tokens": len(out),
+        "prefill_tok_s": n_prompt / prefill_s, "decode_tok_s": n_dec / max(sum(decode_lat), 1e-9),
+        "p50_token_latency_s": pct(0.5), "p99_token_latency_s": pct(0.99),
+        "hit_rate": dec_hit, "hit_rate_with_prefill": st["hit_rate"], "prefill_reads": st_prefill["reads"],
+        "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
+        "expert_bytes": cont.expert_nbytes, "cache_capacity_experts": st["capacity_experts"],
+        "peak_rss_bytes": S.peak_rss_bytes(), "resident_rss_bytes": eng.resident_rss, "baseline_rss_bytes": eng.baseline_rss,
+        "disk_bw_bytes_s": disk_bw, "disk_bw_before_bytes_s": disk_before, "disk_bw_after_bytes_s": disk_after,
+        "mem_bw_bytes_s": mem_bw,
+        "bound_tok_s": 1.0 / max(t_mem, t_disk, 1e-12), "bound_tok_s_serial": 1.0 / max(t_mem + t_disk, 1e-12),
+        "direct_io": cont.direct_fd is not None, "load_s": eng.load_s, "cache": st, "preloaded": eng.preloaded, "preloaded_experts": eng.preloaded_experts,
+        "kernel_ms": measure_kernels(cont) if eng.device == "cpu" else None,
+    }
+
+
+def cgroup_memory_dir():
+    """A fresh child memory cgroup (v2 memory.max or v1 memory.limit_in_bytes) or None; we must be root."""
+    name = f"picaflor-bench-{os.getpid()}"
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        ctl = os.path.join(root, "cgroup.controllers")
+        if os.path.exists(ctl) and "memory" in open(ctl).read().split():
+            rel = next((l.split(":", 2)[2].strip() for l in open("/proc/self/cgroup") if l.startswith("0::")), "/")
+            d = os.path.join(root, rel.lstrip("/"), name)
+            try:
+                os.mkdir(d)
+                return d, "v2"
+            except OSError:
+                pass
+    rel = next((l.split(":", 2)[2].strip() for l in open("/proc/self/cgroup") if ":memory:" in l), None)
+    if rel is not None and os.path.isdir("/sys/fs/cgroup/memory"):
+        d = os.path.join("/sys/fs/cgroup/memory", rel.lstrip("/"), name)
+        try:
+            os.mkdir(d)
+            return d, "v1"
+        except OSError:
+            pass
+    return None, None
+
+
+def drop_page_cache(path):
+    """posix_fadvise(DONTNEED) over a whole file, so the next reads come from the disk; True if it was done."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def limited_cgroup(budget):
+    """A fresh memory cgroup limited to budget bytes (page cache included, no swap): (dir, "v1"/"v2") or
+    (None, None) where none can be made. Processes join by writing their pid to dir/cgroup.procs."""
+    cg, ver = cgroup_memory_dir()
+    if cg:
+        try:
+            if ver == "v2":
+                open(os.path.join(cg, "memory.max"), "w").write(str(budget))
+                try:
+                    open(os.path.join(cg, "memory.swap.max"), "w").write("0")
+                except OSError:
+                    pass
+            else:
+                open(os.path.join(cg, "memory.limit_in_bytes"), "w").write(str(budget))
+        except OSError:
+            os.rmdir(cg)
+            return None, None
+    return cg, ver
+
+
+def close_cgroup(cg):
+    """The peak memory the cgroup saw (bytes, or None), then remove it (its processes have exited)."""
+    if not cg:
+        return None
+    peak = None
+    for fname in ("memory.peak", "memory.max_usage_in_bytes"):
+        try:
+            peak = int(open(os.path.join(cg, fname)).read().split()[0])
+            break
+        except (OSError, ValueError):
+            pass
+    try:
+        os.rmdir(cg)
+    except OSError:
+        pass
+    return peak
+
+
+def bench_in_cgroup(args, argv):
+    """Parent side: drop the container's page cache, make a memory cgroup of --ram-budget, run the benchmark in
+    a child process inside it. Returns the result dict."""
+    import subprocess
+    import tempfile
+    budget = S.parse_size(args.ram_budget) if args.ram_budget else None
+    dropped = drop_page_cache(args.container)
+    cg, ver = limited_cgroup(budget) if budget else (None, None)
+    with tempfile.TemporaryDirectory() as td:
+        res_path = os.path.join(td, "result.json")
+        argv = [sys.executable, os.path.abspath(S.__file__)] + list(argv)  # the child: stream_infer.py
+        env = dict(os.environ, PICAFLOR_BENCH_CHILD=res_path)
+        procs = os.path.join(cg, "cgroup.procs") if cg else None
+
+        def enter_cgroup():
+            if procs:
+                with open(procs, "w") as f:
+                    f.write(str(os.getpid()))
+
+        r = subprocess.run(argv, env=env, preexec_fn=enter_cgroup)
+        cg_peak = close_cgroup(cg)
+        if r.returncode != 0 or not os.path.exists(res_path):
+            why = "killed (out of memory inside the cgroup?)" if r.returncode < 0 else f"exit {r.returncode}"
+            raise S.StreamError(f"{args.container}: benchmark child failed ({why}) at --ram-budget {args.ram_budget}")
+        res = json.load(open(res_path))
+    res["cgroup"] = ver if cg else None
+    res["cgroup_peak_bytes"] = cg_peak
+    res["page_cache_dropped"] = dropped
+    res["page_cache_excluded"] = bool(dropped and (cg is not None or res.get("direct_io")))
+    return res
+
+
+def disk_spread(res):
+    """' (before 0.81, after 1.20)': the two disk measurements the bound's figure is the mean of."""
+    b, a = res.get("disk_bw_before_bytes_s"), res.get("disk_bw_after_bytes_s")
+    return f" (before {b / 1e9:.2f}, after {a / 1e9:.2f})" if a and b else ""
+
+
+def print_bench(res):
+    g = lambda n: f"{n / 1e9:.2f} GB" if n is not None else "n/a"  # noqa: E731
+    print(f"container {res['container']} ({g(res['container_bytes'])}, random weights: {res['random_weights']}), "
+          f"budget {S.fmt_size(res['ram_budget']) if res['ram_budget'] else 'none'}, kernel {res['kernel']}, "
+          f"{res['threads']} threads, top-{res['experts_per_token']}")
+    print(f"prefill {res['prefill_tok_s']:.2f} tok/s ({res['prompt_tokens']} tokens) | decode {res['decode_tok_s']:.2f} tok/s "
+          f"| token latency p50 {res['p50_token_latency_s'] * 1e3:.1f} ms p99 {res['p99_token_latency_s'] * 1e3:.1f} ms")
+    print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), capacity {res['cache_capacity_experts']} experts of "
+          f"{res['expert_bytes'] / 1e6:.2f} MB | disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
+          f"(/proc/self/io; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB)")
+    cgp = res.get("cgroup_peak_bytes")
+    print(f"peak RSS {S.fmt_size(res['peak_rss_bytes'])} (cgroup peak incl. page cache "
+          f"{S.fmt_size(cgp) if cgp else 'n/a'}) | "
+          f"disk {res['disk_bw_bytes_s'] / 1e9:.2f} GB/s{disk_spread(res)}, memory {res['mem_bw_bytes_s'] / 1e9:.2f} GB/s -> bound "
+          f"{res['bound_tok_s']:.2f} tok/s (serial {res['bound_tok_s_serial']:.2f}); decode is "
+          f"{res['decode_tok_s'] / res['bound_tok_s'] * 100:.0f}% of the bound")
+    km = res.get("kernel_ms")
+    if km:
+        print(f"expert gate_up GEMV {km['shape']}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in km.items() if k != "shape"))
+    print(f"cgroup: {res.get('cgroup')}, O_DIRECT: {res['direct_io']}, page cache excluded: {res.get('page_cache_excluded')}")
+    if not res.get("page_cache_excluded"):
+        print("WARNING: the page cache could not be excluded (no memory cgroup and no O_DIRECT): misses may have been "
+              "served from RAM, so these figures are NOT disk-bound", file=sys.stderr)
+
+
+def strip_args(argv, names_with_value, flags=()):
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in names_with_value:
+            skip = True
+            continue
+        if a in flags or any(a.startswith(n + "=") for n in names_with_value):
+            continue
+        out.append(a)
+    return out
+
+
+def run_sweep(args, argv):
+    """The honest benchmark at each budget (each in its own cgroup), a table and a PNG of the curves."""
+    budgets = [b.strip() for b in args.sweep.split(",") if b.strip()]
+    for b in budgets:
+        S.parse_size(b)
+    base = strip_args(argv, {"--sweep", "--ram-budget", "--json", "--plot"}, {"--bench"})
+    rows = []
+    for b in budgets:
+        args.ram_budget = b
+        try:
+            res = bench_in_cgroup(args, base + ["--bench", "--ram-budget", b])
+        except S.StreamError as e:  # e.g. below the resident size: a point with no figures, the sweep goes on
+            print(f"budget {b}: {e}", file=sys.stderr)
+            res = {"ram_budget": S.parse_size(b), "error": str(e)}
+        res["budget_str"] = b
+        rows.append(res)
+        if "error" not in res:
+            print_bench(res)
+    print(f"\n{'budget':>8} {'decode tok/s':>12} {'prefill tok/s':>13} {'hit rate':>8} {'disk MB/tok':>11} "
+          f"{'peak RSS':>9} {'bound tok/s':>11} {'cache excl.':>11}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['budget_str']:>8} {'refused: needs more than the budget':>40}")
+            continue
+        print(f"{r['budget_str']:>8} {r['decode_tok_s']:12.2f} {r['prefill_tok_s']:13.2f} {r['hit_rate']:8.3f} "
+              f"{r['disk_bytes_per_token'] / 1e6:11.1f} {S.fmt_size(r['peak_rss_bytes']):>9} {r['bound_tok_s']:11.2f} "
+              f"{str(r['page_cache_excluded']):>11}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    plot = args.plot or os.path.splitext(args.json or "sweep.json")[0] + ".png"
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        x = [r["ram_budget"] / (1 << 30) for r in ok]
+        fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
+        ax[0].plot(x, [r["decode_tok_s"] for r in ok], "o-", label="picaflor decode")
+        ax[0].plot(x, [r["bound_tok_s"] for r in ok], "k--", label="bound (disk + memory bandwidth)")
+        if args.llamacpp_json and os.path.exists(args.llamacpp_json):
+            lc = [r for r in json.load(open(args.llamacpp_json)).get("rows", [])
+                  if r.get("llamacpp_tok_s") and r.get("budget_bytes")]  # the unlimited row has no x position
+            ax[0].plot([r["budget_bytes"] / (1 << 30) for r in lc], [r["llamacpp_tok_s"] for r in lc], "s-",
+                       label="llama.cpp")
+        ax[0].set_ylabel("tok/s")
+        ax[0].legend()
+        ax[1].plot(x, [r["hit_rate"] for r in ok], "o-")
+        ax[1].set_ylabel("expert hit rate (decode)")
+        ax[2].plot(x, [r["disk_bytes_per_token"] / 1e6 for r in ok], "o-")
+        ax[2].set_ylabel("disk MB per token")
+        for a in ax:
+            a.set_xlabel("RAM budget (GiB)")
+            a.grid(alpha=0.3)
+        fig.suptitle(f"{os.path.basename(args.container)} ({ok[0]['container_bytes'] / 1e9:.2f} GB, "
+                     f"random weights: {ok[0]['random_weights']}), {ok[0]['threads']} thread(s)")
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+        print(f"plot: {plot}")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# entry points
+
+def bench_child(args, result_path):
+    """Inside the cgroup: measure the disk and memory, load, decode, measure, write the result as JSON."""
+    try:  # the disk before loading: the preload's reads would leave the storage's own cache warm
+        disk_bw = measure_disk_bandwidth(C.load_container(args.container), n_readers=args.readers)
+    except C.ContainerError as e:
+        raise S.StreamError(str(e)) from None
+    torch.set_num_threads(S.compute_threads(None, args.threads))  # as decode will run
+    mem_bw = measure_memory_bandwidth()
+    eng = S.load(args.container, args.ram_budget, args.device, kernel=args.kernel, n_readers=args.readers,
+                 prefetch=args.prefetch, context=args.context, cache_policy=args.cache_policy,
+                 preload=False if args.no_preload else "auto")
+    torch.set_num_threads(S.compute_threads(eng, args.threads))
+    res = run_bench(eng, args.bench_prompt_tokens, args.max_new_tokens, args.experts_per_token, disk_bw=disk_bw,
+                    mem_bw=mem_bw)
+    with open(result_path, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+def main(args, argv):
+    """stream_infer.py --bench / --sweep (args parsed and checked there; argv as given, for the children)."""
+    child_result = os.environ.get("PICAFLOR_BENCH_CHILD")
+    if child_result:
+        return bench_child(args, child_result)
+    if args.sweep:
+        run_sweep(args, argv)
+        return 0
+    res = bench_in_cgroup(args, argv)
+    print_bench(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if "-h" in argv or "--help" in argv:
+        print(__doc__.strip() + "\n\nIts options are stream_infer.py's:\n")
+    elif "--sweep" not in argv and not any(a.startswith("--sweep=") for a in argv) and "--bench" not in argv:
+        argv.append("--bench")
+    sys.exit(S.main(argv))
