@@ -34,11 +34,11 @@ import stream_infer as S
 # ----------------------------------------------------------------------------------------------------------
 # measurements
 
-def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=()):
+def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=(), picked=None):
     """O_DIRECT (when possible) reads of n_blobs expert blobs spread over the file, each as n_readers aligned parts
     on n_readers threads, as the cache reads them; only blobs not in `exclude` (those this run already read: a
     cache below the guest served recently read blobs at 2 GB/s here, fresh ones at 0.6-1.6). None if fewer than
-    8 such blobs are left."""
+    8 such blobs are left. The blobs it reads are added to the set `picked` when one is given."""
     import mmap
     import random
     keys = [(int(l), e) for l, ents in cont.header["experts"].items() for e in range(len(ents))]
@@ -47,6 +47,8 @@ def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=()):
         return None
     pick = random.sample(keys, min(n_blobs, len(keys)))  # fresh picks each time: a storage-side cache of
     n = cont.expert_nbytes                                # yesterday's picks would inflate the figure
+    if picked is not None:
+        picked.update(pick)
     part = -(-n // n_readers // C.ALIGN) * C.ALIGN
     bufs = [mmap.mmap(-1, n) for _ in range(2)]
     t0 = time.perf_counter()
@@ -94,14 +96,16 @@ def measure_kernels(cont, reps=20):
     return out
 
 
-def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_bw=None, mem_bw=None):
+def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_bw=None, mem_bw=None,
+              disk_picked=()):
     """Decode n_new tokens after an n_prompt-token random prompt and measure. The disk is measured before loading
     (disk_bw; by the caller) and again right after decoding, on blobs this run has not read; the bound uses their
     mean: this VM's disk drifted 0.6-2 GB/s between runs minutes apart, and one figure taken before a run
-    misjudged it. Memory bandwidth is measured before loading too (mem_bw): its 128 MB of buffers would not fit
+    misjudged it (disk_picked: the blobs the caller's measurement read, left out of the second one). Memory bandwidth is measured before loading too (mem_bw): its 128 MB of buffers would not fit
     in the budget's working memory."""
     cfg, cont = eng.cfg, eng.container
-    disk_before = disk_bw or measure_disk_bandwidth(cont, n_readers=eng.n_readers)
+    picked = set(disk_picked)
+    disk_before = disk_bw or measure_disk_bandwidth(cont, n_readers=eng.n_readers, picked=picked)
     mem_bw = mem_bw or measure_memory_bandwidth()
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(1, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
@@ -129,7 +133,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     counted_per_tok = (st["bytes_read"] - bytes0) / max(n_dec, 1)
     embed = cont.header["tensors"]["embed_tokens.weight"]["nbytes"] if not cfg.tie_embeddings else 0
     mem_per_tok = cont.resident_bytes() - embed + k * n_moe * cont.expert_nbytes
-    disk_after = measure_disk_bandwidth(cont, n_readers=eng.n_readers, exclude=eng.cache.read_keys)
+    disk_after = measure_disk_bandwidth(cont, n_readers=eng.n_readers, exclude=eng.cache.read_keys | picked)
     known = [b for b in (disk_before, disk_after) if b]
     disk_bw = sum(known) / len(known) if known else None
     t_mem = mem_per_tok / mem_bw
@@ -278,7 +282,7 @@ def print_bench(res):
     cgp = res.get("cgroup_peak_bytes")
     print(f"peak RSS {S.fmt_size(res['peak_rss_bytes'])} (cgroup peak incl. page cache "
           f"{S.fmt_size(cgp) if cgp else 'n/a'}) | "
-          f"disk {res['disk_bw_bytes_s'] / 1e9:.2f} GB/s{disk_spread(res)}, memory {res['mem_bw_bytes_s'] / 1e9:.2f} GB/s -> bound "
+          f"disk {g(res['disk_bw_bytes_s']).replace(' GB', ' GB/s')}{disk_spread(res)}, memory {res['mem_bw_bytes_s'] / 1e9:.2f} GB/s -> bound "
           f"{res['bound_tok_s']:.2f} tok/s (serial {res['bound_tok_s_serial']:.2f}); decode is "
           f"{res['decode_tok_s'] / res['bound_tok_s'] * 100:.0f}% of the bound")
     km = res.get("kernel_ms")
@@ -372,8 +376,11 @@ def run_sweep(args, argv):
 
 def bench_child(args, result_path):
     """Inside the cgroup: measure the disk and memory, load, decode, measure, write the result as JSON."""
+    picked = set()
     try:  # the disk before loading: the preload's reads would leave the storage's own cache warm
-        disk_bw = measure_disk_bandwidth(C.load_container(args.container), n_readers=args.readers)
+        cont = C.load_container(args.container)
+        disk_bw = measure_disk_bandwidth(cont, n_readers=args.readers, picked=picked)
+        cont.close()
     except C.ContainerError as e:
         raise S.StreamError(str(e)) from None
     torch.set_num_threads(S.compute_threads(None, args.threads))  # as decode will run
@@ -383,7 +390,7 @@ def bench_child(args, result_path):
                  preload=False if args.no_preload else "auto")
     torch.set_num_threads(S.compute_threads(eng, args.threads))
     res = run_bench(eng, args.bench_prompt_tokens, args.max_new_tokens, args.experts_per_token, disk_bw=disk_bw,
-                    mem_bw=mem_bw)
+                    mem_bw=mem_bw, disk_picked=picked)
     with open(result_path, "w") as f:
         json.dump(res, f)
     return 0

@@ -364,6 +364,13 @@ class NativeAttention(nn.Module):
         return a.o_proj(y)
 
 
+def wait_quietly(futures):
+    """Wait for a guess's reads without raising: a failed read of a guess nobody asks for is no error (one that
+    is asked for raises in ExpertCache._finish, with the read's own message)."""
+    import concurrent.futures
+    concurrent.futures.wait(futures)
+
+
 class ExpertCache:
     """All routed experts of all layers share one byte budget. LRU: a hit moves to the back, eviction takes the
     front. Reads happen on a small thread pool (os.preadv releases the GIL; so does the crc32 check);
@@ -446,8 +453,7 @@ class ExpertCache:
         if key is None:
             return False
         fut, buf = self.guesses.pop(key)
-        for f in fut:
-            f.result()
+        wait_quietly(fut)
         self.free_bufs.append(buf)
         return True
 
@@ -476,12 +482,12 @@ class ExpertCache:
     def request(self, keys, protect):
         """Start reads for keys neither cached nor in flight, while they fit without evicting `protect`. A key
         that was guessed leaves the guess buffers with its read (landed or not) and joins the cache."""
-        for key in keys:
-            if key in self.entries or key in self.inflight:
-                continue
+        for key in keys:  # first the right guesses: they need no room
             if key in self.guesses:
                 fut, buf = self.guesses.pop(key)
                 self.inflight[key] = (fut, True, buf)
+        for key in keys:
+            if key in self.entries or key in self.inflight:
                 continue
             if not self._ensure_room(protect, wait=False):
                 return
@@ -489,9 +495,11 @@ class ExpertCache:
 
     def guess(self, keys, protect):
         """Prefetch: start reading keys (the next layer's likely experts) into the guess buffers. A guess buffer is
-        a spare one, else (once there are n_slots) the oldest guess that has landed: guesses only ever replace
-        guesses, never cached experts (except once per slot, to make it). Skipped while every guess is still in
-        flight (the disk is busy), and for small caches (fewer than 4 experts per slot), which keep their room."""
+        a spare one, else (once there are n_slots) the oldest guess that has landed: a wrong guess only ever
+        replaces a guess. A slot is made by evicting the LRU expert only while there are fewer than n_slots, i.e.
+        at the start and after a right guess joined the cache (the cost any newly cached expert has). Skipped while
+        every guess is still in flight (the disk is busy), and for small caches (fewer than 4 experts per slot),
+        which keep their room."""
         import mmap
         for key in keys:
             if key in self.entries or key in self.inflight or key in self.guesses:
@@ -500,7 +508,8 @@ class ExpertCache:
             if not self.slot_bufs and len(self.guesses) < slots and self._ensure_room(protect, wait=False):
                 self.slot_bufs.append(self.free_bufs.pop() if self.free_bufs else mmap.mmap(-1, self.nbytes))
             if not self.slot_bufs:
-                old = next((k for k in self.guesses if all(f.done() for f in self.guesses[k][0])), None)
+                old = next((k for k in self.guesses if k not in protect and all(f.done() for f in self.guesses[k][0])),
+                           None)
                 if old is None:
                     return
                 self.slot_bufs.append(self.guesses.pop(old)[1])
@@ -510,11 +519,12 @@ class ExpertCache:
 
     def set_slots(self, n):
         """n guess buffers (0: prefetch off; the buffers go back to the cache as free ones)."""
-        self.n_slots = n
         if n == 0:
-            self.settle()
+            for fut, _ in self.guesses.values():
+                wait_quietly(fut)
             self.free_bufs += self.slot_bufs + [buf for _, buf in self.guesses.values()]
             self.slot_bufs, self.guesses = [], OrderedDict()
+        self.n_slots = n
 
     def get(self, key, protect):
         self.lookups += 1
@@ -545,8 +555,7 @@ class ExpertCache:
         for key in list(self.inflight):
             self._finish(key)
         for fut, _ in self.guesses.values():
-            for f in fut:
-                f.result()
+            wait_quietly(fut)
 
     def stats(self):
         return {"lookups": self.lookups, "hits": self.hits, "prefetch_hits": self.prefetch_hits,
