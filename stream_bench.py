@@ -119,7 +119,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     st_prefill = eng.cache.stats()
     rb1, _ = S.io_counters()
     lookups0, hits0 = eng.cache.lookups, eng.cache.hits + eng.cache.prefetch_hits
-    bytes0 = eng.cache.bytes_read
+    bytes0, wait0 = eng.cache.bytes_read, eng.cache.read_wait_s
     out = [first] + list(it)
     rb2, _ = S.io_counters()
     decode_lat = timings[1:]
@@ -131,6 +131,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     dec_hit = (st["hits"] + st["prefetch_hits"] - hits0) / max(dec_lookups, 1)
     disk_per_tok = (rb2 - rb1) / max(n_dec, 1)
     counted_per_tok = (st["bytes_read"] - bytes0) / max(n_dec, 1)
+    wait_per_tok = (eng.cache.read_wait_s - wait0) / max(n_dec, 1)
     embed = cont.header["tensors"]["embed_tokens.weight"]["nbytes"] if not cfg.tie_embeddings else 0
     mem_per_tok = cont.resident_bytes() - embed + k * n_moe * cont.expert_nbytes
     disk_after = measure_disk_bandwidth(cont, n_readers=eng.n_readers, exclude=eng.cache.read_keys | picked)
@@ -148,6 +149,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "p50_token_latency_s": pct(0.5), "p99_token_latency_s": pct(0.99),
         "hit_rate": dec_hit, "hit_rate_with_prefill": st["hit_rate"], "prefill_reads": st_prefill["reads"],
         "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
+        "read_wait_s_per_token": wait_per_tok,
         "expert_bytes": cont.expert_nbytes, "cache_capacity_experts": st["capacity_experts"],
         "peak_rss_bytes": S.peak_rss_bytes(), "resident_rss_bytes": eng.resident_rss, "baseline_rss_bytes": eng.baseline_rss,
         "disk_bw_bytes_s": disk_bw, "disk_bw_before_bytes_s": disk_before, "disk_bw_after_bytes_s": disk_after,
@@ -278,7 +280,8 @@ def print_bench(res):
           f"| token latency p50 {res['p50_token_latency_s'] * 1e3:.1f} ms p99 {res['p99_token_latency_s'] * 1e3:.1f} ms")
     print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), capacity {res['cache_capacity_experts']} experts of "
           f"{res['expert_bytes'] / 1e6:.2f} MB | disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
-          f"(/proc/self/io; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB)")
+          f"(/proc/self/io; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB) | waiting for reads "
+          f"{res['read_wait_s_per_token'] * 1e3:.1f} ms of a token's {1e3 / max(res['decode_tok_s'], 1e-9):.1f} ms")
     cgp = res.get("cgroup_peak_bytes")
     print(f"peak RSS {S.fmt_size(res['peak_rss_bytes'])} (cgroup peak incl. page cache "
           f"{S.fmt_size(cgp) if cgp else 'n/a'}) | "

@@ -400,6 +400,7 @@ class ExpertCache:
         self.lookups = self.hits = self.prefetch_hits = self.misses = 0
         self.reads = self.prefetch_reads = 0
         self.bytes_read = 0
+        self.read_wait_s = 0.0
         self.trace = []  # demanded keys in order (tests replay it)
 
     @property
@@ -474,8 +475,10 @@ class ExpertCache:
 
     def _finish(self, key):
         fut, prefetch, buf = self.inflight.pop(key)
+        t0 = time.perf_counter()
         for f in fut:
             f.result()
+        self.read_wait_s += time.perf_counter() - t0  # the decoding thread stalled on the disk (the bench's split)
         self.entries[key] = Expert(self.c, self.c.check_expert_blob(*key, buf), self.kernel, self.device)
         return prefetch
 

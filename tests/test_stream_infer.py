@@ -535,6 +535,8 @@ def test_bench_result_fields_and_lfu_policy(tiny):
     for key in ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token", "peak_rss_bytes", "bound_tok_s"):
         assert isinstance(res[key], (int, float)) and res[key] >= 0, key
     assert res["new_tokens"] == 5 and res["decode_tok_s"] > 0 and res["bound_tok_s"] > 0
+    # time stalled on reads: some (5 of 48 experts fit), and less than the decode took
+    assert 0 < res["read_wait_s_per_token"] < 1 / res["decode_tok_s"]
     # the bound's disk figure is the mean of the measurements before loading and after decoding; the one after
     # reads only blobs this run never read (a storage-side cache flattered recently read ones)
     both = [b for b in (res["disk_bw_before_bytes_s"], res["disk_bw_after_bytes_s"]) if b]
