@@ -71,6 +71,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -393,6 +394,7 @@ class ExpertCache:
         self.guesses = OrderedDict()  # (layer, expert) -> ([Future per part], buffer), oldest first
         self.read_keys = set()  # every blob read since load (the bench measures the disk on others)
         self.pool = ThreadPoolExecutor(max_workers=n_readers, thread_name_prefix="expert-reader")
+        self.busy_lock, self.active_reads, self.busy_since, self.disk_busy_s = threading.Lock(), 0, 0.0, 0.0
         self.n_parts = max(1, n_readers)
         self.reset_counters()
 
@@ -465,8 +467,23 @@ class ExpertCache:
         self.reads += 1
         self.bytes_read += self.nbytes
         self.read_keys.add(key)
-        return [self.pool.submit(self.c.read_expert_part, *key, buf, o, min(step, self.nbytes - o))
+        return [self.pool.submit(self._read_part, key, buf, o, min(step, self.nbytes - o))
                 for o in range(0, self.nbytes, step)]
+
+    def _read_part(self, key, buf, start, nbytes):
+        """One part read on a reader thread, timed: disk_busy_s adds up the time at least one read was running (the
+        bench's measure of how fast the disk really served this run's reads)."""
+        with self.busy_lock:
+            if self.active_reads == 0:
+                self.busy_since = time.perf_counter()
+            self.active_reads += 1
+        try:
+            self.c.read_expert_part(*key, buf, start, nbytes)
+        finally:
+            with self.busy_lock:
+                self.active_reads -= 1
+                if self.active_reads == 0:
+                    self.disk_busy_s += time.perf_counter() - self.busy_since
 
     def _submit(self, key):
         import mmap
