@@ -132,10 +132,11 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     dec_lookups = st["lookups"] - lookups0
     dec_hit = (st["hits"] + st["prefetch_hits"] - hits0) / max(dec_lookups, 1)
     disk_per_tok = (rb2 - rb1) / max(n_dec, 1)
-    counted_per_tok = (st["bytes_read"] - bytes0) / max(n_dec, 1)
+    dec_bytes = st["bytes_read"] - bytes0
+    counted_per_tok = dec_bytes / max(n_dec, 1)
     wait_per_tok = (eng.cache.read_wait_s - wait0) / max(n_dec, 1)
     busy = eng.cache.disk_busy_s - busy0  # decode's own reads: bytes over the time any was running
-    disk_decode = (st["bytes_read"] - bytes0) / busy if busy > 0 and st["bytes_read"] - bytes0 >= 8 * cont.expert_nbytes else None
+    disk_decode = dec_bytes / busy if busy > 0 and dec_bytes >= 8 * cont.expert_nbytes else None
     embed = cont.header["tensors"]["embed_tokens.weight"]["nbytes"] if not cfg.tie_embeddings else 0
     mem_per_tok = cont.resident_bytes() - embed + k * n_moe * cont.expert_nbytes
     disk_after = measure_disk_bandwidth(cont, n_readers=eng.n_readers, exclude=eng.cache.read_keys | picked)
