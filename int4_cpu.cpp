@@ -96,6 +96,13 @@ void block_q8(const int8_t* xq, int64_t ldq, const float* dx, const float* sq, c
     for (int m = 0; m < MB; m++)
       for (int i = 0; i < 4; i++) acc32[m][i] = _mm256_setzero_si256();
     const int64_t g0 = int64_t(g) * G, g1 = g0 + G;
+    // (scale, zero) of group g + 2: 128 bytes every Np * 4 bytes, a stride the HW prefetcher does not follow
+    // across pages (+5-10% on 2 threads in an interleaved A/B of cold GEMVs here)
+    if (g + 2 < n_groups) {
+      const char* sn = reinterpret_cast<const char*>(sz + (int64_t(g + 2) * Np + b * ROWS) * 2);
+      _mm_prefetch(sn, _MM_HINT_T0);
+      _mm_prefetch(sn + 64, _MM_HINT_T0);
+    }
     for (int64_t k0 = g0; k0 < g1; k0 += 32) {  // int16 sums: 8 steps of <= 2*15*127 each stay below 32767
       __m256i acc16[MB][4];
       for (int m = 0; m < MB; m++)
