@@ -45,7 +45,9 @@ How it works (the implementer's calls, as DESIGN.md asks):
   vs 3.2 / 6.1 GB/s for torch's `_weight_int4pack_mm_for_cpu` (which dequantizes to bf16); hot in cache 15 GB/s
   per thread vs 3. A software prefetch 1 KB ahead added ~20% cold. Without a compiler it warns once and falls
   back to the int4pack kernel (`--kernel int4pack`); `--kernel reference` dequantizes then multiplies (the check).
-  int8 rows (embeddings, lm_head) go through the same extension with fp32 activations.
+  int8 rows (embeddings, lm_head) go through the same extension, on AVX2 with activations quantized to int8 per
+  32 columns: micro's lm_head GEMV went from 11.4 to 17.7-18.6 GB/s on 2 threads (~2.3 ms less per token; the
+  int8 rows part of bench/int4_gemv.py, where torch's _weight_int8pack_mm gives 8.2).
 - Decode-time fusions: q|k|v and the shared / dense gate|up are concatenated at load into one int4 matrix each
   (the packed layout is whole 32-row blocks, so this is a byte concatenation), one GEMV instead of three or two;
   a one-token MoE step uses scalar routing weights. Both keep the arithmetic of the unfused path.

@@ -1,6 +1,8 @@
 """
 The CPU int4 GEMV that decode spends most of its time in: int4_cpu.cpp (stream_infer --kernel native) vs torch's
-_weight_int4pack_mm_for_cpu (--kernel int4pack), side by side in one run, on the container's layout.
+_weight_int4pack_mm_for_cpu (--kernel int4pack), side by side in one run, on the container's layout. Then the
+int8-row GEMV of the lm_head (--int8-shape, micro's 32768 x 2048): int4_cpu.cpp with int8 activations (what
+decode uses on AVX2) vs its fp32-activation loop vs torch's _weight_int8pack_mm.
 
     python bench/int4_gemv.py [--shape 2048x2048] [--group-size 64] [--mb 320] [--threads 1,2] [--json OUT]
 
@@ -37,6 +39,7 @@ def main():
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--mb", type=int, default=320, help="MB of distinct matrices in the cold loop (>> L3)")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--int8-shape", default="32768x2048", help="N x K of the int8 rows (micro's lm_head); 0 skips")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
@@ -73,9 +76,32 @@ def main():
             nat, pack = rows[-2], rows[-1]
             print(f"  native / int4pack at {th} thread(s): cold {pack['cold_ms'] / nat['cold_ms']:.2f}x, "
                   f"hot {pack['hot_ms'] / nat['hot_ms']:.2f}x")
+    rows8 = int8_rows_bench(op, a) if a.int8_shape != "0" else []
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(shape=[N, K], group_size=g, matrix_bytes=one, rows=rows), f, indent=1)
+            json.dump(dict(shape=[N, K], group_size=g, matrix_bytes=one, rows=rows, int8_rows=rows8), f, indent=1)
+
+
+def int8_rows_bench(op, a):
+    """ms per GEMV (M=1) over int8 rows with one fp32 scale each; the matrices (3 of them) are larger than L3."""
+    N, K = (int(v) for v in a.int8_shape.lower().split("x"))
+    gen = torch.Generator().manual_seed(1)
+    qs = [torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen) for _ in range(3)]
+    scale = torch.rand(N, generator=gen) * 0.01
+    x = torch.randn(1, K, generator=gen)
+    kernels = {"native_q8": lambda q: op.int8_mm(x, q, scale), "native_fp32": lambda q: op.int8_mm_generic(x, q, scale)}
+    if hasattr(torch, "_weight_int8pack_mm"):
+        xb, sb = x.to(torch.bfloat16), scale.to(torch.bfloat16)
+        kernels["int8pack"] = lambda q: torch._weight_int8pack_mm(xb, q, sb)
+    print(f"int8 rows {N}x{K}: {N * K / 1e6:.0f} MB per matrix, loop over {len(qs)}")
+    rows = []
+    for th in (int(t) for t in a.threads.split(",")):
+        torch.set_num_threads(th)
+        for name, fn in kernels.items():
+            ms = median_time(lambda: [fn(q) for q in qs], a.reps) / len(qs) * 1e3
+            rows.append(dict(kernel=name, threads=th, ms=ms, gb_s=N * K / ms / 1e6))
+            print(f"{name:11s} {th} thread(s): {rows[-1]['gb_s']:5.1f} GB/s ({ms:.2f} ms)")
+    return rows
 
 
 if __name__ == "__main__":

@@ -307,15 +307,28 @@ def q8_activations(x, g):
 def test_native_int8_kernel_equals_reference():
     gen = torch.Generator().manual_seed(0)
     op = S.native_int4()
-    for M, N, K in ((1, 300, 64), (3, 70, 37), (6, 129, 200)):  # K not a multiple of the 8-wide vector: tail loop
+    for M, N, K in ((1, 300, 64), (3, 70, 37), (6, 129, 200), (2, 33, 20)):  # K not a multiple of 32 or 8: tails
         x = torch.randn(M, K, generator=gen)
+        x[0, :32] *= 0  # an all-zero block of activations
         q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
         scale = torch.rand(N, generator=gen) * 0.01
         ref = (x @ q.float().t()) * scale
-        for got in (op.int8_mm(x, q, scale), op.int8_mm_generic(x, q, scale)):
-            assert got.shape == (M, N) and (got - ref).abs().max() < 1e-5 * ref.abs().max()
+        # the portable path multiplies fp32 activations: equal to the reference up to summation order
+        got = op.int8_mm_generic(x, q, scale)
+        assert got.shape == (M, N) and (got - ref).abs().max() < 1e-5 * ref.abs().max()
+        # on AVX2, x is quantized per whole block of 32 columns to int8 (the tail stays fp32): equal to the reference
+        # applied to x as it quantizes it, and within int8 rounding of the exact result
+        whole = K // 32 * 32
+        xq = torch.cat([q8_activations(x[:, :whole], 32), x[:, whole:]], 1) if op.has_avx2() else x
+        want = (xq.double() @ q.double().t() * scale.double()).float()
+        for got in (op.int8_mm(x, q, scale), op.int8_mm(x.view(1, M, K), q, scale)[0]):
+            assert got.shape == (M, N) and (got - want).abs().max() < 1e-5 * ref.abs().max()
+            assert (got - ref).norm() < 2e-2 * ref.norm()
     with pytest.raises(RuntimeError, match="columns"):
         op.int8_mm(torch.randn(1, 10), q, scale)
+    nan_in = torch.randn(1, 64, generator=gen)
+    nan_in[0, 40] = float("nan")
+    assert torch.isnan(op.int8_mm(nan_in, torch.ones(3, 64, dtype=torch.int8), torch.ones(3))).all()
 
 
 def test_native_decode_helpers_equal_model_py():
