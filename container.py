@@ -457,7 +457,9 @@ def part_tensor(buf, base, spec, dtype):
 
 class Container:
     """An opened, validated container. Expert blobs are read with one aligned pread each (O_DIRECT when the
-    filesystem allows it) and checked against their crc32; resident tensors are read on demand."""
+    filesystem allows it) and checked against their crc32 the first time this process reads them (a later re-read of
+    the same bytes of an unchanged file skips the 0.31 ms check: stream_infer re-reads evicted experts dozens of
+    times a token under small budgets); resident tensors are read on demand."""
 
     def __init__(self, path, header, file_size, data_start):
         self.path, self.header, self.file_size, self.data_start = path, header, file_size, data_start
@@ -467,6 +469,8 @@ class Container:
         self.expert_nbytes = self.layout["nbytes"]
         self.group_size = header["quant"]["group_size"]
         self.fd = os.open(path, os.O_RDONLY)
+        self.identity = self._identity()  # a blob checked once is trusted while the open file stays the same
+        self.verified = set()  # (layer, expert) whose crc32 matched in this process
         self.direct_fd = None
         if hasattr(os, "O_DIRECT"):
             try:
@@ -526,11 +530,24 @@ class Container:
         finally:
             view.release()
 
+    def _identity(self):
+        st = os.fstat(self.fd)
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
     def check_expert_blob(self, layer, expert, buf):
+        """buf (a blob just read) against its crc32, or, when this process already checked that blob, a check
+        that the open file was not rewritten in place since (fstat: inode, size, mtime). A file replaced by a
+        rename is no concern: the open descriptor keeps reading the old one."""
+        if (layer, expert) in self.verified:
+            if self._identity() != self.identity:
+                raise ContainerError(f"{self.path}: the file changed on disk while it was open (size or mtime); "
+                                     f"restart to read the new one")
+            return buf
         ent = self.expert_entry(layer, expert)
         if f"{crc32(buf):08x}" != ent["crc32"]:
             raise ContainerError(f"{self.path}: checksum mismatch in layer {layer} expert {expert} "
                                  f"(offset {ent['offset']}); the file is corrupt, re-export it")
+        self.verified.add((layer, expert))
         return buf
 
     def read_expert_blob(self, layer, expert, verify=True, buf=None):
@@ -605,6 +622,7 @@ class Container:
     def verify_all(self, progress=False):
         """Read and check every blob (resident and experts)."""
         from tqdm import tqdm
+        self.verified.clear()  # every expert's crc32 again, not only the ones this process has not read yet
         for name in tqdm(list(self.header["tensors"]), desc="resident", disable=not progress):
             self.raw_tensor(name)
         for layer, ents in tqdm(list(self.header["experts"].items()), desc="expert layers", disable=not progress):

@@ -184,6 +184,41 @@ def test_corrupt_containers_give_one_line_errors(built, tmp_path):
     assert "no such file" in _one_line_error(lambda: C.load_container(str(tmp_path / "nope.pcf4")))
 
 
+def test_expert_blob_checked_once_unless_the_file_changes(built, tmp_path, monkeypatch):
+    """A blob's crc32 is computed on its first read only; a re-read is trusted while the open file is unchanged,
+    and a file rewritten in place since is a one-line error, not a silently different expert."""
+    m, ck, out, rep = built
+    copy = tmp_path / "copy.pcf4"
+    copy.write_bytes(open(out, "rb").read())
+    calls = []
+    real = C.crc32
+    monkeypatch.setattr(C, "crc32", lambda b, *a: calls.append(len(b)) or real(b, *a))
+    c = C.load_container(str(copy))
+    first = bytes(c.read_expert_blob(1, 3))
+    assert len(calls) == 1
+    assert bytes(c.read_expert_blob(1, 3)) == first and len(calls) == 1  # re-read: no second crc
+    c.read_expert_blob(1, 4)
+    assert len(calls) == 2
+    # rewrite one byte of the checked blob in place (mtime moves): the re-read refuses
+    off = c.header["experts"]["1"][3]["offset"] + 7
+    with open(copy, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 1]))
+    st = os.stat(copy)
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    msg = _one_line_error(lambda: c.read_expert_blob(1, 3))
+    assert "changed on disk" in msg and str(copy) in msg
+    # a fresh open checks again and finds the flipped byte; verify_all re-checks blobs already read
+    assert "checksum mismatch" in _one_line_error(lambda: C.load_container(str(copy)).read_expert_blob(1, 3))
+    c2 = C.load_container(out)
+    c2.read_expert_blob(1, 0)
+    n = len(calls)
+    c2.verify_all()
+    assert len(calls) - n == sum(len(v) for v in c2.header["experts"].values()) + len(c2.header["tensors"])
+
+
 def test_cli_check_and_errors(built, tmp_path, capsys):
     m, ck, out, rep = built
     assert C.main(["--check", out]) == 0  # every checksum verified (in process: a subprocess costs ~9 s here)
