@@ -309,8 +309,12 @@ def expert_parallel(fn, bounds, n_threads):
         fn(range(len(bounds)))
         return
 
+    # grad and inference mode are thread-local: the pool must not record these GEMMs, and under eval's
+    # inference_mode the outputs are inference tensors, which only a thread in inference mode may write into
+    inference = torch.is_inference_mode_enabled()
+
     def worker(es):
-        with torch.no_grad():  # grad mode is thread-local: the pool threads must not record these GEMMs
+        with torch.inference_mode(inference), torch.no_grad():
             fn(es)
     from concurrent.futures import ThreadPoolExecutor
     if _EXPERT_POOL[1] != n_threads:

@@ -181,6 +181,23 @@ def test_grouped_dispatch_backward_from_sum(expert_parallel, monkeypatch):
     torch.testing.assert_close(g_experts, moe.experts.gate_up_proj.grad, atol=2e-5, rtol=0)
 
 
+def test_cpu_expert_parallel_under_inference_mode():
+    """eval.py runs the model under torch.inference_mode: the expert threads write into its inference tensors
+    (inference mode is thread-local, as grad mode is), and the result equals a no_grad forward."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        moe = make_moe(seed=6)
+        x = torch.randn(1, 40, MOE_CFG.d_model, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            want = moe(x)
+        with torch.inference_mode():
+            got = moe(x)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("n_tokens,threads", [(40, 2), (3, 2), (40, 1), (64, 3)])
 def test_cpu_expert_parallel_equals_reference(n_tokens, threads, monkeypatch):
     """The CPU path: experts dealt to threads, single-threaded GEMMs each; forward and every grad."""
