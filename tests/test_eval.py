@@ -333,8 +333,9 @@ def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):
         kind = json.loads((out / "summary.json").read_text())["model_kind"]
         assert kind == {"int4": "int4 (dequantized)", "deq": "picaflor", "engine": "int4 (stream_infer engine)"}[name]
     assert max(abs(a - b) for x, y in zip(got["int4"], got["deq"]) for a, b in zip(x, y)) <= 1e-4
-    # stream_infer's Engine (int4 kernels, one request at a time) agrees up to its kernels' rounding
-    assert all(abs(a - b) <= 1e-3 * abs(a) + 1e-2 for x, y in zip(got["int4"], got["engine"]) for a, b in zip(x, y))
+    # stream_infer's Engine (int4 kernels, one request at a time) agrees up to its kernels' rounding; on AVX2 that
+    # includes int8 activations into the lm_head (this random model's log-likelihoods reach -370: up to 0.18 off)
+    assert all(abs(a - b) <= 2e-3 * abs(a) + 3e-2 for x, y in zip(got["int4"], got["engine"]) for a, b in zip(x, y))
 
 
 def test_cli_end_to_end(hf_setup, tmp_path):
