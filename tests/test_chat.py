@@ -27,7 +27,16 @@ from tokenizer import train_tokenizer  # noqa: E402
 MODEL = dict(vocab_size=384, n_layer=2, n_dense_layers=1, d_model=64, n_head=4, n_kv_head=2, dense_ffn=128,
              n_experts=4, expert_ffn=32, n_shared=1, top_k=2, max_seq_len=96)
 ROW = 32  # prepare.py --max-len = the SFT seq_len
-torch.set_num_threads(1)  # tiny models: extra threads only wait on each other (2 shared cores)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: extra threads only wait on each other (2 shared cores). For this module only: set at import,
+    it leaked into every test of the suite."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
