@@ -35,8 +35,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   reads by DMA.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
-  `context` positions - working memory (one prefill chunk of 64 tokens: activations, logit rows, slack; `working_bytes`). If
-  less than 2 x top_k experts would fit, it refuses before loading, saying how much is needed.
+  `context` positions - working memory (one prefill chunk of 256 tokens' activations, 64 logit rows, slack;
+  `working_bytes`). If less than 2 x top_k experts would fit, it refuses before loading, saying how much is needed.
 - CPU int4 path (`--kernel native`, the default): int4_cpu.cpp, compiled on first use (g++ and ninja; ~20 s,
   cached), reads the container's bytes as they are. On AVX2 it quantizes activations per group to int8 and
   multiplies integers, as llama.cpp's Q4_0 x Q8_0 kernels do (relative error ~0.6% on random activations, the
@@ -667,13 +667,21 @@ def pick_kernel(kernel, device):
     return kernel
 
 
-PREFILL_CHUNK = 64  # tokens per forward pass over a long prompt: bounds activation memory under --ram-budget
+# tokens per forward pass over a long prompt: bounds activation memory under --ram-budget. Each pass reads every
+# expert its tokens route to, so under a small budget prefill is paid in expert reads per chunk: a 256-token prompt
+# on micro at 1G took 2617-2711 reads in chunks of 64 and 923-937 in one of 256 (16.9 -> 33.6 tok/s,
+# python bench/prefill_chunk.py micro.pcf4 --ram-budget 1G); the chunk's activations measured ~70 KB a token there.
+PREFILL_CHUNK = 256
+LOGIT_CHUNK = 64  # logit rows (x vocab) computed at a time by loglikelihood
 
 
 class Engine:
     def __init__(self, path, ram_budget=None, device="cpu", kernel="auto", n_readers=4, prefetch=False,
-                 context=None, cache_policy="lru", preload="auto"):
+                 context=None, cache_policy="lru", preload="auto", prefill_chunk=PREFILL_CHUNK):
         self.cache_policy, self.n_readers = cache_policy, n_readers
+        self.prefill_chunk = int(prefill_chunk)
+        if self.prefill_chunk < 1:
+            raise StreamError(f"prefill_chunk {prefill_chunk}: must be at least 1 token")
         if device != "cpu" and not str(device).startswith("cuda"):
             raise StreamError(f"device {device!r}: use cpu or cuda")
         try:
@@ -691,10 +699,13 @@ class Engine:
         self.baseline_rss = rss_bytes()
         self.resident_bytes = c.resident_bytes()
         self.kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * self.context * 4
-        # allocator slack, one prefill chunk's logit rows (+ log-softmax) and activations (four fp32 temporaries as
-        # wide as the widest fused gate|up), and for --kernel reference one dequantized fp32 copy of the largest matrix
+        # allocator slack, LOGIT_CHUNK logit rows (+ log-softmax), one prefill chunk's activations (fp32 temporaries
+        # as wide as the widest fused gate|up: four on the torch paths, two with the native one-call FFNs, which
+        # measured ~one on micro), and for --kernel reference one dequantized fp32 copy of the largest matrix
         widest = max(cfg.d_model, 2 * cfg.dense_ffn, 2 * cfg.n_shared * cfg.expert_ffn, 2 * cfg.expert_ffn)
-        self.working_bytes = ((32 << 20) + 2 * 4 * PREFILL_CHUNK * cfg.vocab_size + 4 * 4 * PREFILL_CHUNK * widest
+        temporaries = 2 if self.kernel == "native" else 4
+        self.working_bytes = ((32 << 20) + 2 * 4 * LOGIT_CHUNK * cfg.vocab_size
+                              + temporaries * 4 * self.prefill_chunk * widest
                               + (4 * widest * cfg.d_model if self.kernel == "reference" else 0))
         n_moe = cfg.n_layer - cfg.n_dense_layers
         self.min_cache = 2 * cfg.top_k * c.expert_nbytes if n_moe else 0
@@ -858,13 +869,13 @@ class Engine:
     @torch.no_grad()
     def forward(self, ids, cache=None, positions=None):
         """ids (1, T) -> final hidden states (1, T, D) (fp32); the KV cache advances by T. Long inputs go through
-        in chunks of PREFILL_CHUNK tokens (on a KV cache, a fresh one when none is given), so activation memory
+        in chunks of prefill_chunk tokens (on a KV cache, a fresh one when none is given), so activation memory
         does not grow with the prompt: the budget reserves one chunk's worth."""
-        T = ids.shape[1]
-        if T > PREFILL_CHUNK:
+        T, n = ids.shape[1], self.prefill_chunk
+        if T > n:
             if cache is None:
                 cache = KVCache(self.cfg, 1, T, self.device, torch.float32)
-            return torch.cat([self.forward(ids[:, i:i + PREFILL_CHUNK], cache) for i in range(0, T, PREFILL_CHUNK)], 1)
+            return torch.cat([self.forward(ids[:, i:i + n], cache) for i in range(0, T, n)], 1)
         m = self.model
         start = cache.pos if cache is not None else 0
         x = m.embed_tokens(ids).float()
@@ -939,9 +950,9 @@ class Engine:
         h = self.forward(torch.tensor([ids], device=self.device))[0, len(ctx) - 1:len(ids) - 1]
         target = torch.tensor(cont, device=h.device)
         total, greedy = 0.0, True
-        for i in range(0, len(cont), PREFILL_CHUNK):  # logit rows a chunk at a time (the budget holds one chunk)
-            logits = self.logits(h[i:i + PREFILL_CHUNK])
-            t = target[i:i + PREFILL_CHUNK]
+        for i in range(0, len(cont), LOGIT_CHUNK):  # logit rows a chunk at a time (the budget holds one chunk)
+            logits = self.logits(h[i:i + LOGIT_CHUNK])
+            t = target[i:i + LOGIT_CHUNK]
             total += float(torch.log_softmax(logits, dim=-1).gather(1, t[:, None]).sum())
             greedy = greedy and bool((logits.argmax(dim=-1) == t).all())
         self.cache.settle()

@@ -16,7 +16,16 @@ import stream_bench as B  # noqa: E402
 import stream_infer as S  # noqa: E402
 from model import ModelConfig, Picaflor, save_checkpoint  # noqa: E402
 
-torch.set_num_threads(1)  # 2 threads on the shared 2-core machine stall in OpenMP barriers (see stream_infer --threads)
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """2 threads on the shared 2-core machine stall in OpenMP barriers (see stream_infer --threads). For this
+    module only: set at import, it leaked into every test of the suite."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 CFG = dict(vocab_size=300, n_layer=4, n_dense_layers=1, d_model=64, n_head=4, n_kv_head=2, dense_ffn=96,
            n_experts=16, expert_ffn=64, n_shared=1, top_k=2, max_seq_len=128)
@@ -254,6 +263,26 @@ def test_loglikelihood(tiny):
     whole, _ = eng.loglikelihood(ctx + cont)
     assert whole < ll
     assert eng.loglikelihood_batch([(ctx, cont)])[0][0] == pytest.approx(ll)
+
+
+def test_prefill_in_chunks_equals_one_pass(tiny):
+    """A long prompt goes through in prefill_chunk-token passes over one KV cache, and loglikelihood computes its
+    logit rows LOGIT_CHUNK at a time: both give what one pass gives."""
+    m, path = tiny
+    one = S.load(path, prefill_chunk=256)
+    many = S.load(path, prefill_chunk=7)
+    assert many.working_bytes < one.working_bytes  # the budget reserves one chunk's activations
+    ids = torch.randint(1, 300, (1, 100), generator=torch.Generator().manual_seed(2))
+    h1, h7 = one.forward(ids), many.forward(ids)
+    assert h7.shape == h1.shape == (1, 100, CFG["d_model"])
+    assert (h7 - h1).abs().max() < 1e-4 * h1.abs().max()
+    ctx, cont = ids[0, :3].tolist(), ids[0, 3:].tolist()  # 97 continuation tokens: two logit chunks
+    assert len(cont) > S.LOGIT_CHUNK
+    (ll1, g1), (ll7, g7) = one.loglikelihood(ctx, cont), many.loglikelihood(ctx, cont)
+    assert ll7 == pytest.approx(ll1, rel=1e-4) and g1 == g7
+    assert one.generate(ctx + cont[:20], 4) == many.generate(ctx + cont[:20], 4)
+    with pytest.raises(S.StreamError, match="prefill_chunk"):
+        S.load(path, prefill_chunk=0)
 
 
 ODD_SHAPES = [((1, 64), (32, 64), 32), ((3, 100), (40, 100), 32), ((16, 48), (33, 48), 16), ((5, 256), (96, 256), 128),
