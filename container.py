@@ -595,6 +595,50 @@ class Container:
             out["group_size"] = g
         return out
 
+    def check_tensor(self, name, piece=4 << 20):
+        """A resident tensor's crc32, read piece by piece, never held whole (stream_infer checks the embedding
+        table at load this way and then reads its rows on demand)."""
+        t = self.header["tensors"].get(name)
+        if t is None:
+            raise ContainerError(f"{self.path}: no tensor {name!r} in this container")
+        crc, done, buf = 0, 0, None
+        while done < t["nbytes"]:
+            n = min(piece, t["nbytes"] - done)
+            buf = self._pread(t["offset"] + done, n, direct=False, buf=buf)  # reused while pieces are equal
+            crc = crc32(buf, crc)
+            done += n
+        if f"{crc:08x}" != t["crc32"]:
+            raise ContainerError(f"{self.path}: checksum mismatch in tensor {name} (offset {t['offset']}); "
+                                 f"the file is corrupt, re-export it")
+
+    def tensor_rows(self, name, ids):
+        """Rows `ids` of a row-major resident tensor (kind int8 or f32) as fp32 [len(ids), K], read from the file
+        (two small preads per int8 row; the page cache serves repeats): embeddings looked up without holding the
+        table. Trusts the bytes as check_tensor found them at load, while the open file stays the same."""
+        t = self.header["tensors"][name]
+        if t["kind"] not in ("int8", "f32"):
+            raise ContainerError(f"{self.path}: tensor {name} is {t['kind']}; rows are read on demand from int8 or f32 only")
+        if self._identity() != self.identity:
+            raise ContainerError(f"{self.path}: the file changed on disk while it was open (size or mtime); "
+                                 f"restart to read the new one")
+        N, K = t["shape"]
+        out = torch.empty(len(ids), K)
+        for i, r in enumerate(ids):
+            if not 0 <= r < N:
+                raise ContainerError(f"{self.path}: row {r} of {name} is outside 0..{N - 1}")
+            if t["kind"] == "int8":
+                q = os.pread(self.fd, K, t["offset"] + t["parts"]["q"][0] + r * K)
+                scale = os.pread(self.fd, 4, t["offset"] + t["parts"]["scale"][0] + 4 * r)
+                if len(q) != K or len(scale) != 4:
+                    raise ContainerError(f"{self.path}: short read of row {r} of {name}; the file is truncated")
+                out[i] = torch.frombuffer(bytearray(q), dtype=torch.int8).float() * struct.unpack("<f", scale)[0]
+            else:
+                row = os.pread(self.fd, 4 * K, t["offset"] + t["parts"]["data"][0] + 4 * r * K)
+                if len(row) != 4 * K:
+                    raise ContainerError(f"{self.path}: short read of row {r} of {name}; the file is truncated")
+                out[i] = torch.frombuffer(bytearray(row), dtype=torch.float32)
+        return out
+
     def tensor(self, name):
         """A resident tensor dequantized to fp32."""
         r = self.raw_tensor(name)

@@ -15,8 +15,9 @@ Python API (eval.py, bench/quant_quality.py):
 How it works (the implementer's calls, as DESIGN.md asks):
 - The model is model.py's Picaflor built on the meta device, its modules swapped for container-backed ones, so
   attention, RoPE, the KV cache, norms and the block wiring are model.py's code, not a copy. Resident (read once
-  into anonymous memory): embeddings and lm_head (int8 rows by default), attention, dense FFN and shared experts
-  (int4), norms, routers and selection biases (fp32), plus the KV cache.
+  into anonymous memory): the lm_head (int8 rows by default), attention, dense FFN and shared experts (int4),
+  norms, routers and selection biases (fp32), plus the KV cache. The embedding table stays on disk when the
+  lm_head does not share it: its crc is checked at load and each lookup reads the token's row (DiskEmbedding).
 - Routed experts live in ONE byte-budget cache over all layers (LRU), filled by aligned single reads of each
   expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader threads, O_DIRECT when the
   filesystem allows (so the page cache cannot hide a miss) with a buffered fallback. A layer's missing experts
@@ -290,6 +291,24 @@ class QEmbedding(nn.Module):
                 rows.append(((q.view(-1, g) - 8) * sz[:, :1] + sz[:, 1:]).view(-1)[:D])
             out = torch.stack(rows)
         return out.reshape(*idx.shape, self.shape[1])
+
+
+class DiskEmbedding(nn.Module):
+    """Token embedding rows read from the container on lookup (int8 or f32 rows, when the lm_head does not share
+    them): the table (67 MB on micro) leaves the budget to the expert cache, and a token costs two small reads the
+    page cache serves. llama.cpp's mmap gets the same by touching only the rows it uses."""
+
+    def __init__(self, container, name, device):
+        super().__init__()
+        self.c, self.name, self.device = container, name, device
+        self.shape = container.header["tensors"][name]["shape"]
+
+    def forward(self, idx):
+        try:
+            rows = self.c.tensor_rows(self.name, idx.reshape(-1).tolist())
+        except C.ContainerError as e:
+            raise StreamError(str(e)) from None
+        return rows.to(self.device).reshape(*idx.shape, self.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -697,7 +716,10 @@ class Engine:
         self.budget = parse_size(ram_budget) if ram_budget is not None else None
         # budget accounting, before anything big is loaded
         self.baseline_rss = rss_bytes()
-        self.resident_bytes = c.resident_bytes()
+        # untied int8 / f32 embeddings stay on disk, rows read on lookup (DiskEmbedding)
+        embed = c.header["tensors"]["embed_tokens.weight"]
+        self.embed_on_disk = not cfg.tie_embeddings and embed["kind"] in ("int8", "f32")
+        self.resident_bytes = c.resident_bytes() - (embed["nbytes"] if self.embed_on_disk else 0)
         self.kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * self.context * 4
         # allocator slack, LOGIT_CHUNK logit rows (+ log-softmax), one prefill chunk's activations (fp32 temporaries
         # as wide as the widest fused gate|up: four on the torch paths, two with the native one-call FFNs, which
@@ -772,7 +794,10 @@ class Engine:
         c, cfg, kernel = self.container, self.cfg, self.kernel
         native = kernel == "native"
         try:
-            raw = {name: c.raw_tensor(name) for name in c.header["tensors"]}
+            raw = {name: c.raw_tensor(name) for name in c.header["tensors"]
+                   if not (self.embed_on_disk and name == "embed_tokens.weight")}
+            if self.embed_on_disk:
+                c.check_tensor("embed_tokens.weight")  # once, piece by piece; lookups then read rows
         except C.ContainerError as e:
             raise StreamError(str(e)) from None
         dev = self.device
@@ -809,7 +834,8 @@ class Engine:
             m = Picaflor(cfg)
         self.cache = ExpertCache(c, 0, kernel, n_readers=self.n_readers, policy=self.cache_policy)
         self.cache.device = dev
-        m.embed_tokens = QEmbedding(to_dev(raw["embed_tokens.weight"]))
+        m.embed_tokens = (DiskEmbedding(c, "embed_tokens.weight", dev) if self.embed_on_disk
+                          else QEmbedding(to_dev(raw["embed_tokens.weight"])))
         m.lm_head = lin("embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight")
         m.norm.weight = vec("norm.weight")
         if native:

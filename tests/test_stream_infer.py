@@ -265,6 +265,39 @@ def test_loglikelihood(tiny):
     assert eng.loglikelihood_batch([(ctx, cont)])[0][0] == pytest.approx(ll)
 
 
+def test_embedding_rows_read_on_demand(tiny, tmp_path):
+    """Untied int8 embeddings stay on disk (rows read on lookup, the table left out of the resident bytes); int4
+    embedding blocks and tied tables stay resident. A corrupt table fails at load, naming the tensor."""
+    m, path = tiny
+    c = C.load_container(path)
+    eng = S.load(path)
+    assert isinstance(eng.model.embed_tokens, S.DiskEmbedding) and eng.embed_on_disk
+    embed = c.header["tensors"]["embed_tokens.weight"]
+    assert eng.resident_bytes == c.resident_bytes() - embed["nbytes"]
+    ids = torch.tensor([[0, 5, 299, 5]])
+    table = c.tensor("embed_tokens.weight")
+    assert torch.equal(eng.model.embed_tokens(ids), table[ids])
+    with pytest.raises(S.StreamError, match="outside"):
+        eng.model.embed_tokens(torch.tensor([[300]]))
+    # a flipped byte in the table: the piecewise check at load finds it
+    data = bytearray(open(path, "rb").read())
+    data[embed["offset"] + 100] ^= 1
+    bad = tmp_path / "bad_embed.pcf4"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(S.StreamError, match="checksum mismatch in tensor embed_tokens.weight"):
+        S.load(str(bad))
+    # int4 embeddings (--embed-bits 4) and a tied lm_head: the table stays resident, the same outputs as before
+    for over, out in (({"embed_bits": 4}, "e4.pcf4"), ({}, "tied.pcf4")):
+        torch.manual_seed(0)
+        mt = Picaflor(ModelConfig(**CFG, tie_embeddings=not over))
+        ck = save_checkpoint(mt, str(tmp_path / ("run_" + out)), 1)
+        C.write_container(ck, str(tmp_path / out), group_size=32, progress=False, **over)
+        e = S.load(str(tmp_path / out))
+        assert isinstance(e.model.embed_tokens, S.QEmbedding) and not e.embed_on_disk
+        ref = C.load_container(str(tmp_path / out)).tensor("embed_tokens.weight")
+        assert (e.model.embed_tokens(ids) - ref[ids]).abs().max() < 1e-6
+
+
 def test_prefill_in_chunks_equals_one_pass(tiny):
     """A long prompt goes through in prefill_chunk-token passes over one KV cache, and loglikelihood computes its
     logit rows LOGIT_CHUNK at a time: both give what one pass gives."""
