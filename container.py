@@ -534,14 +534,18 @@ class Container:
         st = os.fstat(self.fd)
         return st.st_ino, st.st_size, st.st_mtime_ns
 
+    def _check_unchanged(self):
+        """Bytes checked earlier are trusted only while the open file was not rewritten in place since."""
+        if self._identity() != self.identity:
+            raise ContainerError(f"{self.path}: the file changed on disk while it was open (size or mtime); "
+                                 f"restart to read the new one")
+
     def check_expert_blob(self, layer, expert, buf):
         """buf (a blob just read) against its crc32, or, when this process already checked that blob, a check
         that the open file was not rewritten in place since (fstat: inode, size, mtime). A file replaced by a
         rename is no concern: the open descriptor keeps reading the old one."""
         if (layer, expert) in self.verified:
-            if self._identity() != self.identity:
-                raise ContainerError(f"{self.path}: the file changed on disk while it was open (size or mtime); "
-                                     f"restart to read the new one")
+            self._check_unchanged()
             return buf
         ent = self.expert_entry(layer, expert)
         if f"{crc32(buf):08x}" != ent["crc32"]:
@@ -618,9 +622,7 @@ class Container:
         t = self.header["tensors"][name]
         if t["kind"] not in ("int8", "f32"):
             raise ContainerError(f"{self.path}: tensor {name} is {t['kind']}; rows are read on demand from int8 or f32 only")
-        if self._identity() != self.identity:
-            raise ContainerError(f"{self.path}: the file changed on disk while it was open (size or mtime); "
-                                 f"restart to read the new one")
+        self._check_unchanged()
         N, K = t["shape"]
         out = torch.empty(len(ids), K)
         for i, r in enumerate(ids):
