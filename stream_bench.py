@@ -351,7 +351,16 @@ def run_sweep(args, argv):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    plot = args.plot or os.path.splitext(args.json or "sweep.json")[0] + ".png"
+    plot_sweep(rows, args.plot or os.path.splitext(args.json or "sweep.json")[0] + ".png", args.llamacpp_json,
+               args.container)
+    return rows
+
+
+def plot_sweep(rows, plot, llamacpp_json, container):
+    """The sweep's PNG: decode tok/s and the bound (with llama.cpp's curve when its JSON exists), hit rate and disk
+    bytes per token against the budget. Re-plot from saved JSON with
+    python -c "import json, stream_bench as B; B.plot_sweep(json.load(open('bench/micro_sweep.json')),
+    'bench/micro_sweep.png', 'bench/vs_llamacpp.json', 'micro.pcf4')"."""
     ok = [r for r in rows if "error" not in r]
     if ok:
         import matplotlib
@@ -361,8 +370,8 @@ def run_sweep(args, argv):
         fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
         ax[0].plot(x, [r["decode_tok_s"] for r in ok], "o-", label="picaflor decode")
         ax[0].plot(x, [r["bound_tok_s"] for r in ok], "k--", label="bound (disk + memory bandwidth)")
-        if args.llamacpp_json and os.path.exists(args.llamacpp_json):
-            lc = [r for r in json.load(open(args.llamacpp_json)).get("rows", [])
+        if llamacpp_json and os.path.exists(llamacpp_json):
+            lc = [r for r in json.load(open(llamacpp_json)).get("rows", [])
                   if r.get("llamacpp_tok_s") and r.get("budget_bytes")]  # the unlimited row has no x position
             ax[0].plot([r["budget_bytes"] / (1 << 30) for r in lc], [r["llamacpp_tok_s"] for r in lc], "s-",
                        label="llama.cpp")
@@ -375,12 +384,11 @@ def run_sweep(args, argv):
         for a in ax:
             a.set_xlabel("RAM budget (GiB)")
             a.grid(alpha=0.3)
-        fig.suptitle(f"{os.path.basename(args.container)} ({ok[0]['container_bytes'] / 1e9:.2f} GB, "
+        fig.suptitle(f"{os.path.basename(container)} ({ok[0]['container_bytes'] / 1e9:.2f} GB, "
                      f"random weights: {ok[0]['random_weights']}), {ok[0]['threads']} thread(s)")
         fig.tight_layout()
         fig.savefig(plot, dpi=110)
         print(f"plot: {plot}")
-    return rows
 
 
 # ----------------------------------------------------------------------------------------------------------
