@@ -176,6 +176,30 @@ void parallel_chunks(int64_t n, const F& fn) {
   for (int t = 0; t < nt; t++) fn(n * t / nt, n * (t + 1) / nt);
 }
 
+// x[0..n) to int8 as the AVX2 paths multiply it (Q8_0-style): xq = round(x / dx), dx = max|x| / 127, rounding half
+// to even as torch.round; *total = sum of xq. Returns dx: NaN when x holds NaN / inf (NaN out, as torch would give);
+// an all-zero or denormal-only group stays 0.
+float quantize_q8(const float* x, int64_t n, int8_t* xq, int32_t* total) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t k = 0; k < n; k++) {
+    amax = std::max(amax, std::fabs(x[k]));
+    finite = finite && std::isfinite(x[k]);
+  }
+  *total = 0;
+  if (finite && amax >= FLT_MIN) {
+    const float inv = 127.0f / amax;
+    for (int64_t k = 0; k < n; k++) {
+      const int32_t v = int32_t(std::nearbyint(x[k] * inv));
+      xq[k] = int8_t(v);
+      *total += v;
+    }
+  } else {
+    std::fill(xq, xq + n, int8_t(0));
+  }
+  return finite ? amax / 127.0f : NAN;
+}
+
 at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
                         int64_t group_size, bool generic) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "int4_mm: x must be a CPU tensor [..., K]");
@@ -207,22 +231,8 @@ at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const 
     for (int64_t m = 0; m < M; m++)
       for (int64_t g = 0; g < n_groups; g++) {
         const int64_t k0 = g * G, k1 = std::min(k0 + G, K);
-        float amax = 0.0f;
-        bool finite = true;
-        for (int64_t k = k0; k < k1; k++) {
-          amax = std::max(amax, std::fabs(xp[m * K + k]));
-          finite = finite && std::isfinite(xp[m * K + k]);
-        }
         int32_t total = 0;
-        if (finite && amax >= FLT_MIN) {  // else the group stays 0 (all zero, or tiny denormals)
-          const float inv = 127.0f / amax;
-          for (int64_t k = k0; k < k1; k++) {
-            const int32_t v = int32_t(std::nearbyint(xp[m * K + k] * inv));  // round half to even, as torch.round
-            xq[m * Kp + k] = int8_t(v);
-            total += v;
-          }
-        }
-        dx[m * n_groups + g] = finite ? amax / 127.0f : NAN;  // NaN / inf in x: NaN out, as torch would give
+        dx[m * n_groups + g] = quantize_q8(xp + m * K + k0, k1 - k0, xq.data() + m * Kp + k0, &total);
         sx[m * n_groups + g] = float(total);
       }
   } else {
@@ -342,16 +352,8 @@ at::Tensor int8_mm_impl(const at::Tensor& x_in, const at::Tensor& q, const at::T
     std::vector<float> dx(M * nb);
     for (int64_t m = 0; m < M; m++)
       for (int64_t b = 0; b < nb; b++) {
-        const float* xb = xp + m * K + b * 32;
-        float amax = 0.0f;
-        bool finite = true;
-        for (int k = 0; k < 32; k++) {
-          amax = std::max(amax, std::fabs(xb[k]));
-          finite = finite && std::isfinite(xb[k]);
-        }
-        const float inv = (finite && amax >= FLT_MIN) ? 127.0f / amax : 0.0f;  // all-zero or tiny block: 0
-        for (int k = 0; k < 32; k++) xq[(m * nb + b) * 32 + k] = int8_t(std::nearbyint(xb[k] * inv));
-        dx[m * nb + b] = finite ? amax / 127.0f : NAN;  // NaN / inf in x: NaN out, as torch would give
+        int32_t total = 0;
+        dx[m * nb + b] = quantize_q8(xp + m * K + b * 32, 32, xq.data() + (m * nb + b) * 32, &total);
       }
     parallel_chunks(N, [&](int64_t n0, int64_t n1) {
       for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
