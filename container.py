@@ -582,9 +582,8 @@ class Container:
         if t is None:
             raise ContainerError(f"{self.path}: no tensor {name!r} in this container")
         buf = self._pread(t["offset"], t["nbytes"], direct=False)
-        if verify and f"{crc32(buf):08x}" != t["crc32"]:
-            raise ContainerError(f"{self.path}: checksum mismatch in tensor {name} (offset {t['offset']}); "
-                                 f"the file is corrupt, re-export it")
+        if verify:
+            self._check_tensor_crc(name, crc32(buf))
         out = {"kind": t["kind"], "shape": t["shape"]}
         if t["kind"] == "f32":
             out["data"] = part_tensor(buf, 0, t["parts"]["data"], torch.float32).view(t["shape"])
@@ -611,35 +610,37 @@ class Container:
             buf = self._pread(t["offset"] + done, n, direct=False, buf=buf)  # reused while pieces are equal
             crc = crc32(buf, crc)
             done += n
+        self._check_tensor_crc(name, crc)
+
+    def _check_tensor_crc(self, name, crc):
+        t = self.header["tensors"][name]
         if f"{crc:08x}" != t["crc32"]:
             raise ContainerError(f"{self.path}: checksum mismatch in tensor {name} (offset {t['offset']}); "
                                  f"the file is corrupt, re-export it")
 
     def tensor_rows(self, name, ids):
-        """Rows `ids` of a row-major resident tensor (kind int8 or f32) as fp32 [len(ids), K], read from the file
-        (two small preads per int8 row; the page cache serves repeats): embeddings looked up without holding the
-        table. Trusts the bytes as check_tensor found them at load, while the open file stays the same."""
+        """Rows `ids` of an int8-row resident tensor as fp32 [len(ids), K], read from the file (two small preads per
+        row, the row and its scale; the page cache serves repeats): embeddings looked up without holding the table.
+        Trusts the bytes as check_tensor found them at load, while the open file stays the same."""
         t = self.header["tensors"][name]
-        if t["kind"] not in ("int8", "f32"):
-            raise ContainerError(f"{self.path}: tensor {name} is {t['kind']}; rows are read on demand from int8 or f32 only")
+        if t["kind"] != "int8":
+            raise ContainerError(f"{self.path}: tensor {name} is {t['kind']}; rows are read on demand from int8 only")
         self._check_unchanged()
         N, K = t["shape"]
-        out = torch.empty(len(ids), K)
-        for i, r in enumerate(ids):
+        q, scale = bytearray(), bytearray()
+        for r in ids:
             if not 0 <= r < N:
                 raise ContainerError(f"{self.path}: row {r} of {name} is outside 0..{N - 1}")
-            if t["kind"] == "int8":
-                q = os.pread(self.fd, K, t["offset"] + t["parts"]["q"][0] + r * K)
-                scale = os.pread(self.fd, 4, t["offset"] + t["parts"]["scale"][0] + 4 * r)
-                if len(q) != K or len(scale) != 4:
-                    raise ContainerError(f"{self.path}: short read of row {r} of {name}; the file is truncated")
-                out[i] = torch.frombuffer(bytearray(q), dtype=torch.int8).float() * struct.unpack("<f", scale)[0]
-            else:
-                row = os.pread(self.fd, 4 * K, t["offset"] + t["parts"]["data"][0] + 4 * r * K)
-                if len(row) != 4 * K:
-                    raise ContainerError(f"{self.path}: short read of row {r} of {name}; the file is truncated")
-                out[i] = torch.frombuffer(bytearray(row), dtype=torch.float32)
-        return out
+            row = os.pread(self.fd, K, t["offset"] + t["parts"]["q"][0] + r * K)
+            row_scale = os.pread(self.fd, 4, t["offset"] + t["parts"]["scale"][0] + 4 * r)
+            if len(row) != K or len(row_scale) != 4:
+                raise ContainerError(f"{self.path}: short read of row {r} of {name}; the file is truncated")
+            q += row
+            scale += row_scale
+        if not ids:
+            return torch.empty(0, K)
+        return dequantize_int8(torch.frombuffer(q, dtype=torch.int8), torch.frombuffer(scale, dtype=torch.float32),
+                               (len(ids), K))
 
     def tensor(self, name):
         """A resident tensor dequantized to fp32."""

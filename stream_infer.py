@@ -16,8 +16,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
 - The model is model.py's Picaflor built on the meta device, its modules swapped for container-backed ones, so
   attention, RoPE, the KV cache, norms and the block wiring are model.py's code, not a copy. Resident (read once
   into anonymous memory): the lm_head (int8 rows by default), attention, dense FFN and shared experts (int4),
-  norms, routers and selection biases (fp32), plus the KV cache. The embedding table stays on disk when the
-  lm_head does not share it: its crc is checked at load and each lookup reads the token's row (DiskEmbedding).
+  norms, routers and selection biases (fp32), plus the KV cache. The int8 embedding table stays on disk when
+  the lm_head does not share it: its crc is checked at load and each lookup reads the token's row (DiskEmbedding).
 - Routed experts live in ONE byte-budget cache over all layers (LRU), filled by aligned single reads of each
   expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader threads, O_DIRECT when the
   filesystem allows (so the page cache cannot hide a miss) with a buffered fallback. A layer's missing experts
@@ -47,8 +47,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   per thread vs 3. A software prefetch 1 KB ahead added ~20% cold. Without a compiler it warns once and falls
   back to the int4pack kernel (`--kernel int4pack`); `--kernel reference` dequantizes then multiplies (the check).
   int8 rows (embeddings, lm_head) go through the same extension, on AVX2 with activations quantized to int8 per
-  32 columns: micro's lm_head GEMV went from 11.4 to 17.7-18.6 GB/s on 2 threads (~2.3 ms less per token; the
-  int8 rows part of bench/int4_gemv.py, where torch's _weight_int8pack_mm gives 8.2).
+  32 columns: micro's lm_head GEMV went from 11.4 to 17.7-20.0 GB/s on 2 threads (~2.5 ms less per token; the
+  int8 rows part of bench/int4_gemv.py, where torch's _weight_int8pack_mm gives 8.2-10.3).
 - Decode-time fusions: q|k|v and the shared / dense gate|up are concatenated at load into one int4 matrix each
   (the packed layout is whole 32-row blocks, so this is a byte concatenation), one GEMV instead of three or two;
   a one-token MoE step uses scalar routing weights. Both keep the arithmetic of the unfused path.
@@ -294,7 +294,7 @@ class QEmbedding(nn.Module):
 
 
 class DiskEmbedding(nn.Module):
-    """Token embedding rows read from the container on lookup (int8 or f32 rows, when the lm_head does not share
+    """Token embedding rows read from the container on lookup (int8 rows, when the lm_head does not share
     them): the table (67 MB on micro) leaves the budget to the expert cache, and a token costs two small reads the
     page cache serves. llama.cpp's mmap gets the same by touching only the rows it uses."""
 
@@ -716,9 +716,9 @@ class Engine:
         self.budget = parse_size(ram_budget) if ram_budget is not None else None
         # budget accounting, before anything big is loaded
         self.baseline_rss = rss_bytes()
-        # untied int8 / f32 embeddings stay on disk, rows read on lookup (DiskEmbedding)
+        # untied int8 embeddings (export's default) stay on disk, rows read on lookup (DiskEmbedding)
         embed = c.header["tensors"]["embed_tokens.weight"]
-        self.embed_on_disk = not cfg.tie_embeddings and embed["kind"] in ("int8", "f32")
+        self.embed_on_disk = not cfg.tie_embeddings and embed["kind"] == "int8"
         self.resident_bytes = c.resident_bytes() - (embed["nbytes"] if self.embed_on_disk else 0)
         self.kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * self.context * 4
         # allocator slack, LOGIT_CHUNK logit rows (+ log-softmax), one prefill chunk's activations (fp32 temporaries
