@@ -362,33 +362,34 @@ def plot_sweep(rows, plot, llamacpp_json, container):
     python -c "import json, stream_bench as B; B.plot_sweep(json.load(open('bench/micro_sweep.json')),
     'bench/micro_sweep.png', 'bench/vs_llamacpp.json', 'micro.pcf4')"."""
     ok = [r for r in rows if "error" not in r]
-    if ok:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        x = [r["ram_budget"] / (1 << 30) for r in ok]
-        fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
-        ax[0].plot(x, [r["decode_tok_s"] for r in ok], "o-", label="picaflor decode")
-        ax[0].plot(x, [r["bound_tok_s"] for r in ok], "k--", label="bound (disk + memory bandwidth)")
-        if llamacpp_json and os.path.exists(llamacpp_json):
-            lc = [r for r in json.load(open(llamacpp_json)).get("rows", [])
-                  if r.get("llamacpp_tok_s") and r.get("budget_bytes")]  # the unlimited row has no x position
-            ax[0].plot([r["budget_bytes"] / (1 << 30) for r in lc], [r["llamacpp_tok_s"] for r in lc], "s-",
-                       label="llama.cpp")
-        ax[0].set_ylabel("tok/s")
-        ax[0].legend()
-        ax[1].plot(x, [r["hit_rate"] for r in ok], "o-")
-        ax[1].set_ylabel("expert hit rate (decode)")
-        ax[2].plot(x, [r["disk_bytes_per_token"] / 1e6 for r in ok], "o-")
-        ax[2].set_ylabel("disk MB per token")
-        for a in ax:
-            a.set_xlabel("RAM budget (GiB)")
-            a.grid(alpha=0.3)
-        fig.suptitle(f"{os.path.basename(container)} ({ok[0]['container_bytes'] / 1e9:.2f} GB, "
-                     f"random weights: {ok[0]['random_weights']}), {ok[0]['threads']} thread(s)")
-        fig.tight_layout()
-        fig.savefig(plot, dpi=110)
-        print(f"plot: {plot}")
+    if not ok:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    x = [r["ram_budget"] / (1 << 30) for r in ok]
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
+    ax[0].plot(x, [r["decode_tok_s"] for r in ok], "o-", label="picaflor decode")
+    ax[0].plot(x, [r["bound_tok_s"] for r in ok], "k--", label="bound (disk + memory bandwidth)")
+    if llamacpp_json and os.path.exists(llamacpp_json):
+        lc = [r for r in json.load(open(llamacpp_json)).get("rows", [])
+              if r.get("llamacpp_tok_s") and r.get("budget_bytes")]  # the unlimited row has no x position
+        ax[0].plot([r["budget_bytes"] / (1 << 30) for r in lc], [r["llamacpp_tok_s"] for r in lc], "s-",
+                   label="llama.cpp")
+    ax[0].set_ylabel("tok/s")
+    ax[0].legend()
+    ax[1].plot(x, [r["hit_rate"] for r in ok], "o-")
+    ax[1].set_ylabel("expert hit rate (decode)")
+    ax[2].plot(x, [r["disk_bytes_per_token"] / 1e6 for r in ok], "o-")
+    ax[2].set_ylabel("disk MB per token")
+    for a in ax:
+        a.set_xlabel("RAM budget (GiB)")
+        a.grid(alpha=0.3)
+    fig.suptitle(f"{os.path.basename(container)} ({ok[0]['container_bytes'] / 1e9:.2f} GB, "
+                 f"random weights: {ok[0]['random_weights']}), {ok[0]['threads']} thread(s)")
+    fig.tight_layout()
+    fig.savefig(plot, dpi=110)
+    print(f"plot: {plot}")
 
 
 # ----------------------------------------------------------------------------------------------------------
