@@ -22,12 +22,12 @@ Blob kinds:
 - "f32": raw float32 (router weight, e_score_correction_bias, every norm weight; kept exact).
 - "int4": group-wise 4-bit, w ~= (q - 8) * scale + zero for q in 0..15, one (scale, zero) pair in bf16 per
   group of `group_size` consecutive input columns. Parts: `packed` (uint8) then `sz` (bf16 [K/g, N, 2]).
-  `packed` is in the layout of torch's CPU int4 kernel (`torch._weight_int4pack_mm_for_cpu`, torch 2.13):
-  output rows in blocks of 32; per block, per input column k, 16 bytes whose byte j holds row j in its low
-  nibble and row j + 16 in its high nibble. So the CPU fast path uses the bytes as read, with no repacking
-  (torch's own `_convert_weight_to_int4pack_for_cpu` costs ~25 ms per 2048x1024 matrix here, ~10x the read
-  itself). stream_infer checks once per process that torch still packs this way and otherwise falls back to
-  dequantize-then-matmul. Odd shapes are zero-padded to N % 32 == 0 and K % group_size == 0; the header keeps
+  `packed` is in the layout of torch's CPU int4 kernel (`torch._weight_int4pack_mm_for_cpu`, torch 2.13) as
+  its AVX2 build packs: output rows in blocks of 32; per block, per input column k, 16 bytes whose byte j holds
+  row j in its low nibble and row j + 16 in its high nibble. int4_cpu.cpp (stream_infer's default) reads it as
+  read; so does torch's kernel on AVX2 CPUs, while its AVX-512 build packs 64-row blocks and stream_infer's
+  `--kernel int4pack` repacks there (`_convert_weight_to_int4pack_for_cpu`, ~25 ms per 2048x1024 matrix, ~10x the
+  read itself), once per resident weight and per expert read. Odd shapes are zero-padded to N % 32 == 0 and K % group_size == 0; the header keeps
   the true shape. `sz` is exactly the kernel's scales_and_zeros tensor.
 - "int8": per output row symmetric 8-bit (embeddings / lm_head by default): `q` int8 [N, K] then `scale` f32 [N].
 - expert blob: one per (layer, expert): gate_up [2F, D] int4 (gate rows first, as model.py stores them) then
@@ -65,7 +65,7 @@ from dataclasses import asdict, fields
 
 import torch
 
-from model import ModelConfig
+from model import ModelConfig, meta_model
 
 MAGIC = b"PCFLINT4"
 VERSION = 1
@@ -286,10 +286,7 @@ class RandomSource:
 
 def expected_shapes(cfg):
     """name -> shape of every tensor a picaflor checkpoint holds (lm_head omitted when tied)."""
-    with torch.device("meta"):
-        from model import Picaflor
-        m = Picaflor(cfg)
-    sd = {k: list(v.shape) for k, v in m.state_dict().items() if not k.endswith("load_accum")}
+    sd = {k: list(v.shape) for k, v in meta_model(cfg).state_dict().items() if not k.endswith("load_accum")}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
     return sd

@@ -560,8 +560,7 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False):
             raise EvalError(str(e)) from None
         return EngineModel(engine, tok, path)
     cfg = c.config
-    with torch.device("meta"):
-        m = picaflor.Picaflor(cfg)
+    m = picaflor.meta_model(cfg)
     m.to_empty(device=device)
     missing, unexpected = m.load_state_dict(c.dequantized_state_dict(), strict=False)
     missing = [k for k in missing if not k.endswith("load_accum")]

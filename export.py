@@ -57,7 +57,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 import checkpoint
-from model import ModelConfig, Picaflor, hf_name, to_hf_config
+from model import ModelConfig, hf_name, meta_model, to_hf_config
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ST_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -100,8 +100,7 @@ class Source:
 
     def check_against_config(self):
         """Every tensor the config implies, with its shape, and nothing else (else exports would be broken)."""
-        with torch.device("meta"):
-            want = {k: list(v.shape) for k, v in Picaflor(self.cfg).state_dict().items() if not k.endswith("load_accum")}
+        want = {k: list(v.shape) for k, v in meta_model(self.cfg).state_dict().items() if not k.endswith("load_accum")}
         if self.cfg.tie_embeddings:
             want.pop("lm_head.weight")
         have = {n: self.shape(n) for n in self.names}

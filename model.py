@@ -609,6 +609,27 @@ class Picaflor(nn.Module):
         return seq
 
 
+class _SkipRandomInitOnMeta(torch.overrides.TorchFunctionMode):
+    """Random init of a meta tensor is a no-op: torch runs it through torch._refs, whose first call imports
+    torch._dynamo (+180 MB RSS measured here), which stream_infer's --ram-budget would pay for values no one reads."""
+    SKIP = {"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+            "trunc_normal_", "orthogonal_"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # torch.nn.init passes it by keyword
+        if getattr(func, "__name__", None) in self.SKIP and isinstance(t, torch.Tensor) and t.is_meta:
+            return t
+        return func(*args, **kwargs)
+
+
+def meta_model(cfg):
+    """Picaflor's module tree on the meta device (shapes only, no memory, no init): fill it with to_empty +
+    load_state_dict, or swap its modules (stream_infer)."""
+    with torch.device("meta"), _SkipRandomInitOnMeta():
+        return Picaflor(cfg)
+
+
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """One token per row from (B, V) logits: greedy at temperature 0, else top-k / nucleus (top-p) sampling."""
     if temperature == 0:
@@ -767,8 +788,7 @@ def load_checkpoint(path, device="cpu", dtype=None):
     with open(os.path.join(ckpt_dir, "state.json")) as f:
         state = json.load(f)
     cfg = ModelConfig.from_dict(state["model_config"])
-    with torch.device("meta"):
-        model = Picaflor(cfg)
+    model = meta_model(cfg)
     sd = load_file(os.path.join(ckpt_dir, "model.safetensors"), device=str(device))
     model.to_empty(device=device)
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -799,7 +819,6 @@ if __name__ == "__main__":
     if args.config:
         exec(open(args.config).read(), g)
     cfg = ModelConfig.from_dict({f.name: g[f.name] for f in fields(ModelConfig) if f.name in g})
-    with torch.device("meta"):
-        m = Picaflor(cfg)
+    m = meta_model(cfg)
     print(f"total params {m.num_params() / 1e9:.3f}B, active per token {m.active_params() / 1e9:.3f}B "
           f"(top_k={cfg.top_k}; {m.active_params(top_k=1) / 1e9:.3f}B at top_k=1)")

@@ -18,6 +18,7 @@ llama.cpp's curve from bench/vs_llamacpp.py's JSON when there is one).
 
 import json
 import os
+import resource
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -82,8 +83,9 @@ def measure_kernels(cont, reps=20):
            "fp32_dense": lambda: x @ w.t()}
     if S.native_int4() is not None:
         fns["native"] = lambda: S.int4_matmul_native(x, dec["packed"], dec["sz"], shape, g)
-    if S.cpu_int4pack_ok() and g in (32, 64, 128, 256):
-        fns["int4pack"] = lambda: S.int4_matmul_cpu(x, dec["packed"], dec["sz"], shape, g)
+    if S.cpu_int4pack_ok() and g in S.INT4PACK_GROUPS:
+        packed4 = S.to_int4pack_layout(dec["packed"].clone(), shape, g)
+        fns["int4pack"] = lambda: S.int4_matmul_cpu(x, packed4, dec["sz"], shape, g)
     out = {"shape": shape}
     for name, fn in fns.items():
         fn()
@@ -120,10 +122,12 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     prefill_s = time.perf_counter() - t0
     st_prefill = eng.cache.stats()
     rb1, _ = S.io_counters()
+    majflt0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     lookups0, hits0 = eng.cache.lookups, eng.cache.hits + eng.cache.prefetch_hits
     bytes0, wait0, busy0 = eng.cache.bytes_read, eng.cache.read_wait_s, eng.cache.disk_busy_s
     out = [first] + list(it)
     rb2, _ = S.io_counters()
+    majflt = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - majflt0  # pages (code, page cache) the budget evicted and decode faulted back
     decode_lat = timings[1:]
     n_dec = len(decode_lat)
     k = experts_per_token or cfg.top_k
@@ -156,7 +160,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "p50_token_latency_s": pct(0.5), "p99_token_latency_s": pct(0.99),
         "hit_rate": dec_hit, "hit_rate_with_prefill": st["hit_rate"], "prefill_reads": st_prefill["reads"],
         "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
-        "read_wait_s_per_token": wait_per_tok,
+        "read_wait_s_per_token": wait_per_tok, "major_faults_per_token": majflt / max(n_dec, 1),
         "expert_bytes": cont.expert_nbytes, "cache_capacity_experts": st["capacity_experts"],
         "peak_rss_bytes": S.peak_rss_bytes(), "resident_rss_bytes": eng.resident_rss, "baseline_rss_bytes": eng.baseline_rss,
         "disk_bw_bytes_s": disk_bw, "disk_bw_before_bytes_s": disk_before, "disk_bw_after_bytes_s": disk_after,

@@ -90,7 +90,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import container as C
-from model import KVCache, Picaflor, rope_cos_sin, sample_next
+from model import KVCache, meta_model, rope_cos_sin, sample_next
 
 
 class StreamError(Exception):
@@ -155,20 +155,37 @@ def io_counters():
 # ----------------------------------------------------------------------------------------------------------
 # weights as stored in the container
 
-_INT4PACK_OK = None
+INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes (torch 2.13)
+_INT4PACK = None  # torch's CPU int4 kernel: None unchecked, False absent, else "same" or "repack" (its layout here)
 
 
 def cpu_int4pack_ok():
-    """torch's CPU int4 kernel exists and packs exactly as container.py stores (checked once per process)."""
-    global _INT4PACK_OK
-    if _INT4PACK_OK is None:
+    """torch's CPU int4 kernel exists (checked once per process); to_int4pack_layout() gives it the bytes it wants."""
+    global _INT4PACK
+    if _INT4PACK is None:
         try:
             q = torch.randint(0, 16, (64, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
             ref = torch._convert_weight_to_int4pack_for_cpu(q, 1).flatten()
-            _INT4PACK_OK = torch.equal(C.unpack_int4(ref, 64, 64).int(), q)
+            _INT4PACK = "same" if torch.equal(C.unpack_int4(ref, 64, 64).int(), q) else "repack"
         except (AttributeError, RuntimeError):
-            _INT4PACK_OK = False
-    return _INT4PACK_OK
+            _INT4PACK = False
+    return bool(_INT4PACK)
+
+
+def int4pack_same_layout():
+    """torch packs int4 as container.py stores it (its AVX2 build; its AVX-512 build packs 64-row blocks)."""
+    return cpu_int4pack_ok() and _INT4PACK == "same"
+
+
+def to_int4pack_layout(packed, shape, group_size):
+    """In place: the container's packed bytes -> the layout torch's int4pack kernel uses on this CPU (the same size).
+    A no-op where the layouts agree; elsewhere a repack (~25 ms per 2048x1024 matrix), once per resident weight
+    and once per expert read: --kernel int4pack is the fallback for machines without a compiler."""
+    if group_size in INT4PACK_GROUPS and not int4pack_same_layout():  # other groups: reference, container bytes
+        Np, Kp = C.int4_padded_shape(shape, group_size)
+        q = C.unpack_int4(packed, Np, Kp).to(torch.int32)
+        packed.copy_(torch._convert_weight_to_int4pack_for_cpu(q, 1).view(-1))
+    return packed
 
 
 def int4_matmul_reference(x, packed, sz, shape, group_size):
@@ -177,8 +194,9 @@ def int4_matmul_reference(x, packed, sz, shape, group_size):
 
 
 def int4_matmul_cpu(x, packed, sz, shape, group_size):
-    """x (M, K) -> (M, N) fp32 through torch's int4pack CPU kernel (bf16 activations)."""
-    if group_size not in (32, 64, 128, 256):  # the kernel's supported group sizes (torch 2.13)
+    """x (M, K) -> (M, N) fp32 through torch's int4pack CPU kernel (bf16 activations); packed as to_int4pack_layout
+    left it."""
+    if group_size not in INT4PACK_GROUPS:
         return int4_matmul_reference(x, packed, sz, shape, group_size)
     N, K = shape
     Np, Kp = C.int4_padded_shape(shape, group_size)
@@ -238,6 +256,9 @@ class QLinear(nn.Module):
     def __init__(self, raw, kernel):
         super().__init__()
         self.raw, self.kind, self.shape, self.kernel = raw, raw["kind"], raw["shape"], kernel
+        if kernel == "int4pack" and self.kind == "int4" and raw.get("layout") != "int4pack":
+            to_int4pack_layout(raw["packed"], self.shape, raw["group_size"])  # over the container's bytes: in place
+            raw["layout"] = "int4pack"
         if self.kind == "int8":
             self.scale_bf16 = raw["scale"].to(torch.bfloat16)
         self.nbytes = sum(v.numel() * v.element_size() for v in raw.values() if isinstance(v, torch.Tensor))
@@ -681,7 +702,7 @@ def pick_kernel(kernel, device):
         raise StreamError("--kernel native: int4_cpu.cpp runs on CPU only and needs a C++ compiler and ninja "
                           "(the warning above says why it did not build); use --kernel int4pack")
     if kernel == "int4pack" and not cpu_int4pack_ok():
-        raise StreamError("--kernel int4pack: this torch build lacks the CPU int4 kernel or packs differently; "
+        raise StreamError("--kernel int4pack: this torch build lacks the CPU int4 kernel; "
                           "use --kernel reference (torch is pinned in requirements.txt)")
     return kernel
 
@@ -830,8 +851,7 @@ class Engine:
         def vec(name):
             return nn.Parameter(raw[name]["data"].to(dev), requires_grad=False)
 
-        with torch.device("meta"):
-            m = Picaflor(cfg)
+        m = meta_model(cfg)  # no random init on meta: that would import torch._dynamo (+180 MB of budget)
         self.cache = ExpertCache(c, 0, kernel, n_readers=self.n_readers, policy=self.cache_policy)
         self.cache.device = dev
         m.embed_tokens = (DiskEmbedding(c, "embed_tokens.weight", dev) if self.embed_on_disk

@@ -57,7 +57,7 @@ def main():
     x = torch.randn(1, K, generator=gen)
     xb = torch.nn.functional.pad(x, (0, Kp - K)).to(torch.bfloat16)
     kernels = {"native": lambda p, sz: op.int4_mm(x, p, sz, N, g)}
-    if S.cpu_int4pack_ok() and g in (32, 64, 128, 256):
+    if S.cpu_int4pack_ok() and g in S.INT4PACK_GROUPS:
         kernels["int4pack"] = lambda p, sz: torch._weight_int4pack_mm_for_cpu(xb, p.view(Np, Kp // 2), g, sz)
     print(f"shape {N}x{K} group {g}: {one / 1e6:.2f} MB per matrix, cold loop over {n_mats} ({n_mats * one / 1e6:.0f} MB); "
           f"AVX2 path: {op.has_avx2()}")

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import checkpoint  # noqa: E402
-from model import Picaflor, load_checkpoint  # noqa: E402
+from model import load_checkpoint, meta_model  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -75,8 +75,7 @@ def nll_of(model, windows, batch_size):
 
 def model_from_state_dict(cfg, sd, dtype):
     """A Picaflor from a plain state dict (the dequantized container), cast as load_checkpoint casts."""
-    with torch.device("meta"):
-        model = Picaflor(cfg)
+    model = meta_model(cfg)
     model.to_empty(device="cpu")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not m.endswith("load_accum") and not (cfg.tie_embeddings and m == "lm_head.weight")]

@@ -399,6 +399,25 @@ def test_param_counts_by_hand():
     assert tied.active_params(include_embedding=False) == body + emb - inactive  # the lm_head still works
 
 
+def test_meta_model_matches_and_skips_random_init():
+    """meta_model: the same tree and shapes as Picaflor, tied weights tied, and no random init on meta tensors, which
+    would import torch._dynamo (+180 MB RSS, paid out of stream_infer's --ram-budget); a fresh interpreter checks."""
+    import subprocess
+    for cfg in (PARITY_CFG, replace(PARITY_CFG, tie_embeddings=True)):
+        with torch.device("meta"):
+            ref = {k: v.shape for k, v in M.Picaflor(cfg).state_dict().items()}
+        m = M.meta_model(cfg)
+        assert {k: v.shape for k, v in m.state_dict().items()} == ref
+        assert all(p.is_meta for p in m.parameters())
+        assert (m.lm_head.weight is m.embed_tokens.weight) == cfg.tie_embeddings
+    code = ("import sys, model; model.meta_model(model.ModelConfig(vocab_size=64, n_layer=2, d_model=32, n_head=2, "
+            "n_kv_head=1, dense_ffn=32, n_experts=4, expert_ffn=16, top_k=2)); "
+            "print('dynamo' if 'torch._dynamo' in sys.modules else 'clean')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert out == "clean"
+
+
 # ----------------------------------------------------------------------------------------------------------
 # checkpoints
 

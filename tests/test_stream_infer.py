@@ -491,7 +491,7 @@ def test_native_int4_kernel_rejects_wrong_sizes():
 @pytest.mark.parametrize("xs,ws,g", ODD_SHAPES)
 def test_cpu_int4_path_equals_reference(xs, ws, g):
     x, p, sz, ref = int4_case(xs, ws, g)
-    got = S.int4_matmul_cpu(x, p, sz, ws, g)
+    got = S.int4_matmul_cpu(x, S.to_int4pack_layout(p, ws, g), sz, ws, g)
     assert got.shape == ref.shape
     assert (got - ref).abs().max() < 2e-2 * ref.abs().max()  # bf16 activations
 
