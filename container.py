@@ -449,7 +449,7 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
 def part_tensor(buf, base, spec, dtype):
     """A zero-copy tensor over buf[base + off : base + off + n]."""
     off, n = spec
-    return torch.frombuffer(buf, dtype=dtype, count=n // torch.tensor([], dtype=dtype).element_size(), offset=base + off)
+    return torch.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize, offset=base + off)
 
 
 class Container:

@@ -527,6 +527,14 @@ at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& gu_packed, const at
   return int4_mm_impl(a, down_packed, down_sz, d_out, down_group, false);
 }
 
+// o += wt * y: the rounded product, then the add (torch's `out += y * w`)
+void add_scaled(float* o, const float* y, int64_t n, float wt) {
+  for (int64_t j = 0; j < n; j++) {
+    const float t = y[j] * wt;
+    o[j] += t;
+  }
+}
+
 // A one-token MoE layer's routed FFNs in one call: out += weights[i] * swiglu_ffn_i(x) for each i in the order
 // given (stream_infer passes the shared expert's output as `out`, then the routed experts in a fixed order).
 void swiglu_mix(const at::Tensor& x, at::Tensor out, at::TensorList gu_packed, at::TensorList gu_sz,
@@ -542,12 +550,19 @@ void swiglu_mix(const at::Tensor& x, at::Tensor out, at::TensorList gu_packed, a
   for (size_t i = 0; i < n; i++) {
     at::Tensor y = swiglu_ffn(x, gu_packed[i], gu_sz[i], two_f[i], group_size[i], down_packed[i], down_sz[i], d_out,
                               group_size[i]);
-    const float* yp = y.data_ptr<float>();
-    const float wt = float(weights[i]);
-    for (int64_t j = 0; j < y.numel(); j++) {
-      const float t = yp[j] * wt;  // rounded product, then the add: torch's `out += y * w`
-      o[j] += t;
-    }
+    add_scaled(o, y.data_ptr<float>(), y.numel(), float(weights[i]));
+  }
+}
+
+// out += weights[i] * ys[i] in the order given, as swiglu_mix sums: stream_infer computes a layer's cached experts
+// while its missing ones are read, then sums every expert's output in the fixed order.
+void mix_outputs(at::Tensor out, at::TensorList ys, at::ArrayRef<double> weights) {
+  TORCH_CHECK(ys.size() == weights.size(), "mix_outputs: lists of different lengths");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "mix_outputs: out must be contiguous fp32");
+  for (size_t i = 0; i < ys.size(); i++) {
+    TORCH_CHECK(ys[i].scalar_type() == at::kFloat && ys[i].is_contiguous() && ys[i].numel() == out.numel() &&
+                    !out.is_alias_of(ys[i]), "mix_outputs: each y must be contiguous fp32 shaped like out, and not out");
+    add_scaled(out.data_ptr<float>(), ys[i].data_ptr<float>(), out.numel(), float(weights[i]));
   }
 }
 
@@ -603,5 +618,6 @@ TORCH_LIBRARY(picaflor_int4, m) {
         "Tensor down_sz, int d_out, int down_group) -> Tensor", &swiglu_ffn);
   m.def("swiglu_mix(Tensor x, Tensor(a!) out, Tensor[] gu_packed, Tensor[] gu_sz, Tensor[] down_packed, "
         "Tensor[] down_sz, int[] two_f, int[] group_size, float[] weights) -> ()", &swiglu_mix);
+  m.def("mix_outputs(Tensor(a!) out, Tensor[] ys, float[] weights) -> ()", &mix_outputs);
   m.def("route(Tensor x, Tensor w, Tensor bias, int top_k, float route_scale) -> (Tensor, Tensor)", &route);
 }

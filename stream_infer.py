@@ -336,7 +336,9 @@ class DiskEmbedding(nn.Module):
 # the expert cache
 
 class Expert:
-    """One routed expert, decoded zero-copy over its blob buffer."""
+    """One routed expert, decoded zero-copy over its blob buffer: raw parts `gate_up` and `down`, which the native
+    kernel multiplies as they are; the other kernels get QLinear modules (built only for them: two nn.Modules
+    cost ~0.1 ms of Python per miss)."""
 
     def __init__(self, container, buf, kernel, device="cpu"):
         dec = container.decode_expert(buf)
@@ -344,13 +346,15 @@ class Expert:
         if device != "cpu":  # CUDA: the blob goes to the GPU once per miss (the host buffer is then dropped)
             dec = {k: {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in v.items()} for k, v in dec.items()}
             self.buf = None
-        self.gate_up_proj = QLinear({"kind": "int4", **dec["gate_up_proj"]}, kernel)
-        self.down_proj = QLinear({"kind": "int4", **dec["down_proj"]}, kernel)
+        self.gate_up, self.down = {"kind": "int4", **dec["gate_up_proj"]}, {"kind": "int4", **dec["down_proj"]}
         self.tensors = [t for part in dec.values() for t in part.values() if isinstance(t, torch.Tensor)]
+        self.native = kernel == "native"
+        if not self.native:
+            self.gate_up_proj, self.down_proj = QLinear(self.gate_up, kernel), QLinear(self.down, kernel)
 
     def __call__(self, x):
-        if self.gate_up_proj.kernel == "native":
-            return native_swiglu(x, self.gate_up_proj, self.down_proj)
+        if self.native:
+            return native_swiglu(x, self.gate_up, self.down)
         g, u = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(g) * u)
 
@@ -359,11 +363,10 @@ class Expert:
 # one-call versions of model.py's small modules for the native kernel (int4_cpu.cpp's decode-step helpers):
 # a one-token step is otherwise ~100 small torch ops per layer, which cost as much as the GEMVs here
 
-def native_swiglu(x, gate_up, down):
-    """down(silu(gate) * up) over a fused int4 gate|up QLinear, in one call."""
-    gu, dn = gate_up.raw, down.raw
-    return _NATIVE.swiglu_ffn(x, gu["packed"], gu["sz"], gate_up.shape[0], gu["group_size"], dn["packed"], dn["sz"],
-                              down.shape[0], dn["group_size"])
+def native_swiglu(x, gu, dn):
+    """down(silu(gate) * up) over a fused int4 gate|up, in one call (gu, dn: raw int4 parts, as QLinear.raw)."""
+    return _NATIVE.swiglu_ffn(x, gu["packed"], gu["sz"], gu["shape"][0], gu["group_size"], dn["packed"], dn["sz"],
+                              dn["shape"][0], dn["group_size"])
 
 
 class NativeFFN(nn.Module):
@@ -374,7 +377,7 @@ class NativeFFN(nn.Module):
         self.gate_up_proj, self.down_proj = mlp.gate_up_proj, mlp.down_proj
 
     def forward(self, x):
-        return native_swiglu(x, self.gate_up_proj, self.down_proj)
+        return native_swiglu(x, self.gate_up_proj.raw, self.down_proj.raw)
 
 
 class NativeRMSNorm(nn.Module):
@@ -665,15 +668,19 @@ class StreamedMoE(nn.Module):
             # all of this layer's experts at once when they fit together (the budget guarantees 2 x top_k; more
             # with --experts-per-token: then one at a time, the same order and sums)
             together = len(keys) * self.cache.nbytes <= self.cache.budget
-            groups = [keys] if together else [[key] for key in keys]
-            for group in groups:
+            cached = [key for key in keys if key in self.cache.entries]
+            if together and len(cached) < len(keys):
+                # the cached experts first, while the missing ones are still read; the sums in the fixed order
+                ys = {key: self.cache.get(key, protect)(x) for key in cached + [k for k in keys if k not in cached]}
+                _NATIVE.mix_outputs(out, [ys[key] for key in keys], [weight[key[1]] for key in keys])
+                return out.reshape(shape)
+            for group in [keys] if together else [[key] for key in keys]:
                 ffns = [self.cache.get(key, set(group)) for key in group]
-                parts = [(f.gate_up_proj.raw, f.down_proj.raw, f.gate_up_proj.shape[0]) for f in ffns]
-                _NATIVE.swiglu_mix(x, out, [gu["packed"] for gu, _, _ in parts], [gu["sz"] for gu, _, _ in parts],
-                                   [dn["packed"] for _, dn, _ in parts], [dn["sz"] for _, dn, _ in parts],
-                                   [n for _, _, n in parts], [gu["group_size"] for gu, _, _ in parts],
+                _NATIVE.swiglu_mix(x, out, [f.gate_up["packed"] for f in ffns], [f.gate_up["sz"] for f in ffns],
+                                   [f.down["packed"] for f in ffns], [f.down["sz"] for f in ffns],
+                                   [f.gate_up["shape"][0] for f in ffns], [f.gate_up["group_size"] for f in ffns],
                                    [weight[key[1]] for key in group])
-                del ffns, parts
+                del ffns
             return out.reshape(shape)
         out = self.shared(x).float()
         if x.shape[0] == 1:  # decode: one token, scalar weights (a third of the ops of the general loop below)

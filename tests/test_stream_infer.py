@@ -99,6 +99,36 @@ def test_budgeted_greedy_equals_resident_token_for_token(tiny):
     assert a == full.generate(prompt, 8, temperature=0.9, top_p=0.9, seed=3)
 
 
+def test_budgeted_hidden_states_equal_resident_bit_for_bit(tiny, monkeypatch):
+    """Under a budget a layer computes its cached experts while the missing ones are read, then sums every expert in
+    the fixed order: the hidden states equal fully resident ones exactly, step by step (not only the argmax)."""
+    m, path = tiny
+    if S.native_int4() is None:
+        pytest.fail("int4_cpu.cpp did not build: install g++ and ninja (pip install -r requirements.txt)")
+    calls, real = {"mix_outputs": 0}, S.native_int4()
+
+    class Counting:  # counts the native ops StreamedMoE calls
+        def __getattr__(self, name):
+            op = getattr(real, name)
+            if name in calls:
+                def counted(*a):
+                    calls[name] += 1
+                    return op(*a)
+                return counted
+            return op
+
+    full, small = S.load(path), S.load(path, preload=False)
+    small.cache.budget = 6 * small.container.expert_nbytes  # 6 of 48 experts
+    monkeypatch.setattr(S, "_NATIVE", Counting())
+    ids = torch.randint(1, 300, (1, 24), generator=torch.Generator().manual_seed(5))
+    kv_full, kv_small = (S.KVCache(e.cfg, 1, 24, "cpu", torch.float32) for e in (full, small))
+    assert torch.equal(full.forward(ids[:, :8], kv_full), small.forward(ids[:, :8], kv_small))
+    for t in range(8, 24):
+        assert torch.equal(full.forward(ids[:, t:t + 1], kv_full), small.forward(ids[:, t:t + 1], kv_small)), t
+    st = small.cache.stats()
+    assert calls["mix_outputs"] > 0 and st["hits"] > 0 and st["misses"] > 0  # the mixed path ran
+
+
 def test_partial_preload_fills_the_cache_evenly(tiny):
     m, path = tiny
     ref = S.load(path).generate(list(range(5, 25)), 8)
