@@ -169,6 +169,8 @@ def test_hit_rate_and_bytes_agree_with_independent_count(tiny):
     eng = S.load(path, prefetch=False, preload=False)
     cap = 7
     eng.cache.budget = cap * eng.container.expert_nbytes
+    assert eng.cache.trace is None  # off unless asked for: it would grow by every lookup
+    eng.cache.record_trace = True
     eng.cache.reset_counters()
     rb0, rc0 = S.io_counters()
     eng.generate(list(range(3, 13)), 16)
