@@ -11,7 +11,8 @@
 // so the inner loop only needs the raw nibbles q, and each group ends with one fix-up per row.
 // Two inner loops:
 // - AVX2 (x86 with AVX2 and G % 4 == 0): integer dot products, as llama.cpp's Q4_0 x Q8_0 ones; x is quantized
-//   per (row, group) to int8 first (Q8_0-style, the same rounding llama.cpp applies to activations).
+//   per (row, group) to int8 first (Q8_0-style, the same rounding llama.cpp applies to activations). Where the
+//   compiler targets AVX-512BW and G % 8 == 0 the same integer arithmetic runs 512 bits wide (block_q8_512).
 // - portable fp32 (every other CPU, and the exact check the tests compare against).
 // Each thread owns whole 32-row blocks; rows of x go 4 at a time so a block's bytes are decoded once per 4 rows
 // and stay in L1/L2 for the next 4.
@@ -163,6 +164,79 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
   return shape;
 }
 
+#ifdef __AVX512BW__
+// AVX-512BW: the AVX2 kernel's arithmetic on 8 columns x 32 rows per step (128 bytes), each 128-bit lane pairing
+// columns as block_q8 does: int32 sums identical to block_q8's, so the results are bit for bit the same. 12%
+// faster on cold 2-thread GEMVs (11.7 -> 13.1 GB/s) and ~25% hot, on this Sapphire Rapids VM.
+template <int MB>
+void block_q8_512(const int8_t* xq, int64_t ldq, const float* dx, const float* sq, const uint8_t* blk,
+                  const uint16_t* sz, int64_t Np, int64_t b, int G, int n_groups, float* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
+  // per 128-bit lane l: x bytes (2l, 2l+1) x 8
+  alignas(64) int8_t idxb[64];
+  for (int l = 0; l < 4; l++) for (int j = 0; j < 16; j++) idxb[16 * l + j] = int8_t(2 * l + (j & 1));
+  const __m512i pair_idx = _mm512_load_si512(idxb);
+  __m256 total[MB][4];
+  for (int m = 0; m < MB; m++) for (int i = 0; i < 4; i++) total[m][i] = _mm256_setzero_ps();
+  for (int g = 0; g < n_groups; g++) {
+    __m256i acc32[MB][4];
+    for (int m = 0; m < MB; m++) for (int i = 0; i < 4; i++) acc32[m][i] = _mm256_setzero_si256();
+    const int64_t g0 = int64_t(g) * G, g1 = g0 + G;
+    if (g + 2 < n_groups) {
+      const char* sn = reinterpret_cast<const char*>(sz + (int64_t(g + 2) * Np + b * ROWS) * 2);
+      _mm_prefetch(sn, _MM_HINT_T0);
+      _mm_prefetch(sn + 64, _MM_HINT_T0);
+    }
+    for (int64_t k0 = g0; k0 < g1; k0 += 32) {
+      __m512i acc16[MB][4];
+      for (int m = 0; m < MB; m++) for (int i = 0; i < 4; i++) acc16[m][i] = _mm512_setzero_si512();
+      const int64_t k1 = std::min<int64_t>(k0 + 32, g1);
+      for (int64_t k = k0; k < k1; k += 8) {
+        const uint8_t* p = blk + k * 16;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        const __m512i C0 = _mm512_loadu_si512(p), C1 = _mm512_loadu_si512(p + 64);
+        const __m512i A = _mm512_shuffle_i64x2(C0, C1, 0x88), B = _mm512_shuffle_i64x2(C0, C1, 0xDD);
+        const __m512i Alo = _mm512_and_si512(A, low4), Ahi = _mm512_and_si512(_mm512_srli_epi16(A, 4), low4);
+        const __m512i Blo = _mm512_and_si512(B, low4), Bhi = _mm512_and_si512(_mm512_srli_epi16(B, 4), low4);
+        const __m512i w[4] = {_mm512_unpacklo_epi8(Alo, Blo), _mm512_unpackhi_epi8(Alo, Blo),
+                              _mm512_unpacklo_epi8(Ahi, Bhi), _mm512_unpackhi_epi8(Ahi, Bhi)};
+        for (int m = 0; m < MB; m++) {
+          int64_t x8;
+          std::memcpy(&x8, xq + m * ldq + k, 8);
+          const __m512i xv = _mm512_shuffle_epi8(_mm512_set1_epi64(x8), pair_idx);
+          for (int i = 0; i < 4; i++) acc16[m][i] = _mm512_add_epi16(acc16[m][i], _mm512_maddubs_epi16(w[i], xv));
+        }
+      }
+      for (int m = 0; m < MB; m++)
+        for (int i = 0; i < 4; i++) {
+          const __m512i lo = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(acc16[m][i]));
+          const __m512i hi = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(acc16[m][i], 1));
+          const __m512i s = _mm512_add_epi32(lo, hi);
+          acc32[m][i] = _mm256_add_epi32(acc32[m][i], _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1)));
+        }
+    }
+    const uint16_t* s = sz + (int64_t(g) * Np + b * ROWS) * 2;
+    __m256 scale[4], zero[4];
+    for (int i = 0; i < 4; i++) {
+      const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * i));
+      scale[i] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+      zero[i] = _mm256_castsi256_ps(_mm256_and_si256(pair, hi16));
+    }
+    for (int m = 0; m < MB; m++) {
+      const float d = dx[m * n_groups + g], c = sq[m * n_groups + g] * d;
+      const __m256 dv = _mm256_set1_ps(d), cv = _mm256_set1_ps(c), m8c = _mm256_set1_ps(-8.0f * c);
+      for (int i = 0; i < 4; i++) {
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc32[m][i]), dv, m8c);
+        total[m][i] = _mm256_fmadd_ps(zero[i], cv, _mm256_fmadd_ps(scale[i], t, total[m][i]));
+      }
+    }
+  }
+  for (int m = 0; m < MB; m++) for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + m * ROWS + 8 * i, total[m][i]);
+}
+#endif
+
 // Runs fn(i0, i1) over [0, n) in contiguous chunks on torch's intra-op threads (its libgomp): a static split,
 // no per-element scheduling; one fork/join per call.
 template <typename F>
@@ -200,8 +274,10 @@ float quantize_q8(const float* x, int64_t n, int8_t* xq, int32_t* total) {
   return finite ? amax / 127.0f : NAN;
 }
 
+enum Path { BEST = 0, GENERIC = 1, AVX2_ONLY = 2 };  // GENERIC: the portable loop; AVX2_ONLY: no AVX-512 (tests)
+
 at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
-                        int64_t group_size, bool generic) {
+                        int64_t group_size, int path) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "int4_mm: x must be a CPU tensor [..., K]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_mm: packed must be contiguous uint8");
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(), "int4_mm: sz must be contiguous bf16");
@@ -218,10 +294,13 @@ at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const 
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   const int64_t n_blocks = Np / ROWS;
-  bool q8 = false;
-  (void)generic;  // only AVX2 CPUs have a second path
+  bool q8 = false, wide = false;
+  (void)path;  // only AVX2 CPUs have a second path
 #ifdef __AVX2__
-  q8 = !generic && G % 4 == 0;
+  q8 = path != GENERIC && G % 4 == 0;
+#endif
+#ifdef __AVX512BW__
+  wide = q8 && path == BEST && G % 8 == 0;
 #endif
   // per (row of x, group): the group's scale dx and sum of x (fp32 path) or of xq (int8 path), shared by every block
   std::vector<float> dx(M * n_groups, 0.0f), sx(M * n_groups, 0.0f);
@@ -250,6 +329,14 @@ at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const 
 #ifdef __AVX2__
           const int8_t* xm = xq.data() + m0 * Kp;
           const float* dxm = dx.data() + m0 * n_groups;
+#ifdef __AVX512BW__
+          if (wide) {
+            if (mb == 1) block_q8_512<1>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+            else if (mb == 2) block_q8_512<2>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+            else if (mb == 3) block_q8_512<3>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+            else block_q8_512<4>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+          } else
+#endif
           if (mb == 1) block_q8<1>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
           else if (mb == 2) block_q8<2>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
           else if (mb == 3) block_q8<3>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
@@ -272,12 +359,17 @@ at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const 
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
                    int64_t group_size) {
-  return int4_mm_impl(x, packed, sz, N, group_size, false);
+  return int4_mm_impl(x, packed, sz, N, group_size, BEST);
 }
 
 at::Tensor int4_mm_generic(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
                            int64_t group_size) {
-  return int4_mm_impl(x, packed, sz, N, group_size, true);
+  return int4_mm_impl(x, packed, sz, N, group_size, GENERIC);
+}
+
+at::Tensor int4_mm_avx2(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+                        int64_t group_size) {
+  return int4_mm_impl(x, packed, sz, N, group_size, AVX2_ONLY);
 }
 
 // int8 rows (container.py "int8": q [N, K] int8, one fp32 scale per row; embeddings / lm_head): y = (x @ q^T) * scale.
@@ -512,7 +604,7 @@ at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& gu_packed, const at
                       int64_t gu_group, const at::Tensor& down_packed, const at::Tensor& down_sz, int64_t d_out,
                       int64_t down_group) {
   TORCH_CHECK(two_f % 2 == 0, "swiglu_ffn: gate|up rows must be even");
-  at::Tensor h = int4_mm_impl(x, gu_packed, gu_sz, two_f, gu_group, false);
+  at::Tensor h = int4_mm_impl(x, gu_packed, gu_sz, two_f, gu_group, BEST);
   const int64_t F = two_f / 2, rows = h.numel() / two_f;
   std::vector<int64_t> shape(h.sizes().begin(), h.sizes().end());
   shape.back() = F;
@@ -524,7 +616,7 @@ at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& gu_packed, const at
       const float g = hp[r * two_f + i], u = hp[r * two_f + F + i];
       ap[r * F + i] = g / (1.0f + std::exp(-g)) * u;
     }
-  return int4_mm_impl(a, down_packed, down_sz, d_out, down_group, false);
+  return int4_mm_impl(a, down_packed, down_sz, d_out, down_group, BEST);
 }
 
 // o += wt * y: the rounded product, then the add (torch's `out += y * w`)
@@ -595,6 +687,14 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x_in, const at::Tenso
   return {weights, idx};
 }
 
+bool has_avx512() {
+#ifdef __AVX512BW__
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool has_avx2() {
 #ifdef __AVX2__
   return true;
@@ -611,6 +711,8 @@ TORCH_LIBRARY(picaflor_int4, m) {
   m.def("int8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_mm);
   m.def("int8_mm_generic(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_mm_generic);
   m.def("has_avx2() -> bool", &has_avx2);
+  m.def("has_avx512() -> bool", &has_avx512);
+  m.def("int4_mm_avx2(Tensor x, Tensor packed, Tensor sz, int N, int group_size) -> Tensor", &int4_mm_avx2);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("attn_decode(Tensor qkv, Tensor q_norm_w, Tensor k_norm_w, float eps, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head, int n_kv_head) -> Tensor", &attn_decode);

@@ -57,10 +57,12 @@ def main():
     x = torch.randn(1, K, generator=gen)
     xb = torch.nn.functional.pad(x, (0, Kp - K)).to(torch.bfloat16)
     kernels = {"native": lambda p, sz: op.int4_mm(x, p, sz, N, g)}
+    if op.has_avx512():  # the native kernel's AVX2 loop beside its 512-bit one (same results, bit for bit)
+        kernels["native_avx2"] = lambda p, sz: op.int4_mm_avx2(x, p, sz, N, g)
     if S.cpu_int4pack_ok() and g in S.INT4PACK_GROUPS:
         kernels["int4pack"] = lambda p, sz: torch._weight_int4pack_mm_for_cpu(xb, p.view(Np, Kp // 2), g, sz)
     print(f"shape {N}x{K} group {g}: {one / 1e6:.2f} MB per matrix, cold loop over {n_mats} ({n_mats * one / 1e6:.0f} MB); "
-          f"AVX2 path: {op.has_avx2()}")
+          f"AVX2 path: {op.has_avx2()}, AVX-512 path: {op.has_avx512()}")
     rows = []
     for th in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(th)
@@ -73,7 +75,7 @@ def main():
             print(f"{name:9s} {th} thread(s): cold {r['cold_gb_s']:5.1f} GB/s ({r['cold_ms']:.3f} ms) | "
                   f"hot {r['hot_gb_s']:5.1f} GB/s ({r['hot_ms']:.3f} ms)")
         if "int4pack" in kernels:
-            nat, pack = rows[-2], rows[-1]
+            nat, pack = rows[-len(kernels)], rows[-1]
             print(f"  native / int4pack at {th} thread(s): cold {pack['cold_ms'] / nat['cold_ms']:.2f}x, "
                   f"hot {pack['hot_ms'] / nat['hot_ms']:.2f}x")
     rows8 = int8_rows_bench(op, a) if a.int8_shape != "0" else []

@@ -382,6 +382,8 @@ def test_native_int4_kernel_equals_reference(xs, ws, g):
         assert got.shape == ref.shape and got.dtype == torch.float32
         assert (got - want).abs().max() < 1e-5 * ref.abs().max()
         assert (got - ref).norm() < 2e-2 * ref.norm()
+    # AVX-512 CPUs run the integer loop 512 bits wide (G % 8 == 0): bit for bit the AVX2 loop's result
+    assert torch.equal(op.int4_mm(x, p, sz, ws[0], g), op.int4_mm_avx2(x, p, sz, ws[0], g))
     got = op.int4_mm(x.to(torch.bfloat16), p, sz, ws[0], g)  # bf16 in: the same as its fp32 value
     xb = x.to(torch.bfloat16).float()
     xbq = q8_activations(xb, g) if op.has_avx2() and g % 4 == 0 else xb
