@@ -667,11 +667,18 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x_in, const at::Tenso
   TORCH_CHECK(w.dim() == 2 && w.size(1) == D && bias.numel() == E && top_k >= 1 && top_k <= E, "route: bad shapes");
   at::Tensor weights = at::empty({rows, top_k}, x.options());
   at::Tensor idx = at::empty({rows, top_k}, x.options().dtype(at::kLong));
-  std::vector<float> score(E), key(E);
+  std::vector<float> scores(rows * E), key(E);
   std::vector<int64_t> order(E);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  auto score_rows = [&](int64_t i0, int64_t i1) {  // (row, expert) pairs; each dot the same whichever thread
+    for (int64_t i = i0; i < i1; i++)
+      scores[i] = 1.0f / (1.0f + std::exp(-dot(xp + (i / E) * D, wp + (i % E) * D, D)));
+  };
+  if (rows * E * D < (1 << 16)) score_rows(0, rows * E);  // tiny routers: not worth waking threads
+  else parallel_chunks(rows * E, score_rows);  // micro's [64, 2048] fp32 router: 0.5 MB a layer per token
   for (int64_t r = 0; r < rows; r++) {
+    const float* score = scores.data() + r * E;
     for (int64_t e = 0; e < E; e++) {
-      score[e] = 1.0f / (1.0f + std::exp(-dot(x.data_ptr<float>() + r * D, w.data_ptr<float>() + e * D, D)));
       key[e] = score[e] + bias.data_ptr<float>()[e];
       order[e] = e;
     }

@@ -450,6 +450,18 @@ def test_native_decode_helpers_equal_model_py():
     order_ref, order = i_ref.sort(-1), i.sort(-1)
     assert torch.equal(order_ref.values, order.values)
     assert (w.gather(1, order.indices) - w_ref.gather(1, order_ref.indices)).abs().max() < 1e-6
+    # a router large enough to score its experts on 2 threads: the same result as on one, bit for bit
+    big_w, big_b, big_x = torch.randn(64, 1100, generator=gen) * 0.1, torch.randn(64, generator=gen) * 0.1, torch.randn(2, 1100, generator=gen)
+    one = op.route(big_x, big_w, big_b, 2, 1.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = op.route(big_x, big_w, big_b, 2, 1.0)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    scores = torch.sigmoid(big_x @ big_w.t())
+    assert torch.equal(one[1].sort(-1).values, torch.topk(scores + big_b, 2).indices.sort(-1).values)
     # one decode step of attention: QK norms, RoPE, cache write, 5 query heads on 1 kv head, head_dim 8
     attn = M.Attention(cfg, 0)
     for prm in attn.parameters():
