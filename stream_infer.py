@@ -1128,6 +1128,8 @@ def main(argv=None):
     ap.add_argument("--json", help="write the benchmark result here")
     ap.add_argument("--sweep", help="benchmark at each budget, e.g. 4G,2G,1G (table + PNG plot)")
     ap.add_argument("--plot", help="PNG path for --sweep (default: next to --json, or sweep.png)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="--sweep: run every budget N times (rounds over all budgets) and keep each one's median run")
     ap.add_argument("--llamacpp-json", default="bench/vs_llamacpp.json",
                     help="llama.cpp figures from bench/vs_llamacpp.py to draw beside the sweep")
     ap.add_argument("--chat", action="store_true", help="multi-turn chat at the terminal (chat.py; history kept in the KV cache)")
@@ -1168,6 +1170,8 @@ def main(argv=None):
             raise StreamError(f"{args.container}: no such file; export one with python export.py CKPT --format int4 --out PATH")
         if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
             raise StreamError(f"--threads {args.threads!r}: a positive integer or auto")
+        if args.repeat < 1 or (args.repeat > 1 and not args.sweep):
+            raise StreamError(f"--repeat {args.repeat}: a positive count of runs per budget, for --sweep")
         if args.bench or args.sweep:  # the honest benchmark lives in stream_bench.py
             import stream_bench
             return stream_bench.main(args, argv)

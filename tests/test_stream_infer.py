@@ -658,13 +658,21 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     assert "decode" in r.stdout and "% of the bound" in r.stdout
     r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--sweep", "1M,3G",
                         "--max-new-tokens", "2", "--bench-prompt-tokens", "4", "--threads", "1", "--json", str(rows),
-                        "--plot", str(png), "--llamacpp-json", str(tmp_path / "absent.json")],
+                        "--plot", str(png), "--llamacpp-json", str(tmp_path / "absent.json"), "--repeat", "3"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(rows.read_text())
     assert [row["budget_str"] for row in got] == ["1M", "3G"]
     assert "--ram-budget 1M" in got[0]["error"] and got[1]["decode_tok_s"] > 0
     assert png.stat().st_size > 10_000 and "refused" in r.stdout
+    # --repeat 3: three runs of 3G (the refused 1M once); its row is the run with the median % of the bound
+    pcts = sorted(run["pct_of_bound"] for run in got[1]["runs"])
+    assert len(pcts) == 3 and "runs" not in got[0] and got[1]["pct_of_bound"] == pcts[1]
+    assert got[1]["pct_of_bound"] == pytest.approx(got[1]["decode_tok_s"] / got[1]["bound_tok_s"])
+    assert "median of 3 runs" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--bench", "--repeat", "2"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0 and "--repeat 2: a positive count of runs per budget, for --sweep" in r.stderr
 
 
 def test_bench_result_fields_and_lfu_policy(tiny):
