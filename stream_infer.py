@@ -13,7 +13,8 @@ Python API (eval.py, bench/quant_quality.py):
     tokens[1:] of context_ids; eng.loglikelihood_batch([(ctx, cont), ...])
 
 How it works (the implementer's calls, as DESIGN.md asks):
-- The model is model.py's Picaflor built on the meta device, its modules swapped for container-backed ones, so
+- The model is model.py's Picaflor built on the meta device (model.meta_model: no random init, which would import
+  torch._dynamo and cost 180 MB of the budget), its modules swapped for container-backed ones, so
   attention, RoPE, the KV cache, norms and the block wiring are model.py's code, not a copy. Resident (read once
   into anonymous memory): the lm_head (int8 rows by default), attention, dense FFN and shared experts (int4),
   norms, routers and selection biases (fp32), plus the KV cache. The int8 embedding table stays on disk when
@@ -21,7 +22,11 @@ How it works (the implementer's calls, as DESIGN.md asks):
 - Routed experts live in ONE byte-budget cache over all layers (LRU), filled by aligned single reads of each
   expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader threads, O_DIRECT when the
   filesystem allows (so the page cache cannot hide a miss) with a buffered fallback. A layer's missing experts
-  are read in parallel; the next MoE layer's likely experts are prefetched by applying ITS router to the current
+  are read in parallel (a blob's crc32 is checked by the reader thread that lands its last part) while the
+  decoding thread computes the shared expert and then the layer's cached experts; every expert's output is summed
+  in the fixed order afterwards (int4_cpu.cpp mix_outputs). On micro at 2G (`python stream_infer.py micro.pcf4
+  --bench`, 32 tokens) that took decode from 13-14 to 16-19 tok/s, with the crc off the decoding thread and 50
+  more cached experts (meta_model). The next MoE layer's likely experts are prefetched by applying ITS router to the current
   hidden state (mixtral-offloading's speculative prefetch), overlapping this layer's compute. Guesses are read into
   their own buffers (2 x top_k, carved out of the budget): a wrong guess only ever replaces an older guess, never a
   cached expert, and a right one joins the cache when demanded. (Guesses used to enter the cache itself and evicted
@@ -33,7 +38,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   wrong on a random-weight model (+20-40% reads), and on this VM reading costs compute: the 2-thread int4 GEMV
   ran at 10.5-12.4 GB/s alone and 5.9-6.6 GB/s while expert blobs were read in the background (with 1 thread it
   kept its speed), so there was little to overlap with. Re-measure on a trained model and a laptop whose NVMe
-  reads by DMA.
+  reads by DMA. Re-measured after those changes, on a Sapphire Rapids VM (2 cores): still a loss (1.5G: 14.1 off,
+  12.7 on; 2G 14.5 / 13.5; guesses right ~63%, +30% reads; GEMV 14.4 GB/s alone, 11.8 while reading).
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
   `context` positions - working memory (one prefill chunk of 256 tokens' activations, 64 logit rows, slack;
@@ -41,11 +47,14 @@ How it works (the implementer's calls, as DESIGN.md asks):
 - CPU int4 path (`--kernel native`, the default): int4_cpu.cpp, compiled on first use (g++ and ninja; ~20 s,
   cached), reads the container's bytes as they are. On AVX2 it quantizes activations per group to int8 and
   multiplies integers, as llama.cpp's Q4_0 x Q8_0 kernels do (relative error ~0.6% on random activations, the
-  size of bf16 rounding); its portable fp32 loop (other CPUs) is slower than int4pack, so auto picks it only on AVX2. Measured here (2 cores, M=1, micro shapes, weights cold
+  size of bf16 rounding), 512 bits wide where the compiler targets AVX-512BW (the same integer sums, bit for
+  bit; +11% cold and +40% hot on 2 threads here); its portable fp32 loop (other CPUs) is slower than int4pack, so
+  auto picks it only on AVX2. Measured on the earlier AVX2 machine (2 cores, M=1, micro shapes, weights cold
   in DRAM, `python bench/int4_gemv.py`): 7-9 GB/s of int4 weights on 1 thread and 10-13 GB/s on 2,
   vs 3.2 / 6.1 GB/s for torch's `_weight_int4pack_mm_for_cpu` (which dequantizes to bf16); hot in cache 15 GB/s
   per thread vs 3. A software prefetch 1 KB ahead added ~20% cold. Without a compiler it warns once and falls
-  back to the int4pack kernel (`--kernel int4pack`); `--kernel reference` dequantizes then multiplies (the check).
+  back to the int4pack kernel (`--kernel int4pack`; on AVX-512 CPUs torch packs 64-row blocks, so its weights are
+  repacked once each, experts at every read); `--kernel reference` dequantizes then multiplies (the check).
   int8 rows (embeddings, lm_head) go through the same extension, on AVX2 with activations quantized to int8 per
   32 columns: micro's lm_head GEMV went from 11.4 to 17.7-20.0 GB/s on 2 threads (~2.5 ms less per token; the
   int8 rows part of bench/int4_gemv.py, where torch's _weight_int8pack_mm gives 8.2-10.3).
