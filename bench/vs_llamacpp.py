@@ -175,6 +175,27 @@ def peak_rss():
 # ----------------------------------------------------------------------------------------------------------
 # parent side
 
+def short_error(why):
+    """A table cell: 'killed (OOM)', 'SIGSEGV', or the first 12 characters."""
+    if why.startswith("killed (out of memory"):
+        return "killed (OOM)"
+    if why.startswith("crashed ("):
+        return why[len("crashed ("):-1]
+    return why[:12]
+
+
+def exit_reason(returncode, err, limited):
+    """Why a child ended: SIGKILL inside a memory cgroup is its OOM killer; any other signal is a crash (llama.cpp's
+    repacked weights took a general protection fault in libggml-cpu.so on a Sapphire Rapids VM, signal 11)."""
+    import signal
+    if returncode > 0:
+        return f"exit {returncode}: {err.strip().splitlines()[-1:]}"
+    sig = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(-returncode)
+    if sig == "SIGKILL" and limited:
+        return "killed (out of memory in the cgroup)"
+    return f"crashed ({sig})"
+
+
 def run_llama(args, budget_bytes, setting):
     """One llama.cpp run in a fresh memory cgroup of budget_bytes (None: no limit). Returns its result dict."""
     import stream_bench
@@ -198,8 +219,7 @@ def run_llama(args, budget_bytes, setting):
         p = subprocess.Popen(cmd, preexec_fn=enter, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             _, err = p.communicate(timeout=args.max_seconds * 2 + 300)
-            why = None if p.returncode == 0 else ("killed (out of memory in the cgroup)" if p.returncode < 0
-                                                  else f"exit {p.returncode}: {err.strip().splitlines()[-1:]}")
+            why = None if p.returncode == 0 else exit_reason(p.returncode, err, cg is not None)
         except subprocess.TimeoutExpired:
             p.kill()
             p.communicate()
@@ -327,7 +347,7 @@ def main(argv=None):
         for r in rows:
             print(f"{r['budget']:>8} {fmt(r['budget_bytes'] and r['budget_bytes'] / 1e9):>6} {fmt(r['picaflor_tok_s']):>14} "
                   f"{fmt(r['llamacpp_tok_s']):>15} {str(r['llamacpp_best_setting'] or '-'):>13} {fmt(r['ratio']):>7}   "
-                  + "  ".join(f"{fmt(r['llamacpp'][s].get('decode_tok_s')) if r['llamacpp'][s].get('decode_tok_s') else r['llamacpp'][s].get('error', '-')[:12]:>12}"
+                  + "  ".join(f"{fmt(r['llamacpp'][s].get('decode_tok_s')) if r['llamacpp'][s].get('decode_tok_s') else short_error(r['llamacpp'][s].get('error', '-')):>12}"
                               for s in settings))
         resident = [r for r in rows if r["budget_bytes"] is None or r["budget_bytes"] >= cbytes]
         best_resident_lc = max((r["llamacpp_tok_s"] or 0 for r in resident), default=0)
