@@ -2,6 +2,7 @@
 picaflor's stream_infer vs llama.cpp on the same model, under the same memory limit, side by side in one run.
 
     python bench/vs_llamacpp.py micro.pcf4 --json bench/vs_llamacpp.json
+    python bench/vs_llamacpp.py micro.pcf4 --llama-builds noamx=/tmp/llama_noamx   # each setting on a second build too
     python bench/vs_llamacpp.py --parity out/tiny      # llama.cpp computes picaflor's logits (f16 GGUF)
 
 For every budget (default: none, 100%, 50%, 25% of the int4 container) it runs
@@ -19,7 +20,10 @@ benchmark weights) gets a small byte-level one so llama.cpp can load the file; t
 
 llama-cpp-python is for this benchmark only (not in requirements.txt); it builds llama.cpp from source:
     CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36
-(~25 min on 2 cores.)
+(~25 min on 2 cores of the earlier machine, ~6 on a Sapphire Rapids VM.) A second build goes to its own folder with
+--target DIR (and --no-cache-dir --no-binary llama-cpp-python, or pip reuses the first wheel whatever CMAKE_ARGS
+say); --llama-builds NAME=DIR then runs every setting on it as well. On Sapphire Rapids the native build's
+repacked weights segfault (AMX) and a -DGGML_AMX_INT8=OFF build runs them: README has both commands.
 """
 import argparse
 import json
@@ -196,8 +200,9 @@ def exit_reason(returncode, err, limited):
     return f"crashed ({sig})"
 
 
-def run_llama(args, budget_bytes, setting):
-    """One llama.cpp run in a fresh memory cgroup of budget_bytes (None: no limit). Returns its result dict."""
+def run_llama(args, budget_bytes, setting, build_dir=None):
+    """One llama.cpp run in a fresh memory cgroup of budget_bytes (None: no limit), with the llama-cpp-python in
+    build_dir (None: the installed one). Returns its result dict."""
     import stream_bench
     dropped = stream_bench.drop_page_cache(args.gguf)
     cg, ver = stream_bench.limited_cgroup(budget_bytes) if budget_bytes else (None, None)
@@ -216,7 +221,11 @@ def run_llama(args, budget_bytes, setting):
                 with open(procs, "w") as f:
                     f.write(str(os.getpid()))
         t0 = time.time()
-        p = subprocess.Popen(cmd, preexec_fn=enter, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        env = dict(os.environ)
+        if build_dir:
+            env["PYTHONPATH"] = os.pathsep.join([build_dir] + [p for p in [env.get("PYTHONPATH")] if p])
+        p = subprocess.Popen(cmd, preexec_fn=enter, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env=env)
         try:
             _, err = p.communicate(timeout=args.max_seconds * 2 + 300)
             why = None if p.returncode == 0 else exit_reason(p.returncode, err, cg is not None)
@@ -286,6 +295,10 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="tokenizer file for the GGUF when the container has none")
     ap.add_argument("--budgets", default="none,100%,50%,25%", help="memory limits: none, N%% of the container, or 2G")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="llama.cpp settings to try at each budget")
+    ap.add_argument("--llama-builds", default="",
+                    help="more llama-cpp-python builds to try each setting on, NAME=DIR,... (pip install --target DIR); "
+                         "the installed one is 'installed'. Its native build's repacked weights (AMX) segfaulted on a "
+                         "Sapphire Rapids VM, where a build with -DGGML_AMX_INT8=OFF ran them")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     ap.add_argument("--picaflor-threads", default="auto", help="stream_infer --threads (auto: its own best choice)")
     ap.add_argument("--tokens", type=int, default=16, help="decoded tokens per run")
@@ -308,11 +321,21 @@ def main(argv=None):
         if not args.container or not os.path.isfile(args.container):
             raise BenchError(f"{args.container}: no such container; make one with python container.py "
                              f"--random-config config/micro.py --out micro.pcf4")
-        import_llama_cpp()
         settings = [s for s in args.settings.split(",") if s]
         bad = [s for s in settings if s not in SETTINGS]
         if bad:
             raise BenchError(f"--settings: unknown {bad[0]!r}; choose from {','.join(SETTINGS)}")
+        builds = {"installed": None}
+        for item in (x for x in args.llama_builds.split(",") if x):
+            name, _, path = item.partition("=")
+            if not name or not os.path.isdir(os.path.join(path, "llama_cpp")):
+                raise BenchError(f"--llama-builds {item!r}: NAME=DIR where DIR holds a llama_cpp package "
+                                 f"(pip install --target DIR llama-cpp-python)")
+            builds[name] = os.path.abspath(path)
+        import_llama_cpp()
+        # column name -> (setting, build dir): "mmap", or "mmap@noamx" once there is more than one build
+        runs = {(st if len(builds) == 1 else f"{st}@{b}"): (st, d) for b, d in builds.items() for st in settings}
+        settings = list(runs)
         args.gguf = args.gguf or os.path.splitext(args.container)[0] + ".q4_0.gguf"
         make_gguf(args)
         cbytes = os.path.getsize(args.container)
@@ -326,8 +349,8 @@ def main(argv=None):
             print(f"picaflor: {fmt(pic.get('decode_tok_s'))} tok/s" + (f" ({pic['error']})" if "error" in pic else ""),
                   flush=True)
             lc = {}
-            for s in settings:
-                lc[s] = run_llama(args, bb, s)
+            for s, (setting, build_dir) in runs.items():
+                lc[s] = run_llama(args, bb, setting, build_dir)
                 r = lc[s]
                 print(f"llama.cpp {s}: {fmt(r.get('decode_tok_s'))} tok/s, {r.get('tokens', 0)} tokens"
                       + (f", peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB" if r.get("peak_rss_bytes") else "")
@@ -342,12 +365,13 @@ def main(argv=None):
                          "picaflor_page_cache_excluded": pic.get("page_cache_excluded"),
                          "llamacpp_tok_s": ok.get(best), "llamacpp_best_setting": best,
                          "ratio": (p_tok / ok[best]) if (p_tok and best) else None, "llamacpp": lc})
-        print(f"\n{'budget':>8} {'GB':>6} {'picaflor tok/s':>14} {'llama.cpp tok/s':>15} {'best setting':>13} {'ratio':>7}   "
-              + "  ".join(f"{s:>12}" for s in settings))
+        w = max([12] + [len(c) for c in settings])
+        print(f"\n{'budget':>8} {'GB':>6} {'picaflor tok/s':>14} {'llama.cpp tok/s':>15} {'best setting':>{w}} {'ratio':>7}   "
+              + "  ".join(f"{s:>{w}}" for s in settings))
         for r in rows:
             print(f"{r['budget']:>8} {fmt(r['budget_bytes'] and r['budget_bytes'] / 1e9):>6} {fmt(r['picaflor_tok_s']):>14} "
-                  f"{fmt(r['llamacpp_tok_s']):>15} {str(r['llamacpp_best_setting'] or '-'):>13} {fmt(r['ratio']):>7}   "
-                  + "  ".join(f"{fmt(r['llamacpp'][s].get('decode_tok_s')) if r['llamacpp'][s].get('decode_tok_s') else short_error(r['llamacpp'][s].get('error', '-')):>12}"
+                  f"{fmt(r['llamacpp_tok_s']):>15} {str(r['llamacpp_best_setting'] or '-'):>{w}} {fmt(r['ratio']):>7}   "
+                  + "  ".join(f"{fmt(r['llamacpp'][s].get('decode_tok_s')) if r['llamacpp'][s].get('decode_tok_s') else short_error(r['llamacpp'][s].get('error', '-')):>{w}}"
                               for s in settings))
         resident = [r for r in rows if r["budget_bytes"] is None or r["budget_bytes"] >= cbytes]
         best_resident_lc = max((r["llamacpp_tok_s"] or 0 for r in resident), default=0)

@@ -720,3 +720,12 @@ def test_vs_llamacpp_budgets_and_bad_input(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode != 0 and r.stderr.strip().startswith("error:") and "nope.pcf4" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    # a second llama.cpp build must be a folder holding the llama_cpp package: one line naming the flag
+    box = tmp_path / "box.pcf4"
+    box.write_bytes(b"x")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vs_llamacpp.py"), str(box), "--llama-builds",
+                        f"noamx={tmp_path}"], capture_output=True, text=True)
+    assert r.returncode != 0 and "--llama-builds" in r.stderr and "llama_cpp package" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert V.exit_reason(-9, "", True) == "killed (out of memory in the cgroup)"
+    assert V.exit_reason(-11, "", True) == "crashed (SIGSEGV)" and V.exit_reason(-9, "", False) == "crashed (SIGKILL)"
