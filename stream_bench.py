@@ -332,7 +332,8 @@ RUN_KEYS = ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token",
 def run_sweep(args, argv):
     """The honest benchmark at each budget (each in its own cgroup), a table and a PNG of the curves. With --repeat N
     every budget runs N times, in rounds over all budgets (so a drifting disk touches each budget alike); a
-    budget's row is its run with the median % of the bound (a real run, not a mix), the others under "runs"."""
+    budget's row is its successful run with the median % of the bound (a real run, not a mix; of an even count the
+    lower middle one), every successful run under "runs", failed ones' errors under "failed_runs"."""
     budgets = [b.strip() for b in args.sweep.split(",") if b.strip()]
     for b in budgets:
         S.parse_size(b)
@@ -355,10 +356,15 @@ def run_sweep(args, argv):
                 print_bench(res)
     rows = []
     for b in budgets:
-        runs = sorted(results[b], key=lambda r: r.get("pct_of_bound", 0.0))
-        row = dict(runs[len(runs) // 2])
-        if len(runs) > 1:
-            row["runs"] = [{k: r[k] for k in RUN_KEYS} for r in results[b]]  # in the order they ran
+        ok = sorted((r for r in results[b] if "error" not in r), key=lambda r: r["pct_of_bound"])
+        failed = [r["error"] for r in results[b] if "error" in r]
+        if not ok:  # every run refused or failed: the row is the first error
+            rows.append(results[b][0])
+            continue
+        row = dict(ok[(len(ok) - 1) // 2])  # the median run; of an even count the lower middle one
+        if len(results[b]) > 1:
+            row["runs"] = [{k: r[k] for k in RUN_KEYS} for r in results[b] if "error" not in r]  # in the order run
+            row["failed_runs"] = failed
         rows.append(row)
     print(f"\n{'budget':>8} {'decode tok/s':>12} {'prefill tok/s':>13} {'hit rate':>8} {'disk MB/tok':>11} "
           f"{'peak RSS':>9} {'bound tok/s':>11} {'% of bound':>10} {'cache excl.':>11}")
@@ -370,11 +376,14 @@ def run_sweep(args, argv):
         if "runs" in r:  # the median run, and the range over all runs
             pcts = [x["pct_of_bound"] * 100 for x in r["runs"]]
             pct += f" ({min(pcts):.0f}-{max(pcts):.0f})"
+            if r["failed_runs"]:
+                pct += f", {len(r['failed_runs'])} failed"
         print(f"{r['budget_str']:>8} {r['decode_tok_s']:12.2f} {r['prefill_tok_s']:13.2f} {r['hit_rate']:8.3f} "
               f"{r['disk_bytes_per_token'] / 1e6:11.1f} {S.fmt_size(r['peak_rss_bytes']):>9} {r['bound_tok_s']:11.2f} "
               f"{pct:>10} {str(r['page_cache_excluded']):>11}")
     if args.repeat > 1:
-        print(f"each row: the median of {args.repeat} runs by % of the bound (range in brackets)")
+        print(f"each row: the median of {args.repeat} runs by % of the bound (range in brackets; of an even count, "
+              f"the lower middle run)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

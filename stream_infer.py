@@ -186,14 +186,18 @@ def int4pack_same_layout():
     return cpu_int4pack_ok() and _INT4PACK == "same"
 
 
-def to_int4pack_layout(packed, shape, group_size):
+def to_int4pack_layout(packed, shape, group_size, rows_at_a_time=128):
     """In place: the container's packed bytes -> the layout torch's int4pack kernel uses on this CPU (the same size).
     A no-op where the layouts agree; elsewhere a repack (~25 ms per 2048x1024 matrix), once per resident weight
-    and once per expert read: --kernel int4pack is the fallback for machines without a compiler."""
+    and once per expert read: --kernel int4pack is the fallback for machines without a compiler. Both layouts keep
+    a run of rows (a multiple of 64) in the same contiguous bytes, so it goes rows_at_a_time rows at a time: the
+    int32 unpacked copy it needs stays a few MB (whole matrices took 10x their bytes, 168 MB for micro's dense FFN)."""
     if group_size in INT4PACK_GROUPS and not int4pack_same_layout():  # other groups: reference, container bytes
         Np, Kp = C.int4_padded_shape(shape, group_size)
-        q = C.unpack_int4(packed, Np, Kp).to(torch.int32)
-        packed.copy_(torch._convert_weight_to_int4pack_for_cpu(q, 1).view(-1))
+        for r0 in range(0, Np, rows_at_a_time):
+            part = packed[r0 * Kp // 2:(r0 + rows_at_a_time) * Kp // 2]
+            q = C.unpack_int4(part, min(rows_at_a_time, Np - r0), Kp).to(torch.int32)
+            part.copy_(torch._convert_weight_to_int4pack_for_cpu(q, 1).view(-1))
     return packed
 
 
@@ -262,12 +266,13 @@ def int4_matmul_native(x, packed, sz, shape, group_size):
 class QLinear(nn.Module):
     """A linear layer over a container tensor (int4 / int8 / f32), y = x @ W^T, fp32 in and out."""
 
-    def __init__(self, raw, kernel):
+    def __init__(self, raw, kernel, shared=False):
+        """shared: another module reads raw's bytes as the container stores them (a tied int4 embedding)."""
         super().__init__()
+        if kernel == "int4pack" and raw["kind"] == "int4" and raw.get("layout") != "int4pack":
+            packed = raw["packed"].clone() if shared and not int4pack_same_layout() else raw["packed"]
+            raw = dict(raw, packed=to_int4pack_layout(packed, raw["shape"], raw["group_size"]), layout="int4pack")
         self.raw, self.kind, self.shape, self.kernel = raw, raw["kind"], raw["shape"], kernel
-        if kernel == "int4pack" and self.kind == "int4" and raw.get("layout") != "int4pack":
-            to_int4pack_layout(raw["packed"], self.shape, raw["group_size"])  # over the container's bytes: in place
-            raw["layout"] = "int4pack"
         if self.kind == "int8":
             self.scale_bf16 = raw["scale"].to(torch.bfloat16)
         self.nbytes = sum(v.numel() * v.element_size() for v in raw.values() if isinstance(v, torch.Tensor))
@@ -458,9 +463,9 @@ class ExpertCache:
         self.reads = self.prefetch_reads = 0
         self.bytes_read = 0
         self.read_wait_s = 0.0
-        # demanded keys in order, kept only when asked for (record_trace; tests replay it): 32 a token on micro,
-        # a leak of ~70 bytes per lookup over a long session under a RAM budget
-        self.trace = [] if self.record_trace else None
+        # demanded keys in order, kept only while record_trace is set (tests replay it): 32 a token on micro, it
+        # grew by ~70 bytes per lookup over a whole session under a RAM budget
+        self.trace = []
 
     @property
     def used(self):
@@ -613,7 +618,7 @@ class ExpertCache:
 
     def get(self, key, protect):
         self.lookups += 1
-        if self.trace is not None:
+        if self.record_trace:
             self.trace.append(key)
         if self.policy == "lfu":
             self.freq[key] = self.freq.get(key, 0.0) + 1.0
@@ -730,6 +735,8 @@ def pick_kernel(kernel, device):
     if kernel == "native" and (device != "cpu" or native_int4() is None):
         raise StreamError("--kernel native: int4_cpu.cpp runs on CPU only and needs a C++ compiler and ninja "
                           "(the warning above says why it did not build); use --kernel int4pack")
+    if kernel == "int4pack" and device != "cpu":
+        raise StreamError("--kernel int4pack: torch's CPU int4 kernel; on CUDA use --kernel triton (auto picks it)")
     if kernel == "int4pack" and not cpu_int4pack_ok():
         raise StreamError("--kernel int4pack: this torch build lacks the CPU int4 kernel; "
                           "use --kernel reference (torch is pinned in requirements.txt)")
@@ -855,8 +862,8 @@ class Engine:
         def to_dev(r):
             return {k: (v.to(dev) if isinstance(v, torch.Tensor) and dev != "cpu" else v) for k, v in r.items()}
 
-        def lin(name):
-            return QLinear(to_dev(raw[name]), kernel)
+        def lin(name, shared=False):
+            return QLinear(to_dev(raw[name]), kernel, shared)
 
         def fuse(module, fused_name, names):
             """q|k|v or gate|up as one int4 GEMV when they concatenate as bytes (int4, same K and group size, row
@@ -885,7 +892,7 @@ class Engine:
         self.cache.device = dev
         m.embed_tokens = (DiskEmbedding(c, "embed_tokens.weight", dev) if self.embed_on_disk
                           else QEmbedding(to_dev(raw["embed_tokens.weight"])))
-        m.lm_head = lin("embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight")
+        m.lm_head = lin("embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight", shared=cfg.tie_embeddings)
         m.norm.weight = vec("norm.weight")
         if native:
             m.norm = NativeRMSNorm(m.norm)

@@ -181,7 +181,7 @@ def peak_rss():
 
 def short_error(why):
     """A table cell: 'killed (OOM)', 'SIGSEGV', or the first 12 characters."""
-    if why.startswith("killed (out of memory"):
+    if why.startswith("killed ("):
         return "killed (OOM)"
     if why.startswith("crashed ("):
         return why[len("crashed ("):-1]
@@ -195,8 +195,8 @@ def exit_reason(returncode, err, limited):
     if returncode > 0:
         return f"exit {returncode}: {err.strip().splitlines()[-1:]}"
     sig = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(-returncode)
-    if sig == "SIGKILL" and limited:
-        return "killed (out of memory in the cgroup)"
+    if sig == "SIGKILL":
+        return "killed (out of memory in the cgroup)" if limited else "killed (SIGKILL: the system's OOM killer?)"
     return f"crashed ({sig})"
 
 
@@ -328,6 +328,9 @@ def main(argv=None):
         builds = {"installed": None}
         for item in (x for x in args.llama_builds.split(",") if x):
             name, _, path = item.partition("=")
+            if name in builds:
+                raise BenchError(f"--llama-builds {item!r}: the name {name!r} is taken (one name per build; "
+                                 f"'installed' is the llama-cpp-python installed here)")
             if not name or not os.path.isdir(os.path.join(path, "llama_cpp")):
                 raise BenchError(f"--llama-builds {item!r}: NAME=DIR where DIR holds a llama_cpp package "
                                  f"(pip install --target DIR llama-cpp-python)")

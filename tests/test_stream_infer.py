@@ -129,6 +129,26 @@ def test_budgeted_hidden_states_equal_resident_bit_for_bit(tiny, monkeypatch):
     assert calls["mix_outputs"] > 0 and st["hits"] > 0 and st["misses"] > 0  # the mixed path ran
 
 
+def test_tied_int4_embeddings_under_every_cpu_kernel(tmp_path):
+    """A tied int4 embedding table is read as the container stores it by the embedding and multiplied by the
+    lm_head: --kernel int4pack repacks the lm_head's copy (on AVX-512 torch packs differently), never the bytes the
+    embedding reads. Every kernel gives the reference's embeddings exactly and its logits within int4 kernel error."""
+    torch.manual_seed(0)
+    m = Picaflor(ModelConfig(**dict(CFG, tie_embeddings=True)))
+    ck = save_checkpoint(m, str(tmp_path / "run"), 1)
+    path = str(tmp_path / "tied4.pcf4")
+    C.write_container(ck, path, group_size=32, embed_bits=4, progress=False)
+    ids = torch.tensor([[5, 7, 9, 11, 200]])
+    ref = S.load(path, kernel="reference")
+    assert ref.container.header["tensors"]["embed_tokens.weight"]["kind"] == "int4"
+    with torch.no_grad():
+        want_emb, want = ref.model.embed_tokens(ids), ref.logits(ref.forward(ids))
+        for kernel in ("native", "int4pack"):
+            eng = S.load(path, kernel=kernel)
+            assert torch.equal(eng.model.embed_tokens(ids), want_emb), kernel
+            assert (eng.logits(eng.forward(ids)) - want).abs().max() < 2e-2 * want.abs().max(), kernel
+
+
 def test_partial_preload_fills_the_cache_evenly(tiny):
     m, path = tiny
     ref = S.load(path).generate(list(range(5, 25)), 8)
@@ -169,7 +189,8 @@ def test_hit_rate_and_bytes_agree_with_independent_count(tiny):
     eng = S.load(path, prefetch=False, preload=False)
     cap = 7
     eng.cache.budget = cap * eng.container.expert_nbytes
-    assert eng.cache.trace is None  # off unless asked for: it would grow by every lookup
+    eng.generate([3, 4], 2)
+    assert eng.cache.trace == []  # off unless asked for: it would grow by every lookup
     eng.cache.record_trace = True
     eng.cache.reset_counters()
     rb0, rc0 = S.io_counters()
@@ -675,6 +696,36 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     assert r.returncode != 0 and "--repeat 2: a positive count of runs per budget, for --sweep" in r.stderr
 
 
+def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
+    """--repeat: a budget's row is its successful run with the median % of the bound (the lower middle of an even
+    count); a round that fails later is listed, not fatal; a budget that only fails is its error row."""
+    import types
+    decode = {"2G": iter([5.0, None, 3.0, 4.0]), "1G": iter([None, None])}  # None: that round's child failed
+
+    def fake_bench(args, argv):
+        tok = next(decode[args.ram_budget])
+        if tok is None:
+            raise S.StreamError(f"x.pcf4: benchmark child failed (exit 1) at --ram-budget {args.ram_budget}")
+        return {"decode_tok_s": tok, "bound_tok_s": 10.0, "prefill_tok_s": 1.0, "hit_rate": 0.5,
+                "disk_bytes_per_token": 1e6, "read_wait_s_per_token": 0.01, "bound_tok_s_serial": 5.0,
+                "disk_bw_bytes_s": 1e9, "mem_bw_bytes_s": 1e10, "peak_rss_bytes": 1 << 30, "page_cache_excluded": True,
+                "ram_budget": S.parse_size(args.ram_budget)}
+
+    monkeypatch.setattr(B, "bench_in_cgroup", fake_bench)
+    monkeypatch.setattr(B, "print_bench", lambda res: None)
+    monkeypatch.setattr(B, "plot_sweep", lambda *a: None)
+    args = types.SimpleNamespace(sweep="2G,1G", repeat=4, json=str(tmp_path / "s.json"), plot=None,
+                                 llamacpp_json=None, container="x.pcf4", ram_budget=None)
+    rows = B.run_sweep(args, [])
+    assert rows[0]["decode_tok_s"] == 4.0  # of 3, 4, 5 tok/s (one round failed): the median
+    assert [r["decode_tok_s"] for r in rows[0]["runs"]] == [5.0, 3.0, 4.0] and len(rows[0]["failed_runs"]) == 1
+    assert "error" in rows[1] and "runs" not in rows[1]  # refused once: not tried again
+    assert "1 failed" in capsys.readouterr().out
+    decode["2G"] = iter([5.0, 3.0])
+    args.sweep, args.repeat = "2G", 2
+    assert B.run_sweep(args, [])[0]["decode_tok_s"] == 3.0  # even count: the lower middle run
+
+
 def test_bench_result_fields_and_lfu_policy(tiny):
     m, path = tiny
     eng = S.load(path, ram_budget=None, cache_policy="lfu", preload=False)
@@ -728,4 +779,4 @@ def test_vs_llamacpp_budgets_and_bad_input(tmp_path):
     assert r.returncode != 0 and "--llama-builds" in r.stderr and "llama_cpp package" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert V.exit_reason(-9, "", True) == "killed (out of memory in the cgroup)"
-    assert V.exit_reason(-11, "", True) == "crashed (SIGSEGV)" and V.exit_reason(-9, "", False) == "crashed (SIGKILL)"
+    assert V.exit_reason(-11, "", True) == "crashed (SIGSEGV)" and "OOM killer" in V.exit_reason(-9, "", False)
