@@ -339,7 +339,7 @@ def run_sweep(args, argv):
         S.parse_size(b)
     base = strip_args(argv, {"--sweep", "--ram-budget", "--json", "--plot", "--repeat"}, {"--bench"})
     results = {b: [] for b in budgets}
-    for rnd in range(max(1, args.repeat)):
+    for _ in range(max(1, args.repeat)):
         for b in budgets:
             if results[b] and "error" in results[b][0]:
                 continue  # refused once (e.g. below the resident size): it would be refused again
