@@ -652,15 +652,17 @@ void mix_outputs(at::Tensor out, at::TensorList ys, at::ArrayRef<double> weights
 }
 
 // The DeepSeek-V3 router of model.Router for rows of x: scores = sigmoid(x W^T) in fp32, experts chosen by
-// scores + bias (the bias only selects), weights = chosen scores / their sum * route_scale.
-std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& bias_in,
+// scores + bias (the bias only selects), weights = chosen scores / their sum * route_scale. Also returns the
+// selection keys scores + bias [rows, E]: stream_infer's expert cache evicts by them (policy "score").
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& bias_in,
                                          int64_t top_k, double route_scale) {
   const at::Tensor x = as_float_contiguous(x_in), w = as_float_contiguous(w_in), bias = as_float_contiguous(bias_in);
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0, E = w.size(0);
   TORCH_CHECK(w.dim() == 2 && w.size(1) == D && bias.numel() == E && top_k >= 1 && top_k <= E, "route: bad shapes");
   at::Tensor weights = at::empty({rows, top_k}, x.options());
   at::Tensor idx = at::empty({rows, top_k}, x.options().dtype(at::kLong));
-  std::vector<float> scores(rows * E), key(E);
+  at::Tensor keys = at::empty({rows, E}, x.options());
+  std::vector<float> scores(rows * E);
   std::vector<int64_t> order(E);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   auto score_rows = [&](int64_t i0, int64_t i1) {  // (row, expert) pairs; each dot the same whichever thread
@@ -671,6 +673,7 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x_in, const at::Tenso
   else parallel_chunks(rows * E, score_rows);  // micro's [64, 2048] fp32 router: 0.5 MB a layer per token
   for (int64_t r = 0; r < rows; r++) {
     const float* score = scores.data() + r * E;
+    float* key = keys.data_ptr<float>() + r * E;
     for (int64_t e = 0; e < E; e++) {
       key[e] = score[e] + bias.data_ptr<float>()[e];
       order[e] = e;
@@ -684,7 +687,7 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x_in, const at::Tenso
       weights.data_ptr<float>()[r * top_k + i] = score[order[i]] / (total + 1e-20f) * float(route_scale);
     }
   }
-  return {weights, idx};
+  return {weights, idx, keys};
 }
 
 bool has_avx512() {
@@ -721,5 +724,5 @@ TORCH_LIBRARY(picaflor_int4, m) {
   m.def("swiglu_mix(Tensor x, Tensor(a!) out, Tensor[] gu_packed, Tensor[] gu_sz, Tensor[] down_packed, "
         "Tensor[] down_sz, int[] two_f, int[] group_size, float[] weights) -> ()", &swiglu_mix);
   m.def("mix_outputs(Tensor(a!) out, Tensor[] ys, float[] weights) -> ()", &mix_outputs);
-  m.def("route(Tensor x, Tensor w, Tensor bias, int top_k, float route_scale) -> (Tensor, Tensor)", &route);
+  m.def("route(Tensor x, Tensor w, Tensor bias, int top_k, float route_scale) -> (Tensor, Tensor, Tensor)", &route);
 }

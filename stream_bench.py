@@ -61,6 +61,22 @@ def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=(), picked=Non
     return len(pick) * n / (time.perf_counter() - t0)
 
 
+def cpu_times():
+    """(steal, total) jiffies of all CPUs from /proc/stat, or None: steal is time a hypervisor ran something else
+    while this guest wanted the CPU (this VM lost 20-40% of its cycles so in busy hours, and tok/s with them)."""
+    try:
+        f = [int(v) for v in open("/proc/stat").readline().split()[1:]]
+        return (f[7] if len(f) > 7 else 0), sum(f[:8])
+    except (OSError, ValueError):
+        return None
+
+
+def steal_fraction(before, after):
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def measure_memory_bandwidth(mb=64, reps=5):
     a = torch.empty(mb << 18, dtype=torch.float32).fill_(1.0)
     b = torch.empty_like(a)
@@ -123,9 +139,11 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     st_prefill = eng.cache.stats()
     rb1, _ = S.io_counters()
     majflt0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    cpu0 = cpu_times()
     lookups0, hits0 = eng.cache.lookups, eng.cache.hits + eng.cache.prefetch_hits
     bytes0, wait0, busy0 = eng.cache.bytes_read, eng.cache.read_wait_s, eng.cache.disk_busy_s
     out = [first] + list(it)
+    cpu1 = cpu_times()
     rb2, _ = S.io_counters()
     majflt = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - majflt0  # pages (code, page cache) the budget evicted and decode faulted back
     decode_lat = timings[1:]
@@ -161,6 +179,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "hit_rate": dec_hit, "hit_rate_with_prefill": st["hit_rate"], "prefill_reads": st_prefill["reads"],
         "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
         "read_wait_s_per_token": wait_per_tok, "major_faults_per_token": majflt / max(n_dec, 1),
+        "cpu_steal_fraction": steal_fraction(cpu0, cpu1), "cache_policy": eng.cache.policy,
         "expert_bytes": cont.expert_nbytes, "cache_capacity_experts": st["capacity_experts"],
         "peak_rss_bytes": S.peak_rss_bytes(), "resident_rss_bytes": eng.resident_rss, "baseline_rss_bytes": eng.baseline_rss,
         "disk_bw_bytes_s": disk_bw, "disk_bw_before_bytes_s": disk_before, "disk_bw_after_bytes_s": disk_after,
@@ -284,6 +303,19 @@ def disk_spread(res):
     return f" ({', '.join(parts)})" if parts else ""
 
 
+STEAL_WARN = 0.05  # above this share of CPU time taken by the hypervisor, the bench says its tok/s is not the machine's
+
+
+def fmt_steal(r):
+    """'3%', or '3% (1-22)' over a row's runs, or 'n/a'."""
+    v = r.get("cpu_steal_fraction")
+    out = "n/a" if v is None else f"{v * 100:.0f}%"
+    runs = [x.get("cpu_steal_fraction") for x in r.get("runs", [])]
+    if runs and None not in runs:
+        out += f" ({min(runs) * 100:.0f}-{max(runs) * 100:.0f})"
+    return out
+
+
 def print_bench(res):
     g = lambda n: f"{n / 1e9:.2f} GB" if n is not None else "n/a"  # noqa: E731
     print(f"container {res['container']} ({g(res['container_bytes'])}, random weights: {res['random_weights']}), "
@@ -304,7 +336,13 @@ def print_bench(res):
     km = res.get("kernel_ms")
     if km:
         print(f"expert gate_up GEMV {km['shape']}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in km.items() if k != "shape"))
-    print(f"cgroup: {res.get('cgroup')}, O_DIRECT: {res['direct_io']}, page cache excluded: {res.get('page_cache_excluded')}")
+    steal = res.get("cpu_steal_fraction")
+    print(f"cgroup: {res.get('cgroup')}, O_DIRECT: {res['direct_io']}, page cache excluded: {res.get('page_cache_excluded')}, "
+          f"cache policy {res.get('cache_policy')}, CPU steal during decode "
+          f"{'n/a' if steal is None else f'{steal * 100:.1f}%'}")
+    if steal is not None and steal > STEAL_WARN:
+        print(f"WARNING: the hypervisor took {steal * 100:.0f}% of this machine's CPU time during decode: tok/s is "
+              f"lower than this machine gives alone; rerun in a quieter hour or take the median of --repeat", file=sys.stderr)
     if not res.get("page_cache_excluded"):
         print("WARNING: the page cache could not be excluded (no memory cgroup and no O_DIRECT): misses may have been "
               "served from RAM, so these figures are NOT disk-bound", file=sys.stderr)
@@ -326,7 +364,8 @@ def strip_args(argv, names_with_value, flags=()):
 
 
 RUN_KEYS = ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token", "read_wait_s_per_token",
-            "bound_tok_s", "bound_tok_s_serial", "pct_of_bound", "disk_bw_bytes_s", "mem_bw_bytes_s")
+            "bound_tok_s", "bound_tok_s_serial", "pct_of_bound", "disk_bw_bytes_s", "mem_bw_bytes_s",
+            "cpu_steal_fraction")
 
 
 def run_sweep(args, argv):
@@ -363,11 +402,11 @@ def run_sweep(args, argv):
             continue
         row = dict(ok[(len(ok) - 1) // 2])  # the median run; of an even count the lower middle one
         if len(results[b]) > 1:
-            row["runs"] = [{k: r[k] for k in RUN_KEYS} for r in results[b] if "error" not in r]  # in the order run
+            row["runs"] = [{k: r.get(k) for k in RUN_KEYS} for r in results[b] if "error" not in r]  # in the order run
             row["failed_runs"] = failed
         rows.append(row)
     print(f"\n{'budget':>8} {'decode tok/s':>12} {'prefill tok/s':>13} {'hit rate':>8} {'disk MB/tok':>11} "
-          f"{'peak RSS':>9} {'bound tok/s':>11} {'% of bound':>10} {'cache excl.':>11}")
+          f"{'peak RSS':>9} {'bound tok/s':>11} {'% of bound':>10} {'cache excl.':>11} {'CPU steal':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['budget_str']:>8} {'refused: needs more than the budget':>40}")
@@ -380,7 +419,7 @@ def run_sweep(args, argv):
                 pct += f", {len(r['failed_runs'])} failed"
         print(f"{r['budget_str']:>8} {r['decode_tok_s']:12.2f} {r['prefill_tok_s']:13.2f} {r['hit_rate']:8.3f} "
               f"{r['disk_bytes_per_token'] / 1e6:11.1f} {S.fmt_size(r['peak_rss_bytes']):>9} {r['bound_tok_s']:11.2f} "
-              f"{pct:>10} {str(r['page_cache_excluded']):>11}")
+              f"{pct:>10} {str(r['page_cache_excluded']):>11} {fmt_steal(r):>9}")
     if args.repeat > 1:
         print(f"each row: the median of {args.repeat} runs by % of the bound (range in brackets; of an even count, "
               f"the lower middle run)")

@@ -186,7 +186,7 @@ def test_evicted_buffers_are_recycled_unless_held(tiny):
 
 def test_hit_rate_and_bytes_agree_with_independent_count(tiny):
     m, path = tiny
-    eng = S.load(path, prefetch=False, preload=False)
+    eng = S.load(path, prefetch=False, preload=False, cache_policy="lru")
     cap = 7
     eng.cache.budget = cap * eng.container.expert_nbytes
     eng.generate([3, 4], 2)
@@ -214,6 +214,37 @@ def test_hit_rate_and_bytes_agree_with_independent_count(tiny):
     assert rc1 - rc0 >= st["bytes_read"]
     if eng.container.direct_fd is not None:  # O_DIRECT reads bypass the page cache: storage saw them all
         assert rb1 - rb0 >= st["bytes_read"]
+
+
+def test_score_policy_agrees_with_independent_replay(tiny):
+    """Policy "score" (the default): decode's misses and the final cached set equal an independent replay of the
+    router's selection keys, and the keys it was fed are the ones that chose the experts (top-k of each)."""
+    m, path = tiny
+    eng = S.load(path, prefetch=False, preload=False)
+    assert eng.cache.policy == "score"
+    cap = 7
+    eng.cache.budget = cap * eng.container.expert_nbytes
+    it = eng.stream(list(range(3, 13)), 17)
+    next(it)  # prefill done, nothing in flight: replay decode from this snapshot
+    c = eng.cache
+    entries, router_score = list(c.entries), {k: list(v) for k, v in c.router_score.items()}
+    c.record_trace = True
+    c.reset_counters()
+    list(it)
+    assert len(c.observed) == 16 * len(eng.moes) and c.misses > 0
+    starts = [i for i, _, _ in c.observed] + [len(c.trace)]
+    for n, (i, layer, s) in enumerate(c.observed):  # decode: one token, its layer's top-k keys were demanded
+        top = sorted(range(len(s)), key=lambda e: -s[e])[:eng.cfg.top_k]
+        assert sorted(e for _, e in c.trace[i:starts[n + 1]]) == sorted(top)
+        assert all(layer == k[0] for k in c.trace[i:starts[n + 1]])
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from cache_replay import replay  # bench/cache_replay.py judges policies with it: it must count as the engine does
+    misses, lookups, final = replay("score", entries, router_score, c.observed, c.trace, cap)
+    assert (c.misses, c.lookups) == (misses, lookups) and set(c.entries) == final
+    assert replay("lru", entries, {}, c.observed, c.trace, cap)[2] != final  # the policies keep different experts
+    # belady (the reference) misses least; counting from a later lookup counts fewer
+    assert replay("belady", entries, {}, c.observed, c.trace, cap)[0] <= misses
+    assert replay("score", entries, router_score, c.observed, c.trace, cap, count_from=10)[1] == lookups - 10
 
 
 def test_guesses_replace_guesses_never_cached_experts(tiny):
@@ -467,7 +498,8 @@ def test_native_decode_helpers_equal_model_py():
     xr = torch.randn(7, 40, generator=gen)
     with torch.no_grad():
         w_ref, i_ref = router(xr, bias, 2, 1.5)
-    w, i = op.route(xr, router.weight, bias, 2, 1.5)
+    w, i, keys = op.route(xr, router.weight, bias, 2, 1.5)
+    assert torch.allclose(keys, torch.sigmoid(xr @ router.weight.t()) + bias, atol=1e-6)  # the selection keys
     order_ref, order = i_ref.sort(-1), i.sort(-1)
     assert torch.equal(order_ref.values, order.values)
     assert (w.gather(1, order.indices) - w_ref.gather(1, order_ref.indices)).abs().max() < 1e-6
@@ -480,7 +512,7 @@ def test_native_decode_helpers_equal_model_py():
         two = op.route(big_x, big_w, big_b, 2, 1.0)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
     scores = torch.sigmoid(big_x @ big_w.t())
     assert torch.equal(one[1].sort(-1).values, torch.topk(scores + big_b, 2).indices.sort(-1).values)
     # one decode step of attention: QK norms, RoPE, cache write, 5 query heads on 1 kv head, head_dim 8
@@ -709,7 +741,7 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
         return {"decode_tok_s": tok, "bound_tok_s": 10.0, "prefill_tok_s": 1.0, "hit_rate": 0.5,
                 "disk_bytes_per_token": 1e6, "read_wait_s_per_token": 0.01, "bound_tok_s_serial": 5.0,
                 "disk_bw_bytes_s": 1e9, "mem_bw_bytes_s": 1e10, "peak_rss_bytes": 1 << 30, "page_cache_excluded": True,
-                "ram_budget": S.parse_size(args.ram_budget)}
+                "ram_budget": S.parse_size(args.ram_budget), "cpu_steal_fraction": tok / 100}
 
     monkeypatch.setattr(B, "bench_in_cgroup", fake_bench)
     monkeypatch.setattr(B, "print_bench", lambda res: None)
@@ -720,15 +752,16 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     assert rows[0]["decode_tok_s"] == 4.0  # of 3, 4, 5 tok/s (one round failed): the median
     assert [r["decode_tok_s"] for r in rows[0]["runs"]] == [5.0, 3.0, 4.0] and len(rows[0]["failed_runs"]) == 1
     assert "error" in rows[1] and "runs" not in rows[1]  # refused once: not tried again
-    assert "1 failed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 failed" in out and "4% (3-5)" in out  # the CPU steal column: the median run's, and the range
     decode["2G"] = iter([5.0, 3.0])
     args.sweep, args.repeat = "2G", 2
     assert B.run_sweep(args, [])[0]["decode_tok_s"] == 3.0  # even count: the lower middle run
 
 
-def test_bench_result_fields_and_lfu_policy(tiny):
+def test_bench_result_fields_and_lru_policy(tiny, capsys):
     m, path = tiny
-    eng = S.load(path, ram_budget=None, cache_policy="lfu", preload=False)
+    eng = S.load(path, ram_budget=None, cache_policy="lru", preload=False)
     eng.cache.budget = 5 * eng.container.expert_nbytes
     res = B.run_bench(eng, n_prompt=6, n_new=5)
     for key in ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token", "peak_rss_bytes", "bound_tok_s"):
@@ -748,13 +781,24 @@ def test_bench_result_fields_and_lfu_policy(tiny):
     assert set(seen) == every - done  # 64 asked for: all 32 blobs that are left, none of the excluded
     assert B.measure_disk_bandwidth(eng.container, exclude=set(sorted(every)[7:])) is None  # 7 left: too few
     eng.container.read_expert_part = read
+    assert res["cache_policy"] == "lru"
+    # the hypervisor's share of the CPU during decode (/proc/stat steal), where the kernel reports it
+    assert res["cpu_steal_fraction"] is None or 0 <= res["cpu_steal_fraction"] <= 1
+    assert B.steal_fraction((10, 100), (30, 200)) == pytest.approx(0.2)
+    assert B.steal_fraction(None, (30, 200)) is None and B.steal_fraction((10, 100), (10, 100)) is None
+    res["cpu_steal_fraction"] = 0.3
+    B.print_bench(res)
+    assert "the hypervisor took 30% of this machine's CPU time" in capsys.readouterr().err
     # the counted bytes and /proc/self/io agree when reads are O_DIRECT
     if res["direct_io"]:
         assert res["disk_bytes_per_token"] >= res["counted_bytes_per_token"]
     # the policy changes what is cached, never the output
-    lru = S.load(path, preload=False)
-    lru.cache.budget = 5 * lru.container.expert_nbytes
-    assert eng.generate([3, 4, 5], 8) == lru.generate([3, 4, 5], 8)
+    score = S.load(path, preload=False)
+    assert score.cache.policy == "score"  # the default
+    score.cache.budget = 5 * score.container.expert_nbytes
+    assert eng.generate([3, 4, 5], 8) == score.generate([3, 4, 5], 8)
+    with pytest.raises(S.StreamError, match="cache policy 'lfu'"):
+        S.load(path, cache_policy="lfu")
     assert B.strip_args(["m", "--sweep", "1G,2G", "--bench", "--json=x"], {"--sweep", "--json"}, {"--bench"}) == ["m"]
 
 
