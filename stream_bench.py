@@ -11,7 +11,9 @@ after the container's page cache was dropped (posix_fadvise DONTNEED). Where nei
 so (page_cache_excluded false) and the figures are not disk-bound. The child measures the disk (expert blobs read
 as the cache reads them) and memory bandwidth before loading, decodes, measures the disk again on blobs it never
 read (the bound takes the mean, or the rate decode's own reads ran at if higher), and reports: prefill / decode tok/s, p50 / p99 token latency, hit rate, disk bytes per token from
-/proc/self/io (and as counted), peak RSS, and the lower bound 1 / max(disk time, memory time) per token.
+/proc/self/io (and as counted), peak RSS, and the lower bound 1 / max(disk time, memory time) per token, the disk
+time being the reads decode needed (its misses; with --prefetch its right guesses too, never its wrong ones) at
+the measured rate, the memory time the weights one token touches at the copy rate.
 A sweep writes a table and a PNG (decode tok/s, hit rate and disk bytes per token against the budget, with
 llama.cpp's curve from bench/vs_llamacpp.py's JSON when there is one).
 """
@@ -141,6 +143,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     majflt0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     cpu0 = cpu_times()
     lookups0, hits0 = eng.cache.lookups, eng.cache.hits + eng.cache.prefetch_hits
+    demanded0 = eng.cache.misses + eng.cache.prefetch_hits  # reads decode needed (a right guess is one)
     bytes0, wait0, busy0 = eng.cache.bytes_read, eng.cache.read_wait_s, eng.cache.disk_busy_s
     out = [first] + list(it)
     cpu1 = cpu_times()
@@ -167,7 +170,9 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     if disk_decode and (disk_bw is None or disk_decode > disk_bw):  # the disk served decode faster than measured
         disk_bw = disk_decode  # (a cache below this machine): the bound must not be looser than what was achieved
     t_mem = mem_per_tok / mem_bw
-    t_disk = max(disk_per_tok, counted_per_tok) / disk_bw if disk_bw else 0.0
+    # the bound's disk time: the reads decode needed (its misses, right guesses included), not wrong guesses
+    demanded_per_tok = (st["misses"] + st["prefetch_hits"] - demanded0) * cont.expert_nbytes / max(n_dec, 1)
+    t_disk = demanded_per_tok / disk_bw if disk_bw else 0.0
     lat = sorted(decode_lat)
     pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan"))
     return {
@@ -178,6 +183,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "p50_token_latency_s": pct(0.5), "p99_token_latency_s": pct(0.99),
         "hit_rate": dec_hit, "hit_rate_with_prefill": st["hit_rate"], "prefill_reads": st_prefill["reads"],
         "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
+        "demanded_bytes_per_token": demanded_per_tok,
         "read_wait_s_per_token": wait_per_tok, "major_faults_per_token": majflt / max(n_dec, 1),
         "cpu_steal_fraction": steal_fraction(cpu0, cpu1), "cache_policy": eng.cache.policy,
         "expert_bytes": cont.expert_nbytes, "cache_capacity_experts": st["capacity_experts"],

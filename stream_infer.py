@@ -464,6 +464,8 @@ class ExpertCache:
         self.guesses = OrderedDict()  # (layer, expert) -> ([Future per part], buffer), oldest first
         self.read_keys = set()  # every blob read since load (the bench measures the disk on others)
         self.pool = ThreadPoolExecutor(max_workers=n_readers, thread_name_prefix="expert-reader")
+        self.guess_pool = None  # guesses' own readers (made with the first guess slot): a demand read never
+        # queues behind a guess
         self.busy_lock, self.active_reads, self.busy_since, self.disk_busy_s = threading.Lock(), 0, 0.0, 0.0
         self.n_parts = max(1, n_readers)
         self.record_trace = False
@@ -535,8 +537,8 @@ class ExpertCache:
         self.free_bufs.append(buf)
         return True
 
-    def _read(self, key, buf):
-        """Start reading one blob into buf: [Future per part]."""
+    def _read(self, key, buf, pool=None):
+        """Start reading one blob into buf (on `pool`, default the demand readers): [Future per part]."""
         # one blob = n_readers aligned parts read at once (queue depth; see container.read_expert_part)
         step = -(-self.nbytes // self.n_parts // C.ALIGN) * C.ALIGN
         self.reads += 1
@@ -544,7 +546,7 @@ class ExpertCache:
         self.read_keys.add(key)
         parts = [(o, min(step, self.nbytes - o)) for o in range(0, self.nbytes, step)]
         left = [len(parts)]  # parts not landed yet: the reader that lands the last one checks the blob
-        return [self.pool.submit(self._read_part, key, buf, o, n, left) for o, n in parts]
+        return [(pool or self.pool).submit(self._read_part, key, buf, o, n, left) for o, n in parts]
 
     def _read_part(self, key, buf, start, nbytes, left):
         """One part read on a reader thread, timed: disk_busy_s adds up the time at least one read was running (the
@@ -617,7 +619,7 @@ class ExpertCache:
                     return
                 self.slot_bufs.append(self.guesses.pop(old)[1])
             buf = self.slot_bufs.pop()
-            self.guesses[key] = (self._read(key, buf), buf)
+            self.guesses[key] = (self._read(key, buf, self.guess_pool), buf)
             self.prefetch_reads += 1
 
     def set_slots(self, n):
@@ -627,6 +629,8 @@ class ExpertCache:
                 wait_quietly(fut)
             self.free_bufs += self.slot_bufs + [buf for _, buf in self.guesses.values()]
             self.slot_bufs, self.guesses = [], OrderedDict()
+        elif self.guess_pool is None:
+            self.guess_pool = ThreadPoolExecutor(max_workers=self.n_parts, thread_name_prefix="expert-guess")
         self.n_slots = n
 
     def observe(self, layer, keys):

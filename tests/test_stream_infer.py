@@ -280,6 +280,7 @@ def test_guesses_in_flight_and_failed_guesses(tiny):
     skipped while every guess is in flight (nothing waits, nothing is evicted); a failed read of a guess nobody
     asks for is no error (settle, prefetch off), one that is asked for raises."""
     import threading
+    import time
     m, path = tiny
     eng = S.load(path, prefetch=False, preload=False)
     c = eng.cache
@@ -298,11 +299,14 @@ def test_guesses_in_flight_and_failed_guesses(tiny):
     c.guess([(2, 0), (2, 1)], set())
     c.guess([(3, 0)], set())  # both guess buffers are being read into: skipped
     assert list(c.guesses) == [(2, 0), (2, 1)] and c.prefetch_reads == 2 and not c.entries
+    t0 = time.perf_counter()
+    c.get((1, 5), {(1, 5)})  # a demand read while both guesses hang: guesses have their own readers
+    assert time.perf_counter() - t0 < 10 and list(c.entries) == [(1, 5)] and not gate.is_set()
     threading.Timer(0.2, gate.set).start()
     got = c.get((2, 0), {(2, 0)})  # waits for the guess's read
     x = torch.randn(1, eng.cfg.d_model)
     assert torch.equal(got(x), S.Expert(eng.container, eng.container.read_expert_blob(2, 0), eng.kernel)(x))
-    assert c.prefetch_hits == 1 and c.misses == 0 and c.reads == 2
+    assert c.prefetch_hits == 1 and c.misses == 1 and c.reads == 3
     c.guess([(3, 9)], set())  # a wrong guess whose read fails
     c.settle()
     c.set_slots(0)  # prefetch off: quiet too, and every guess buffer goes back to the cache
@@ -782,6 +786,9 @@ def test_bench_result_fields_and_lru_policy(tiny, capsys):
     assert B.measure_disk_bandwidth(eng.container, exclude=set(sorted(every)[7:])) is None  # 7 left: too few
     eng.container.read_expert_part = read
     assert res["cache_policy"] == "lru"
+    # the bound's disk time counts the reads decode needed: without prefetch, every read it made
+    assert res["demanded_bytes_per_token"] > 0
+    assert res["demanded_bytes_per_token"] == pytest.approx(res["counted_bytes_per_token"])
     # the hypervisor's share of the CPU during decode (/proc/stat steal), where the kernel reports it
     assert res["cpu_steal_fraction"] is None or 0 <= res["cpu_steal_fraction"] <= 1
     assert B.steal_fraction((10, 100), (30, 200)) == pytest.approx(0.2)
@@ -792,6 +799,10 @@ def test_bench_result_fields_and_lru_policy(tiny, capsys):
     # the counted bytes and /proc/self/io agree when reads are O_DIRECT
     if res["direct_io"]:
         assert res["disk_bytes_per_token"] >= res["counted_bytes_per_token"]
+    eng.set_prefetch(True)  # with prefetch a wrong guess is read but not needed: the bound leaves it out
+    pf = B.run_bench(eng, n_prompt=6, n_new=5)
+    assert pf["cache"]["prefetch_reads"] > 0 and pf["demanded_bytes_per_token"] <= pf["counted_bytes_per_token"]
+    eng.set_prefetch(False)
     # the policy changes what is cached, never the output
     score = S.load(path, preload=False)
     assert score.cache.policy == "score"  # the default
