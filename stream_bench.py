@@ -64,16 +64,20 @@ def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=(), picked=Non
 
 
 def cpu_times():
-    """(steal, total) jiffies of all CPUs from /proc/stat, or None: steal is time a hypervisor ran something else
-    while this guest wanted the CPU (this VM lost 20-40% of its cycles so in busy hours, and tok/s with them)."""
+    """(steal, busy) jiffies of all CPUs from /proc/stat, or None: steal is time a hypervisor ran something else
+    while this guest wanted the CPU (this VM lost 20-40% of its cycles so in busy hours, and tok/s with them);
+    busy is all time but idle and iowait (user, nice, system, irq, softirq, steal; guest is inside user)."""
     try:
-        f = [int(v) for v in open("/proc/stat").readline().split()[1:]]
-        return (f[7] if len(f) > 7 else 0), sum(f[:8])
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        v += [0] * (8 - len(v))
+        return v[7], sum(v) - v[3] - v[4]
     except (OSError, ValueError):
         return None
 
 
 def steal_fraction(before, after):
+    """The share of the CPU time this machine wanted (busy jiffies) that the hypervisor took between two reads."""
     if before is None or after is None or after[1] <= before[1]:
         return None
     return (after[0] - before[0]) / (after[1] - before[1])
@@ -347,7 +351,7 @@ def print_bench(res):
           f"cache policy {res.get('cache_policy')}, CPU steal during decode "
           f"{'n/a' if steal is None else f'{steal * 100:.1f}%'}")
     if steal is not None and steal > STEAL_WARN:
-        print(f"WARNING: the hypervisor took {steal * 100:.0f}% of this machine's CPU time during decode: tok/s is "
+        print(f"WARNING: the hypervisor took {steal * 100:.0f}% of the CPU time this machine wanted during decode: tok/s is "
               f"lower than this machine gives alone; rerun in a quieter hour or take the median of --repeat", file=sys.stderr)
     if not res.get("page_cache_excluded"):
         print("WARNING: the page cache could not be excluded (no memory cgroup and no O_DIRECT): misses may have been "

@@ -62,7 +62,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   (the packed layout is whole 32-row blocks, so this is a byte concatenation), one GEMV instead of three or two;
   a one-token MoE step uses scalar routing weights. Both keep the arithmetic of the unfused path.
 - Cache policy `score` (default; `--cache-policy lru` for plain LRU): evict the cached expert whose router scored
-  it lowest lately, an average of its selection score (sigmoid + bias) that decays by SCORE_DECAY = 0.85 a token.
+  it lowest lately, an average of its selection score (sigmoid + bias) that decays by SCORE_DECAY = 0.85 a token
+  (a prefill chunk counts as one step, averaged over its rows).
   Each token the router scores all 64 experts of a layer, not just the two it picks, so the scores say which
   experts the next tokens are near; LRU sees only the picks. Replayed on 12 held-out prompts' traces of micro
   (16 prompt + 32 greedy tokens each, decode hit rate, caches filled as at load): LRU / score 0.873 / 0.898 at 684
@@ -111,7 +112,7 @@ class StreamError(Exception):
 
 
 CACHE_POLICIES = ("score", "lru")
-SCORE_DECAY = 0.85  # policy "score": weight of the old average per token (0.5-0.95 within 1 point in trace replay)
+SCORE_DECAY = 0.85  # policy "score": weight of the old average per forward pass (0.8-0.9 within a point in replay)
 
 # ----------------------------------------------------------------------------------------------------------
 # sizes and process probes
@@ -447,7 +448,7 @@ class ExpertCache:
     next miss (`free_bufs`), unless something still holds that expert: a fresh 3.5 MB anonymous mmap cost ~4.6 ms
     to fault in and its munmap ~0.9 ms here, per miss."""
 
-    def __init__(self, container, budget_bytes, kernel, n_readers=4, policy="lru"):
+    def __init__(self, container, budget_bytes, kernel, n_readers=4, policy="score"):
         if policy not in CACHE_POLICIES:
             raise StreamError(f"cache policy {policy!r}: use one of {', '.join(CACHE_POLICIES)}")
         self.c, self.budget, self.kernel, self.policy = container, budget_bytes, kernel, policy
@@ -463,6 +464,7 @@ class ExpertCache:
         self.clock = 0
         self.device = "cpu"
         self.nbytes = container.expert_nbytes
+        self.every_expert_bytes = (cfg.n_layer - cfg.n_dense_layers) * cfg.n_experts * self.nbytes
         self.entries = OrderedDict()  # (layer, expert) -> Expert
         self.inflight = {}  # (layer, expert) -> ([Future per part], is_prefetch, buffer)
         self.free_bufs = []  # evicted experts' buffers, for the next read (counted in `used` until reused)
@@ -627,7 +629,7 @@ class ExpertCache:
     def guess(self, keys, protect):
         """Prefetch: start reading keys (the next layer's likely experts) into the guess buffers. A guess buffer is
         a spare one, else (once there are n_slots) the oldest guess that has landed: a wrong guess only ever
-        replaces a guess. A slot is made by evicting the LRU expert only while there are fewer than n_slots, i.e.
+        replaces a guess. A slot is made by evicting an expert (the policy's victim) only while there are fewer than n_slots, i.e.
         at the start and after a right guess joined the cache (the cost any newly cached expert has). Skipped while
         every guess is still in flight (the disk is busy), and for small caches (fewer than 4 experts per slot),
         which keep their room."""
@@ -661,11 +663,12 @@ class ExpertCache:
 
     def observe(self, layer, keys):
         """A layer's router just scored its experts (selection keys [rows, E], as route returns them): policy
-        "score" keeps their average, new = SCORE_DECAY * old + (1 - SCORE_DECAY) * mean over the rows. Call it
-        before requesting the layer's experts, so its evictions see this token."""
-        if self.policy != "score":
-            return
-        s = (keys[0] if keys.shape[0] == 1 else keys.float().mean(0)).double().numpy()
+        "score" keeps their average, new = SCORE_DECAY * old + (1 - SCORE_DECAY) * mean over the rows, once per
+        forward pass (a decode token, or a prefill chunk as one step). Call it before requesting the layer's
+        experts, so its evictions see this pass."""
+        if self.policy != "score" or (self.budget >= self.every_expert_bytes and not self.record_trace):
+            return  # nothing can be evicted (every expert fits): no work, and on a GPU no sync per layer
+        s = (keys[0] if keys.shape[0] == 1 else keys.float().mean(0)).double().cpu().numpy()  # 64 floats off a GPU
         row = self.score_tab[layer]
         if layer in self.score_seen:  # float64, the same two products and sum as the replay's Python floats
             row *= SCORE_DECAY
@@ -820,6 +823,8 @@ class Engine:
     def __init__(self, path, ram_budget=None, device="cpu", kernel="auto", n_readers=4, prefetch=False,
                  context=None, cache_policy="score", preload="auto", prefill_chunk=PREFILL_CHUNK):
         self.cache_policy, self.n_readers = cache_policy, n_readers
+        if cache_policy not in CACHE_POLICIES:
+            raise StreamError(f"cache policy {cache_policy!r}: use one of {', '.join(CACHE_POLICIES)}")
         self.prefill_chunk = int(prefill_chunk)
         if self.prefill_chunk < 1:
             raise StreamError(f"prefill_chunk {prefill_chunk}: must be at least 1 token")

@@ -9,7 +9,9 @@ give the same figures on any machine, so a policy is judged by misses, not by a 
 
 Capacities are in experts (a sweep's "experts cached" column: micro caches 684 / 380 / 229 / 77 at 3G / 2G / 1.5G /
 1G). Policies: lru; score (stream_infer's default: evict the lowest decayed router score) at a few decays; belady
-(evict the expert needed furthest ahead, prefill included: the optimum for all misses, a reference, not a policy).
+(evict the expert needed furthest ahead: it knows the future, so it is a reference, not a policy; it minimises
+all misses, prefill included, with a layer's own experts pinned while it runs, so it need not top every decode
+hit rate).
 tests/test_stream_infer.py checks `replay` against the engine's own counters.
 """
 import argparse
@@ -53,9 +55,12 @@ def replay(policy, entries, router_score, observed, trace, cap, decay=None, coun
                 continue
             misses += counted
             if len(cache) >= cap:
-                rest = (k for k in cache if k not in protect)
+                rest = [k for k in cache if k not in protect]
+                if not rest:  # the engine would evict one of the layer's own experts here; not modelled
+                    raise ValueError(f"capacity {cap}: one pass of layer {layer} needs more experts "
+                                     f"({len(protect)}) than the cache holds; replay larger capacities")
                 if policy == "lru":
-                    victim = next(rest)
+                    victim = rest[0]
                 elif policy == "score":  # min keeps the first of equals: LRU order breaks ties
                     victim = min(rest, key=lambda k: score[k[0]][k[1]] if k[0] in score else float("-inf"))
                 elif policy == "belady":
@@ -115,10 +120,16 @@ def main():
         sys.exit(f"--capacities {args.capacities!r} / --decays {args.decays!r}: comma-separated numbers")
     if min(caps) < 1 or not all(0 <= d < 1 for d in decays):
         sys.exit("--capacities must be >= 1 expert and --decays in [0, 1)")
+    if args.prompt_tokens < 1 or args.new_tokens < 1 or args.prompts < 1:
+        sys.exit("--prompts, --prompt-tokens and --new-tokens must be >= 1")
     try:  # the routing does not depend on the budget: record with every expert resident when RAM allows
         eng = S.load(args.container, ram_budget=None)
     except S.StreamError as e:
         sys.exit(str(e))
+    one_pass = min(eng.cfg.n_experts, args.prompt_tokens * eng.cfg.top_k)  # the most a layer's prefill asks for
+    if min(caps) < one_pass:
+        sys.exit(f"--capacities {min(caps)}: below the {one_pass} experts one layer's prefill of {args.prompt_tokens} "
+                 f"tokens can ask for at once; use >= {one_pass} or fewer --prompt-tokens")
     traces = record(eng, args.prompts, args.seed, args.prompt_tokens, args.new_tokens)
     layers = [m.layer for m in eng.moes]
     policies = [("lru", None)] + [("score", d) for d in decays] + [("belady", None)]

@@ -217,34 +217,50 @@ def test_hit_rate_and_bytes_agree_with_independent_count(tiny):
 
 
 def test_score_policy_agrees_with_independent_replay(tiny):
-    """Policy "score" (the default): decode's misses and the final cached set equal an independent replay of the
-    router's selection keys, and the keys it was fed are the ones that chose the experts (top-k of each)."""
-    m, path = tiny
-    eng = S.load(path, prefetch=False, preload=False)
-    assert eng.cache.policy == "score"
-    cap = 7
-    eng.cache.budget = cap * eng.container.expert_nbytes
-    it = eng.stream(list(range(3, 13)), 17)
-    next(it)  # prefill done, nothing in flight: replay decode from this snapshot
-    c = eng.cache
-    entries, router_score = list(c.entries), {k: list(v) for k, v in c.router_score.items()}
-    c.record_trace = True
-    c.reset_counters()
-    list(it)
-    assert len(c.observed) == 16 * len(eng.moes) and c.misses > 0
-    starts = [i for i, _, _ in c.observed] + [len(c.trace)]
-    for n, (i, layer, s) in enumerate(c.observed):  # decode: one token, its layer's top-k keys were demanded
-        top = sorted(range(len(s)), key=lambda e: -s[e])[:eng.cfg.top_k]
-        assert sorted(e for _, e in c.trace[i:starts[n + 1]]) == sorted(top)
-        assert all(layer == k[0] for k in c.trace[i:starts[n + 1]])
+    """Policy "score" (the default) from a cache filled at load, prefill included: the engine's misses, lookups and
+    final cached set equal bench/cache_replay.py's replay of the router's selection keys (which starts unseen
+    layers at -inf and breaks equal scores by age), and the keys it was fed are the ones that chose the experts."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from cache_replay import replay  # bench/cache_replay.py judges policies with it: it must count as the engine does
-    misses, lookups, final = replay("score", entries, router_score, c.observed, c.trace, cap)
-    assert (c.misses, c.lookups) == (misses, lookups) and set(c.entries) == final
-    assert replay("lru", entries, {}, c.observed, c.trace, cap)[2] != final  # the policies keep different experts
-    # belady (the reference) misses least; counting from a later lookup counts fewer
-    assert replay("belady", entries, {}, c.observed, c.trace, cap)[0] <= misses
-    assert replay("score", entries, router_score, c.observed, c.trace, cap, count_from=10)[1] == lookups - 10
+    from cache_replay import preload_order, replay  # it judges policies in the README: it must count as the engine
+    m, path = tiny
+    for cap, prompt in ((7, [3, 4, 5]), (9, [9, 2, 7, 1]), (13, [5, 5, 6, 30, 2, 8])):
+        eng = S.load(path, prefetch=False, preload=False)
+        assert eng.cache.policy == "score"
+        c = eng.cache
+        c.budget = cap * eng.container.expert_nbytes
+        eng.preload_experts(partial=True)
+        layers = [moe.layer for moe in eng.moes]
+        assert list(c.entries) == preload_order(layers, eng.cfg.n_experts, cap)
+        c.record_trace = True
+        c.reset_counters()
+        eng.generate(prompt, 17)
+        assert len(c.observed) == 17 * len(layers) and c.misses > 0
+        starts = [i for i, _, _ in c.observed] + [len(c.trace)]
+        for n, (i, layer, s) in enumerate(c.observed):  # each pass demanded only its layer's experts
+            window = c.trace[i:starts[n + 1]]
+            assert all(layer == k[0] for k in window)
+            if n >= len(layers):  # decode: one token, exactly its top-k keys
+                assert sorted(e for _, e in window) == sorted(sorted(range(len(s)), key=lambda e: -s[e])[:eng.cfg.top_k])
+        misses, lookups, final = replay("score", preload_order(layers, eng.cfg.n_experts, cap), {}, c.observed,
+                                        c.trace, cap)
+        assert (c.misses, c.lookups) == (misses, lookups) and set(c.entries) == final, cap
+        lru = replay("lru", preload_order(layers, eng.cfg.n_experts, cap), {}, c.observed, c.trace, cap)
+        assert lru[2] != final  # the policies keep different experts
+        # belady (the reference) misses least; counting from a later lookup counts fewer
+        assert replay("belady", preload_order(layers, eng.cfg.n_experts, cap), {}, c.observed, c.trace, cap)[0] <= misses
+        assert replay("score", [], {}, c.observed, c.trace, cap, count_from=10)[1] == lookups - 10
+    with pytest.raises(ValueError, match="needs more experts"):  # a pass wider than the cache: said, not a crash
+        replay("score", [], {}, [(0, 1, [0.0] * 16)], [(1, 0), (1, 1), (1, 2)], 2)
+
+
+def test_cache_replay_cli_bad_input(tmp_path):
+    """bench/cache_replay.py: a missing container or a malformed list is one line and a non-zero exit."""
+    script = os.path.join(ROOT, "bench", "cache_replay.py")
+    for args, msg in (([str(tmp_path / "nope.pcf4")], "no such container"),
+                      ([str(tmp_path), "--capacities", "3,x"], "comma-separated numbers"),
+                      ([str(tmp_path), "--decays", "1.5"], "--decays in [0, 1)")):
+        r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_guesses_replace_guesses_never_cached_experts(tiny):
@@ -792,10 +808,12 @@ def test_bench_result_fields_and_lru_policy(tiny, capsys):
     # the hypervisor's share of the CPU during decode (/proc/stat steal), where the kernel reports it
     assert res["cpu_steal_fraction"] is None or 0 <= res["cpu_steal_fraction"] <= 1
     assert B.steal_fraction((10, 100), (30, 200)) == pytest.approx(0.2)
+    steal, busy = B.cpu_times()
+    assert 0 <= steal <= busy
     assert B.steal_fraction(None, (30, 200)) is None and B.steal_fraction((10, 100), (10, 100)) is None
     res["cpu_steal_fraction"] = 0.3
     B.print_bench(res)
-    assert "the hypervisor took 30% of this machine's CPU time" in capsys.readouterr().err
+    assert "the hypervisor took 30% of the CPU time this machine wanted" in capsys.readouterr().err
     # the counted bytes and /proc/self/io agree when reads are O_DIRECT
     if res["direct_io"]:
         assert res["disk_bytes_per_token"] >= res["counted_bytes_per_token"]
