@@ -39,7 +39,9 @@ How it works (the implementer's calls, as DESIGN.md asks):
   ran at 10.5-12.4 GB/s alone and 5.9-6.6 GB/s while expert blobs were read in the background (with 1 thread it
   kept its speed), so there was little to overlap with. Re-measure on a trained model and a laptop whose NVMe
   reads by DMA. Re-measured after those changes, on a Sapphire Rapids VM (2 cores): still a loss (1.5G: 14.1 off,
-  12.7 on; 2G 14.5 / 13.5; guesses right ~63%, +30% reads; GEMV 14.4 GB/s alone, 11.8 while reading).
+  12.7 on; 2G 14.5 / 13.5; guesses right ~63%, +30% reads; GEMV 14.4 GB/s alone, 11.8 while reading). With the
+  score policy and guesses read on their own threads (a demand read never queues behind one): no clear win
+  either, 2G medians 13.45 off / 14.69 on with rounds spread 9.7-16.3 tok/s each way, +22-52% reads.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
   `context` positions - working memory (one prefill chunk of 256 tokens' activations, 64 logit rows, slack;
