@@ -19,10 +19,10 @@ How it works (the implementer's calls, as DESIGN.md asks):
   into anonymous memory): the lm_head (int8 rows by default), attention, dense FFN and shared experts (int4),
   norms, routers and selection biases (fp32), plus the KV cache. The int8 embedding table stays on disk when
   the lm_head does not share it: its crc is checked at load and each lookup reads the token's row (DiskEmbedding).
-- Routed experts live in ONE byte-budget cache over all layers (policy "score", below), filled by aligned single reads of each
-  expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader threads, O_DIRECT when the
-  filesystem allows (so the page cache cannot hide a miss) with a buffered fallback. A layer's missing experts
-  are read in parallel (a blob's crc32 is checked by the reader thread that lands its last part) while the
+- Routed experts live in ONE byte-budget cache over all layers (policy "score", below), filled by aligned
+  single reads of each expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader
+  threads, O_DIRECT when the filesystem allows (so the page cache cannot hide a miss) with a buffered
+  fallback. A layer's missing experts are read in parallel (a blob's crc32 is checked by the reader thread that lands its last part) while the
   decoding thread computes the shared expert and then the layer's cached experts; every expert's output is summed
   in the fixed order afterwards (int4_cpu.cpp mix_outputs). On micro at 2G (`python stream_infer.py micro.pcf4
   --bench`, 32 tokens) that took decode from 13-14 to 16-19 tok/s, with the crc off the decoding thread and 50
@@ -445,7 +445,8 @@ class ExpertCache:
     """All routed experts of all layers share one byte budget. Policy "score" (default): evict the cached expert
     its layer's router has scored lowest lately (an average of its selection score, sigmoid + bias, decaying by
     SCORE_DECAY a token, fed by `observe`; least recently used first among equals). Policy "lru": a hit moves to
-    the back, eviction takes the front. Reads happen on a small thread pool (os.preadv releases the GIL; so does the crc32 check);
+    the back, eviction takes the front. Reads happen on a small thread pool (os.preadv releases the GIL; so does
+    the crc32 check);
     the dict itself is only touched by the calling thread. An evicted expert's buffer is read into again by the
     next miss (`free_bufs`), unless something still holds that expert: a fresh 3.5 MB anonymous mmap cost ~4.6 ms
     to fault in and its munmap ~0.9 ms here, per miss."""
@@ -528,8 +529,8 @@ class ExpertCache:
             self.free_bufs.append(buf)
 
     def _ensure_room(self, protect, wait):
-        """Evict entries not in `protect` (by the policy) until one more blob fits (a free buffer is one: the next read goes
-        into it). With wait, finish in-flight reads (they become evictable entries) when nothing else can go;
+        """Evict entries not in `protect` (by the policy) until one more blob fits (a free buffer is one: the next
+        read goes into it). With wait, finish in-flight reads (they become evictable entries) when nothing else can go;
         False if it cannot fit."""
         while not self.free_bufs and self.used + self.nbytes > self.budget:
             if self.policy == "score":  # the lowest recent router score; a layer not routed yet goes first
@@ -631,7 +632,8 @@ class ExpertCache:
     def guess(self, keys, protect):
         """Prefetch: start reading keys (the next layer's likely experts) into the guess buffers. A guess buffer is
         a spare one, else (once there are n_slots) the oldest guess that has landed: a wrong guess only ever
-        replaces a guess. A slot is made by evicting an expert (the policy's victim) only while there are fewer than n_slots, i.e.
+        replaces a guess. A slot is made by evicting an expert (the policy's victim) only while there are fewer
+        than n_slots, i.e.
         at the start and after a right guess joined the cache (the cost any newly cached expert has). Skipped while
         every guess is still in flight (the disk is busy), and for small caches (fewer than 4 experts per slot),
         which keep their room."""
