@@ -22,8 +22,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
 - Routed experts live in ONE byte-budget cache over all layers (policy "score", below), filled by aligned
   single reads of each expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader
   threads, O_DIRECT when the filesystem allows (so the page cache cannot hide a miss) with a buffered
-  fallback. A layer's missing experts are read in parallel (a blob's crc32 is checked by the reader thread that lands its last part) while the
-  decoding thread computes the shared expert and then the layer's cached experts; every expert's output is summed
+  fallback. A layer's missing experts are read in parallel (a blob's crc32 is checked by the reader thread
+  that lands its last part) while the decoding thread computes the shared expert and then the layer's cached experts; every expert's output is summed
   in the fixed order afterwards (int4_cpu.cpp mix_outputs). On micro at 2G (`python stream_infer.py micro.pcf4
   --bench`, 32 tokens) that took decode from 13-14 to 16-19 tok/s, with the crc off the decoding thread and 50
   more cached experts (meta_model). The next MoE layer's likely experts are prefetched by applying ITS router to the current
