@@ -19,29 +19,29 @@ How it works (the implementer's calls, as DESIGN.md asks):
   into anonymous memory): the lm_head (int8 rows by default), attention, dense FFN and shared experts (int4),
   norms, routers and selection biases (fp32), plus the KV cache. The int8 embedding table stays on disk when
   the lm_head does not share it: its crc is checked at load and each lookup reads the token's row (DiskEmbedding).
-- Routed experts live in ONE byte-budget cache over all layers (policy "score", below), filled by aligned
-  single reads of each expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader
-  threads, O_DIRECT when the filesystem allows (so the page cache cannot hide a miss) with a buffered
-  fallback. A layer's missing experts are read in parallel (a blob's crc32 is checked by the reader thread
-  that lands its last part) while the decoding thread computes the shared expert and then the layer's cached experts; every expert's output is summed
-  in the fixed order afterwards (int4_cpu.cpp mix_outputs). On micro at 2G (`python stream_infer.py micro.pcf4
-  --bench`, 32 tokens) that took decode from 13-14 to 16-19 tok/s, with the crc off the decoding thread and 50
-  more cached experts (meta_model). The next MoE layer's likely experts are prefetched by applying ITS router to the current
-  hidden state (mixtral-offloading's speculative prefetch), overlapping this layer's compute. Guesses are read into
-  their own buffers (2 x top_k, carved out of the budget): a wrong guess only ever replaces an older guess, never a
-  cached expert, and a right one joins the cache when demanded. (Guesses used to enter the cache itself and evicted
-  experts that would have hit: at 3G on micro, 21.8 vs 15.9 MB read per token.) Prefetch is OFF by default
-  (`--prefetch` turns it on), because on this machine it still loses. `python bench/prefetch_ab.py micro.pcf4
-  --ram-budget B` (one process, fresh random prompts, off and on in turn, medians of 3 runs of 24 tokens): 3G
-  14.0 / 12.4 tok/s (off / on), 2G 11.8 / 9.2, 1G 3.7 / 3.3, although guesses now keep every hit (2G: 548-609
-  hits on vs 587-622 off) and cut the misses by 30-45%. Two reasons, both measured there: half the guesses are
-  wrong on a random-weight model (+20-40% reads), and on this VM reading costs compute: the 2-thread int4 GEMV
-  ran at 10.5-12.4 GB/s alone and 5.9-6.6 GB/s while expert blobs were read in the background (with 1 thread it
-  kept its speed), so there was little to overlap with. Re-measure on a trained model and a laptop whose NVMe
-  reads by DMA. Re-measured after those changes, on a Sapphire Rapids VM (2 cores): still a loss (1.5G: 14.1 off,
-  12.7 on; 2G 14.5 / 13.5; guesses right ~63%, +30% reads; GEMV 14.4 GB/s alone, 11.8 while reading). With the
-  score policy and guesses read on their own threads (a demand read never queues behind one): no clear win
-  either, 2G medians 13.45 off / 14.69 on with rounds spread 9.7-16.3 tok/s each way, +22-52% reads.
+- Routed experts live in ONE byte-budget cache over all layers (policy "score", below), filled by aligned single
+  reads of each expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader threads,
+  O_DIRECT when the filesystem allows (so the page cache cannot hide a miss) with a buffered fallback. A layer's
+  missing experts are read in parallel (a blob's crc32 is checked by the reader thread that lands its last part)
+  while the decoding thread computes the shared expert and then the layer's cached experts; every expert's output is
+  summed in the fixed order afterwards (int4_cpu.cpp mix_outputs). On micro at 2G (`python stream_infer.py
+  micro.pcf4 --bench`, 32 tokens) that took decode from 13-14 to 16-19 tok/s, with the crc off the decoding thread
+  and 50 more cached experts (meta_model). The next MoE layer's likely experts are prefetched by applying ITS router
+  to the current hidden state (mixtral-offloading's speculative prefetch), overlapping this layer's compute. Guesses
+  are read into their own buffers (2 x top_k, carved out of the budget): a wrong guess only ever replaces an older
+  guess, never a cached expert, and a right one joins the cache when demanded. (Guesses used to enter the cache
+  itself and evicted experts that would have hit: at 3G on micro, 21.8 vs 15.9 MB read per token.) Prefetch is OFF
+  by default (`--prefetch` turns it on), because on this machine it still loses. `python bench/prefetch_ab.py
+  micro.pcf4 --ram-budget B` (one process, fresh random prompts, off and on in turn, medians of 3 runs of 24
+  tokens): 3G 14.0 / 12.4 tok/s (off / on), 2G 11.8 / 9.2, 1G 3.7 / 3.3, although guesses now keep every hit (2G:
+  548-609 hits on vs 587-622 off) and cut the misses by 30-45%. Two reasons, both measured there: half the guesses
+  are wrong on a random-weight model (+20-40% reads), and on this VM reading costs compute: the 2-thread int4 GEMV
+  ran at 10.5-12.4 GB/s alone and 5.9-6.6 GB/s while expert blobs were read in the background (with 1 thread it kept
+  its speed), so there was little to overlap with. Re-measure on a trained model and a laptop whose NVMe reads by
+  DMA. Re-measured after those changes, on a Sapphire Rapids VM (2 cores): still a loss (1.5G: 14.1 off, 12.7 on; 2G
+  14.5 / 13.5; guesses right ~63%, +30% reads; GEMV 14.4 GB/s alone, 11.8 while reading). With the score policy and
+  guesses read on their own threads (a demand read never queues behind one): no clear win either, 2G medians 13.45
+  off / 14.69 on with rounds spread 9.7-16.3 tok/s each way, +22-52% reads.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
   `context` positions - working memory (one prefill chunk of 256 tokens' activations, 64 logit rows, slack;
