@@ -101,6 +101,7 @@ from concurrent.futures import ThreadPoolExecutor
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -115,6 +116,18 @@ class StreamError(Exception):
 
 CACHE_POLICIES = ("score", "lru")
 SCORE_DECAY = 0.85  # policy "score": weight of the old average per forward pass (0.8-0.9 within a point in replay)
+
+
+def check_cache_policy(policy):
+    if policy not in CACHE_POLICIES:
+        raise StreamError(f"cache policy {policy!r}: use one of {', '.join(CACHE_POLICIES)}")
+
+
+def partial_preload_keys(layers, n_experts, capacity):
+    """The experts a partial preload reads into a cache of `capacity`, oldest (first evicted) first: the same
+    number from every layer, expert 0 of each layer, then expert 1, ... (bench/cache_replay.py starts from it)."""
+    per_layer = min(n_experts, capacity // max(len(layers), 1))
+    return [(layer, e) for e in range(per_layer) for layer in layers]
 
 # ----------------------------------------------------------------------------------------------------------
 # sizes and process probes
@@ -452,14 +465,12 @@ class ExpertCache:
     to fault in and its munmap ~0.9 ms here, per miss."""
 
     def __init__(self, container, budget_bytes, kernel, n_readers=4, policy="score"):
-        if policy not in CACHE_POLICIES:
-            raise StreamError(f"cache policy {policy!r}: use one of {', '.join(CACHE_POLICIES)}")
+        check_cache_policy(policy)
         self.c, self.budget, self.kernel, self.policy = container, budget_bytes, kernel, policy
         # policy "score", as arrays [layer, expert] so a victim is a few numpy ops, not a Python scan of every
         # cached expert (that cost ~0.3 ms an eviction, ~2.5 ms a token at 2G on micro): each expert's decayed
         # selection score (-inf until its layer is first routed) and when it last entered or hit (-1: not cached;
         # the oldest first among equal scores, as LRU order)
-        import numpy as np
         cfg = container.config
         self.score_tab = np.full((cfg.n_layer, max(cfg.n_experts, 1)), -np.inf)
         self.score_seen = set()
@@ -506,7 +517,6 @@ class ExpertCache:
 
     def _score_victim(self, protect):
         """The cached expert outside `protect` with the lowest decayed score (the oldest among equals), or None."""
-        import numpy as np
         cand = self.stamp >= 0
         for key in protect:
             cand[key] = False
@@ -514,7 +524,7 @@ class ExpertCache:
             return None
         s = np.where(cand, self.score_tab, np.inf)
         idx = np.flatnonzero(s == s.min())
-        i = int(idx[np.argmin(self.stamp.flat[idx])]) if len(idx) > 1 else int(idx[0])
+        i = int(idx[np.argmin(self.stamp.flat[idx])])
         return divmod(i, s.shape[1])
 
     def _evict(self, key):
@@ -827,8 +837,7 @@ class Engine:
     def __init__(self, path, ram_budget=None, device="cpu", kernel="auto", n_readers=4, prefetch=False,
                  context=None, cache_policy="score", preload="auto", prefill_chunk=PREFILL_CHUNK):
         self.cache_policy, self.n_readers = cache_policy, n_readers
-        if cache_policy not in CACHE_POLICIES:
-            raise StreamError(f"cache policy {cache_policy!r}: use one of {', '.join(CACHE_POLICIES)}")
+        check_cache_policy(cache_policy)  # before anything is loaded
         self.prefill_chunk = int(prefill_chunk)
         if self.prefill_chunk < 1:
             raise StreamError(f"prefill_chunk {prefill_chunk}: must be at least 1 token")
@@ -884,7 +893,7 @@ class Engine:
                                   f"raise it to at least {fmt_size(self.budget - cache_budget + self.min_cache)}")
         self.cache.budget = cache_budget
         self.set_prefetch(prefetch)
-        self.every_expert_bytes = n_moe * cfg.n_experts * c.expert_nbytes
+        self.every_expert_bytes = self.cache.every_expert_bytes
         self.preloaded, self.preloaded_experts = False, 0
         if preload is True or (preload == "auto" and cache_budget >= self.every_expert_bytes):
             self.preload_experts()
@@ -898,10 +907,9 @@ class Engine:
         decoding starts from a full cache instead of an empty one: at a 100% budget on micro, 16 decode tokens
         hit 0.73 of the time from an empty cache."""
         from tqdm import tqdm
-        n_moe, E = len(self.moes), self.cfg.n_experts
+        E = self.cfg.n_experts
         if partial:
-            per_layer = min(E, self.cache.budget // self.container.expert_nbytes // max(n_moe, 1))
-            keys = [(m.layer, e) for e in range(per_layer) for m in self.moes]  # oldest (first evicted): expert 0s
+            keys = partial_preload_keys([m.layer for m in self.moes], E, self.cache.budget // self.cache.nbytes)
         else:
             if self.cache.budget < self.every_expert_bytes:
                 raise StreamError(f"{self.path}: cannot preload: the expert cache ({fmt_size(self.cache.budget)}) is "

@@ -21,6 +21,7 @@ import sys
 from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import stream_infer as S  # noqa: E402
 
 
 def replay(policy, entries, router_score, observed, trace, cap, decay=None, count_from=0):
@@ -28,7 +29,6 @@ def replay(policy, entries, router_score, observed, trace, cap, decay=None, coun
     `observed` [(lookups before it, layer, selection keys)] and `trace` [(layer, expert)] as ExpertCache records
     them. Each observe window's keys are protected while it runs, as a layer's own experts are. Returns (misses,
     lookups, final cached keys), counting lookups from index count_from on."""
-    import stream_infer as S
     decay = S.SCORE_DECAY if decay is None else decay
     cache, score = OrderedDict((k, True) for k in entries), {k: list(v) for k, v in router_score.items()}
     never = len(trace)  # the next use of a key not needed again
@@ -93,12 +93,6 @@ def record(eng, n_prompts, seed, n_prompt, n_new):
     return out
 
 
-def preload_order(layers, n_experts, cap):
-    """The keys stream_infer's partial preload leaves, oldest first: expert 0 of every layer, then expert 1..."""
-    per_layer = min(n_experts, cap // max(len(layers), 1))
-    return [(layer, e) for e in range(per_layer) for layer in layers]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("container")
@@ -110,7 +104,6 @@ def main():
     ap.add_argument("--decays", default="0.5,0.8,0.85,0.9,0.95", help="decays tried for policy score")
     ap.add_argument("--json")
     args = ap.parse_args()
-    import stream_infer as S
     if not os.path.exists(args.container):
         sys.exit(f"{args.container}: no such container (python container.py --random-config config/micro.py --out ...)")
     try:
@@ -136,21 +129,21 @@ def main():
     rows = []
     print(f"\n{'experts':>8} " + " ".join(f"{p + (f' {d}' if d is not None else ''):>11}" for p, d in policies))
     for cap in caps:
-        row = {"capacity_experts": cap}
+        row, start = {"capacity_experts": cap}, S.partial_preload_keys(layers, eng.cfg.n_experts, cap)
         for policy, d in policies:
             miss = look = 0
             for trace, observed, first in traces:
-                m, n, _ = replay(policy, preload_order(layers, eng.cfg.n_experts, cap), {}, observed, trace, cap,
-                                 decay=d, count_from=first)
+                m, n, _ = replay(policy, start, {}, observed, trace, cap, decay=d, count_from=first)
                 miss, look = miss + m, look + n
             row[policy + (f"_{d}" if d is not None else "")] = 1 - miss / max(look, 1)
         rows.append(row)
         print(f"{cap:8d} " + " ".join(f"{v:11.3f}" for k, v in row.items() if k != "capacity_experts"), flush=True)
     print(f"decode hit rate over {args.prompts} prompts ({args.prompt_tokens} prompt + {args.new_tokens} greedy tokens "
-          f"each, seeds {args.seed}..{args.seed + args.prompts - 1}); belady: the optimum for all misses, a reference")
+          f"each, seeds {args.seed}..{args.seed + args.prompts - 1}); belady knows the future: a reference")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"container": args.container, "prompts": args.prompts, "seed": args.seed, "rows": rows}, f, indent=1)
+            json.dump({"container": args.container, "prompts": args.prompts, "seed": args.seed, "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

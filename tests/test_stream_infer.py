@@ -221,7 +221,7 @@ def test_score_policy_agrees_with_independent_replay(tiny):
     final cached set equal bench/cache_replay.py's replay of the router's selection keys (which starts unseen
     layers at -inf and breaks equal scores by age), and the keys it was fed are the ones that chose the experts."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from cache_replay import preload_order, replay  # it judges policies in the README: it must count as the engine
+    from cache_replay import replay  # it judges policies in the README: it must count as the engine
     m, path = tiny
     for cap, prompt in ((7, [3, 4, 5]), (9, [9, 2, 7, 1]), (13, [5, 5, 6, 30, 2, 8])):
         eng = S.load(path, prefetch=False, preload=False)
@@ -230,7 +230,8 @@ def test_score_policy_agrees_with_independent_replay(tiny):
         c.budget = cap * eng.container.expert_nbytes
         eng.preload_experts(partial=True)
         layers = [moe.layer for moe in eng.moes]
-        assert list(c.entries) == preload_order(layers, eng.cfg.n_experts, cap)
+        start = S.partial_preload_keys(layers, eng.cfg.n_experts, cap)
+        assert list(c.entries) == start
         c.record_trace = True
         c.reset_counters()
         eng.generate(prompt, 17)
@@ -241,13 +242,12 @@ def test_score_policy_agrees_with_independent_replay(tiny):
             assert all(layer == k[0] for k in window)
             if n >= len(layers):  # decode: one token, exactly its top-k keys
                 assert sorted(e for _, e in window) == sorted(sorted(range(len(s)), key=lambda e: -s[e])[:eng.cfg.top_k])
-        misses, lookups, final = replay("score", preload_order(layers, eng.cfg.n_experts, cap), {}, c.observed,
-                                        c.trace, cap)
+        misses, lookups, final = replay("score", start, {}, c.observed, c.trace, cap)
         assert (c.misses, c.lookups) == (misses, lookups) and set(c.entries) == final, cap
-        lru = replay("lru", preload_order(layers, eng.cfg.n_experts, cap), {}, c.observed, c.trace, cap)
+        lru = replay("lru", start, {}, c.observed, c.trace, cap)
         assert lru[2] != final  # the policies keep different experts
         # belady (the reference) misses least; counting from a later lookup counts fewer
-        assert replay("belady", preload_order(layers, eng.cfg.n_experts, cap), {}, c.observed, c.trace, cap)[0] <= misses
+        assert replay("belady", start, {}, c.observed, c.trace, cap)[0] <= misses
         assert replay("score", [], {}, c.observed, c.trace, cap, count_from=10)[1] == lookups - 10
     with pytest.raises(ValueError, match="needs more experts"):  # a pass wider than the cache: said, not a crash
         replay("score", [], {}, [(0, 1, [0.0] * 16)], [(1, 0), (1, 1), (1, 2)], 2)
