@@ -690,6 +690,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& x_in, con
   return {weights, idx, keys};
 }
 
+// Policy "score" of stream_infer's ExpertCache, one decode token: row = decay * row + (1 - decay) * key per expert,
+// or row = key on the layer's first pass. Each product is rounded on its own before the sum (volatile: no fused
+// multiply-add), as numpy's `row *= d; row += (1 - d) * s` and bench/cache_replay.py's Python floats round it.
+void observe_scores(at::Tensor row, const at::Tensor& keys, double decay, bool first) {
+  TORCH_CHECK(row.scalar_type() == at::kDouble && row.is_contiguous() && keys.scalar_type() == at::kFloat &&
+              keys.is_contiguous() && keys.numel() == row.numel(), "observe_scores: row f64 [E], keys f32 [1, E]");
+  double* r = row.data_ptr<double>();
+  const float* k = keys.data_ptr<float>();
+  for (int64_t e = 0; e < row.numel(); e++) {
+    if (first) {
+      r[e] = double(k[e]);
+      continue;
+    }
+    volatile double old_part = r[e] * decay;
+    volatile double new_part = (1.0 - decay) * double(k[e]);
+    r[e] = old_part + new_part;
+  }
+}
+
+// The eviction victim of policy "score": the flat [layer, expert] index with the lowest score among cached ones
+// (stamp >= 0) not in `protect`, the oldest stamp among equal scores; -1 when there is none. As numpy's
+// ExpertCache._score_victim_numpy, without its ~10 array temporaries per eviction.
+int64_t score_victim(const at::Tensor& score, const at::Tensor& stamp, at::IntArrayRef protect) {
+  TORCH_CHECK(score.scalar_type() == at::kDouble && stamp.scalar_type() == at::kLong && score.is_contiguous() &&
+              stamp.is_contiguous() && score.numel() == stamp.numel(), "score_victim: score f64, stamp i64, same shape");
+  const double* s = score.data_ptr<double>();
+  const int64_t* t = stamp.data_ptr<int64_t>();
+  const int64_t n = score.numel();
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; i++) {
+    if (t[i] < 0 || std::find(protect.begin(), protect.end(), i) != protect.end()) continue;
+    if (best < 0 || s[i] < s[best] || (s[i] == s[best] && t[i] < t[best])) best = i;
+  }
+  return best;
+}
+
 bool has_avx512() {
 #ifdef __AVX512BW__
   return true;
@@ -725,4 +761,6 @@ TORCH_LIBRARY(picaflor_int4, m) {
         "Tensor[] down_sz, int[] two_f, int[] group_size, float[] weights) -> ()", &swiglu_mix);
   m.def("mix_outputs(Tensor(a!) out, Tensor[] ys, float[] weights) -> ()", &mix_outputs);
   m.def("route(Tensor x, Tensor w, Tensor bias, int top_k, float route_scale) -> (Tensor, Tensor, Tensor)", &route);
+  m.def("observe_scores(Tensor(a!) row, Tensor keys, float decay, bool first) -> ()", &observe_scores);
+  m.def("score_victim(Tensor score, Tensor stamp, int[] protect) -> int", &score_victim);
 }

@@ -6,6 +6,7 @@ import sys
 from collections import OrderedDict
 
 import pytest
+import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,6 +252,36 @@ def test_score_policy_agrees_with_independent_replay(tiny):
         assert replay("score", [], {}, c.observed, c.trace, cap, count_from=10)[1] == lookups - 10
     with pytest.raises(ValueError, match="needs more experts"):  # a pass wider than the cache: said, not a crash
         replay("score", [], {}, [(0, 1, [0.0] * 16)], [(1, 0), (1, 1), (1, 2)], 2)
+
+
+def test_native_score_bookkeeping_equals_numpy():
+    """int4_cpu.cpp's observe_scores / score_victim (policy "score" in decode) equal the numpy versions bit for bit:
+    the decayed average rounded as numpy rounds it (no fused multiply-add), the victim with the same tie-break."""
+    op = S.native_int4()
+    assert op is not None, "int4_cpu.cpp did not build (see the warning above)"
+    gen = torch.Generator().manual_seed(0)
+    row, want = torch.full((64,), -float("inf"), dtype=torch.float64), None
+    for step in range(40):
+        keys = torch.rand(1, 64, generator=gen) * 2 - 0.5
+        s = keys[0].double().numpy()
+        want = s.copy() if want is None else want * S.SCORE_DECAY + (1.0 - S.SCORE_DECAY) * s
+        op.observe_scores(row, keys, S.SCORE_DECAY, step == 0)
+        assert np.array_equal(row.numpy(), want), step
+    cache = S.ExpertCache.__new__(S.ExpertCache)
+    for trial in range(200):
+        L, E = 3, 8
+        cache.score_tab = np.round(torch.rand(L, E, generator=gen).double().numpy() * 4) / 4  # many equal scores
+        cache.score_tab[trial % L] = -np.inf  # a layer not routed yet
+        cache.stamp = torch.randperm(L * E, generator=gen).reshape(L, E).numpy().astype(np.int64)
+        cache.stamp[torch.rand(L, E, generator=gen).numpy() < 0.4] = -1  # not cached
+        cache.score_t, cache.stamp_t = torch.from_numpy(cache.score_tab), torch.from_numpy(cache.stamp)
+        cached = list(zip(*np.nonzero(cache.stamp >= 0)))
+        protect = {(int(a), int(b)) for a, b in cached[:trial % 5]}
+        cache.native_score = True
+        got = cache._score_victim(protect)
+        assert got == cache._score_victim_numpy(protect), trial
+        if len(protect) == len(cached):
+            assert got is None
 
 
 def test_cache_replay_cli_bad_input(tmp_path):
