@@ -1,12 +1,13 @@
 """stream_infer: budgeted == resident output, RSS under budget, counters, kernels, bad input (tiny models, CPU)."""
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import OrderedDict
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -282,6 +283,27 @@ def test_native_score_bookkeeping_equals_numpy():
         assert got == cache._score_victim_numpy(protect), trial
         if len(protect) == len(cached):
             assert got is None
+
+
+def test_decode_profile_script(tiny, tmp_path):
+    """bench/decode_profile.py runs on a container and splits a token's time into its parts (the per-op lines sum
+    to no more than the token); a missing container is one line and a non-zero exit."""
+    m, path = tiny
+    script = os.path.join(ROOT, "bench", "decode_profile.py")
+    r = subprocess.run([sys.executable, script, path, "--ram-budget", "4G", "--tokens", "6", "--threads", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.splitlines()[0]
+    token_ms = float(head.split(" ms a token")[0].split(", ")[-1])
+    parts = {m_[1]: float(m_[2]) for m_ in (re.match(r"  (\S.*?)\s+([\d.]+) ms/token", line)
+                                            for line in r.stdout.splitlines()[1:5])}
+    assert set(parts) == {"waiting for reads", "int4_cpu.cpp ops", "cache bookkeeping", "everything else"}, parts
+    assert parts["int4_cpu.cpp ops"] > 0 and 0 <= parts["waiting for reads"] <= token_ms
+    assert sum(parts.values()) == pytest.approx(token_ms, abs=0.05)
+    assert "swiglu_mix" in r.stdout and "attn_decode" in r.stdout
+    r = subprocess.run([sys.executable, script, str(tmp_path / "nope.pcf4"), "--ram-budget", "1G"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no such container" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_cache_replay_cli_bad_input(tmp_path):
