@@ -901,6 +901,7 @@ class Engine:
                 f"{fmt_size(self.min_cache)}); raise it to at least {fmt_size(needed)}")
         t0 = time.perf_counter()
         self.model = self._build_model()
+        self.decode_plan = self._decode_plan()
         self.load_s = time.perf_counter() - t0
         self.resident_rss = rss_bytes()
         if self.budget is None:
@@ -1036,6 +1037,43 @@ class Engine:
         m.eval()
         return m
 
+    def _decode_plan(self):
+        """Per layer, the tensors and sizes _decode_step passes to the native ops (None unless every layer runs on
+        them: native kernel, CPU, fused int4 q|k|v, int4 o_proj, native norms, a native dense FFN or StreamedMoE)."""
+        if self.kernel != "native" or self.device != "cpu":
+            return None
+        int4 = (lambda q: isinstance(q, QLinear) and q.kind == "int4"
+                and (q.raw["packed"], q.raw["sz"], q.shape[0], q.raw["group_size"]))  # noqa: E731
+        plan = []
+        for b in self.model.layers:
+            attn, norms = b.self_attn, (b.input_layernorm, b.post_attention_layernorm)
+            if not (isinstance(attn, NativeAttention) and all(isinstance(n, NativeRMSNorm) for n in norms)
+                    and int4(attn.attn.qkv_proj) and int4(attn.attn.o_proj)
+                    and isinstance(b.mlp, (NativeFFN, StreamedMoE))):
+                return None
+            a = attn.attn
+            ffn = None
+            if isinstance(b.mlp, NativeFFN):
+                gu, dn = b.mlp.gate_up_proj.raw, b.mlp.down_proj.raw
+                ffn = (gu["packed"], gu["sz"], gu["shape"][0], gu["group_size"], dn["packed"], dn["sz"], dn["shape"][0],
+                       dn["group_size"])
+            plan.append((norms[0].weight, norms[0].eps, int4(a.qkv_proj), a.q_norm.weight, a.k_norm.weight,
+                         a.q_norm.eps, int4(a.o_proj), norms[1].weight, norms[1].eps, ffn, b.mlp))
+        return plan
+
+    def _decode_step(self, x, cos, sin, cache):
+        """The layers of one decode token (batch 1, fp32 KV cache with room) as Block, NativeAttention, NativeRMSNorm,
+        QLinear and NativeFFN compute it: the same native ops in the same order, bit for bit, without the ~140
+        nn.Module calls and ~340 module attribute lookups a token that cost milliseconds here."""
+        op, pos, H, KV = _NATIVE, cache.pos, self.cfg.n_head, self.cfg.n_kv_head
+        for i, (w_in, eps_in, qkv, q_w, k_w, qk_eps, o, w_post, eps_post, ffn, mlp) in enumerate(self.decode_plan):
+            h = op.rms_norm(x, w_in, eps_in)
+            y = op.attn_decode(op.int4_mm(h, *qkv), q_w, k_w, qk_eps, cos, sin, cache.k[i], cache.v[i], pos, H, KV)
+            x = x + op.int4_mm(y, *o)
+            h = op.rms_norm(x, w_post, eps_post)
+            x = x + (op.swiglu_ffn(h, *ffn) if ffn is not None else mlp.forward(h))
+        return x
+
     # --- settings ---
     def set_prefetch(self, on):
         for moe in self.moes:
@@ -1065,8 +1103,12 @@ class Engine:
         x = m.embed_tokens(ids).float()
         pos = torch.arange(start, start + ids.shape[1], device=ids.device)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        for block in m.layers:
-            x = block(x, cos, sin, cache)
+        if (self.decode_plan is not None and ids.shape == (1, 1) and cache is not None and cache.pos < cache.max_len
+                and cache.k[0].dtype == torch.float32):
+            x = self._decode_step(x, cos, sin, cache)
+        else:
+            for block in m.layers:
+                x = block(x, cos, sin, cache)
         if cache is not None:
             cache.pos += ids.shape[1]
         return m.norm(x)

@@ -255,6 +255,40 @@ def test_score_policy_agrees_with_independent_replay(tiny):
         replay("score", [], {}, [(0, 1, [0.0] * 16)], [(1, 0), (1, 1), (1, 2)], 2)
 
 
+def test_decode_step_equals_the_modules(tiny):
+    """Engine._decode_step (a decode token's layers as one loop over the native ops) gives the hidden states of
+    the module path (Block, NativeAttention, QLinear, ...) bit for bit, and leaves the same KV cache, fully resident
+    and under a budget that misses; prefill and a full cache take the module path."""
+    m, path = tiny
+    ids = torch.randint(1, 300, (1, 20), generator=torch.Generator().manual_seed(9))
+    for preload in ("auto", False):
+        eng = S.load(path, preload=preload)
+        assert eng.decode_plan is not None and len(eng.decode_plan) == eng.cfg.n_layer
+        if preload is False:
+            eng.cache.budget = 6 * eng.container.expert_nbytes
+        plan, step, taken = eng.decode_plan, eng._decode_step, []
+        eng._decode_step = lambda *a: taken.append(1) or step(*a)
+        kv = [S.KVCache(eng.cfg, 1, 20, "cpu", torch.float32) for _ in range(2)]
+        for side in range(2):
+            eng.decode_plan = plan if side == 0 else None
+            eng.forward(ids[:, :8], kv[side])
+        for t in range(8, 20):
+            outs = []
+            for side in range(2):
+                eng.decode_plan = plan if side == 0 else None
+                outs.append(eng.forward(ids[:, t:t + 1], kv[side]))
+            assert torch.equal(outs[0], outs[1]), t
+        assert all(torch.equal(a, b) for a, b in zip(kv[0].k + kv[0].v, kv[1].k + kv[1].v))
+        assert len(taken) == 12  # every decode token with the plan, none in prefill
+        eng.decode_plan = plan
+        calls = []
+        eng._decode_step = lambda *a: calls.append(1)  # not taken: 2 tokens, or no room left in the cache
+        eng.forward(ids[:, :2], S.KVCache(eng.cfg, 1, 4, "cpu", torch.float32))
+        assert not calls
+    kernels = S.load(path, kernel="int4pack") if S.cpu_int4pack_ok() else None
+    assert kernels is None or kernels.decode_plan is None  # other kernels: the modules
+
+
 def test_native_score_bookkeeping_equals_numpy():
     """int4_cpu.cpp's observe_scores / score_victim (policy "score" in decode) equal the numpy versions bit for bit:
     the decayed average rounded as numpy rounds it (no fused multiply-add), the victim with the same tie-break."""
