@@ -778,39 +778,55 @@ class StreamedMoE(nn.Module):
         w = scores.gather(1, idx)
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.cfg.route_scale, idx, sel
 
+    def guess_next(self, x, protect):
+        """Prefetch: the next layer's router on this hidden state names the experts to read ahead."""
+        if self.prefetch and self.next_moe is not None:
+            _, nidx, _ = self.next_moe.route(x)
+            self.cache.guess([(self.next_moe.layer, e) for e in sorted(set(nidx.reshape(-1).tolist()))], protect)
+
+    def decode(self, x):
+        """forward for one token on the native kernel, x fp32 as it comes ([1, 1, D]: the ops take any leading
+        dims, so no reshapes): the shared expert in one call, the routed ones in one (or one each while some are
+        read), summed in the same fixed order whatever was cached."""
+        w, idx, sel = self.route(x)
+        self.cache.observe(self.layer, sel)
+        picked = idx[0].tolist()  # top-k: distinct experts
+        weight = dict(zip(picked, w[0].tolist()))
+        keys = [(self.layer, e) for e in sorted(picked)]
+        protect = set(keys)
+        self.cache.request(keys, protect)  # this layer's misses, read in parallel (right guesses join the cache)
+        self.guess_next(x, protect)
+        sh = self.shared
+        out = native_swiglu(x, sh.gate_up_proj.raw, sh.down_proj.raw)  # while this layer's missing experts are read
+        # all of this layer's experts at once when they fit together (the budget guarantees 2 x top_k; more with
+        # --experts-per-token: then one at a time, the same order and sums)
+        together = len(keys) * self.cache.nbytes <= self.cache.budget
+        cached = [key for key in keys if key in self.cache.entries]
+        if together and len(cached) < len(keys):
+            # the cached experts first, while the missing ones are still read; the sums in the fixed order
+            ys = {key: self.cache.get(key, protect)(x) for key in cached + [k for k in keys if k not in cached]}
+            _NATIVE.mix_outputs(out, [ys[key] for key in keys], [weight[key[1]] for key in keys])
+            return out
+        for group in [keys] if together else [[key] for key in keys]:
+            ffns = [self.cache.get(key, set(group)) for key in group]
+            _NATIVE.swiglu_mix(x, out, [f.gate_up["packed"] for f in ffns], [f.gate_up["sz"] for f in ffns],
+                               [f.down["packed"] for f in ffns], [f.down["sz"] for f in ffns],
+                               [f.gate_up["shape"][0] for f in ffns], [f.gate_up["group_size"] for f in ffns],
+                               [weight[key[1]] for key in group])
+            del ffns
+        return out
+
     def forward(self, x):
+        if self.native and x.numel() == x.shape[-1] and x.dtype == torch.float32 and isinstance(self.shared, NativeFFN):
+            return self.decode(x)
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()
         w, idx, sel = self.route(x)
         self.cache.observe(self.layer, sel)
-        needed = sorted(set(idx.reshape(-1).tolist()))
-        keys = [(self.layer, e) for e in needed]
+        keys = [(self.layer, e) for e in sorted(set(idx.reshape(-1).tolist()))]
         protect = set(keys)
         self.cache.request(keys, protect)  # this layer's misses, read in parallel (right guesses join the cache)
-        if self.prefetch and self.next_moe is not None:  # the next layer's router on this hidden state
-            _, nidx, _ = self.next_moe.route(x)
-            nxt = [(self.next_moe.layer, e) for e in sorted(set(nidx.reshape(-1).tolist()))]
-            self.cache.guess(nxt, protect)
-        if self.native and x.shape[0] == 1 and isinstance(self.shared, NativeFFN):  # decode: the FFNs in one call
-            out = self.shared(x)  # while this layer's missing experts are read
-            weight = dict(zip(idx[0].tolist(), w[0].tolist()))
-            # all of this layer's experts at once when they fit together (the budget guarantees 2 x top_k; more
-            # with --experts-per-token: then one at a time, the same order and sums)
-            together = len(keys) * self.cache.nbytes <= self.cache.budget
-            cached = [key for key in keys if key in self.cache.entries]
-            if together and len(cached) < len(keys):
-                # the cached experts first, while the missing ones are still read; the sums in the fixed order
-                ys = {key: self.cache.get(key, protect)(x) for key in cached + [k for k in keys if k not in cached]}
-                _NATIVE.mix_outputs(out, [ys[key] for key in keys], [weight[key[1]] for key in keys])
-                return out.reshape(shape)
-            for group in [keys] if together else [[key] for key in keys]:
-                ffns = [self.cache.get(key, set(group)) for key in group]
-                _NATIVE.swiglu_mix(x, out, [f.gate_up["packed"] for f in ffns], [f.gate_up["sz"] for f in ffns],
-                                   [f.down["packed"] for f in ffns], [f.down["sz"] for f in ffns],
-                                   [f.gate_up["shape"][0] for f in ffns], [f.gate_up["group_size"] for f in ffns],
-                                   [weight[key[1]] for key in group])
-                del ffns
-            return out.reshape(shape)
+        self.guess_next(x, protect)
         out = self.shared(x).float()
         if x.shape[0] == 1:  # decode: one token, scalar weights (a third of the ops of the general loop below)
             weight = dict(zip(idx[0].tolist(), w[0].tolist()))
