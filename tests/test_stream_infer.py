@@ -837,7 +837,8 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
 
 def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     """--repeat: a budget's row is its successful run with the median % of the bound (the lower middle of an even
-    count); a round that fails later is listed, not fatal; a budget that only fails is its error row."""
+    count; runs above 100% only when all are); a round that fails later is listed, not fatal; a budget that only
+    fails is its error row."""
     import types
     decode = {"2G": iter([5.0, None, 3.0, 4.0]), "1G": iter([None, None])}  # None: that round's child failed
 
@@ -864,6 +865,13 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     decode["2G"] = iter([5.0, 3.0])
     args.sweep, args.repeat = "2G", 2
     assert B.run_sweep(args, [])[0]["decode_tok_s"] == 3.0  # even count: the lower middle run
+    # a run faster than its bound (10 tok/s) measured a bandwidth wrong: the median of the others, unless all are
+    decode["2G"] = iter([12.0, 4.0, 11.0, 3.0])
+    args.repeat = 4
+    assert B.run_sweep(args, [])[0]["decode_tok_s"] == 3.0
+    decode["2G"] = iter([12.0, 11.0])
+    args.repeat = 2
+    assert B.run_sweep(args, [])[0]["decode_tok_s"] == 11.0
 
 
 def test_bench_result_fields_and_lru_policy(tiny, capsys):
