@@ -62,7 +62,10 @@ How it works (the implementer's calls, as DESIGN.md asks):
   int8 rows part of bench/int4_gemv.py, where torch's _weight_int8pack_mm gives 8.2-10.3).
 - Decode-time fusions: q|k|v and the shared / dense gate|up are concatenated at load into one int4 matrix each
   (the packed layout is whole 32-row blocks, so this is a byte concatenation), one GEMV instead of three or two;
-  a one-token MoE step uses scalar routing weights. Both keep the arithmetic of the unfused path.
+  a one-token MoE step uses scalar routing weights. Both keep the arithmetic of the unfused path. On the native
+  kernel a decode token's layers skip the modules: Engine._decode_step calls the same native ops in Block's order
+  from a per-layer plan made at load (bit for bit the module path, tested), since ~140 nn.Module calls a token
+  cost ~2-3 ms of cold-cache Python here (bench/decode_profile.py); prefill and every other kernel use the modules.
 - Cache policy `score` (default; `--cache-policy lru` for plain LRU): evict the cached expert whose router scored
   it lowest lately, an average of its selection score (sigmoid + bias) that decays by SCORE_DECAY = 0.85 a token
   (a prefill chunk counts as one step, averaged over its rows).
