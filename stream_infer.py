@@ -698,7 +698,8 @@ class ExpertCache:
         experts, so its evictions see this pass."""
         if self.policy != "score" or (self.budget >= self.every_expert_bytes and not self.record_trace):
             return  # nothing can be evicted (every expert fits): no work, and on a GPU no sync per layer
-        if self.native_score and keys.shape[0] == 1 and keys.dtype == torch.float32 and keys.device.type == "cpu":
+        if (self.native_score and keys.shape[0] == 1 and keys.dtype == torch.float32 and keys.device.type == "cpu"
+                and keys.is_contiguous()):
             # decode: int4_cpu.cpp rounds as the numpy lines below
             _NATIVE.observe_scores(self.score_rows[layer], keys, SCORE_DECAY, layer not in self.score_seen)
             self.score_seen.add(layer)
