@@ -299,14 +299,17 @@ class QLinear(nn.Module):
             packed = raw["packed"].clone() if shared and not int4pack_same_layout() else raw["packed"]
             raw = dict(raw, packed=to_int4pack_layout(packed, raw["shape"], raw["group_size"]), layout="int4pack")
         self.raw, self.kind, self.shape, self.kernel = raw, raw["kind"], raw["shape"], kernel
+        # int4_cpu.cpp's int4_mm arguments after x (forward and Engine._decode_step pass them as they are)
+        self.native_args = ((raw["packed"], raw["sz"], self.shape[0], raw["group_size"])
+                            if kernel == "native" and self.kind == "int4" else None)
         if self.kind == "int8":
             self.scale_bf16 = raw["scale"].to(torch.bfloat16)
         self.nbytes = sum(v.numel() * v.element_size() for v in raw.values() if isinstance(v, torch.Tensor))
 
     def forward(self, x):
+        if self.native_args is not None:  # the decode hot path: any leading dims, no reshapes
+            return _NATIVE.int4_mm(x, *self.native_args)
         r = self.raw
-        if self.kernel == "native" and self.kind == "int4":  # the decode hot path: any leading dims, no reshapes
-            return _NATIVE.int4_mm(x, r["packed"], r["sz"], self.shape[0], r["group_size"])
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if self.kind == "f32":
@@ -1062,8 +1065,7 @@ class Engine:
         them: native kernel, CPU, fused int4 q|k|v, int4 o_proj, native norms, a native dense FFN or StreamedMoE)."""
         if self.kernel != "native" or self.device != "cpu":
             return None
-        int4 = (lambda q: isinstance(q, QLinear) and q.kind == "int4"
-                and (q.raw["packed"], q.raw["sz"], q.shape[0], q.raw["group_size"]))  # noqa: E731
+        int4 = (lambda q: isinstance(q, QLinear) and q.native_args)  # noqa: E731  (int4_mm arguments, or falsy)
         plan = []
         for b in self.model.layers:
             attn, norms = b.self_attn, (b.input_layernorm, b.post_attention_layernorm)
@@ -1072,11 +1074,7 @@ class Engine:
                     and isinstance(b.mlp, (NativeFFN, StreamedMoE))):
                 return None
             a = attn.attn
-            ffn = None
-            if isinstance(b.mlp, NativeFFN):
-                gu, dn = b.mlp.gate_up_proj.raw, b.mlp.down_proj.raw
-                ffn = (gu["packed"], gu["sz"], gu["shape"][0], gu["group_size"], dn["packed"], dn["sz"], dn["shape"][0],
-                       dn["group_size"])
+            ffn = (b.mlp.gate_up_proj.raw, b.mlp.down_proj.raw) if isinstance(b.mlp, NativeFFN) else None
             plan.append((norms[0].weight, norms[0].eps, int4(a.qkv_proj), a.q_norm.weight, a.k_norm.weight,
                          a.q_norm.eps, int4(a.o_proj), norms[1].weight, norms[1].eps, ffn, b.mlp))
         return plan
@@ -1091,7 +1089,7 @@ class Engine:
             y = op.attn_decode(op.int4_mm(h, *qkv), q_w, k_w, qk_eps, cos, sin, cache.k[i], cache.v[i], pos, H, KV)
             x = x + op.int4_mm(y, *o)
             h = op.rms_norm(x, w_post, eps_post)
-            x = x + (op.swiglu_ffn(h, *ffn) if ffn is not None else mlp.forward(h))
+            x = x + (native_swiglu(h, *ffn) if ffn is not None else mlp.forward(h))
         return x
 
     # --- settings ---
