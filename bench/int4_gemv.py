@@ -57,12 +57,14 @@ def main():
     x = torch.randn(1, K, generator=gen)
     xb = torch.nn.functional.pad(x, (0, Kp - K)).to(torch.bfloat16)
     kernels = {"native": lambda p, sz: op.int4_mm(x, p, sz, N, g)}
-    if op.has_avx512():  # the native kernel's AVX2 loop beside its 512-bit one (same results, bit for bit)
+    if op.has_vnni():  # the native kernel's VNNI loop beside its AVX-512BW and AVX2 ones (same results, bit for bit)
+        kernels["native_512bw"] = lambda p, sz: op.int4_mm_avx512bw(x, p, sz, N, g)
+    if op.has_avx512():
         kernels["native_avx2"] = lambda p, sz: op.int4_mm_avx2(x, p, sz, N, g)
     if S.cpu_int4pack_ok() and g in S.INT4PACK_GROUPS:
         kernels["int4pack"] = lambda p, sz: torch._weight_int4pack_mm_for_cpu(xb, p.view(Np, Kp // 2), g, sz)
     print(f"shape {N}x{K} group {g}: {one / 1e6:.2f} MB per matrix, cold loop over {n_mats} ({n_mats * one / 1e6:.0f} MB); "
-          f"AVX2 path: {op.has_avx2()}, AVX-512 path: {op.has_avx512()}")
+          f"AVX2 path: {op.has_avx2()}, AVX-512 path: {op.has_avx512()}, VNNI path: {op.has_vnni()}")
     rows = []
     for th in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(th)
@@ -72,7 +74,7 @@ def main():
             rows.append(dict(kernel=name, threads=th, cold_ms=cold * 1e3, cold_gb_s=one / cold / 1e9,
                              hot_ms=hot * 1e3, hot_gb_s=one / hot / 1e9))
             r = rows[-1]
-            print(f"{name:9s} {th} thread(s): cold {r['cold_gb_s']:5.1f} GB/s ({r['cold_ms']:.3f} ms) | "
+            print(f"{name:12s} {th} thread(s): cold {r['cold_gb_s']:5.1f} GB/s ({r['cold_ms']:.3f} ms) | "
                   f"hot {r['hot_gb_s']:5.1f} GB/s ({r['hot_ms']:.3f} ms)")
         if "int4pack" in kernels:
             nat, pack = rows[-len(kernels)], rows[-1]

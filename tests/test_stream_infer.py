@@ -513,7 +513,8 @@ ODD_SHAPES = [((1, 64), (32, 64), 32), ((3, 100), (40, 100), 32), ((16, 48), (33
               ((17, 70), (64, 70), 64)]
 # the native kernel takes rows of x 4 at a time and reads any group size: M = 1..9 and groups the int4pack kernel lacks
 NATIVE_SHAPES = ODD_SHAPES + [((2, 200), (70, 200), 64), ((4, 96), (32, 96), 48), ((6, 33), (31, 33), 32),
-                              ((9, 130), (65, 130), 128), ((7, 512), (256, 512), 256), ((2, 90), (32, 90), 30)]
+                              ((9, 130), (65, 130), 128), ((7, 512), (256, 512), 256), ((2, 90), (32, 90), 30),
+                              ((3, 60), (40, 60), 20)]
 
 
 def int4_case(xs, ws, g):
@@ -541,8 +542,10 @@ def test_native_int4_kernel_equals_reference(xs, ws, g):
         assert got.shape == ref.shape and got.dtype == torch.float32
         assert (got - want).abs().max() < 1e-5 * ref.abs().max()
         assert (got - ref).norm() < 2e-2 * ref.norm()
-    # AVX-512 CPUs run the integer loop 512 bits wide (G % 8 == 0): bit for bit the AVX2 loop's result
+    # AVX-512 CPUs run the integer loop 512 bits wide (G % 8 == 0), VNNI ones as vpermb + vpdpbusd (G % 4 == 0):
+    # the same integer sums, so bit for bit the AVX2 loop's result and the 512-bit one's
     assert torch.equal(op.int4_mm(x, p, sz, ws[0], g), op.int4_mm_avx2(x, p, sz, ws[0], g))
+    assert torch.equal(op.int4_mm(x, p, sz, ws[0], g), op.int4_mm_avx512bw(x, p, sz, ws[0], g))
     got = op.int4_mm(x.to(torch.bfloat16), p, sz, ws[0], g)  # bf16 in: the same as its fp32 value
     xb = x.to(torch.bfloat16).float()
     xbq = q8_activations(xb, g) if op.has_avx2() and g % 4 == 0 else xb
