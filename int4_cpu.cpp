@@ -23,6 +23,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -278,8 +279,13 @@ void block_q8_vnni(const int8_t* xq, int64_t ldq, const float* dx, const float* 
 }
 #endif
 
-// Runs fn(i0, i1) over [0, n) in contiguous chunks on torch's intra-op threads (its libgomp): a static split,
-// no per-element scheduling; one fork/join per call.
+// Runs fn(i0, i1) over [0, n) in contiguous chunks on torch's intra-op threads (its libgomp), one fork/join per
+// call. DYNAMIC_CHUNKS: ~8 chunks a thread, taken from a shared counter, so a thread the OS or the hypervisor
+// preempted (a reader thread's syscall, an interrupt, CPU steal) hands its share to the others instead of
+// holding up the whole call; else a static split, one chunk a thread.
+#ifndef DYNAMIC_CHUNKS
+#define DYNAMIC_CHUNKS 1
+#endif
 template <typename F>
 void parallel_chunks(int64_t n, const F& fn) {
   const int nt = int(std::min<int64_t>(at::get_num_threads(), n));
@@ -287,8 +293,15 @@ void parallel_chunks(int64_t n, const F& fn) {
     fn(int64_t(0), n);
     return;
   }
+#if DYNAMIC_CHUNKS
+  const int64_t chunk = std::max<int64_t>(1, (n + 8 * nt - 1) / (8 * nt));
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(nt)
+  for (int64_t i0 = next.fetch_add(chunk); i0 < n; i0 = next.fetch_add(chunk)) fn(i0, std::min(i0 + chunk, n));
+#else
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int t = 0; t < nt; t++) fn(n * t / nt, n * (t + 1) / nt);
+#endif
 }
 
 // x[0..n) to int8 as the AVX2 paths multiply it (Q8_0-style): xq = round(x / dx), dx = max|x| / 127, rounding half
