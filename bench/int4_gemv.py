@@ -93,7 +93,8 @@ def int8_rows_bench(op, a):
     qs = [torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen) for _ in range(3)]
     scale = torch.rand(N, generator=gen) * 0.01
     x = torch.randn(1, K, generator=gen)
-    kernels = {"native_q8": lambda q: op.int8_mm(x, q, scale), "native_fp32": lambda q: op.int8_mm_generic(x, q, scale)}
+    kernels = {"native_q8": lambda q: op.int8_mm(x, q, scale), "native_q8_avx2": lambda q: op.int8_mm_avx2(x, q, scale),
+               "native_fp32": lambda q: op.int8_mm_generic(x, q, scale)}
     if hasattr(torch, "_weight_int8pack_mm"):
         xb, sb = x.to(torch.bfloat16), scale.to(torch.bfloat16)
         kernels["int8pack"] = lambda q: torch._weight_int8pack_mm(xb, q, sb)
@@ -104,7 +105,7 @@ def int8_rows_bench(op, a):
         for name, fn in kernels.items():
             ms = median_time(lambda: [fn(q) for q in qs], a.reps) / len(qs) * 1e3
             rows.append(dict(kernel=name, threads=th, ms=ms, gb_s=N * K / ms / 1e6))
-            print(f"{name:11s} {th} thread(s): {rows[-1]['gb_s']:5.1f} GB/s ({ms:.2f} ms)")
+            print(f"{name:14s} {th} thread(s): {rows[-1]['gb_s']:5.1f} GB/s ({ms:.2f} ms)")
     return rows
 
 
