@@ -592,6 +592,27 @@ def test_native_int8_kernel_equals_reference():
     assert torch.isnan(op.int8_mm(nan_in, torch.ones(3, 64, dtype=torch.int8), torch.ones(3))).all()
 
 
+def test_native_kernels_same_on_any_thread_count():
+    """The GEMVs hand their row blocks out in chunks from a shared counter (a preempted thread's share goes to the
+    others): whichever thread takes a block, the result is the one-thread result, bit for bit, also with a thread
+    count that leaves a short last chunk."""
+    op = S.native_int4()
+    gen = torch.Generator().manual_seed(3)
+    x4, w4 = torch.randn(3, 256, generator=gen), torch.randn(37 * 32 - 5, 256, generator=gen)  # 37 blocks, a tail
+    p, sz = C.quantize_int4(w4, 64)
+    x8, q8 = torch.randn(2, 96, generator=gen), torch.randint(-127, 128, (1001, 96), dtype=torch.int8, generator=gen)
+    s8 = torch.rand(1001, generator=gen)
+    runs = {}
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs[n] = (op.int4_mm(x4, p, sz, w4.shape[0], 64), op.int8_mm(x8, q8, s8))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for n in (2, 3) for a, b in zip(runs[1], runs[n]))
+
+
 def test_native_decode_helpers_equal_model_py():
     """int4_cpu.cpp's one-call decode helpers against the model.py modules they stand in for."""
     import model as M
