@@ -50,7 +50,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   cached), reads the container's bytes as they are. On AVX2 it quantizes activations per group to int8 and
   multiplies integers, as llama.cpp's Q4_0 x Q8_0 kernels do (relative error ~0.6% on random activations, the
   size of bf16 rounding), 512 bits wide where the compiler targets AVX-512BW (the same integer sums, bit for
-  bit; +11% cold and +40% hot on 2 threads here); its portable fp32 loop (other CPUs) is slower than int4pack, so
+  bit; +11% cold and +40% hot on 2 threads here), and as vpermb + vpdpbusd with AVX-512 VNNI (bit for bit again;
+  +8-15% cold, +25% hot over the 512-bit loop); its portable fp32 loop (other CPUs) is slower than int4pack, so
   auto picks it only on AVX2. Measured on the earlier AVX2 machine (2 cores, M=1, micro shapes, weights cold
   in DRAM, `python bench/int4_gemv.py`): 7-9 GB/s of int4 weights on 1 thread and 10-13 GB/s on 2,
   vs 3.2 / 6.1 GB/s for torch's `_weight_int4pack_mm_for_cpu` (which dequantizes to bf16); hot in cache 15 GB/s
