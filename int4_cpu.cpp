@@ -465,32 +465,46 @@ void int8_rows(const float* x, int64_t K, const int8_t* q, const float* scale, i
 // ~12 for an fp32 AVX2 loop, which did not keep up with DRAM on micro's lm_head (32768 x 2048, 2 threads:
 // 11.4 GB/s, 5.9 ms a token, against 18.6 GB/s for this one in an interleaved A/B here).
 // Columns past the last whole block stay fp32.
+// One 32-column block b of an int8 row w (AVX2): v[m] += dx[m, b] * sum_k w[k] xq[m, k], the sums as int32 lanes
+// (maddubs(|w|, xq with w's sign) + madd). int8_rows_q8's step, and int8_rows_vnni's for an odd last block.
+template <int MB>
+inline void int8_block_avx2(const int8_t* w, const int8_t* xq, const float* dx, int64_t nb, int64_t b, __m256 (&v)[MB]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
+  const __m256i aw = _mm256_sign_epi8(wv, wv);  // |w|: q is in [-127, 127]
+  for (int m = 0; m < MB; m++) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * nb * 32 + b * 32));
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+    v[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx[m * nb + b]), v[m]);
+  }
+}
+
+// A row's end: v's lanes summed, the columns past the last whole block added in fp32, times the row's scale.
+template <int MB>
+inline void int8_row_end(const __m256 (&v)[MB], const int8_t* w, const float* x, int64_t K, int64_t nb,
+                         const float* scale, int64_t n, int64_t N, float* y) {
+  for (int m = 0; m < MB; m++) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v[m]), _mm256_extractf128_ps(v[m], 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    float acc = _mm_cvtss_f32(h);
+    for (int64_t k = nb * 32; k < K; k++) acc += float(w[k]) * x[m * K + k];
+    y[m * N + n] = acc * scale[n];
+  }
+}
+
 template <int MB>
 void int8_rows_q8(const int8_t* xq, const float* dx, int64_t nb, const float* x, int64_t K, const int8_t* q,
                   const float* scale, int64_t n0, int64_t n1, int64_t N, float* y) {
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; n++) {
     const int8_t* w = q + n * K;
     __m256 v[MB];
     for (int m = 0; m < MB; m++) v[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
       _mm_prefetch(reinterpret_cast<const char*>(w + b * 32) + PREFETCH_BYTES, _MM_HINT_T0);
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
-      const __m256i aw = _mm256_sign_epi8(wv, wv);  // |w|: q is in [-127, 127]
-      for (int m = 0; m < MB; m++) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * nb * 32 + b * 32));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
-        v[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx[m * nb + b]), v[m]);
-      }
+      int8_block_avx2<MB>(w, xq, dx, nb, b, v);
     }
-    for (int m = 0; m < MB; m++) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(v[m]), _mm256_extractf128_ps(v[m], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      float acc = _mm_cvtss_f32(h);
-      for (int64_t k = nb * 32; k < K; k++) acc += float(w[k]) * x[m * K + k];
-      y[m * N + n] = acc * scale[n];
-    }
+    int8_row_end<MB>(v, w, x, K, nb, scale, n, N, y);
   }
 }
 #endif
@@ -502,7 +516,6 @@ void int8_rows_q8(const int8_t* xq, const float* dx, int64_t nb, const float* x,
 template <int MB>
 void int8_rows_vnni(const int8_t* xq, const float* dx, int64_t nb, const float* x, int64_t K, const int8_t* q,
                     const float* scale, int64_t n0, int64_t n1, int64_t N, float* y) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t n = n0; n < n1; n++) {
     const int8_t* w = q + n * K;
@@ -522,23 +535,8 @@ void int8_rows_vnni(const int8_t* xq, const float* dx, int64_t nb, const float* 
         v[m] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(pf, 1), _mm256_set1_ps(dx[m * nb + b + 1]), v[m]);
       }
     }
-    for (; b < nb; b++) {  // an odd last block: int8_rows_q8's step
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
-      const __m256i aw = _mm256_sign_epi8(wv, wv);
-      for (int m = 0; m < MB; m++) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * nb * 32 + b * 32));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
-        v[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx[m * nb + b]), v[m]);
-      }
-    }
-    for (int m = 0; m < MB; m++) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(v[m]), _mm256_extractf128_ps(v[m], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      float acc = _mm_cvtss_f32(h);
-      for (int64_t k = nb * 32; k < K; k++) acc += float(w[k]) * x[m * K + k];
-      y[m * N + n] = acc * scale[n];
-    }
+    if (b < nb) int8_block_avx2<MB>(w, xq, dx, nb, b, v);  // an odd last block: int8_rows_q8's step
+    int8_row_end<MB>(v, w, x, K, nb, scale, n, N, y);
   }
 }
 #endif
