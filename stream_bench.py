@@ -39,7 +39,7 @@ import stream_infer as S
 
 def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=(), picked=None):
     """O_DIRECT (when possible) reads of n_blobs expert blobs spread over the file, each as n_readers aligned parts
-    on n_readers threads, as the cache reads them; only blobs not in `exclude` (those this run already read: a
+    on n_readers threads (expert_reader.cpp's, else Python's), as the cache reads them; only blobs not in `exclude` (those this run already read: a
     cache below the guest served recently read blobs at 2 GB/s here, fresh ones at 0.6-1.6). None if fewer than
     8 such blobs are left. The blobs it reads are added to the set `picked` when one is given."""
     import mmap
@@ -55,6 +55,10 @@ def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=(), picked=Non
     part = -(-n // n_readers // C.ALIGN) * C.ALIGN
     bufs = [mmap.mmap(-1, n) for _ in range(2)]
     t0 = time.perf_counter()
+    if S.native_reader() is not None:  # expert_reader.cpp's threads, as the cache reads (its pool 2: the bench's)
+        for r in [S.NativeRead(cont, k, bufs[i % 2], 2, n_readers, verify=False) for i, k in enumerate(pick)]:
+            r.result()
+        return len(pick) * n / (time.perf_counter() - t0)
     with ThreadPoolExecutor(n_readers) as pool:
         futs = [pool.submit(cont.read_expert_part, *k, bufs[i % 2], o, min(part, n - o))
                 for i, k in enumerate(pick) for o in range(0, n, part)]

@@ -20,7 +20,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   norms, routers and selection biases (fp32), plus the KV cache. The int8 embedding table stays on disk when
   the lm_head does not share it: its crc is checked at load and each lookup reads the token's row (DiskEmbedding).
 - Routed experts live in ONE byte-budget cache over all layers (policy "score", below), filled by aligned single
-  reads of each expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader threads,
+  reads of each expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader threads
+  (expert_reader.cpp's C++ threads, which never take the GIL; Python threads where it cannot be built),
   O_DIRECT when the filesystem allows (so the page cache cannot hide a miss) with a buffered fallback. A layer's
   missing experts are read in parallel (a blob's crc32 is checked by the reader thread that lands its last part)
   while the decoding thread computes the shared expert and then the layer's cached experts; every expert's output is
@@ -91,6 +92,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
 """
 
 import argparse
+import ctypes
 import math
 import os
 import sys
@@ -258,7 +260,8 @@ def native_int4():
         import hashlib
         import platform
         from torch.utils import cpp_extension
-        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int4_cpu.cpp")
+        here = os.path.dirname(os.path.abspath(__file__))
+        src, reader_src = os.path.join(here, "int4_cpu.cpp"), os.path.join(here, "expert_reader.cpp")
         # -march=native: the build dir is keyed by this machine's CPU flags, so a shared home cannot hand a
         # binary to a CPU that lacks its instructions
         try:
@@ -273,7 +276,7 @@ def native_int4():
             if not os.path.exists(os.path.join(cpp_extension._get_build_directory(name, False), name + ".so")):
                 print("stream_infer: compiling int4_cpu.cpp, the fast CPU int4 kernel (first use only, ~20 s)",
                       file=sys.stderr)
-            cpp_extension.load(name=name, sources=[src], extra_cflags=["-O3", "-march=native"] + omp,
+            cpp_extension.load(name=name, sources=[src, reader_src], extra_cflags=["-O3", "-march=native"] + omp,
                                extra_ldflags=omp, is_python_module=False, verbose=False)
             _NATIVE = torch.ops.picaflor_int4
         except Exception as e:  # no compiler, no ninja, a foreign toolchain: fall back, loudly, once
@@ -288,6 +291,74 @@ def native_int4():
 def int4_matmul_native(x, packed, sz, shape, group_size):
     """x (M, K) -> (M, N) fp32 through int4_cpu.cpp (fp32 activations, the container's bytes as they are)."""
     return native_int4().int4_mm(x, packed, sz, shape[0], group_size)
+
+
+def native_reader():
+    """The extension's expert readers (expert_reader.cpp, built with int4_cpu.cpp), or None without a compiler."""
+    ops = native_int4() if os.name == "posix" else None
+    return ops if ops is not None and hasattr(ops, "blob_read") else None
+
+
+class NativeRead:
+    """One expert blob being read by expert_reader.cpp's threads, with the two methods of a Future that
+    ExpertCache uses (done, result). The blob's crc32 is checked by its last reader the first time this process
+    reads it (unless verify is False: the bench's disk measurement); a re-read checks that the open file was not
+    rewritten (as Container.check_expert_blob). Pools: 0 demand reads, 1 guesses, 2 the bench. It holds
+    `buf` until the read has landed: the readers write into that memory."""
+
+    def __init__(self, container, key, buf, pool, n_parts, verify=True):
+        c = self.c = container
+        self.key, self.buf, self.error, self.waited, self.verify = key, buf, None, False, verify
+        ent = c.expert_entry(*key)
+        self.offset, self.check = ent["offset"], verify and key not in c.verified
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))  # the export ends with the temporary: no pin
+        direct = c.direct_fd if c.direct_fd is not None else -1
+        crc = int(ent["crc32"], 16) if self.check else -1
+        self.ticket = (_NATIVE or native_reader()).blob_read(pool, direct, c.fd, self.offset, addr, c.expert_nbytes,
+                                                             n_parts, C.ALIGN, crc, n_parts)
+
+    def done(self):
+        return self.waited or _NATIVE.blob_done(self.ticket)
+
+    def wait(self):
+        """Until the read landed, without raising (result() raises its error, each time it is called)."""
+        try:
+            self.result()
+        except C.ContainerError:
+            pass
+
+    def result(self):
+        if not self.waited:
+            self.waited = True
+            status, err, landed = _NATIVE.blob_wait(self.ticket)  # without the GIL
+            (layer, e), c = self.key, self.c
+            if status == 0 and self.check:
+                c.verified.add(self.key)
+            elif status == 0:
+                try:
+                    if self.verify:
+                        c._check_unchanged()
+                except C.ContainerError as ex:
+                    self.error = ex
+            elif status == 1:
+                self.error = C.ContainerError(f"{c.path}: checksum mismatch in layer {layer} expert {e} (offset "
+                                              f"{self.offset}); the file is corrupt, re-export it")
+            elif status == 2:
+                self.error = C.ContainerError(f"{c.path}: short read at offset {self.offset} ({landed} of "
+                                              f"{c.expert_nbytes} bytes); the file is truncated (layer {layer} expert {e})")
+            else:
+                self.error = C.ContainerError(f"{c.path}: read error at offset {self.offset} (layer {layer} expert "
+                                              f"{e}): {os.strerror(err)}; check the disk")
+        if self.error is not None:
+            raise self.error
+        return self.buf
+
+    def __del__(self):  # dropped unwaited (an error elsewhere): the readers must finish with buf before it goes
+        if not getattr(self, "waited", True) and _NATIVE:
+            try:
+                _NATIVE.blob_wait(self.ticket)
+            except Exception:
+                pass
 
 
 class QLinear(nn.Module):
@@ -458,16 +529,18 @@ def wait_quietly(futures):
     """Wait for a guess's reads without raising: a failed read of a guess nobody asks for is no error (one that
     is asked for raises in ExpertCache._finish, with the read's own message)."""
     import concurrent.futures
-    concurrent.futures.wait(futures)
+    native = [f for f in futures if isinstance(f, NativeRead)]
+    for f in native:
+        f.wait()
+    concurrent.futures.wait([f for f in futures if not isinstance(f, NativeRead)])
 
 
 class ExpertCache:
     """All routed experts of all layers share one byte budget. Policy "score" (default): evict the cached expert
     its layer's router has scored lowest lately (an average of its selection score, sigmoid + bias, decaying by
     SCORE_DECAY a token, fed by `observe`; least recently used first among equals). Policy "lru": a hit moves to
-    the back, eviction takes the front. Reads happen on a small thread pool (os.preadv releases the GIL; so does
-    the crc32 check);
-    the dict itself is only touched by the calling thread. An evicted expert's buffer is read into again by the
+    the back, eviction takes the front. Reads happen on expert_reader.cpp's threads (NativeRead), or without it
+    on a small Python thread pool (os.preadv releases the GIL; so does the crc32 check); the dict itself is only touched by the calling thread. An evicted expert's buffer is read into again by the
     next miss (`free_bufs`), unless something still holds that expert: a fresh 3.5 MB anonymous mmap cost ~4.6 ms
     to fault in and its munmap ~0.9 ms here, per miss."""
 
@@ -503,10 +576,23 @@ class ExpertCache:
         self.pool = ThreadPoolExecutor(max_workers=n_readers, thread_name_prefix="expert-reader")
         self.guess_pool = None  # guesses' own readers (made with the first guess slot): a demand read never
         # queues behind a guess
-        self.busy_lock, self.active_reads, self.busy_since, self.disk_busy_s = threading.Lock(), 0, 0.0, 0.0
+        self.busy_lock, self.py_active_reads, self.busy_since, self.py_disk_busy_s = threading.Lock(), 0, 0.0, 0.0
         self.n_parts = max(1, n_readers)
+        # reads on expert_reader.cpp's threads (no Python per part, no GIL); the Python pool above is the fallback
+        # where the extension cannot be built (and the tests' way to inject slow or failing reads)
+        self.native_reads = native_reader() is not None
         self.record_trace = False
         self.reset_counters()
+
+    @property
+    def disk_busy_s(self):
+        """Seconds at least one read was running (both reader kinds; the native one counts since process start)."""
+        native = _NATIVE.reader_stats()[0] / 1e9 if self.native_reads else 0.0
+        return self.py_disk_busy_s + native
+
+    @property
+    def active_reads(self):
+        return self.py_active_reads + (_NATIVE.reader_stats()[1] if self.native_reads else 0)
 
     def reset_counters(self):
         self.lookups = self.hits = self.prefetch_hits = self.misses = 0
@@ -597,16 +683,19 @@ class ExpertCache:
         self.free_bufs.append(buf)
         return True
 
-    def _read(self, key, buf, pool=None):
-        """Start reading one blob into buf (on `pool`, default the demand readers): [Future per part]."""
-        # one blob = n_readers aligned parts read at once (queue depth; see container.read_expert_part)
-        step = -(-self.nbytes // self.n_parts // C.ALIGN) * C.ALIGN
+    def _read(self, key, buf, guess=False):
+        """Start reading one blob into buf (on the guess readers or the demand ones): [Future per part], or with
+        native_reads [one NativeRead] (expert_reader.cpp's readers: its pool 1 for guesses, 0 on demand)."""
         self.reads += 1
         self.bytes_read += self.nbytes
         self.read_keys.add(key)
+        if self.native_reads:
+            return [NativeRead(self.c, key, buf, 1 if guess else 0, self.n_parts)]
+        # one blob = n_readers aligned parts read at once (queue depth; see container.read_expert_part)
+        step = -(-self.nbytes // self.n_parts // C.ALIGN) * C.ALIGN
         parts = [(o, min(step, self.nbytes - o)) for o in range(0, self.nbytes, step)]
         left = [len(parts)]  # parts not landed yet: the reader that lands the last one checks the blob
-        return [(pool or self.pool).submit(self._read_part, key, buf, o, n, left) for o, n in parts]
+        return [(self.guess_pool if guess else self.pool).submit(self._read_part, key, buf, o, n, left) for o, n in parts]
 
     def _read_part(self, key, buf, start, nbytes, left):
         """One part read on a reader thread, timed: disk_busy_s adds up the time at least one read was running (the
@@ -614,16 +703,16 @@ class ExpertCache:
         part checks its crc32 there (the first read in this process; the check releases the GIL), off the decoding
         thread, which computes meanwhile: 1-1.7 ms a token at 2G on micro."""
         with self.busy_lock:
-            if self.active_reads == 0:
+            if self.py_active_reads == 0:
                 self.busy_since = time.perf_counter()
-            self.active_reads += 1
+            self.py_active_reads += 1
         try:
             self.c.read_expert_part(*key, buf, start, nbytes)
         finally:
             with self.busy_lock:
-                self.active_reads -= 1
-                if self.active_reads == 0:
-                    self.disk_busy_s += time.perf_counter() - self.busy_since
+                self.py_active_reads -= 1
+                if self.py_active_reads == 0:
+                    self.py_disk_busy_s += time.perf_counter() - self.busy_since
         with self.busy_lock:  # reached only when this part landed: a failed part leaves the blob unchecked
             left[0] -= 1
             last = left[0] == 0
@@ -681,7 +770,7 @@ class ExpertCache:
                     return
                 self.slot_bufs.append(self.guesses.pop(old)[1])
             buf = self.slot_bufs.pop()
-            self.guesses[key] = (self._read(key, buf, self.guess_pool), buf)
+            self.guesses[key] = (self._read(key, buf, guess=True), buf)
             self.prefetch_reads += 1
 
     def set_slots(self, n):

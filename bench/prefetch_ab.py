@@ -47,6 +47,11 @@ def background_reads(cont, n_readers, stop, counted):
     n = cont.expert_nbytes
     part = -(-n // n_readers // C.ALIGN) * C.ALIGN
     buf = mmap.mmap(-1, n)
+    if S.native_reader() is not None:  # as the cache reads: expert_reader.cpp's threads
+        while not stop.is_set():
+            S.NativeRead(cont, random.choice(keys), buf, 2, n_readers, verify=False).result()
+            counted[0] += n
+        return
     with ThreadPoolExecutor(n_readers) as pool:
         while not stop.is_set():
             key = random.choice(keys)

@@ -388,6 +388,7 @@ def test_guesses_in_flight_and_failed_guesses(tiny):
     m, path = tiny
     eng = S.load(path, prefetch=False, preload=False)
     c = eng.cache
+    c.native_reads = False  # the Python readers, whose reads this test can slow down and break per expert
     c.budget = 8 * c.nbytes
     c.set_slots(2)
     gate, read = threading.Event(), c.c.read_expert_part
@@ -422,23 +423,95 @@ def test_guesses_in_flight_and_failed_guesses(tiny):
     assert c.used <= c.budget
 
 
-def test_disk_busy_time_counts_overlapping_reads_once(tiny):
-    """disk_busy_s (the bench's rate of decode's own reads) is the time at least one read ran, not their sum."""
+@pytest.mark.parametrize("native", [True, False])
+def test_disk_busy_time_counts_overlapping_reads_once(tiny, native):
+    """disk_busy_s (the bench's rate of decode's own reads) is the time at least one read ran, not their sum, on
+    expert_reader.cpp's threads and on the Python ones."""
     import time
     m, path = tiny
     eng = S.load(path, prefetch=False, preload=False)
     c, read = eng.cache, eng.cache.c.read_expert_part
+    assert c.native_reads, "expert_reader.cpp did not build: install g++ and ninja"
+    c.native_reads = native
 
     def slow(layer, e, *a):
         time.sleep(0.2)
         return read(layer, e, *a)
 
     c.c.read_expert_part = slow
-    c.request([(1, 0), (1, 1)], set())  # two blobs' parts on the 4 reader threads, in waves of 4
-    c.settle()
+    S.native_reader().reader_delay_us(0, 200_000)  # the same slow disk for the native readers (demand pool)
+    busy0 = c.disk_busy_s
+    try:
+        c.request([(1, 0), (1, 1)], set())  # two blobs' parts on the 4 reader threads, in waves of 4
+        c.settle()
+    finally:
+        S.native_reader().reader_delay_us(0, 0)
     step = -(-c.nbytes // c.n_parts // C.ALIGN) * C.ALIGN
     waves = -(-2 * len(range(0, c.nbytes, step)) // 4)
-    assert 0.2 * waves <= c.disk_busy_s < 0.2 * waves + 0.15 and c.active_reads == 0
+    assert 0.2 * waves <= c.disk_busy_s - busy0 < 0.2 * waves + 0.15 and c.active_reads == 0
+
+
+def test_native_reads_land_checked_bytes_and_fail_loudly(tiny, tmp_path):
+    """expert_reader.cpp: its crc32 is zlib's at any length; the cache's reads on its threads land the bytes
+    Container.read_expert_blob reads; a flipped byte is a one-line checksum error naming the expert on its first
+    read, a file cut short after opening a short-read error, a file rewritten in place a one-line error on a
+    re-read; a demand read never queues behind a slow guess (its own pool)."""
+    import shutil
+    import time
+    import zlib
+    m, path = tiny
+    ops = S.native_reader()
+    assert ops is not None, "expert_reader.cpp did not build: install g++ and ninja"
+    gen = torch.Generator().manual_seed(0)
+    for n in (0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 1000, 4096, 65537):
+        b = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        for start in (0, 0xDEADBEEF):
+            assert ops.crc32(b, start) == zlib.crc32(b.numpy().tobytes(), start), n
+    cont = C.load_container(path)
+    flip = tmp_path / "flip.pcf4"
+    shutil.copy(path, flip)
+    off = cont.header["experts"]["2"][5]["offset"] + 777
+    with open(flip, "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)[0]
+        f.seek(off)
+        f.write(bytes([byte ^ 0x10]))
+    eng = S.load(str(flip), prefetch=False, preload=False)
+    c = eng.cache
+    assert c.native_reads
+    x = torch.randn(1, eng.cfg.d_model, generator=gen)
+    got = c.get((2, 4), {(2, 4)})  # a neighbour is fine, and the same expert as a plain read gives
+    assert torch.equal(got(x), S.Expert(cont, cont.read_expert_blob(2, 4), eng.kernel)(x))
+    with pytest.raises(C.ContainerError, match="checksum mismatch in layer 2 expert 5") as ei:
+        c.get((2, 5), {(2, 5)})
+    assert str(flip) in str(ei.value) and "\n" not in str(ei.value)
+    # a slow guess (pool 1) holds up no demand read (pool 0); asked for, the guess is waited for
+    c.set_slots(2)
+    ops.reader_delay_us(1, 1_000_000)
+    try:
+        c.guess([(3, 0)], set())
+        t0 = time.perf_counter()
+        c.get((1, 5), {(1, 5)})
+        assert time.perf_counter() - t0 < 0.8
+        got = c.get((3, 0), {(3, 0)})
+        assert c.prefetch_hits == 1 and torch.equal(got(x), S.Expert(cont, cont.read_expert_blob(3, 0), eng.kernel)(x))
+    finally:
+        ops.reader_delay_us(1, 0)
+    # rewritten in place after the first read: a re-read of that expert is an error, not other bytes
+    c.set_slots(0)
+    c._evict((1, 5))
+    os.utime(flip, ns=(time.time_ns(), time.time_ns() + 10**9))
+    with pytest.raises(C.ContainerError, match="changed on disk"):
+        c.get((1, 5), {(1, 5)})
+    # cut short after opening: the last expert's read comes back short
+    cut = tmp_path / "cut.pcf4"
+    shutil.copy(path, cut)
+    eng = S.load(str(cut), prefetch=False, preload=False)
+    last = max((int(layer), e, ent["offset"]) for layer, ents in cont.header["experts"].items()
+               for e, ent in enumerate(ents))
+    os.truncate(cut, last[2] + cont.expert_nbytes // 2)
+    with pytest.raises(C.ContainerError, match=f"short read .* truncated \\(layer {last[0]} expert {last[1]}\\)"):
+        eng.cache.get(last[:2], {last[:2]})
 
 
 def test_loglikelihood(tiny):
@@ -917,13 +990,12 @@ def test_bench_result_fields_and_lru_policy(tiny, capsys):
     both = [b for b in (res["disk_bw_before_bytes_s"], res["disk_bw_after_bytes_s"]) if b]
     assert res["disk_bw_before_bytes_s"] > 0 and res["disk_bw_decode_bytes_s"] > 0  # 5 of 48 fit: decode reads
     assert res["disk_bw_bytes_s"] == pytest.approx(max(sum(both) / len(both), res["disk_bw_decode_bytes_s"]))
-    seen, read = [], eng.container.read_expert_part
-    eng.container.read_expert_part = lambda layer, e, *a: (seen.append((layer, e)), read(layer, e, *a))[1]
     done, every = {(1, e) for e in range(16)}, {(layer, e) for layer in (1, 2, 3) for e in range(16)}
-    assert B.measure_disk_bandwidth(eng.container, exclude=done) > 0
-    assert set(seen) == every - done  # 64 asked for: all 32 blobs that are left, none of the excluded
+    busy0, seen = eng.cache.disk_busy_s, set()
+    assert B.measure_disk_bandwidth(eng.container, exclude=done, picked=seen) > 0
+    assert seen == every - done  # 64 asked for: all 32 blobs that are left, none of the excluded
+    assert eng.cache.disk_busy_s > busy0  # read on expert_reader.cpp's threads, as the cache reads
     assert B.measure_disk_bandwidth(eng.container, exclude=set(sorted(every)[7:])) is None  # 7 left: too few
-    eng.container.read_expert_part = read
     assert res["cache_policy"] == "lru"
     # the bound's disk time counts the reads decode needed: without prefetch, every read it made
     assert res["demanded_bytes_per_token"] > 0
