@@ -13,6 +13,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#if defined(__unix__) || defined(__APPLE__)  // pread, pthreads; elsewhere no ops: stream_infer's Python readers
 #include <pthread.h>
 #include <unistd.h>
 
@@ -82,7 +83,8 @@ inline __m128i crc_fold(__m128i x, __m128i k, __m128i data) {
 
 uint32_t crc_update(uint32_t c, const uint8_t* p, size_t n) {
   if (n < 64) return crc_bytes(c, p, n);
-  const __m128i k512 = _mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL), k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
+  const __m128i k512 = _mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL);
+  const __m128i k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
   auto ld = [](const uint8_t* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); };
   __m128i x0 = _mm_xor_si128(ld(p), _mm_cvtsi32_si128(int(c))), x1 = ld(p + 16), x2 = ld(p + 32), x3 = ld(p + 48);
   for (p += 64, n -= 64; n >= 64; p += 64, n -= 64) {
@@ -113,7 +115,7 @@ struct Blob {
   uint8_t* dst;
   std::atomic<int> parts_left{0}, first_errno{0};
   std::atomic<int64_t> landed{0};  // bytes read, all parts
-  std::atomic<bool> short_read{false};
+  std::atomic<bool> short_read{false}, buffered{false};  // buffered: O_DIRECT failed, the part was reread buffered
   int status = PENDING;  // set under done_mu once every part is back
 };
 
@@ -134,13 +136,12 @@ struct State {
   Pool pools[3];
   std::mutex done_mu;
   std::condition_variable done_cv;
-  std::unordered_map<int64_t, std::shared_ptr<Blob>> tickets;
-  int64_t next_ticket = 1;
+  std::unordered_map<int64_t, std::shared_ptr<Blob>> tickets;  // the caller numbers its reads
   std::mutex busy_mu;  // disk busy time: the time at least one part was being read (the bench's disk rate)
   int active_parts = 0;
   std::chrono::steady_clock::time_point busy_since;
   int64_t busy_ns = 0;
-  std::atomic<int> delay_us[3] = {{0}, {0}, {0}};  // tests only: each part of a pool sleeps this long first (a slow disk)
+  std::atomic<int> delay_us[3] = {{0}, {0}, {0}};  // tests only: a pool's parts sleep this long first (a slow disk)
 };
 State* state = new State;
 
@@ -157,8 +158,9 @@ void read_part(Part& part) {
     ssize_t r = pread(fd, b.dst + part.start + got, size_t(part.n - got), off_t(b.offset + part.start + got));
     if (r < 0) {
       if (errno == EINTR) continue;
-      if (errno == EINVAL && fd == b.direct_fd && b.fd >= 0) {  // a filesystem that opened O_DIRECT but cannot do it
+      if (fd == b.direct_fd && b.fd >= 0) {  // e.g. EINVAL: a filesystem that opened O_DIRECT but cannot do it
         fd = b.fd;
+        b.buffered = true;
         continue;
       }
       int zero = 0;
@@ -208,10 +210,11 @@ void reader_loop(Pool* pool) {
 }
 
 // Start reading bytes [offset, offset + nbytes) of the file into addr (page-aligned memory the caller keeps alive
-// until blob_wait returns), as n_parts parts of `align`-multiple sizes on pool `pool` (n_threads readers);
-// check its crc32 against expected_crc when that is >= 0. Returns a ticket for blob_done / blob_wait.
-int64_t blob_read(int64_t pool, int64_t direct_fd, int64_t fd, int64_t offset, int64_t addr, int64_t nbytes,
-                  int64_t n_parts, int64_t align, int64_t expected_crc, int64_t n_threads) {
+// until blob_wait returns), as n_parts parts of `align`-multiple sizes on pool `pool` (at least n_threads readers;
+// a pool keeps the most it was ever asked for); check its crc32 against expected_crc when that is >= 0. `ticket`
+// (the caller's number, unique) names it for blob_done / blob_wait. Nothing is queued if it throws.
+void blob_read(int64_t ticket, int64_t pool, int64_t direct_fd, int64_t fd, int64_t offset, int64_t addr,
+               int64_t nbytes, int64_t n_parts, int64_t align, int64_t expected_crc, int64_t n_threads) {
   TORCH_CHECK(pool >= 0 && pool < 3 && nbytes > 0 && n_parts > 0 && align > 0 && n_threads > 0 && addr != 0,
               "blob_read: bad arguments");
   auto b = std::make_shared<Blob>();
@@ -221,20 +224,20 @@ int64_t blob_read(int64_t pool, int64_t direct_fd, int64_t fd, int64_t offset, i
   std::vector<Part> parts;
   for (int64_t o = 0; o < nbytes; o += part) parts.push_back({b, o, std::min(part, nbytes - o)});
   b->parts_left = int(parts.size());
-  int64_t ticket;
+  Pool* p = &state->pools[pool];
+  {
+    std::lock_guard<std::mutex> lock(p->mu);  // the readers first: starting one may throw
+    for (; p->threads < n_threads; p->threads++) std::thread(reader_loop, p).detach();
+  }
   {
     std::lock_guard<std::mutex> lock(state->done_mu);
-    ticket = state->next_ticket++;
-    state->tickets[ticket] = b;
+    TORCH_CHECK(state->tickets.emplace(ticket, b).second, "blob_read: ticket ", ticket, " is in use");
   }
-  Pool* p = &state->pools[pool];
   {
     std::lock_guard<std::mutex> lock(p->mu);
     for (auto& x : parts) p->queue.push_back(std::move(x));
-    for (; p->threads < n_threads; p->threads++) std::thread(reader_loop, p).detach();
   }
   p->cv.notify_all();
-  return ticket;
 }
 
 std::shared_ptr<Blob> ticket_blob(int64_t ticket) {
@@ -248,14 +251,15 @@ bool blob_done(int64_t ticket) {
   return ticket_blob(ticket)->status != PENDING;
 }
 
-// Wait for a read (torch.ops calls run without the GIL) and forget its ticket: [status, errno, bytes landed],
-// status 0 ok, 1 crc mismatch, 2 short read (end of file), 3 an OS error (errno).
+// Wait for a read (torch.ops calls run without the GIL) and forget its ticket: [status, errno, bytes landed,
+// buffered], status 0 ok, 1 crc mismatch, 2 short read (end of file), 3 an OS error (errno); buffered 1 when
+// O_DIRECT failed and a part was read through the page cache instead.
 std::vector<int64_t> blob_wait(int64_t ticket) {
   std::unique_lock<std::mutex> lock(state->done_mu);
   auto b = ticket_blob(ticket);
   state->done_cv.wait(lock, [&] { return b->status != PENDING; });
   state->tickets.erase(ticket);
-  return {b->status, b->first_errno.load(), b->landed.load()};
+  return {b->status, b->first_errno.load(), b->landed.load(), b->buffered.load() ? 1 : 0};
 }
 
 // [ns the disk was busy (at least one part being read) since load, parts being read now]
@@ -279,11 +283,13 @@ const int fork_handler = pthread_atfork(nullptr, nullptr, reset_after_fork);
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(picaflor_int4, m) {
-  m.def("blob_read(int pool, int direct_fd, int fd, int offset, int addr, int nbytes, int n_parts, int align, "
-        "int expected_crc, int n_threads) -> int", &blob_read);
+  m.def("blob_read(int ticket, int pool, int direct_fd, int fd, int offset, int addr, int nbytes, int n_parts, "
+        "int align, int expected_crc, int n_threads) -> ()", &blob_read);
   m.def("blob_done(int ticket) -> bool", &blob_done);
   m.def("blob_wait(int ticket) -> int[]", &blob_wait);
   m.def("reader_stats() -> int[]", &reader_stats);
   m.def("reader_delay_us(int pool, int us) -> ()", &reader_delay_us);
   m.def("crc32(Tensor buf, int crc) -> int", &crc32);
 }
+
+#endif  // __unix__ || __APPLE__

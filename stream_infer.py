@@ -92,7 +92,9 @@ How it works (the implementer's calls, as DESIGN.md asks):
 """
 
 import argparse
+import atexit
 import ctypes
+import itertools
 import math
 import os
 import sys
@@ -299,39 +301,71 @@ def native_reader():
     return ops if ops is not None and hasattr(ops, "blob_read") else None
 
 
+# ticket -> (ops, buf, pin) of every native read not yet waited for: the readers write into buf until blob_wait
+# returns, whatever happens to its NativeRead meanwhile (an exception, Ctrl-C, a reference cycle at exit), so buf
+# stays alive (and cannot be closed: pin is an export of it) until then, and atexit waits for what is left
+_READS_IN_FLIGHT = {}
+_NEXT_TICKET = itertools.count(1)
+
+
+@atexit.register
+def _wait_reads_in_flight():
+    for ticket, (ops, _, _) in list(_READS_IN_FLIGHT.items()):
+        try:
+            ops.blob_wait(ticket)
+        except Exception:  # a ticket that never reached the readers
+            pass
+    _READS_IN_FLIGHT.clear()
+
+
 class NativeRead:
     """One expert blob being read by expert_reader.cpp's threads, with the two methods of a Future that
     ExpertCache uses (done, result). The blob's crc32 is checked by its last reader the first time this process
     reads it (unless verify is False: the bench's disk measurement); a re-read checks that the open file was not
-    rewritten (as Container.check_expert_blob). Pools: 0 demand reads, 1 guesses, 2 the bench. It holds
-    `buf` until the read has landed: the readers write into that memory."""
+    rewritten (as Container.check_expert_blob). Pools: 0 demand reads, 1 guesses, 2 the bench. `buf` (a
+    page-aligned mmap of at least one blob) is held in _READS_IN_FLIGHT until the read has landed."""
 
-    def __init__(self, container, key, buf, pool, n_parts, verify=True):
+    def __init__(self, container, key, buf, pool, n_parts, verify=True, ops=None):
         c = self.c = container
         self.key, self.buf, self.error, self.waited, self.verify = key, buf, None, False, verify
+        self.ops = ops or native_reader()
+        if len(buf) < c.expert_nbytes:
+            raise ValueError(f"NativeRead: a buffer of {len(buf)} bytes cannot hold a {c.expert_nbytes}-byte blob")
         ent = c.expert_entry(*key)
         self.offset, self.check = ent["offset"], verify and key not in c.verified
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))  # the export ends with the temporary: no pin
+        pin = ctypes.c_char.from_buffer(buf)
         direct = c.direct_fd if c.direct_fd is not None else -1
         crc = int(ent["crc32"], 16) if self.check else -1
-        self.ticket = (_NATIVE or native_reader()).blob_read(pool, direct, c.fd, self.offset, addr, c.expert_nbytes,
-                                                             n_parts, C.ALIGN, crc, n_parts)
+        self.ticket = ticket = next(_NEXT_TICKET)
+        _READS_IN_FLIGHT[ticket] = (self.ops, buf, pin)  # before the readers can see it
+        try:
+            self.ops.blob_read(ticket, pool, direct, c.fd, self.offset, ctypes.addressof(pin), c.expert_nbytes,
+                               n_parts, C.ALIGN, crc, n_parts)
+        except BaseException:
+            self.waited = True  # nothing was queued (blob_read queues last)
+            _READS_IN_FLIGHT.pop(ticket, None)
+            raise
 
     def done(self):
-        return self.waited or _NATIVE.blob_done(self.ticket)
+        return self.waited or self.ops.blob_done(self.ticket)
 
     def wait(self):
         """Until the read landed, without raising (result() raises its error, each time it is called)."""
         try:
             self.result()
-        except C.ContainerError:
+        except (C.ContainerError, RuntimeError):  # RuntimeError: a forked child's copy of a parent's read
             pass
 
     def result(self):
         if not self.waited:
-            self.waited = True
-            status, err, landed = _NATIVE.blob_wait(self.ticket)  # without the GIL
+            try:
+                status, err, landed, buffered = self.ops.blob_wait(self.ticket)  # without the GIL
+            finally:
+                self.waited = True
+                _READS_IN_FLIGHT.pop(self.ticket, None)
             (layer, e), c = self.key, self.c
+            if buffered:  # O_DIRECT failed on this filesystem: buffered reads from now on (as Container._pread)
+                c.direct_fd = None
             if status == 0 and self.check:
                 c.verified.add(self.key)
             elif status == 0:
@@ -345,7 +379,8 @@ class NativeRead:
                                               f"{self.offset}); the file is corrupt, re-export it")
             elif status == 2:
                 self.error = C.ContainerError(f"{c.path}: short read at offset {self.offset} ({landed} of "
-                                              f"{c.expert_nbytes} bytes); the file is truncated (layer {layer} expert {e})")
+                                              f"{c.expert_nbytes} bytes); the file is truncated "
+                                              f"(layer {layer} expert {e})")
             else:
                 self.error = C.ContainerError(f"{c.path}: read error at offset {self.offset} (layer {layer} expert "
                                               f"{e}): {os.strerror(err)}; check the disk")
@@ -353,12 +388,9 @@ class NativeRead:
             raise self.error
         return self.buf
 
-    def __del__(self):  # dropped unwaited (an error elsewhere): the readers must finish with buf before it goes
-        if not getattr(self, "waited", True) and _NATIVE:
-            try:
-                _NATIVE.blob_wait(self.ticket)
-            except Exception:
-                pass
+    def __del__(self):  # dropped unwaited (an error elsewhere): wait here rather than at exit
+        if not getattr(self, "waited", True):
+            self.wait()
 
 
 class QLinear(nn.Module):
@@ -578,21 +610,23 @@ class ExpertCache:
         # queues behind a guess
         self.busy_lock, self.py_active_reads, self.busy_since, self.py_disk_busy_s = threading.Lock(), 0, 0.0, 0.0
         self.n_parts = max(1, n_readers)
-        # reads on expert_reader.cpp's threads (no Python per part, no GIL); the Python pool above is the fallback
-        # where the extension cannot be built (and the tests' way to inject slow or failing reads)
-        self.native_reads = native_reader() is not None
+        # reads on expert_reader.cpp's threads (no Python per part, no GIL) with the native kernel (or once the
+        # extension is loaded anyway); the Python pool above is the fallback where it cannot be built (and the
+        # tests' way to inject slow or failing reads)
+        self.reader_ops = native_reader() if kernel == "native" or _NATIVE else None
+        self.native_reads = self.reader_ops is not None
         self.record_trace = False
         self.reset_counters()
 
     @property
     def disk_busy_s(self):
         """Seconds at least one read was running (both reader kinds; the native one counts since process start)."""
-        native = _NATIVE.reader_stats()[0] / 1e9 if self.native_reads else 0.0
+        native = self.reader_ops.reader_stats()[0] / 1e9 if self.reader_ops is not None else 0.0
         return self.py_disk_busy_s + native
 
     @property
     def active_reads(self):
-        return self.py_active_reads + (_NATIVE.reader_stats()[1] if self.native_reads else 0)
+        return self.py_active_reads + (self.reader_ops.reader_stats()[1] if self.reader_ops is not None else 0)
 
     def reset_counters(self):
         self.lookups = self.hits = self.prefetch_hits = self.misses = 0
@@ -690,7 +724,7 @@ class ExpertCache:
         self.bytes_read += self.nbytes
         self.read_keys.add(key)
         if self.native_reads:
-            return [NativeRead(self.c, key, buf, 1 if guess else 0, self.n_parts)]
+            return [NativeRead(self.c, key, buf, 1 if guess else 0, self.n_parts, ops=self.reader_ops)]
         # one blob = n_readers aligned parts read at once (queue depth; see container.read_expert_part)
         step = -(-self.nbytes // self.n_parts // C.ALIGN) * C.ALIGN
         parts = [(o, min(step, self.nbytes - o)) for o in range(0, self.nbytes, step)]

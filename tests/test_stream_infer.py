@@ -455,7 +455,8 @@ def test_native_reads_land_checked_bytes_and_fail_loudly(tiny, tmp_path):
     """expert_reader.cpp: its crc32 is zlib's at any length; the cache's reads on its threads land the bytes
     Container.read_expert_blob reads; a flipped byte is a one-line checksum error naming the expert on its first
     read, a file cut short after opening a short-read error, a file rewritten in place a one-line error on a
-    re-read; a demand read never queues behind a slow guess (its own pool)."""
+    re-read; a demand read never queues behind a slow guess (its own pool); a read nobody waits for holds its
+    buffer until it lands; a refused O_DIRECT read falls back to buffered ones."""
     import shutil
     import time
     import zlib
@@ -503,6 +504,33 @@ def test_native_reads_land_checked_bytes_and_fail_loudly(tiny, tmp_path):
     os.utime(flip, ns=(time.time_ns(), time.time_ns() + 10**9))
     with pytest.raises(C.ContainerError, match="changed on disk"):
         c.get((1, 5), {(1, 5)})
+    # a read nobody waits for keeps its buffer alive until it lands (the readers write into it), then lets go
+    import mmap
+    import weakref
+    ops.reader_delay_us(0, 300_000)
+    try:
+        buf = mmap.mmap(-1, cont.expert_nbytes)
+        r, gone = S.NativeRead(cont, (1, 7), buf, 0, 4), weakref.ref(buf)
+        del buf
+        t0 = time.perf_counter()
+        del r  # its __del__ waits for the readers
+        assert time.perf_counter() - t0 > 0.2 and gone() is None and not S._READS_IN_FLIGHT
+        buf = mmap.mmap(-1, cont.expert_nbytes)
+        lost = S.NativeRead(cont, (1, 8), buf, 0, 4)
+        lost.__dict__.clear()  # as if lost to an exception: only exit can wait
+        del lost
+        assert len(S._READS_IN_FLIGHT) == 1
+        S._wait_reads_in_flight()  # what atexit runs
+        assert not S._READS_IN_FLIGHT and bytes(buf) == bytes(cont.read_expert_blob(1, 8))
+    finally:
+        ops.reader_delay_us(0, 0)
+    # O_DIRECT refused (a descriptor that cannot read: a directory): the part is read buffered, and from then on
+    # every read is (as Container._pread does)
+    direct = cont.direct_fd = os.open(tmp_path, os.O_RDONLY)
+    buf = mmap.mmap(-1, cont.expert_nbytes)
+    S.NativeRead(cont, (3, 3), buf, 0, 4).result()
+    assert cont.direct_fd is None and bytes(buf) == bytes(cont.read_expert_blob(3, 3))
+    os.close(direct)
     # cut short after opening: the last expert's read comes back short
     cut = tmp_path / "cut.pcf4"
     shutil.copy(path, cut)
