@@ -504,7 +504,7 @@ class Container:
                 self.direct_fd = None  # e.g. EINVAL on a filesystem that opened but cannot do O_DIRECT
         got = os.preadv(self.fd, [buf], offset)
         if got != nbytes:
-            raise ContainerError(f"{self.path}: short read at offset {offset} ({got} of {nbytes} bytes); the file is truncated")
+            raise self.short_read_error(offset, got, nbytes)
         return buf
 
     def expert_entry(self, layer, expert):
@@ -546,10 +546,20 @@ class Container:
             return buf
         ent = self.expert_entry(layer, expert)
         if f"{crc32(buf):08x}" != ent["crc32"]:
-            raise ContainerError(f"{self.path}: checksum mismatch in layer {layer} expert {expert} "
-                                 f"(offset {ent['offset']}); the file is corrupt, re-export it")
+            raise self.checksum_error(layer, expert)
         self.verified.add((layer, expert))
         return buf
+
+    def checksum_error(self, layer, expert):
+        """The one-line error for an expert blob whose crc32 does not match (stream_infer's C++ readers too)."""
+        offset = self.expert_entry(layer, expert)["offset"]
+        return ContainerError(f"{self.path}: checksum mismatch in layer {layer} expert {expert} (offset {offset}); "
+                              f"the file is corrupt, re-export it")
+
+    def short_read_error(self, offset, got, nbytes):
+        """The one-line error for a read that ended before its bytes did: the file was cut short."""
+        return ContainerError(f"{self.path}: short read at offset {offset} ({got} of {nbytes} bytes); "
+                              f"the file is truncated")
 
     def read_expert_blob(self, layer, expert, verify=True, buf=None):
         """The whole blob of one routed expert (gate_up and down, packed and scales): one aligned read (into

@@ -375,11 +375,9 @@ class NativeRead:
                 except C.ContainerError as ex:
                     self.error = ex
             elif status == 1:
-                self.error = C.ContainerError(f"{c.path}: checksum mismatch in layer {layer} expert {e} (offset "
-                                              f"{self.offset}); the file is corrupt, re-export it")
+                self.error = c.checksum_error(layer, e)
             elif status == 2:
-                self.error = C.ContainerError(f"{c.path}: short read at offset {self.offset} ({landed} of "
-                                              f"{c.expert_nbytes} bytes); the file is truncated "
+                self.error = C.ContainerError(f"{c.short_read_error(self.offset, landed, c.expert_nbytes)} "
                                               f"(layer {layer} expert {e})")
             else:
                 self.error = C.ContainerError(f"{c.path}: read error at offset {self.offset} (layer {layer} expert "
