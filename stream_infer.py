@@ -366,14 +366,14 @@ class NativeRead:
             (layer, e), c = self.key, self.c
             if buffered:  # O_DIRECT failed on this filesystem: buffered reads from now on (as Container._pread)
                 c.direct_fd = None
-            if status == 0 and self.check:
-                c.verified.add(self.key)
-            elif status == 0:
-                try:
-                    if self.verify:
+            if status == 0:
+                if self.check:
+                    c.verified.add(self.key)
+                elif self.verify:
+                    try:
                         c._check_unchanged()
-                except C.ContainerError as ex:
-                    self.error = ex
+                    except C.ContainerError as ex:
+                        self.error = ex
             elif status == 1:
                 self.error = c.checksum_error(layer, e)
             elif status == 2:
@@ -570,7 +570,8 @@ class ExpertCache:
     its layer's router has scored lowest lately (an average of its selection score, sigmoid + bias, decaying by
     SCORE_DECAY a token, fed by `observe`; least recently used first among equals). Policy "lru": a hit moves to
     the back, eviction takes the front. Reads happen on expert_reader.cpp's threads (NativeRead), or without it
-    on a small Python thread pool (os.preadv releases the GIL; so does the crc32 check); the dict itself is only touched by the calling thread. An evicted expert's buffer is read into again by the
+    on a small Python thread pool (os.preadv releases the GIL; so does the crc32 check); the dict itself is only
+    touched by the calling thread. An evicted expert's buffer is read into again by the
     next miss (`free_bufs`), unless something still holds that expert: a fresh 3.5 MB anonymous mmap cost ~4.6 ms
     to fault in and its munmap ~0.9 ms here, per miss."""
 
@@ -727,7 +728,8 @@ class ExpertCache:
         step = -(-self.nbytes // self.n_parts // C.ALIGN) * C.ALIGN
         parts = [(o, min(step, self.nbytes - o)) for o in range(0, self.nbytes, step)]
         left = [len(parts)]  # parts not landed yet: the reader that lands the last one checks the blob
-        return [(self.guess_pool if guess else self.pool).submit(self._read_part, key, buf, o, n, left) for o, n in parts]
+        pool = self.guess_pool if guess else self.pool
+        return [pool.submit(self._read_part, key, buf, o, n, left) for o, n in parts]
 
     def _read_part(self, key, buf, start, nbytes, left):
         """One part read on a reader thread, timed: disk_busy_s adds up the time at least one read was running (the
