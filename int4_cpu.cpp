@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX2__
@@ -42,6 +43,15 @@ constexpr int MB_MAX = 4;  // rows of x per pass over a block
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
 #endif
+
+// The kernels take the rows of x per pass (1..MB_MAX) as a template argument: f(std::integral_constant<int, mb>).
+template <class F>
+inline void with_rows(int64_t mb, F&& f) {
+  if (mb == 1) f(std::integral_constant<int, 1>{});
+  else if (mb == 2) f(std::integral_constant<int, 2>{});
+  else if (mb == 3) f(std::integral_constant<int, 3>{});
+  else f(std::integral_constant<int, 4>{});
+}
 
 inline float bf16_to_f32(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
@@ -390,31 +400,27 @@ at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const 
           const float* dxm = dx.data() + m0 * n_groups;
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
           if (vnni) {
-            if (mb == 1) block_q8_vnni<1>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-            else if (mb == 2) block_q8_vnni<2>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-            else if (mb == 3) block_q8_vnni<3>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-            else block_q8_vnni<4>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+            with_rows(mb, [&](auto R) {
+              block_q8_vnni<decltype(R)::value>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+            });
           } else
 #endif
 #ifdef __AVX512BW__
           if (wide) {
-            if (mb == 1) block_q8_512<1>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-            else if (mb == 2) block_q8_512<2>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-            else if (mb == 3) block_q8_512<3>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-            else block_q8_512<4>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+            with_rows(mb, [&](auto R) {
+              block_q8_512<decltype(R)::value>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+            });
           } else
 #endif
-          if (mb == 1) block_q8<1>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-          else if (mb == 2) block_q8<2>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-          else if (mb == 3) block_q8<3>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-          else block_q8<4>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+          with_rows(mb, [&](auto R) {
+            block_q8<decltype(R)::value>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+          });
 #endif
         } else {
           const float* xm = xp + m0 * K;
-          if (mb == 1) block_generic<1>(xm, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
-          else if (mb == 2) block_generic<2>(xm, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
-          else if (mb == 3) block_generic<3>(xm, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
-          else block_generic<4>(xm, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
+          with_rows(mb, [&](auto R) {
+            block_generic<decltype(R)::value>(xm, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
+          });
         }
         const int64_t rows = std::min<int64_t>(ROWS, N - b * ROWS);
         for (int m = 0; m < mb; m++) std::memcpy(yp + (m0 + m) * N + b * ROWS, out + m * ROWS, rows * sizeof(float));
@@ -575,17 +581,13 @@ at::Tensor int8_mm_impl(const at::Tensor& x_in, const at::Tensor& q, const at::T
         float* ym = yp + m0 * N;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
         if (path == BEST) {
-          if (mb == 1) int8_rows_vnni<1>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
-          else if (mb == 2) int8_rows_vnni<2>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
-          else if (mb == 3) int8_rows_vnni<3>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
-          else int8_rows_vnni<4>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
+          with_rows(mb, [&](auto R) {
+            int8_rows_vnni<decltype(R)::value>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
+          });
           continue;
         }
 #endif
-        if (mb == 1) int8_rows_q8<1>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
-        else if (mb == 2) int8_rows_q8<2>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
-        else if (mb == 3) int8_rows_q8<3>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
-        else int8_rows_q8<4>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
+        with_rows(mb, [&](auto R) { int8_rows_q8<decltype(R)::value>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym); });
       }
     });
     return y;
@@ -596,10 +598,7 @@ at::Tensor int8_mm_impl(const at::Tensor& x_in, const at::Tensor& q, const at::T
       const int64_t mb = std::min<int64_t>(MB_MAX, M - m0);
       const float* xm = xp + m0 * K;
       float* ym = yp + m0 * N;
-      if (mb == 1) int8_rows<1>(xm, K, qp, sp, n0, n1, N, ym);
-      else if (mb == 2) int8_rows<2>(xm, K, qp, sp, n0, n1, N, ym);
-      else if (mb == 3) int8_rows<3>(xm, K, qp, sp, n0, n1, N, ym);
-      else int8_rows<4>(xm, K, qp, sp, n0, n1, N, ym);
+      with_rows(mb, [&](auto R) { int8_rows<decltype(R)::value>(xm, K, qp, sp, n0, n1, N, ym); });
     }
   });
   return y;
