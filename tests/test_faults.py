@@ -85,7 +85,10 @@ def test_zeroed_page_is_refetched_from_source(data_root, tmp_path):
     assert g["repairs"][0]["action"] == "refetched" and not g["quarantined"]
 
 
-def test_storage_denied_is_not_corrupt_data(data_root, tmp_path):
+@pytest.mark.parametrize("status, code, cause", [(403, 4, "storage denied"), (503, 5, "storage unreachable")])
+def test_storage_fault_is_not_corrupt_data(data_root, tmp_path, status, code, cause):
+    """A shard is corrupt and its re-fetch meets the Hub refusing (403: credentials or billing, exit 4) or failing
+    (503: unreachable, exit 5): the guardian stops with that cause, not "corrupt data", and says what to check."""
     from hub_server import FakeHub
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -104,15 +107,19 @@ def test_storage_denied_is_not_corrupt_data(data_root, tmp_path):
                            cwd=REPO, capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stderr
         zero_page(os.path.join(corpus, "train_000000.bin"), 0.3)
-        hub.status_override = 403  # the bill lapsed
+        hub.status_override = status  # the bill lapsed / the Hub is down
         shutil.rmtree(tmp_path / "hf_home")  # a fresh machine: nothing cached
         out = str(tmp_path / "run")
         r = train([f"--data_root={tmp_path / 'data'}", "--dataset=fineweb_edu", f"--out_dir={out}", "--max_iters=3",
                    "--warmup_iters=1", "--eval_interval=100", "--supervise"], env=env)
-    assert r.returncode == 4, r.stderr[-3000:]
+    assert r.returncode == code, r.stderr[-3000:]
     g = json.load(open(os.path.join(out, "guardian.json")))
-    assert g["report"]["cause"] == "storage denied" and "403" in g["report"]["message"]
-    assert "credentials" in g["report"]["message"] or "billing" in g["report"]["message"]
+    msg = g["report"]["message"]
+    assert g["report"]["cause"] == cause and "train_000000.bin" in msg, msg
+    if status == 403:
+        assert "403" in msg and ("credentials" in msg or "billing" in msg), msg
+    else:
+        assert "unreachable" in msg and "check the network" in msg, msg
     assert g["starts"][0]["cause"] == "corrupt data" and len(g["starts"]) == 1
 
 
