@@ -31,6 +31,7 @@ if __name__ == "__main__":
 import torch
 
 import container as C
+import expert_cache as EC
 import stream_infer as S
 
 
@@ -55,8 +56,9 @@ def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=(), picked=Non
     part = -(-n // n_readers // C.ALIGN) * C.ALIGN
     bufs = [mmap.mmap(-1, n) for _ in range(2)]
     t0 = time.perf_counter()
-    if S.native_reader() is not None:  # expert_reader.cpp's threads, as the cache reads (its pool 2: the bench's)
-        for r in [S.NativeRead(cont, k, bufs[i % 2], 2, n_readers, verify=False) for i, k in enumerate(pick)]:
+    ops = S.native_reader()
+    if ops is not None:  # expert_reader.cpp's threads, as the cache reads (its pool 2: the bench's)
+        for r in [EC.NativeRead(cont, k, bufs[i % 2], 2, n_readers, ops, verify=False) for i, k in enumerate(pick)]:
             r.result()
         return len(pick) * n / (time.perf_counter() - t0)
     with ThreadPoolExecutor(n_readers) as pool:

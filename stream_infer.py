@@ -19,30 +19,23 @@ How it works (the implementer's calls, as DESIGN.md asks):
   into anonymous memory): the lm_head (int8 rows by default), attention, dense FFN and shared experts (int4),
   norms, routers and selection biases (fp32), plus the KV cache. The int8 embedding table stays on disk when
   the lm_head does not share it: its crc is checked at load and each lookup reads the token's row (DiskEmbedding).
-- Routed experts live in ONE byte-budget cache over all layers (policy "score", below), filled by aligned single
-  reads of each expert's blob (container.py: gate_up + down, packed + scales) from a pool of reader threads
-  (expert_reader.cpp's C++ threads, which never take the GIL; Python threads where it cannot be built),
-  O_DIRECT when the filesystem allows (so the page cache cannot hide a miss) with a buffered fallback. A layer's
-  missing experts are read in parallel (a blob's crc32 is checked by the reader thread that lands its last part)
-  while the decoding thread computes the shared expert and then the layer's cached experts; every expert's output is
-  summed in the fixed order afterwards (int4_cpu.cpp mix_outputs). On micro at 2G (`python stream_infer.py
-  micro.pcf4 --bench`, 32 tokens) that took decode from 13-14 to 16-19 tok/s, with the crc off the decoding thread
-  and 50 more cached experts (meta_model). The next MoE layer's likely experts are prefetched by applying ITS router
-  to the current hidden state (mixtral-offloading's speculative prefetch), overlapping this layer's compute. Guesses
-  are read into their own buffers (2 x top_k, carved out of the budget): a wrong guess only ever replaces an older
-  guess, never a cached expert, and a right one joins the cache when demanded. (Guesses used to enter the cache
-  itself and evicted experts that would have hit: at 3G on micro, 21.8 vs 15.9 MB read per token.) Prefetch is OFF
-  by default (`--prefetch` turns it on), because on this machine it still loses. `python bench/prefetch_ab.py
-  micro.pcf4 --ram-budget B` (one process, fresh random prompts, off and on in turn, medians of 3 runs of 24
-  tokens): 3G 14.0 / 12.4 tok/s (off / on), 2G 11.8 / 9.2, 1G 3.7 / 3.3, although guesses now keep every hit (2G:
-  548-609 hits on vs 587-622 off) and cut the misses by 30-45%. Two reasons, both measured there: half the guesses
-  are wrong on a random-weight model (+20-40% reads), and on this VM reading costs compute: the 2-thread int4 GEMV
-  ran at 10.5-12.4 GB/s alone and 5.9-6.6 GB/s while expert blobs were read in the background (with 1 thread it kept
-  its speed), so there was little to overlap with. Re-measure on a trained model and a laptop whose NVMe reads by
-  DMA. Re-measured after those changes, on a Sapphire Rapids VM (2 cores): still a loss (1.5G: 14.1 off, 12.7 on; 2G
-  14.5 / 13.5; guesses right ~63%, +30% reads; GEMV 14.4 GB/s alone, 11.8 while reading). With the score policy and
-  guesses read on their own threads (a demand read never queues behind one): no clear win either, 2G medians 13.45
-  off / 14.69 on with rounds spread 9.7-16.3 tok/s each way, +22-52% reads.
+- Routed experts live in ONE byte-budget cache over all layers (expert_cache.py: its readers, its policy "score"
+  and why), filled by aligned single reads of each expert's blob from expert_reader.cpp's C++ threads. A layer's
+  missing experts are read in parallel while the decoding thread computes the shared expert and then the layer's
+  cached experts; every expert's output is summed in the fixed order afterwards (int4_cpu.cpp mix_outputs). On
+  micro at 2G (`python stream_infer.py micro.pcf4 --bench`, 32 tokens) that took decode from 13-14 to 16-19
+  tok/s, with the crc off the decoding thread and 50 more cached experts (meta_model).
+- Prefetch (`--prefetch`, OFF by default): the next MoE layer's likely experts are read ahead by applying ITS
+  router to the current hidden state (mixtral-offloading's speculative prefetch), overlapping this layer's
+  compute, into their own buffers (2 x top_k, carved out of the budget). On this machine it still loses. `python
+  bench/prefetch_ab.py micro.pcf4 --ram-budget B` (one process, off and on in turn): 3G 14.0 / 12.4 tok/s (off /
+  on), 2G 11.8 / 9.2, 1G 3.7 / 3.3, although guesses keep every hit and cut the misses by 30-45%. Two reasons,
+  both measured there: half the guesses are wrong on a random-weight model (+20-40% reads), and on this VM
+  reading costs compute: the 2-thread int4 GEMV ran at 10.5-12.4 GB/s alone and 5.9-6.6 GB/s while expert blobs
+  were read in the background. Re-measured on a Sapphire Rapids VM (2 cores): still a loss (1.5G: 14.1 off, 12.7
+  on; 2G 14.5 / 13.5; guesses right ~63%); with the score policy and guesses on their own readers no clear win
+  (2G medians 13.45 off / 14.69 on, rounds spread 9.7-16.3 tok/s each way). Re-measure on a trained model and a
+  laptop whose NVMe reads by DMA.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
   `context` positions - working memory (one prefill chunk of 256 tokens' activations, 64 logit rows, slack;
@@ -68,15 +61,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
   kernel a decode token's layers skip the modules: Engine._decode_step calls the same native ops in Block's order
   from a per-layer plan made at load (bit for bit the module path, tested), since ~140 nn.Module calls a token
   cost ~2-3 ms of cold-cache Python here (bench/decode_profile.py); prefill and every other kernel use the modules.
-- Cache policy `score` (default; `--cache-policy lru` for plain LRU): evict the cached expert whose router scored
-  it lowest lately, an average of its selection score (sigmoid + bias) that decays by SCORE_DECAY = 0.85 a token
-  (a prefill chunk counts as one step, averaged over its rows).
-  Each token the router scores all 64 experts of a layer, not just the two it picks, so the scores say which
-  experts the next tokens are near; LRU sees only the picks. Replayed on 12 held-out prompts' traces of micro
-  (16 prompt + 32 greedy tokens each, decode hit rate, caches filled as at load): LRU / score 0.873 / 0.898 at 684
-  experts (3G), 0.743 / 0.777 at 380 (2G), 0.573 / 0.650 at 229 (1.5G), 0.214 / 0.364 at 77 (1G); a decay of
-  0.8-0.9 is within a point of that, ranks in place of scores and the max over a prefill chunk were no better.
-  Earlier tried and dropped: LFU (decayed demand counts), 0.52 vs LRU 0.71 at 361 experts on micro.
+- Cache policy `score` (default; `--cache-policy lru` for plain LRU): expert_cache.py's docstring.
 - CUDA: `triton_int4_matmul` (bottom of this file) reads the same bytes; Triton is imported only on that path.
 - When every routed expert fits in the budget (or there is none) they are all read at load (`preload`, one
   sequential pass, like llama.cpp loading its weights), so decoding touches no disk; otherwise the cache is filled
@@ -92,50 +77,28 @@ How it works (the implementer's calls, as DESIGN.md asks):
 """
 
 import argparse
-import atexit
-import ctypes
-import itertools
 import math
 import os
 import sys
-import threading
 import time
-import weakref
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 # Decode is hundreds of small parallel GEMVs per token: with OpenMP threads that sleep between them, 2 threads
 # decoded 3x slower than 1 here (2 cores); spinning ones (ACTIVE) 1.7x faster. libgomp reads this at torch import.
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import container as C
+import expert_cache as EC
 from model import KVCache, meta_model, rope_cos_sin, sample_next
 
 
 class StreamError(Exception):
     """Bad input or a budget that cannot work; the message is one line naming the file and the fix."""
 
-
-CACHE_POLICIES = ("score", "lru")
-SCORE_DECAY = 0.85  # policy "score": weight of the old average per forward pass (0.8-0.9 within a point in replay)
-
-
-def check_cache_policy(policy):
-    if policy not in CACHE_POLICIES:
-        raise StreamError(f"cache policy {policy!r}: use one of {', '.join(CACHE_POLICIES)}")
-
-
-def partial_preload_keys(layers, n_experts, capacity):
-    """The experts a partial preload reads into a cache of `capacity`, oldest (first evicted) first: the same
-    number from every layer, expert 0 of each layer, then expert 1, ... (bench/cache_replay.py starts from it)."""
-    per_layer = min(n_experts, capacity // max(len(layers), 1))
-    return [(layer, e) for e in range(per_layer) for layer in layers]
 
 # ----------------------------------------------------------------------------------------------------------
 # sizes and process probes
@@ -301,96 +264,6 @@ def native_reader():
     return ops if ops is not None and hasattr(ops, "blob_read") else None
 
 
-# ticket -> (ops, buf, pin) of every native read not yet waited for: the readers write into buf until blob_wait
-# returns, whatever happens to its NativeRead meanwhile (an exception, Ctrl-C, a reference cycle at exit), so buf
-# stays alive (and cannot be closed: pin is an export of it) until then, and atexit waits for what is left
-_READS_IN_FLIGHT = {}
-_NEXT_TICKET = itertools.count(1)
-
-
-@atexit.register
-def _wait_reads_in_flight():
-    for ticket, (ops, _, _) in list(_READS_IN_FLIGHT.items()):
-        try:
-            ops.blob_wait(ticket)
-        except Exception:  # a ticket that never reached the readers
-            pass
-    _READS_IN_FLIGHT.clear()
-
-
-class NativeRead:
-    """One expert blob being read by expert_reader.cpp's threads, with the two methods of a Future that
-    ExpertCache uses (done, result). The blob's crc32 is checked by its last reader the first time this process
-    reads it (unless verify is False: the bench's disk measurement); a re-read checks that the open file was not
-    rewritten (as Container.check_expert_blob). Pools: 0 demand reads, 1 guesses, 2 the bench. `buf` (a
-    page-aligned mmap of at least one blob) is held in _READS_IN_FLIGHT until the read has landed."""
-
-    def __init__(self, container, key, buf, pool, n_parts, verify=True, ops=None):
-        c = self.c = container
-        self.key, self.buf, self.error, self.waited, self.verify = key, buf, None, False, verify
-        self.ops = ops or native_reader()
-        if len(buf) < c.expert_nbytes:
-            raise ValueError(f"NativeRead: a buffer of {len(buf)} bytes cannot hold a {c.expert_nbytes}-byte blob")
-        ent = c.expert_entry(*key)
-        self.offset, self.check = ent["offset"], verify and key not in c.verified
-        pin = ctypes.c_char.from_buffer(buf)
-        direct = c.direct_fd if c.direct_fd is not None else -1
-        crc = int(ent["crc32"], 16) if self.check else -1
-        self.ticket = ticket = next(_NEXT_TICKET)
-        _READS_IN_FLIGHT[ticket] = (self.ops, buf, pin)  # before the readers can see it
-        try:
-            self.ops.blob_read(ticket, pool, direct, c.fd, self.offset, ctypes.addressof(pin), c.expert_nbytes,
-                               n_parts, C.ALIGN, crc, n_parts)
-        except BaseException:
-            self.waited = True  # nothing was queued (blob_read queues last)
-            _READS_IN_FLIGHT.pop(ticket, None)
-            raise
-
-    def done(self):
-        return self.waited or self.ops.blob_done(self.ticket)
-
-    def wait(self):
-        """Until the read landed, without raising (result() raises its error, each time it is called)."""
-        try:
-            self.result()
-        except (C.ContainerError, RuntimeError):  # RuntimeError: a forked child's copy of a parent's read
-            pass
-
-    def result(self):
-        if not self.waited:
-            try:
-                status, err, landed, buffered = self.ops.blob_wait(self.ticket)  # without the GIL
-            finally:
-                self.waited = True
-                _READS_IN_FLIGHT.pop(self.ticket, None)
-            (layer, e), c = self.key, self.c
-            if buffered:  # O_DIRECT failed on this filesystem: buffered reads from now on (as Container._pread)
-                c.direct_fd = None
-            if status == 0:
-                if self.check:
-                    c.verified.add(self.key)
-                elif self.verify:
-                    try:
-                        c._check_unchanged()
-                    except C.ContainerError as ex:
-                        self.error = ex
-            elif status == 1:
-                self.error = c.checksum_error(layer, e)
-            elif status == 2:
-                self.error = C.ContainerError(f"{c.short_read_error(self.offset, landed, c.expert_nbytes)} "
-                                              f"(layer {layer} expert {e})")
-            else:
-                self.error = C.ContainerError(f"{c.path}: read error at offset {self.offset} (layer {layer} expert "
-                                              f"{e}): {os.strerror(err)}; check the disk")
-        if self.error is not None:
-            raise self.error
-        return self.buf
-
-    def __del__(self):  # dropped unwaited (an error elsewhere): wait here rather than at exit
-        if not getattr(self, "waited", True):
-            self.wait()
-
-
 class QLinear(nn.Module):
     """A linear layer over a container tensor (int4 / int8 / f32), y = x @ W^T, fp32 in and out."""
 
@@ -478,7 +351,7 @@ class DiskEmbedding(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the expert cache
+# a routed expert over its blob buffer (expert_cache.py holds the cache)
 
 class Expert:
     """One routed expert, decoded zero-copy over its blob buffer: raw parts `gate_up` and `down`, which the native
@@ -555,347 +428,15 @@ class NativeAttention(nn.Module):
         return a.o_proj(y)
 
 
-def wait_quietly(futures):
-    """Wait for a guess's reads without raising: a failed read of a guess nobody asks for is no error (one that
-    is asked for raises in ExpertCache._finish, with the read's own message)."""
-    import concurrent.futures
-    native = [f for f in futures if isinstance(f, NativeRead)]
-    for f in native:
-        f.wait()
-    concurrent.futures.wait([f for f in futures if not isinstance(f, NativeRead)])
-
-
-class ExpertCache:
-    """All routed experts of all layers share one byte budget. Policy "score" (default): evict the cached expert
-    its layer's router has scored lowest lately (an average of its selection score, sigmoid + bias, decaying by
-    SCORE_DECAY a token, fed by `observe`; least recently used first among equals). Policy "lru": a hit moves to
-    the back, eviction takes the front. Reads happen on expert_reader.cpp's threads (NativeRead), or without it
-    on a small Python thread pool (os.preadv releases the GIL; so does the crc32 check); the dict itself is only
-    touched by the calling thread. An evicted expert's buffer is read into again by the
-    next miss (`free_bufs`), unless something still holds that expert: a fresh 3.5 MB anonymous mmap cost ~4.6 ms
-    to fault in and its munmap ~0.9 ms here, per miss."""
-
-    def __init__(self, container, budget_bytes, kernel, n_readers=4, policy="score"):
-        check_cache_policy(policy)
-        self.c, self.budget, self.kernel, self.policy = container, budget_bytes, kernel, policy
-        # policy "score", as arrays [layer, expert] so a victim is a few numpy ops, not a Python scan of every
-        # cached expert (that cost ~0.3 ms an eviction, ~2.5 ms a token at 2G on micro): each expert's decayed
-        # selection score (-inf until its layer is first routed) and when it last entered or hit (-1: not cached;
-        # the oldest first among equal scores, as LRU order)
-        cfg = container.config
-        self.score_tab = np.full((cfg.n_layer, max(cfg.n_experts, 1)), -np.inf)
-        self.score_seen = set()
-        self.stamp = np.full(self.score_tab.shape, -1, dtype=np.int64)
-        # the same arrays as tensors (shared memory) for int4_cpu.cpp's observe_scores / score_victim: numpy's
-        # version of the two cost ~0.1 and ~0.2 ms a call in decode (cold caches after each GEMV), ~3 ms a token
-        self.native_score = kernel == "native"
-        self.score_t, self.stamp_t = torch.from_numpy(self.score_tab), torch.from_numpy(self.stamp)
-        self.score_rows = list(self.score_t)  # per layer, made once (indexing a tensor costs ~5 us a call)
-        self.clock = 0
-        self.device = "cpu"
-        self.nbytes = container.expert_nbytes
-        self.every_expert_bytes = (cfg.n_layer - cfg.n_dense_layers) * cfg.n_experts * self.nbytes
-        self.entries = OrderedDict()  # (layer, expert) -> Expert
-        self.inflight = {}  # (layer, expert) -> ([Future per part], is_prefetch, buffer)
-        self.free_bufs = []  # evicted experts' buffers, for the next read (counted in `used` until reused)
-        # prefetch: guesses are read into their own few buffers (`n_slots`, carved out of the budget), so a wrong
-        # guess never evicts a cached expert; a right one joins the cache when demanded
-        self.n_slots = 0
-        self.slot_bufs = []  # guess buffers not in use
-        self.guesses = OrderedDict()  # (layer, expert) -> ([Future per part], buffer), oldest first
-        self.read_keys = set()  # every blob read since load (the bench measures the disk on others)
-        self.pool = ThreadPoolExecutor(max_workers=n_readers, thread_name_prefix="expert-reader")
-        self.guess_pool = None  # guesses' own readers (made with the first guess slot): a demand read never
-        # queues behind a guess
-        self.busy_lock, self.py_active_reads, self.busy_since, self.py_disk_busy_s = threading.Lock(), 0, 0.0, 0.0
-        self.n_parts = max(1, n_readers)
-        # reads on expert_reader.cpp's threads (no Python per part, no GIL) with the native kernel (or once the
-        # extension is loaded anyway); the Python pool above is the fallback where it cannot be built (and the
-        # tests' way to inject slow or failing reads)
-        self.reader_ops = native_reader() if kernel == "native" or _NATIVE else None
-        self.native_reads = self.reader_ops is not None
-        self.record_trace = False
-        self.reset_counters()
-
-    @property
-    def disk_busy_s(self):
-        """Seconds at least one read was running (both reader kinds; the native one counts since process start)."""
-        native = self.reader_ops.reader_stats()[0] / 1e9 if self.reader_ops is not None else 0.0
-        return self.py_disk_busy_s + native
-
-    @property
-    def active_reads(self):
-        return self.py_active_reads + (self.reader_ops.reader_stats()[1] if self.reader_ops is not None else 0)
-
-    def reset_counters(self):
-        self.lookups = self.hits = self.prefetch_hits = self.misses = 0
-        self.reads = self.prefetch_reads = 0
-        self.bytes_read = 0
-        self.read_wait_s = 0.0
-        # demanded keys in order, kept only while record_trace is set (tests replay it): 32 a token on micro, it
-        # grew by ~70 bytes per lookup over a whole session under a RAM budget; `observed`: (lookups before it,
-        # layer, scores) per observe call, likewise
-        self.trace, self.observed = [], []
-
-    @property
-    def used(self):
-        return (len(self.entries) + len(self.inflight) + len(self.free_bufs) + len(self.slot_bufs)
-                + len(self.guesses)) * self.nbytes
-
-    def _touch(self, key):
-        self.clock += 1
-        self.stamp[key] = self.clock
-
-    def _score_victim(self, protect):
-        """The cached expert outside `protect` with the lowest decayed score (the oldest among equals), or None."""
-        if self.native_score:
-            E = self.score_tab.shape[1]
-            i = _NATIVE.score_victim(self.score_t, self.stamp_t, [layer * E + e for layer, e in protect])
-            return None if i < 0 else divmod(i, E)
-        return self._score_victim_numpy(protect)
-
-    def _score_victim_numpy(self, protect):
-        """_score_victim without the native kernel (and the test's reference for it)."""
-        cand = self.stamp >= 0
-        for key in protect:
-            cand[key] = False
-        if not cand.any():
-            return None
-        s = np.where(cand, self.score_tab, np.inf)
-        idx = np.flatnonzero(s == s.min())
-        i = int(idx[np.argmin(self.stamp.flat[idx])])
-        return divmod(i, s.shape[1])
-
-    def _evict(self, key):
-        """Drop an entry; recycle its buffer only when nothing else holds the expert or any tensor over the buffer
-        (weak references, not reference counts: those differ between Python versions)."""
-        self.stamp[key] = -1
-        expert = self.entries.pop(key)
-        buf = expert.buf
-        refs = [weakref.ref(expert)] + [weakref.ref(t) for t in expert.tensors]
-        del expert
-        if buf is not None and all(r() is None for r in refs):
-            self.free_bufs.append(buf)
-
-    def _ensure_room(self, protect, wait):
-        """Evict entries not in `protect` (by the policy) until one more blob fits (a free buffer is one: the next
-        read goes into it). With wait, finish in-flight reads (they become evictable entries) when nothing else can go;
-        False if it cannot fit."""
-        while not self.free_bufs and self.used + self.nbytes > self.budget:
-            if self.policy == "score":  # the lowest recent router score; a layer not routed yet goes first
-                victim = self._score_victim(protect)
-            else:
-                victim = next((k for k in self.entries if k not in protect), None)
-            if victim is not None:
-                self._evict(victim)
-                continue
-            # demand reads that already landed become evictable entries at no cost; then spare guess buffers
-            pending = next((k for k in self.inflight if k not in protect and all(f.done() for f in self.inflight[k][0])),
-                           None)
-            if pending is None and self._drop_guess(protect, wait):
-                continue
-            if pending is None and wait:
-                pending = next((k for k in self.inflight if k not in protect), None)
-            if pending is None:
-                return False
-            self._finish(pending)
-        return True
-
-    def _drop_guess(self, protect, wait):
-        """Give one guess buffer (a spare one, else the oldest landed guess not in `protect`; with wait, the oldest
-        one) to free_bufs, for a demand read that has no other room. False if there is none."""
-        if self.slot_bufs:
-            self.free_bufs.append(self.slot_bufs.pop())
-            return True
-        key = next((k for k in self.guesses if k not in protect and (wait or all(f.done() for f in self.guesses[k][0]))),
-                   None)
-        if key is None:
-            return False
-        fut, buf = self.guesses.pop(key)
-        wait_quietly(fut)
-        self.free_bufs.append(buf)
-        return True
-
-    def _read(self, key, buf, guess=False):
-        """Start reading one blob into buf (on the guess readers or the demand ones): [Future per part], or with
-        native_reads [one NativeRead] (expert_reader.cpp's readers: its pool 1 for guesses, 0 on demand)."""
-        self.reads += 1
-        self.bytes_read += self.nbytes
-        self.read_keys.add(key)
-        if self.native_reads:
-            return [NativeRead(self.c, key, buf, 1 if guess else 0, self.n_parts, ops=self.reader_ops)]
-        # one blob = n_readers aligned parts read at once (queue depth; see container.read_expert_part)
-        step = -(-self.nbytes // self.n_parts // C.ALIGN) * C.ALIGN
-        parts = [(o, min(step, self.nbytes - o)) for o in range(0, self.nbytes, step)]
-        left = [len(parts)]  # parts not landed yet: the reader that lands the last one checks the blob
-        pool = self.guess_pool if guess else self.pool
-        return [pool.submit(self._read_part, key, buf, o, n, left) for o, n in parts]
-
-    def _read_part(self, key, buf, start, nbytes, left):
-        """One part read on a reader thread, timed: disk_busy_s adds up the time at least one read was running (the
-        bench's measure of how fast the disk really served this run's reads). The thread that lands a blob's last
-        part checks its crc32 there (the first read in this process; the check releases the GIL), off the decoding
-        thread, which computes meanwhile: 1-1.7 ms a token at 2G on micro."""
-        with self.busy_lock:
-            if self.py_active_reads == 0:
-                self.busy_since = time.perf_counter()
-            self.py_active_reads += 1
-        try:
-            self.c.read_expert_part(*key, buf, start, nbytes)
-        finally:
-            with self.busy_lock:
-                self.py_active_reads -= 1
-                if self.py_active_reads == 0:
-                    self.py_disk_busy_s += time.perf_counter() - self.busy_since
-        with self.busy_lock:  # reached only when this part landed: a failed part leaves the blob unchecked
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            self.c.check_expert_blob(*key, buf)  # raises ContainerError (naming the expert) through the future
-
-    def _submit(self, key):
-        import mmap
-        buf = self.free_bufs.pop() if self.free_bufs else mmap.mmap(-1, self.nbytes)
-        self.inflight[key] = (self._read(key, buf), False, buf)
-
-    def _finish(self, key):
-        fut, prefetch, buf = self.inflight.pop(key)
-        t0 = time.perf_counter()
-        for f in fut:
-            f.result()
-        self.read_wait_s += time.perf_counter() - t0  # the decoding thread stalled on the disk (the bench's split)
-        self.entries[key] = Expert(self.c, buf, self.kernel, self.device)  # crc checked by its last reader
-        self._touch(key)
-        return prefetch
-
-    def request(self, keys, protect):
-        """Start reads for keys neither cached nor in flight, while they fit without evicting `protect`. A key
-        that was guessed leaves the guess buffers with its read (landed or not) and joins the cache."""
-        for key in keys:  # first the right guesses: they need no room
-            if key in self.guesses:
-                fut, buf = self.guesses.pop(key)
-                self.inflight[key] = (fut, True, buf)
-        for key in keys:
-            if key in self.entries or key in self.inflight:
-                continue
-            if not self._ensure_room(protect, wait=False):
-                return
-            self._submit(key)
-
-    def guess(self, keys, protect):
-        """Prefetch: start reading keys (the next layer's likely experts) into the guess buffers. A guess buffer is
-        a spare one, else (once there are n_slots) the oldest guess that has landed: a wrong guess only ever
-        replaces a guess. A slot is made by evicting an expert (the policy's victim) only while there are fewer
-        than n_slots, i.e.
-        at the start and after a right guess joined the cache (the cost any newly cached expert has). Skipped while
-        every guess is still in flight (the disk is busy), and for small caches (fewer than 4 experts per slot),
-        which keep their room."""
-        import mmap
-        for key in keys:
-            if key in self.entries or key in self.inflight or key in self.guesses:
-                continue
-            slots = min(self.n_slots, self.budget // self.nbytes // 4)
-            if not self.slot_bufs and len(self.guesses) < slots and self._ensure_room(protect, wait=False):
-                self.slot_bufs.append(self.free_bufs.pop() if self.free_bufs else mmap.mmap(-1, self.nbytes))
-            if not self.slot_bufs:
-                old = next((k for k in self.guesses if k not in protect and all(f.done() for f in self.guesses[k][0])),
-                           None)
-                if old is None:
-                    return
-                self.slot_bufs.append(self.guesses.pop(old)[1])
-            buf = self.slot_bufs.pop()
-            self.guesses[key] = (self._read(key, buf, guess=True), buf)
-            self.prefetch_reads += 1
-
-    def set_slots(self, n):
-        """n guess buffers (0: prefetch off; the buffers go back to the cache as free ones)."""
-        if n == 0:
-            for fut, _ in self.guesses.values():
-                wait_quietly(fut)
-            self.free_bufs += self.slot_bufs + [buf for _, buf in self.guesses.values()]
-            self.slot_bufs, self.guesses = [], OrderedDict()
-        elif self.guess_pool is None:
-            self.guess_pool = ThreadPoolExecutor(max_workers=self.n_parts, thread_name_prefix="expert-guess")
-        self.n_slots = n
-
-    def observe(self, layer, keys):
-        """A layer's router just scored its experts (selection keys [rows, E], as route returns them): policy
-        "score" keeps their average, new = SCORE_DECAY * old + (1 - SCORE_DECAY) * mean over the rows, once per
-        forward pass (a decode token, or a prefill chunk as one step). Call it before requesting the layer's
-        experts, so its evictions see this pass."""
-        if self.policy != "score" or (self.budget >= self.every_expert_bytes and not self.record_trace):
-            return  # nothing can be evicted (every expert fits): no work, and on a GPU no sync per layer
-        if (self.native_score and keys.shape[0] == 1 and keys.dtype == torch.float32 and keys.device.type == "cpu"
-                and keys.is_contiguous()):
-            # decode: int4_cpu.cpp rounds as the numpy lines below
-            _NATIVE.observe_scores(self.score_rows[layer], keys, SCORE_DECAY, layer not in self.score_seen)
-            self.score_seen.add(layer)
-            if self.record_trace:
-                self.observed.append((self.lookups, layer, keys[0].double().tolist()))
-            return
-        s = (keys[0] if keys.shape[0] == 1 else keys.float().mean(0)).double().cpu().numpy()  # 64 floats off a GPU
-        row = self.score_tab[layer]
-        if layer in self.score_seen:  # float64, the same two products and sum as the replay's Python floats
-            row *= SCORE_DECAY
-            row += (1.0 - SCORE_DECAY) * s
-        else:
-            row[:] = s
-            self.score_seen.add(layer)
-        if self.record_trace:
-            self.observed.append((self.lookups, layer, s.tolist()))
-
-    @property
-    def router_score(self):
-        """layer -> [decayed selection score per expert] of the layers routed so far (replays start from it)."""
-        return {layer: self.score_tab[layer].tolist() for layer in sorted(self.score_seen)}
-
-    def get(self, key, protect):
-        self.lookups += 1
-        if self.record_trace:
-            self.trace.append(key)
-        if key in self.entries:
-            self.hits += 1
-            self.entries.move_to_end(key)
-            self._touch(key)
-            return self.entries[key]
-        if key in self.guesses:
-            self.request([key], {key})
-        if key in self.inflight and self.inflight[key][1]:
-            self.prefetch_hits += 1
-        else:
-            self.misses += 1
-        if key not in self.inflight:
-            if not self._ensure_room({key}, wait=True):
-                raise StreamError(f"{self.c.path}: expert cache of {fmt_size(self.budget)} cannot hold one expert "
-                                  f"({fmt_size(self.nbytes)}); raise --ram-budget")
-            self._submit(key)
-        self._finish(key)
-        return self.entries[key]
-
-    def settle(self):
-        """Wait for every in-flight read (end of a request) so counters and memory are final."""
-        for key in list(self.inflight):
-            self._finish(key)
-        for fut, _ in self.guesses.values():
-            wait_quietly(fut)
-
-    def stats(self):
-        return {"lookups": self.lookups, "hits": self.hits, "prefetch_hits": self.prefetch_hits,
-                "misses": self.misses, "hit_rate": (self.hits + self.prefetch_hits) / max(self.lookups, 1),
-                "cache_hit_rate": self.hits / max(self.lookups, 1), "reads": self.reads,
-                "prefetch_reads": self.prefetch_reads, "bytes_read": self.bytes_read,
-                "cached_experts": len(self.entries), "capacity_experts": self.budget // self.nbytes}
-
-
 class StreamedMoE(nn.Module):
     """model.MoE's forward with routed experts fetched from the cache (same router, same mixing)."""
 
-    def __init__(self, cfg, layer, router_w, bias, shared, cache):
+    def __init__(self, cfg, layer, router_w, bias, shared, cache, native):
         super().__init__()
         self.cfg, self.layer, self.router_w, self.bias, self.shared, self.cache = cfg, layer, router_w, bias, shared, cache
         self.top_k = cfg.top_k
         self.next_moe = None  # the next MoE layer, for prefetch
-        self.native = cache.kernel == "native"
+        self.native = native  # int4_cpu.cpp's router and the one-token decode path
         self.prefetch = True
 
     def route(self, x, top_k=None):
@@ -1004,7 +545,8 @@ class Engine:
     def __init__(self, path, ram_budget=None, device="cpu", kernel="auto", n_readers=4, prefetch=False,
                  context=None, cache_policy="score", preload="auto", prefill_chunk=PREFILL_CHUNK):
         self.cache_policy, self.n_readers = cache_policy, n_readers
-        check_cache_policy(cache_policy)  # before anything is loaded
+        if cache_policy not in EC.CACHE_POLICIES:  # before anything is loaded
+            raise StreamError(f"cache policy {cache_policy!r}: use one of {', '.join(EC.CACHE_POLICIES)}")
         self.prefill_chunk = int(prefill_chunk)
         if self.prefill_chunk < 1:
             raise StreamError(f"prefill_chunk {prefill_chunk}: must be at least 1 token")
@@ -1077,7 +619,7 @@ class Engine:
         from tqdm import tqdm
         E = self.cfg.n_experts
         if partial:
-            keys = partial_preload_keys([m.layer for m in self.moes], E, self.cache.budget // self.cache.nbytes)
+            keys = EC.partial_preload_keys([m.layer for m in self.moes], E, self.cache.budget // self.cache.nbytes)
         else:
             if self.cache.budget < self.every_expert_bytes:
                 raise StreamError(f"{self.path}: cannot preload: the expert cache ({fmt_size(self.cache.budget)}) is "
@@ -1138,8 +680,10 @@ class Engine:
             return nn.Parameter(raw[name]["data"].to(dev), requires_grad=False)
 
         m = meta_model(cfg)  # no random init on meta: that would import torch._dynamo (+180 MB of budget)
-        self.cache = ExpertCache(c, 0, kernel, n_readers=self.n_readers, policy=self.cache_policy)
-        self.cache.device = dev
+        self.cache = EC.ExpertCache(c, 0, lambda buf: Expert(c, buf, kernel, dev),
+                                   score_ops=_NATIVE if native else None,
+                                   reader_ops=native_reader() if native or _NATIVE else None,  # no build for others
+                                   n_readers=self.n_readers, policy=self.cache_policy)
         m.embed_tokens = (DiskEmbedding(c, "embed_tokens.weight", dev) if self.embed_on_disk
                           else QEmbedding(to_dev(raw["embed_tokens.weight"])))
         m.lm_head = lin("embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight", shared=cfg.tie_embeddings)
@@ -1168,7 +712,8 @@ class Engine:
                 if native and shared.gate_up_proj is not None:
                     shared = NativeFFN(shared)
                 moe = StreamedMoE(cfg, i, raw[p + "mlp.gate.weight"]["data"].to(dev),
-                                  raw[p + "mlp.e_score_correction_bias"]["data"].to(dev), shared, self.cache)
+                                  raw[p + "mlp.e_score_correction_bias"]["data"].to(dev), shared, self.cache,
+                                  native)
                 b.mlp = moe
                 self.moes.append(moe)
             else:
@@ -1442,7 +987,7 @@ def main(argv=None):
     ap.add_argument("--prefetch", action="store_true",
                     help="read the next layer's likely experts ahead (its router on this hidden state); off by default, "
                          "see the header comment for why")
-    ap.add_argument("--cache-policy", default="score", choices=CACHE_POLICIES,
+    ap.add_argument("--cache-policy", default="score", choices=EC.CACHE_POLICIES,
                     help="expert eviction: score (default: the expert its router scored lowest lately) or lru")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", default="auto",
@@ -1512,7 +1057,7 @@ def main(argv=None):
         print(f"[{len(out)} tokens in {dt:.2f} s, {len(out) / dt:.2f} tok/s, expert hit rate {st['hit_rate']:.3f}, "
               f"read {st['bytes_read'] / 1e6:.1f} MB, peak RSS {fmt_size(peak_rss_bytes())}]", file=sys.stderr)
         return 0
-    except (StreamError, C.ContainerError) as e:
+    except (StreamError, EC.CacheError, C.ContainerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

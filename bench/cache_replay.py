@@ -21,6 +21,7 @@ import sys
 from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import expert_cache as EC  # noqa: E402
 import stream_infer as S  # noqa: E402
 
 
@@ -29,7 +30,7 @@ def replay(policy, entries, router_score, observed, trace, cap, decay=None, coun
     `observed` [(lookups before it, layer, selection keys)] and `trace` [(layer, expert)] as ExpertCache records
     them. Each observe window's keys are protected while it runs, as a layer's own experts are. Returns (misses,
     lookups, final cached keys), counting lookups from index count_from on."""
-    decay = S.SCORE_DECAY if decay is None else decay
+    decay = EC.SCORE_DECAY if decay is None else decay
     cache, score = OrderedDict((k, True) for k in entries), {k: list(v) for k, v in router_score.items()}
     never = len(trace)  # the next use of a key not needed again
     next_use, upcoming = [], {}  # belady: per lookup the index of that key's next use; key -> its next use
@@ -129,7 +130,7 @@ def main():
     rows = []
     print(f"\n{'experts':>8} " + " ".join(f"{p + (f' {d}' if d is not None else ''):>11}" for p, d in policies))
     for cap in caps:
-        row, start = {"capacity_experts": cap}, S.partial_preload_keys(layers, eng.cfg.n_experts, cap)
+        row, start = {"capacity_experts": cap}, EC.partial_preload_keys(layers, eng.cfg.n_experts, cap)
         for policy, d in policies:
             miss = look = 0
             for trace, observed, first in traces:

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import container as C  # noqa: E402
+import expert_cache as EC  # noqa: E402
 import stream_infer as S  # noqa: E402
 
 
@@ -47,9 +48,10 @@ def background_reads(cont, n_readers, stop, counted):
     n = cont.expert_nbytes
     part = -(-n // n_readers // C.ALIGN) * C.ALIGN
     buf = mmap.mmap(-1, n)
-    if S.native_reader() is not None:  # as the cache reads: expert_reader.cpp's threads
+    ops = S.native_reader()
+    if ops is not None:  # as the cache reads: expert_reader.cpp's threads
         while not stop.is_set():
-            S.NativeRead(cont, random.choice(keys), buf, 2, n_readers, verify=False).result()
+            EC.NativeRead(cont, random.choice(keys), buf, 2, n_readers, ops, verify=False).result()
             counted[0] += n
         return
     with ThreadPoolExecutor(n_readers) as pool:

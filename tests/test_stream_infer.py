@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import container as C  # noqa: E402
+import expert_cache as EC  # noqa: E402
 import stream_bench as B  # noqa: E402
 import stream_infer as S  # noqa: E402
 from model import ModelConfig, Picaflor, save_checkpoint  # noqa: E402
@@ -232,7 +233,7 @@ def test_score_policy_agrees_with_independent_replay(tiny):
         c.budget = cap * eng.container.expert_nbytes
         eng.preload_experts(partial=True)
         layers = [moe.layer for moe in eng.moes]
-        start = S.partial_preload_keys(layers, eng.cfg.n_experts, cap)
+        start = EC.partial_preload_keys(layers, eng.cfg.n_experts, cap)
         assert list(c.entries) == start
         c.record_trace = True
         c.reset_counters()
@@ -299,10 +300,10 @@ def test_native_score_bookkeeping_equals_numpy():
     for step in range(40):
         keys = torch.rand(1, 64, generator=gen) * 2 - 0.5
         s = keys[0].double().numpy()
-        want = s.copy() if want is None else want * S.SCORE_DECAY + (1.0 - S.SCORE_DECAY) * s
-        op.observe_scores(row, keys, S.SCORE_DECAY, step == 0)
+        want = s.copy() if want is None else want * EC.SCORE_DECAY + (1.0 - EC.SCORE_DECAY) * s
+        op.observe_scores(row, keys, EC.SCORE_DECAY, step == 0)
         assert np.array_equal(row.numpy(), want), step
-    cache = S.ExpertCache.__new__(S.ExpertCache)
+    cache = EC.ExpertCache.__new__(EC.ExpertCache)
     for trial in range(200):
         L, E = 3, 8
         cache.score_tab = np.round(torch.rand(L, E, generator=gen).double().numpy() * 4) / 4  # many equal scores
@@ -312,7 +313,7 @@ def test_native_score_bookkeeping_equals_numpy():
         cache.score_t, cache.stamp_t = torch.from_numpy(cache.score_tab), torch.from_numpy(cache.stamp)
         cached = list(zip(*np.nonzero(cache.stamp >= 0)))
         protect = {(int(a), int(b)) for a, b in cached[:trial % 5]}
-        cache.native_score = True
+        cache.score_ops, cache.native_score = op, True
         got = cache._score_victim(protect)
         assert got == cache._score_victim_numpy(protect), trial
         if len(protect) == len(cached):
@@ -510,25 +511,25 @@ def test_native_reads_land_checked_bytes_and_fail_loudly(tiny, tmp_path):
     ops.reader_delay_us(0, 300_000)
     try:
         buf = mmap.mmap(-1, cont.expert_nbytes)
-        r, gone = S.NativeRead(cont, (1, 7), buf, 0, 4), weakref.ref(buf)
+        r, gone = EC.NativeRead(cont, (1, 7), buf, 0, 4, ops), weakref.ref(buf)
         del buf
         t0 = time.perf_counter()
         del r  # its __del__ waits for the readers
-        assert time.perf_counter() - t0 > 0.2 and gone() is None and not S._READS_IN_FLIGHT
+        assert time.perf_counter() - t0 > 0.2 and gone() is None and not EC._READS_IN_FLIGHT
         buf = mmap.mmap(-1, cont.expert_nbytes)
-        lost = S.NativeRead(cont, (1, 8), buf, 0, 4)
+        lost = EC.NativeRead(cont, (1, 8), buf, 0, 4, ops)
         lost.__dict__.clear()  # as if lost to an exception: only exit can wait
         del lost
-        assert len(S._READS_IN_FLIGHT) == 1
-        S._wait_reads_in_flight()  # what atexit runs
-        assert not S._READS_IN_FLIGHT and bytes(buf) == bytes(cont.read_expert_blob(1, 8))
+        assert len(EC._READS_IN_FLIGHT) == 1
+        EC._wait_reads_in_flight()  # what atexit runs
+        assert not EC._READS_IN_FLIGHT and bytes(buf) == bytes(cont.read_expert_blob(1, 8))
     finally:
         ops.reader_delay_us(0, 0)
     # O_DIRECT refused (a descriptor that cannot read: a directory): the part is read buffered, and from then on
     # every read is (as Container._pread does)
     direct = cont.direct_fd = os.open(tmp_path, os.O_RDONLY)
     buf = mmap.mmap(-1, cont.expert_nbytes)
-    S.NativeRead(cont, (3, 3), buf, 0, 4).result()
+    EC.NativeRead(cont, (3, 3), buf, 0, 4, ops).result()
     assert cont.direct_fd is None and bytes(buf) == bytes(cont.read_expert_blob(3, 3))
     os.close(direct)
     # cut short after opening: the last expert's read comes back short
@@ -1051,6 +1052,17 @@ def test_bench_result_fields_and_lru_policy(tiny, capsys):
     assert eng.generate([3, 4, 5], 8) == score.generate([3, 4, 5], 8)
     with pytest.raises(S.StreamError, match="cache policy 'lfu'"):
         S.load(path, cache_policy="lfu")
+    # expert_cache.py on its own (the engine never lets it get this far): one-line errors, nothing read
+    cont = C.load_container(path)
+    with pytest.raises(EC.CacheError, match="cache policy 'mru': use one of score, lru"):
+        EC.ExpertCache(cont, 10 * cont.expert_nbytes, None, policy="mru")
+    tiny_cache = EC.ExpertCache(cont, cont.expert_nbytes - 1, lambda buf: S.Expert(cont, buf, "reference"))
+    with pytest.raises(EC.CacheError, match="cannot hold one expert .*; raise --ram-budget") as ei:
+        tiny_cache.get((1, 0), {(1, 0)})
+    assert path in str(ei.value) and "\n" not in str(ei.value) and tiny_cache.reads == 0
+    roomy = EC.ExpertCache(cont, cont.expert_nbytes, lambda buf: S.Expert(cont, buf, "reference"))
+    x = torch.randn(1, cont.config.d_model)
+    assert torch.equal(roomy.get((1, 0), {(1, 0)})(x), S.Expert(cont, cont.read_expert_blob(1, 0), "reference")(x))
     assert B.strip_args(["m", "--sweep", "1G,2G", "--bench", "--json=x"], {"--sweep", "--json"}, {"--bench"}) == ["m"]
 
 
