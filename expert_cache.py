@@ -424,7 +424,7 @@ class ExpertCache:
         experts, so its evictions see this pass."""
         if self.policy != "score" or (self.budget >= self.every_expert_bytes and not self.record_trace):
             return  # nothing can be evicted (every expert fits): no work, and on a GPU no sync per layer
-        if (self.native_score and keys.shape[0] == 1 and keys.dtype == torch.float32 and keys.device.type == "cpu"
+        if (self.native_score and keys.is_cpu and keys.dtype == torch.float32 and keys.shape[0] == 1
                 and keys.is_contiguous()):
             # decode: int4_cpu.cpp rounds as the numpy lines below
             self.score_ops.observe_scores(self.score_rows[layer], keys, SCORE_DECAY, layer not in self.score_seen)
@@ -452,11 +452,13 @@ class ExpertCache:
         self.lookups += 1
         if self.record_trace:
             self.trace.append(key)
-        if key in self.entries:
+        expert = self.entries.get(key)
+        if expert is not None:  # a hit: one dict lookup, _touch inlined (decode makes 32 a token on micro)
             self.hits += 1
             self.entries.move_to_end(key)
-            self._touch(key)
-            return self.entries[key]
+            self.clock += 1
+            self.stamp[key] = self.clock
+            return expert
         if key in self.guesses:
             self.request([key], {key})
         if key in self.inflight and self.inflight[key][1]:

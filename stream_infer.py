@@ -367,7 +367,10 @@ class Expert:
         self.gate_up, self.down = {"kind": "int4", **dec["gate_up_proj"]}, {"kind": "int4", **dec["down_proj"]}
         self.tensors = [t for part in dec.values() for t in part.values() if isinstance(t, torch.Tensor)]
         self.native = kernel == "native"
-        if not self.native:
+        if self.native:  # swiglu_mix's per-expert arguments, gathered once per miss instead of once per use
+            gu, dn = self.gate_up, self.down
+            self.mix_args = (gu["packed"], gu["sz"], dn["packed"], dn["sz"], gu["shape"][0], gu["group_size"])
+        else:
             self.gate_up_proj, self.down_proj = QLinear(self.gate_up, kernel), QLinear(self.down, kernel)
 
     def __call__(self, x):
@@ -381,10 +384,14 @@ class Expert:
 # one-call versions of model.py's small modules for the native kernel (int4_cpu.cpp's decode-step helpers):
 # a one-token step is otherwise ~100 small torch ops per layer, which cost as much as the GEMVs here
 
+def ffn_args(gu, dn):
+    """swiglu_ffn's arguments after x for a fused int4 gate|up and its down (raw int4 parts, as QLinear.raw)."""
+    return gu["packed"], gu["sz"], gu["shape"][0], gu["group_size"], dn["packed"], dn["sz"], dn["shape"][0], dn["group_size"]
+
+
 def native_swiglu(x, gu, dn):
     """down(silu(gate) * up) over a fused int4 gate|up, in one call (gu, dn: raw int4 parts, as QLinear.raw)."""
-    return _NATIVE.swiglu_ffn(x, gu["packed"], gu["sz"], gu["shape"][0], gu["group_size"], dn["packed"], dn["sz"],
-                              dn["shape"][0], dn["group_size"])
+    return _NATIVE.swiglu_ffn(x, *ffn_args(gu, dn))
 
 
 class NativeFFN(nn.Module):
@@ -438,6 +445,10 @@ class StreamedMoE(nn.Module):
         self.next_moe = None  # the next MoE layer, for prefetch
         self.native = native  # int4_cpu.cpp's router and the one-token decode path
         self.prefetch = True
+        self.route_scale = cfg.route_scale
+        # the shared expert's swiglu_ffn arguments after x (decode passes them as they are)
+        self.shared_args = (ffn_args(shared.gate_up_proj.raw, shared.down_proj.raw) if isinstance(shared, NativeFFN)
+                            else None)
 
     def route(self, x, top_k=None):
         """(weights, expert ids, selection keys [rows, E]). DeepSeek-V3 router (as model.Router): sigmoid scores in
@@ -459,33 +470,32 @@ class StreamedMoE(nn.Module):
     def decode(self, x):
         """forward for one token on the native kernel, x fp32 as it comes ([1, 1, D]: the ops take any leading
         dims, so no reshapes): the shared expert in one call, the routed ones in one (or one each while some are
-        read), summed in the same fixed order whatever was cached."""
-        w, idx, sel = self.route(x)
-        self.cache.observe(self.layer, sel)
-        picked = idx[0].tolist()  # top-k: distinct experts
-        weight = dict(zip(picked, w[0].tolist()))
-        keys = [(self.layer, e) for e in sorted(picked)]
+        read), summed in the same fixed order whatever was cached. Lean on purpose: Python after a GEMV runs on
+        cold caches here (~40 us per cache lookup), so argument tuples are made once (shared_args, mix_args)."""
+        op, cache, layer = _NATIVE, self.cache, self.layer
+        w, idx, sel = op.route(x, self.router_w, self.bias, self.top_k, self.route_scale)
+        cache.observe(layer, sel)
+        picked = idx.tolist()[0]  # top-k: distinct experts (no [0] view: a tensor made per call)
+        weight = dict(zip(picked, w.tolist()[0]))
+        keys = [(layer, e) for e in sorted(picked)]
         protect = set(keys)
-        self.cache.request(keys, protect)  # this layer's misses, read in parallel (right guesses join the cache)
-        self.guess_next(x, protect)
-        sh = self.shared
-        out = native_swiglu(x, sh.gate_up_proj.raw, sh.down_proj.raw)  # while this layer's missing experts are read
+        cache.request(keys, protect)  # this layer's misses, read in parallel (right guesses join the cache)
+        if self.prefetch:
+            self.guess_next(x, protect)
+        out = op.swiglu_ffn(x, *self.shared_args)  # while this layer's missing experts are read
         # all of this layer's experts at once when they fit together (the budget guarantees 2 x top_k; more with
         # --experts-per-token: then one at a time, the same order and sums)
-        together = len(keys) * self.cache.nbytes <= self.cache.budget
-        cached = [key for key in keys if key in self.cache.entries]
+        together = len(keys) * cache.nbytes <= cache.budget
+        entries = cache.entries
+        cached = [key for key in keys if key in entries]
         if together and len(cached) < len(keys):
             # the cached experts first, while the missing ones are still read; the sums in the fixed order
-            ys = {key: self.cache.get(key, protect)(x) for key in cached + [k for k in keys if k not in cached]}
-            _NATIVE.mix_outputs(out, [ys[key] for key in keys], [weight[key[1]] for key in keys])
+            ys = {key: cache.get(key, protect)(x) for key in cached + [k for k in keys if k not in cached]}
+            op.mix_outputs(out, [ys[key] for key in keys], [weight[key[1]] for key in keys])
             return out
         for group in [keys] if together else [[key] for key in keys]:
-            ffns = [self.cache.get(key, set(group)) for key in group]
-            _NATIVE.swiglu_mix(x, out, [f.gate_up["packed"] for f in ffns], [f.gate_up["sz"] for f in ffns],
-                               [f.down["packed"] for f in ffns], [f.down["sz"] for f in ffns],
-                               [f.gate_up["shape"][0] for f in ffns], [f.gate_up["group_size"] for f in ffns],
-                               [weight[key[1]] for key in group])
-            del ffns
+            gp, gs, dp, ds, two_f, g = zip(*[cache.get(key, protect if together else {key}).mix_args for key in group])
+            op.swiglu_mix(x, out, gp, gs, dp, ds, two_f, g, [weight[key[1]] for key in group])
         return out
 
     def forward(self, x):
@@ -743,9 +753,11 @@ class Engine:
                     and isinstance(b.mlp, (NativeFFN, StreamedMoE))):
                 return None
             a = attn.attn
-            ffn = (b.mlp.gate_up_proj.raw, b.mlp.down_proj.raw) if isinstance(b.mlp, NativeFFN) else None
+            # a dense FFN's swiglu_ffn arguments, or the MoE step (its one-token path when its shared expert is fused)
+            ffn = ffn_args(b.mlp.gate_up_proj.raw, b.mlp.down_proj.raw) if isinstance(b.mlp, NativeFFN) else None
+            moe = None if ffn else (b.mlp.decode if b.mlp.native and b.mlp.shared_args else b.mlp.forward)
             plan.append((norms[0].weight, norms[0].eps, int4(a.qkv_proj), a.q_norm.weight, a.k_norm.weight,
-                         a.q_norm.eps, int4(a.o_proj), norms[1].weight, norms[1].eps, ffn, b.mlp))
+                         a.q_norm.eps, int4(a.o_proj), norms[1].weight, norms[1].eps, ffn, moe))
         return plan
 
     def _decode_step(self, x, cos, sin, cache):
@@ -753,12 +765,12 @@ class Engine:
         QLinear and NativeFFN compute it: the same native ops in the same order, bit for bit, without the ~140
         nn.Module calls and ~340 module attribute lookups a token that cost milliseconds here."""
         op, pos, H, KV = _NATIVE, cache.pos, self.cfg.n_head, self.cfg.n_kv_head
-        for i, (w_in, eps_in, qkv, q_w, k_w, qk_eps, o, w_post, eps_post, ffn, mlp) in enumerate(self.decode_plan):
+        for i, (w_in, eps_in, qkv, q_w, k_w, qk_eps, o, w_post, eps_post, ffn, moe) in enumerate(self.decode_plan):
             h = op.rms_norm(x, w_in, eps_in)
             y = op.attn_decode(op.int4_mm(h, *qkv), q_w, k_w, qk_eps, cos, sin, cache.k[i], cache.v[i], pos, H, KV)
             x = x + op.int4_mm(y, *o)
             h = op.rms_norm(x, w_post, eps_post)
-            x = x + (native_swiglu(h, *ffn) if ffn is not None else mlp.forward(h))
+            x = x + (op.swiglu_ffn(h, *ffn) if ffn is not None else moe(h))
         return x
 
     # --- settings ---
