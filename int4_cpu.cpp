@@ -729,6 +729,26 @@ at::Tensor attn_decode(const at::Tensor& qkv_in, const at::Tensor& q_norm_w, con
   return y;
 }
 
+// The attention half of a decode step (Engine._decode_step) in one call: h = rms_norm(x), x += o_proj(attention of
+// qkv_proj(h)), returns rms_norm(x) with the post-attention weights. The same functions in the same order as the
+// separate ops, so bit for bit their result; x is updated in place (the caller's own hidden state).
+at::Tensor attn_block(at::Tensor x, const at::Tensor& w_in, double eps_in, const at::Tensor& qkv_packed,
+                      const at::Tensor& qkv_sz, int64_t qkv_n, int64_t qkv_group, const at::Tensor& q_norm_w,
+                      const at::Tensor& k_norm_w, double qk_eps, const at::Tensor& o_packed, const at::Tensor& o_sz,
+                      int64_t o_n, int64_t o_group, const at::Tensor& w_post, double eps_post, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, int64_t pos, int64_t n_head,
+                      int64_t n_kv_head) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == x.size(-1) && x.size(-1) == o_n,
+              "attn_block: x must be one contiguous fp32 row of d_model values");
+  const at::Tensor y = attn_decode(int4_mm_impl(rms_norm(x, w_in, eps_in), qkv_packed, qkv_sz, qkv_n, qkv_group, BEST),
+                                   q_norm_w, k_norm_w, qk_eps, cos, sin, k_cache, v_cache, pos, n_head, n_kv_head);
+  const at::Tensor o = int4_mm_impl(y, o_packed, o_sz, o_n, o_group, BEST);
+  float* xp = x.data_ptr<float>();
+  const float* op = o.data_ptr<float>();
+  for (int64_t i = 0; i < o_n; i++) xp[i] += op[i];
+  return rms_norm(x, w_post, eps_post);
+}
+
 // SwiGLU FFN on int4 weights: down(silu(gate) * up) with gate|up fused as one [2F, D] matrix (gate rows first,
 // as model.py and container.py store routed experts): the whole expert in one call.
 at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& gu_packed, const at::Tensor& gu_sz, int64_t two_f,
@@ -904,6 +924,10 @@ TORCH_LIBRARY(picaflor_int4, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("attn_decode(Tensor qkv, Tensor q_norm_w, Tensor k_norm_w, float eps, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int n_head, int n_kv_head) -> Tensor", &attn_decode);
+  m.def("attn_block(Tensor(a!) x, Tensor w_in, float eps_in, Tensor qkv_packed, Tensor qkv_sz, int qkv_n, "
+        "int qkv_group, Tensor q_norm_w, Tensor k_norm_w, float qk_eps, Tensor o_packed, Tensor o_sz, int o_n, "
+        "int o_group, Tensor w_post, float eps_post, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, int pos, int n_head, int n_kv_head) -> Tensor", &attn_block);
   m.def("swiglu_ffn(Tensor x, Tensor gu_packed, Tensor gu_sz, int two_f, int gu_group, Tensor down_packed, "
         "Tensor down_sz, int d_out, int down_group) -> Tensor", &swiglu_ffn);
   m.def("swiglu_mix(Tensor x, Tensor(a!) out, Tensor[] gu_packed, Tensor[] gu_sz, Tensor[] down_packed, "

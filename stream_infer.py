@@ -756,8 +756,9 @@ class Engine:
             # a dense FFN's swiglu_ffn arguments, or the MoE step (its one-token path when its shared expert is fused)
             ffn = ffn_args(b.mlp.gate_up_proj.raw, b.mlp.down_proj.raw) if isinstance(b.mlp, NativeFFN) else None
             moe = None if ffn else (b.mlp.decode if b.mlp.native and b.mlp.shared_args else b.mlp.forward)
-            plan.append((norms[0].weight, norms[0].eps, int4(a.qkv_proj), a.q_norm.weight, a.k_norm.weight,
-                         a.q_norm.eps, int4(a.o_proj), norms[1].weight, norms[1].eps, ffn, moe))
+            attn_args = (norms[0].weight, norms[0].eps, *int4(a.qkv_proj), a.q_norm.weight, a.k_norm.weight,
+                         a.q_norm.eps, *int4(a.o_proj), norms[1].weight, norms[1].eps)  # attn_block's, before cos
+            plan.append((attn_args, ffn, moe))
         return plan
 
     def _decode_step(self, x, cos, sin, cache):
@@ -765,12 +766,11 @@ class Engine:
         QLinear and NativeFFN compute it: the same native ops in the same order, bit for bit, without the ~140
         nn.Module calls and ~340 module attribute lookups a token that cost milliseconds here."""
         op, pos, H, KV = _NATIVE, cache.pos, self.cfg.n_head, self.cfg.n_kv_head
-        for i, (w_in, eps_in, qkv, q_w, k_w, qk_eps, o, w_post, eps_post, ffn, moe) in enumerate(self.decode_plan):
-            h = op.rms_norm(x, w_in, eps_in)
-            y = op.attn_decode(op.int4_mm(h, *qkv), q_w, k_w, qk_eps, cos, sin, cache.k[i], cache.v[i], pos, H, KV)
-            x = x + op.int4_mm(y, *o)
-            h = op.rms_norm(x, w_post, eps_post)
-            x = x + (op.swiglu_ffn(h, *ffn) if ffn is not None else moe(h))
+        x = x.contiguous().clone()  # attn_block adds into it
+        for i, (attn_args, ffn, moe) in enumerate(self.decode_plan):
+            # rms_norm, q|k|v GEMV, attn_decode, o_proj GEMV, the residual add and the post-attention norm in one call
+            h = op.attn_block(x, *attn_args, cos, sin, cache.k[i], cache.v[i], pos, H, KV)
+            x += op.swiglu_ffn(h, *ffn) if ffn is not None else moe(h)
         return x
 
     # --- settings ---
