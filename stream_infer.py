@@ -58,9 +58,10 @@ How it works (the implementer's calls, as DESIGN.md asks):
 - Decode-time fusions: q|k|v and the shared / dense gate|up are concatenated at load into one int4 matrix each
   (the packed layout is whole 32-row blocks, so this is a byte concatenation), one GEMV instead of three or two;
   a one-token MoE step uses scalar routing weights. Both keep the arithmetic of the unfused path. On the native
-  kernel a decode token's layers skip the modules: Engine._decode_step calls the same native ops in Block's order
-  from a per-layer plan made at load (bit for bit the module path, tested), since ~140 nn.Module calls a token
-  cost ~2-3 ms of cold-cache Python here (bench/decode_profile.py); prefill and every other kernel use the modules.
+  kernel a decode token's layers skip the modules: Engine._decode_step calls the same native functions in Block's
+  order from a per-layer plan made at load (bit for bit the module path, tested), the attention half of a layer in
+  one op (attn_block), since ~140 nn.Module calls a token cost ~2-3 ms of cold-cache Python here and five op calls
+  a layer ~2 tok/s fully resident (bench/decode_profile.py, README); prefill and every other kernel use the modules.
 - Cache policy `score` (default; `--cache-policy lru` for plain LRU): expert_cache.py's docstring.
 - CUDA: `triton_int4_matmul` (bottom of this file) reads the same bytes; Triton is imported only on that path.
 - When every routed expert fits in the budget (or there is none) they are all read at load (`preload`, one
