@@ -10,7 +10,8 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   quarantine it (skipped with a loud warning, counted in metrics) if it cannot be re-fetched or the crash
   repeats at the same place; then restart.
 - storage denied (4), out of disk (6), non-finite loss (7), config or checkpoint errors (1, 2): restarting cannot
-  help; stop with a report naming the cause. storage unreachable (5): retry with backoff, then stop.
+  help; stop with a report naming the cause. storage unreachable (5), from the trainer or while re-fetching a
+  shard: retry with backoff (unreachable_backoff_s x 2, 4, 8, at most 60 s), then stop.
 - hang (8), a signal (OOM kill), anything else: restart.
 - Field report this answers: systemd restarted onto the same bad page 13 times while the log looked healthy;
   the only true signal was that the newest checkpoint stopped advancing. So: when max_stuck_starts (3)
@@ -32,6 +33,7 @@ import shards
 import train
 
 EXIT_STUCK = 9
+UNREACHABLE_RETRIES = 3
 NO_RESTART = {1: "error", 2: "config error", train.EXIT_DENIED: "storage denied", train.EXIT_DISK: "out of disk",
               train.EXIT_NONFINITE: "non-finite loss"}
 
@@ -94,21 +96,34 @@ class Guardian:
         Returns None to go on, or (exit code, message) to stop."""
         corpus_dir, file = os.path.dirname(path), os.path.basename(path)
         entry_bad = any(file in p for p in shards.verify_corpus(corpus_dir))
-        if entry_bad:
+        for attempt in range(UNREACHABLE_RETRIES + 1) if entry_bad else ():
             try:
                 shards.refetch_shard(corpus_dir, file)
                 self.log["repairs"].append({"shard": path, "action": "refetched", "at": time.time()})
                 self.say(f"re-fetched {path} from its source; it verifies again")
                 return None
             except shards.StorageError as e:
+                if e.kind == "unreachable" and attempt < UNREACHABLE_RETRIES:  # a Hub blip must not end the run
+                    wait = self.backoff(attempt + 1)
+                    self.log["repairs"].append({"shard": path, "action": "re-fetch retry", "error": str(e),
+                                                "wait_s": wait, "at": time.time()})
+                    self.save()
+                    self.say(f"storage unreachable while re-fetching {path}; retrying in {wait:g} s")
+                    time.sleep(wait)
+                    continue
                 code = train.EXIT_DENIED if e.kind == "denied" else train.EXIT_UNREACHABLE
-                return code, f"{train.CAUSES[code]} while re-fetching {path}: {e}"
+                tries = f" ({attempt + 1} tries)" if e.kind == "unreachable" else ""
+                return code, f"{train.CAUSES[code]} while re-fetching {path}{tries}: {e}"
             except shards.DataError as e:
                 self.quarantine(path, offset, f"corrupt on disk and not re-fetchable: {e}")
                 return None
         if repeated:
             self.quarantine(path, offset, "the crash repeated at the same place though the file verifies")
         return None
+
+    def backoff(self, tries):
+        """Seconds to wait before retry number `tries` (1, 2, 3) of unreachable storage."""
+        return min(60.0, float(self.cfg["unreachable_backoff_s"]) * 2 ** tries)
 
     def on_stuck(self, causes):
         cmd = self.cfg["on_stuck"]
@@ -173,7 +188,7 @@ class Guardian:
                 unreachable_tries += 1
                 if unreachable_tries > 3:
                     return self.stop(rc, f"storage unreachable 4 times: {(rep or {}).get('message')}")
-                time.sleep(min(60, 5 * 2 ** unreachable_tries))
+                time.sleep(self.backoff(unreachable_tries))
             if rc == train.EXIT_DATA and rep and rep.get("path"):
                 fault = (rep["path"], rep.get("offset"))
                 verdict = self.repair_shard(rep["path"], rep.get("offset"), repeated=fault == last_data_fault)

@@ -738,8 +738,8 @@ at::Tensor attn_block(at::Tensor x, const at::Tensor& w_in, double eps_in, const
                       int64_t o_n, int64_t o_group, const at::Tensor& w_post, double eps_post, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, int64_t pos, int64_t n_head,
                       int64_t n_kv_head) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == x.size(-1) && x.size(-1) == o_n,
-              "attn_block: x must be one contiguous fp32 row of d_model values");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == x.size(-1) &&
+                  x.size(-1) == o_n, "attn_block: x must be one contiguous fp32 CPU row of d_model values");
   const at::Tensor y = attn_decode(int4_mm_impl(rms_norm(x, w_in, eps_in), qkv_packed, qkv_sz, qkv_n, qkv_group, BEST),
                                    q_norm_w, k_norm_w, qk_eps, cos, sin, k_cache, v_cache, pos, n_head, n_kv_head);
   const at::Tensor o = int4_mm_impl(y, o_packed, o_sz, o_n, o_group, BEST);
@@ -848,7 +848,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& x_in, con
   return {weights, idx, keys};
 }
 
-// Policy "score" of stream_infer's ExpertCache, one decode token: row = decay * row + (1 - decay) * key per expert,
+// Policy "score" of expert_cache.ExpertCache, one decode token: row = decay * row + (1 - decay) * key per expert,
 // or row = key on the layer's first pass. Each product is rounded on its own before the sum (volatile: no fused
 // multiply-add), as numpy's `row *= d; row += (1 - d) * s` and bench/cache_replay.py's Python floats round it.
 void observe_scores(at::Tensor row, const at::Tensor& keys, double decay, bool first) {

@@ -60,8 +60,9 @@ How it works (the implementer's calls, as DESIGN.md asks):
   a one-token MoE step uses scalar routing weights. Both keep the arithmetic of the unfused path. On the native
   kernel a decode token's layers skip the modules: Engine._decode_step calls the same native functions in Block's
   order from a per-layer plan made at load (bit for bit the module path, tested), the attention half of a layer in
-  one op (attn_block), since ~140 nn.Module calls a token cost ~2-3 ms of cold-cache Python here and five op calls
-  a layer ~2 tok/s fully resident (bench/decode_profile.py, README); prefill and every other kernel use the modules.
+  one op (attn_block), since ~140 nn.Module calls a token cost ~2-3 ms of cold-cache Python here
+  (bench/decode_profile.py) and five op calls a layer ~2 tok/s fully resident (README, "Less Python per token");
+  prefill and every other kernel use the modules.
 - Cache policy `score` (default; `--cache-policy lru` for plain LRU): expert_cache.py's docstring.
 - CUDA: `triton_int4_matmul` (bottom of this file) reads the same bytes; Triton is imported only on that path.
 - When every routed expert fits in the budget (or there is none) they are all read at load (`preload`, one
@@ -495,8 +496,10 @@ class StreamedMoE(nn.Module):
             op.mix_outputs(out, [ys[key] for key in keys], [weight[key[1]] for key in keys])
             return out
         for group in [keys] if together else [[key] for key in keys]:
-            gp, gs, dp, ds, two_f, g = zip(*[cache.get(key, protect if together else {key}).mix_args for key in group])
-            op.swiglu_mix(x, out, gp, gs, dp, ds, two_f, g, [weight[key[1]] for key in group])
+            # the argument lists live only for the call: the next group's lookup may evict this group's experts,
+            # and a buffer still referenced here could not be recycled (a fresh mmap per miss, over the budget)
+            op.swiglu_mix(x, out, *zip(*[cache.get(key, protect if together else {key}).mix_args for key in group]),
+                          [weight[key[1]] for key in group])
         return out
 
     def forward(self, x):
@@ -741,7 +744,8 @@ class Engine:
         return m
 
     def _decode_plan(self):
-        """Per layer, the tensors and sizes _decode_step passes to the native ops (None unless every layer runs on
+        """Per layer, (attn_block's arguments before cos, a dense FFN's swiglu_ffn arguments or None, the MoE step or
+        None) for _decode_step (None unless every layer runs on
         them: native kernel, CPU, fused int4 q|k|v, int4 o_proj, native norms, a native dense FFN or StreamedMoE)."""
         if self.kernel != "native" or self.device != "cpu":
             return None
@@ -764,8 +768,9 @@ class Engine:
 
     def _decode_step(self, x, cos, sin, cache):
         """The layers of one decode token (batch 1, fp32 KV cache with room) as Block, NativeAttention, NativeRMSNorm,
-        QLinear and NativeFFN compute it: the same native ops in the same order, bit for bit, without the ~140
-        nn.Module calls and ~340 module attribute lookups a token that cost milliseconds here."""
+        QLinear and NativeFFN compute it: the same native functions in the same order (attn_block fuses the attention
+        half's five calls), bit for bit, without the ~140 nn.Module calls and ~340 module attribute lookups a token
+        that cost milliseconds here."""
         op, pos, H, KV = _NATIVE, cache.pos, self.cfg.n_head, self.cfg.n_kv_head
         x = x.contiguous().clone()  # attn_block adds into it
         for i, (attn_args, ffn, moe) in enumerate(self.decode_plan):

@@ -97,6 +97,7 @@ hang_timeout = 1800.0        # seconds without step progress -> dump all thread 
 quarantine_shards = []       # "corpus/file" shards to skip (the guardian adds to it; kept in state.json)
 on_stuck = ""                # guardian: shell command run when max_stuck_starts starts made no new checkpoint
 max_stuck_starts = 3
+unreachable_backoff_s = 5.0  # guardian: storage unreachable -> wait 2x, 4x, 8x this (<= 60 s) between 3 retries
 max_restarts = 20
 sample_tokens = 64           # sample printed at the end (0: none)
 # this invocation

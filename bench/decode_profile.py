@@ -1,7 +1,8 @@
 """
 Where a streamed decode token goes: one engine under --ram-budget decodes after a random prompt, with timers
-around every int4_cpu.cpp op and around the expert cache's bookkeeping, and prints milliseconds per token for
-each (the cache's figures exclude the time spent waiting for reads, which is its own line).
+around the int4_cpu.cpp ops the decode step calls and around the expert cache's bookkeeping, and prints
+milliseconds per token for each (the cache's figures exclude the time spent waiting for reads, which is its own
+line; the cache's own native calls, its policy ops and expert_reader.cpp's, are counted inside its lines).
 
     python bench/decode_profile.py micro.pcf4 --ram-budget 2G [--tokens 48] [--prefetch]
 

@@ -14,6 +14,7 @@ Layout on disk: ROOT/models/OWNER/NAME/... and ROOT/datasets/OWNER/NAME/... (fil
     with FakeHub(root) as hub:                     # hub.endpoint = "http://127.0.0.1:PORT"
         env = hub.client_env(tmp_path / "hf_home")     # HF_ENDPOINT, HF_HOME, HF_HUB_DISABLE_XET=1, ...
         hub.status_override = 403                  # every request answers 403 (a lapsed bill), None to stop
+        hub.fail_left = 2                          # ... or only the next 2 requests do (a blip), then it recovers
 
 To extend (e.g. the relay's commit endpoints): add a (method, regex, handler-name) row to ROUTES and a method
 `handle_<name>(self, req, **groups)` on FakeHub; `req` is the BaseHTTPRequestHandler (req.headers, req.rfile),
@@ -41,6 +42,7 @@ class FakeHub:
     def __init__(self, root, host="127.0.0.1", port=0):
         self.root = str(root)
         self.status_override = None  # an int makes every request answer that status (fault injection)
+        self.fail_left = None  # with status_override: only this many more requests fail, then the Hub recovers
         self.requests = []  # (method, path) of every request, for assertions
         hub = self
 
@@ -130,7 +132,12 @@ class FakeHub:
         url = urlsplit(req.path)
         self.requests.append((method, url.path))
         if self.status_override is not None:
-            return self.send_json(req, {"error": f"status {self.status_override} (injected)"}, self.status_override)
+            status = self.status_override
+            if self.fail_left is not None:
+                self.fail_left -= 1
+                if self.fail_left <= 0:
+                    self.status_override = self.fail_left = None
+            return self.send_json(req, {"error": f"status {status} (injected)"}, status)
         for m, pattern, name in ROUTES:
             match = re.match(pattern, url.path) if m == method else None
             if match:

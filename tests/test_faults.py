@@ -85,10 +85,13 @@ def test_zeroed_page_is_refetched_from_source(data_root, tmp_path):
     assert g["repairs"][0]["action"] == "refetched" and not g["quarantined"]
 
 
-@pytest.mark.parametrize("status, code, cause", [(403, 4, "storage denied"), (503, 5, "storage unreachable")])
-def test_storage_fault_is_not_corrupt_data(data_root, tmp_path, status, code, cause):
+@pytest.mark.parametrize("status, fails, code, cause", [(403, None, 4, "storage denied"),
+                                                       (520, None, 5, "storage unreachable"), (520, 1, 0, "ok")])
+def test_storage_fault_is_not_corrupt_data(data_root, tmp_path, status, fails, code, cause):
     """A shard is corrupt and its re-fetch meets the Hub refusing (403: credentials or billing, exit 4) or failing
-    (503: unreachable, exit 5): the guardian stops with that cause, not "corrupt data", and says what to check."""
+    (a 5xx: unreachable): the guardian stops with that cause, not "corrupt data", and says what to check; an
+    unreachable Hub is retried with backoff first (3 retries, then exit 5), so a blip only delays the repair and the
+    run finishes. 520 (a proxy's "unknown error") because huggingface_hub retries a 503 itself for ~23 s first."""
     from hub_server import FakeHub
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -107,19 +110,27 @@ def test_storage_fault_is_not_corrupt_data(data_root, tmp_path, status, code, ca
                            cwd=REPO, capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stderr
         zero_page(os.path.join(corpus, "train_000000.bin"), 0.3)
-        hub.status_override = status  # the bill lapsed / the Hub is down
+        hub.status_override, hub.fail_left = status, fails  # the bill lapsed / the Hub is down or blips
         shutil.rmtree(tmp_path / "hf_home")  # a fresh machine: nothing cached
         out = str(tmp_path / "run")
         r = train([f"--data_root={tmp_path / 'data'}", "--dataset=fineweb_edu", f"--out_dir={out}", "--max_iters=3",
-                   "--warmup_iters=1", "--eval_interval=100", "--supervise"], env=env)
+                   "--warmup_iters=1", "--eval_interval=100", "--unreachable_backoff_s=0.05", "--supervise"], env=env)
     assert r.returncode == code, r.stderr[-3000:]
     g = json.load(open(os.path.join(out, "guardian.json")))
+    retries = [x for x in g["repairs"] if x["action"] == "re-fetch retry"]
+    assert len(retries) == (0 if status == 403 else 3 if fails is None else 1), (g["repairs"], len(hub.requests))
+    assert all("unreachable" in x["error"] and x["wait_s"] == 0.05 * 2 ** (i + 1) for i, x in enumerate(retries))
+    if code == 0:  # recovered: re-fetched, then the restarted trainer finished
+        assert [x["action"] for x in g["repairs"]] == ["re-fetch retry", "refetched"] and not g["quarantined"]
+        assert [s["cause"] for s in g["starts"]] == ["corrupt data", "ok"]
+        assert "retrying in 0.1 s" in r.stdout + r.stderr
+        return
     msg = g["report"]["message"]
     assert g["report"]["cause"] == cause and "train_000000.bin" in msg, msg
     if status == 403:
         assert "403" in msg and ("credentials" in msg or "billing" in msg), msg
     else:
-        assert "unreachable" in msg and "check the network" in msg, msg
+        assert "unreachable" in msg and "(4 tries)" in msg and "check the network" in msg, msg
     assert g["starts"][0]["cause"] == "corrupt data" and len(g["starts"]) == 1
 
 
