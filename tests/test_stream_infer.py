@@ -803,13 +803,19 @@ def test_native_int4_kernel_nan_and_zero_rows():
     assert not torch.isfinite(y[2]).any()
 
 
-def test_more_experts_per_token_than_the_cache_holds_at_once(tiny):
+def test_more_experts_per_token_than_the_cache_holds_at_once(tiny, monkeypatch):
+    """Six experts a layer through a cache of four: one at a time, the same tokens, and never a buffer more than the
+    budget holds (an expert still referenced when the next lookup evicts it cannot give its buffer back)."""
+    import mmap
     m, path = tiny
     prompt = list(range(5, 25))
     ref = S.load(path).generate(prompt, 6, experts_per_token=6)
     eng = S.load(path, preload=False)
     eng.cache.budget = 4 * eng.container.expert_nbytes  # 2 x top_k: six experts of a layer never fit at once
+    made, real = [], mmap.mmap
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: made.append(1) or real(*a, **k))
     assert eng.generate(prompt, 6, experts_per_token=6) == ref and eng.cache.used <= eng.cache.budget
+    assert eng.cache.reads > 4 and len(made) <= 4, (len(made), eng.cache.reads)  # evicted buffers were read into again
 
 
 def test_native_int4_kernel_rejects_wrong_sizes():
