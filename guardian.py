@@ -186,8 +186,8 @@ class Guardian:
                                      f"restarting cannot fix this")
             if rc == train.EXIT_UNREACHABLE:
                 unreachable_tries += 1
-                if unreachable_tries > 3:
-                    return self.stop(rc, f"storage unreachable 4 times: {(rep or {}).get('message')}")
+                if unreachable_tries > UNREACHABLE_RETRIES:
+                    return self.stop(rc, f"storage unreachable {UNREACHABLE_RETRIES + 1} times: {(rep or {}).get('message')}")
                 time.sleep(self.backoff(unreachable_tries))
             if rc == train.EXIT_DATA and rep and rep.get("path"):
                 fault = (rep["path"], rep.get("offset"))

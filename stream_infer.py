@@ -456,12 +456,12 @@ class StreamedMoE(nn.Module):
         """(weights, expert ids, selection keys [rows, E]). DeepSeek-V3 router (as model.Router): sigmoid scores in
         fp32, bias only selects (the keys are scores + bias), weights normalised."""
         if self.native:
-            return _NATIVE.route(x, self.router_w, self.bias, top_k or self.top_k, self.cfg.route_scale)
+            return _NATIVE.route(x, self.router_w, self.bias, top_k or self.top_k, self.route_scale)
         scores = torch.sigmoid(x.float() @ self.router_w.t())
         sel = scores + self.bias
         _, idx = torch.topk(sel, top_k or self.top_k, dim=-1, sorted=False)
         w = scores.gather(1, idx)
-        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.cfg.route_scale, idx, sel
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale, idx, sel
 
     def guess_next(self, x, protect):
         """Prefetch: the next layer's router on this hidden state names the experts to read ahead."""
@@ -503,7 +503,7 @@ class StreamedMoE(nn.Module):
         return out
 
     def forward(self, x):
-        if self.native and x.numel() == x.shape[-1] and x.dtype == torch.float32 and isinstance(self.shared, NativeFFN):
+        if self.native and self.shared_args is not None and x.numel() == x.shape[-1] and x.dtype == torch.float32:
             return self.decode(x)
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()
