@@ -31,6 +31,7 @@ import ctypes
 import itertools
 import mmap
 import os
+import sys
 import threading
 import time
 import weakref
@@ -174,8 +175,10 @@ class ExpertCache:
     to fault in and its munmap ~0.9 ms here, per miss."""
 
     def __init__(self, container, budget_bytes, make_expert, score_ops=None, reader_ops=None, n_readers=4,
-                 policy="score"):
-        """make_expert(buf) -> an expert over a landed blob (stream_infer.Expert: .buf, .tensors, callable);
+                 policy="score", reuse_views=False):
+        """make_expert(buf, views) -> an expert over a landed blob (stream_infer.Expert: .buf, .tensors, callable);
+        views: with reuse_views, the buffer's tensor views (container.decode_expert(buf), made once per buffer),
+        which the expert must use as they are (no copy, no re-layout); else None;
         score_ops / reader_ops: the extension's torch.ops (int4_cpu.cpp's policy ops, expert_reader.cpp's readers),
         None for the numpy policy and the Python readers."""
         check_cache_policy(policy)
@@ -200,6 +203,11 @@ class ExpertCache:
         self.entries = OrderedDict()  # (layer, expert) -> Expert
         self.inflight = {}  # (layer, expert) -> ([Future per part], is_prefetch, buffer)
         self.free_bufs = []  # evicted experts' buffers, for the next read (counted in `used` until reused)
+        # id(buffer) -> [buffer, its tensor views, those tensors, their reference counts held here alone]: a blob's
+        # views are made once per buffer and serve every blob read into it after (decode_expert cost 20-45 us hot,
+        # more after a GEMV, on the critical path of a layer's last miss)
+        self.reuse_views = reuse_views
+        self.views_of_buf = {}
         # prefetch: guesses are read into their own few buffers (`n_slots`, carved out of the budget), so a wrong
         # guess never evicts a cached expert; a right one joins the cache when demanded
         self.n_slots = 0
@@ -267,15 +275,44 @@ class ExpertCache:
         i = int(idx[np.argmin(self.stamp.flat[idx])])
         return divmod(i, s.shape[1])
 
+    @staticmethod
+    def _view_refs(rec):
+        """The reference counts of a buffer's view tensors, and of their storages (a tensor derived from one, a
+        slice say, holds the storage, not the tensor)."""
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        return ([sys.getrefcount(t) for t in rec[2]]
+                + ([use_count(t.untyped_storage()._cdata) for t in rec[2]] if use_count else []))
+
+    def _expert_over(self, buf):
+        """A new expert over a buffer whose read has landed, on the buffer's own views with reuse_views (the views
+        stay right whatever blob is read into the buffer)."""
+        if not self.reuse_views:
+            return self.make_expert(buf, None)
+        rec = self.views_of_buf.get(id(buf))
+        if rec is None or rec[0] is not buf:
+            views = self.c.decode_expert(buf)
+            rec = self.views_of_buf[id(buf)] = [buf, views, [t for part in views.values() for t in part.values()
+                                                             if isinstance(t, torch.Tensor)], None]
+            rec[3] = self._view_refs(rec)  # held by the cache alone, as _evict compares them
+        return self.make_expert(buf, rec[1])
+
     def _evict(self, key):
-        """Drop an entry; recycle its buffer only when nothing else holds the expert or any tensor over the buffer
-        (weak references, not reference counts: those differ between Python versions)."""
+        """Drop an entry; recycle its buffer only when nothing else holds the expert or any tensor over the buffer:
+        checked by weak references, or with the buffer's own views (which the cache holds) by their reference
+        counts against the counts they had when the cache alone held them (in this process: the counts' offsets
+        differ between Python versions)."""
         self.stamp[key] = -1
         expert = self.entries.pop(key)
         buf = expert.buf
         refs = [weakref.ref(expert)] + [weakref.ref(t) for t in expert.tensors]
         del expert
-        if buf is not None and all(r() is None for r in refs):
+        rec = self.views_of_buf.get(id(buf)) if buf is not None else None
+        if rec is not None and rec[0] is buf:
+            if self._view_refs(rec) == rec[3]:
+                self.free_bufs.append(buf)
+            else:  # someone still holds the expert or a tensor over its buffer: both stay theirs
+                del self.views_of_buf[id(buf)]
+        elif buf is not None and all(r() is None for r in refs):
             self.free_bufs.append(buf)
 
     def _ensure_room(self, protect, wait):
@@ -364,7 +401,7 @@ class ExpertCache:
         for f in fut:
             f.result()
         self.read_wait_s += time.perf_counter() - t0  # the decoding thread stalled on the disk (the bench's split)
-        self.entries[key] = self.make_expert(buf)  # crc checked by its last reader
+        self.entries[key] = self._expert_over(buf)  # crc checked by its last reader
         self._touch(key)
         return prefetch
 

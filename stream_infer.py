@@ -360,8 +360,9 @@ class Expert:
     kernel multiplies as they are; the other kernels get QLinear modules (built only for them: two nn.Modules
     cost ~0.1 ms of Python per miss)."""
 
-    def __init__(self, container, buf, kernel, device="cpu"):
-        dec = container.decode_expert(buf)
+    def __init__(self, container, buf, kernel, device="cpu", views=None):
+        """views: container.decode_expert(buf) made before (the cache keeps a buffer's views); used as they are."""
+        dec = views if views is not None else container.decode_expert(buf)
         self.buf = buf  # the cache recycles it on eviction when nothing else holds this expert
         if device != "cpu":  # CUDA: the blob goes to the GPU once per miss (the host buffer is then dropped)
             dec = {k: {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in v.items()} for k, v in dec.items()}
@@ -694,10 +695,12 @@ class Engine:
             return nn.Parameter(raw[name]["data"].to(dev), requires_grad=False)
 
         m = meta_model(cfg)  # no random init on meta: that would import torch._dynamo (+180 MB of budget)
-        self.cache = EC.ExpertCache(c, 0, lambda buf: Expert(c, buf, kernel, dev),
+        self.cache = EC.ExpertCache(c, 0, lambda buf, views: Expert(c, buf, kernel, dev, views),
                                    score_ops=_NATIVE if native else None,
                                    reader_ops=native_reader() if native or _NATIVE else None,  # no build for others
-                                   n_readers=self.n_readers, policy=self.cache_policy)
+                                   n_readers=self.n_readers, policy=self.cache_policy,
+                                   # an expert over the buffer's views as they are: not a GPU copy, not int4pack's layout
+                                   reuse_views=dev == "cpu" and kernel != "int4pack")
         m.embed_tokens = (DiskEmbedding(c, "embed_tokens.weight", dev) if self.embed_on_disk
                           else QEmbedding(to_dev(raw["embed_tokens.weight"])))
         m.lm_head = lin("embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight", shared=cfg.tie_embeddings)

@@ -187,6 +187,48 @@ def test_evicted_buffers_are_recycled_unless_held(tiny):
     assert torch.equal(S.Expert(eng.container, b.buf, "reference")(x), fresh(x))
 
 
+def test_a_buffers_views_serve_its_next_blobs_unless_held(tiny):
+    m, path = tiny
+    eng = S.load(path, prefetch=False, preload=False)
+    cache, c = eng.cache, eng.container
+    assert cache.reuse_views
+    cache.budget = 2 * c.expert_nbytes
+    x = torch.randn(1, eng.cfg.d_model)
+    fresh = (lambda key: S.Expert(c, c.read_expert_blob(*key), eng.kernel)(x))  # noqa: E731  (its own views)
+    a = cache.get((1, 0), set())
+    a_views = [id(t) for t in a.tensors]
+    del a
+    cache.get((1, 1), set())
+    b = cache.get((1, 2), set())  # into (1, 0)'s buffer, over the same view tensors, which now show the new blob
+    assert [id(t) for t in b.tensors] == a_views and len(cache.views_of_buf) == 2
+    assert torch.equal(b(x), fresh((1, 2))) and not torch.equal(b(x), fresh((1, 0)))
+    del b
+    # whatever a caller keeps of an expert keeps its buffer: the expert, its kernel arguments, a slice of a tensor
+    for keep in (lambda e: e, lambda e: e.mix_args, lambda e: e.tensors[0][:8]):
+        kept = keep(cache.get((1, 3), set()))
+        held = cache.entries[(1, 3)].tensors[0]
+        held_bytes, held_ptr = bytes(held.numpy()), held.data_ptr()
+        del held
+        cache.get((1, 4), set())
+        cache.get((1, 5), set())  # evicts (1, 3): its buffer is not read into again
+        cache.get((1, 6), set())
+        assert all(t.data_ptr() != held_ptr for e in cache.entries.values() for t in e.tensors)
+        assert torch.equal(torch.frombuffer(bytearray(held_bytes), dtype=torch.uint8),
+                           torch.frombuffer(cache_bytes_at(held_ptr, len(held_bytes)), dtype=torch.uint8))
+        assert cache.used <= cache.budget and len(cache.views_of_buf) <= 2
+        del kept
+    # off, every miss decodes its own views (the A/B's baseline), and recycling still works
+    cache.reuse_views, cache.views_of_buf = False, {}
+    e7 = cache.get((1, 7), set())
+    assert not cache.views_of_buf and torch.equal(e7(x), fresh((1, 7)))
+
+
+def cache_bytes_at(ptr, n):
+    """n bytes at address ptr (memory a test knows is still mapped)."""
+    import ctypes
+    return bytearray(ctypes.string_at(ptr, n))
+
+
 def test_hit_rate_and_bytes_agree_with_independent_count(tiny):
     m, path = tiny
     eng = S.load(path, prefetch=False, preload=False, cache_policy="lru")
@@ -1062,11 +1104,11 @@ def test_bench_result_fields_and_lru_policy(tiny, capsys):
     cont = C.load_container(path)
     with pytest.raises(EC.CacheError, match="cache policy 'mru': use one of score, lru"):
         EC.ExpertCache(cont, 10 * cont.expert_nbytes, None, policy="mru")
-    tiny_cache = EC.ExpertCache(cont, cont.expert_nbytes - 1, lambda buf: S.Expert(cont, buf, "reference"))
+    tiny_cache = EC.ExpertCache(cont, cont.expert_nbytes - 1, lambda buf, views: S.Expert(cont, buf, "reference", views=views))
     with pytest.raises(EC.CacheError, match="cannot hold one expert .*; raise --ram-budget") as ei:
         tiny_cache.get((1, 0), {(1, 0)})
     assert path in str(ei.value) and "\n" not in str(ei.value) and tiny_cache.reads == 0
-    roomy = EC.ExpertCache(cont, cont.expert_nbytes, lambda buf: S.Expert(cont, buf, "reference"))
+    roomy = EC.ExpertCache(cont, cont.expert_nbytes, lambda buf, views: S.Expert(cont, buf, "reference", views=views))
     x = torch.randn(1, cont.config.d_model)
     assert torch.equal(roomy.get((1, 0), {(1, 0)})(x), S.Expert(cont, cont.read_expert_blob(1, 0), "reference")(x))
     assert B.strip_args(["m", "--sweep", "1G,2G", "--bench", "--json=x"], {"--sweep", "--json"}, {"--bench"}) == ["m"]
