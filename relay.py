@@ -8,7 +8,7 @@ or a local directory), fenced by compare-and-swap commits.
     python relay.py dashboard STORE_OR_RUN_DIR                             # read-only web page on 127.0.0.1
 
 STORE is `hf://owner/name` (huggingface_hub; HF_ENDPOINT and HF_TOKEN as usual) or `file:///abs/path` (a local
-directory with the same compare-and-swap semantics, safe across processes; for offline use and tests).
+directory with the same compare-and-swap semantics, safe across processes; for offline use and tests): relay_store.py.
 
 Files in the store (DESIGN.md, Relay):
     RELAY.json           the lease: holder, nonce, generation, leg, claimed/heartbeat times, ttl, write_id
@@ -44,9 +44,7 @@ baton (its commit would fence them out); `claim` by the current holder renews; $
 import argparse
 import ast
 import datetime as dt
-import email.utils
 import getpass
-import hashlib
 import html
 import json
 import os
@@ -61,6 +59,7 @@ import time
 import uuid
 
 import checkpoint
+from relay_store import Conflict, RelayError, StoreError, Transient, open_store, write_atomic
 
 RELAY_FORMAT = "picaflor-relay"
 STATE_FORMAT = "picaflor-relay-state"
@@ -73,22 +72,6 @@ DEFAULT_HEARTBEAT = 300.0
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-class RelayError(Exception):
-    """Fatal, user-facing, one line."""
-
-
-class StoreError(RelayError):
-    """The store refused or failed a request for good."""
-
-
-class Transient(StoreError):
-    """A 5xx, a 429 or a timeout: the request may or may not have taken effect."""
-
-
-class Conflict(StoreError):
-    """The head is not the commit we chained from: someone else wrote (HTTP 412)."""
-
-
 class Busy(RelayError):
     """Someone else holds a live lease."""
 
@@ -97,282 +80,8 @@ class Fenced(RelayError):
     """Our lease is gone: another commit landed after our last one."""
 
 
-# RELAY_FSYNC=0 skips fsync in relay's own writes (file:// store, lease file): for tests only, where durability
-# across power loss is not under test and ~30 fsyncs per leg dominate the run time
-FSYNC = os.environ.get("RELAY_FSYNC", "1") != "0"
-
-
-def write_atomic(path, text):
-    if FSYNC:
-        return checkpoint.write_atomic_text(path, text)
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def now_iso(t=None):
     return dt.datetime.fromtimestamp(time.time() if t is None else t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Stores: head() -> (sha, commit_time, server_now); read(sha, path) -> bytes|None; list(sha, prefix) -> [path];
-# download(sha, paths, dest); commit(parent, adds {path: bytes | local file path}, deletes, message) -> sha.
-
-
-class Staged:
-    """A file body a FileStore already holds (FileStore.stage)."""
-
-    def __init__(self, oid):
-        self.oid = oid
-
-
-class FileStore:
-    """A local directory with atomic compare-and-swap commits, safe across processes:
-        STORE        marker           objects/ab/<sha256>  content-addressed file bodies
-        commits/<id>.json  {id, parent, time, message, tree: {path: sha256}}   HEAD  the head commit id
-    A commit writes its objects first (outside the lock), then under flock(LOCK) checks HEAD == parent, writes the
-    commit record and replaces HEAD atomically. The local clock is this store's server clock."""
-
-    def __init__(self, root):
-        self.root = root
-        self.url = "file://" + root
-
-    def _p(self, *a):
-        return os.path.join(self.root, *a)
-
-    def exists(self):
-        return os.path.isfile(self._p("HEAD"))
-
-    def create(self):
-        if self.exists():
-            return
-        if os.path.isdir(self.root) and os.listdir(self.root):
-            raise StoreError(f"{self.root}: exists and is not an empty directory nor a relay store; pick a new path")
-        for d in ("objects", "commits"):
-            os.makedirs(self._p(d), exist_ok=True)
-        with open(self._p("STORE"), "w") as f:
-            json.dump({"format": "picaflor-file-store", "version": 1}, f)
-        import fcntl
-        with open(self._p("LOCK"), "a+") as lk:
-            fcntl.flock(lk, fcntl.LOCK_EX)
-            if not self.exists():
-                self._write_commit(None, {}, "create store")
-
-    def _load_commit(self, cid):
-        try:
-            with open(self._p("commits", cid + ".json")) as f:
-                return json.load(f)
-        except (OSError, ValueError) as e:
-            raise StoreError(f"{self._p('commits', cid + '.json')}: unreadable commit record ({e}); the store is damaged")
-
-    def _head_id(self):
-        try:
-            return open(self._p("HEAD")).read().strip()
-        except FileNotFoundError:
-            raise StoreError(f"{self.url}: not a relay store (no HEAD); create the run with `relay.py init {self.url} CONFIG`")
-
-    def head(self):
-        cid = self._head_id()
-        return cid, self._load_commit(cid)["time"], time.time()
-
-    def read(self, sha, path):
-        obj = self._load_commit(sha)["tree"].get(path)  # commits are immutable: no cache needed, a local read is cheap
-        if obj is None:
-            return None
-        with open(self._p("objects", obj[:2], obj), "rb") as f:
-            return f.read()
-
-    def list(self, sha, prefix=""):
-        return sorted(p for p in self._load_commit(sha)["tree"] if p.startswith(prefix))
-
-    def download(self, sha, paths, dest):
-        tree = self._load_commit(sha)["tree"]
-        for p in paths:
-            out = os.path.join(dest, p)
-            os.makedirs(os.path.dirname(out), exist_ok=True)
-            shutil.copyfile(self._p("objects", tree[p][:2], tree[p]), out)
-
-    def _put_object(self, data=None, path=None):
-        oid = checkpoint.sha256_file(path) if path is not None else hashlib.sha256(data).hexdigest()
-        final = self._p("objects", oid[:2], oid)
-        if not os.path.exists(final):
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-            if path is not None:
-                shutil.copyfile(path, tmp)
-            else:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-            if FSYNC:
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        return oid
-
-    def _write_commit(self, parent, tree, message):
-        t = time.time()
-        body = {"parent": parent, "time": t, "message": message, "tree": tree}
-        cid = hashlib.sha1(json.dumps(body, sort_keys=True).encode() + uuid.uuid4().bytes).hexdigest()
-        body["id"] = cid
-        write_atomic(self._p("commits", cid + ".json"), json.dumps(body))  # the record is durable before HEAD names it
-        write_atomic(self._p("HEAD"), cid + "\n")
-        return cid
-
-    def stage(self, adds):
-        """Store the file bodies now (content-addressed; invisible until a commit names them)."""
-        return {p: Staged(self._put_object(path=v) if isinstance(v, str) else self._put_object(data=v)) for p, v in adds.items()}
-
-    def commit(self, parent, adds, deletes, message):
-        import fcntl
-        oids = {p: v.oid for p, v in self.stage({p: v for p, v in adds.items() if not isinstance(v, Staged)}).items()}
-        oids.update({p: v.oid for p, v in adds.items() if isinstance(v, Staged)})
-        with open(self._p("LOCK"), "a+") as lk:
-            fcntl.flock(lk, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-            head = self._head_id()
-            if head != parent:
-                raise Conflict(f"{self.url}: head moved to {head[:10]} (expected {str(parent)[:10]})")
-            tree = dict(self._load_commit(head)["tree"])
-            for p in deletes:
-                tree.pop(p, None)
-            tree.update(oids)
-            cid = self._write_commit(parent, tree, message)
-            if os.environ.get("RELAY_TEST_FAULT") == "file-commit-then-fail":  # tests: a commit that landed, then an error
-                raise Transient(f"{self.url}: injected failure after the commit landed")
-            return cid
-
-
-class HfStore:
-    """A Hugging Face Hub model repo through huggingface_hub (endpoint and token from HF_ENDPOINT / HF_TOKEN)."""
-
-    def __init__(self, repo_id):
-        from huggingface_hub import HfApi
-        self.repo_id = repo_id
-        self.url = "hf://" + repo_id
-        self.api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now, not at import time
-        self.cache = {}  # (commit sha, path) -> bytes | None
-
-    def _call(self, what, fn, *a, **kw):
-        from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
-        try:
-            return fn(*a, **kw)
-        except EntryNotFoundError:
-            raise  # a missing file: the caller decides
-        except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-            raise StoreError(f"{self.url}: {what}: repository or revision not found ({one_line(e)}); check the name and HF_TOKEN")
-        except HfHubHTTPError as e:
-            code = e.response.status_code if e.response is not None else None
-            if code == 412:
-                raise Conflict(f"{self.url}: {what}: a commit has happened since ours (HTTP 412)")
-            if code is None or code >= 500 or code in (408, 429):
-                raise Transient(f"{self.url}: {what}: HTTP {code} ({one_line(e)})")
-            raise StoreError(f"{self.url}: {what}: HTTP {code} ({one_line(e)})")
-        except (OSError, TimeoutError) as e:  # connection errors and timeouts of the HTTP client
-            raise Transient(f"{self.url}: {what}: {type(e).__name__}: {one_line(e)}")
-        except RuntimeError as e:
-            if e.__cause__ is None:
-                raise
-            # a failed LFS upload (the PUT to storage) comes wrapped: RuntimeError("Error while uploading ...") from
-            # the HTTP error; classify the cause like any other call's error
-            return self._call(f"{what}: {one_line(e)}", reraise, e.__cause__)
-        except Exception as e:
-            if type(e).__module__.startswith("httpx"):
-                raise Transient(f"{self.url}: {what}: {type(e).__name__}: {one_line(e)}")
-            raise
-
-    def exists(self):
-        try:
-            self.head()
-            return True
-        except StoreError:
-            return False
-
-    def create(self):
-        self._call("create repo", self.api.create_repo, self.repo_id, exist_ok=True)
-
-    def head(self):
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-        refs = self._call("list refs", self.api.list_repo_refs, self.repo_id)
-        sha = next((b.target_commit for b in refs.branches if b.name == "main"), None)
-        if sha is None:
-            raise StoreError(f"{self.url}: has no main branch; create the run with `relay.py init {self.url} CONFIG`")
-
-        def commit_time():  # one page of the commit list: the head's date and the server's Date header
-            r = get_session().get(f"{self.api.endpoint}/api/models/{self.repo_id}/commits/{sha}", headers=build_hf_headers())
-            hf_raise_for_status(r)
-            date = r.json()[0]["date"]
-            server_now = email.utils.parsedate_to_datetime(r.headers["Date"]).timestamp() if "Date" in r.headers else time.time()
-            return dt.datetime.fromisoformat(date.replace("Z", "+00:00")).timestamp(), server_now
-        t, server_now = self._call("read head commit", commit_time)
-        return sha, t, server_now
-
-    def read(self, sha, path):
-        """A small file at an exact commit (immutable, so kept in memory); None if the commit lacks it."""
-        from huggingface_hub import hf_hub_url
-        from huggingface_hub.errors import EntryNotFoundError
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-        if (sha, path) in self.cache:
-            return self.cache[(sha, path)]
-
-        def get():
-            r = get_session().get(hf_hub_url(self.repo_id, path, revision=sha, endpoint=self.api.endpoint),
-                                  headers=build_hf_headers(), follow_redirects=True)
-            hf_raise_for_status(r)
-            return r.content
-        try:
-            data = self._call(f"read {path}", get)
-        except EntryNotFoundError:
-            data = None
-        self.cache[(sha, path)] = data
-        return data
-
-    def list(self, sha, prefix=""):
-        files = self._call("list files", self.api.list_repo_files, self.repo_id, revision=sha)
-        return sorted(p for p in files if p.startswith(prefix))
-
-    def download(self, sha, paths, dest):
-        from huggingface_hub import hf_hub_download
-        for p in paths:
-            self._call(f"download {p}", hf_hub_download, self.repo_id, p, revision=sha, local_dir=dest,
-                       endpoint=self.api.endpoint)
-        shutil.rmtree(os.path.join(dest, ".cache"), ignore_errors=True)
-
-    def stage(self, adds):
-        """Upload the LFS files now (preupload_lfs_files); the commit then only names them."""
-        from huggingface_hub import CommitOperationAdd
-        ops = {p: CommitOperationAdd(path_in_repo=p, path_or_fileobj=v) for p, v in adds.items()}
-        self._call("upload", self.api.preupload_lfs_files, self.repo_id, additions=list(ops.values()))
-        return ops
-
-    def commit(self, parent, adds, deletes, message):
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-        ops = [v if isinstance(v, CommitOperationAdd) else CommitOperationAdd(path_in_repo=p, path_or_fileobj=v)
-               for p, v in adds.items()]
-        ops += [CommitOperationDelete(path_in_repo=p) for p in deletes]
-        info = self._call("commit", self.api.create_commit, self.repo_id, ops, commit_message=message, parent_commit=parent)
-        return info.oid
-
-
-def one_line(e):
-    return " ".join(str(e).split())[:300]
-
-
-def reraise(e):
-    raise e
-
-
-def open_store(url):
-    if url.startswith("hf://"):
-        repo = url[len("hf://"):].strip("/")
-        if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
-            raise RelayError(f"{url}: expected hf://owner/name")
-        return HfStore(repo)
-    if url.startswith("file://"):
-        root = url[len("file://"):]
-        if not root.startswith("/"):
-            raise RelayError(f"{url}: a file store needs an absolute path, e.g. file:///data/myrun")
-        return FileStore(os.path.normpath(root))
-    raise RelayError(f"{url}: unknown store; use hf://owner/name or file:///absolute/path")
 
 
 def commit_cas(store, parent, adds, deletes, message, relay, tries=5):

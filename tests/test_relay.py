@@ -42,7 +42,7 @@ def env_for(kind, tmp_path, hub, **extra):
 
 @pytest.fixture
 def hf_env(hub, tmp_path, monkeypatch):
-    """In-process hf:// use: relay.HfStore reads endpoint, token and cache from the environment when built."""
+    """In-process hf:// use: relay_store.HfStore reads endpoint, token and cache from the environment when built."""
     for k, v in hub.client_env(tmp_path / "hf_home_inproc").items():
         monkeypatch.setenv(k, v)
 
