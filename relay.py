@@ -32,7 +32,8 @@ looks for its own write_id before retrying, so a commit that landed is never mad
 (uploaded before the commit that names them: preupload_lfs_files on the Hub), then stops it for the one push
 commit. The trainer runs in its own session: Ctrl-C (SIGINT) or SIGTERM to relay ends the leg cleanly (trainer
 checkpoints, push, release); if relay itself dies, the kernel SIGTERMs the trainer (PR_SET_PDEATHSIG).
-Exit status: 0 done, 2 usage, 3 error (one line, nothing overwritten), 4 lease lost (local checkpoint kept).
+Exit status: 0 done, 2 usage, 3 error (one line, nothing overwritten), 4 lease lost (local checkpoint kept). A
+trainer that fails after checkpointing gets its newest checkpoint pushed (verified as any push) before exit 3.
 
 Implementer's calls: the repo holds only the latest checkpoint (older ones stay in git history); each leg trains
 in its own local folder WORKDIR/leg-NNNN-genG/ (default WORKDIR ./relay-work/<store name>), so a fenced leg's
@@ -78,6 +79,10 @@ class Busy(RelayError):
 
 class Fenced(RelayError):
     """Our lease is gone: another commit landed after our last one."""
+
+
+class NothingToPush(RelayError):
+    """The leg's newest checkpoint is not past the step it pulled."""
 
 
 def now_iso(t=None):
@@ -367,7 +372,7 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     step = int(st.get("step", manifest.get("step", 0)))
     base = lease.base_step if lease.base_step is not None else 0
     if step <= base:
-        raise RelayError(f"push refused: {ck} is at step {step}, not past the pulled step {base}, so the trainer made "
+        raise NothingToPush(f"push refused: {ck} is at step {step}, not past the pulled step {base}, so the trainer made "
                          f"no step (is the plan finished? `python train.py --status {run_dir}`); nothing to push")
     # read the files at our own last commit: if anyone wrote after it, the commit below fails anyway
     prev_state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha) or {}
@@ -396,14 +401,14 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     return {"ck": ck, "step": step, "base": base, "row": row, "stale": stale, "adds": store.stage(adds)}
 
 
-def commit_push(store, lease, plan, run_dir):
-    """The push itself: one commit chained from our last one. Raises Fenced if the lease is gone; the local dir is
-    untouched either way."""
+def commit_push(store, lease, plan, run_dir, note=None):
+    """The push itself: one commit chained from our last one (note: a word for its message, e.g. that the trainer
+    crashed). Raises Fenced if the lease is gone; the local dir is untouched either way."""
     step, base = plan["step"], plan["base"]
     new_relay = dict(lease.relay, leg=lease.leg + 1, heartbeat_at=time.time(), last_push_step=step)
     try:
         sha, new_relay = commit_cas(store, lease.sha, plan["adds"], plan["stale"], f"relay: leg {lease.leg} by "
-                                    f"{lease.who}: steps {base}-{step}", new_relay)
+                                    f"{lease.who}: steps {base}-{step}" + (f" ({note})" if note else ""), new_relay)
     except Conflict as e:
         raise Fenced(f"push rejected: {e}; your checkpoint is kept at {plan['ck']}, nothing was lost locally")
     lease.sha, lease.relay, lease.leg, lease.base_step = sha, new_relay, lease.leg + 1, step
@@ -581,8 +586,8 @@ def cmd_run(args):
                         f"stopped training before anyone else may take the baton")
         rc = proc.wait()
         wall = time.time() - t0
-        if rc == 0 and not hb.failed:
-            try:  # verify and upload while the heartbeat still renews the lease
+        if not hb.failed:
+            try:  # verify and upload while the heartbeat still renews the lease (after a crash too: see below)
                 plan = prepare_push(store, lease, run_dir, wall_s=wall,
                                     usd_per_hour=config_usd_per_hour(cmd[2], args.overrides))
             except RelayError as e:
@@ -591,10 +596,20 @@ def cmd_run(args):
         for s, h in old_handlers.items():
             signal.signal(s, h)
         stop_heartbeat(hb)
+    crashed = f"trainer exited with status {rc} ({' '.join(cmd[:3])} ...)"
+    if rc != 0 and plan is not None:
+        # a trainer that failed after checkpointing (an OOM kill, a bad node at hour 5): its newest checkpoint,
+        # verified like any push, goes to the store, so the hours before the crash are not lost to the run
+        sha, _ = commit_push(store, lease, plan, run_dir, note=f"trainer exited with status {rc}")
+        release(store, lease)
+        raise RelayError(f"{crashed}; its newest checkpoint (step {plan['step']}) was pushed as {sha[:10]} and the "
+                         f"lease released; local files kept in {run_dir}")
     if rc != 0 or failure:
         release(store, lease)
-        raise RelayError(f"{failure}; lease released" if failure else f"trainer exited with status {rc} "
-                         f"({' '.join(cmd[:3])} ...); lease released, nothing pushed, local files kept in {run_dir}")
+        why = (f"no checkpoint past the pulled step {lease.base_step}" if isinstance(failure, NothingToPush)
+               else str(failure))
+        raise RelayError(f"{crashed}; lease released, nothing pushed ({why}), local files kept in {run_dir}"
+                         if rc != 0 else f"{failure}; lease released")
     sha, row = commit_push(store, lease, plan, run_dir)
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     release(store, lease)

@@ -61,6 +61,8 @@ with open(os.path.join(out, "metrics.jsonl"), "a") as mf:
         mf.write(json.dumps(m) + "\n"); mf.flush()
         if s % ckpt_every == 0:
             save()
+        if s == int(os.environ.get("FAKE_CRASH_AT_STEP", "-1")):  # a crash after some checkpoints
+            print(f"fake train: crashing at step {s}", file=sys.stderr); os._exit(1)
 save()
 print(f"fake train: stopped at step {st['step']}", flush=True)
 '''

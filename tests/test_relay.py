@@ -540,6 +540,28 @@ def test_trainer_failure_releases_and_pushes_nothing(tmp_path, hub, rl):
     assert r.returncode == 3 and "trainer exited with status 1" in r.stderr and "lease released" in r.stderr
     rows, snap = ledger_rows(relay.open_store(url))
     assert rows == [] and snap.relay["holder"] is None and snap.state["step"] == 0
+    assert "nothing pushed (no checkpoint past the pulled step 0)" in r.stderr  # says why
+
+
+def test_trainer_crash_after_checkpoints_pushes_the_newest(tmp_path, hub, rl):
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    r = rl(["run", url, "--steps", "20", "--train-script", fake, "--workdir", tmp_path / "wa"],
+           dict(env, FAKE_CKPT_EVERY="5", FAKE_CRASH_AT_STEP="12"))
+    os.environ.pop("FAKE_CKPT_EVERY"), os.environ.pop("FAKE_CRASH_AT_STEP")
+    assert r.returncode == 3 and "trainer exited with status 1" in r.stderr and "step 10" in r.stderr, r.stderr
+    assert "was pushed" in r.stderr and "lease released" in r.stderr
+    store = relay.open_store(url)
+    rows, snap = ledger_rows(store)
+    assert len(rows) == 1 and rows[0]["steps"] == 10 and snap.state["step"] == 10 and snap.relay["holder"] is None
+    release_commit = json.load(open(store._p("commits", snap.sha + ".json")))  # the file store's records
+    push_commit = json.load(open(store._p("commits", release_commit["parent"] + ".json")))
+    assert push_commit["message"].endswith("steps 0-10 (trainer exited with status 1)")
+    # the next leg resumes from the pushed step
+    r = rl(["run", url, "--steps", "3", "--train-script", fake, "--workdir", tmp_path / "wb"], env)
+    assert r.returncode == 0, r.stderr
+    assert relay.Snapshot(store).state["step"] == 13
 
 
 def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
