@@ -13,6 +13,8 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   help; stop with a report naming the cause. storage unreachable (5), from the trainer or while re-fetching a
   shard: retry with backoff (unreachable_backoff_s x 2, 4, 8, at most 60 s), then stop.
 - hang (8), a signal (OOM kill), anything else: restart.
+- stop_after_steps / stop_after_hours (a relay leg, a rented GPU's hours) hold across restarts: a restart gets
+  what is left of them (from this invocation's first start), and none is made once they are used up.
 - Field report this answers: systemd restarted onto the same bad page 13 times while the log looked healthy;
   the only true signal was that the newest checkpoint stopped advancing. So: when max_stuck_starts (3)
   consecutive starts produced no new checkpoint, run `on_stuck` (e.g. remount / re-sync the data), re-verify
@@ -71,6 +73,7 @@ class Guardian:
         self.log["status"] = "running"
         self.child = None
         self.stopping = False
+        self.n_started, self.first_step, self.t_first = 0, None, None  # this invocation's first start
 
     def save(self):
         checkpoint.write_atomic_text(self.path, json.dumps(self.log, indent=1))
@@ -140,8 +143,23 @@ class Guardian:
                     return False
         return bool(cmd) or fixed > 0
 
-    def child_argv(self):
+    def leg_left(self):
+        """What is left of stop_after_steps / stop_after_hours, counted from this invocation's first start: train.py
+        counts both from its own start, so a restart with the same arguments would begin them again (a 6-hour leg
+        that crashed at hour 5 would run 11 on a rented GPU). {key: remaining} for the keys set; <= 0: the leg is done
+        (steps by the newest checkpoint, so steps lost in a crash are trained again)."""
+        left = {}
+        if self.cfg["stop_after_steps"] >= 0:
+            done = (latest_step(self.out) or 0) - (self.first_step or 0)
+            left["stop_after_steps"] = self.cfg["stop_after_steps"] - done
+        if self.cfg["stop_after_hours"] >= 0:
+            left["stop_after_hours"] = self.cfg["stop_after_hours"] - (time.time() - self.t_first) / 3600
+        return left
+
+    def child_argv(self, left=None):
         args = list(self.argv)
+        for k, v in (left or {}).items():  # after the invocation's own: the later value wins
+            args.append(f"--{k}={v}" if k == "stop_after_steps" else f"--{k}={v:.6f}")
         if latest_step(self.out) is not None:
             args.append("--init_from=resume")
         q = sorted(set(self.cfg["quarantine_shards"]) | {x["shard"] for x in self.log["quarantined"]})
@@ -162,11 +180,24 @@ class Guardian:
                 return self.stop(train.EXIT_ERROR, f"gave up after {self.cfg['max_restarts']} restarts")
             before = latest_step(self.out)
             t0 = time.time()
+            left = None
+            if self.n_started == 0:
+                self.first_step, self.t_first = before, t0
+            else:
+                left = self.leg_left()
+                if any(v <= 0 for v in left.values()):  # the leg's steps or hours are used up: nothing to restart
+                    self.log["status"] = "done (the leg's limit was reached before a restart)"
+                    self.save()
+                    self.say(f"the leg's {' / '.join(left)} are used up; not restarting")
+                    return 0
             start = {"started_at": t0, "checkpoint_step_at_start": before}
+            if left:
+                start["leg_left"] = left
             self.log["starts"].append(start)
             self.save()
             self.say(f"start {len(self.log['starts'])} (checkpoint step {before})")
-            self.child = subprocess.Popen(self.child_argv())
+            self.n_started += 1
+            self.child = subprocess.Popen(self.child_argv(left))
             rc = self.child.wait()
             after = latest_step(self.out)
             rep_name, rep = newest_crash_report(self.out, t0)

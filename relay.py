@@ -33,7 +33,8 @@ looks for its own write_id before retrying, so a commit that landed is never mad
 commit. The trainer runs in its own session: Ctrl-C (SIGINT) or SIGTERM to relay ends the leg cleanly (trainer
 checkpoints, push, release); if relay itself dies, the kernel SIGTERMs the trainer (PR_SET_PDEATHSIG).
 Exit status: 0 done, 2 usage, 3 error (one line, nothing overwritten), 4 lease lost (local checkpoint kept). A
-trainer that fails after checkpointing gets its newest checkpoint pushed (verified as any push) before exit 3.
+trainer that fails after checkpointing gets its newest checkpoint pushed (verified as any push) before exit 3;
+`run --supervise` trains under the guardian instead, which restarts it within the leg's steps / hours.
 
 Implementer's calls: the repo holds only the latest checkpoint (older ones stay in git history); each leg trains
 in its own local folder WORKDIR/leg-NNNN-genG/ (default WORKDIR ./relay-work/<store name>), so a fenced leg's
@@ -485,7 +486,7 @@ def train_command(args, config_path, run_dir):
         cmd.append(f"--stop_after_steps={args.steps}")
     if args.hours is not None:
         cmd.append(f"--stop_after_hours={args.hours}")
-    return cmd + args.overrides
+    return cmd + args.overrides + (["--supervise"] if args.supervise else [])
 
 
 def prepare_leg(store, lease, workdir):
@@ -1034,6 +1035,8 @@ def build_parser():
             sp.add_argument("--steps", type=int, default=None, help="train this many optimizer steps")
             sp.add_argument("--hours", type=float, default=None, help="train this many hours (wall clock)")
             sp.add_argument("--wait", action="store_true", help="if the baton is taken, wait for it")
+            sp.add_argument("--supervise", action="store_true", help="train under the guardian (train.py --supervise): "
+                            "a crashed trainer restarts from its newest checkpoint, within the leg's --steps / --hours")
             sp.add_argument("--poll", type=float, default=60.0, help="seconds between tries with --wait")
         if name == "init":
             sp.add_argument("config", nargs="?", default=None, help="train.py config file (config/*.py)")

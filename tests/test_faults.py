@@ -239,6 +239,48 @@ def test_twenty_random_sigkills_end_bitwise_equal(data_root, tmp_path):
         assert torch.equal(ta, tb), n
 
 
+def test_a_restart_keeps_what_is_left_of_the_legs_steps(data_root, tmp_path):
+    """--stop_after_steps under the guardian: train.py counts it from its own start, so a restart after a crash gets
+    what is left of it (a relay leg, a rented GPU's hours), not the whole again."""
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                          "--max_iters=1000", "--warmup_iters=2", "--eval_interval=1000", "--ckpt_interval=2",
+                          "--stop_after_steps=40", "--supervise"], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while (checkpoint.latest_valid(out) is None or int(os.path.basename(checkpoint.latest_valid(out)).split("_")[1]) < 4):
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.02)
+    children = open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
+    assert len(children) == 1
+    os.kill(int(children[0]), signal.SIGKILL)  # the trainer, as the OOM killer would; the guardian restarts it
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    g = json.load(open(os.path.join(out, "guardian.json")))
+    assert [s_["cause"] for s_ in g["starts"]] == ["killed by signal 9", "ok"]
+    at_restart = g["starts"][1]["checkpoint_step_at_start"]
+    assert 4 <= at_restart < 40 and g["starts"][1]["leg_left"] == {"stop_after_steps": 40 - at_restart}
+    assert json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"] == 40
+
+
+def test_a_restart_gets_what_is_left_of_the_legs_hours(tmp_path):
+    import guardian
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--stop_after_hours=1"])
+    g.n_started, g.t_first = 1, time.time() - 1800  # a first start half an hour ago
+    left = g.leg_left()
+    assert abs(left["stop_after_hours"] - 0.5) < 0.01
+    argv = g.child_argv(left)
+    assert argv.index("--stop_after_hours=1") < argv.index(f"--stop_after_hours={left['stop_after_hours']:.6f}")
+    g.t_first = time.time() - 3601  # used up: no restart, a clean end
+    signal_before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert g.run() == 0
+    finally:
+        signal.signal(signal.SIGTERM, signal_before)
+    log = json.load(open(tmp_path / "run" / "guardian.json"))
+    assert log["starts"] == [] and log["status"].startswith("done")
+
+
 def test_mirror_keeps_logs_and_newest_checkpoint_elsewhere(data_root, tmp_path):
     out, mirror = str(tmp_path / "run"), str(tmp_path / "mirror")
     r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1",

@@ -565,8 +565,9 @@ def test_trainer_crash_after_checkpoints_pushes_the_newest(tmp_path, hub, rl):
 
 
 def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
-    """The real train.py under relay: init writes the step-0 checkpoint, a decay request reaches the next leg
-    through control.json, the leg's checkpoint is pushed, pulled, verified and loads with model.load_checkpoint."""
+    """The real train.py under relay (and under the guardian, --supervise): init writes the step-0 checkpoint, a decay
+    request reaches the next leg through control.json, the leg's checkpoint is pushed, pulled, verified and loads
+    with model.load_checkpoint."""
     import sysconfig
     src = os.path.join(sysconfig.get_paths()["stdlib"], "json")
     data = tmp_path / "data"
@@ -583,8 +584,10 @@ def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
     r = rl(["init", url, os.path.join(ROOT, "config", "tiny.py"), *tiny, "--workdir", tmp_path / "w0"])
     assert r.returncode == 0, r.stderr
     assert rl(["decay", url]).returncode == 0
-    r = rl(["run", url, "--steps", "3", "--workdir", tmp_path / "wa", "--device=cpu"])
+    r = rl(["run", url, "--steps", "3", "--workdir", tmp_path / "wa", "--device=cpu", "--supervise"])
     assert r.returncode == 0, r.stderr
+    g = json.load(open(tmp_path / "wa" / "leg-0001-gen1" / "guardian.json"))  # the leg ran under the guardian
+    assert g["status"] == "done" and len(g["starts"]) == 1 and g["starts"][0]["checkpoint_step_at_end"] == 3
     store = relay.open_store(url)
     rows, snap = ledger_rows(store)
     assert [(x["leg"], x["step_range"], x["steps"], x["tokens"]) for x in rows] == [(1, "0-3", 3, 3 * 4 * 32)]
