@@ -19,7 +19,8 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   the only true signal was that the newest checkpoint stopped advancing. So: when max_stuck_starts (3)
   consecutive starts produced no new checkpoint, run `on_stuck` (e.g. remount / re-sync the data), re-verify
   every shard, repair what it finds and go on, or stop with exit 9 and a report.
-SIGTERM to the guardian is passed to the trainer (which checkpoints and exits 0) and ends supervision.
+SIGTERM to the guardian is passed to the trainer (which checkpoints and exits 0) and ends supervision; if the
+guardian itself is killed, Linux sends the trainer SIGTERM (PR_SET_PDEATHSIG).
 """
 
 import json
@@ -38,6 +39,17 @@ EXIT_STUCK = 9
 UNREACHABLE_RETRIES = 3
 NO_RESTART = {1: "error", 2: "config error", train.EXIT_DENIED: "storage denied", train.EXIT_DISK: "out of disk",
               train.EXIT_NONFINITE: "non-finite loss"}
+
+
+def die_with_guardian():
+    """A preexec_fn asking Linux to SIGTERM the trainer when the guardian dies (prctl PR_SET_PDEATHSIG = 1,
+    linux/prctl.h), so a killed guardian leaves no trainer running on unsupervised (it checkpoints and exits);
+    looked up here, in the parent: the child runs no import between fork and exec. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, int(signal.SIGTERM))
 
 
 def latest_step(out_dir):
@@ -197,7 +209,7 @@ class Guardian:
             self.save()
             self.say(f"start {len(self.log['starts'])} (checkpoint step {before})")
             self.n_started += 1
-            self.child = subprocess.Popen(self.child_argv(left))
+            self.child = subprocess.Popen(self.child_argv(left), preexec_fn=die_with_guardian())
             rc = self.child.wait()
             after = latest_step(self.out)
             rep_name, rep = newest_crash_report(self.out, t0)

@@ -263,6 +263,30 @@ def test_a_restart_keeps_what_is_left_of_the_legs_steps(data_root, tmp_path):
     assert json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"] == 40
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                          "--max_iters=100000", "--warmup_iters=2", "--eval_interval=100000", "--ckpt_interval=1000",
+                          "--supervise"], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not os.path.exists(os.path.join(out, "metrics.jsonl")):  # the trainer is training
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.05)
+    trainer = int(open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()[0])
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    try:
+        while os.path.exists(f"/proc/{trainer}") and open(f"/proc/{trainer}/stat").read().split()[2] != "Z":
+            assert time.time() < deadline, "the trainer kept running after its guardian was killed"
+            time.sleep(0.05)
+    except AssertionError:
+        os.kill(trainer, signal.SIGKILL)  # no orphan left behind by a failing test
+        raise
+    step = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"]
+    assert step > 0  # it took the SIGTERM: checkpointed where it was, then exited
+
+
 def test_a_restart_gets_what_is_left_of_the_legs_hours(tmp_path):
     import guardian
     g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--stop_after_hours=1"])
