@@ -398,8 +398,12 @@ class ExpertCache:
     def _finish(self, key):
         fut, prefetch, buf = self.inflight.pop(key)
         t0 = time.perf_counter()
-        for f in fut:
-            f.result()
+        try:
+            for f in fut:
+                f.result()
+        except BaseException:  # a failed read (or Ctrl-C while waiting): the buffer leaves the cache, its views too
+            self.views_of_buf.pop(id(buf), None)
+            raise
         self.read_wait_s += time.perf_counter() - t0  # the decoding thread stalled on the disk (the bench's split)
         self.entries[key] = self._expert_over(buf)  # crc checked by its last reader
         self._touch(key)

@@ -188,6 +188,11 @@ class Guardian:
         signal.signal(signal.SIGTERM, self.on_sigterm)
         no_progress, unreachable_tries, last_data_fault = [], 0, None
         while True:
+            if self.stopping:  # a SIGTERM while no trainer ran (a backoff, a repair): start none
+                self.log["status"] = "stopped (SIGTERM)"
+                self.save()
+                self.say("stopped by SIGTERM between starts")
+                return 0
             if len(self.log["starts"]) >= self.cfg["max_restarts"] + 1:
                 return self.stop(train.EXIT_ERROR, f"gave up after {self.cfg['max_restarts']} restarts")
             before = latest_step(self.out)
@@ -210,6 +215,8 @@ class Guardian:
             self.say(f"start {len(self.log['starts'])} (checkpoint step {before})")
             self.n_started += 1
             self.child = subprocess.Popen(self.child_argv(left), preexec_fn=die_with_guardian())
+            if self.stopping:  # the SIGTERM came while it started (on_sigterm saw the previous child)
+                self.child.send_signal(signal.SIGTERM)
             rc = self.child.wait()
             after = latest_step(self.out)
             rep_name, rep = newest_crash_report(self.out, t0)

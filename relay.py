@@ -522,6 +522,15 @@ def pdeathsig_setter():
     return lambda: prctl(1, int(signal.SIGTERM))
 
 
+def release_quietly(store, lease):
+    """Release after a failure that is being reported anyway: says whether it worked."""
+    try:
+        release(store, lease)
+        return "lease released"
+    except RelayError as e:
+        return f"the lease could not be released ({e}; it expires after its ttl)"
+
+
 def cmd_run(args):
     store = open_store(args.store)
     workdir = workdir_for(args)
@@ -593,6 +602,8 @@ def cmd_run(args):
                                     usd_per_hour=config_usd_per_hour(cmd[2], args.overrides))
             except RelayError as e:
                 failure = e
+            except OSError as e:  # e.g. the store's disk: the lease must still be released below
+                failure = RelayError(f"push failed: {e}; local files kept in {run_dir}")
     finally:
         for s, h in old_handlers.items():
             signal.signal(s, h)
@@ -601,7 +612,13 @@ def cmd_run(args):
     if rc != 0 and plan is not None:
         # a trainer that failed after checkpointing (an OOM kill, a bad node at hour 5): its newest checkpoint,
         # verified like any push, goes to the store, so the hours before the crash are not lost to the run
-        sha, _ = commit_push(store, lease, plan, run_dir, note=f"trainer exited with status {rc}")
+        try:
+            sha, _ = commit_push(store, lease, plan, run_dir, note=f"trainer exited with status {rc}")
+        except Fenced:
+            raise
+        except RelayError as e:
+            raise RelayError(f"{crashed}; pushing its newest checkpoint failed ({e}); {release_quietly(store, lease)}, "
+                             f"local files kept in {run_dir}")
         release(store, lease)
         raise RelayError(f"{crashed}; its newest checkpoint (step {plan['step']}) was pushed as {sha[:10]} and the "
                          f"lease released; local files kept in {run_dir}")

@@ -287,6 +287,34 @@ def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
     assert step > 0  # it took the SIGTERM: checkpointed where it was, then exited
 
 
+def test_sigterm_between_starts_starts_no_trainer(tmp_path):
+    """A SIGTERM while no trainer runs (the backoff after unreachable storage, a repair) ends supervision: before,
+    the next start ran a whole new trainer (under relay: training on after the lease was gone)."""
+    import threading
+    import guardian
+    import train as train_py
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--unreachable_backoff_s=1"])
+    children = []
+
+    def child_argv(left=None):  # a stand-in trainer: the first exits "storage unreachable", any later one trains
+        children.append(1)
+        code = train_py.EXIT_UNREACHABLE if len(children) == 1 else 0
+        return [sys.executable, "-c", f"import time; time.sleep({0.2 if code else 30}); raise SystemExit({code})"]
+    g.child_argv = child_argv
+    signal_before = signal.getsignal(signal.SIGTERM)
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))  # during the 2 s backoff
+    try:
+        timer.start()
+        t0 = time.time()
+        assert g.run() == 0
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, signal_before)
+    log = json.load(open(tmp_path / "run" / "guardian.json"))
+    assert len(children) == 1 and len(log["starts"]) == 1 and log["status"] == "stopped (SIGTERM)"
+    assert time.time() - t0 < 10
+
+
 def test_a_restart_gets_what_is_left_of_the_legs_hours(tmp_path):
     import guardian
     g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--stop_after_hours=1"])

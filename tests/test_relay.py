@@ -564,6 +564,22 @@ def test_trainer_crash_after_checkpoints_pushes_the_newest(tmp_path, hub, rl):
     assert relay.Snapshot(store).state["step"] == 13
 
 
+def test_trainer_crash_whose_push_fails_still_releases(tmp_path, hub, rl, monkeypatch):
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+
+    def refused(*a, **k):
+        raise relay.StoreError("the store refused the commit (a test)")
+    monkeypatch.setattr(relay, "commit_push", refused)
+    r = rl(["run", url, "--steps", "20", "--train-script", fake, "--workdir", tmp_path / "wa"],
+           dict(env, FAKE_CKPT_EVERY="5", FAKE_CRASH_AT_STEP="12"))
+    assert r.returncode == 3 and "trainer exited with status 1" in r.stderr, r.stderr
+    assert "pushing its newest checkpoint failed (the store refused" in r.stderr and "lease released" in r.stderr
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert rows == [] and snap.relay["holder"] is None and snap.state["step"] == 0  # released, nothing half-pushed
+
+
 def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
     """The real train.py under relay (and under the guardian, --supervise): init writes the step-0 checkpoint, a decay
     request reaches the next leg through control.json, the leg's checkpoint is pushed, pulled, verified and loads

@@ -223,6 +223,33 @@ def test_a_buffers_views_serve_its_next_blobs_unless_held(tiny):
     assert not cache.views_of_buf and torch.equal(e7(x), fresh((1, 7)))
 
 
+def test_a_failed_read_takes_its_buffers_views_along(tiny, tmp_path):
+    """A read that fails (a bad blob, Ctrl-C while waiting) drops its buffer from the cache: its views must not
+    keep it alive outside the budget's count (one 3.5 MB buffer per failure, for the rest of a chat session)."""
+    import shutil
+    m, path = tiny
+    cont = C.load_container(path)
+    flip = tmp_path / "flip.pcf4"
+    shutil.copy(path, flip)
+    with open(flip, "r+b") as f:  # layer 1's experts 2..7 are corrupt
+        for e in range(2, 8):
+            off = cont.header["experts"]["1"][e]["offset"] + 100
+            f.seek(off)
+            byte = f.read(1)[0]
+            f.seek(off)
+            f.write(bytes([byte ^ 0x01]))
+    eng = S.load(str(flip), prefetch=False, preload=False)
+    cache = eng.cache
+    cache.budget = 2 * cache.nbytes
+    cache.get((1, 0), set())
+    cache.get((1, 1), set())
+    for e in range(2, 8):  # each evicts a good expert and reads into its recycled buffer, then fails
+        with pytest.raises(C.ContainerError, match=f"layer 1 expert {e}"):
+            cache.get((1, e), set())
+    assert len(cache.views_of_buf) * cache.nbytes <= cache.used <= cache.budget
+    assert cache.get((2, 0), set()) is not None and cache.used <= cache.budget  # and the cache still works
+
+
 def cache_bytes_at(ptr, n):
     """n bytes at address ptr (memory a test knows is still mapped)."""
     import ctypes
