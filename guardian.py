@@ -172,8 +172,8 @@ class Guardian:
         args = list(self.argv)
         for k, v in (left or {}).items():  # after the invocation's own: the later value wins
             args.append(f"--{k}={v}" if k == "stop_after_steps" else f"--{k}={v:.6f}")
-        if latest_step(self.out) is not None:
-            args.append("--init_from=resume")
+        if latest_step(self.out) is not None:  # the run's own newest checkpoint, not a resume_from given at first
+            args += ["--init_from=resume", "--resume_from="]
         q = sorted(set(self.cfg["quarantine_shards"]) | {x["shard"] for x in self.log["quarantined"]})
         if q:
             args.append(f"--quarantine_shards={q!r}")
@@ -200,6 +200,8 @@ class Guardian:
             left = None
             if self.n_started == 0:
                 self.first_step, self.t_first = before, t0
+                if before is None and self.cfg["init_from"] == "resume" and self.cfg["resume_from"]:
+                    self.first_step = train.read_json(os.path.join(self.cfg["resume_from"], "state.json"), {}).get("step")
             else:
                 left = self.leg_left()
                 if any(v <= 0 for v in left.values()):  # the leg's steps or hours are used up: nothing to restart

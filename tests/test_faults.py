@@ -287,6 +287,31 @@ def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
     assert step > 0  # it took the SIGTERM: checkpointed where it was, then exited
 
 
+def test_a_restart_of_a_run_begun_from_resume_from_resumes_its_own_newest(data_root, tmp_path):
+    """A supervised run started with --resume_from (a checkpoint elsewhere): a restart resumes the run's own newest
+    checkpoint, not that first one again, and the leg's steps count from the step it began at."""
+    common = [f"--data_root={data_root}", "--max_iters=1000", "--warmup_iters=2", "--eval_interval=1000",
+              "--ckpt_interval=2"]
+    first = str(tmp_path / "first")
+    assert train(common + [f"--out_dir={first}", "--stop_after_steps=4"]).returncode == 0
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, *common, f"--out_dir={out}", "--init_from=resume",
+                          f"--resume_from={checkpoint.latest_valid(first)}", "--stop_after_steps=30", "--supervise"],
+                         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while (checkpoint.latest_valid(out) is None or int(os.path.basename(checkpoint.latest_valid(out)).split("_")[1]) < 8):
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.02)
+    os.kill(int(open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()[0]), signal.SIGKILL)
+    err, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    g = json.load(open(os.path.join(out, "guardian.json")))
+    at_restart = g["starts"][1]["checkpoint_step_at_start"]
+    assert at_restart >= 8 and g["starts"][1]["leg_left"] == {"stop_after_steps": 34 - at_restart}
+    assert f"resuming from {os.path.join(out, 'step_')}" in err  # its own checkpoint, not first/step_0000004
+    assert json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"] == 34
+
+
 def test_sigterm_between_starts_starts_no_trainer(tmp_path):
     """A SIGTERM while no trainer runs (the backoff after unreachable storage, a repair) ends supervision: before,
     the next start ran a whole new trainer (under relay: training on after the lease was gone)."""
