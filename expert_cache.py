@@ -203,9 +203,9 @@ class ExpertCache:
         self.entries = OrderedDict()  # (layer, expert) -> Expert
         self.inflight = {}  # (layer, expert) -> ([Future per part], is_prefetch, buffer)
         self.free_bufs = []  # evicted experts' buffers, for the next read (counted in `used` until reused)
-        # id(buffer) -> [buffer, its tensor views, those tensors, their reference counts held here alone]: a blob's
-        # views are made once per buffer and serve every blob read into it after (decode_expert cost 20-45 us hot,
-        # more after a GEMV, on the critical path of a layer's last miss)
+        # id(buffer) -> [buffer (kept alive, so the id is its own), its tensor views, those tensors, their reference
+        # counts held here alone]: a blob's views are made once per buffer and serve every blob read into it after
+        # (decode_expert cost 20-45 us hot, more after a GEMV, on the critical path of a layer's last miss)
         self.reuse_views = reuse_views
         self.views_of_buf = {}
         # prefetch: guesses are read into their own few buffers (`n_slots`, carved out of the budget), so a wrong
@@ -288,8 +288,8 @@ class ExpertCache:
         stay right whatever blob is read into the buffer)."""
         if not self.reuse_views:
             return self.make_expert(buf, None)
-        rec = self.views_of_buf.get(id(buf))
-        if rec is None or rec[0] is not buf:
+        rec = self.views_of_buf.get(id(buf))  # its record holds buf, so no other buffer has this id meanwhile
+        if rec is None:
             views = self.c.decode_expert(buf)
             rec = self.views_of_buf[id(buf)] = [buf, views, [t for part in views.values() for t in part.values()
                                                              if isinstance(t, torch.Tensor)], None]
@@ -306,8 +306,8 @@ class ExpertCache:
         buf = expert.buf
         refs = [weakref.ref(expert)] + [weakref.ref(t) for t in expert.tensors]
         del expert
-        rec = self.views_of_buf.get(id(buf)) if buf is not None else None
-        if rec is not None and rec[0] is buf:
+        rec = self.views_of_buf.get(id(buf))
+        if rec is not None:
             if self._view_refs(rec) == rec[3]:
                 self.free_bufs.append(buf)
             else:  # someone still holds the expert or a tensor over its buffer: both stay theirs
