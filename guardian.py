@@ -34,22 +34,12 @@ import checkpoint
 import configurator
 import shards
 import train
+from relay import pdeathsig_setter  # the trainer gets SIGTERM when its parent (here the guardian) dies
 
 EXIT_STUCK = 9
 UNREACHABLE_RETRIES = 3
 NO_RESTART = {1: "error", 2: "config error", train.EXIT_DENIED: "storage denied", train.EXIT_DISK: "out of disk",
               train.EXIT_NONFINITE: "non-finite loss"}
-
-
-def die_with_guardian():
-    """A preexec_fn asking Linux to SIGTERM the trainer when the guardian dies (prctl PR_SET_PDEATHSIG = 1,
-    linux/prctl.h), so a killed guardian leaves no trainer running on unsupervised (it checkpoints and exits);
-    looked up here, in the parent: the child runs no import between fork and exec. None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, int(signal.SIGTERM))
 
 
 def latest_step(out_dir):
@@ -216,7 +206,7 @@ class Guardian:
             self.save()
             self.say(f"start {len(self.log['starts'])} (checkpoint step {before})")
             self.n_started += 1
-            self.child = subprocess.Popen(self.child_argv(left), preexec_fn=die_with_guardian())
+            self.child = subprocess.Popen(self.child_argv(left), preexec_fn=pdeathsig_setter())
             if self.stopping:  # the SIGTERM came while it started (on_sigterm saw the previous child)
                 self.child.send_signal(signal.SIGTERM)
             rc = self.child.wait()

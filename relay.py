@@ -513,8 +513,9 @@ def prepare_leg(store, lease, workdir):
 
 
 def pdeathsig_setter():
-    """A preexec_fn asking Linux to SIGTERM the child when relay dies (prctl PR_SET_PDEATHSIG = 1, linux/prctl.h);
-    everything is looked up here, in the parent, so the child runs no import between fork and exec."""
+    """A preexec_fn asking Linux to SIGTERM the child when its parent (relay, or the guardian) dies (prctl
+    PR_SET_PDEATHSIG = 1, linux/prctl.h); everything is looked up here, in the parent, so the child runs no import
+    between fork and exec. None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
