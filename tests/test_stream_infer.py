@@ -226,18 +226,8 @@ def test_a_buffers_views_serve_its_next_blobs_unless_held(tiny):
 def test_a_failed_read_takes_its_buffers_views_along(tiny, tmp_path):
     """A read that fails (a bad blob, Ctrl-C while waiting) drops its buffer from the cache: its views must not
     keep it alive outside the budget's count (one 3.5 MB buffer per failure, for the rest of a chat session)."""
-    import shutil
     m, path = tiny
-    cont = C.load_container(path)
-    flip = tmp_path / "flip.pcf4"
-    shutil.copy(path, flip)
-    with open(flip, "r+b") as f:  # layer 1's experts 2..7 are corrupt
-        for e in range(2, 8):
-            off = cont.header["experts"]["1"][e]["offset"] + 100
-            f.seek(off)
-            byte = f.read(1)[0]
-            f.seek(off)
-            f.write(bytes([byte ^ 0x01]))
+    flip = copy_with_flipped_bits(path, tmp_path, [(1, e, 100, 0x01) for e in range(2, 8)])  # layer 1's 2..7 corrupt
     eng = S.load(str(flip), prefetch=False, preload=False)
     cache = eng.cache
     cache.budget = 2 * cache.nbytes
@@ -248,6 +238,22 @@ def test_a_failed_read_takes_its_buffers_views_along(tiny, tmp_path):
             cache.get((1, e), set())
     assert len(cache.views_of_buf) * cache.nbytes <= cache.used <= cache.budget
     assert cache.get((2, 0), set()) is not None and cache.used <= cache.budget  # and the cache still works
+
+
+def copy_with_flipped_bits(path, tmp_path, flips):
+    """A copy of the container at path with bits flipped: flips = [(layer, expert, byte in its blob, xor mask)]."""
+    import shutil
+    cont = C.load_container(path)
+    flip = tmp_path / "flip.pcf4"
+    shutil.copy(path, flip)
+    with open(flip, "r+b") as f:
+        for layer, e, at, mask in flips:
+            off = cont.header["experts"][str(layer)][e]["offset"] + at
+            f.seek(off)
+            byte = f.read(1)[0]
+            f.seek(off)
+            f.write(bytes([byte ^ mask]))
+    return flip
 
 
 def cache_bytes_at(ptr, n):
@@ -539,14 +545,7 @@ def test_native_reads_land_checked_bytes_and_fail_loudly(tiny, tmp_path):
         for start in (0, 0xDEADBEEF):
             assert ops.crc32(b, start) == zlib.crc32(b.numpy().tobytes(), start), n
     cont = C.load_container(path)
-    flip = tmp_path / "flip.pcf4"
-    shutil.copy(path, flip)
-    off = cont.header["experts"]["2"][5]["offset"] + 777
-    with open(flip, "r+b") as f:
-        f.seek(off)
-        byte = f.read(1)[0]
-        f.seek(off)
-        f.write(bytes([byte ^ 0x10]))
+    flip = copy_with_flipped_bits(path, tmp_path, [(2, 5, 777, 0x10)])
     eng = S.load(str(flip), prefetch=False, preload=False)
     c = eng.cache
     assert c.native_reads
