@@ -155,7 +155,8 @@ class Guardian:
             done = (latest_step(self.out) or 0) - (self.first_step or 0)
             left["stop_after_steps"] = self.cfg["stop_after_steps"] - done
         if self.cfg["stop_after_hours"] >= 0:
-            left["stop_after_hours"] = self.cfg["stop_after_hours"] - (time.time() - self.t_first) / 3600
+            # to the 6 decimals child_argv passes (3.6 ms): a few ms left would otherwise start a trainer for nothing
+            left["stop_after_hours"] = round(self.cfg["stop_after_hours"] - (time.time() - self.t_first) / 3600, 6)
         return left
 
     def child_argv(self, left=None):

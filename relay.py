@@ -519,8 +519,13 @@ def pdeathsig_setter():
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, int(signal.SIGTERM))
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def setter():
+        prctl(1, int(signal.SIGTERM))
+        if os.getppid() != parent:  # the parent died between fork and prctl: no signal will come, so end as if it had
+            os._exit(128 + int(signal.SIGTERM))
+    return setter
 
 
 def release_quietly(store, lease):

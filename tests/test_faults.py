@@ -273,6 +273,28 @@ def test_a_restart_keeps_what_is_left_of_the_legs_steps(data_root, tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_pdeathsig_setter_ends_a_child_whose_parent_is_already_gone():
+    """The parent may die between fork and prctl; then no signal ever comes, so the setter ends the child itself.
+    Here the setter made in this process runs in a grandchild, whose parent is not this process: as if it had died."""
+    import relay
+    setter = relay.pdeathsig_setter()
+    pid = os.fork()
+    if pid == 0:  # child: its parent is this test process, so the setter lets it go on
+        try:
+            setter()
+            inner = os.fork()
+            if inner == 0:
+                setter()  # the grandchild's parent is the child, not the setter's parent: it must end here
+                os._exit(0)
+            _, status = os.waitpid(inner, 0)
+            os._exit(3 if os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM else 4)
+        except BaseException:
+            os._exit(5)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 3
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
     out = str(tmp_path / "run")
     p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
@@ -357,6 +379,8 @@ def test_a_restart_gets_what_is_left_of_the_legs_hours(tmp_path):
     assert abs(left["stop_after_hours"] - 0.5) < 0.01
     argv = g.child_argv(left)
     assert argv.index("--stop_after_hours=1") < argv.index(f"--stop_after_hours={left['stop_after_hours']:.6f}")
+    g.t_first = time.time() - 3599.9995  # less than its printed precision left (--stop_after_hours=0.000000)
+    assert g.leg_left() == {"stop_after_hours": 0.0}  # counts as used up: no trainer started for nothing
     g.t_first = time.time() - 3601  # used up: no restart, a clean end
     signal_before = signal.getsignal(signal.SIGTERM)
     try:
