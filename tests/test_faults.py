@@ -380,7 +380,7 @@ def test_a_restart_gets_what_is_left_of_the_legs_hours(tmp_path):
     argv = g.child_argv(left)
     assert argv.index("--stop_after_hours=1") < argv.index(f"--stop_after_hours={left['stop_after_hours']:.6f}")
     g.t_first = time.time() - 3599.9995  # less than its printed precision left (--stop_after_hours=0.000000)
-    assert g.leg_left() == {"stop_after_hours": 0.0}  # counts as used up: no trainer started for nothing
+    assert -1e-3 < g.leg_left()["stop_after_hours"] <= 0  # counts as used up: no trainer started for nothing
     g.t_first = time.time() - 3601  # used up: no restart, a clean end
     signal_before = signal.getsignal(signal.SIGTERM)
     try:
