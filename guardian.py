@@ -3,8 +3,9 @@ The guardian: keeps a training run alive without looping on the same fault.
 
     python train.py config/nano.py --supervise        (or: python guardian.py config/nano.py ...)
 
-It runs train.py as a child (resuming from the newest valid checkpoint after the first start), restarts it on
-failure, and keeps out_dir/guardian.json: every start, the checkpoint step at its start and end, its exit code
+It runs train.py as a child (resuming the run's newest valid checkpoint whenever out_dir holds one, so the same
+command continues a run; a first start given --init_from=resume --resume_from=CKPT resumes exactly CKPT), restarts
+it on failure, and keeps out_dir/guardian.json: every start, the checkpoint step at its start and end, its exit code
 and cause (train.py's exit codes; its crash-*.json report). What it does per cause:
 - corrupt data (3): re-verify the named shard; re-fetch it from its recorded source if it is corrupt on disk;
   quarantine it (skipped with a loud warning, counted in metrics) if it cannot be re-fetched or the crash
@@ -66,7 +67,7 @@ class Guardian:
     def __init__(self, argv):
         self.argv = argv
         g = {k: getattr(train, k) for k in train._CONFIG_KEYS}
-        configurator.configure(g, argv)
+        configurator.configure(g, train.split_flags(argv)[1])  # --replan, --mirror DIR go to the trainer as given
         self.cfg = g
         self.out = g["out_dir"]
         self.path = os.path.join(self.out, "guardian.json")
@@ -159,11 +160,14 @@ class Guardian:
             left["stop_after_hours"] = round(self.cfg["stop_after_hours"] - (time.time() - self.t_first) / 3600, 6)
         return left
 
-    def child_argv(self, left=None):
+    def child_argv(self, left=None, first=False):
+        """first: this invocation's first start, which honours an explicit --resume_from; every other start resumes
+        the run's own newest checkpoint (after a rollback, the new timeline's: train.py set the later ones aside)."""
         args = list(self.argv)
         for k, v in (left or {}).items():  # after the invocation's own: the later value wins
             args.append(f"--{k}={v}" if k == "stop_after_steps" else f"--{k}={v:.6f}")
-        if latest_step(self.out) is not None:  # the run's own newest checkpoint, not a resume_from given at first
+        explicit = first and self.cfg["init_from"] == "resume" and bool(self.cfg["resume_from"])
+        if latest_step(self.out) is not None and not explicit:
             args += ["--init_from=resume", "--resume_from="]
         q = sorted(set(self.cfg["quarantine_shards"]) | {x["shard"] for x in self.log["quarantined"]})
         if q:
@@ -184,14 +188,14 @@ class Guardian:
                 self.save()
                 self.say("stopped by SIGTERM between starts")
                 return 0
-            if len(self.log["starts"]) >= self.cfg["max_restarts"] + 1:
+            if self.n_started >= self.cfg["max_restarts"] + 1:  # this invocation's: guardian.json keeps every one
                 return self.stop(train.EXIT_ERROR, f"gave up after {self.cfg['max_restarts']} restarts")
             before = latest_step(self.out)
             t0 = time.time()
             left = None
             if self.n_started == 0:
                 self.first_step, self.t_first = before, t0
-                if before is None and self.cfg["init_from"] == "resume" and self.cfg["resume_from"]:
+                if self.cfg["init_from"] == "resume" and self.cfg["resume_from"]:  # the leg starts where it resumes
                     self.first_step = train.read_json(os.path.join(self.cfg["resume_from"], "state.json"), {}).get("step")
             else:
                 left = self.leg_left()
@@ -206,8 +210,9 @@ class Guardian:
             self.log["starts"].append(start)
             self.save()
             self.say(f"start {len(self.log['starts'])} (checkpoint step {before})")
+            argv = self.child_argv(left, first=self.n_started == 0)
             self.n_started += 1
-            self.child = subprocess.Popen(self.child_argv(left), preexec_fn=pdeathsig_setter())
+            self.child = subprocess.Popen(argv, preexec_fn=pdeathsig_setter())
             if self.stopping:  # the SIGTERM came while it started (on_sigterm saw the previous child)
                 self.child.send_signal(signal.SIGTERM)
             rc = self.child.wait()

@@ -430,14 +430,17 @@ def push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0)
 
 class Heartbeat(threading.Thread):
     """Renews the lease every heartbeat_s. On a fenced renewal, or no successful renewal for ttl - margin seconds
-    (monotonic clock), sets `failed` and calls on_fail() (which stops the trainer)."""
+    (monotonic clock), sets `failed` and calls on_fail() (which stops the trainer). Its clock starts at the lease's
+    last renewal (heartbeat_at, written just before that commit), not at this thread's start: a second heartbeat
+    (the trainer's, after the pull's) would otherwise grant itself up to heartbeat_s past the TTL."""
 
     def __init__(self, store, lease, on_fail):
         super().__init__(daemon=True)
         self.store, self.lease, self.on_fail = store, lease, on_fail
         self.stop = threading.Event()
         self.failed = None
-        self.last_ok = time.monotonic()
+        renewed_age = max(0.0, time.time() - float(lease.relay.get("heartbeat_at") or time.time()))
+        self.last_ok = time.monotonic() - renewed_age
         self.deadline_s = lease.ttl_s - max(lease.ttl_s / 5, 0.5)  # stop ourselves before anyone may take over
 
     def fail(self, msg):
@@ -449,7 +452,7 @@ class Heartbeat(threading.Thread):
         return time.monotonic() - self.last_ok > self.deadline_s
 
     def run(self):
-        wait = self.lease.heartbeat_s
+        wait = max(0.0, self.lease.heartbeat_s - (time.monotonic() - self.last_ok))  # the next beat is due then
         while not self.stop.wait(wait):
             if self.overdue():
                 return self.fail(f"lease not renewed for {time.monotonic() - self.last_ok:.0f}s (ttl {self.lease.ttl_s:.0f}s): "

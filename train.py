@@ -16,7 +16,10 @@ stage appended.
 Checkpoints (checkpoint.py): permanent every ckpt_interval steps and at each stage end, a temporary one every
 checkpoint_minutes (replaced by the next), one on SIGTERM (preemption: save, exit 0), the best by val loss
 (pointer file BEST). Retention keeps the last keep_last permanent ones, every stage final, the best, and the
-newest; it never deletes the only valid checkpoint.
+newest; it never deletes the only valid checkpoint. An out_dir that holds checkpoints is continued only by
+--init_from=resume (any other start is refused: its saves would overwrite them). A rollback, --init_from=resume
+--resume_from=OUT/step_N with later steps in OUT, moves those later ones to OUT/abandoned/ first, so neither a later
+resume nor retention mistakes the old timeline for the new one.
 
 Exit codes (one line on stderr each, and a crash-<ms>.json report in out_dir): 0 done / leg done / preempted
 (SIGTERM: checkpoint, then exit), 1 error (bad config, bad checkpoint, missing data), 2 bad config syntax or key,
@@ -145,6 +148,13 @@ def build_plan(cfg, tokens_per_step):
         bad = set(s) - {"name", "mix", "tokens", "steps", "seq_len", "lr_phase"}
         if bad:
             raise TrainError(f"stages[{i}]: unknown keys {sorted(bad)} (allowed: name, mix, tokens, steps, seq_len, lr_phase)")
+        for key in ("tokens", "steps", "seq_len"):  # 2e9 is a float in Python: whole numbers of either type
+            v = s.get(key)
+            if key in s and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v)):
+                raise TrainError(f"stages[{i}]: {key} must be a whole number, got {v!r}")
+        if "mix" in s and not (isinstance(s["mix"], dict) and all(
+                isinstance(c, str) and isinstance(w, (int, float)) and not isinstance(w, bool) for c, w in s["mix"].items())):
+            raise TrainError(f"stages[{i}]: mix must be a dict of corpus name -> weight, got {s['mix']!r}")
         phase = s.get("lr_phase", "stable")
         if phase not in ("warmup", "stable", "decay"):
             raise TrainError(f"stages[{i}]: lr_phase must be warmup, stable or decay, got {phase!r}")
@@ -509,6 +519,9 @@ def print_status(run_dir):
     except checkpoint.CheckpointError as e:
         die(str(e))
     st = read_json(os.path.join(ck, "state.json"), {})
+    if not all(k in st for k in ("plan", "tokens", "step", "config")):
+        die(f"{ck}: no usable state.json (missing or from an older format); pass the run dir, or a step dir that "
+            f"checkpoint verification accepts")
     plan, seen = st["plan"], st["tokens"]
     c = st["config"]
     total = plan_tokens(plan)
@@ -535,6 +548,24 @@ def print_status(run_dir):
 
 # -----------------------------------------------------------------------------------------------------------
 
+def split_flags(argv):
+    """train.py's flags that are not config keys, apart (the guardian reads the config the same way):
+    ({"--replan": bool}, the other arguments, --mirror DIR / --mirror=DIR as --mirror_dir=DIR)."""
+    flags, rest, args = {"--replan": False}, [], list(argv)
+    while args:
+        a = args.pop(0)
+        if a in flags:
+            flags[a] = True
+        elif a == "--mirror" or a.startswith("--mirror="):
+            d = a.partition("=")[2] or (args.pop(0) if args else "")
+            if not d:
+                die("usage: --mirror DIR")
+            rest.append(f"--mirror_dir={d}")
+        else:
+            rest.append(a)
+    return flags, rest
+
+
 def main(argv):
     import torch
     import torch.distributed as dist
@@ -545,23 +576,10 @@ def main(argv):
     from safetensors.torch import load_file
 
     g = {k: globals()[k] for k in _CONFIG_KEYS}
-    flags = {"--replan": False}
-    rest = []
-    args = list(argv)
-    while args:
-        a = args.pop(0)
-        if a in ("-h", "--help"):
-            print(configurator.help_text(g, __doc__, "train.py"))
-            return
-        if a in flags:
-            flags[a] = True
-        elif a == "--mirror" or a.startswith("--mirror="):  # --mirror DIR is --mirror_dir=DIR
-            d = a.partition("=")[2] or (args.pop(0) if args else "")
-            if not d:
-                die("usage: --mirror DIR")
-            rest.append(f"--mirror_dir={d}")
-        else:
-            rest.append(a)
+    if any(a in ("-h", "--help") for a in argv):
+        print(configurator.help_text(g, __doc__, "train.py"))
+        return
+    flags, rest = split_flags(argv)
     if rest[:1] == ["--status"] or (rest and rest[0].startswith("--status")):
         run_dir = rest[1] if rest[0] == "--status" and len(rest) > 1 else rest[0].partition("=")[2]
         if not run_dir:
@@ -570,6 +588,12 @@ def main(argv):
     configurator.configure_or_exit(g, rest, "train.py")
     globals().update(g)
     cfg = g
+    for k in ("eval_interval", "log_interval", "ckpt_interval"):
+        if cfg[k] < 1:
+            die(f"--{k}={cfg[k]}: must be at least 1 (a large value means rarely)")
+    if not cfg["stages"] and cfg["warmup_iters"] + int(cfg["decay_frac"] * cfg["max_iters"]) > cfg["max_iters"]:
+        die(f"max_iters={cfg['max_iters']} is shorter than warmup_iters={cfg['warmup_iters']} plus the decay "
+            f"({cfg['decay_frac']} x max_iters); lower --warmup_iters or raise --max_iters")
 
     # --- processes and device -----------------------------------------------------------------------------
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -600,6 +624,10 @@ def main(argv):
     # --- state: scratch | resume | grow -------------------------------------------------------------------
     state, sd, opt_sd, layer_origin = None, None, None, None
     mcfg = model_config_from(cfg)
+    existing = checkpoint.list_checkpoints(out)
+    if cfg["init_from"] != "resume" and existing:  # its saves would overwrite that run's steps, and retention the rest
+        raise TrainError(f"{out} already holds a run's checkpoints (newest {os.path.basename(existing[-1][1])}); "
+                         f"continue it with --init_from=resume, or pass another --out_dir")
     if cfg["init_from"] == "resume":
         if cfg["resume_from"]:
             ck = cfg["resume_from"]
@@ -619,6 +647,16 @@ def main(argv):
             opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
         layer_origin = state["layer_origin"]
         log(f"resuming from {ck} at step {state['step']}, {state['tokens']:,} tokens")
+        later = [p for s_, p in existing if s_ > state["step"]]
+        if cfg["resume_from"] and later and master:  # a rollback: later steps are another timeline, kept aside
+            aside = os.path.join(out, "abandoned", f"after_step_{state['step']:07d}_{time.strftime('%Y%m%d-%H%M%S')}")
+            os.makedirs(aside, exist_ok=True)
+            for p in later:
+                os.replace(p, os.path.join(aside, os.path.basename(p)))
+            if os.path.realpath(os.path.dirname(os.path.abspath(ck))) == os.path.realpath(out):
+                checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(os.path.normpath(ck)) + "\n")
+            log(f"WARNING: resuming an earlier step: moved {len(later)} later checkpoint(s) of {out} to {aside}, "
+                f"so they are neither resumed nor pruned")
     elif cfg["init_from"] == "grow":
         if not cfg["grow_from"] or cfg["grow_layers"] <= 0:
             raise TrainError("init_from=grow needs grow_from=CHECKPOINT and grow_layers > 0")

@@ -343,6 +343,36 @@ def test_a_restart_of_a_run_begun_from_resume_from_resumes_its_own_newest(data_r
     assert json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"] == 34
 
 
+def test_a_supervised_rollback_resumes_the_step_it_names(data_root, tmp_path):
+    """`--supervise --init_from=resume --resume_from=RUN/step_2` on a run at step 6: the first start resumes step 2
+    (the guardian had replaced it with the newest), steps 4 and 6 move to RUN/abandoned/ (else a plain resume went
+    back to step 6 and retention pruned the new timeline), --replan and --mirror DIR pass through the guardian, and
+    max_restarts counts this invocation's starts only (the second invocation with max_restarts=0 used to give up)."""
+    out, mirror = str(tmp_path / "run"), str(tmp_path / "mirror")
+    common = [*TINY, f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=40", "--warmup_iters=2",
+              "--eval_interval=100", "--ckpt_interval=2", "--keep_last=10"]
+
+    def supervised(extra):
+        return subprocess.run([sys.executable, "train.py", *common, "--max_restarts=0", *extra, "--supervise"],
+                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    r = supervised(["--stop_after_steps=6"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = lambda: [s_ for s_, _ in checkpoint.list_checkpoints(out)]  # noqa: E731
+    assert steps() == [2, 4, 6]
+    r = supervised(["--init_from=resume", f"--resume_from={os.path.join(out, 'step_0000002')}", "--stop_after_steps=1",
+                    "--replan", "--mirror", mirror])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resuming from {os.path.join(out, 'step_0000002')} at step 2" in r.stdout
+    assert steps() == [2, 3] and open(os.path.join(out, "LATEST")).read().strip() == "step_0000003"
+    aside = [os.path.join(dp, d) for dp, ds, _ in os.walk(os.path.join(out, "abandoned")) for d in ds if d.startswith("step_")]
+    assert sorted(os.path.basename(p) for p in aside) == ["step_0000004", "step_0000006"]
+    assert all(checkpoint.is_valid(p) for p in aside)  # kept whole, only set aside
+    assert os.path.exists(os.path.join(mirror, "metrics.jsonl"))
+    r = train(common[len(TINY):] + ["--init_from=resume", "--stop_after_steps=1"])
+    assert r.returncode == 0 and f"resuming from {os.path.join(out, 'step_0000003')}" in r.stdout, r.stderr[-2000:]
+    assert steps() == [2, 3, 4]
+
+
 def test_sigterm_between_starts_starts_no_trainer(tmp_path):
     """A SIGTERM while no trainer runs (the backoff after unreachable storage, a repair) ends supervision: before,
     the next start ran a whole new trainer (under relay: training on after the lease was gone)."""
@@ -352,7 +382,7 @@ def test_sigterm_between_starts_starts_no_trainer(tmp_path):
     g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--unreachable_backoff_s=1"])
     children = []
 
-    def child_argv(left=None):  # a stand-in trainer: the first exits "storage unreachable", any later one trains
+    def child_argv(left=None, first=False):  # a stand-in trainer: the first exits "storage unreachable", any later one trains
         children.append(1)
         code = train_py.EXIT_UNREACHABLE if len(children) == 1 else 0
         return [sys.executable, "-c", f"import time; time.sleep({0.2 if code else 30}); raise SystemExit({code})"]

@@ -233,6 +233,40 @@ def test_stale_holder_is_fenced(kind, tmp_path, hub, request):
     assert [(r["leg"], r["who"]) for r in rows] == [(1, "bob")] and snap.state["step"] == 2
 
 
+def test_a_second_heartbeat_counts_from_the_last_renewal(tmp_path, hub):
+    """relay run beats once while pulling and again while training: the trainer's heartbeat must give up by the
+    lease's last successful renewal, not by its own start, or its holder trains on after someone else claims."""
+    url = store_url("file", tmp_path, hub)
+    init_run(url, tmp_path, env_for("file", tmp_path, hub))
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=3.0, heartbeat=1.0)
+    pull = relay.Heartbeat(store, lease, lambda: None)
+    pull.start()
+    time.sleep(1.95)  # the pull's heartbeat renewed once, at ~1 s
+    pull.stop.set()
+    pull.join()
+
+    def unreachable(*a, **k):
+        raise relay.StoreError("injected: the store is unreachable for writes")
+    commit = store.commit
+    store.commit = unreachable  # from now on every renewal fails
+    trainer = relay.Heartbeat(store, lease, lambda: None)
+    trainer.start()
+    other, claimed_while_training = relay.open_store(url), False
+    t0 = time.monotonic()
+    while not trainer.overdue() and time.monotonic() - t0 < 6:
+        try:
+            relay.claim(other, str(tmp_path / "wb"), "bob", ttl=3.0, heartbeat=1.0)
+            claimed_while_training = True
+            break
+        except relay.Busy:
+            time.sleep(0.02)
+    trainer.stop.set()
+    trainer.join()
+    store.commit = commit
+    assert trainer.overdue() and not claimed_while_training  # alice stopped before bob could take the baton
+
+
 def start_run(url, tmp_path, env, workdir, fake, steps, ttl, hb):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "relay.py"), "run", url, "--steps", str(steps),
                              "--train-script", fake, "--workdir", str(workdir), "--ttl", str(ttl), "--heartbeat", str(hb)],

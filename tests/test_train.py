@@ -165,7 +165,8 @@ def test_start_decay_on_demand(data_root, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
-                                  "too_big"])
+                                  "too_big", "zero_interval", "warmup_past_the_end", "stage_tokens_text",
+                                  "stage_mix_text", "scratch_over_a_run", "status_of_a_damaged_step"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -181,6 +182,22 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         args = args + ["--batch_size=many"]
     elif case == "too_big":  # the memory plan refuses before allocating anything
         args = args + ["--batch_size=1000000"]
+    elif case == "zero_interval":
+        args = args + ["--eval_interval=0"]
+    elif case == "warmup_past_the_end":  # was: trained all 30 warmup steps of a 4-step run
+        args = args + ["--warmup_iters=30"]
+    elif case in ("stage_tokens_text", "stage_mix_text"):
+        plan = tmp_path / "plan.py"
+        plan.write_text('stages = [dict(name="a", tokens="2e3")]\n' if case == "stage_tokens_text" else
+                        'stages = [dict(name="a", steps=4, mix={"local": "1"})]\n')
+        args = args + [str(plan)]
+    elif case == "scratch_over_a_run":  # the same command again after a crash, without --init_from=resume
+        run(args + ["--stop_after_steps=2", "--ckpt_interval=1"])
+        before = {n: open(os.path.join(out, n, "state.json")).read() for n in os.listdir(out) if n.startswith("step_")}
+    elif case == "status_of_a_damaged_step":
+        run(args + ["--stop_after_steps=2"])
+        os.remove(os.path.join(out, "step_0000002", "state.json"))
+        args = ["--status", os.path.join(out, "step_0000002")]
     elif case == "corrupt_checkpoint":
         run(args + ["--stop_after_steps=2"])
         for name in os.listdir(out):  # every checkpoint corrupt (resume skips a bad newest one for an older valid one)
@@ -201,6 +218,13 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         assert "prepare.py" in err[0]
     if case == "too_big":
         assert "memory plan" in err[0] and "lower batch_size" in err[0]
+    if case == "scratch_over_a_run":  # refused before anything was written: every checkpoint as it was
+        assert "--init_from=resume" in err[0]
+        assert before and before == {n: open(os.path.join(out, n, "state.json")).read() for n in os.listdir(out)
+                                     if n.startswith("step_")}
+    expect = {"zero_interval": "--eval_interval=0", "warmup_past_the_end": "warmup_iters=30",
+              "stage_tokens_text": "whole number", "stage_mix_text": "mix must be", "status_of_a_damaged_step": "state.json"}
+    assert expect.get(case, "") in err[0]
 
 
 @pytest.mark.parametrize("path", sorted(f"config/{n}" for n in os.listdir(os.path.join(REPO, "config")) if n.endswith(".py")))
