@@ -9,7 +9,7 @@ Written and read here only (export.py --format int4 and stream_infer.py import t
 File layout (all integers little-endian):
     0   8 bytes  magic b"PCFLINT4"
     8   uint32   format version (1)
-    12  uint32   reserved (0)
+    12  uint32   crc32 (zlib) of the H header bytes below (0 in containers written before it: not checked)
     16  uint64   H = length of the JSON header in bytes (space-padded)
     24  H bytes  JSON header: format, version, model_config, tokenizer_json (the checkpoint's tokenizer.json
                  text or null), random_weights, quant settings, `tensors` (resident tensors: name -> kind,
@@ -71,7 +71,7 @@ MAGIC = b"PCFLINT4"
 VERSION = 1
 ALIGN = 4096
 PART_ALIGN = 64
-PREFIX = struct.Struct("<8sIIQ")  # magic, version, reserved, header length
+PREFIX = struct.Struct("<8sIIQ")  # magic, version, header crc32 (was reserved: 0 = unchecked), header length
 ROW_BLOCK = 32  # output rows per block of the CPU int4 kernel's packed layout
 DEFAULT_GROUP = 64
 
@@ -425,7 +425,7 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
             hb = encode_header(header)
             hb += b" " * (data_start - PREFIX.size - len(hb))
             f.seek(0)
-            f.write(PREFIX.pack(MAGIC, VERSION, 0, len(hb)) + hb)
+            f.write(PREFIX.pack(MAGIC, VERSION, zlib.crc32(hb), len(hb)) + hb)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out_path)
@@ -694,7 +694,7 @@ def load_container(path):
             if len(prefix) < PREFIX.size or prefix[:8] != MAGIC:
                 raise ContainerError(f"{path}: not a picaflor int4 container (wrong magic); "
                                      f"make one with python export.py CKPT --format int4 --out {path}")
-            _, version, _, hlen = PREFIX.unpack(prefix)
+            _, version, header_crc, hlen = PREFIX.unpack(prefix)
             if version != VERSION:
                 raise ContainerError(f"{path}: container format version {version}, this code reads version {VERSION}; "
                                      f"re-export it with this version of export.py")
@@ -707,17 +707,28 @@ def load_container(path):
         raise ContainerError(f"{path}: is a directory, not a container file; pass the .pcf4 file") from None
     except PermissionError:
         raise ContainerError(f"{path}: permission denied") from None
+    if header_crc and zlib.crc32(raw) != header_crc:  # a changed rope_theta would otherwise load and decode wrong
+        raise ContainerError(f"{path}: corrupt container header (its crc32 does not match: changed or damaged); "
+                             f"re-export or re-copy it")
     try:
         header = json.loads(raw)
         cfg = ModelConfig.from_dict(header["model_config"])
         tensors, experts, layout = header["tensors"], header["experts"], header["expert_layout"]
         group = header["quant"]["group_size"]
-    except (ValueError, KeyError, TypeError) as e:
+        spans = [(int(t["offset"]), int(t["nbytes"]), name) for name, t in tensors.items()]
+        spans += [(int(ent["offset"]), int(layout["nbytes"]), f"layer {l} expert {e}") for l, ents in experts.items()
+                  for e, ent in enumerate(ents)]
+        for ents in experts.values():
+            for ent in ents:
+                int(ent["crc32"], 16)
+        shapes = expected_shapes(cfg)
+        bad_shape = next((n for n, t in tensors.items() if n in shapes and list(t["shape"]) != shapes[n]), None)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ContainerError(f"{path}: corrupt container header ({str(e).splitlines()[0][:120]}); re-export it") from None
+    if bad_shape:
+        raise ContainerError(f"{path}: corrupt container header ({bad_shape} has shape {tensors[bad_shape]['shape']}, its "
+                             f"model config says {shapes[bad_shape]}); re-export it")
     data_start = align_up(PREFIX.size + hlen)
-    spans = [(t["offset"], t["nbytes"], name) for name, t in tensors.items()]
-    spans += [(ent["offset"], layout["nbytes"], f"layer {l} expert {e}") for l, ents in experts.items()
-              for e, ent in enumerate(ents)]
     for off, n, what in spans:
         if off % ALIGN or n % ALIGN or off < data_start:
             raise ContainerError(f"{path}: {what} is not 4096-byte aligned (offset {off}, {n} bytes); corrupt header")
@@ -725,7 +736,7 @@ def load_container(path):
     if end > size or header.get("file_bytes", end) > size:
         raise ContainerError(f"{path}: truncated (index needs {max(end, header.get('file_bytes', end))} bytes, "
                              f"file has {size}); re-export or re-copy it")
-    want = set(expected_shapes(cfg))
+    want = set(shapes)
     have = set(tensors) | {f"layers.{l}.mlp.experts.{p}" for l in experts for p in ("gate_up_proj", "down_proj")}
     if want != have:
         missing = sorted(want - have)[:3]

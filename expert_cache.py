@@ -90,7 +90,7 @@ class NativeRead:
 
     def __init__(self, container, key, buf, pool, n_parts, ops, verify=True):
         c = self.c = container
-        self.key, self.buf, self.error, self.waited, self.verify = key, buf, None, False, verify
+        self.key, self.buf, self.error, self.waited, self.verify = key, buf, None, True, verify  # until queued
         self.ops = ops
         if len(buf) < c.expert_nbytes:
             raise ValueError(f"NativeRead: a buffer of {len(buf)} bytes cannot hold a {c.expert_nbytes}-byte blob")
@@ -100,6 +100,7 @@ class NativeRead:
         direct = c.direct_fd if c.direct_fd is not None else -1
         crc = int(ent["crc32"], 16) if self.check else -1
         self.ticket = ticket = next(_NEXT_TICKET)
+        self.waited = False
         _READS_IN_FLIGHT[ticket] = (self.ops, buf, pin)  # before the readers can see it
         try:
             self.ops.blob_read(ticket, pool, direct, c.fd, self.offset, ctypes.addressof(pin), c.expert_nbytes,

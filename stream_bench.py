@@ -8,8 +8,9 @@ stream_bench: stream_infer's honest benchmark (issue 9, items 4 and 6), one budg
 Each budget runs in a child process (stream_infer.py again, PICAFLOR_BENCH_CHILD set) inside a fresh memory
 cgroup limited to the budget, page cache included (v2 memory.max, or v1 memory.limit_in_bytes; we must be root),
 after the container's page cache was dropped (posix_fadvise DONTNEED). Where neither can be done the result says
-so (page_cache_excluded false) and the figures are not disk-bound. The child measures the disk (expert blobs read
-as the cache reads them) and memory bandwidth before loading, decodes, measures the disk again on blobs it never
+so (page_cache_excluded false) and the figures are not disk-bound. The parent measures memory bandwidth (outside
+the cgroup: its buffers would count against the budget and the child's peak RSS); the child measures the disk
+(expert blobs read as the cache reads them) before loading, decodes, measures the disk again on blobs it never
 read (the bound takes the mean, or the rate decode's own reads ran at if higher), and reports: prefill / decode tok/s, p50 / p99 token latency, hit rate, disk bytes per token from
 /proc/self/io (and as counted), peak RSS, and the lower bound 1 / max(disk time, memory time) per token, the disk
 time being the reads decode needed (its misses; with --prefetch its right guesses too, never its wrong ones) at
@@ -107,7 +108,9 @@ def measure_memory_bandwidth(mb=64, reps=5, max_reps=40, max_s=0.5):
 
 def measure_kernels(cont, reps=20):
     """ms per decode GEMV (M=1) of one expert's gate_up (hot in cache): native (int4_cpu.cpp) vs torch's int4pack
-    kernel vs dequantize-then-matmul vs fp32 dense."""
+    kernel vs dequantize-then-matmul vs fp32 dense; None for a model without routed experts."""
+    if not cont.header["experts"]:
+        return None
     dec = cont.decode_expert(cont.read_expert_blob(int(next(iter(cont.header["experts"]))), 0))["gate_up_proj"]
     shape, g = dec["shape"], dec["group_size"]
     x = torch.randn(1, shape[1])
@@ -138,8 +141,8 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     not read; the bound uses their mean (this VM's disk drifted 0.6-2 GB/s between runs minutes apart, and one
     figure taken before a run misjudged it), or the rate decode's own reads ran at when that is higher: blobs
     that earlier runs read came back at 2-4 GB/s here (a cache below the guest), and a bound looser than what
-    was achieved would flatter the result. Memory bandwidth is measured before loading too (mem_bw): its 128 MB
-    of buffers would not fit in the budget's working memory."""
+    was achieved would flatter the result. Memory bandwidth (mem_bw) is measured before loading too, by the
+    parent under --bench: its 128 MB of buffers would not fit in the budget's working memory."""
     cfg, cont = eng.cfg, eng.container
     picked = set(disk_picked)
     disk_before = disk_bw or measure_disk_bandwidth(cont, n_readers=eng.n_readers, picked=picked)
@@ -296,7 +299,10 @@ def bench_in_cgroup(args, argv):
     with tempfile.TemporaryDirectory() as td:
         res_path = os.path.join(td, "result.json")
         argv = [sys.executable, os.path.abspath(S.__file__)] + list(argv)  # the child: stream_infer.py
-        env = dict(os.environ, PICAFLOR_BENCH_CHILD=res_path)
+        # memory bandwidth measured here, outside the cgroup, with the threads decode will use: its two 64 MB
+        # buffers would count against the child's budget and stay in its peak RSS
+        torch.set_num_threads(S.compute_threads(None, args.threads))
+        env = dict(os.environ, PICAFLOR_BENCH_CHILD=res_path, PICAFLOR_BENCH_MEM_BW=repr(measure_memory_bandwidth()))
         procs = os.path.join(cg, "cgroup.procs") if cg else None
 
         def enter_cgroup():
@@ -508,7 +514,7 @@ def bench_child(args, result_path):
     except C.ContainerError as e:
         raise S.StreamError(str(e)) from None
     torch.set_num_threads(S.compute_threads(None, args.threads))  # as decode will run
-    mem_bw = measure_memory_bandwidth()
+    mem_bw = float(os.environ.get("PICAFLOR_BENCH_MEM_BW") or 0) or measure_memory_bandwidth()  # the parent's, see there
     eng = S.load(args.container, args.ram_budget, args.device, kernel=args.kernel, n_readers=args.readers,
                  prefetch=args.prefetch, context=args.context, cache_policy=args.cache_policy,
                  preload=False if args.no_preload else "auto")

@@ -981,6 +981,50 @@ def load_tokenizer(cont):
         os.remove(f.name)
 
 
+def given(argv, flag):
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def check_args(args, argv):
+    """Bad flags as one-line errors before anything is loaded (or a benchmark has run for minutes)."""
+    if args.ram_budget is not None:
+        parse_size(args.ram_budget)
+    if not os.path.exists(args.container):
+        raise StreamError(f"{args.container}: no such file; export one with python export.py CKPT --format int4 --out PATH")
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
+        raise StreamError(f"--threads {args.threads!r}: a positive integer or auto")
+    if args.repeat < 1 or (args.repeat > 1 and not args.sweep):
+        raise StreamError(f"--repeat {args.repeat}: a positive count of runs per budget, for --sweep")
+    if args.readers < 1:
+        raise StreamError(f"--readers {args.readers}: at least 1 expert reader thread")
+    if args.temperature < 0 or not math.isfinite(args.temperature):
+        raise StreamError(f"--temperature {args.temperature}: 0 (greedy) or more")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise StreamError(f"--top-p {args.top_p}: in (0, 1]")
+    if args.max_new_tokens < (2 if args.bench or args.sweep else 0):
+        raise StreamError(f"--max-new-tokens {args.max_new_tokens}: " + ("a benchmark times decode after the first "
+                          "token, so at least 2" if args.bench or args.sweep else "0 or more"))
+    if args.bench_prompt_tokens < 1:
+        raise StreamError(f"--bench-prompt-tokens {args.bench_prompt_tokens}: at least 1")
+    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+        raise StreamError(f"--device {args.device}: no CUDA GPU is visible to this torch ({torch.__version__}); "
+                          f"use --device cpu")
+    if args.kernel == "triton" and not str(args.device).startswith("cuda"):
+        raise StreamError("--kernel triton: Triton kernels run on CUDA (--device cuda); on the CPU use --kernel auto")
+    if args.chat:
+        dropped = [f for f in ("--kernel", "--prefetch", "--cache-policy", "--readers", "--no-preload", "--bench",
+                               "--sweep", "--json") if given(argv, f)]
+        if dropped:
+            raise StreamError(f"--chat does not take {', '.join(dropped)} (chat.py serves with the defaults)")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        where = os.path.dirname(os.path.abspath(path)) if path else None
+        if where and not os.path.isdir(where):
+            try:  # made now, not after a benchmark that ran for minutes
+                os.makedirs(where)
+            except OSError as e:
+                raise StreamError(f"{flag} {path}: cannot make its folder ({e.strerror})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="int4 MoE inference under a RAM budget, routed experts streamed from disk.")
     ap.add_argument("container", help="int4 container (python export.py CKPT --format int4 --out model.pcf4)")
@@ -1020,6 +1064,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     try:
+        check_args(args, argv)
         if args.chat:  # the chat loop, template and turn tokens live in chat.py; this is its int4 entry point
             if not os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.py")):
                 raise StreamError("--chat: needs chat.py (the chat issue), which this checkout lacks")
@@ -1031,15 +1076,9 @@ def main(argv=None):
                     fwd += [flag, str(v)]
             if "--max-new-tokens" in argv or any(a.startswith("--max-new-tokens=") for a in argv):
                 fwd += ["--max-new-tokens", str(args.max_new_tokens)]
+            if args.threads != "auto":
+                fwd += ["--threads", args.threads]
             return chat.main(fwd)
-        if args.ram_budget is not None:
-            parse_size(args.ram_budget)
-        if not os.path.exists(args.container):
-            raise StreamError(f"{args.container}: no such file; export one with python export.py CKPT --format int4 --out PATH")
-        if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
-            raise StreamError(f"--threads {args.threads!r}: a positive integer or auto")
-        if args.repeat < 1 or (args.repeat > 1 and not args.sweep):
-            raise StreamError(f"--repeat {args.repeat}: a positive count of runs per budget, for --sweep")
         if args.bench or args.sweep:  # the honest benchmark lives in stream_bench.py
             import stream_bench
             return stream_bench.main(args, argv)
@@ -1075,7 +1114,8 @@ def main(argv=None):
         dt = time.perf_counter() - t0
         st = eng.cache.stats()
         print()
-        print(f"[{len(out)} tokens in {dt:.2f} s, {len(out) / dt:.2f} tok/s, expert hit rate {st['hit_rate']:.3f}, "
+        hit = f"expert hit rate {st['hit_rate']:.3f}" if st["lookups"] else "no routed experts"
+        print(f"[{len(out)} tokens in {dt:.2f} s, {len(out) / dt:.2f} tok/s, {hit}, "
               f"read {st['bytes_read'] / 1e6:.1f} MB, peak RSS {fmt_size(peak_rss_bytes())}]", file=sys.stderr)
         return 0
     except (StreamError, EC.CacheError, C.ContainerError) as e:
@@ -1084,4 +1124,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.modules.setdefault("stream_infer", sys.modules[__name__])  # stream_bench's `import stream_infer`: this module,
+    sys.exit(main())                                                # so its StreamError is the one main() catches

@@ -192,6 +192,36 @@ def test_corrupt_containers_give_one_line_errors(built, tmp_path):
     assert "no such file" in _one_line_error(lambda: C.load_container(str(tmp_path / "nope.pcf4")))
 
 
+def test_header_edits_are_caught(built, tmp_path):
+    """The header's crc32 (in the prefix's once-reserved field) catches an edit that still parses: rope_theta
+    changed in place loaded and decoded differently, and `--check` said ok. Without the crc (a container written
+    before it: the field is 0) a header that lost a field, has a non-hex crc32 or a wrong shape is still a one-line
+    error, not a KeyError / ValueError / RuntimeError later."""
+    m, ck, out, rep = built
+    data = bytearray(open(out, "rb").read())
+    _, _, crc, hlen = C.PREFIX.unpack(bytes(data[:C.PREFIX.size]))
+    raw = bytes(data[C.PREFIX.size:C.PREFIX.size + hlen])
+    assert crc == C.zlib.crc32(raw) != 0
+
+    def edited(name, old, new, keep_crc=True):
+        h = raw.replace(old, new, 1)
+        assert h != raw and len(h) == len(raw)
+        f = tmp_path / name
+        f.write_bytes(C.PREFIX.pack(C.MAGIC, C.VERSION, crc if keep_crc else 0, hlen) + h + bytes(data[C.PREFIX.size + hlen:]))
+        return str(f)
+    theta = str(m.cfg.rope_theta).encode()
+    rope = edited("rope.pcf4", b'"rope_theta":' + theta, b'"rope_theta":' + theta.replace(b"1", b"9", 1))
+    assert "corrupt container header" in _one_line_error(lambda: C.load_container(rope))
+    # the same edit in a container without a header crc loads: the prefix field 0 means unchecked, as before
+    assert C.load_container(edited("rope0.pcf4", b'"rope_theta":' + theta,
+                                   b'"rope_theta":' + theta.replace(b"1", b"9", 1), keep_crc=False))
+    ent = C.load_container(out).header["experts"]["1"][0]
+    for name, old, new in [("key.pcf4", b'"offset":%d' % ent["offset"], b'"offsex":%d' % ent["offset"]),
+                           ("crc.pcf4", ent["crc32"].encode(), b"zz" + ent["crc32"].encode()[2:])]:
+        msg = _one_line_error(lambda: C.load_container(edited(name, old, new, keep_crc=False)))
+        assert "corrupt container header" in msg
+
+
 def test_expert_blob_checked_once_unless_the_file_changes(built, tmp_path, monkeypatch):
     """A blob's crc32 is computed on its first read only; a re-read is trusted while the open file is unchanged,
     and a file rewritten in place since is a one-line error, not a silently different expert."""

@@ -1004,6 +1004,24 @@ print(json.dumps([rc, rc2, rc3]))
     assert "Traceback" not in r.stderr
 
 
+def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
+    """Flags that used to fail deep inside (a ThreadPoolExecutor, a CUDA assert, a NaN in sampling, a benchmark's
+    StopIteration, a JSON write after minutes of benchmarking) or were dropped silently (--chat's)."""
+    m, path = tiny
+    cases = [(["--readers", "0"], "--readers 0"), (["--temperature", "1", "--top-p", "-1"], "--top-p -1"),
+             (["--temperature", "-1"], "--temperature -1"), (["--kernel", "triton"], "--kernel triton"),
+             (["--device", "cuda"], "--device cuda"), (["--bench", "--max-new-tokens", "1"], "at least 2"),
+             (["--bench", "--bench-prompt-tokens", "0"], "--bench-prompt-tokens 0"),
+             (["--chat", "--kernel", "native", "--no-preload"], "--kernel, --no-preload")]
+    for flags, want in cases:
+        assert S.main([path, "--prompt", "1,2,3", "--max-new-tokens", "2", *flags]) == 1, flags
+        err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+        assert len(err) == 1 and err[0].startswith("error:") and want in err[0], (flags, err)
+    out = tmp_path / "not" / "yet" / "run.json"  # --json's folder is made before anything runs
+    assert S.main([path, "--prompt", "1,2,3", "--max-new-tokens", "2", "--json", str(out)]) == 0
+    assert out.parent.is_dir()
+
+
 def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     """stream_bench.py (= stream_infer.py --bench) runs the measuring child in its own cgroup and writes the JSON
     the issue names; --sweep gives one row per budget (a budget below the resident size is a row with its error,
@@ -1037,6 +1055,12 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--bench", "--repeat", "2"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode != 0 and "--repeat 2: a positive count of runs per budget, for --sweep" in r.stderr
+    # an error raised in stream_bench (which imports stream_infer) is one line when stream_infer.py is the script:
+    # its StreamError was a second copy of the class, which main() did not catch
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--sweep", "3G,abc"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "'abc'" in r.stderr, r.stderr[-2000:]
+    assert res["peak_rss_bytes"] < res["resident_rss_bytes"] + (96 << 20)  # not the 128 MB of the bandwidth copy
 
 
 def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
