@@ -57,6 +57,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 import checkpoint
+import container
 from model import ModelConfig, hf_name, meta_model, to_hf_config
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -123,7 +124,11 @@ class Source:
         import tokenizer as tokmod
         if self.tokenizer_path is None:
             return None
-        return tokmod.Tokenizer.load(self.tokenizer_path)
+        tok = tokmod.Tokenizer.load(self.tokenizer_path)
+        if tok.vocab_size > self.cfg.vocab_size:  # its top ids would index past the embedding in every runtime
+            raise ExportError(f"{self.tokenizer_path}: tokenizer vocab {tok.vocab_size} > model vocab "
+                              f"{self.cfg.vocab_size}; wrong tokenizer for this checkpoint")
+        return tok
 
 
 class ContainerSource:
@@ -400,6 +405,7 @@ def hf_plan(src, dtype):
 
 
 def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=True):
+    check_out(src.dir, out, "hf")
     cfg, dtype = src.cfg, TORCH_DTYPES[dtype_name]
     tok = src.tokenizer()
     limit = parse_size(max_shard_size)
@@ -539,6 +545,7 @@ def gguf_vocab(tok, vocab_size):
 
 def export_gguf(src, out, gguf_type="f16", progress=True):
     import gguf
+    check_out(src.dir, out, "gguf")
     cfg = src.cfg
     tok = src.tokenizer()
     if tok is None:
@@ -634,13 +641,41 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
 # int4 streaming container (format and reader: container.py)
 
 def export_int4(src, out, group_size=None, embed_bits=8, progress=True):
-    import container
+    check_out(src.dir, out, "int4")
     kw = {} if group_size is None else {"group_size": group_size}
     try:
-        report = container.write_container(src.dir, out, embed_bits=embed_bits, progress=progress, **kw)
+        source = container.CheckpointSource(src.dir)
+        src.tokenizer()  # checks it fits the model
+        # the tokenizer the container embeds: --tokenizer when given (it was ignored), else the checkpoint's
+        source.tokenizer_json = open(src.tokenizer_path, encoding="utf-8").read() if src.tokenizer_path else None
+        report = container.write_container(src.dir, out, embed_bits=embed_bits, progress=progress, source=source, **kw)
     except container.ContainerError as e:
         raise ExportError(str(e))
     return {"format": "int4", "out": out, **(report or {})}
+
+
+def is_hf_export(path):
+    """A folder export_hf wrote: a config.json naming HYV3ForCausalLM, and no checkpoint inside."""
+    try:
+        cfg = json.load(open(os.path.join(path, "config.json")))
+        names = os.listdir(path)
+    except (OSError, ValueError):
+        return False
+    return ("HYV3ForCausalLM" in (cfg.get("architectures") or []) and "MANIFEST.json" not in names
+            and not any(n.startswith("step_") for n in names))
+
+
+def check_out(src_dir, out, fmt):
+    """--out never overwrites the source or anything but an earlier export of the same format: `--format hf
+    --out RUN_DIR` used to delete the run, checkpoints and all (a folder is replaced whole)."""
+    o, s = os.path.realpath(out), os.path.realpath(src_dir)
+    if o == s or s.startswith(o.rstrip(os.sep) + os.sep) or o.startswith(s + os.sep):
+        raise ExportError(f"{out}: is, holds or lies inside the source {src_dir}; pass an --out elsewhere")
+    if fmt == "hf" and os.path.exists(out) and not is_hf_export(out):
+        raise ExportError(f"{out}: exists and is not an earlier Hugging Face export (only such a folder is replaced); "
+                          f"pass a new --out, or remove it yourself")
+    if fmt != "hf" and os.path.isdir(out):
+        raise ExportError(f"{out}: is a folder; --format {fmt} writes one file (e.g. --out {os.path.join(out, 'model.' + ('gguf' if fmt == 'gguf' else 'pcf4'))})")
 
 
 def main(argv=None):
@@ -676,7 +711,7 @@ def main(argv=None):
             rep = export_gguf(src, args.out, args.gguf_type, progress)
         else:
             rep = export_int4(src, args.out, args.group_size, args.embed_bits, progress)
-    except (checkpoint.CheckpointError, ExportError) as e:
+    except (checkpoint.CheckpointError, ExportError, container.ContainerError) as e:
         sys.exit(f"error: {e}")
     except ValueError as e:  # tokenizer files and configs report bad input as ValueError, one line
         sys.exit(f"error: {str(e).splitlines()[0]}")

@@ -68,15 +68,20 @@ class StorageError(Exception):
 
 
 def _fix_hint(corpus_dir, file=None):
-    """The command that re-makes this corpus: its own prepare.py, else the script index.json says made it."""
+    """The command that re-makes this corpus: the script index.json says made it with the arguments it recorded
+    (without them it would fail, or make another corpus from the defaults), else its own prepare.py."""
+    import shlex
     corpus_dir = str(corpus_dir)
-    prep = f"python {os.path.join(corpus_dir, 'prepare.py')}"
-    if not os.path.isfile(os.path.join(corpus_dir, "prepare.py")):
-        try:
-            with open(os.path.join(corpus_dir, "index.json")) as f:
-                prep = f"python {json.load(f)['source']['made_by']} --out {corpus_dir}"
-        except (OSError, ValueError, KeyError, TypeError):
-            prep = f"python data/<corpus>/prepare.py --out {corpus_dir}"
+    try:
+        with open(os.path.join(corpus_dir, "index.json")) as f:
+            src = json.load(f)["source"]
+        argv = [str(a) for a in src.get("argv") or []]
+        if "--out" not in argv and not any(a.startswith("--out=") for a in argv):
+            argv += ["--out", corpus_dir]
+        prep = f"python {src['made_by']} " + " ".join(shlex.quote(a) for a in argv)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        here = os.path.join(corpus_dir, "prepare.py")
+        prep = (f"python {here}" if os.path.isfile(here) else f"python data/<corpus>/prepare.py --out {corpus_dir}")
     if file is None:
         return f"run {prep}"
     return f"re-run {prep} or re-fetch the shard (python shards.py refetch {corpus_dir} {file})"
@@ -208,6 +213,16 @@ def remove_old_shards(out_dir):
 
 
 # sources: how each document is read back, shared by prepare scripts and refetch_shard
+
+def parquet_file(path, name, column):
+    """pyarrow's ParquetFile of a downloaded file that has `column` (else DataError naming --column: pyarrow
+    itself reads a missing column as no columns at all, and the failure came later, as an IndexError)."""
+    import pyarrow.parquet as pq
+    pf = pq.ParquetFile(path)
+    if column not in pf.schema_arrow.names:
+        raise DataError(f"{name}: no column {column!r} (it has {', '.join(pf.schema_arrow.names)}); pass --column NAME")
+    return pf
+
 
 def read_document(path):
     """A text file as one document (invalid UTF-8 replaced, so any file reads)."""

@@ -311,6 +311,7 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
         (src / name).write_text(body, encoding="utf-8")
     (src / "ignored.bin").write_bytes(b"\x00\x01")
     (src / "empty.txt").write_text("")
+    os.symlink("user@host.123:456", src / ".#doc1.md")  # an editor's lock file: a dangling link (was a traceback)
     out = tmp_path / "corpus"
     _run(["data/local/prepare.py", "--src", str(src), "--out", str(out), "--vocab-size", "300",
           "--shard-tokens", "300", "--val-percent", "15"])
@@ -335,6 +336,11 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
     assert any(victim in p for p in shards.verify_corpus(out))
     shards.refetch_shard(out, victim)
     assert shards.verify_corpus(out) == []
+    # the fix a DataError offers re-runs prepare.py with the arguments it was run with (not the stdlib defaults)
+    hint = shards._fix_hint(out, victim)
+    assert f"data/local/prepare.py --src {src} --out {out} --vocab-size 300" in hint, hint
+    r = _run(["data/local/prepare.py", "--src", str(src), "--out", str(out), "--threads", "0"], check=False)
+    assert r.returncode != 0 and "--threads 0" in r.stderr and shards.verify_corpus(out) == []  # nothing removed
     # --tokenizer reuses it: same hash, same shards
     out2 = tmp_path / "corpus2"
     _run(["data/local/prepare.py", "--src", str(src), "--out", str(out2), "--tokenizer", str(out / "tokenizer.json"),
@@ -417,6 +423,15 @@ def test_fineweb_prepare_from_fake_hub(tok, tmp_path):
                  env=env, check=False)
         assert r.returncode != 0 and "storage denied" in r.stderr and "Traceback" not in r.stderr
         hub.status_override = None
+        # a mistyped --column, or --threads 0, on an existing corpus: one line, and the corpus is left as it was
+        # (the old shards were removed before the flag was first used, then pyarrow's IndexError)
+        _run(["shards.py", "refetch", str(out), victim], env=env)
+        before = sorted(os.listdir(out))
+        for bad, want in ((["--column", "txt"], "--column"), (["--threads", "0"], "--threads 0")):
+            r = _run(["data/fineweb_edu/prepare.py", "--tokenizer", str(tok_file), "--out", str(out), *bad],
+                     env=env, check=False)
+            assert r.returncode != 0 and want in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+            assert sorted(os.listdir(out)) == before and shards.verify_corpus(out) == []
         # training the tokenizer on the first documents (no --tokenizer)
         r = _run(["data/fineweb_edu/prepare.py", "--vocab-size", "300", "--tokenizer-chars", "3000",
                   "--max-tokens", "1500", "--shard-tokens", "400", "--threads", "2", "--out", str(tmp_path / "fw3")],

@@ -411,3 +411,46 @@ def test_gguf_from_int4_container_matches_the_container(ckpt, tmp_path):
         run_export([pcf, "--format", "hf", "--out", str(tmp_path / "hf")])
     msg = str(e.value.code)
     assert msg.startswith("error:") and pcf in msg and "--format gguf" in msg and "\n" not in msg
+
+
+def test_out_never_replaces_the_source_or_a_foreign_folder(ckpt, tmp_path):
+    """`--format hf` replaces its --out folder whole: given the run dir, or a folder of the user's, or `.`, it
+    deleted it (checkpoints and all). Now only an earlier HF export is replaced; the rest is a one-line error."""
+    import shutil
+    run = str(tmp_path / "run")
+    shutil.copytree(ckpt["run"], run)
+    before = sorted(os.listdir(run))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("important")
+    for out, fmt, want in [(run, "hf", "inside the source"), (str(mine), "hf", "not an earlier Hugging Face export"),
+                           (os.path.join(run, "step_0000007", "x.gguf"), "gguf", "inside the source"),
+                           (str(mine), "int4", "is a folder")]:
+        with pytest.raises(SystemExit) as e:
+            run_export([run, "--format", fmt, "--out", out])
+        assert want in str(e.value) and "\n" not in str(e.value), e.value
+    assert sorted(os.listdir(run)) == before and (mine / "notes.txt").read_text() == "important"
+    hf = str(tmp_path / "hf")
+    run_export([run, "--format", "hf", "--out", hf])
+    run_export([run, "--format", "hf", "--out", hf])  # an earlier export is replaced
+    assert os.path.isfile(os.path.join(hf, "config.json"))
+
+
+def test_tokenizer_flag_reaches_the_int4_container_and_is_checked_for_hf(ckpt, tmp_path):
+    """--tokenizer was ignored by --format int4 (the checkpoint's own was embedded), and --format hf wrote a
+    tokenizer larger than the model's vocab (ids past the embedding: IndexError in transformers)."""
+    import container as C
+    rng = random.Random(1)
+    other = T.train_tokenizer([" ".join(rng.choice(WORDS[::-1]) for _ in range(12)) for _ in range(300)], 400)
+    other_path = str(tmp_path / "other.json")
+    other.save(other_path)
+    out = str(tmp_path / "m.pcf4")
+    run_export([ckpt["run"], "--format", "int4", "--out", out, "--tokenizer", other_path])
+    assert C.load_container(out).tokenizer_json == open(other_path, encoding="utf-8").read()
+    big = T.train_tokenizer([" ".join(rng.choice(WORDS) for _ in range(30)) + str(i) for i in range(3000)], 900)
+    big_path = str(tmp_path / "big.json")
+    big.save(big_path)
+    if big.vocab_size > CFG["vocab_size"]:
+        with pytest.raises(SystemExit) as e:
+            run_export([ckpt["run"], "--format", "hf", "--out", str(tmp_path / "hf"), "--tokenizer", big_path])
+        assert "tokenizer vocab" in str(e.value) and not os.path.exists(tmp_path / "hf")

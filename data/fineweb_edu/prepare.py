@@ -35,12 +35,10 @@ from tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
 def documents(repo, revision, files, column, batch_rows=1024):
     """(parquet file, row number, text) of every non-empty row, file by file, downloading each when reached."""
-    import pyarrow.parquet as pq
-
     for file in files:
         path = shards.hub_download(repo, file, "dataset", revision)
         row = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=[column]):
+        for batch in shards.parquet_file(path, file, column).iter_batches(batch_size=batch_rows, columns=[column]):
             for text in batch.column(0).to_pylist():
                 if text:
                     yield file, row, text
@@ -63,6 +61,8 @@ def main():
     ap.add_argument("--out", default=HERE, help="corpus dir to write (default: this script's folder)")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1)), help="tokenizer threads")
     args = ap.parse_args()
+    if args.threads < 1:
+        ap.error(f"--threads {args.threads}: at least 1")
     try:
         run(args)
     except (shards.StorageError, shards.DataError, ValueError) as e:
@@ -73,6 +73,10 @@ def run(args):
     t0 = time.time()
     revision, files = shards.hub_dataset_files(args.repo, args.revision, args.pattern)
     print(f"{args.repo}@{revision[:12]}: {len(files)} parquet files match {args.pattern}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"{args.out}: exists and is not a folder; pass --out DIR")
+    # --column checked on the first file before anything is written (the old corpus is removed further down)
+    shards.parquet_file(shards.hub_download(args.repo, files[0], "dataset", revision), files[0], args.column)
     os.makedirs(args.out, exist_ok=True)
 
     tok_path = os.path.join(args.out, "tokenizer.json")

@@ -38,9 +38,10 @@ def find_files(root, exts):
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
-        for name in filenames:
-            if name.endswith(exts):
-                found.append(os.path.relpath(os.path.join(dirpath, name), root))
+        for name in filenames:  # dot-files (editor locks, often dangling links) and anything unreadable are skipped
+            path = os.path.join(dirpath, name)
+            if name.endswith(exts) and not name.startswith(".") and os.path.isfile(path) and os.access(path, os.R_OK):
+                found.append(os.path.relpath(path, root))
     return found
 
 
@@ -63,6 +64,10 @@ def main():
     ap.add_argument("--threads", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="tokenizer threads")
     args = ap.parse_args()
     t0 = time.time()
+    if args.threads < 1:  # checked before anything is written: the old corpus is removed further down
+        ap.error(f"--threads {args.threads}: at least 1")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        sys.exit(f"error: {args.out}: exists and is not a folder; pass --out DIR")
 
     if not os.path.isdir(args.src):
         sys.exit(f"error: {args.src}: no such folder; pass --src DIR with .txt/.md/.py files")

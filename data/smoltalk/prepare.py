@@ -81,13 +81,11 @@ def jsonl_conversations(path):
 
 
 def hub_conversations(repo, revision, files, column, limit=None):
-    import pyarrow.parquet as pq
-
     n = 0
     for file in files:
         path = shards.hub_download(repo, file, "dataset", revision)
         row = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[column]):
+        for batch in shards.parquet_file(path, file, column).iter_batches(batch_size=1024, columns=[column]):
             for messages in batch.column(0).to_pylist():
                 if limit is not None and n >= limit:
                     return
@@ -271,6 +269,8 @@ def run(args):
         test_files = [f for f in files if "test" in os.path.basename(f)]
         train_files = [f for f in files if f not in test_files]
         print(f"{args.repo}@{revision[:12]}: train {train_files}, val {test_files or '(held out from train)'}")
+        for f in (train_files + test_files)[:1]:  # --column, before the old corpus is removed below
+            shards.parquet_file(shards.hub_download(args.repo, f, "dataset", revision), f, args.column)
         if test_files:
             val = hub_conversations(args.repo, revision, test_files, args.column, args.val_conversations)
             train = hub_conversations(args.repo, revision, train_files, args.column, args.max_conversations)
