@@ -68,6 +68,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
+import container as C
 import model as picaflor
 
 HARNESS_VERSION = "lm-evaluation-harness v0.4.x task definitions (checked against lm-eval 0.4.13)"
@@ -93,8 +94,13 @@ def hellaswag_pre(text):
 
 
 def mc(context, choices, gold):
-    """Multiple choice: one request (context, " " + choice) per choice (target_delimiter " ")."""
-    return {"requests": [(context, " " + c) for c in choices], "choices": list(choices), "gold": int(gold)}
+    """Multiple choice: one request (context, " " + choice) per choice (target_delimiter " "). A gold outside the
+    choices (PIQA's unlabelled test split has -1 on every row) is an error, not a silent miss."""
+    g = int(gold)
+    if not 0 <= g < len(choices):
+        raise EvalError(f"gold label {gold!r} is outside 0..{len(choices) - 1} (an unlabelled split? use the "
+                        f"task's validation data)")
+    return {"requests": [(context, " " + c) for c in choices], "choices": list(choices), "gold": g}
 
 
 def doc_lambada(d):
@@ -318,6 +324,8 @@ def task_docs(task, lm, args):
     for i, row in enumerate(rows):
         try:
             docs.append(build(row))
+        except EvalError as e:
+            raise EvalError(f"task {task}: example {i}: {e}") from None
         except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
             raise EvalError(f"task {task}: example {i} does not have the dataset's schema ({type(e).__name__}: "
                             f"{e}); the data file must hold the Hub dataset's own fields") from None
@@ -505,6 +513,9 @@ def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False)
                             f"({e})") from None
         tok = load_picaflor_tokenizer(tokenizer_path, ckpt_dir)
         m = picaflor.load_checkpoint(ckpt_dir, device=device, dtype=dtype)
+        if tok.vocab_size > m.cfg.vocab_size:  # its top ids would index past the embedding (an IndexError later)
+            raise EvalError(f"{tokenizer_path or os.path.join(ckpt_dir, 'tokenizer.json')}: tokenizer vocab "
+                            f"{tok.vocab_size} > model vocab {m.cfg.vocab_size}; wrong tokenizer for this checkpoint")
         lm = PicaflorModel(m, tok, spec, device)
         gc_path = os.path.join(ckpt_dir, "generation_config.json")
         if os.path.isfile(gc_path):
@@ -520,13 +531,14 @@ def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False)
 
 
 def load_hf(spec, device, dtype):
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # keep stderr for our own messages
     try:
         tok = AutoTokenizer.from_pretrained(spec)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: a truncated weights file
         raise EvalError(f"{spec}: cannot load as a transformers model ({str(e).splitlines()[0]})") from None
     return HFModel(model, tok, spec, device)
 
@@ -894,8 +906,8 @@ def compare(paths):
         try:
             with open(p) as f:
                 sums.append(json.load(f))
-            sums[-1]["results"]
-        except (OSError, ValueError, KeyError) as e:
+            sums[-1]["results"].items()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise EvalError(f"{p}: not an eval.py summary.json ({type(e).__name__}); pass files written by --out")
     names = [s.get("model", p) for s, p in zip(sums, paths)]
     rows = []
@@ -965,6 +977,15 @@ def evaluate(args):
         raise EvalError(f"unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")
     if args.data_dir and not os.path.isdir(args.data_dir):
         raise EvalError(f"{args.data_dir}: --data-dir is not a directory")
+    if args.limit is not None and args.limit < 1:
+        raise EvalError(f"--limit {args.limit}: a positive number of examples per task (leave it out for all)")
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise EvalError(f"{args.out}: exists and is not a folder; pass --out DIR")
+    if args.passkey_lengths is not None:
+        try:
+            [int(x) for x in args.passkey_lengths.split(",") if x.strip()]
+        except ValueError:
+            raise EvalError(f"--passkey-lengths {args.passkey_lengths!r}: comma-separated token counts, e.g. 4096,8192")
     lm = load_model(args.model, args.device, args.dtype, args.tokenizer, args.int4_engine)
     if any(TASKS[t][0] == "generate_until" for t in tasks):
         warn_shipped_settings(lm)
@@ -985,15 +1006,15 @@ def evaluate(args):
         for name, res in results.items():
             shown = ", ".join(f"{m} {fmt(v)}" for m, v in res.items() if not m.endswith("_stderr") and m != "n")
             print(f"{name}: {shown} (n={res['n']}, {seconds:.1f}s)", flush=True)
-        if args.out:
+        if args.out:  # after every task: a later task's failure (its data, a download, Ctrl-C) loses none of these
             with open(os.path.join(args.out, f"{task}.jsonl"), "w") as f:
                 for i, d in enumerate(docs):
                     f.write(json.dumps(example_record(i, d)) + "\n")
-    if args.out:
-        with open(os.path.join(args.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(f"# {args.model}\n\n" + markdown_table(summary))
+            summary["tasks_done"] = list(summary["seconds"])
+            with open(os.path.join(args.out, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            with open(os.path.join(args.out, "results.md"), "w") as f:
+                f.write(f"# {args.model}\n\n" + markdown_table(summary))
     print(markdown_table(summary))
     return summary
 
@@ -1007,7 +1028,7 @@ def main(argv=None):
         if not args.model:
             raise EvalError("give a MODEL (or --compare SUMMARY.json ...); see --help")
         evaluate(args)
-    except (EvalError, checkpoint.CheckpointError) as e:
+    except (EvalError, checkpoint.CheckpointError, C.ContainerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -264,11 +264,45 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
     bad.mkdir()
     (bad / "piqa.jsonl").write_text('{"goal": "x"}\n')
     cases.append(([model_dir, "--tasks", "piqa", "--data-dir", str(bad)], "does not have the dataset's schema"))
+    unlabelled = tmp_path / "unlabelled"  # PIQA's test split: label -1 on every row (was scored as acc 0.0)
+    unlabelled.mkdir()
+    rows = [json.loads(line) for line in open(os.path.join(data_dir, "piqa.jsonl"))]
+    (unlabelled / "piqa.jsonl").write_text("".join(json.dumps({**r, "label": -1}) + "\n" for r in rows))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    import shutil
+    broken = tmp_path / "broken_hf"  # a transformers dir whose weights file was cut short
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    cases += [([model_dir, "--tasks", "piqa", "--data-dir", str(unlabelled)], "outside 0..1"),
+              ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--limit", "0"], "--limit 0"),
+              ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(afile)], "is not a folder"),
+              ([model_dir, "--tasks", "passkey", "--passkey-lengths", "100,abc"], "--passkey-lengths"),
+              (["--compare", str(listed)], "not an eval.py summary.json"),
+              ([str(broken), "--tasks", "piqa", "--data-dir", data_dir], "cannot load as a transformers model")]
     for argv, msg in cases:
         assert ev.main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and msg in errors[0] and err.endswith(errors[0]) and "Traceback" not in err, err
+
+
+def test_finished_tasks_are_written_when_a_later_one_fails(hf_setup, tmp_path, capsys):
+    """summary.json and results.md were written only after the last task: a missing file, a failed download or
+    Ctrl-C in a later task lost every finished one."""
+    _, model_dir, data_dir, _ = hf_setup
+    only_piqa = tmp_path / "only_piqa"
+    only_piqa.mkdir()
+    (only_piqa / "piqa.jsonl").write_text(open(os.path.join(data_dir, "piqa.jsonl")).read())
+    out = tmp_path / "res"
+    assert ev.main([model_dir, "--tasks", "piqa,arc_easy", "--data-dir", str(only_piqa), "--out", str(out)]) == 2
+    assert "no data file for task arc_easy" in capsys.readouterr().err
+    summary = json.load(open(out / "summary.json"))
+    assert list(summary["results"]) == ["piqa"] and summary["tasks_done"] == ["piqa"]
+    assert "piqa" in (out / "results.md").read_text()
 
 
 def test_compare_marks_noise(tmp_path, capsys):
