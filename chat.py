@@ -63,6 +63,20 @@ def check_messages(messages, need_assistant=False):
         raise ChatFormatError("no assistant turn (nothing to learn)", "no_assistant")
 
 
+def reply_text(tok, ids):
+    """A reply's ids as text. An id the tokenizer maps to no text (reserved 0, the unused ids above its merges that
+    an early or mismatched model can still sample) shows as U+FFFD: decode() raised on it, which lost the reply
+    and left the history without its assistant turn."""
+    out, run = [], []
+    for i in ids:
+        if 0 < i < tok.bos_id:
+            run.append(i)
+        else:
+            out += [tok.decode(run), "\ufffd"]
+            run = []
+    return "".join(out) + tok.decode(run)
+
+
 def render_turn(tok, role, content, body=None):
     """(ids, mask) of one turn: <|role|> content <|end|>; mask 1 on an assistant's content and its <|end|>.
     body: tok.encode(content) when the caller already has it (corpus builders encode in batches)."""
@@ -133,6 +147,9 @@ class Conversation:
     def reset(self):
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.ids = [self.tok.bos_id] + (render_turn(self.tok, "system", self.system)[0] if self.system else [])
+        if len(self.ids) + 16 > self.max_len:  # else every message was refused as "does not fit", blaming it
+            raise ChatError(f"the system prompt ({len(self.ids)} tokens) leaves no room in the context of "
+                            f"{self.max_len} tokens; shorten --system or raise --context")
         self.cache = self.b["new_cache"](self.max_len)
 
     def _feed(self):
@@ -191,7 +208,7 @@ class Conversation:
                     break
                 out.append(t)
                 self.ids.append(t)
-                text_now = self.tok.decode(out)
+                text_now = reply_text(self.tok, out)
                 if on_text and not text_now.endswith("\ufffd"):  # wait for the rest of a multi-byte character
                     on_text(text_now[len(shown):])
                     shown = text_now
@@ -201,7 +218,7 @@ class Conversation:
                 logits = self._feed()
         finally:  # also on Ctrl-C: close the turn as render_conversation would, keep the cache consistent
             self.ids.append(self.tok.special_ids["<|end|>"])
-            answer = self.tok.decode(out)
+            answer = reply_text(self.tok, out)
             self.last_tokens = len(out)
             self.messages.append({"role": "assistant", "content": answer})
             if self.b["after_reply"]:
@@ -450,6 +467,8 @@ def main(argv=None):
                         help="torch threads (default: half the cores)")
         add_sampling_args(ap)
         a = ap.parse_args(argv)
+        if a.context is not None and a.context < 16:
+            raise ChatError(f"--context {a.context}: at least 16 positions (a turn's own tokens need room)")
         import torch
         torch.set_num_threads(max(1, a.threads))
         tok, backend = load_model(a.model, a.ram_budget, a.device, a.experts_per_token, a.context)

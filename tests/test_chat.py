@@ -439,3 +439,29 @@ def test_chat_cli_with_checkpoint(sft_run, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert ">>> pong 1\n>>> pong" in out and out.endswith("bye\n")
     assert chat.main([sft_run + "/nope"]) == 1 and "no such file" in capsys.readouterr().err
+
+
+def test_an_undecodable_sampled_id_keeps_the_reply_and_the_history(tok, sft_run):
+    """A model can sample an id its tokenizer maps to no text (0, the unused ids above the merges: an early
+    checkpoint, a corpus smaller than the vocab). decode() raised on it: the reply was lost, the history got two
+    user turns in a row, and `chat.py pick` died. It shows as U+FFFD now. A system prompt that leaves no room is
+    its own one-line error (every message used to be refused as too long)."""
+    import torch
+    model = load_checkpoint(sft_run)
+    backend = chat.picaflor_backend(model)
+    unused = 0  # reserved: no text (as the unused ids above the merges of a smaller corpus)
+    steps = {"n": 0}
+
+    def forward(ids, cache):  # the real model, but its second answer token is forced to the unused id
+        logits = backend["forward"](ids, cache)
+        steps["n"] += 1
+        if steps["n"] == 2:
+            logits = torch.full_like(logits, -1e9)
+            logits[..., unused] = 0.0
+        return logits
+    conv = chat.Conversation(tok, dict(backend, forward=forward))
+    answer = conv.reply("ping 3", 6)
+    assert "\ufffd" in answer and [m["role"] for m in conv.messages] == ["user", "assistant"]
+    assert conv.reply("ping 5", 8)  # the conversation goes on
+    with pytest.raises(chat.ChatError, match="system prompt"):
+        chat.Conversation(tok, backend, system="be brief " * 100, context=64)
