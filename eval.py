@@ -49,7 +49,8 @@ and recorded in summary.json as ignored.
 
 Outputs (--out DIR): <task>.jsonl per example (requests, per-choice log-likelihoods, prediction, gold, scores),
 summary.json {"results": {task: {metric, metric_stderr, "n"}}, "model", "harness_version", "seed", "dtype",
-"sampling", ...} and results.md (a markdown table). --compare prints several summaries side by side and marks
+"sampling", "tasks_done", ...} and results.md (a markdown table), both rewritten after every task so a failure
+later keeps the finished ones. --compare prints several summaries side by side and marks
 each difference from the first column as within noise (~, |diff| < 2 * sqrt(se_a^2 + se_b^2)) or not (*).
 """
 

@@ -649,10 +649,16 @@ def main(argv):
         log(f"resuming from {ck} at step {state['step']}, {state['tokens']:,} tokens")
         later = [p for s_, p in existing if s_ > state["step"]]
         if cfg["resume_from"] and later and master:  # a rollback: later steps are another timeline, kept aside
-            aside = os.path.join(out, "abandoned", f"after_step_{state['step']:07d}_{time.strftime('%Y%m%d-%H%M%S')}")
+            tag = f"after_step_{state['step']:07d}_{time.strftime('%Y%m%d-%H%M%S')}"
+            aside = os.path.join(out, "abandoned", tag)
             os.makedirs(aside, exist_ok=True)
             for p in later:
                 os.replace(p, os.path.join(aside, os.path.basename(p)))
+            mirrored = [p for s_, p in checkpoint.list_checkpoints(cfg["mirror_dir"]) if s_ > state["step"]] \
+                if cfg["mirror_dir"] else []
+            for p in mirrored:  # the mirror too, or a resume from it would take the old timeline's newest
+                os.makedirs(os.path.join(cfg["mirror_dir"], "abandoned", tag), exist_ok=True)
+                os.replace(p, os.path.join(cfg["mirror_dir"], "abandoned", tag, os.path.basename(p)))
             if os.path.realpath(os.path.dirname(os.path.abspath(ck))) == os.path.realpath(out):
                 checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(os.path.normpath(ck)) + "\n")
             log(f"WARNING: resuming an earlier step: moved {len(later)} later checkpoint(s) of {out} to {aside}, "

@@ -355,10 +355,10 @@ def test_a_supervised_rollback_resumes_the_step_it_names(data_root, tmp_path):
     def supervised(extra):
         return subprocess.run([sys.executable, "train.py", *common, "--max_restarts=0", *extra, "--supervise"],
                               cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    r = supervised(["--stop_after_steps=6"])
+    r = supervised(["--stop_after_steps=6", f"--mirror_dir={mirror}"])
     assert r.returncode == 0, r.stderr[-2000:]
     steps = lambda: [s_ for s_, _ in checkpoint.list_checkpoints(out)]  # noqa: E731
-    assert steps() == [2, 4, 6]
+    assert steps() == [2, 4, 6] == [s_ for s_, _ in checkpoint.list_checkpoints(mirror)]
     r = supervised(["--init_from=resume", f"--resume_from={os.path.join(out, 'step_0000002')}", "--stop_after_steps=1",
                     "--replan", "--mirror", mirror])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -368,6 +368,7 @@ def test_a_supervised_rollback_resumes_the_step_it_names(data_root, tmp_path):
     assert sorted(os.path.basename(p) for p in aside) == ["step_0000004", "step_0000006"]
     assert all(checkpoint.is_valid(p) for p in aside)  # kept whole, only set aside
     assert os.path.exists(os.path.join(mirror, "metrics.jsonl"))
+    assert [s_ for s_, _ in checkpoint.list_checkpoints(mirror)] == [2, 3]  # its steps 4 and 6 set aside too
     r = train(common[len(TINY):] + ["--init_from=resume", "--stop_after_steps=1"])
     assert r.returncode == 0 and f"resuming from {os.path.join(out, 'step_0000003')}" in r.stdout, r.stderr[-2000:]
     assert steps() == [2, 3, 4]
