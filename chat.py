@@ -147,7 +147,7 @@ class Conversation:
     def reset(self):
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.ids = [self.tok.bos_id] + (render_turn(self.tok, "system", self.system)[0] if self.system else [])
-        if len(self.ids) + 16 > self.max_len:  # else every message was refused as "does not fit", blaming it
+        if self.system and len(self.ids) + 16 > self.max_len:  # else every message was refused as too long
             raise ChatError(f"the system prompt ({len(self.ids)} tokens) leaves no room in the context of "
                             f"{self.max_len} tokens; shorten --system or raise --context")
         self.cache = self.b["new_cache"](self.max_len)

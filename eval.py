@@ -984,7 +984,7 @@ def evaluate(args):
         raise EvalError(f"{args.out}: exists and is not a folder; pass --out DIR")
     if args.passkey_lengths is not None:
         try:
-            [int(x) for x in args.passkey_lengths.split(",") if x.strip()]
+            [int(x) for x in args.passkey_lengths.split(",")]  # as passkey_lengths() parses it
         except ValueError:
             raise EvalError(f"--passkey-lengths {args.passkey_lengths!r}: comma-separated token counts, e.g. 4096,8192")
     lm = load_model(args.model, args.device, args.dtype, args.tokenizer, args.int4_engine)

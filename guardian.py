@@ -160,14 +160,21 @@ class Guardian:
             left["stop_after_hours"] = round(self.cfg["stop_after_hours"] - (time.time() - self.t_first) / 3600, 6)
         return left
 
+    def rollback(self):
+        """--init_from=resume --resume_from=a checkpoint of this out_dir: the run goes back to it (train.py sets the
+        later steps aside). A resume_from elsewhere only starts a run: once out_dir holds checkpoints of its own,
+        rerunning the same command continues those."""
+        rf = self.cfg["resume_from"]
+        return (self.cfg["init_from"] == "resume" and bool(rf)
+                and os.path.realpath(os.path.dirname(os.path.abspath(rf.rstrip("/")))) == os.path.realpath(self.out))
+
     def child_argv(self, left=None, first=False):
         """first: this invocation's first start, which honours an explicit --resume_from; every other start resumes
         the run's own newest checkpoint (after a rollback, the new timeline's: train.py set the later ones aside)."""
         args = list(self.argv)
         for k, v in (left or {}).items():  # after the invocation's own: the later value wins
             args.append(f"--{k}={v}" if k == "stop_after_steps" else f"--{k}={v:.6f}")
-        explicit = first and self.cfg["init_from"] == "resume" and bool(self.cfg["resume_from"])
-        if latest_step(self.out) is not None and not explicit:
+        if latest_step(self.out) is not None and not (first and self.rollback()):
             args += ["--init_from=resume", "--resume_from="]
         q = sorted(set(self.cfg["quarantine_shards"]) | {x["shard"] for x in self.log["quarantined"]})
         if q:
@@ -195,7 +202,8 @@ class Guardian:
             left = None
             if self.n_started == 0:
                 self.first_step, self.t_first = before, t0
-                if self.cfg["init_from"] == "resume" and self.cfg["resume_from"]:  # the leg starts where it resumes
+                if self.rollback() or (before is None and self.cfg["init_from"] == "resume" and self.cfg["resume_from"]):
+                    # the leg starts where its first start resumes
                     self.first_step = train.read_json(os.path.join(self.cfg["resume_from"], "state.json"), {}).get("step")
             else:
                 left = self.leg_left()

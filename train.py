@@ -625,8 +625,11 @@ def main(argv):
     state, sd, opt_sd, layer_origin = None, None, None, None
     mcfg = model_config_from(cfg)
     existing = checkpoint.list_checkpoints(out)
-    if cfg["init_from"] != "resume" and existing:  # its saves would overwrite that run's steps, and retention the rest
-        raise TrainError(f"{out} already holds a run's checkpoints (newest {os.path.basename(existing[-1][1])}); "
+    # a start that is not a resume would overwrite that run's steps (and retention the rest); only corrupt ones: go on
+    newest_valid = next((p for _, p in reversed(existing) if checkpoint.is_valid(p)), None) \
+        if cfg["init_from"] != "resume" else None
+    if newest_valid:
+        raise TrainError(f"{out} already holds a run's checkpoints (newest {os.path.basename(newest_valid)}); "
                          f"continue it with --init_from=resume, or pass another --out_dir")
     if cfg["init_from"] == "resume":
         if cfg["resume_from"]:
@@ -661,6 +664,13 @@ def main(argv):
                 os.replace(p, os.path.join(cfg["mirror_dir"], "abandoned", tag, os.path.basename(p)))
             if os.path.realpath(os.path.dirname(os.path.abspath(ck))) == os.path.realpath(out):
                 checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(os.path.normpath(ck)) + "\n")
+            best = os.path.join(out, "BEST")  # it may name a step just set aside: the resumed state's best, else none
+            if os.path.exists(best) and not os.path.isdir(os.path.join(out, open(best).read().strip())):
+                kept = state.get("best_step") is not None and os.path.join(out, f"step_{state['best_step']:07d}")
+                if kept and os.path.isdir(kept):
+                    checkpoint.write_atomic_text(best, os.path.basename(kept) + "\n")
+                else:
+                    os.remove(best)
             log(f"WARNING: resuming an earlier step: moved {len(later)} later checkpoint(s) of {out} to {aside}, "
                 f"so they are neither resumed nor pruned")
     elif cfg["init_from"] == "grow":

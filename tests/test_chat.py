@@ -465,3 +465,4 @@ def test_an_undecodable_sampled_id_keeps_the_reply_and_the_history(tok, sft_run)
     assert conv.reply("ping 5", 8)  # the conversation goes on
     with pytest.raises(chat.ChatError, match="system prompt"):
         chat.Conversation(tok, backend, system="be brief " * 100, context=64)
+    chat.Conversation(tok, backend, context=16)  # the smallest --context, without a system prompt, is fine

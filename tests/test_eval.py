@@ -281,6 +281,7 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--limit", "0"], "--limit 0"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(afile)], "is not a folder"),
               ([model_dir, "--tasks", "passkey", "--passkey-lengths", "100,abc"], "--passkey-lengths"),
+              ([model_dir, "--tasks", "passkey", "--passkey-lengths", "48,"], "--passkey-lengths"),
               (["--compare", str(listed)], "not an eval.py summary.json"),
               ([str(broken), "--tasks", "piqa", "--data-dir", data_dir], "cannot load as a transformers model")]
     for argv, msg in cases:

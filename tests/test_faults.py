@@ -350,7 +350,7 @@ def test_a_supervised_rollback_resumes_the_step_it_names(data_root, tmp_path):
     max_restarts counts this invocation's starts only (the second invocation with max_restarts=0 used to give up)."""
     out, mirror = str(tmp_path / "run"), str(tmp_path / "mirror")
     common = [*TINY, f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=40", "--warmup_iters=2",
-              "--eval_interval=100", "--ckpt_interval=2", "--keep_last=10"]
+              "--eval_interval=2", "--ckpt_interval=2", "--keep_last=10"]
 
     def supervised(extra):
         return subprocess.run([sys.executable, "train.py", *common, "--max_restarts=0", *extra, "--supervise"],
@@ -369,9 +369,27 @@ def test_a_supervised_rollback_resumes_the_step_it_names(data_root, tmp_path):
     assert all(checkpoint.is_valid(p) for p in aside)  # kept whole, only set aside
     assert os.path.exists(os.path.join(mirror, "metrics.jsonl"))
     assert [s_ for s_, _ in checkpoint.list_checkpoints(mirror)] == [2, 3]  # its steps 4 and 6 set aside too
+    best = os.path.join(out, "BEST")  # it named a step set aside: now the resumed state's best, or none
+    assert not os.path.exists(best) or os.path.isdir(os.path.join(out, open(best).read().strip()))
     r = train(common[len(TINY):] + ["--init_from=resume", "--stop_after_steps=1"])
     assert r.returncode == 0 and f"resuming from {os.path.join(out, 'step_0000003')}" in r.stdout, r.stderr[-2000:]
     assert steps() == [2, 3, 4]
+
+
+def test_the_guardians_first_start_rolls_back_only_within_its_run(tmp_path):
+    """--resume_from a checkpoint of another run starts this one; rerunning the same supervised command later must
+    continue this run's own checkpoints, not roll it back to the start (and set its progress aside)."""
+    import guardian
+    out, other = tmp_path / "run", tmp_path / "other"
+    for d, step in ((out, 8), (other, 4)):
+        checkpoint.save(str(d), step, {"state.json": lambda p, s=step: json.dump({"step": s}, open(p, "w"))})
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}", "--init_from=resume",
+                           f"--resume_from={other / 'step_0000004'}"])
+    assert "--resume_from=" in g.child_argv(first=True)  # continues out's newest
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}", "--init_from=resume",
+                           f"--resume_from={out / 'step_0000008'}/"])
+    assert "--resume_from=" not in g.child_argv(first=True)  # a rollback: the first start gets exactly that one
+    assert "--resume_from=" in g.child_argv(first=False)  # a restart: the new timeline's newest
 
 
 def test_sigterm_between_starts_starts_no_trainer(tmp_path):

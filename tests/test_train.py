@@ -213,7 +213,9 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
     assert len(err) == 1 and "error" in err[0] and "Traceback" not in r.stderr, r.stderr
     if case == "corrupt_checkpoint":
         assert os.path.isdir(os.path.join(out, "step_0000002"))  # nothing deleted
-        assert "no valid checkpoint" in err[0]
+        assert "no valid checkpoint" in err[0] and "--init_from=scratch" in err[0]
+        # and that advice works: only invalid checkpoints do not make the run dir "a run" a scratch start refuses
+        assert run([a for a in args if a != "--init_from=resume"] + ["--stop_after_steps=1"], check=False).returncode == 0
     if case in ("missing_data", "unknown_dataset"):
         assert "prepare.py" in err[0]
     if case == "too_big":
