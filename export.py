@@ -673,7 +673,7 @@ def check_out(src_dir, out, fmt):
     o, s = os.path.realpath(out), os.path.realpath(src_dir)
     if o == s or s.startswith(o.rstrip(os.sep) + os.sep) or o.startswith(s + os.sep):
         raise ExportError(f"{out}: is, holds or lies inside the source {src_dir}; pass an --out elsewhere")
-    if fmt == "hf" and os.path.exists(out) and not is_hf_export(out):
+    if fmt == "hf" and os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not is_hf_export(out):
         raise ExportError(f"{out}: exists and is not an earlier Hugging Face export (only such a folder is replaced); "
                           f"pass a new --out, or remove it yourself")
     if fmt != "hf" and os.path.isdir(out):

@@ -4,8 +4,8 @@ The guardian: keeps a training run alive without looping on the same fault.
     python train.py config/nano.py --supervise        (or: python guardian.py config/nano.py ...)
 
 It runs train.py as a child (resuming the run's newest valid checkpoint whenever out_dir holds one, so the same
-command continues a run; a first start given --init_from=resume --resume_from=CKPT resumes exactly CKPT), restarts
-it on failure, and keeps out_dir/guardian.json: every start, the checkpoint step at its start and end, its exit code
+command continues a run; a first start given --init_from=resume --resume_from=OUT_DIR/step_N, a rollback, resumes
+exactly that), restarts it on failure, and keeps out_dir/guardian.json: every start, the checkpoint step at its start and end, its exit code
 and cause (train.py's exit codes; its crash-*.json report). What it does per cause:
 - corrupt data (3): re-verify the named shard; re-fetch it from its recorded source if it is corrupt on disk;
   quarantine it (skipped with a loud warning, counted in metrics) if it cannot be re-fetched or the crash

@@ -431,6 +431,7 @@ def test_out_never_replaces_the_source_or_a_foreign_folder(ckpt, tmp_path):
         assert want in str(e.value) and "\n" not in str(e.value), e.value
     assert sorted(os.listdir(run)) == before and (mine / "notes.txt").read_text() == "important"
     hf = str(tmp_path / "hf")
+    os.mkdir(hf)  # an empty folder is fine
     run_export([run, "--format", "hf", "--out", hf])
     run_export([run, "--format", "hf", "--out", hf])  # an earlier export is replaced
     assert os.path.isfile(os.path.join(hf, "config.json"))
