@@ -71,6 +71,7 @@ LEDGER_HEADER = ("| leg | who | gpu | steps | tokens | wall | $ | loss start | l
 STATE_KEYS = ("stage", "plan", "decay", "decay_started_at_tokens", "finished", "best_val_loss", "best_step")  # from state.json
 DEFAULT_TTL = 1200.0  # 20 min: TTL >= 3x the heartbeat interval (REFERENCES.md), heartbeats every few minutes (429s)
 DEFAULT_HEARTBEAT = 300.0
+MIN_HEARTBEAT_S = 0.1  # each beat is a commit: 0 renewed in a loop (1,449 commits in a 2 s leg); tests beat at 0.5 s
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -188,8 +189,8 @@ class Lease:
             d = json.load(open(path))
         except FileNotFoundError:
             raise RelayError(f"{path}: no lease held from this workdir; run `relay.py claim {store.url}` first")
-        except ValueError as e:
-            raise RelayError(f"{path}: unreadable ({e}); delete it and claim again")
+        except (ValueError, OSError) as e:  # OSError: e.g. --workdir is a file
+            raise RelayError(f"{path}: unreadable ({e}); check --workdir, or delete it and claim again")
         if d.get("store") != store.url:
             raise RelayError(f"{path}: lease is for {d.get('store')}, not {store.url}; pass --workdir")
         return cls(path, **d)
@@ -205,8 +206,13 @@ class Lease:
 
 
 def claim(store, workdir, who, ttl=DEFAULT_TTL, heartbeat=DEFAULT_HEARTBEAT):
-    if ttl < 3 * heartbeat:
-        raise RelayError(f"--ttl {ttl} must be at least 3x --heartbeat {heartbeat} (a lease needs missed beats to expire)")
+    if heartbeat < MIN_HEARTBEAT_S or ttl < 3 * heartbeat:
+        raise RelayError(f"--ttl {ttl} / --heartbeat {heartbeat}: the heartbeat must be at least {MIN_HEARTBEAT_S}s "
+                         f"(each beat is a commit) and the ttl at least 3x it (a lease needs missed beats to expire)")
+    try:  # before anything is committed: a claim whose LEASE.json cannot be written is a baton nobody can release
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise RelayError(f"--workdir {workdir}: cannot use it ({e.strerror}); pass a folder") from None
     snap = Snapshot(store)
     r = snap.relay
     lease_path = os.path.join(workdir, "LEASE.json")
@@ -378,7 +384,9 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     # read the files at our own last commit: if anyone wrote after it, the commit below fails anyway
     prev_state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha) or {}
     ledger = (store.read(lease.sha, "LEDGER.md") or LEDGER_HEADER.encode()).decode()
-    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"), after_step=base, offset=metrics_offset)
+    # the steps this push carries: a trainer that crashed after its last checkpoint logged steps the next leg redoes
+    metrics = [m for m in read_metrics(os.path.join(run_dir, "metrics.jsonl"), after_step=base, offset=metrics_offset)
+               if m.get("step", 0) <= step]
     losses = [m["loss"] for m in metrics if isinstance(m.get("loss"), (int, float))]
     tokens0 = int(prev_state.get("tokens") or 0)
     tokens1 = int(st.get("tokens", metrics[-1].get("tokens", tokens0) if metrics else tokens0))
@@ -413,6 +421,7 @@ def commit_push(store, lease, plan, run_dir, note=None):
     except Conflict as e:
         raise Fenced(f"push rejected: {e}; your checkpoint is kept at {plan['ck']}, nothing was lost locally")
     lease.sha, lease.relay, lease.leg, lease.base_step = sha, new_relay, lease.leg + 1, step
+    lease.pulled_at = time.time()  # a second push in this lease bills from here, not from the pull again
     lease.save()
     open(os.path.join(run_dir, "PUSHED"), "w").write(f"{sha}\n")
     return sha, plan["row"]
@@ -545,6 +554,11 @@ def cmd_run(args):
     workdir = workdir_for(args)
     if args.steps is None and args.hours is None:
         raise RelayError("run: give the leg's length with --steps N or --hours H")
+    for flag, v in (("--steps", args.steps), ("--hours", args.hours)):
+        if v is not None and not v > 0:
+            raise RelayError(f"run: {flag} {v}: the leg's length must be positive")
+    if args.poll < 0:
+        raise RelayError(f"run: --poll {args.poll}: seconds between tries, 0 or more")
     while True:
         try:
             lease = claim(store, workdir, args.who, args.ttl, args.heartbeat)

@@ -84,7 +84,7 @@ class FileStore:
     def create(self):
         if self.exists():
             return
-        if os.path.isdir(self.root) and os.listdir(self.root):
+        if (os.path.isdir(self.root) and os.listdir(self.root)) or (os.path.exists(self.root) and not os.path.isdir(self.root)):
             raise StoreError(f"{self.root}: exists and is not an empty directory nor a relay store; pick a new path")
         for d in ("objects", "commits"):
             os.makedirs(self._p(d), exist_ok=True)
@@ -106,7 +106,7 @@ class FileStore:
     def _head_id(self):
         try:
             return open(self._p("HEAD")).read().strip()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise StoreError(f"{self.url}: not a relay store (no HEAD); create the run with `relay.py init {self.url} CONFIG`")
 
     def head(self):

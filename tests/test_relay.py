@@ -592,10 +592,35 @@ def test_trainer_crash_after_checkpoints_pushes_the_newest(tmp_path, hub, rl):
     release_commit = json.load(open(store._p("commits", snap.sha + ".json")))  # the file store's records
     push_commit = json.load(open(store._p("commits", release_commit["parent"] + ".json")))
     assert push_commit["message"].endswith("steps 0-10 (trainer exited with status 1)")
+    # the leg's log and the ledger's last loss stop at the pushed step (steps 11-12 are the next leg's to redo)
+    leg_log = [json.loads(line) for line in store.read(snap.sha, "logs/leg-0001.jsonl").decode().splitlines()]
+    assert max(m["step"] for m in leg_log) == 10 and rows[0]["loss_end"] == leg_log[-1]["loss"]
     # the next leg resumes from the pushed step
     r = rl(["run", url, "--steps", "3", "--train-script", fake, "--workdir", tmp_path / "wb"], env)
     assert r.returncode == 0, r.stderr
     assert relay.Snapshot(store).state["step"] == 13
+
+
+def test_bad_lease_flags_and_workdir_are_refused_before_any_commit(tmp_path, hub, rl):
+    """A claim committed before its LEASE.json could be written (--workdir a file) held the baton for its whole TTL
+    with nothing able to release it; --heartbeat 0 renewed in a loop (1,449 commits in a 2 s leg); a negative
+    --steps claimed and pulled before failing. All are one-line errors now, and the store is untouched."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    store = relay.open_store(url)
+    head = store.head()[0]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, want in [(["claim", url, "--workdir", str(afile)], "--workdir"),
+                       (["run", url, "--steps", "2", "--heartbeat", "0", "--train-script", fake], "--heartbeat 0"),
+                       (["run", url, "--steps", "-5", "--train-script", fake], "--steps -5"),
+                       (["run", url, "--hours", "1", "--wait", "--poll", "-1", "--train-script", fake], "--poll -1")]:
+        r = rl(argv, env)
+        assert r.returncode == 3 and want in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+        assert store.head()[0] == head, argv  # nothing committed: the baton is free
+    r = rl(["status", f"file://{afile}"], env)  # a store URL naming a file
+    assert r.returncode == 3 and "not a relay store" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_trainer_crash_whose_push_fails_still_releases(tmp_path, hub, rl, monkeypatch):
@@ -669,8 +694,11 @@ def test_manual_claim_pull_train_push_release(tmp_path, hub, rl):
     t = subprocess.run([sys.executable, fake, str(leg / "relay_config.py"), f"--out_dir={leg}", "--init_from=resume",
                         "--stop_after_steps=6"], env=env, capture_output=True, text=True, timeout=60)
     assert t.returncode == 0, t.stderr
+    before_push = time.time()
     r = rl(["push", url, "--workdir", wd, "--gpu-hourly-usd", "1.5"])
     assert r.returncode == 0, r.stderr
+    # a second push in the same lease bills its own time, not the pull's again (the ledger's wall and $ doubled)
+    assert json.load(open(wd / "LEASE.json"))["pulled_at"] >= before_push
     assert rl(["release", url, "--workdir", wd]).returncode == 0
     r = rl(["release", url, "--workdir", wd])
     assert r.returncode == 3 and "no lease held" in r.stderr
