@@ -80,6 +80,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
 
 import argparse
 import math
+import operator
 import os
 import sys
 import time
@@ -574,6 +575,8 @@ class Engine:
         self.path, self.device = str(path), str(device)
         self.cfg = cfg = c.config
         # KV positions reserved in the budget (unbounded runs, e.g. eval, get the model's whole context)
+        if context is not None and context < 1:  # a negative one made the KV reserve negative: over the budget
+            raise StreamError(f"context {context}: at least 1 KV position (default 512 under a budget)")
         self.context = min(context or (512 if ram_budget is not None else cfg.max_seq_len), cfg.max_seq_len)
         self.max_seq_len = self.context
         self.kernel = pick_kernel(kernel, self.device)
@@ -833,21 +836,32 @@ class Engine:
     def stream(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=None, experts_per_token=None, seed=None,
                eos_id=None, timings=None):
         """Yield new token ids one by one (prefill the prompt in one pass, then one token per step)."""
-        prompt_ids = [int(i) for i in prompt_ids]
+        try:  # whole numbers only: a float id was truncated, text raised a bare ValueError
+            if isinstance(prompt_ids, (str, bytes)):
+                raise TypeError
+            prompt_ids = [operator.index(i) for i in prompt_ids]
+        except TypeError:
+            raise StreamError("prompt: a list of token ids (ints); encode text with the container's tokenizer first") from None
         if not prompt_ids:
             raise StreamError("empty prompt: give at least one token")
         self._check_ids(prompt_ids, "prompt")
-        total = len(prompt_ids) + max_new_tokens
+        if not (temperature >= 0 and math.isfinite(temperature)):
+            raise StreamError(f"temperature {temperature}: 0 (greedy) or more")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise StreamError(f"top_p {top_p}: in (0, 1]")
+        total = len(prompt_ids) + max_new_tokens - 1  # the last new token is never fed back
         if total > self.context:
             raise StreamError(f"prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceeds the reserved context "
                               f"{self.context} (max_seq_len {self.cfg.max_seq_len}); pass a larger --context")
-        self.set_experts_per_token(experts_per_token)
+        self.set_experts_per_token(experts_per_token)  # checked here; set again before each step (below)
+        k = experts_per_token
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        kv = KVCache(self.cfg, 1, total, self.device, torch.float32)
+        kv = KVCache(self.cfg, 1, max(total, 1), self.device, torch.float32)
         ids = torch.tensor([prompt_ids], device=self.device)
         try:
             for step in range(max_new_tokens):
                 t0 = time.perf_counter()
+                self.set_experts_per_token(k)  # the engine is shared: another call in between may have changed it
                 h = self.forward(ids, kv)
                 logits = self.logits(h[:, -1])
                 nxt = sample_next(logits, temperature, None, top_p, gen)

@@ -1004,6 +1004,36 @@ print(json.dumps([rc, rc2, rc3]))
     assert "Traceback" not in r.stderr
 
 
+def test_api_requests_keep_their_own_settings_and_bad_arguments_are_stream_errors(tiny):
+    """The engine is shared: a stream's experts_per_token was a setting on the MoE modules, so another call in the
+    middle of a stream (a generate, a loglikelihood) switched the rest of it to its own k. Sampling arguments and
+    ids the command line checks are checked in the API too (NaN / negative temperature, top_p outside (0, 1],
+    text or float ids, a negative context, which made the KV reserve negative and the process exceed its budget)."""
+    m, path = tiny
+    eng = S.load(path)
+    p = list(range(5, 25))
+    want = eng.generate(p, 8, experts_per_token=1)
+    s = eng.stream(p, 8, experts_per_token=1)
+    got = [next(s)]
+    eng.generate([7, 8, 9], 4)  # default top_k in between
+    eng.loglikelihood([5, 6], [7, 8])
+    got += list(s)
+    assert got == want
+    for kw in (dict(temperature=float("nan")), dict(temperature=-0.5), dict(temperature=1.0, top_p=-0.1),
+               dict(temperature=1.0, top_p=2.0)):
+        with pytest.raises(S.StreamError):
+            eng.generate([5, 6], 3, **kw)
+    for prompt in ("hello", [5.7, 6], torch.tensor([[5, 6], [7, 8]])):
+        with pytest.raises(S.StreamError, match="token ids"):
+            eng.generate(prompt, 2)
+    with pytest.raises(S.StreamError, match="context -5"):
+        S.load(path, context=-5)
+    small = S.load(path, context=16)  # a prompt filling the context still gets its one new token
+    assert len(small.generate(list(range(1, 17)), 1)) == 1
+    with pytest.raises(S.StreamError, match="exceeds the reserved context"):
+        small.generate(list(range(1, 17)), 2)
+
+
 def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
     """Flags that used to fail deep inside (a ThreadPoolExecutor, a CUDA assert, a NaN in sampling, a benchmark's
     StopIteration, a JSON write after minutes of benchmarking) or were dropped silently (--chat's)."""
