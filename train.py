@@ -136,6 +136,9 @@ def die(msg, code=EXIT_ERROR):
 
 def build_plan(cfg, tokens_per_step):
     """Normalise the config's stages into [{name, mix, tokens, seq_len, lr_phase}] with token lengths."""
+    if not cfg["stages"] and cfg["warmup_iters"] + int(cfg["decay_frac"] * cfg["max_iters"]) > cfg["max_iters"]:
+        raise TrainError(f"max_iters={cfg['max_iters']} is shorter than warmup_iters={cfg['warmup_iters']} plus the "
+                         f"decay ({cfg['decay_frac']} x max_iters); lower --warmup_iters or raise --max_iters")
     raw = cfg["stages"] or [
         dict(name="warmup", steps=cfg["warmup_iters"], lr_phase="warmup"),
         dict(name="stable", steps=cfg["max_iters"] - cfg["warmup_iters"] - int(cfg["decay_frac"] * cfg["max_iters"]), lr_phase="stable"),
@@ -591,9 +594,6 @@ def main(argv):
     for k in ("eval_interval", "log_interval", "ckpt_interval"):
         if cfg[k] < 1:
             die(f"--{k}={cfg[k]}: must be at least 1 (a large value means rarely)")
-    if not cfg["stages"] and cfg["warmup_iters"] + int(cfg["decay_frac"] * cfg["max_iters"]) > cfg["max_iters"]:
-        die(f"max_iters={cfg['max_iters']} is shorter than warmup_iters={cfg['warmup_iters']} plus the decay "
-            f"({cfg['decay_frac']} x max_iters); lower --warmup_iters or raise --max_iters")
 
     # --- processes and device -----------------------------------------------------------------------------
     ddp = int(os.environ.get("RANK", -1)) != -1

@@ -159,7 +159,7 @@ json.dump(log, open(outp, "w"))
 '''
 
 
-@pytest.mark.parametrize("kind,rounds", [("file", 50), ("hf", 50)])
+@pytest.mark.parametrize("kind,rounds", [("file", 50), ("hf", 30)])
 def test_contention_eight_claimers(kind, rounds, tmp_path, hub, monkeypatch):
     """8 processes race for the baton; every leg is one claim -> pull -> checkpoint -> push -> release. The same 50
     rounds on both stores (hf: ~20 s on 2 busy cores, most of it the 8 clients' CPU, not the server)."""
