@@ -63,20 +63,6 @@ def check_messages(messages, need_assistant=False):
         raise ChatFormatError("no assistant turn (nothing to learn)", "no_assistant")
 
 
-def reply_text(tok, ids):
-    """A reply's ids as text. An id the tokenizer maps to no text (reserved 0, the unused ids above its merges that
-    an early or mismatched model can still sample) shows as U+FFFD: decode() raised on it, which lost the reply
-    and left the history without its assistant turn."""
-    out, run = [], []
-    for i in ids:
-        if 0 < i < tok.bos_id:
-            run.append(i)
-        else:
-            out += [tok.decode(run), "\ufffd"]
-            run = []
-    return "".join(out) + tok.decode(run)
-
-
 def render_turn(tok, role, content, body=None):
     """(ids, mask) of one turn: <|role|> content <|end|>; mask 1 on an assistant's content and its <|end|>.
     body: tok.encode(content) when the caller already has it (corpus builders encode in batches)."""
@@ -208,7 +194,7 @@ class Conversation:
                     break
                 out.append(t)
                 self.ids.append(t)
-                text_now = reply_text(self.tok, out)
+                text_now = self.tok.decode_generated(out)  # decode() raised on an id with no text
                 if on_text and not text_now.endswith("\ufffd"):  # wait for the rest of a multi-byte character
                     on_text(text_now[len(shown):])
                     shown = text_now
@@ -218,7 +204,7 @@ class Conversation:
                 logits = self._feed()
         finally:  # also on Ctrl-C: close the turn as render_conversation would, keep the cache consistent
             self.ids.append(self.tok.special_ids["<|end|>"])
-            answer = reply_text(self.tok, out)
+            answer = self.tok.decode_generated(out)
             self.last_tokens = len(out)
             self.messages.append({"role": "assistant", "content": answer})
             if self.b["after_reply"]:

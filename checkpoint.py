@@ -102,6 +102,11 @@ def latest_valid(out_dir):
     return None
 
 
+def in_run_dir(ckpt_dir, run_dir):
+    """Whether ckpt_dir is one of run_dir's own step dirs (symlinks and a trailing slash resolved)."""
+    return os.path.realpath(os.path.dirname(os.path.abspath(str(ckpt_dir).rstrip("/")))) == os.path.realpath(run_dir)
+
+
 def resolve(path):
     """A checkpoint dir from either a checkpoint dir or a run dir (LATEST, else the newest valid)."""
     if not os.path.exists(path):

@@ -371,14 +371,7 @@ class PicaflorModel:
 
     def decode(self, ids):
         """Specials are dropped; an id no text maps to (reserved 0, unused top ids) shows as U+FFFD."""
-        out, run = [], []
-        for i in ids:
-            if 0 < i < self.tok.bos_id:  # ordinary ids: bytes and merges
-                run.append(i)
-            elif i not in self.tok.special_ids.values():
-                out += [self.tok.decode(run), "\ufffd"]
-                run = []
-        return "".join(out) + self.tok.decode(run)
+        return self.tok.decode_generated(ids)
 
     def run(self, ids, cache=None):
         """Hidden states (B, T, D) after the final norm: the model's forward with its lm_head set aside."""

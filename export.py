@@ -74,6 +74,19 @@ class ExportError(Exception):
 # ----------------------------------------------------------------------------------------------------------
 # the source checkpoint, read one tensor at a time
 
+def load_fitting_tokenizer(path, vocab_size):
+    """The tokenizer at path (None for none), refused when it is larger than the model's vocab: its top ids would
+    index past the embedding in every runtime."""
+    import tokenizer as tokmod
+    if path is None:
+        return None
+    tok = tokmod.Tokenizer.load(path)
+    if tok.vocab_size > vocab_size:
+        raise ExportError(f"{path}: tokenizer vocab {tok.vocab_size} > model vocab {vocab_size}; wrong tokenizer "
+                          f"for this checkpoint")
+    return tok
+
+
 class Source:
     """A verified checkpoint dir: config, tokenizer path, and tensors read lazily from model.safetensors."""
 
@@ -123,14 +136,7 @@ class Source:
         return self._cache[1]
 
     def tokenizer(self):
-        import tokenizer as tokmod
-        if self.tokenizer_path is None:
-            return None
-        tok = tokmod.Tokenizer.load(self.tokenizer_path)
-        if tok.vocab_size > self.cfg.vocab_size:  # its top ids would index past the embedding in every runtime
-            raise ExportError(f"{self.tokenizer_path}: tokenizer vocab {tok.vocab_size} > model vocab "
-                              f"{self.cfg.vocab_size}; wrong tokenizer for this checkpoint")
-        return tok
+        return load_fitting_tokenizer(self.tokenizer_path, self.cfg.vocab_size)
 
 
 class ContainerSource:
@@ -183,8 +189,7 @@ class ContainerSource:
         return self._cache[1]
 
     def tokenizer(self):
-        import tokenizer as tokmod
-        return tokmod.Tokenizer.load(self.tokenizer_path) if self.tokenizer_path else None
+        return load_fitting_tokenizer(self.tokenizer_path, self.cfg.vocab_size)
 
 
 def is_container(path):
@@ -553,9 +558,6 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
     if tok is None:
         raise ExportError(f"{src.dir}: no tokenizer.json in the checkpoint, and GGUF embeds the tokenizer; "
                           f"pass --tokenizer FILE")
-    if tok.vocab_size > cfg.vocab_size:
-        raise ExportError(f"{src.tokenizer_path}: tokenizer vocab {tok.vocab_size} > model vocab {cfg.vocab_size}; "
-                          f"wrong tokenizer for this checkpoint")
     plan = []  # (gguf name, source name, expert part, ggml type, numpy-order shape)
     for name in src.names:
         if name.endswith("load_accum"):

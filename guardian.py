@@ -165,8 +165,7 @@ class Guardian:
         later steps aside). A resume_from elsewhere only starts a run: once out_dir holds checkpoints of its own,
         rerunning the same command continues those."""
         rf = self.cfg["resume_from"]
-        return (self.cfg["init_from"] == "resume" and bool(rf)
-                and os.path.realpath(os.path.dirname(os.path.abspath(rf.rstrip("/")))) == os.path.realpath(self.out))
+        return self.cfg["init_from"] == "resume" and bool(rf) and checkpoint.in_run_dir(rf, self.out)
 
     def child_argv(self, left=None, first=False):
         """first: this invocation's first start, which honours an explicit --resume_from; every other start resumes

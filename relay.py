@@ -300,7 +300,8 @@ def pull(store, dest_dir, sha=None):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def read_metrics(path, after_step=None, offset=0):
+def read_metrics(path, after_step=None, offset=0, until_step=None):
+    """metrics.jsonl's records with after_step < step <= until_step (either bound optional), from byte offset."""
     out = []
     if not os.path.isfile(path):
         return out
@@ -311,7 +312,8 @@ def read_metrics(path, after_step=None, offset=0):
                 m = json.loads(line)
             except ValueError:
                 continue  # a line cut by a kill
-            if isinstance(m, dict) and (after_step is None or m.get("step", 0) > after_step):
+            if isinstance(m, dict) and (after_step is None or m.get("step", 0) > after_step) and (
+                    until_step is None or m.get("step", 0) <= until_step):
                 out.append(m)
     return out
 
@@ -385,8 +387,8 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     prev_state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha) or {}
     ledger = (store.read(lease.sha, "LEDGER.md") or LEDGER_HEADER.encode()).decode()
     # the steps this push carries: a trainer that crashed after its last checkpoint logged steps the next leg redoes
-    metrics = [m for m in read_metrics(os.path.join(run_dir, "metrics.jsonl"), after_step=base, offset=metrics_offset)
-               if m.get("step", 0) <= step]
+    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"), after_step=base, offset=metrics_offset,
+                           until_step=step)
     losses = [m["loss"] for m in metrics if isinstance(m.get("loss"), (int, float))]
     tokens0 = int(prev_state.get("tokens") or 0)
     tokens1 = int(st.get("tokens", metrics[-1].get("tokens", tokens0) if metrics else tokens0))

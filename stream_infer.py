@@ -528,6 +528,15 @@ class StreamedMoE(nn.Module):
         return out.reshape(shape)
 
 
+def check_sampling(temperature, top_p, flag=""):
+    """model.sample_next's arguments: NaN or a top_p <= 0 made torch.multinomial raise, a negative temperature
+    sampled the least likely tokens. flag "--": named as the command line's flags."""
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise StreamError(f"{flag}temperature {temperature}: 0 (greedy) or more")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise StreamError(f"{flag}{'top-p' if flag else 'top_p'} {top_p}: in (0, 1]")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the engine
 
@@ -845,10 +854,7 @@ class Engine:
         if not prompt_ids:
             raise StreamError("empty prompt: give at least one token")
         self._check_ids(prompt_ids, "prompt")
-        if not (temperature >= 0 and math.isfinite(temperature)):
-            raise StreamError(f"temperature {temperature}: 0 (greedy) or more")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise StreamError(f"top_p {top_p}: in (0, 1]")
+        check_sampling(temperature, top_p)
         total = len(prompt_ids) + max_new_tokens - 1  # the last new token is never fed back
         if total > self.context:
             raise StreamError(f"prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceeds the reserved context "
@@ -1011,10 +1017,7 @@ def check_args(args, argv):
         raise StreamError(f"--repeat {args.repeat}: a positive count of runs per budget, for --sweep")
     if args.readers < 1:
         raise StreamError(f"--readers {args.readers}: at least 1 expert reader thread")
-    if args.temperature < 0 or not math.isfinite(args.temperature):
-        raise StreamError(f"--temperature {args.temperature}: 0 (greedy) or more")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise StreamError(f"--top-p {args.top_p}: in (0, 1]")
+    check_sampling(args.temperature, args.top_p, "--")
     if args.max_new_tokens < (2 if args.bench or args.sweep else 0):
         raise StreamError(f"--max-new-tokens {args.max_new_tokens}: " + ("a benchmark times decode after the first "
                           "token, so at least 2" if args.bench or args.sweep else "0 or more"))

@@ -116,6 +116,18 @@ class Tokenizer:
             raise ValueError(f"token id {bad[0]} is not in this tokenizer (vocab {self.vocab_size}, id 0 reserved)")
         return self.enc.decode(ids, errors="replace")
 
+    def decode_generated(self, ids):
+        """Text of ids a model produced: specials dropped, and an id no text maps to (reserved 0, the unused ids
+        above the merges that an early or mismatched model can still sample) shown as U+FFFD instead of an error."""
+        out, run = [], []
+        for i in ids:
+            if 0 < i < self.bos_id:  # ordinary ids: bytes and merges
+                run.append(i)
+            elif i not in self.special_ids.values():
+                out += [self.decode(run), "\ufffd"]
+                run = []
+        return "".join(out) + self.decode(run)
+
     def id_to_bytes(self, i):
         """The bytes of one id (specials give their name), for inspection and streaming decode."""
         for name, sid in self.special_ids.items():

@@ -380,6 +380,16 @@ def device_memory(device_type):
 # -----------------------------------------------------------------------------------------------------------
 # checkpoint retention: keep last K permanent, stage finals, BEST, and the newest; temporaries are replaced
 
+def set_aside_after(run_dir, step, tag):
+    """Move run_dir's checkpoints past `step` to run_dir/abandoned/TAG/ (a rollback's old timeline); how many."""
+    import checkpoint
+    later = [p for s, p in checkpoint.list_checkpoints(run_dir) if s > step]
+    for p in later:
+        os.makedirs(os.path.join(run_dir, "abandoned", tag), exist_ok=True)
+        os.replace(p, os.path.join(run_dir, "abandoned", tag, os.path.basename(p)))
+    return len(later)
+
+
 def retain(out_dir, keep):
     import checkpoint
     ckpts = checkpoint.list_checkpoints(out_dir)
@@ -650,29 +660,24 @@ def main(argv):
             opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
         layer_origin = state["layer_origin"]
         log(f"resuming from {ck} at step {state['step']}, {state['tokens']:,} tokens")
-        later = [p for s_, p in existing if s_ > state["step"]]
-        if cfg["resume_from"] and later and master:  # a rollback: later steps are another timeline, kept aside
+        if cfg["resume_from"] and master and any(s_ > state["step"] for s_, _ in existing):
+            # a rollback: the later steps are another timeline, kept aside (the mirror's too, or a resume from it
+            # would take the old timeline's newest)
             tag = f"after_step_{state['step']:07d}_{time.strftime('%Y%m%d-%H%M%S')}"
-            aside = os.path.join(out, "abandoned", tag)
-            os.makedirs(aside, exist_ok=True)
-            for p in later:
-                os.replace(p, os.path.join(aside, os.path.basename(p)))
-            mirrored = [p for s_, p in checkpoint.list_checkpoints(cfg["mirror_dir"]) if s_ > state["step"]] \
-                if cfg["mirror_dir"] else []
-            for p in mirrored:  # the mirror too, or a resume from it would take the old timeline's newest
-                os.makedirs(os.path.join(cfg["mirror_dir"], "abandoned", tag), exist_ok=True)
-                os.replace(p, os.path.join(cfg["mirror_dir"], "abandoned", tag, os.path.basename(p)))
-            if os.path.realpath(os.path.dirname(os.path.abspath(ck))) == os.path.realpath(out):
+            n_moved = set_aside_after(out, state["step"], tag)
+            if cfg["mirror_dir"]:
+                set_aside_after(cfg["mirror_dir"], state["step"], tag)
+            if checkpoint.in_run_dir(ck, out):
                 checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(os.path.normpath(ck)) + "\n")
             best = os.path.join(out, "BEST")  # it may name a step just set aside: the resumed state's best, else none
             if os.path.exists(best) and not os.path.isdir(os.path.join(out, open(best).read().strip())):
-                kept = state.get("best_step") is not None and os.path.join(out, f"step_{state['best_step']:07d}")
+                kept = state.get("best_step") is not None and os.path.join(out, checkpoint.step_dir_name(state["best_step"]))
                 if kept and os.path.isdir(kept):
                     checkpoint.write_atomic_text(best, os.path.basename(kept) + "\n")
                 else:
                     os.remove(best)
-            log(f"WARNING: resuming an earlier step: moved {len(later)} later checkpoint(s) of {out} to {aside}, "
-                f"so they are neither resumed nor pruned")
+            log(f"WARNING: resuming an earlier step: moved {n_moved} later checkpoint(s) of {out} to "
+                f"{os.path.join(out, 'abandoned', tag)}, so they are neither resumed nor pruned")
     elif cfg["init_from"] == "grow":
         if not cfg["grow_from"] or cfg["grow_layers"] <= 0:
             raise TrainError("init_from=grow needs grow_from=CHECKPOINT and grow_layers > 0")
