@@ -83,6 +83,16 @@ def cpu_times():
         return None
 
 
+def others_cpu_fraction(before, after, own_cpu_s, wall_s):
+    """The share of all cores that other processes kept busy between two cpu_times() reads (busy less steal less
+    this process's own CPU time): a neighbour (a spinning parent, a test run) takes cores decode wants."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    busy_s = ((after[1] - before[1]) - (after[0] - before[0])) / hz
+    return max(0.0, busy_s - own_cpu_s) / (wall_s * (os.cpu_count() or 1))
+
+
 def steal_fraction(before, after):
     """The share of the CPU time this machine wanted (busy jiffies) that the hypervisor took between two reads."""
     if before is None or after is None or after[1] <= before[1]:
@@ -104,6 +114,23 @@ def measure_memory_bandwidth(mb=64, reps=5, max_reps=40, max_s=0.5):
         b.copy_(a)
         best = min(best, time.perf_counter() - t0)
     return 2 * a.numel() * 4 / best  # read + write
+
+
+def memory_bandwidth_elsewhere(threads):
+    """measure_memory_bandwidth in a process of its own, with the threads decode will use, outside the child's
+    cgroup (its two 64 MB buffers would count against the budget and stay in the child's peak RSS). Not in the
+    parent: under OMP_WAIT_POLICY=ACTIVE the copy's OpenMP threads would spin on for the whole child run, and on
+    2 cores they took ~1.4 of them from the child (micro 2G decode 11-12 tok/s against 22 without them)."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import stream_bench as B, stream_infer as S; "
+            "torch.set_num_threads(S.compute_threads(None, sys.argv[2])); print(repr(B.measure_memory_bandwidth()))")
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "ACTIVE"))
+    r = subprocess.run([sys.executable, "-c", code, here, str(threads)], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise S.StreamError(f"measuring memory bandwidth failed (exit {r.returncode}): {tail}")
+    return float(r.stdout.split()[-1])
 
 
 def measure_kernels(cont, reps=20):
@@ -159,12 +186,12 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     st_prefill = eng.cache.stats()
     rb1, _ = S.io_counters()
     majflt0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-    cpu0 = cpu_times()
+    cpu0, own0, wall0 = cpu_times(), time.process_time(), time.perf_counter()
     lookups0, hits0 = eng.cache.lookups, eng.cache.hits + eng.cache.prefetch_hits
     demanded0 = eng.cache.misses + eng.cache.prefetch_hits  # reads decode needed (a right guess is one)
     bytes0, wait0, busy0 = eng.cache.bytes_read, eng.cache.read_wait_s, eng.cache.disk_busy_s
     out = [first] + list(it)
-    cpu1 = cpu_times()
+    cpu1, own1, wall1 = cpu_times(), time.process_time(), time.perf_counter()
     rb2, _ = S.io_counters()
     majflt = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - majflt0  # pages (code, page cache) the budget evicted and decode faulted back
     decode_lat = timings[1:]
@@ -203,7 +230,8 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
         "demanded_bytes_per_token": demanded_per_tok,
         "read_wait_s_per_token": wait_per_tok, "major_faults_per_token": majflt / max(n_dec, 1),
-        "cpu_steal_fraction": steal_fraction(cpu0, cpu1), "cache_policy": eng.cache.policy,
+        "cpu_steal_fraction": steal_fraction(cpu0, cpu1),
+        "others_cpu_fraction": others_cpu_fraction(cpu0, cpu1, own1 - own0, wall1 - wall0), "cache_policy": eng.cache.policy,
         "expert_bytes": cont.expert_nbytes, "cache_capacity_experts": st["capacity_experts"],
         "peak_rss_bytes": S.peak_rss_bytes(), "resident_rss_bytes": eng.resident_rss, "baseline_rss_bytes": eng.baseline_rss,
         "disk_bw_bytes_s": disk_bw, "disk_bw_before_bytes_s": disk_before, "disk_bw_after_bytes_s": disk_after,
@@ -299,10 +327,8 @@ def bench_in_cgroup(args, argv):
     with tempfile.TemporaryDirectory() as td:
         res_path = os.path.join(td, "result.json")
         argv = [sys.executable, os.path.abspath(S.__file__)] + list(argv)  # the child: stream_infer.py
-        # memory bandwidth measured here, outside the cgroup, with the threads decode will use: its two 64 MB
-        # buffers would count against the child's budget and stay in its peak RSS
-        torch.set_num_threads(S.compute_threads(None, args.threads))
-        env = dict(os.environ, PICAFLOR_BENCH_CHILD=res_path, PICAFLOR_BENCH_MEM_BW=repr(measure_memory_bandwidth()))
+        env = dict(os.environ, PICAFLOR_BENCH_CHILD=res_path,
+                   PICAFLOR_BENCH_MEM_BW=repr(memory_bandwidth_elsewhere(args.threads)))
         procs = os.path.join(cg, "cgroup.procs") if cg else None
 
         def enter_cgroup():
@@ -310,13 +336,16 @@ def bench_in_cgroup(args, argv):
                 with open(procs, "w") as f:
                     f.write(str(os.getpid()))
 
+        cpu0 = time.process_time()
         r = subprocess.run(argv, env=env, preexec_fn=enter_cgroup)
+        parent_cpu_s = time.process_time() - cpu0  # this process while the child ran: ~0, or it stole the child's cores
         cg_peak = close_cgroup(cg)
         if r.returncode != 0 or not os.path.exists(res_path):
             why = "killed (out of memory inside the cgroup?)" if r.returncode < 0 else f"exit {r.returncode}"
             raise S.StreamError(f"{args.container}: benchmark child failed ({why}) at --ram-budget {args.ram_budget}")
         res = json.load(open(res_path))
     res["cgroup"] = ver if cg else None
+    res["parent_cpu_s"] = parent_cpu_s
     res["cgroup_peak_bytes"] = cg_peak
     res["page_cache_dropped"] = dropped
     res["page_cache_excluded"] = bool(dropped and (cg is not None or res.get("direct_io")))
@@ -330,6 +359,7 @@ def disk_spread(res):
     return f" ({', '.join(parts)})" if parts else ""
 
 
+OTHERS_WARN = 0.10  # above this share of the cores busy with other processes during decode, likewise
 STEAL_WARN = 0.05  # above this share of CPU time taken by the hypervisor, the bench says its tok/s is not the machine's
 
 
@@ -363,13 +393,18 @@ def print_bench(res):
     km = res.get("kernel_ms")
     if km:
         print(f"expert gate_up GEMV {km['shape']}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in km.items() if k != "shape"))
-    steal = res.get("cpu_steal_fraction")
+    steal, others = res.get("cpu_steal_fraction"), res.get("others_cpu_fraction")
     print(f"cgroup: {res.get('cgroup')}, O_DIRECT: {res['direct_io']}, page cache excluded: {res.get('page_cache_excluded')}, "
           f"cache policy {res.get('cache_policy')}, CPU steal during decode "
-          f"{'n/a' if steal is None else f'{steal * 100:.1f}%'}")
+          f"{'n/a' if steal is None else f'{steal * 100:.1f}%'}, other processes' CPU "
+          f"{'n/a' if others is None else f'{others * 100:.1f}%'}")
     if steal is not None and steal > STEAL_WARN:
         print(f"WARNING: the hypervisor took {steal * 100:.0f}% of the CPU time this machine wanted during decode: tok/s is "
               f"lower than this machine gives alone; rerun in a quieter hour or take the median of --repeat", file=sys.stderr)
+    if others is not None and others > OTHERS_WARN:
+        print(f"WARNING: other processes kept {others * 100:.0f}% of this machine's cores busy during decode "
+              f"(this benchmark's parent: {res.get('parent_cpu_s', 0):.1f} s of CPU): tok/s is lower than this "
+              f"machine gives alone; stop them and rerun", file=sys.stderr)
     if res["decode_tok_s"] > res["bound_tok_s"]:
         print(f"WARNING: decode ran faster than its lower bound ({res['decode_tok_s']:.2f} > {res['bound_tok_s']:.2f} "
               f"tok/s): a bandwidth measurement was disturbed (CPU steal or a cache below this machine), so the % of "
