@@ -446,6 +446,29 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
 # ----------------------------------------------------------------------------------------------------------
 # reader
 
+def anon_buffer(nbytes):
+    """Zeroed, page-aligned memory for weights and expert blobs: a private anonymous mapping advised for
+    transparent huge pages (2 MB pages where the kernel grants them, in THP's "madvise" mode too). On micro (2-core
+    EPYC VM) a 3.5 MB O_DIRECT read into huge pages took 58 us of CPU and 1.4 ms against 284 us and 3.4 ms into 4 KB
+    pages (the block layer pins and maps 2 pages, not 864), and 2 threads streamed weights at 33-37 GB/s against
+    30-32 (fewer TLB misses). Python's default mmap is shared memory, which THP's "madvise" mode never backs."""
+    import mmap
+    buf = mmap.mmap(-1, max(int(nbytes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Linux only; a kernel without THP says EINVAL: 4 KB pages. PICAFLOR_HUGE_PAGES=0 asks for 4 KB pages (A/Bs)
+    if hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("PICAFLOR_HUGE_PAGES", "1") != "0":
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return buf
+
+
+def anon_tensor(shape, dtype):
+    """An uninitialised tensor in anon_buffer memory (the engine's fused resident weights)."""
+    n = math.prod(shape)
+    return torch.frombuffer(anon_buffer(n * dtype.itemsize), dtype=dtype, count=n).view(shape)
+
+
 def part_tensor(buf, base, spec, dtype):
     """A zero-copy tensor over buf[base + off : base + off + n]."""
     off, n = spec
@@ -491,9 +514,8 @@ class Container:
     def _pread(self, offset, nbytes, direct=True, buf=None):
         """One read of nbytes at offset into `buf` (a page-aligned anonymous mmap, or a view into one, of that
         size, reused by the caller) or a fresh one."""
-        import mmap
         if buf is None or len(buf) != max(nbytes, 1):
-            buf = mmap.mmap(-1, max(nbytes, 1))
+            buf = anon_buffer(nbytes)
         direct_fd = self.direct_fd  # one read of the attribute: another reader thread may clear it
         if direct and direct_fd is not None:
             try:

@@ -29,7 +29,6 @@ from the container on a miss by expert_reader.cpp's C++ threads (Python threads 
 import atexit
 import ctypes
 import itertools
-import mmap
 import os
 import sys
 import threading
@@ -165,6 +164,37 @@ def wait_quietly(futures):
     concurrent.futures.wait([f for f in futures if not isinstance(f, NativeRead)])
 
 
+class BlobBuffers:
+    """Expert blob buffers carved from chunks of container.anon_buffer memory (huge pages: a blob read into them
+    costs a fifth of the CPU and half the time, see there; one 3.5 MB mapping per blob holds no aligned 2 MB page
+    whole, so they share chunks). A slot is a memoryview of the chunk. take() gives a slot nobody holds: one never
+    used, else one whose holders (an expert, its views, a read in flight, a caller's slice) have all let go, which
+    its reference count tells, else a new chunk's first. The chunks live as long as their slots."""
+
+    def __init__(self, nbytes, chunk_bytes=64 << 20):
+        self.nbytes, self.stride = nbytes, C.align_up(nbytes)  # O_DIRECT wants each slot page-aligned
+        self.per_chunk = max(1, chunk_bytes // self.stride)
+        self.slots, self.fresh = [], []  # every slot made; those never handed out
+        probe = [bytearray()]  # a slot's reference count when only self.slots holds it (measured: the offsets
+        self.free_refs = sys.getrefcount(probe[0])  # differ between Python versions)
+
+    def _idle(self, i):
+        return sys.getrefcount(self.slots[i]) == self.free_refs
+
+    def take(self):
+        if not self.fresh:
+            for i in range(len(self.slots)):  # a slot every holder let go of (rare: a caller kept an expert)
+                if self._idle(i):
+                    return self.slots[i]
+            chunk = C.anon_buffer(self.per_chunk * self.stride)
+            whole = memoryview(chunk)
+            made = [whole[i * self.stride:i * self.stride + self.nbytes] for i in range(self.per_chunk)]
+            del whole
+            self.slots += made
+            self.fresh = made[::-1]
+        return self.fresh.pop()
+
+
 class ExpertCache:
     """All routed experts of all layers share one byte budget. Policy "score" (default): evict the cached expert
     its layer's router has scored lowest lately (an average of its selection score, sigmoid + bias, decaying by
@@ -173,7 +203,7 @@ class ExpertCache:
     on a small Python thread pool (os.preadv releases the GIL; so does the crc32 check); the dict itself is only
     touched by the calling thread. An evicted expert's buffer is read into again by the
     next miss (`free_bufs`), unless something still holds that expert: a fresh 3.5 MB anonymous mmap cost ~4.6 ms
-    to fault in and its munmap ~0.9 ms here, per miss."""
+    to fault in and its munmap ~0.9 ms here, per miss. New buffers come from BlobBuffers (huge pages)."""
 
     def __init__(self, container, budget_bytes, make_expert, score_ops=None, reader_ops=None, n_readers=4,
                  policy="score", reuse_views=False):
@@ -204,6 +234,7 @@ class ExpertCache:
         self.entries = OrderedDict()  # (layer, expert) -> Expert
         self.inflight = {}  # (layer, expert) -> ([Future per part], is_prefetch, buffer)
         self.free_bufs = []  # evicted experts' buffers, for the next read (counted in `used` until reused)
+        self.blob_buffers = BlobBuffers(self.nbytes)  # where buffers come from when none is free
         # id(buffer) -> [buffer (kept alive, so the id is its own), its tensor views, those tensors, their reference
         # counts held here alone]: a blob's views are made once per buffer and serve every blob read into it after
         # (decode_expert cost 20-45 us hot, more after a GEMV, on the critical path of a layer's last miss)
@@ -393,7 +424,7 @@ class ExpertCache:
             self.c.check_expert_blob(*key, buf)  # raises ContainerError (naming the expert) through the future
 
     def _submit(self, key):
-        buf = self.free_bufs.pop() if self.free_bufs else mmap.mmap(-1, self.nbytes)
+        buf = self.free_bufs.pop() if self.free_bufs else self.blob_buffers.take()
         self.inflight[key] = (self._read(key, buf), False, buf)
 
     def _finish(self, key):
@@ -437,7 +468,7 @@ class ExpertCache:
                 continue
             slots = min(self.n_slots, self.budget // self.nbytes // 4)
             if not self.slot_bufs and len(self.guesses) < slots and self._ensure_room(protect, wait=False):
-                self.slot_bufs.append(self.free_bufs.pop() if self.free_bufs else mmap.mmap(-1, self.nbytes))
+                self.slot_bufs.append(self.free_bufs.pop() if self.free_bufs else self.blob_buffers.take())
             if not self.slot_bufs:
                 old = next((k for k in self.guesses if k not in protect and all(f.done() for f in self.guesses[k][0])),
                            None)

@@ -44,7 +44,6 @@ def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=(), picked=Non
     on n_readers threads (expert_reader.cpp's, else Python's), as the cache reads them; only blobs not in `exclude` (those this run already read: a
     cache below the guest served recently read blobs at 2 GB/s here, fresh ones at 0.6-1.6). None if fewer than
     8 such blobs are left. The blobs it reads are added to the set `picked` when one is given."""
-    import mmap
     import random
     keys = [(int(l), e) for l, ents in cont.header["experts"].items() for e in range(len(ents))]
     keys = [k for k in keys if k not in exclude]
@@ -55,7 +54,8 @@ def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=(), picked=Non
     if picked is not None:
         picked.update(pick)
     part = -(-n // n_readers // C.ALIGN) * C.ALIGN
-    bufs = [mmap.mmap(-1, n) for _ in range(2)]
+    blobs = EC.BlobBuffers(n)  # as the cache's buffers (huge pages, which read faster)
+    bufs = [blobs.take() for _ in range(2)]
     t0 = time.perf_counter()
     ops = S.native_reader()
     if ops is not None:  # expert_reader.cpp's threads, as the cache reads (its pool 2: the bench's)
@@ -83,6 +83,18 @@ def cpu_times():
         return None
 
 
+def huge_page_bytes():
+    """Bytes of this process's memory in transparent huge pages (/proc/self/smaps_rollup), or None: whether the
+    kernel granted the weights and blob buffers the huge pages container.anon_buffer asks for."""
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def others_cpu_fraction(before, after, own_cpu_s, wall_s):
     """The share of all cores that other processes kept busy between two cpu_times() reads (busy less steal less
     this process's own CPU time): a neighbour (a spinning parent, a test run) takes cores decode wants."""
@@ -104,8 +116,8 @@ def measure_memory_bandwidth(mb=64, reps=5, max_reps=40, max_s=0.5):
     """Bytes moved per second by the fastest copy of mb MB: at least `reps` copies, then more (up to max_reps)
     while max_s lasts. A hypervisor that takes the CPU for a few ms slows some copies, not the fastest: five copies
     in a steal spike once read 8.3 GB/s here against ~20, and the bound they gave was below what decode achieved."""
-    a = torch.empty(mb << 18, dtype=torch.float32).fill_(1.0)
-    b = torch.empty_like(a)
+    a = C.anon_tensor([mb << 18], torch.float32).fill_(1.0)  # in huge pages, as the engine's weights
+    b = C.anon_tensor([mb << 18], torch.float32)
     best, start = 1e9, time.perf_counter()
     for i in range(max_reps):
         if i >= reps and time.perf_counter() - start > max_s:
@@ -234,6 +246,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "others_cpu_fraction": others_cpu_fraction(cpu0, cpu1, own1 - own0, wall1 - wall0), "cache_policy": eng.cache.policy,
         "expert_bytes": cont.expert_nbytes, "cache_capacity_experts": st["capacity_experts"],
         "peak_rss_bytes": S.peak_rss_bytes(), "resident_rss_bytes": eng.resident_rss, "baseline_rss_bytes": eng.baseline_rss,
+        "huge_page_bytes": huge_page_bytes(),
         "disk_bw_bytes_s": disk_bw, "disk_bw_before_bytes_s": disk_before, "disk_bw_after_bytes_s": disk_after,
         "disk_bw_decode_bytes_s": disk_decode,
         "mem_bw_bytes_s": mem_bw,
@@ -385,8 +398,9 @@ def print_bench(res):
           f"(/proc/self/io; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB) | waiting for reads "
           f"{res['read_wait_s_per_token'] * 1e3:.1f} ms of a token's {1e3 / max(res['decode_tok_s'], 1e-9):.1f} ms")
     cgp = res.get("cgroup_peak_bytes")
+    huge = res.get("huge_page_bytes")
     print(f"peak RSS {S.fmt_size(res['peak_rss_bytes'])} (cgroup peak incl. page cache "
-          f"{S.fmt_size(cgp) if cgp else 'n/a'}) | "
+          f"{S.fmt_size(cgp) if cgp else 'n/a'}; in huge pages {S.fmt_size(huge) if huge is not None else 'n/a'}) | "
           f"disk {g(res['disk_bw_bytes_s']).replace(' GB', ' GB/s')}{disk_spread(res)}, memory {res['mem_bw_bytes_s'] / 1e9:.2f} GB/s -> bound "
           f"{res['bound_tok_s']:.2f} tok/s (serial {res['bound_tok_s_serial']:.2f}); decode is "
           f"{res['decode_tok_s'] / res['bound_tok_s'] * 100:.0f}% of the bound")

@@ -691,9 +691,13 @@ class Engine:
             attrs = [n.split(".")[-2] for n in names]
             if (all(r["kind"] == "int4" for r in parts) and all(r["shape"][0] % C.ROW_BLOCK == 0 for r in parts)
                     and len({(r["shape"][1], r["group_size"]) for r in parts}) == 1):
+                # into huge-page memory, as the container's own reads (C.anon_buffer: faster GEMVs)
+                packed = C.anon_tensor([sum(r["packed"].numel() for r in parts)], torch.uint8)
+                sz0 = parts[0]["sz"].shape
+                sz = C.anon_tensor([sz0[0], sum(r["sz"].shape[1] for r in parts), sz0[2]], parts[0]["sz"].dtype)
                 joined = {"kind": "int4", "shape": [sum(r["shape"][0] for r in parts), parts[0]["shape"][1]],
-                          "group_size": parts[0]["group_size"], "packed": torch.cat([r["packed"] for r in parts]),
-                          "sz": torch.cat([r["sz"] for r in parts], dim=1)}
+                          "group_size": parts[0]["group_size"], "packed": torch.cat([r["packed"] for r in parts], out=packed),
+                          "sz": torch.cat([r["sz"] for r in parts], dim=1, out=sz)}
                 setattr(module, fused_name, QLinear(to_dev(joined), kernel))
                 for a in attrs:
                     setattr(module, a, None)

@@ -42,7 +42,11 @@ def main():
     ap.add_argument("--int8-shape", default="32768x2048", help="N x K of the int8 rows (micro's lm_head); 0 skips")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--pages", choices=("huge", "4k"), default="huge",
+                    help="weights in huge-page memory as stream_infer places them (container.anon_buffer), or torch's")
     a = ap.parse_args()
+    place = ((lambda t: C.anon_tensor(list(t.shape), t.dtype).copy_(t)) if a.pages == "huge"  # noqa: E731
+             else (lambda t: t))
     N, K = (int(v) for v in a.shape.lower().split("x"))
     g = a.group_size
     Np, Kp = C.int4_padded_shape((N, K), g)
@@ -52,8 +56,8 @@ def main():
     gen = torch.Generator().manual_seed(0)
     one = Np * Kp // 2 + (Kp // g) * Np * 2 * 2
     n_mats = max(1, (a.mb << 20) // one)
-    mats = [(torch.randint(0, 256, (Np * Kp // 2,), dtype=torch.uint8, generator=gen),
-             (torch.randn(Kp // g, Np, 2, generator=gen) * 0.01).to(torch.bfloat16)) for _ in range(n_mats)]
+    mats = [(place(torch.randint(0, 256, (Np * Kp // 2,), dtype=torch.uint8, generator=gen)),
+             place((torch.randn(Kp // g, Np, 2, generator=gen) * 0.01).to(torch.bfloat16))) for _ in range(n_mats)]
     x = torch.randn(1, K, generator=gen)
     xb = torch.nn.functional.pad(x, (0, Kp - K)).to(torch.bfloat16)
     kernels = {"native": lambda p, sz: op.int4_mm(x, p, sz, N, g)}
@@ -63,7 +67,7 @@ def main():
         kernels["native_avx2"] = lambda p, sz: op.int4_mm_avx2(x, p, sz, N, g)
     if S.cpu_int4pack_ok() and g in S.INT4PACK_GROUPS:
         kernels["int4pack"] = lambda p, sz: torch._weight_int4pack_mm_for_cpu(xb, p.view(Np, Kp // 2), g, sz)
-    print(f"shape {N}x{K} group {g}: {one / 1e6:.2f} MB per matrix, cold loop over {n_mats} ({n_mats * one / 1e6:.0f} MB); "
+    print(f"shape {N}x{K} group {g}, {a.pages} pages: {one / 1e6:.2f} MB per matrix, cold loop over {n_mats} ({n_mats * one / 1e6:.0f} MB); "
           f"AVX2 path: {op.has_avx2()}, AVX-512 path: {op.has_avx512()}, VNNI path: {op.has_vnni()}")
     rows = []
     for th in (int(t) for t in a.threads.split(",")):
@@ -80,17 +84,17 @@ def main():
             nat, pack = rows[-len(kernels)], rows[-1]
             print(f"  native / int4pack at {th} thread(s): cold {pack['cold_ms'] / nat['cold_ms']:.2f}x, "
                   f"hot {pack['hot_ms'] / nat['hot_ms']:.2f}x")
-    rows8 = int8_rows_bench(op, a) if a.int8_shape != "0" else []
+    rows8 = int8_rows_bench(op, a, place) if a.int8_shape != "0" else []
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(shape=[N, K], group_size=g, matrix_bytes=one, rows=rows, int8_rows=rows8), f, indent=1)
 
 
-def int8_rows_bench(op, a):
+def int8_rows_bench(op, a, place):
     """ms per GEMV (M=1) over int8 rows with one fp32 scale each; the matrices (3 of them) are larger than L3."""
     N, K = (int(v) for v in a.int8_shape.lower().split("x"))
     gen = torch.Generator().manual_seed(1)
-    qs = [torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen) for _ in range(3)]
+    qs = [place(torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)) for _ in range(3)]
     scale = torch.rand(N, generator=gen) * 0.01
     x = torch.randn(1, K, generator=gen)
     kernels = {"native_q8": lambda q: op.int8_mm(x, q, scale), "native_q8_avx2": lambda q: op.int8_mm_avx2(x, q, scale),

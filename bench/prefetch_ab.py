@@ -15,7 +15,6 @@ bypass the page cache, and both modes run in the same process under the same bud
 """
 import argparse
 import json
-import mmap
 import os
 import random
 import sys
@@ -47,7 +46,7 @@ def background_reads(cont, n_readers, stop, counted):
     keys = [(int(l), e) for l, ents in cont.header["experts"].items() for e in range(len(ents))]
     n = cont.expert_nbytes
     part = -(-n // n_readers // C.ALIGN) * C.ALIGN
-    buf = mmap.mmap(-1, n)
+    buf = EC.BlobBuffers(n).take()  # as the cache's buffers
     ops = S.native_reader()
     if ops is not None:  # as the cache reads: expert_reader.cpp's threads
         while not stop.is_set():
