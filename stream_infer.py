@@ -16,7 +16,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
 - The model is model.py's Picaflor built on the meta device (model.meta_model: no random init, which would import
   torch._dynamo and cost 180 MB of the budget), its modules swapped for container-backed ones, so
   attention, RoPE, the KV cache, norms and the block wiring are model.py's code, not a copy. Resident (read once
-  into anonymous memory): the lm_head (int8 rows by default), attention, dense FFN and shared experts (int4),
+  into private anonymous memory advised for huge pages, container.anon_buffer, as the expert buffers are): the lm_head (int8 rows by default), attention, dense FFN and shared experts (int4),
   norms, routers and selection biases (fp32), plus the KV cache. The int8 embedding table stays on disk when
   the lm_head does not share it: its crc is checked at load and each lookup reads the token's row (DiskEmbedding).
 - Routed experts live in ONE byte-budget cache over all layers (expert_cache.py: its readers, its policy "score"

@@ -418,6 +418,29 @@ def test_decode_profile_script(tiny, tmp_path):
     assert r.returncode != 0 and "no such container" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_token_ab_script(tiny, tmp_path):
+    """bench/token_ab.py alternates a cache setting every decode token: each value gets its share of the tokens
+    (the first value of each prompt rotates); a malformed --set is one line and a non-zero exit."""
+    m, path = tiny
+    script = os.path.join(ROOT, "bench", "token_ab.py")
+    r = subprocess.run([sys.executable, script, path, "--ram-budget", "4G", "--set", "n_parts=1,2,3", "--prompts", "2",
+                        "--tokens", "7"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    counts = {int(v): int(n) for v, n in re.findall(r"n_parts=(\d): (\d+) tokens", r.stdout)}
+    assert counts == {1: 4, 2: 4, 3: 4}, r.stdout  # 2 prompts x 6 tokens over 3 values
+    r = subprocess.run([sys.executable, script, path, "--ram-budget", "4G", "--set", "n_parts=4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "at least two values" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("token_ab", script)
+    token_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(token_ab)
+    assert token_ab.parse_set("native_reads=1,0") == ("native_reads", [True, False])
+    for bad, msg in (("budget=1,2", "NAME one of"), ("n_parts=a,b", "ints"), ("n_parts", "NAME=V1,V2")):
+        with pytest.raises(SystemExit, match=msg):
+            token_ab.parse_set(bad)
+
+
 def test_cache_replay_cli_bad_input(tmp_path):
     """bench/cache_replay.py: a missing container or a malformed list is one line and a non-zero exit."""
     script = os.path.join(ROOT, "bench", "cache_replay.py")
