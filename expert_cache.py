@@ -167,9 +167,10 @@ def wait_quietly(futures):
 class BlobBuffers:
     """Expert blob buffers carved from chunks of container.anon_buffer memory (huge pages: a blob read into them
     costs a fifth of the CPU and half the time, see there; one 3.5 MB mapping per blob holds no aligned 2 MB page
-    whole, so they share chunks). A slot is a memoryview of the chunk. take() gives a slot nobody holds: one never
-    used, else one whose holders (an expert, its views, a read in flight, a caller's slice) have all let go, which
-    its reference count tells, else a new chunk's first. The chunks live as long as their slots."""
+    whole, so they share chunks). A slot is a ctypes array over its part of a chunk: a tensor over it, a memoryview
+    of it (or a slice of one) and a read in flight all hold the slot object itself (a memoryview slot would not
+    be held by its slices), so its reference count tells when every holder has let go. take() gives a slot nobody
+    holds: one never used, else one let go of, else a new chunk's first. A chunk lives as long as its slots."""
 
     def __init__(self, nbytes, chunk_bytes=64 << 20):
         self.nbytes, self.stride = nbytes, C.align_up(nbytes)  # O_DIRECT wants each slot page-aligned
@@ -187,9 +188,7 @@ class BlobBuffers:
                 if self._idle(i):
                     return self.slots[i]
             chunk = C.anon_buffer(self.per_chunk * self.stride)
-            whole = memoryview(chunk)
-            made = [whole[i * self.stride:i * self.stride + self.nbytes] for i in range(self.per_chunk)]
-            del whole
+            made = [(ctypes.c_char * self.nbytes).from_buffer(chunk, i * self.stride) for i in range(self.per_chunk)]
             self.slots += made
             self.fresh = made[::-1]
         return self.fresh.pop()

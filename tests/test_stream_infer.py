@@ -952,7 +952,14 @@ def test_weights_and_blob_buffers_in_huge_page_memory(tiny):
     assert addrs[1] not in got and addrs[0] in got and addrs[2] in got  # a and c again (and d), never b
     assert len(blobs.slots) == 4
     del held
-    assert ctypes.addressof(ctypes.c_char.from_buffer(blobs.take())) == addrs[1]  # let go: b again
+    e = blobs.take()
+    assert ctypes.addressof(ctypes.c_char.from_buffer(e)) == addrs[1]  # let go: b again
+    view = memoryview(e)[100:200]  # a slice of a view holds the slot too (it would not hold a memoryview slot)
+    del e, again
+    kept = [blobs.take() for _ in range(3)]  # a, c and d, idle again; not b
+    assert addrs[1] not in {ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in kept} and len(blobs.slots) == 4
+    del view
+    assert ctypes.addressof(ctypes.c_char.from_buffer(blobs.take())) == addrs[1]
 
 
 def test_native_int4_kernel_rejects_wrong_sizes():
