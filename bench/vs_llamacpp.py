@@ -20,7 +20,7 @@ benchmark weights) gets a small byte-level one so llama.cpp can load the file; t
 
 llama-cpp-python is for this benchmark only (not in requirements.txt); it builds llama.cpp from source:
     CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36
-(~25 min on 2 cores of the earlier machine, ~6 on a Sapphire Rapids VM.) A second build goes to its own folder with
+(~25 min on 2 cores of the earlier machine, ~6 on a Sapphire Rapids VM, ~5 on an AMD EPYC one.) A second build goes to its own folder with
 --target DIR (and --no-cache-dir --no-binary llama-cpp-python, or pip reuses the first wheel whatever CMAKE_ARGS
 say); --llama-builds NAME=DIR then runs every setting on it as well. On Sapphire Rapids the native build's
 repacked weights segfault (AMX) and a -DGGML_AMX_INT8=OFF build runs them: README has both commands.
