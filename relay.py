@@ -653,7 +653,17 @@ def cmd_run(args):
                else str(failure))
         raise RelayError(f"{crashed}; lease released, nothing pushed ({why}), local files kept in {run_dir}"
                          if rc != 0 else f"{failure}; lease released")
-    sha, row = commit_push(store, lease, plan, run_dir)
+    try:
+        sha, row = commit_push(store, lease, plan, run_dir)
+    except Fenced:
+        raise
+    except RelayError as e:  # the store failed the commit (unreachable, refused): the leg exists only here, so the
+        # baton is kept for a retry rather than handed to someone who would train again from the pulled step
+        maybe = " (it may have landed: `relay.py status` shows the head)" if isinstance(e, Transient) else ""
+        raise RelayError(f"push failed: {e}{maybe}; the checkpoint is kept at {plan['ck']} and the lease stays yours "
+                         f"until {lease.ttl_s:.0f}s after its last renewal: retry with `python relay.py push "
+                         f"{store.url} --workdir {os.path.dirname(lease.path)}`, then `python relay.py release {store.url} "
+                         f"--workdir {os.path.dirname(lease.path)}`") from None
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     release(store, lease)
     print(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")

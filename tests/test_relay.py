@@ -639,6 +639,32 @@ def test_trainer_crash_whose_push_fails_still_releases(tmp_path, hub, rl, monkey
     assert rows == [] and snap.relay["holder"] is None and snap.state["step"] == 0  # released, nothing half-pushed
 
 
+def test_leg_whose_push_fails_keeps_the_lease_for_a_retry(tmp_path, hub, rl, monkeypatch):
+    """A finished leg whose push the store fails (unreachable, refused) exists only locally: the run says so in one
+    line and keeps the baton (a release would let the next contributor train again from the pulled step), and the
+    `push` and `release` it names finish the leg."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    real = relay.commit_push
+
+    def refused(*a, **k):
+        raise relay.Transient("the store timed out (a test)")
+    monkeypatch.setattr(relay, "commit_push", refused)
+    r = rl(["run", url, "--steps", "4", "--train-script", fake, "--workdir", tmp_path / "wa"], env)
+    assert r.returncode == 3 and "push failed: the store timed out (a test)" in r.stderr, r.stderr
+    assert "it may have landed" in r.stderr and "lease stays yours" in r.stderr and "Traceback" not in r.stderr
+    assert f"relay.py push {url} --workdir {tmp_path / 'wa'}" in r.stderr
+    store = relay.open_store(url)
+    rows, snap = ledger_rows(store)
+    assert rows == [] and snap.relay["holder"] and snap.state["step"] == 0  # held, nothing pushed
+    monkeypatch.setattr(relay, "commit_push", real)
+    assert rl(["push", url, "--workdir", tmp_path / "wa"], env).returncode == 0
+    assert rl(["release", url, "--workdir", tmp_path / "wa"], env).returncode == 0
+    rows, snap = ledger_rows(store)
+    assert len(rows) == 1 and snap.state["step"] == 4 and snap.relay["holder"] is None
+
+
 def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
     """The real train.py under relay (and under the guardian, --supervise): init writes the step-0 checkpoint, a decay
     request reaches the next leg through control.json, the leg's checkpoint is pushed, pulled, verified and loads
