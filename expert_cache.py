@@ -170,12 +170,14 @@ class BlobBuffers:
     whole, so they share chunks). A slot is a ctypes array over its part of a chunk: a tensor over it, a memoryview
     of it (or a slice of one) and a read in flight all hold the slot object itself (a memoryview slot would not
     be held by its slices), so its reference count tells when every holder has let go. take() gives a slot nobody
-    holds: one never used, else one let go of, else a new chunk's first. A chunk lives as long as its slots."""
+    holds: one let go of (so memory a caller held and released is used again before any new page is touched),
+    else one never used, else a new chunk's first. A chunk lives as long as its slots."""
 
     def __init__(self, nbytes, chunk_bytes=64 << 20):
         self.nbytes, self.stride = nbytes, C.align_up(nbytes)  # O_DIRECT wants each slot page-aligned
         self.per_chunk = max(1, chunk_bytes // self.stride)
         self.slots, self.fresh = [], []  # every slot made; those never handed out
+        self.where = {}  # id(slot) -> (its chunk, offset, index): to give a let-go slot's pages back (trim)
         probe = [bytearray()]  # a slot's reference count when only self.slots holds it (measured: the offsets
         self.free_refs = sys.getrefcount(probe[0])  # differ between Python versions)
 
@@ -183,15 +185,33 @@ class BlobBuffers:
         return sys.getrefcount(self.slots[i]) == self.free_refs
 
     def take(self):
+        for i in range(len(self.slots)):  # a slot every holder let go of (a never-used one is held by self.fresh too)
+            if self._idle(i):
+                return self.slots[i]
         if not self.fresh:
-            for i in range(len(self.slots)):  # a slot every holder let go of (rare: a caller kept an expert)
-                if self._idle(i):
-                    return self.slots[i]
             chunk = C.anon_buffer(self.per_chunk * self.stride)
             made = [(ctypes.c_char * self.nbytes).from_buffer(chunk, i * self.stride) for i in range(self.per_chunk)]
+            base = len(self.slots)
+            self.where.update((id(v), (chunk, i * self.stride, base + i)) for i, v in enumerate(made))
             self.slots += made
             self.fresh = made[::-1]
         return self.fresh.pop()
+
+    def trim(self, ids):
+        """Of the slots named by id (buffers that left a cache while a caller held them), give back the pages of
+        those now let go (MADV_DONTNEED: they read as zeros when taken again), so memory a caller held and released
+        is no longer in the process; returns the ids still held."""
+        import mmap
+        held = set()
+        for i in ids:
+            if i not in self.where:
+                continue
+            chunk, off, k = self.where[i]
+            if not self._idle(k):
+                held.add(i)
+            elif hasattr(mmap, "MADV_DONTNEED"):
+                chunk.madvise(mmap.MADV_DONTNEED, off, self.stride)
+        return held
 
 
 class ExpertCache:
@@ -233,6 +253,9 @@ class ExpertCache:
         self.entries = OrderedDict()  # (layer, expert) -> Expert
         self.inflight = {}  # (layer, expert) -> ([Future per part], is_prefetch, buffer)
         self.free_bufs = []  # evicted experts' buffers, for the next read (counted in `used` until reused)
+        # ids of buffers that left while something held them (outside `used`): once let go, their pages go back
+        # (BlobBuffers.trim, at the next request), so the process is under its budget again
+        self.orphans = set()
         self.blob_buffers = BlobBuffers(self.nbytes)  # where buffers come from when none is free
         # id(buffer) -> [buffer (kept alive, so the id is its own), its tensor views, those tensors, their reference
         # counts held here alone]: a blob's views are made once per buffer and serve every blob read into it after
@@ -343,8 +366,11 @@ class ExpertCache:
                 self.free_bufs.append(buf)
             else:  # someone still holds the expert or a tensor over its buffer: both stay theirs
                 del self.views_of_buf[id(buf)]
+                self.orphans.add(id(buf))
         elif buf is not None and all(r() is None for r in refs):
             self.free_bufs.append(buf)
+        elif buf is not None:
+            self.orphans.add(id(buf))
 
     def _ensure_room(self, protect, wait):
         """Evict entries not in `protect` (by the policy) until one more blob fits (a free buffer is one: the next
@@ -434,6 +460,7 @@ class ExpertCache:
                 f.result()
         except BaseException:  # a failed read (or Ctrl-C while waiting): the buffer leaves the cache, its views too
             self.views_of_buf.pop(id(buf), None)
+            self.orphans.add(id(buf))
             raise
         self.read_wait_s += time.perf_counter() - t0  # the decoding thread stalled on the disk (the bench's split)
         self.entries[key] = self._expert_over(buf)  # crc checked by its last reader
@@ -443,6 +470,8 @@ class ExpertCache:
     def request(self, keys, protect):
         """Start reads for keys neither cached nor in flight, while they fit without evicting `protect`. A key
         that was guessed leaves the guess buffers with its read (landed or not) and joins the cache."""
+        if self.orphans:
+            self.orphans = self.blob_buffers.trim(self.orphans)
         for key in keys:  # first the right guesses: they need no room
             if key in self.guesses:
                 fut, buf = self.guesses.pop(key)

@@ -657,7 +657,7 @@ def cmd_run(args):
         sha, row = commit_push(store, lease, plan, run_dir)
     except Fenced:
         raise
-    except RelayError as e:  # the store failed the commit (unreachable, refused): the leg exists only here, so the
+    except (RelayError, OSError) as e:  # the store failed the commit (unreachable, refused, its disk): the leg exists only here, so the
         # baton is kept for a retry rather than handed to someone who would train again from the pulled step
         maybe = " (it may have landed: `relay.py status` shows the head)" if isinstance(e, Transient) else ""
         raise RelayError(f"push failed: {e}{maybe}; the checkpoint is kept at {plan['ck']} and the lease stays yours "

@@ -335,13 +335,13 @@ def bench_in_cgroup(args, argv):
     import subprocess
     import tempfile
     budget = S.parse_size(args.ram_budget) if args.ram_budget else None
+    mem_bw = memory_bandwidth_elsewhere(args.threads)  # before the cgroup exists: its failure leaves none behind
     dropped = drop_page_cache(args.container)
     cg, ver = limited_cgroup(budget) if budget else (None, None)
     with tempfile.TemporaryDirectory() as td:
         res_path = os.path.join(td, "result.json")
         argv = [sys.executable, os.path.abspath(S.__file__)] + list(argv)  # the child: stream_infer.py
-        env = dict(os.environ, PICAFLOR_BENCH_CHILD=res_path,
-                   PICAFLOR_BENCH_MEM_BW=repr(memory_bandwidth_elsewhere(args.threads)))
+        env = dict(os.environ, PICAFLOR_BENCH_CHILD=res_path, PICAFLOR_BENCH_MEM_BW=repr(mem_bw))
         procs = os.path.join(cg, "cgroup.procs") if cg else None
 
         def enter_cgroup():

@@ -21,7 +21,21 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stream_infer as S  # noqa: E402
 
-SETTABLE = {"n_parts": int, "native_reads": lambda v: v.lower() in ("1", "true", "yes")}
+def positive_int(v):
+    n = int(v)
+    if n < 1:
+        raise ValueError(v)
+    return n
+
+
+def boolean(v):
+    if v.lower() not in ("1", "0", "true", "false"):
+        raise ValueError(v)
+    return v.lower() in ("1", "true")
+
+
+positive_int.__name__, boolean.__name__ = "positive int", "0/1/true/false"
+SETTABLE = {"n_parts": positive_int, "native_reads": boolean}
 
 
 def parse_set(text):
@@ -32,7 +46,7 @@ def parse_set(text):
     try:
         vals = [SETTABLE[name](v) for v in values.split(",")]
     except ValueError:
-        raise SystemExit(f"error: --set {text!r}: values must be {SETTABLE[name].__name__}s") from None
+        raise SystemExit(f"error: --set {text!r}: values must be {SETTABLE[name].__name__} values") from None
     if len(vals) < 2:
         raise SystemExit(f"error: --set {text!r}: give at least two values to compare")
     return name, vals
@@ -47,8 +61,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=48, help="decode tokens per prompt (after 16 prompt tokens)")
     a = ap.parse_args()
     name, vals = parse_set(a.set)
-    if a.prompts < 1 or a.tokens < 2:
-        raise SystemExit("error: --prompts >= 1 and --tokens >= 2")
+    if a.prompts < 1 or a.tokens < 2 or a.prompts * (a.tokens - 1) < len(vals):
+        raise SystemExit(f"error: --prompts >= 1, --tokens >= 2, and at least one decode token per value "
+                         f"({a.prompts} x {a.tokens - 1} for {len(vals)} values)")
     try:
         eng = S.load(a.container, ram_budget=a.ram_budget)
     except S.StreamError as e:

@@ -188,6 +188,30 @@ def test_evicted_buffers_are_recycled_unless_held(tiny):
     assert torch.equal(S.Expert(eng.container, b.buf, "reference")(x), fresh(x))
 
 
+def test_buffers_let_go_after_leaving_the_cache_give_their_memory_back(tiny):
+    """An expert evicted while a caller holds it leaves the cache's count; once the caller lets go, its buffer's
+    pages go back to the system (read as zeros) and the slot serves a later read, so rounds of held-and-released
+    experts do not grow the process past its budget (the chunks' slots were touched anew each round)."""
+    m, path = tiny
+    eng = S.load(path, prefetch=False, preload=False)
+    cache, blobs = eng.cache, eng.cache.blob_buffers
+    cache.budget = 2 * cache.nbytes
+    cache.get((1, 0), set())
+    cache.get((1, 1), set())
+    for rnd in range(3):
+        held = cache.get((2, rnd), set())
+        addr, slot_id = ctypes.addressof(held.buf), id(held.buf)  # a slot is a ctypes array
+        cache.get((3, 2 * rnd), set())
+        cache.get((3, 2 * rnd + 1), set())  # evicts `held`: its buffer leaves the cache, still the caller's
+        assert slot_id in cache.orphans and any(cache_bytes_at(addr, cache.nbytes))
+        cache.request([(1, 0)], set())
+        assert slot_id in cache.orphans  # still held: its bytes stay
+        del held
+        cache.request([(1, 0)], set())  # let go: the next request gives its pages back
+        assert not cache.orphans and not any(cache_bytes_at(addr, cache.nbytes)), rnd  # zeros: the pages went back
+    assert len(blobs.slots) - len(blobs.fresh) <= 4 and cache.used <= cache.budget
+
+
 def test_a_buffers_views_serve_its_next_blobs_unless_held(tiny):
     m, path = tiny
     eng = S.load(path, prefetch=False, preload=False)
@@ -428,15 +452,18 @@ def test_token_ab_script(tiny, tmp_path):
     assert r.returncode == 0, r.stderr
     counts = {int(v): int(n) for v, n in re.findall(r"n_parts=(\d): (\d+) tokens", r.stdout)}
     assert counts == {1: 4, 2: 4, 3: 4}, r.stdout  # 2 prompts x 6 tokens over 3 values
-    r = subprocess.run([sys.executable, script, path, "--ram-budget", "4G", "--set", "n_parts=4"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "at least two values" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    for args, msg in ((["--set", "n_parts=4"], "at least two values"),
+                      (["--set", "n_parts=1,2", "--prompts", "1", "--tokens", "2"], "one decode token per value")):
+        r = subprocess.run([sys.executable, script, path, "--ram-budget", "4G", *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     import importlib.util
     spec = importlib.util.spec_from_file_location("token_ab", script)
     token_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(token_ab)
     assert token_ab.parse_set("native_reads=1,0") == ("native_reads", [True, False])
-    for bad, msg in (("budget=1,2", "NAME one of"), ("n_parts=a,b", "ints"), ("n_parts", "NAME=V1,V2")):
+    for bad, msg in (("budget=1,2", "NAME one of"), ("n_parts=a,b", "positive int"), ("n_parts=0,2", "positive int"),
+                     ("native_reads=maybe,1", "0/1/true/false"), ("n_parts", "NAME=V1,V2")):
         with pytest.raises(SystemExit, match=msg):
             token_ab.parse_set(bad)
 
@@ -940,7 +967,12 @@ def test_weights_and_blob_buffers_in_huge_page_memory(tiny):
         flags = vm_flags_at(t.data_ptr())
         assert "hg" in flags and "sh" not in flags, flags
     blobs = EC.BlobBuffers(5000, chunk_bytes=4 * 8192)
-    a, b, c = blobs.take(), blobs.take(), blobs.take()
+    first = blobs.take()
+    first_addr = ctypes.addressof(ctypes.c_char.from_buffer(first))
+    del first  # let go before the next take: it comes back before any never-used slot is touched
+    a = blobs.take()
+    assert ctypes.addressof(ctypes.c_char.from_buffer(a)) == first_addr
+    b, c = blobs.take(), blobs.take()
     addrs = [ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in (a, b, c)]
     assert all(len(v) == 5000 for v in (a, b, c)) and all(x % 4096 == 0 for x in addrs)
     assert sorted(addrs) == addrs and addrs[1] - addrs[0] == 8192  # page-aligned slots of one chunk
