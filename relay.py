@@ -91,10 +91,11 @@ def now_iso(t=None):
     return dt.datetime.fromtimestamp(time.time() if t is None else t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def commit_cas(store, parent, adds, deletes, message, relay, tries=5):
-    """One fenced commit. `relay` (the new RELAY.json) gets a fresh write_id; after a transient failure the head is
-    re-read and, if it holds our write_id, the commit landed (no retry, no duplicate). Returns the new head sha."""
-    relay = dict(relay, write_id=uuid.uuid4().hex)
+def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=None):
+    """One fenced commit. `relay` (the new RELAY.json) gets a fresh write_id (or the one given); after a transient
+    failure the head is re-read and, if it holds our write_id, the commit landed (no retry, no duplicate). Returns
+    the new head sha."""
+    relay = dict(relay, write_id=write_id or uuid.uuid4().hex)
     adds = dict(adds, **{"RELAY.json": (json.dumps(relay, indent=1) + "\n").encode()})
     delay = 0.2
     for attempt in range(tries):
@@ -417,16 +418,46 @@ def commit_push(store, lease, plan, run_dir, note=None):
     crashed). Raises Fenced if the lease is gone; the local dir is untouched either way."""
     step, base = plan["step"], plan["base"]
     new_relay = dict(lease.relay, leg=lease.leg + 1, heartbeat_at=time.time(), last_push_step=step)
+    # recorded first: if the store fails so that nobody knows whether the commit landed, a later `push` or
+    # `release` finds it by its write_id (adopt_landed_push) instead of being fenced off by our own commit
+    lease.pending_push = {"write_id": uuid.uuid4().hex, "step": step}
+    lease.save()
     try:
         sha, new_relay = commit_cas(store, lease.sha, plan["adds"], plan["stale"], f"relay: leg {lease.leg} by "
-                                    f"{lease.who}: steps {base}-{step}" + (f" ({note})" if note else ""), new_relay)
+                                    f"{lease.who}: steps {base}-{step}" + (f" ({note})" if note else ""), new_relay,
+                                    write_id=lease.pending_push["write_id"])
     except Conflict as e:
+        lease.pending_push = None  # someone else's commit: ours did not land (commit_cas checked)
+        lease.save()
         raise Fenced(f"push rejected: {e}; your checkpoint is kept at {plan['ck']}, nothing was lost locally")
+    chain_lease_to(lease, sha, new_relay, step, run_dir)
+    return sha, plan["row"]
+
+
+def chain_lease_to(lease, sha, new_relay, step, run_dir):
+    """Our push is the head: the lease chains from it."""
     lease.sha, lease.relay, lease.leg, lease.base_step = sha, new_relay, lease.leg + 1, step
     lease.pulled_at = time.time()  # a second push in this lease bills from here, not from the pull again
+    lease.pending_push = None
     lease.save()
-    open(os.path.join(run_dir, "PUSHED"), "w").write(f"{sha}\n")
-    return sha, plan["row"]
+    if run_dir and os.path.isdir(run_dir):
+        open(os.path.join(run_dir, "PUSHED"), "w").write(f"{sha}\n")
+
+
+def adopt_landed_push(store, lease):
+    """A push left unknown (the store failed mid-commit): if the head carries its write_id it landed, and the lease
+    moves on to it (returns the head sha); otherwise it did not land, and the lease is as it was (None)."""
+    pending = getattr(lease, "pending_push", None)
+    if not pending:
+        return None
+    head, _, _ = store.head()
+    relay = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head) if head != lease.sha else None
+    if relay and relay.get("write_id") == pending["write_id"]:
+        chain_lease_to(lease, head, relay, pending["step"], getattr(lease, "run_dir", None))
+        return head
+    lease.pending_push = None
+    lease.save()
+    return None
 
 
 def push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0):
@@ -545,8 +576,9 @@ def pdeathsig_setter():
 def release_quietly(store, lease):
     """Release after a failure that is being reported anyway: says whether it worked."""
     try:
+        pushed = adopt_landed_push(store, lease)  # a push that failed unseen may have landed: release after it
         release(store, lease)
-        return "lease released"
+        return f"the push had landed as {pushed[:10]} after all; lease released" if pushed else "lease released"
     except RelayError as e:
         return f"the lease could not be released ({e}; it expires after its ttl)"
 
@@ -659,7 +691,7 @@ def cmd_run(args):
         raise
     except (RelayError, OSError) as e:  # the store failed the commit (unreachable, refused, its disk): the leg exists only here, so the
         # baton is kept for a retry rather than handed to someone who would train again from the pulled step
-        maybe = " (it may have landed: `relay.py status` shows the head)" if isinstance(e, Transient) else ""
+        maybe = " (it may have landed: the push below finds out)" if isinstance(e, Transient) else ""
         raise RelayError(f"push failed: {e}{maybe}; the checkpoint is kept at {plan['ck']} and the lease stays yours "
                          f"until {lease.ttl_s:.0f}s after its last renewal: retry with `python relay.py push "
                          f"{store.url} --workdir {os.path.dirname(lease.path)}`, then `python relay.py release {store.url} "
@@ -824,15 +856,25 @@ def cmd_push(args):
     if not run_dir:
         raise RelayError("push: no leg dir recorded; pass --run-dir DIR (a train.py out_dir)")
     cfg = os.path.join(run_dir, "relay_config.py")
-    sha, row = push(store, lease, run_dir, usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
-                    else config_usd_per_hour(cfg, []))
+    earlier = adopt_landed_push(store, lease)
+    try:
+        sha, row = push(store, lease, run_dir, usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
+                        else config_usd_per_hour(cfg, []))
+    except NothingToPush:
+        if earlier is None:
+            raise
+        print(f"relay: the earlier push had landed as {earlier[:10]}; nothing newer to push")
+        return 0
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     return 0
 
 
 def cmd_release(args):
     store = open_store(args.store)
-    release(store, Lease.load(workdir_for(args), store))
+    lease = Lease.load(workdir_for(args), store)
+    if adopt_landed_push(store, lease):
+        print(f"relay: the earlier push had landed as {lease.sha[:10]}")
+    release(store, lease)
     print("relay: released the baton")
     return 0
 

@@ -665,6 +665,45 @@ def test_leg_whose_push_fails_keeps_the_lease_for_a_retry(tmp_path, hub, rl, mon
     assert len(rows) == 1 and snap.state["step"] == 4 and snap.relay["holder"] is None
 
 
+def test_push_that_landed_unseen_is_found_by_the_retry(tmp_path, hub, rl, monkeypatch):
+    """The store takes the push but fails every reply (unknown whether it landed): the named `push` finds it by its
+    write_id instead of being fenced off by our own commit, and `release` hands the baton back (both failed, and
+    nobody could claim until the ttl ran out). A disk that fails the commit is one line, not a traceback."""
+    import errno
+    import relay_store
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    real = relay.commit_cas
+
+    def landed_unseen(*a, **k):
+        if "steps" not in a[4]:  # the push's commit only
+            return real(*a, **k)
+        real(*a, **k)
+        raise relay.Transient("the store stayed unreachable, so it is unknown whether the commit landed")
+    monkeypatch.setattr(relay, "commit_cas", landed_unseen)
+    r = rl(["run", url, "--steps", "4", "--train-script", fake, "--workdir", tmp_path / "wa"], env)
+    assert r.returncode == 3 and "it may have landed" in r.stderr, r.stderr
+    monkeypatch.setattr(relay, "commit_cas", real)
+    p = rl(["push", url, "--workdir", tmp_path / "wa"], env)
+    assert p.returncode == 0 and "the earlier push had landed" in p.stdout, p.stderr
+    q = rl(["release", url, "--workdir", tmp_path / "wa"], env)
+    assert q.returncode == 0, q.stderr
+    store = relay.open_store(url)
+    rows, snap = ledger_rows(store)
+    assert len(rows) == 1 and snap.state["step"] == 4 and snap.relay["holder"] is None
+    # the next leg: the store's disk fails the push's commit
+    real_write = relay_store.FileStore._write_commit
+
+    def full(self, parent, tree, message):
+        if "steps" in message:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, parent, tree, message)
+    monkeypatch.setattr(relay_store.FileStore, "_write_commit", full)
+    r = rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", tmp_path / "wb"], env)
+    assert r.returncode == 3 and "No space left on device" in r.stderr and "lease stays yours" in r.stderr, r.stderr
+
+
 def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
     """The real train.py under relay (and under the guardian, --supervise): init writes the step-0 checkpoint, a decay
     request reaches the next leg through control.json, the leg's checkpoint is pushed, pulled, verified and loads
