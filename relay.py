@@ -689,8 +689,8 @@ def cmd_run(args):
         sha, row = commit_push(store, lease, plan, run_dir)
     except Fenced:
         raise
-    except (RelayError, OSError) as e:  # the store failed the commit (unreachable, refused, its disk): the leg exists only here, so the
-        # baton is kept for a retry rather than handed to someone who would train again from the pulled step
+    except (RelayError, OSError) as e:  # the store failed the commit (unreachable, refused, its disk full): the
+        # leg exists only here, so the baton is kept for a retry, not handed to someone who would redo the leg
         maybe = " (it may have landed: the push below finds out)" if isinstance(e, Transient) else ""
         raise RelayError(f"push failed: {e}{maybe}; the checkpoint is kept at {plan['ck']} and the lease stays yours "
                          f"until {lease.ttl_s:.0f}s after its last renewal: retry with `python relay.py push "

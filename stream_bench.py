@@ -132,7 +132,7 @@ def memory_bandwidth_elsewhere(threads):
     """measure_memory_bandwidth in a process of its own, with the threads decode will use, outside the child's
     cgroup (its two 64 MB buffers would count against the budget and stay in the child's peak RSS). Not in the
     parent: under OMP_WAIT_POLICY=ACTIVE the copy's OpenMP threads would spin on for the whole child run, and on
-    2 cores they took ~1.4 of them from the child (micro 2G decode 11-12 tok/s against 22 without them)."""
+    2 cores they took ~1.4 of them from the child (micro 2G decode 11-14 tok/s against 25 without them)."""
     import subprocess
     here = os.path.dirname(os.path.abspath(__file__))
     code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import stream_bench as B, stream_infer as S; "
