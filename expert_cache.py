@@ -165,9 +165,9 @@ def wait_quietly(futures):
 
 
 class BlobBuffers:
-    """Expert blob buffers carved from chunks of container.anon_buffer memory (huge pages: a blob read into them
-    costs a fifth of the CPU and half the time, see there; one 3.5 MB mapping per blob holds no aligned 2 MB page
-    whole, so they share chunks). A slot is a ctypes array over its part of a chunk: a tensor over it, a memoryview
+    """Expert blob buffers carved from chunks of container.anon_buffer memory (huge pages: a blob read through the
+    readers cost ~60% of the CPU in the same time, see there; one 3.5 MB mapping per blob holds at most one aligned
+    2 MB page, so they share chunks). A slot is a ctypes array over its part of a chunk: a tensor over it, a memoryview
     of it (or a slice of one) and a read in flight all hold the slot object itself (a memoryview slot would not
     be held by its slices), so its reference count tells when every holder has let go. take() gives a slot nobody
     holds: one let go of (so memory a caller held and released is used again before any new page is touched),

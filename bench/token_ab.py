@@ -21,6 +21,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stream_infer as S  # noqa: E402
 
+
 def positive_int(v):
     n = int(v)
     if n < 1:
@@ -34,8 +35,7 @@ def boolean(v):
     return v.lower() in ("1", "true")
 
 
-positive_int.__name__, boolean.__name__ = "positive int", "0/1/true/false"
-SETTABLE = {"n_parts": positive_int, "native_reads": boolean}
+SETTABLE = {"n_parts": (positive_int, "positive int"), "native_reads": (boolean, "0/1/true/false")}  # parser, what
 
 
 def parse_set(text):
@@ -43,10 +43,11 @@ def parse_set(text):
     name, _, values = text.partition("=")
     if name not in SETTABLE or not values:
         raise SystemExit(f"error: --set {text!r}: use NAME=V1,V2 with NAME one of {', '.join(SETTABLE)}")
+    parse, what = SETTABLE[name]
     try:
-        vals = [SETTABLE[name](v) for v in values.split(",")]
+        vals = [parse(v) for v in values.split(",")]
     except ValueError:
-        raise SystemExit(f"error: --set {text!r}: values must be {SETTABLE[name].__name__} values") from None
+        raise SystemExit(f"error: --set {text!r}: values must be {what} values") from None
     if len(vals) < 2:
         raise SystemExit(f"error: --set {text!r}: give at least two values to compare")
     return name, vals
