@@ -81,6 +81,49 @@ inline __m128i crc_fold(__m128i x, __m128i k, __m128i data) {
   return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11)), data);
 }
 
+// One 128-bit lane folded on 16 bytes at a time, then the tail through the table (x holds the message so far)
+uint32_t crc_lane_finish(__m128i x, const uint8_t* p, size_t n) {
+  const __m128i k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
+  for (; n >= 16; p += 16, n -= 16) x = crc_fold(x, k128, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint8_t last[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(last), x);
+  return crc_bytes(crc_bytes(0, last, 16), p, n);
+}
+
+#if defined(__VPCLMULQDQ__) && defined(__AVX512F__)
+// The same folds 512 bits wide (VPCLMULQDQ: four 128-bit lanes a register): four registers folded 2048 bits at a
+// time (constants x^(2048+-32) mod P, bit-reflected, as the ones above), then into one register (by 512 bits) and
+// its four lanes into one (by 128). A 3.5 MB blob just read by O_DIRECT: 0.30 -> 0.12 ms of a reader's CPU here
+// (Zen 4; 0.27 -> 0.07 hot), which matters on a disk that reads that blob in ~0.5 ms.
+inline __m512i crc_fold512(__m512i x, __m512i k, __m512i data) {
+  return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11), data,
+                                   0x96);  // a ^ b ^ c
+}
+
+uint32_t crc_update(uint32_t c, const uint8_t* p, size_t n) {
+  if (n < 256) return n < 16 ? crc_bytes(c, p, n)
+                             : crc_lane_finish(_mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                                                             _mm_cvtsi32_si128(int(c))), p + 16, n - 16);
+  const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1322d1430LL, 0x11542778aLL));
+  const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL));
+  const __m128i k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
+  auto ld = [](const uint8_t* q) { return _mm512_loadu_si512(reinterpret_cast<const void*>(q)); };
+  __m512i x0 = _mm512_xor_si512(ld(p), _mm512_zextsi128_si512(_mm_cvtsi32_si128(int(c))));
+  __m512i x1 = ld(p + 64), x2 = ld(p + 128), x3 = ld(p + 192);
+  for (p += 256, n -= 256; n >= 256; p += 256, n -= 256) {
+    x0 = crc_fold512(x0, k2048, ld(p));
+    x1 = crc_fold512(x1, k2048, ld(p + 64));
+    x2 = crc_fold512(x2, k2048, ld(p + 128));
+    x3 = crc_fold512(x3, k2048, ld(p + 192));
+  }
+  x3 = crc_fold512(crc_fold512(crc_fold512(x0, k512, x1), k512, x2), k512, x3);
+  __m128i x = _mm512_extracti32x4_epi32(x3, 0);
+  x = crc_fold(x, k128, _mm512_extracti32x4_epi32(x3, 1));
+  x = crc_fold(x, k128, _mm512_extracti32x4_epi32(x3, 2));
+  x = crc_fold(x, k128, _mm512_extracti32x4_epi32(x3, 3));
+  return crc_lane_finish(x, p, n);
+}
+#else
 uint32_t crc_update(uint32_t c, const uint8_t* p, size_t n) {
   if (n < 64) return crc_bytes(c, p, n);
   const __m128i k512 = _mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL);
@@ -93,12 +136,9 @@ uint32_t crc_update(uint32_t c, const uint8_t* p, size_t n) {
     x2 = crc_fold(x2, k512, ld(p + 32));
     x3 = crc_fold(x3, k512, ld(p + 48));
   }
-  x3 = crc_fold(crc_fold(crc_fold(x0, k128, x1), k128, x2), k128, x3);
-  for (; n >= 16; p += 16, n -= 16) x3 = crc_fold(x3, k128, ld(p));
-  alignas(16) uint8_t last[16];
-  _mm_store_si128(reinterpret_cast<__m128i*>(last), x3);
-  return crc_bytes(crc_bytes(0, last, 16), p, n);
+  return crc_lane_finish(crc_fold(crc_fold(crc_fold(x0, k128, x1), k128, x2), k128, x3), p, n);
 }
+#endif
 #else
 uint32_t crc_update(uint32_t c, const uint8_t* p, size_t n) { return crc_bytes(c, p, n); }
 #endif

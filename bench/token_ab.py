@@ -6,9 +6,10 @@ A/B of one expert-cache setting, switched every decode token: both values see th
 On a shared 2-core VM the same command moved 20-30% between runs minutes apart (the host's memory and disk), so
 whole runs alternated A, B, A, B still needed many rounds to see a 5% change. Here one engine decodes fresh random
 prompts and sets `engine.cache.<name>` to the next value before each token (the first value of each prompt
-rotates), then prints per value: mean and median ms a token, misses a token, and the time waited for reads per
-miss. Only settings the cache reads per token make sense (n_parts: parts per blob read; native_reads: C++ or
-Python readers). In-process, no memory cgroup (stream_infer --bench does that; O_DIRECT reads skip the page cache).
+rotates), then prints per value: mean and median ms a token, misses a token, guesses read a token, and the time
+waited for reads per miss (a guess asked for before it landed waits too). Only settings read per token make sense
+(n_parts: parts per blob read; native_reads: C++ or Python readers; prefetch: the engine's --prefetch). In-process,
+no memory cgroup (stream_infer --bench does that; O_DIRECT reads skip the page cache).
 """
 import argparse
 import os
@@ -35,7 +36,8 @@ def boolean(v):
     return v.lower() in ("1", "true")
 
 
-SETTABLE = {"n_parts": (positive_int, "positive int"), "native_reads": (boolean, "0/1/true/false")}  # parser, what
+SETTABLE = {"n_parts": (positive_int, "positive int"), "native_reads": (boolean, "0/1/true/false"),
+            "prefetch": (boolean, "0/1/true/false")}  # parser, what
 
 
 def parse_set(text):
@@ -73,7 +75,7 @@ def main():
     cache = eng.cache
     if name == "native_reads" and cache.reader_ops is None:
         raise SystemExit("error: --set native_reads: expert_reader.cpp did not build here, so only Python readers exist")
-    lat, miss, wait = ({v: [] for v in range(len(vals))} for _ in range(3))
+    lat, miss, wait, guessed = ({v: [] for v in range(len(vals))} for _ in range(4))
     for r in range(a.prompts):
         prompt = torch.randint(1, eng.cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1000 + r)).tolist()
         timings = []
@@ -81,18 +83,23 @@ def main():
         next(it)  # the prompt's pass (prefill) is no one's
         for i in range(a.tokens - 1):
             v = (i + r) % len(vals)
-            setattr(cache, name, vals[v])
-            m0, w0 = cache.misses, cache.read_wait_s
+            if name == "prefetch":
+                eng.set_prefetch(vals[v])
+            else:
+                setattr(cache, name, vals[v])
+            m0, w0, g0 = cache.misses, cache.read_wait_s, cache.prefetch_reads
             next(it)
             lat[v].append(timings[-1])
             miss[v].append(cache.misses - m0)
             wait[v].append(cache.read_wait_s - w0)
+            guessed[v].append(cache.prefetch_reads - g0)
     print(f"{a.container} at {a.ram_budget}: {a.prompts} prompts x {a.tokens - 1} tokens, {name} switched every token")
     for v, val in enumerate(vals):
         mean = statistics.mean(lat[v])
         per_miss = sum(wait[v]) / max(1, sum(miss[v])) * 1e3
         print(f"  {name}={val}: {len(lat[v])} tokens, mean {mean * 1e3:.1f} ms ({1 / mean:.2f} tok/s), median "
-              f"{statistics.median(lat[v]) * 1e3:.1f} ms, misses {statistics.mean(miss[v]):.2f} a token, waited "
+              f"{statistics.median(lat[v]) * 1e3:.1f} ms, misses {statistics.mean(miss[v]):.2f} a token, guesses "
+              f"{statistics.mean(guessed[v]):.2f} a token, waited "
               f"{statistics.mean(wait[v]) * 1e3:.1f} ms a token ({per_miss:.2f} ms a miss)")
 
 

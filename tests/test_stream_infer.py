@@ -452,6 +452,10 @@ def test_token_ab_script(tiny, tmp_path):
     assert r.returncode == 0, r.stderr
     counts = {int(v): int(n) for v, n in re.findall(r"n_parts=(\d): (\d+) tokens", r.stdout)}
     assert counts == {1: 4, 2: 4, 3: 4}, r.stdout  # 2 prompts x 6 tokens over 3 values
+    r = subprocess.run([sys.executable, script, path, "--ram-budget", "4G", "--set", "prefetch=0,1", "--prompts", "1",
+                        "--tokens", "5"], capture_output=True, text=True, timeout=300)  # an engine setting
+    assert r.returncode == 0 and re.search(r"prefetch=False: 2 tokens.*guesses 0\.00 a token", r.stdout), r.stdout
+    assert "prefetch=True: 2 tokens" in r.stdout, r.stdout
     for args, msg in ((["--set", "n_parts=4"], "at least two values"),
                       (["--set", "n_parts=1,2", "--prompts", "1", "--tokens", "2"], "one decode token per value")):
         r = subprocess.run([sys.executable, script, path, "--ram-budget", "4G", *args],
@@ -462,6 +466,7 @@ def test_token_ab_script(tiny, tmp_path):
     token_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(token_ab)
     assert token_ab.parse_set("native_reads=1,0") == ("native_reads", [True, False])
+    assert token_ab.parse_set("prefetch=0,true") == ("prefetch", [False, True])
     for bad, msg in (("budget=1,2", "NAME one of"), ("n_parts=a,b", "positive int"), ("n_parts=0,2", "positive int"),
                      ("native_reads=maybe,1", "0/1/true/false"), ("n_parts", "NAME=V1,V2")):
         with pytest.raises(SystemExit, match=msg):
@@ -591,7 +596,7 @@ def test_native_reads_land_checked_bytes_and_fail_loudly(tiny, tmp_path):
     ops = S.native_reader()
     assert ops is not None, "expert_reader.cpp did not build: install g++ and ninja"
     gen = torch.Generator().manual_seed(0)
-    for n in (0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 1000, 4096, 65537):
+    for n in (0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 255, 256, 257, 511, 512, 1000, 4096, 4099, 65537):
         b = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
         for start in (0, 0xDEADBEEF):
             assert ops.crc32(b, start) == zlib.crc32(b.numpy().tobytes(), start), n
