@@ -1056,6 +1056,27 @@ print("ok")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
+def test_gpu_check_script_on_the_interpreter(tiny, tmp_path):
+    """bench/gpu_check.py (the CUDA path's one-run check for a machine with a GPU) runs its correctness part on CPU
+    under TRITON_INTERPRET=1 and passes; without CUDA, or on CPU without the interpreter, it says so in one line."""
+    m, path = tiny
+    script = os.path.join(ROOT, "bench", "gpu_check.py")
+    out = tmp_path / "gc.json"
+    r = subprocess.run([sys.executable, script, "--container", path, "--device", "cpu", "--tokens", "3", "--json",
+                        str(out)], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
+    assert r.returncode == 0 and "gpu_check: ok" in r.stdout, r.stdout + r.stderr[-2000:]
+    res = json.load(open(out))
+    assert res["ok"] and res["engine"]["greedy_equal"] and len(res["engine"]["greedy_ref"]) == 3
+    assert all(row["rel_err"] < 1e-3 for row in res["kernels"]) and len(res["kernels"]) == 2
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for args, msg in ((["--device", "cuda"], "no CUDA device"), (["--device", "cpu"], "TRITON_INTERPRET=1")):
+        if msg == "no CUDA device" and torch.cuda.is_available():
+            continue
+        r = subprocess.run([sys.executable, script, "--container", path, *args], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_budget_strings():
     assert S.parse_size("4G") == 4 << 30 and S.parse_size("512M") == 512 << 20
     assert S.parse_size("1.5G") == int(1.5 * (1 << 30)) and S.parse_size("2GiB") == 2 << 30
