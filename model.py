@@ -644,7 +644,10 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the smallest set with mass >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+    probs = torch.softmax(logits, dim=-1)
+    if generator is not None and generator.device != probs.device:  # a seeded CPU generator with GPU logits:
+        return torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)  # the same draw as on CPU
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 def tune_cpu_malloc():

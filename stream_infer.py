@@ -65,6 +65,10 @@ How it works (the implementer's calls, as DESIGN.md asks):
   prefill and every other kernel use the modules.
 - Cache policy `score` (default; `--cache-policy lru` for plain LRU): expert_cache.py's docstring.
 - CUDA: `triton_int4_matmul` (bottom of this file) reads the same bytes; Triton is imported only on that path.
+  int8 rows (the lm_head) are dequantized once at load there. A missed expert is read into host memory as on CPU
+  and copied to the GPU; the expert cache, which lives on the GPU, is held to the GPU's free memory as well as to
+  --ram-budget. Never run on a GPU yet: `bench/gpu_check.py` is the one-run check for the first machine with one
+  (its correctness part runs on CPU under TRITON_INTERPRET=1 in the tests).
 - When every routed expert fits in the budget (or there is none) they are all read at load (`preload`, one
   sequential pass, like llama.cpp loading its weights), so decoding touches no disk; otherwise the cache is filled
   at load with as many as fit, the same number per layer (decoding then starts from a full cache, not an empty
@@ -282,6 +286,10 @@ class QLinear(nn.Module):
                             if kernel == "native" and self.kind == "int4" else None)
         if self.kind == "int8":
             self.scale_bf16 = raw["scale"].to(torch.bfloat16)
+        # on the Triton (GPU) path int8 rows are dequantized once here (fp32, the reference path's arithmetic): per
+        # call, micro's lm_head would make a 256 MB temporary every token
+        self.dense = (C.dequantize_int8(raw["q"], raw["scale"], self.shape)
+                      if self.kind == "int8" and kernel == "triton" else None)
         self.nbytes = sum(v.numel() * v.element_size() for v in raw.values() if isinstance(v, torch.Tensor))
 
     def forward(self, x):
@@ -293,7 +301,9 @@ class QLinear(nn.Module):
         if self.kind == "f32":
             y = x2.float() @ r["data"].t()
         elif self.kind == "int8":
-            if self.kernel == "native":
+            if self.dense is not None:
+                y = x2.float() @ self.dense.t()
+            elif self.kernel == "native":
                 y = _NATIVE.int8_mm(x2, r["q"], r["scale"])
             elif self.kernel != "reference" and x2.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
                 y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), r["q"], self.scale_bf16).float()
@@ -577,6 +587,8 @@ class Engine:
             raise StreamError(f"prefill_chunk {prefill_chunk}: must be at least 1 token")
         if device != "cpu" and not str(device).startswith("cuda"):
             raise StreamError(f"device {device!r}: use cpu or cuda")
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            raise StreamError(f"device {device!r}: no CUDA device here (torch.cuda.is_available() is False); use cpu")
         try:
             self.container = c = C.load_container(path)
         except C.ContainerError as e:
@@ -590,7 +602,9 @@ class Engine:
         self.max_seq_len = self.context
         self.kernel = pick_kernel(kernel, self.device)
         self.budget = parse_size(ram_budget) if ram_budget is not None else None
-        # budget accounting, before anything big is loaded
+        # budget accounting, before anything big is loaded (on a GPU after its context exists: ~hundreds of MB of RSS)
+        if self.device.startswith("cuda"):
+            torch.zeros(1, device=self.device)
         self.baseline_rss = rss_bytes()
         # untied int8 embeddings (export's default) stay on disk, rows read on lookup (DiskEmbedding)
         embed = c.header["tensors"]["embed_tokens.weight"]
@@ -628,6 +642,13 @@ class Engine:
                 raise StreamError(f"{path}: --ram-budget {fmt_size(self.budget)} leaves {fmt_size(max(cache_budget, 0))} "
                                   f"for experts after loading the resident part ({fmt_size(self.resident_rss)} RSS); "
                                   f"raise it to at least {fmt_size(self.budget - cache_budget + self.min_cache)}")
+        if self.device.startswith("cuda"):  # the experts live on the GPU: never more than its free memory allows
+            free = torch.cuda.mem_get_info(self.device)[0] - self.working_bytes - (512 << 20)
+            if free < self.min_cache:
+                raise StreamError(f"{path}: {self.device} has {fmt_size(max(free, 0))} free for experts after the resident "
+                                  f"part; it needs at least {fmt_size(self.min_cache)}: free GPU memory or use a "
+                                  f"smaller model")
+            cache_budget = min(cache_budget, free)
         self.cache.budget = cache_budget
         self.set_prefetch(prefetch)
         self.every_expert_bytes = self.cache.every_expert_bytes
@@ -717,9 +738,9 @@ class Engine:
                                    n_readers=self.n_readers, policy=self.cache_policy,
                                    # an expert over the buffer's views as they are: not a GPU copy, not int4pack's layout
                                    reuse_views=dev == "cpu" and kernel != "int4pack")
-        m.embed_tokens = (DiskEmbedding(c, "embed_tokens.weight", dev) if self.embed_on_disk
-                          else QEmbedding(to_dev(raw["embed_tokens.weight"])))
-        m.lm_head = lin("embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight", shared=cfg.tie_embeddings)
+        embed = None if self.embed_on_disk else to_dev(raw["embed_tokens.weight"])  # one device copy when tied
+        m.embed_tokens = DiskEmbedding(c, "embed_tokens.weight", dev) if self.embed_on_disk else QEmbedding(embed)
+        m.lm_head = QLinear(embed, kernel, shared=True) if cfg.tie_embeddings else lin("lm_head.weight")
         m.norm.weight = vec("norm.weight")
         if native:
             m.norm = NativeRMSNorm(m.norm)
@@ -976,6 +997,7 @@ def _triton_kernel():
 def triton_int4_matmul(x, packed, sz, shape, group_size, BM=16, BN=32, BK=32):
     """x (M, K) fp32/bf16 -> (M, N) fp32 with the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
     Decode (M = 1..16) uses one row block; prefill tiles M."""
+    import contextlib
     triton, kern = _triton_kernel()
     N, K = shape
     Np, Kp = C.int4_padded_shape(shape, group_size)
@@ -983,7 +1005,9 @@ def triton_int4_matmul(x, packed, sz, shape, group_size, BM=16, BN=32, BK=32):
     M = x.shape[0]
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    kern[grid](x, packed, sz.view(-1), y, M, N, K, Np, x.stride(0), y.stride(0), GROUP=group_size, BM=BM, BN=BN, BK=BK)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current GPU
+        kern[grid](x, packed, sz.view(-1), y, M, N, K, Np, x.stride(0), y.stride(0), GROUP=group_size, BM=BM, BN=BN,
+                   BK=BK)
     return y
 
 

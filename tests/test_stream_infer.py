@@ -1022,8 +1022,8 @@ def test_cpu_int4_path_equals_reference(xs, ws, g):
 def test_triton_kernel_interpreter_equals_reference(tiny):
     """The Triton kernel (the CUDA path) under TRITON_INTERPRET=1 on CPU tensors: equal to the reference
     dequantize-then-matmul across odd shapes, and an engine on it (every int4 projection, prefill and decode, experts
-    streamed through a 4-expert cache) generates the reference kernel's greedy tokens, final hidden states within
-    1e-4."""
+    streamed through a 4-expert cache) generates the reference kernel's greedy tokens, final hidden states and
+    logits within 1e-4."""
     m, path = tiny
     # TRITON_INTERPRET must be set before triton is imported: run in a fresh interpreter
     code = f"""
@@ -1047,8 +1047,10 @@ assert eng.kernel == "triton" and eng.decode_plan is None
 want, got = ref.generate(prompt, 6), eng.generate(prompt, 6)
 assert got == want and eng.cache.stats()["misses"] > 8, (got, want, eng.cache.stats())
 ids = torch.tensor([prompt + want])
-a, b = ref.forward(ids), eng.forward(ids)  # hidden states: the int8 lm_head goes through bf16 on CPU here
+a, b = ref.forward(ids), eng.forward(ids)
 assert float((a - b).abs().max() / a.abs().max()) < 1e-4
+a, b = ref.logits(a), eng.logits(b)  # the int8 lm_head: dequantized once on the Triton path, per call on reference
+assert eng.model.lm_head.dense is not None and float((a - b).abs().max() / a.abs().max()) < 1e-4
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -1178,6 +1180,11 @@ def test_api_requests_keep_their_own_settings_and_bad_arguments_are_stream_error
             eng.generate(prompt, 2)
     with pytest.raises(S.StreamError, match="context -5"):
         S.load(path, context=-5)
+    with pytest.raises(S.StreamError, match="use cpu or cuda"):
+        S.load(path, device="tpu")
+    if not torch.cuda.is_available():  # one line from the API too, not torch's assert deep in loading
+        with pytest.raises(S.StreamError, match="no CUDA device here"):
+            S.load(path, device="cuda")
     small = S.load(path, context=16)  # a prompt filling the context still gets its one new token
     assert len(small.generate(list(range(1, 17)), 1)) == 1
     with pytest.raises(S.StreamError, match="exceeds the reserved context"):
