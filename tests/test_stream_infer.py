@@ -1019,12 +1019,9 @@ def test_cpu_int4_path_equals_reference(xs, ws, g):
     assert (got - ref).abs().max() < 2e-2 * ref.abs().max()  # bf16 activations
 
 
-def test_triton_kernel_interpreter_equals_reference(tiny):
-    """The Triton kernel (the CUDA path) under TRITON_INTERPRET=1 on CPU tensors: equal to the reference
-    dequantize-then-matmul across odd shapes, and an engine on it (every int4 projection, prefill and decode, experts
-    streamed through a 4-expert cache) generates the reference kernel's greedy tokens, final hidden states and
-    logits within 1e-4."""
-    m, path = tiny
+def test_triton_kernel_interpreter_equals_reference():
+    """The Triton kernel (the CUDA path) under TRITON_INTERPRET=1 on CPU tensors equals the reference
+    dequantize-then-matmul across odd shapes (an engine on it: test_gpu_check_script_on_the_interpreter)."""
     # TRITON_INTERPRET must be set before triton is imported: run in a fresh interpreter
     code = f"""
 import sys, torch
@@ -1039,18 +1036,6 @@ for xs, ws, g in {ODD_SHAPES!r}:
     got = S.triton_int4_matmul(x, p, sz, ws, g)
     err = float((got - ref).abs().max() / ref.abs().max())
     assert got.shape == ref.shape and err < 1e-4, (xs, ws, g, err)
-prompt = list(range(5, 13))
-ref = S.load({path!r}, kernel="reference", preload=False)
-eng = S.load({path!r}, kernel="triton", preload=False)
-eng.cache.budget = 4 * eng.container.expert_nbytes
-assert eng.kernel == "triton" and eng.decode_plan is None
-want, got = ref.generate(prompt, 6), eng.generate(prompt, 6)
-assert got == want and eng.cache.stats()["misses"] > 8, (got, want, eng.cache.stats())
-ids = torch.tensor([prompt + want])
-a, b = ref.forward(ids), eng.forward(ids)
-assert float((a - b).abs().max() / a.abs().max()) < 1e-4
-a, b = ref.logits(a), eng.logits(b)  # the int8 lm_head: dequantized once on the Triton path, per call on reference
-assert eng.model.lm_head.dense is not None and float((a - b).abs().max() / a.abs().max()) < 1e-4
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -1060,7 +1045,10 @@ print("ok")
 
 def test_gpu_check_script_on_the_interpreter(tiny, tmp_path):
     """bench/gpu_check.py (the CUDA path's one-run check for a machine with a GPU) runs its correctness part on CPU
-    under TRITON_INTERPRET=1 and passes; without CUDA, or on CPU without the interpreter, it says so in one line."""
+    under TRITON_INTERPRET=1 and passes: an engine on the Triton kernel (every int4 projection, prefill and decode;
+    the int8 lm_head dequantized once) against one on the reference kernel, hidden states and logits within 1e-3
+    (1e-7 measured here), greedy tokens equal, also with experts streamed through a quarter-size cache. Without CUDA,
+    or on CPU without the interpreter, it says so in one line."""
     m, path = tiny
     script = os.path.join(ROOT, "bench", "gpu_check.py")
     out = tmp_path / "gc.json"
@@ -1068,7 +1056,9 @@ def test_gpu_check_script_on_the_interpreter(tiny, tmp_path):
                         str(out)], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
     assert r.returncode == 0 and "gpu_check: ok" in r.stdout, r.stdout + r.stderr[-2000:]
     res = json.load(open(out))
-    assert res["ok"] and res["engine"]["greedy_equal"] and len(res["engine"]["greedy_ref"]) == 3
+    eng = res["engine"]
+    assert res["ok"] and eng["greedy_equal"] and eng["streamed_greedy_equal"] and len(eng["greedy_ref"]) == 3
+    assert eng["streamed_misses"] > 8 and max(eng["hidden_rel_err"], eng["logits_rel_err"]) < 1e-5
     assert all(row["rel_err"] < 1e-3 for row in res["kernels"]) and len(res["kernels"]) == 2
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for args, msg in ((["--device", "cuda"], "no CUDA device"), (["--device", "cpu"], "TRITON_INTERPRET=1")):
