@@ -83,6 +83,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
 """
 
 import argparse
+import contextlib
 import math
 import operator
 import os
@@ -997,7 +998,6 @@ def _triton_kernel():
 def triton_int4_matmul(x, packed, sz, shape, group_size, BM=16, BN=32, BK=32):
     """x (M, K) fp32/bf16 -> (M, N) fp32 with the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
     Decode (M = 1..16) uses one row block; prefill tiles M."""
-    import contextlib
     triton, kern = _triton_kernel()
     N, K = shape
     Np, Kp = C.int4_padded_shape(shape, group_size)
