@@ -36,8 +36,14 @@ def boolean(v):
     return v.lower() in ("1", "true")
 
 
-SETTABLE = {"n_parts": (positive_int, "positive int"), "native_reads": (boolean, "0/1/true/false"),
-            "prefetch": (boolean, "0/1/true/false")}  # parser, what
+def cache_setting(name):
+    return lambda eng, v: setattr(eng.cache, name, v)
+
+
+# name -> (parser, what it takes, how an engine takes a value)
+SETTABLE = {"n_parts": (positive_int, "positive int", cache_setting("n_parts")),
+            "native_reads": (boolean, "0/1/true/false", cache_setting("native_reads")),
+            "prefetch": (boolean, "0/1/true/false", lambda eng, v: eng.set_prefetch(v))}
 
 
 def parse_set(text):
@@ -45,7 +51,7 @@ def parse_set(text):
     name, _, values = text.partition("=")
     if name not in SETTABLE or not values:
         raise SystemExit(f"error: --set {text!r}: use NAME=V1,V2 with NAME one of {', '.join(SETTABLE)}")
-    parse, what = SETTABLE[name]
+    parse, what, _ = SETTABLE[name]
     try:
         vals = [parse(v) for v in values.split(",")]
     except ValueError:
@@ -83,10 +89,7 @@ def main():
         next(it)  # the prompt's pass (prefill) is no one's
         for i in range(a.tokens - 1):
             v = (i + r) % len(vals)
-            if name == "prefetch":
-                eng.set_prefetch(vals[v])
-            else:
-                setattr(cache, name, vals[v])
+            SETTABLE[name][2](eng, vals[v])
             m0, w0, g0 = cache.misses, cache.read_wait_s, cache.prefetch_reads
             next(it)
             lat[v].append(timings[-1])
