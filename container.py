@@ -451,7 +451,8 @@ def anon_buffer(nbytes):
     transparent huge pages (2 MB pages where the kernel grants them, in THP's "madvise" mode too). On micro (2-core
     EPYC VM) one 3.5 MB O_DIRECT preadv into huge pages took 151 us of CPU and 2.07 ms against 396 us and 3.25 ms
     into 4 KB pages (the block layer pins and maps 2 pages, not 864); as 4 parts on the readers the same time and
-    258 vs 422 us; 2 threads streamed weights at 33-37 GB/s against 30-32 (fewer TLB misses). Python's default mmap is shared memory, which THP's "madvise" mode never backs."""
+    258 vs 422 us; 2 threads streamed weights at 33-37 GB/s against 30-32 (fewer TLB misses). Python's default
+    mmap is shared memory, which THP's "madvise" mode never backs."""
     import mmap
     buf = mmap.mmap(-1, max(int(nbytes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # Linux only; a kernel without THP says EINVAL: 4 KB pages. PICAFLOR_HUGE_PAGES=0 asks for 4 KB pages (A/Bs)
