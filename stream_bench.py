@@ -14,7 +14,8 @@ the cgroup: its buffers would count against the budget and the child's peak RSS)
 read (the bound takes the mean, or the rate decode's own reads ran at if higher), and reports: prefill / decode tok/s, p50 / p99 token latency, hit rate, disk bytes per token from
 /proc/self/io (and as counted), peak RSS, and the lower bound 1 / max(disk time, memory time) per token, the disk
 time being the reads decode needed (its misses; with --prefetch its right guesses too, never its wrong ones) at
-the measured rate, the memory time the weights one token touches at the copy rate.
+the measured rate, the memory time the weights one token touches at the rate this machine reads a working set of
+their size (in cache where they fit, from DRAM where not).
 A sweep writes a table and a PNG (decode tok/s, hit rate and disk bytes per token against the budget, with
 llama.cpp's curve from bench/vs_llamacpp.py's JSON when there is one).
 """
@@ -112,33 +113,53 @@ def steal_fraction(before, after):
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
-def measure_memory_bandwidth(mb=64, reps=5, max_reps=40, max_s=0.5):
-    """Bytes moved per second by the fastest copy of mb MB: at least `reps` copies, then more (up to max_reps)
-    while max_s lasts. A hypervisor that takes the CPU for a few ms slows some copies, not the fastest: five copies
-    in a steal spike once read 8.3 GB/s here against ~20, and the bound they gave was below what decode achieved."""
-    a = C.anon_tensor([mb << 18], torch.float32).fill_(1.0)  # in huge pages, as the engine's weights
-    b = C.anon_tensor([mb << 18], torch.float32)
-    best, start = 1e9, time.perf_counter()
-    for i in range(max_reps):
-        if i >= reps and time.perf_counter() - start > max_s:
-            break
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / best  # read + write
+def weight_bytes_per_token(cont, experts_per_token=None):
+    """Bytes of weights one decode token reads: everything resident but the input embedding (one row of it) plus
+    experts_per_token routed experts in each MoE layer."""
+    cfg = cont.config
+    embed = cont.header["tensors"]["embed_tokens.weight"]["nbytes"] if not cfg.tie_embeddings else 0
+    k = experts_per_token or cfg.top_k
+    return cont.resident_bytes() - embed + k * (cfg.n_layer - cfg.n_dense_layers) * cont.expert_nbytes
 
 
-def memory_bandwidth_elsewhere(threads):
-    """measure_memory_bandwidth in a process of its own, with the threads decode will use, outside the child's
-    cgroup (its two 64 MB buffers would count against the budget and stay in the child's peak RSS). Not in the
+def measure_memory_bandwidth(nbytes=64 << 20, reps=5, max_reps=40, max_s=0.5):
+    """Bytes per second over a working set of nbytes, the weights a token reads (weight_bytes_per_token), read
+    again and again as decode reads them: the faster of a read-only pass (a sum; decode only reads weights) and a
+    copy of one half onto the other (read + write bytes), each the fastest of at least `reps` passes, then more
+    (up to max_reps) while max_s lasts. The size matters: a Xeon VM here has a 260 MB L3, from which 64 MB read
+    at 57 GB/s against 28 from DRAM (1 GB); a fixed 64 MB probe put a cache's speed in micro's bound (~0.5 GB a
+    token) there, and a tiny model's weights do sit in cache. A hypervisor that takes the CPU for a few ms slows
+    some passes, not the fastest: five copies in a steal spike once read 8.3 GB/s here against ~20."""
+    n = max(1 << 18, nbytes // 8 * 2)  # fp32 elements, even, at least 1 MB
+    buf = C.anon_tensor([n], torch.float32).fill_(1.0)  # in huge pages, as the engine's weights
+    a, b = buf[: n // 2], buf[n // 2:]
+
+    def fastest(fn):
+        best, start = 1e9, time.perf_counter()
+        for i in range(max_reps):
+            if i >= reps and time.perf_counter() - start > max_s:
+                break
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return max(n * 4 / fastest(lambda: buf.sum()), n * 4 / fastest(lambda: b.copy_(a)))
+
+
+def memory_bandwidth_elsewhere(threads, nbytes):
+    """measure_memory_bandwidth over nbytes in a process of its own, with the threads decode will use, outside
+    the child's cgroup (its buffer would count against the budget and stay in the child's peak RSS). Not in the
     parent: under OMP_WAIT_POLICY=ACTIVE the copy's OpenMP threads would spin on for the whole child run, and on
     2 cores they took ~1.4 of them from the child (micro 2G decode 11-14 tok/s against 25 without them)."""
     import subprocess
     here = os.path.dirname(os.path.abspath(__file__))
     code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import stream_bench as B, stream_infer as S; "
-            "torch.set_num_threads(S.compute_threads(None, sys.argv[2])); print(repr(B.measure_memory_bandwidth()))")
+            "torch.set_num_threads(S.compute_threads(None, sys.argv[2])); "
+            "print(repr(B.measure_memory_bandwidth(int(sys.argv[3]))))")
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "ACTIVE"))
-    r = subprocess.run([sys.executable, "-c", code, here, str(threads)], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code, here, str(threads), str(nbytes)], env=env, capture_output=True,
+                       text=True)
     if r.returncode != 0:
         tail = (r.stderr.strip().splitlines() or ["?"])[-1]
         raise S.StreamError(f"measuring memory bandwidth failed (exit {r.returncode}): {tail}")
@@ -185,7 +206,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     cfg, cont = eng.cfg, eng.container
     picked = set(disk_picked)
     disk_before = disk_bw or measure_disk_bandwidth(cont, n_readers=eng.n_readers, picked=picked)
-    mem_bw = mem_bw or measure_memory_bandwidth()
+    mem_bw = mem_bw or measure_memory_bandwidth(weight_bytes_per_token(cont, experts_per_token))
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(1, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
     eng.cache.reset_counters()
@@ -209,7 +230,6 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     decode_lat = timings[1:]
     n_dec = len(decode_lat)
     k = experts_per_token or cfg.top_k
-    n_moe = cfg.n_layer - cfg.n_dense_layers
     st = eng.cache.stats()
     dec_lookups = st["lookups"] - lookups0
     dec_hit = (st["hits"] + st["prefetch_hits"] - hits0) / max(dec_lookups, 1)
@@ -219,8 +239,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     wait_per_tok = (eng.cache.read_wait_s - wait0) / max(n_dec, 1)
     busy = eng.cache.disk_busy_s - busy0  # decode's own reads: bytes over the time any was running
     disk_decode = dec_bytes / busy if busy > 0 and dec_bytes >= 8 * cont.expert_nbytes else None
-    embed = cont.header["tensors"]["embed_tokens.weight"]["nbytes"] if not cfg.tie_embeddings else 0
-    mem_per_tok = cont.resident_bytes() - embed + k * n_moe * cont.expert_nbytes
+    mem_per_tok = weight_bytes_per_token(cont, k)
     disk_after = measure_disk_bandwidth(cont, n_readers=eng.n_readers, exclude=eng.cache.read_keys | picked)
     known = [b for b in (disk_before, disk_after) if b]
     disk_bw = sum(known) / len(known) if known else None
@@ -249,7 +268,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "huge_page_bytes": huge_page_bytes(),
         "disk_bw_bytes_s": disk_bw, "disk_bw_before_bytes_s": disk_before, "disk_bw_after_bytes_s": disk_after,
         "disk_bw_decode_bytes_s": disk_decode,
-        "mem_bw_bytes_s": mem_bw,
+        "mem_bw_bytes_s": mem_bw, "weight_bytes_per_token": mem_per_tok,
         "bound_tok_s": 1.0 / max(t_mem, t_disk, 1e-12), "bound_tok_s_serial": 1.0 / max(t_mem + t_disk, 1e-12),
         "direct_io": cont.direct_fd is not None, "load_s": eng.load_s, "cache": st, "preloaded": eng.preloaded, "preloaded_experts": eng.preloaded_experts,
         "kernel_ms": measure_kernels(cont) if eng.device == "cpu" else None,
@@ -335,7 +354,14 @@ def bench_in_cgroup(args, argv):
     import subprocess
     import tempfile
     budget = S.parse_size(args.ram_budget) if args.ram_budget else None
-    mem_bw = memory_bandwidth_elsewhere(args.threads)  # before the cgroup exists: its failure leaves none behind
+    try:
+        cont = C.load_container(args.container)
+        per_token = weight_bytes_per_token(cont, args.experts_per_token)
+        cont.close()
+    except C.ContainerError as e:
+        raise S.StreamError(str(e)) from None
+    # before the cgroup exists: its failure leaves none behind
+    mem_bw = memory_bandwidth_elsewhere(args.threads, per_token)
     dropped = drop_page_cache(args.container)
     cg, ver = limited_cgroup(budget) if budget else (None, None)
     with tempfile.TemporaryDirectory() as td:
@@ -359,6 +385,7 @@ def bench_in_cgroup(args, argv):
         res = json.load(open(res_path))
     res["cgroup"] = ver if cg else None
     res["parent_cpu_s"] = parent_cpu_s
+    res["mem_probe_bytes"] = per_token  # the working set memory bandwidth was measured over
     res["cgroup_peak_bytes"] = cg_peak
     res["page_cache_dropped"] = dropped
     res["page_cache_excluded"] = bool(dropped and (cg is not None or res.get("direct_io")))
@@ -563,7 +590,7 @@ def bench_child(args, result_path):
     except C.ContainerError as e:
         raise S.StreamError(str(e)) from None
     torch.set_num_threads(S.compute_threads(None, args.threads))  # as decode will run
-    mem_bw = float(os.environ.get("PICAFLOR_BENCH_MEM_BW") or 0) or measure_memory_bandwidth()  # the parent's, see there
+    mem_bw = float(os.environ.get("PICAFLOR_BENCH_MEM_BW") or 0) or None  # the parent's (else run_bench measures)
     eng = S.load(args.container, args.ram_budget, args.device, kernel=args.kernel, n_readers=args.readers,
                  prefetch=args.prefetch, context=args.context, cache_policy=args.cache_policy,
                  preload=False if args.no_preload else "auto")

@@ -1214,6 +1214,8 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(one.read_text())
     assert 0 <= res["parent_cpu_s"] < 0.5 and 0 <= res["others_cpu_fraction"] <= 1, res["parent_cpu_s"]
+    # memory bandwidth was measured over the weights one token reads, not a fixed size (a cache's speed)
+    assert res["mem_probe_bytes"] == res["weight_bytes_per_token"] > 0
     assert "other processes' CPU" in r.stdout
     for key in ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token", "peak_rss_bytes", "bound_tok_s"):
         assert isinstance(res[key], (int, float)) and res[key] >= 0, key
@@ -1281,6 +1283,28 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     decode["2G"] = iter([12.0, 11.0])
     args.repeat = 2
     assert B.run_sweep(args, [])[0]["decode_tok_s"] == 11.0
+
+
+def test_memory_probe_is_one_tokens_weights(tiny, monkeypatch):
+    """The bound's memory figure: the weights one token reads (everything resident but the input embedding, plus
+    top-k experts a MoE layer), measured over a working set that size: 64 MB sat in a 260 MB L3 here."""
+    m, path = tiny
+    cont = C.load_container(path)
+    cfg, n_moe = cont.config, cont.config.n_layer - cont.config.n_dense_layers
+    two, one = B.weight_bytes_per_token(cont), B.weight_bytes_per_token(cont, 1)
+    assert two - one == n_moe * cont.expert_nbytes and cfg.top_k == 2
+    # an independent count: every tensor of the container but the input embedding (this model's is not tied)
+    resident = sum(t["nbytes"] for name, t in cont.header["tensors"].items() if name != "embed_tokens.weight")
+    assert not cfg.tie_embeddings and one == resident + n_moe * cont.expert_nbytes
+    made = []
+    real = C.anon_tensor
+    monkeypatch.setattr(C, "anon_tensor", lambda shape, dtype: made.append((list(shape), dtype)) or real(shape, dtype))
+    bw = B.measure_memory_bandwidth(3 << 20, reps=2, max_reps=2)
+    assert made == [([3 << 18], torch.float32)] and 1e8 < bw < 1e13  # one buffer of 3 MB; bytes per second
+    made.clear()
+    B.measure_memory_bandwidth(1000, reps=1, max_reps=1)
+    assert made == [([1 << 18], torch.float32)]  # at least 1 MB
+    cont.close()
 
 
 def test_bench_result_fields_and_lru_policy(tiny, capsys):
