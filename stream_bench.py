@@ -98,10 +98,12 @@ def huge_page_bytes():
 
 def others_cpu_fraction(before, after, own_cpu_s, wall_s):
     """The share of all cores that other processes kept busy between two cpu_times() reads (busy less steal less
-    this process's own CPU time): a neighbour (a spinning parent, a test run) takes cores decode wants."""
-    if before is None or after is None or wall_s <= 0:
-        return None
+    this process's own CPU time): a neighbour (a spinning parent, a test run) takes cores decode wants. None for a
+    window under 50 clock ticks (0.5 s): /proc/stat counts whole ticks, and a tiny model's 3-token decode once
+    read 132% of the cores."""
     hz = os.sysconf("SC_CLK_TCK")
+    if before is None or after is None or wall_s < 50 / hz:
+        return None
     busy_s = ((after[1] - before[1]) - (after[0] - before[0])) / hz
     return max(0.0, busy_s - own_cpu_s) / (wall_s * (os.cpu_count() or 1))
 
@@ -519,7 +521,7 @@ def run_sweep(args, argv):
           f"{'peak RSS':>9} {'bound tok/s':>11} {'% of bound':>10} {'cache excl.':>11} {'CPU steal':>9}")
     for r in rows:
         if "error" in r:
-            print(f"{r['budget_str']:>8} {'refused: needs more than the budget':>40}")
+            print(f"{r['budget_str']:>8} {r['error']}")  # refused (below the resident size) or failed: its reason
             continue
         pct = f"{r['pct_of_bound'] * 100:.0f}%"
         if "runs" in r:  # the median run, and the range over all runs

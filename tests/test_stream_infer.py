@@ -1213,7 +1213,8 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(one.read_text())
-    assert 0 <= res["parent_cpu_s"] < 0.5 and 0 <= res["others_cpu_fraction"] <= 1, res["parent_cpu_s"]
+    others = res["others_cpu_fraction"]  # None: 3 tokens of a tiny model are too short a window for /proc/stat
+    assert 0 <= res["parent_cpu_s"] < 0.5 and (others is None or 0 <= others <= 1), (res["parent_cpu_s"], others)
     # memory bandwidth was measured over the weights one token reads, not a fixed size (a cache's speed)
     assert res["mem_probe_bytes"] == res["weight_bytes_per_token"] > 0
     assert "other processes' CPU" in r.stdout
@@ -1229,7 +1230,10 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     got = json.loads(rows.read_text())
     assert [row["budget_str"] for row in got] == ["1M", "3G"]
     assert "--ram-budget 1M" in got[0]["error"] and got[1]["decode_tok_s"] > 0
-    assert png.stat().st_size > 10_000 and "refused" in r.stdout
+    assert png.stat().st_size > 10_000
+    # the table's row for a budget without figures says why (a truncated container once read "needs more than the budget")
+    row_1m = next(line for line in r.stdout.splitlines() if line.strip().startswith("1M "))
+    assert got[0]["error"] in row_1m and "--ram-budget 1M" in row_1m  # here: the child killed in its 1M cgroup
     # --repeat 3: three runs of 3G (the refused 1M once); its row is the run with the median % of the bound
     pcts = sorted(run["pct_of_bound"] for run in got[1]["runs"])
     assert len(pcts) == 3 and "runs" not in got[0] and got[1]["pct_of_bound"] == pcts[1]
@@ -1243,7 +1247,7 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--sweep", "3G,abc"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "'abc'" in r.stderr, r.stderr[-2000:]
-    assert res["peak_rss_bytes"] < res["resident_rss_bytes"] + (96 << 20)  # not the 128 MB of the bandwidth copy
+    assert res["peak_rss_bytes"] < res["resident_rss_bytes"] + (96 << 20)  # the bandwidth probe's buffer is not the child's
 
 
 def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
@@ -1283,6 +1287,19 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     decode["2G"] = iter([12.0, 11.0])
     args.repeat = 2
     assert B.run_sweep(args, [])[0]["decode_tok_s"] == 11.0
+
+
+def test_others_cpu_fraction_needs_a_long_enough_window():
+    """Other processes' share of the cores from /proc/stat's tick counts: busy less steal less our own CPU time, over
+    all cores; a window too short for whole ticks to mean anything gives None, not a share above 100%."""
+    hz, n = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    # 2 s: the machine was busy 1.5 s a core (steal 0.1 s of it), this process used 0.4 s
+    before, after = (0, 0), (int(0.1 * hz), int(1.5 * n * hz))
+    assert B.others_cpu_fraction(before, after, 0.4, 2.0) == pytest.approx((1.5 * n - 0.1 - 0.4) / (2.0 * n), abs=0.02)
+    assert B.others_cpu_fraction(before, (0, int(0.2 * n * hz)), 0.0, 1.0) == pytest.approx(0.2, abs=0.02)
+    assert B.others_cpu_fraction(before, (0, 0), 5.0, 1.0) == 0.0  # our own time over the ticks' count: none
+    assert B.others_cpu_fraction(before, (0, 3), 0.0, 10 / hz) is None  # 10 ticks: too short a window
+    assert B.others_cpu_fraction(None, after, 0.0, 2.0) is None
 
 
 def test_memory_probe_is_one_tokens_weights(tiny, monkeypatch):
