@@ -204,11 +204,13 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     figure taken before a run misjudged it), or the rate decode's own reads ran at when that is higher: blobs
     that earlier runs read came back at 2-4 GB/s here (a cache below the guest), and a bound looser than what
     was achieved would flatter the result. Memory bandwidth (mem_bw) is measured before loading too, by the
-    parent under --bench: its 128 MB of buffers would not fit in the budget's working memory."""
+    parent under --bench: its buffer, a token's weights in size, would not fit in the budget's working memory."""
     cfg, cont = eng.cfg, eng.container
+    k = experts_per_token or cfg.top_k
+    mem_per_tok = weight_bytes_per_token(cont, k)
     picked = set(disk_picked)
     disk_before = disk_bw or measure_disk_bandwidth(cont, n_readers=eng.n_readers, picked=picked)
-    mem_bw = mem_bw or measure_memory_bandwidth(weight_bytes_per_token(cont, experts_per_token))
+    mem_bw = mem_bw or measure_memory_bandwidth(mem_per_tok)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(1, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
     eng.cache.reset_counters()
@@ -231,7 +233,6 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     majflt = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - majflt0  # pages (code, page cache) the budget evicted and decode faulted back
     decode_lat = timings[1:]
     n_dec = len(decode_lat)
-    k = experts_per_token or cfg.top_k
     st = eng.cache.stats()
     dec_lookups = st["lookups"] - lookups0
     dec_hit = (st["hits"] + st["prefetch_hits"] - hits0) / max(dec_lookups, 1)
@@ -241,7 +242,6 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     wait_per_tok = (eng.cache.read_wait_s - wait0) / max(n_dec, 1)
     busy = eng.cache.disk_busy_s - busy0  # decode's own reads: bytes over the time any was running
     disk_decode = dec_bytes / busy if busy > 0 and dec_bytes >= 8 * cont.expert_nbytes else None
-    mem_per_tok = weight_bytes_per_token(cont, k)
     disk_after = measure_disk_bandwidth(cont, n_readers=eng.n_readers, exclude=eng.cache.read_keys | picked)
     known = [b for b in (disk_before, disk_after) if b]
     disk_bw = sum(known) / len(known) if known else None
