@@ -1,5 +1,6 @@
 // int4_cpu.cpp: stream_infer's CPU int4 matmul, y = x @ W^T with W read straight from the container's bytes.
-// Built on first use by stream_infer.native_int4() (torch.utils.cpp_extension, -O3 -march=native, cached).
+// Built on first use by stream_infer.native_int4() (torch.utils.cpp_extension, -O3 -march=native, or -mcpu=native
+// on ARM, cached). With INT4_KERNELS_ONLY defined it is the loops alone, without torch (tests/int4_cpu_harness.cpp).
 //
 // Why not torch's _weight_int4pack_mm_for_cpu: it dequantizes to bf16 and streamed ~3 GB/s of int4 weights per
 // thread here, while decode is a memory-bound GEMV: the kernel has to keep up with DRAM, not with the ALUs.
@@ -13,14 +14,17 @@
 // - AVX2 (x86 with AVX2 and G % 4 == 0): integer dot products, as llama.cpp's Q4_0 x Q8_0 ones; x is quantized
 //   per (row, group) to int8 first (Q8_0-style, the same rounding llama.cpp applies to activations). Where the
 //   compiler targets AVX-512BW and G % 8 == 0 the same integer arithmetic runs 512 bits wide (block_q8_512), and
-//   with AVX-512 VNNI + VBMI (Ice Lake, Sapphire Rapids, Zen 4) as vpermb + vpdpbusd (block_q8_vnni).
+//   with AVX-512 VNNI + VBMI (Ice Lake, Sapphire Rapids, Zen 4) as vpermb + vpdpbusd (block_q8_vnni). On AArch64
+//   with dot products (ARMv8.2+: Apple M1 on) the same sums come from zips + sdot (block_q8_sdot), bit for bit.
 // - portable fp32 (every other CPU, and the exact check the tests compare against).
 // Each thread owns whole 32-row blocks; rows of x go 4 at a time so a block's bytes are decoded once per 4 rows
 // and stay in L1/L2 for the next 4.
 
+#ifndef INT4_KERNELS_ONLY  // tests/int4_cpu_harness.cpp: the kernels alone, without torch
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -34,6 +38,9 @@
 
 #ifdef __AVX2__
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
 #endif
 
 namespace {
@@ -177,17 +184,6 @@ void block_q8(const int8_t* xq, int64_t ldq, const float* dx, const float* sq, c
 }
 #endif
 
-// x [..., K] as fp32 and contiguous, with no dispatch when it already is (decode calls these ~200 times a token)
-at::Tensor as_float_contiguous(const at::Tensor& x) {
-  return (x.scalar_type() == at::kFloat && x.is_contiguous()) ? x : x.to(at::kFloat).contiguous();
-}
-
-std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return shape;
-}
-
 #ifdef __AVX512BW__
 // AVX-512BW: the AVX2 kernel's arithmetic on 8 columns x 32 rows per step (128 bytes), each 128-bit lane pairing
 // columns as block_q8 does: int32 sums identical to block_q8's, so the results are bit for bit the same. 2-thread
@@ -289,30 +285,63 @@ void block_q8_vnni(const int8_t* xq, int64_t ldq, const float* dx, const float* 
 }
 #endif
 
-// Runs fn(i0, i1) over [0, n) in contiguous chunks on torch's intra-op threads (its libgomp), one fork/join per
-// call. DYNAMIC_CHUNKS: ~8 chunks a thread, taken from a shared counter, so a thread the OS or the hypervisor
-// preempted (a reader thread's syscall, an interrupt, CPU steal) hands its share to the others instead of
-// holding up the whole call; else a static split, one chunk a thread.
-#ifndef DYNAMIC_CHUNKS
-#define DYNAMIC_CHUNKS 1
-#endif
-template <typename F>
-void parallel_chunks(int64_t n, const F& fn) {
-  const int nt = int(std::min<int64_t>(at::get_num_threads(), n));
-  if (nt <= 1) {
-    fn(int64_t(0), n);
-    return;
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+// AArch64 with the dot-product instructions (ARMv8.2+: Apple M1 on, Graviton 2 on, Cortex-A76 on): block_q8's
+// integer arithmetic. Zips put 4 columns of a row side by side in each 32-bit lane (T[j]: rows 4j..4j+3 in the low
+// nibbles, rows 16+4j.. in the high ones), sdot sums those 4 nibble x int8 products into int32, and the fix-up is
+// fix_up_group's fused multiply-adds in its order: bit for bit the x86 loops' result (tests/test_arm_kernels.py
+// runs it under qemu against them). ~28 instructions per 64 bytes; not yet timed on ARM hardware.
+template <int MB>
+void block_q8_sdot(const int8_t* xq, int64_t ldq, const float* dx, const float* sq, const uint8_t* blk,
+                   const uint16_t* sz, int64_t Np, int64_t b, int G, int n_groups, float* out) {
+  const uint8x16_t low4 = vdupq_n_u8(0x0F);
+  const uint32x4_t hi16 = vdupq_n_u32(0xFFFF0000u);
+  float32x4_t total[MB][8];
+  for (int m = 0; m < MB; m++) for (int j = 0; j < 8; j++) total[m][j] = vdupq_n_f32(0.0f);
+  for (int g = 0; g < n_groups; g++) {
+    int32x4_t acc[MB][8];  // rows 4j..4j+3 in acc[m][j]
+    for (int m = 0; m < MB; m++) for (int j = 0; j < 8; j++) acc[m][j] = vdupq_n_s32(0);
+    const int64_t g0 = int64_t(g) * G, g1 = g0 + G;
+    for (int64_t k = g0; k < g1; k += 4) {
+      const uint8_t* p = blk + k * 16;
+      const uint8x16_t c0 = vld1q_u8(p), c1 = vld1q_u8(p + 16), c2 = vld1q_u8(p + 32), c3 = vld1q_u8(p + 48);
+      const uint16x8_t z01a = vreinterpretq_u16_u8(vzip1q_u8(c0, c1)), z01b = vreinterpretq_u16_u8(vzip2q_u8(c0, c1));
+      const uint16x8_t z23a = vreinterpretq_u16_u8(vzip1q_u8(c2, c3)), z23b = vreinterpretq_u16_u8(vzip2q_u8(c2, c3));
+      const uint8x16_t T[4] = {vreinterpretq_u8_u16(vzip1q_u16(z01a, z23a)), vreinterpretq_u8_u16(vzip2q_u16(z01a, z23a)),
+                               vreinterpretq_u8_u16(vzip1q_u16(z01b, z23b)), vreinterpretq_u8_u16(vzip2q_u16(z01b, z23b))};
+      int8x16_t w[8];
+      for (int j = 0; j < 4; j++) {
+        w[j] = vreinterpretq_s8_u8(vandq_u8(T[j], low4));
+        w[j + 4] = vreinterpretq_s8_u8(vshrq_n_u8(T[j], 4));
+      }
+      for (int m = 0; m < MB; m++) {
+        int32_t x4;
+        std::memcpy(&x4, xq + m * ldq + k, 4);
+        const int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(x4));
+        for (int j = 0; j < 8; j++) acc[m][j] = vdotq_s32(acc[m][j], w[j], xv);
+      }
+    }
+    // fix_up_group: (scale, zero) of 4 consecutive rows = 4 little-endian uint32, scale low half, zero high half
+    const uint16_t* s = sz + (int64_t(g) * Np + b * ROWS) * 2;
+    float32x4_t scale[8], zero[8];
+    for (int j = 0; j < 8; j++) {
+      uint32x4_t pair;
+      std::memcpy(&pair, s + 8 * j, 16);
+      scale[j] = vreinterpretq_f32_u32(vshlq_n_u32(pair, 16));
+      zero[j] = vreinterpretq_f32_u32(vandq_u32(pair, hi16));
+    }
+    for (int m = 0; m < MB; m++) {
+      const float d = dx[m * n_groups + g], c = sq[m * n_groups + g] * d;
+      const float32x4_t dv = vdupq_n_f32(d), cv = vdupq_n_f32(c), m8c = vdupq_n_f32(-8.0f * c);
+      for (int j = 0; j < 8; j++) {
+        const float32x4_t t = vfmaq_f32(m8c, vcvtq_f32_s32(acc[m][j]), dv);
+        total[m][j] = vfmaq_f32(vfmaq_f32(total[m][j], scale[j], t), zero[j], cv);
+      }
+    }
   }
-#if DYNAMIC_CHUNKS
-  const int64_t chunk = std::max<int64_t>(1, (n + 8 * nt - 1) / (8 * nt));
-  std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(nt)
-  for (int64_t i0 = next.fetch_add(chunk); i0 < n; i0 = next.fetch_add(chunk)) fn(i0, std::min(i0 + chunk, n));
-#else
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-  for (int t = 0; t < nt; t++) fn(n * t / nt, n * (t + 1) / nt);
-#endif
+  for (int m = 0; m < MB; m++) for (int j = 0; j < 8; j++) vst1q_f32(out + m * ROWS + 4 * j, total[m][j]);
 }
+#endif
 
 // x[0..n) to int8 as the AVX2 paths multiply it (Q8_0-style): xq = round(x / dx), dx = max|x| / 127, rounding half
 // to even as torch.round; *total = sum of xq. Returns dx: NaN when x holds NaN / inf (NaN out, as torch would give);
@@ -341,113 +370,86 @@ float quantize_q8(const float* x, int64_t n, int8_t* xq, int32_t* total) {
 // GENERIC: the portable loop; AVX2_ONLY: no AVX-512; AVX512BW_ONLY: no VNNI (tests and bench/int4_gemv.py)
 enum Path { BEST = 0, GENERIC = 1, AVX2_ONLY = 2, AVX512BW_ONLY = 3 };
 
-at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
-                        int64_t group_size, int path) {
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "int4_mm: x must be a CPU tensor [..., K]");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_mm: packed must be contiguous uint8");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(), "int4_mm: sz must be contiguous bf16");
-  const at::Tensor x = as_float_contiguous(x_in);
-  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, G = group_size;
-  TORCH_CHECK(G > 0 && N > 0 && K > 0, "int4_mm: bad shape");
-  const int64_t n_groups = (K + G - 1) / G, Kp = n_groups * G, Np = (N + ROWS - 1) / ROWS * ROWS;
-  TORCH_CHECK(packed.numel() == Np * Kp / 2, "int4_mm: packed has ", packed.numel(), " bytes, expected ", Np * Kp / 2);
-  TORCH_CHECK(sz.numel() == n_groups * Np * 2, "int4_mm: sz has ", sz.numel(), " values, expected ", n_groups * Np * 2);
-  at::Tensor y = at::empty(out_shape(x, N), x.options());
-  if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
-  const int64_t n_blocks = Np / ROWS;
-  bool q8 = false, wide = false;
-  (void)path;  // only AVX2 CPUs have a second path
-#ifdef __AVX2__
-  q8 = path != GENERIC && G % 4 == 0;
+// The inner loop int4_mm runs for `path` on the instructions this file was compiled for
+enum Int4Loop { LOOP_FP32, LOOP_Q8, LOOP_Q8_512, LOOP_Q8_VNNI, LOOP_Q8_SDOT };
+
+int int4_loop(int path, int64_t G) {
+  if (path == GENERIC || G % 4 != 0) return LOOP_FP32;
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+  return LOOP_Q8_SDOT;
+#elif defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  if (path == BEST) return LOOP_Q8_VNNI;  // its loop steps 4 columns: G % 4 == 0 is enough
 #endif
 #ifdef __AVX512BW__
-  wide = q8 && (path == BEST || path == AVX512BW_ONLY) && G % 8 == 0;
+  if ((path == BEST || path == AVX512BW_ONLY) && G % 8 == 0) return LOOP_Q8_512;
 #endif
-  bool vnni = false;
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-  vnni = q8 && path == BEST;  // its loop steps 4 columns: G % 4 == 0 is enough
+  return LOOP_Q8;
+#else
+  return LOOP_FP32;
 #endif
-  // per (row of x, group): the group's scale dx and sum of x (fp32 path) or of xq (int8 path), shared by every block
-  std::vector<float> dx(M * n_groups, 0.0f), sx(M * n_groups, 0.0f);
+}
+
+// x as every block needs it, per (row of x, group): the scale dx and the sum of xq (integer loops: xq is x quantized
+// Q8_0-style, zero-padded to Kp) or of x (fp32 loop)
+struct Int4X {
+  std::vector<float> dx, sx;
   std::vector<int8_t> xq;
+};
+
+void int4_prepare_x(const float* xp, int64_t M, int64_t K, int64_t G, bool q8, Int4X& X) {
+  const int64_t n_groups = (K + G - 1) / G, Kp = n_groups * G;
+  X.dx.assign(M * n_groups, 0.0f);
+  X.sx.assign(M * n_groups, 0.0f);
   if (q8) {
-    xq.assign(M * Kp, 0);
+    X.xq.assign(M * Kp, 0);
     for (int64_t m = 0; m < M; m++)
       for (int64_t g = 0; g < n_groups; g++) {
         const int64_t k0 = g * G, k1 = std::min(k0 + G, K);
         int32_t total = 0;
-        dx[m * n_groups + g] = quantize_q8(xp + m * K + k0, k1 - k0, xq.data() + m * Kp + k0, &total);
-        sx[m * n_groups + g] = float(total);
+        X.dx[m * n_groups + g] = quantize_q8(xp + m * K + k0, k1 - k0, X.xq.data() + m * Kp + k0, &total);
+        X.sx[m * n_groups + g] = float(total);
       }
   } else {
     for (int64_t m = 0; m < M; m++)
-      for (int64_t k = 0; k < K; k++) sx[m * n_groups + k / G] += xp[m * K + k];
+      for (int64_t k = 0; k < K; k++) X.sx[m * n_groups + k / G] += xp[m * K + k];
   }
-  parallel_chunks(n_blocks, [&](int64_t b0, int64_t b1) {
-    float out[MB_MAX * ROWS];
-    for (int64_t b = b0; b < b1; b++) {
-      const uint8_t* blk = pp + b * Kp * 16;
-      for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
-        const int mb = int(std::min<int64_t>(MB_MAX, M - m0));
-        const float* sxm = sx.data() + m0 * n_groups;
-        if (q8) {
-#ifdef __AVX2__
-          const int8_t* xm = xq.data() + m0 * Kp;
-          const float* dxm = dx.data() + m0 * n_groups;
+}
+
+// y [M, N] = x [M, K] @ W^T for the 32-row blocks b0..b1 of W: int4_mm's work, one thread's share (no torch here:
+// tests/int4_cpu_harness.cpp runs it on AArch64 under qemu)
+void int4_blocks(int loop, const Int4X& X, const float* xp, const uint8_t* pp, const uint16_t* sp, int64_t M,
+                 int64_t N, int64_t K, int64_t G, int64_t b0, int64_t b1, float* yp) {
+  const int64_t n_groups = (K + G - 1) / G, Kp = n_groups * G, Np = (N + ROWS - 1) / ROWS * ROWS;
+  float out[MB_MAX * ROWS];
+  for (int64_t b = b0; b < b1; b++) {
+    const uint8_t* blk = pp + b * Kp * 16;
+    for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
+      const int mb = int(std::min<int64_t>(MB_MAX, M - m0));
+      const float* sxm = X.sx.data() + m0 * n_groups;
+      const int8_t* xm = loop == LOOP_FP32 ? nullptr : X.xq.data() + m0 * Kp;
+      const float* dxm = X.dx.data() + m0 * n_groups;
+      (void)xm, (void)dxm;
+      with_rows(mb, [&](auto R) {
+        constexpr int MBR = decltype(R)::value;
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+        if (loop == LOOP_Q8_SDOT) return block_q8_sdot<MBR>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-          if (vnni) {
-            with_rows(mb, [&](auto R) {
-              block_q8_vnni<decltype(R)::value>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-            });
-          } else
+        if (loop == LOOP_Q8_VNNI) return block_q8_vnni<MBR>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
 #endif
 #ifdef __AVX512BW__
-          if (wide) {
-            with_rows(mb, [&](auto R) {
-              block_q8_512<decltype(R)::value>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-            });
-          } else
+        if (loop == LOOP_Q8_512) return block_q8_512<MBR>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
 #endif
-          with_rows(mb, [&](auto R) {
-            block_q8<decltype(R)::value>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
-          });
+#ifdef __AVX2__
+        if (loop == LOOP_Q8) return block_q8<MBR>(xm, Kp, dxm, sxm, blk, sp, Np, b, int(G), int(n_groups), out);
 #endif
-        } else {
-          const float* xm = xp + m0 * K;
-          with_rows(mb, [&](auto R) {
-            block_generic<decltype(R)::value>(xm, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
-          });
-        }
-        const int64_t rows = std::min<int64_t>(ROWS, N - b * ROWS);
-        for (int m = 0; m < mb; m++) std::memcpy(yp + (m0 + m) * N + b * ROWS, out + m * ROWS, rows * sizeof(float));
-      }
+        block_generic<MBR>(xp + m0 * K, K, sxm, blk, sp, Np, b, K, int(G), int(n_groups), out);
+      });
+      const int64_t rows = std::min<int64_t>(ROWS, N - b * ROWS);
+      for (int m = 0; m < mb; m++) std::memcpy(yp + (m0 + m) * N + b * ROWS, out + m * ROWS, rows * sizeof(float));
     }
-  });
-  return y;
-}
-
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
-                   int64_t group_size) {
-  return int4_mm_impl(x, packed, sz, N, group_size, BEST);
-}
-
-at::Tensor int4_mm_generic(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
-                           int64_t group_size) {
-  return int4_mm_impl(x, packed, sz, N, group_size, GENERIC);
-}
-
-at::Tensor int4_mm_avx2(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
-                        int64_t group_size) {
-  return int4_mm_impl(x, packed, sz, N, group_size, AVX2_ONLY);
-}
-
-at::Tensor int4_mm_avx512bw(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
-                            int64_t group_size) {
-  return int4_mm_impl(x, packed, sz, N, group_size, AVX512BW_ONLY);
+  }
 }
 
 // int8 rows (container.py "int8": q [N, K] int8, one fp32 scale per row; embeddings / lm_head): y = (x @ q^T) * scale.
@@ -494,7 +496,7 @@ inline void int8_row_end(const __m256 (&v)[MB], const int8_t* w, const float* x,
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     float acc = _mm_cvtss_f32(h);
-    for (int64_t k = nb * 32; k < K; k++) acc += float(w[k]) * x[m * K + k];
+    for (int64_t k = nb * 32; k < K; k++) acc = std::fma(float(w[k]), x[m * K + k], acc);  // fused on every CPU alike
     y[m * N + n] = acc * scale[n];
   }
 }
@@ -547,8 +549,182 @@ void int8_rows_vnni(const int8_t* xq, const float* dx, int64_t nb, const float* 
 }
 #endif
 
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+// int8_rows_q8 on AArch64 dot products: sdot gives the 8 int32 sums maddubs + madd give (columns 4i..4i+3 in lane
+// i), and the fix-ups and int8_row_end's horizontal sum run in their order: bit for bit int8_rows_q8's result.
+template <int MB>
+void int8_rows_sdot(const int8_t* xq, const float* dx, int64_t nb, const float* x, int64_t K, const int8_t* q,
+                    const float* scale, int64_t n0, int64_t n1, int64_t N, float* y) {
+  const int32x4_t zero = vdupq_n_s32(0);
+  for (int64_t n = n0; n < n1; n++) {
+    const int8_t* w = q + n * K;
+    float32x4_t v[MB][2];
+    for (int m = 0; m < MB; m++) v[m][0] = v[m][1] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+      const int8x16_t w0 = vld1q_s8(w + b * 32), w1 = vld1q_s8(w + b * 32 + 16);
+      for (int m = 0; m < MB; m++) {
+        const int8_t* xb = xq + m * nb * 32 + b * 32;
+        const float32x4_t d = vdupq_n_f32(dx[m * nb + b]);
+        v[m][0] = vfmaq_f32(v[m][0], vcvtq_f32_s32(vdotq_s32(zero, w0, vld1q_s8(xb))), d);
+        v[m][1] = vfmaq_f32(v[m][1], vcvtq_f32_s32(vdotq_s32(zero, w1, vld1q_s8(xb + 16))), d);
+      }
+    }
+    for (int m = 0; m < MB; m++) {
+      float h[4];  // int8_row_end's order: lanes i + (i + 4), then (0 + 2) + (1 + 3)
+      vst1q_f32(h, vaddq_f32(v[m][0], v[m][1]));
+      float acc = (h[0] + h[2]) + (h[1] + h[3]);
+      for (int64_t k = nb * 32; k < K; k++) acc = std::fma(float(w[k]), x[m * K + k], acc);  // as int8_row_end
+      y[m * N + n] = acc * scale[n];
+    }
+  }
+}
+#endif
+
+// The inner loop int8_mm runs for `path` on the instructions this file was compiled for
+enum Int8Loop { LOOP8_FP32, LOOP8_Q8, LOOP8_VNNI, LOOP8_SDOT };
+
+int int8_loop(int path) {
+  if (path == GENERIC) return LOOP8_FP32;
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+  return LOOP8_SDOT;
+#elif defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+  if (path == BEST) return LOOP8_VNNI;
+#endif
+  return LOOP8_Q8;
+#else
+  return LOOP8_FP32;
+#endif
+}
+
+// x quantized per block of 32 columns for the integer loops (xq, dx per (row of x, block)); columns past the last
+// whole block stay fp32
+struct Int8X {
+  std::vector<int8_t> xq;
+  std::vector<float> dx;
+};
+
+void int8_prepare_x(const float* xp, int64_t M, int64_t K, Int8X& X) {
+  const int64_t nb = K / 32;
+  X.xq.assign(M * nb * 32, 0);
+  X.dx.assign(M * nb, 0.0f);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < nb; b++) {
+      int32_t total = 0;
+      X.dx[m * nb + b] = quantize_q8(xp + m * K + b * 32, 32, X.xq.data() + (m * nb + b) * 32, &total);
+    }
+}
+
+// y [M, N] = (x [M, K] @ q^T) * scale for rows n0..n1 of q: int8_mm's work, one thread's share (no torch here)
+void int8_rows_range(int loop, const Int8X& X, const float* xp, int64_t M, int64_t K, const int8_t* qp,
+                     const float* sp, int64_t n0, int64_t n1, int64_t N, float* yp) {
+  const int64_t nb = K / 32;
+  for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
+    const int64_t mb = std::min<int64_t>(MB_MAX, M - m0);
+    const int8_t* xqm = loop == LOOP8_FP32 ? nullptr : X.xq.data() + m0 * nb * 32;
+    const float* dxm = loop == LOOP8_FP32 ? nullptr : X.dx.data() + m0 * nb;
+    const float* xm = xp + m0 * K;
+    float* ym = yp + m0 * N;
+    (void)xqm, (void)dxm;
+    with_rows(mb, [&](auto R) {
+      constexpr int MBR = decltype(R)::value;
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+      if (loop == LOOP8_SDOT) return int8_rows_sdot<MBR>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+      if (loop == LOOP8_VNNI) return int8_rows_vnni<MBR>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
+#endif
+#ifdef __AVX2__
+      if (loop == LOOP8_Q8) return int8_rows_q8<MBR>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
+#endif
+      int8_rows<MBR>(xm, K, qp, sp, n0, n1, N, ym);
+    });
+  }
+}
+
+#ifndef INT4_KERNELS_ONLY  // the torch ops
+// Runs fn(i0, i1) over [0, n) in contiguous chunks on torch's intra-op threads (its libgomp), one fork/join per
+// call. DYNAMIC_CHUNKS: ~8 chunks a thread, taken from a shared counter, so a thread the OS or the hypervisor
+// preempted (a reader thread's syscall, an interrupt, CPU steal) hands its share to the others instead of
+// holding up the whole call; else a static split, one chunk a thread.
+#ifndef DYNAMIC_CHUNKS
+#define DYNAMIC_CHUNKS 1
+#endif
+template <typename F>
+void parallel_chunks(int64_t n, const F& fn) {
+  const int nt = int(std::min<int64_t>(at::get_num_threads(), n));
+  if (nt <= 1) {
+    fn(int64_t(0), n);
+    return;
+  }
+#if DYNAMIC_CHUNKS
+  const int64_t chunk = std::max<int64_t>(1, (n + 8 * nt - 1) / (8 * nt));
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(nt)
+  for (int64_t i0 = next.fetch_add(chunk); i0 < n; i0 = next.fetch_add(chunk)) fn(i0, std::min(i0 + chunk, n));
+#else
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int t = 0; t < nt; t++) fn(n * t / nt, n * (t + 1) / nt);
+#endif
+}
+
+// x [..., K] as fp32 and contiguous, with no dispatch when it already is (decode calls these ~200 times a token)
+at::Tensor as_float_contiguous(const at::Tensor& x) {
+  return (x.scalar_type() == at::kFloat && x.is_contiguous()) ? x : x.to(at::kFloat).contiguous();
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return shape;
+}
+
+at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+                        int64_t group_size, int path) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "int4_mm: x must be a CPU tensor [..., K]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_mm: packed must be contiguous uint8");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(), "int4_mm: sz must be contiguous bf16");
+  const at::Tensor x = as_float_contiguous(x_in);
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, G = group_size;
+  TORCH_CHECK(G > 0 && N > 0 && K > 0, "int4_mm: bad shape");
+  const int64_t n_groups = (K + G - 1) / G, Kp = n_groups * G, Np = (N + ROWS - 1) / ROWS * ROWS;
+  TORCH_CHECK(packed.numel() == Np * Kp / 2, "int4_mm: packed has ", packed.numel(), " bytes, expected ", Np * Kp / 2);
+  TORCH_CHECK(sz.numel() == n_groups * Np * 2, "int4_mm: sz has ", sz.numel(), " values, expected ", n_groups * Np * 2);
+  at::Tensor y = at::empty(out_shape(x, N), x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  const int64_t n_blocks = Np / ROWS;
+  const int loop = int4_loop(int(path), G);
+  Int4X X;
+  int4_prepare_x(xp, M, K, G, loop != LOOP_FP32, X);
+  parallel_chunks(n_blocks, [&](int64_t b0, int64_t b1) { int4_blocks(loop, X, xp, pp, sp, M, N, K, G, b0, b1, yp); });
+  return y;
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+                   int64_t group_size) {
+  return int4_mm_impl(x, packed, sz, N, group_size, BEST);
+}
+
+at::Tensor int4_mm_generic(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+                           int64_t group_size) {
+  return int4_mm_impl(x, packed, sz, N, group_size, GENERIC);
+}
+
+at::Tensor int4_mm_avx2(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+                        int64_t group_size) {
+  return int4_mm_impl(x, packed, sz, N, group_size, AVX2_ONLY);
+}
+
+at::Tensor int4_mm_avx512bw(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+                            int64_t group_size) {
+  return int4_mm_impl(x, packed, sz, N, group_size, AVX512BW_ONLY);
+}
+
 at::Tensor int8_mm_impl(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale_in, int path) {
-  const bool generic = path == GENERIC;
   TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "int8_mm: x must be a CPU tensor [..., K]");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "int8_mm: q must be contiguous int8 [N, K]");
   const at::Tensor x = as_float_contiguous(x_in), scale = as_float_contiguous(scale_in);
@@ -561,46 +737,10 @@ at::Tensor int8_mm_impl(const at::Tensor& x_in, const at::Tensor& q, const at::T
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  (void)generic;  // only AVX2 CPUs have a second path
-#ifdef __AVX2__
-  if (!generic) {
-    const int64_t nb = K / 32;
-    std::vector<int8_t> xq(M * nb * 32);
-    std::vector<float> dx(M * nb);
-    for (int64_t m = 0; m < M; m++)
-      for (int64_t b = 0; b < nb; b++) {
-        int32_t total = 0;
-        dx[m * nb + b] = quantize_q8(xp + m * K + b * 32, 32, xq.data() + (m * nb + b) * 32, &total);
-      }
-    parallel_chunks(N, [&](int64_t n0, int64_t n1) {
-      for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
-        const int64_t mb = std::min<int64_t>(MB_MAX, M - m0);
-        const int8_t* xqm = xq.data() + m0 * nb * 32;
-        const float* dxm = dx.data() + m0 * nb;
-        const float* xm = xp + m0 * K;
-        float* ym = yp + m0 * N;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-        if (path == BEST) {
-          with_rows(mb, [&](auto R) {
-            int8_rows_vnni<decltype(R)::value>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym);
-          });
-          continue;
-        }
-#endif
-        with_rows(mb, [&](auto R) { int8_rows_q8<decltype(R)::value>(xqm, dxm, nb, xm, K, qp, sp, n0, n1, N, ym); });
-      }
-    });
-    return y;
-  }
-#endif
-  parallel_chunks(N, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
-      const int64_t mb = std::min<int64_t>(MB_MAX, M - m0);
-      const float* xm = xp + m0 * K;
-      float* ym = yp + m0 * N;
-      with_rows(mb, [&](auto R) { int8_rows<decltype(R)::value>(xm, K, qp, sp, n0, n1, N, ym); });
-    }
-  });
+  const int loop = int8_loop(path);
+  Int8X X;
+  if (loop != LOOP8_FP32) int8_prepare_x(xp, M, K, X);
+  parallel_chunks(N, [&](int64_t n0, int64_t n1) { int8_rows_range(loop, X, xp, M, K, qp, sp, n0, n1, N, yp); });
   return y;
 }
 
@@ -900,6 +1040,14 @@ bool has_vnni() {
 #endif
 }
 
+bool has_sdot() {
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool has_avx2() {
 #ifdef __AVX2__
   return true;
@@ -908,8 +1056,10 @@ bool has_avx2() {
 #endif
 }
 
+#endif  // INT4_KERNELS_ONLY
 }  // namespace
 
+#ifndef INT4_KERNELS_ONLY
 TORCH_LIBRARY(picaflor_int4, m) {
   m.def("int4_mm(Tensor x, Tensor packed, Tensor sz, int N, int group_size) -> Tensor", &int4_mm);
   m.def("int4_mm_generic(Tensor x, Tensor packed, Tensor sz, int N, int group_size) -> Tensor", &int4_mm_generic);
@@ -917,6 +1067,7 @@ TORCH_LIBRARY(picaflor_int4, m) {
   m.def("int8_mm_generic(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_mm_generic);
   m.def("int8_mm_avx2(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_mm_avx2);
   m.def("has_avx2() -> bool", &has_avx2);
+  m.def("has_sdot() -> bool", &has_sdot);
   m.def("has_avx512() -> bool", &has_avx512);
   m.def("int4_mm_avx2(Tensor x, Tensor packed, Tensor sz, int N, int group_size) -> Tensor", &int4_mm_avx2);
   m.def("int4_mm_avx512bw(Tensor x, Tensor packed, Tensor sz, int N, int group_size) -> Tensor", &int4_mm_avx512bw);
@@ -937,3 +1088,4 @@ TORCH_LIBRARY(picaflor_int4, m) {
   m.def("observe_scores(Tensor(a!) row, Tensor keys, float decay, bool first) -> ()", &observe_scores);
   m.def("score_victim(Tensor score, Tensor stamp, int[] protect) -> int", &score_victim);
 }
+#endif

@@ -243,13 +243,15 @@ def native_int4():
             cpu = platform.processor()
         name = "picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__).encode()).hexdigest()[:10]
         omp = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has no OpenMP: serial kernel
+        # ARM compilers name the host CPU with -mcpu (gcc and clang: dot products where the core has them)
+        arch = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else ["-march=native"]
         # ninja is a pip dependency: make the venv's bin findable when python runs without activating it
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         try:
             if not os.path.exists(os.path.join(cpp_extension._get_build_directory(name, False), name + ".so")):
                 print("stream_infer: compiling int4_cpu.cpp, the fast CPU int4 kernel (first use only, ~20 s)",
                       file=sys.stderr)
-            cpp_extension.load(name=name, sources=[src, reader_src], extra_cflags=["-O3", "-march=native"] + omp,
+            cpp_extension.load(name=name, sources=[src, reader_src], extra_cflags=["-O3"] + arch + omp,
                                extra_ldflags=omp, is_python_module=False, verbose=False)
             _NATIVE = torch.ops.picaflor_int4
         except Exception as e:  # no compiler, no ninja, a foreign toolchain: fall back, loudly, once
@@ -555,7 +557,8 @@ def pick_kernel(kernel, device):
     if kernel == "auto":
         if device.startswith("cuda"):
             return "triton"
-        if native_int4() is not None and native_int4().has_avx2():  # its portable loop is slower than int4pack
+        # its integer loops (AVX2, AArch64 dot products); its portable one is slower than int4pack (x86, measured)
+        if native_int4() is not None and (native_int4().has_avx2() or native_int4().has_sdot()):
             return "native"
         return "int4pack" if cpu_int4pack_ok() else "reference"
     if kernel == "native" and (device != "cpu" or native_int4() is None):

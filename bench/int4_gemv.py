@@ -65,10 +65,13 @@ def main():
         kernels["native_512bw"] = lambda p, sz: op.int4_mm_avx512bw(x, p, sz, N, g)
     if op.has_avx512():
         kernels["native_avx2"] = lambda p, sz: op.int4_mm_avx2(x, p, sz, N, g)
+    if op.has_sdot():  # AArch64: the dot-product loop beside the portable fp32 one
+        kernels["native_fp32"] = lambda p, sz: op.int4_mm_generic(x, p, sz, N, g)
     if S.cpu_int4pack_ok() and g in S.INT4PACK_GROUPS:
         kernels["int4pack"] = lambda p, sz: torch._weight_int4pack_mm_for_cpu(xb, p.view(Np, Kp // 2), g, sz)
     print(f"shape {N}x{K} group {g}, {a.pages} pages: {one / 1e6:.2f} MB per matrix, cold loop over {n_mats} ({n_mats * one / 1e6:.0f} MB); "
-          f"AVX2 path: {op.has_avx2()}, AVX-512 path: {op.has_avx512()}, VNNI path: {op.has_vnni()}")
+          f"AVX2 path: {op.has_avx2()}, AVX-512 path: {op.has_avx512()}, VNNI path: {op.has_vnni()}, "
+          f"AArch64 dot-product path: {op.has_sdot()}")
     rows = []
     for th in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(th)
@@ -99,6 +102,8 @@ def int8_rows_bench(op, a, place):
     x = torch.randn(1, K, generator=gen)
     kernels = {"native_q8": lambda q: op.int8_mm(x, q, scale), "native_q8_avx2": lambda q: op.int8_mm_avx2(x, q, scale),
                "native_fp32": lambda q: op.int8_mm_generic(x, q, scale)}
+    if not op.has_avx2():  # (AArch64: int8_mm_avx2 is int8_mm)
+        del kernels["native_q8_avx2"]
     if hasattr(torch, "_weight_int8pack_mm"):
         xb, sb = x.to(torch.bfloat16), scale.to(torch.bfloat16)
         kernels["int8pack"] = lambda q: torch._weight_int8pack_mm(xb, q, sb)

@@ -762,7 +762,7 @@ def test_native_int4_kernel_equals_reference(xs, ws, g):
     assert got.shape == ref.shape and (got - ref).abs().max() < 1e-5 * ref.abs().max()
     # the default path (int8 activations per group on AVX2, else the portable one) equals the reference applied to
     # x as it quantizes it, and stays within int8 rounding of the exact result
-    xq = q8_activations(x, g) if op.has_avx2() and g % 4 == 0 else x
+    xq = q8_activations(x, g) if int8_loops(op) and g % 4 == 0 else x
     want = S.int4_matmul_reference(xq, p, sz, ws, g)
     for got in (op.int4_mm(x, p, sz, ws[0], g), op.int4_mm(torch.cat([x, x], 1)[:, :ws[1]], p, sz, ws[0], g),
                 op.int4_mm(x.view(1, *xs), p, sz, ws[0], g)[0]):  # non-contiguous and 3-D inputs
@@ -775,8 +775,13 @@ def test_native_int4_kernel_equals_reference(xs, ws, g):
     assert torch.equal(op.int4_mm(x, p, sz, ws[0], g), op.int4_mm_avx512bw(x, p, sz, ws[0], g))
     got = op.int4_mm(x.to(torch.bfloat16), p, sz, ws[0], g)  # bf16 in: the same as its fp32 value
     xb = x.to(torch.bfloat16).float()
-    xbq = q8_activations(xb, g) if op.has_avx2() and g % 4 == 0 else xb
+    xbq = q8_activations(xb, g) if int8_loops(op) and g % 4 == 0 else xb
     assert (got - S.int4_matmul_reference(xbq, p, sz, ws, g)).abs().max() < 1e-5 * ref.abs().max()
+
+
+def int8_loops(op):
+    """Whether the native kernel multiplies int8 activations here (AVX2, AArch64 dot products) or fp32 ones."""
+    return op.has_avx2() or op.has_sdot()
 
 
 def q8_activations(x, g):
@@ -805,7 +810,7 @@ def test_native_int8_kernel_equals_reference():
         # on AVX2, x is quantized per whole block of 32 columns to int8 (the tail stays fp32): equal to the reference
         # applied to x as it quantizes it, and within int8 rounding of the exact result
         whole = K // 32 * 32
-        xq = torch.cat([q8_activations(x[:, :whole], 32), x[:, whole:]], 1) if op.has_avx2() else x
+        xq = torch.cat([q8_activations(x[:, :whole], 32), x[:, whole:]], 1) if int8_loops(op) else x
         want = (xq.double() @ q.double().t() * scale.double()).float()
         for got in (op.int8_mm(x, q, scale), op.int8_mm(x.view(1, M, K), q, scale)[0]):
             assert got.shape == (M, N) and (got - want).abs().max() < 1e-5 * ref.abs().max()
@@ -910,7 +915,7 @@ def test_native_decode_helpers_equal_model_py():
     got = op.swiglu_ffn(xf, *ffns[0][0], 48, 8, *ffns[0][1], 40, 8)  # the shared expert alone, then mixed into
     op.swiglu_mix(xf, got, [f[0][0] for f in ffns[1:]], [f[0][1] for f in ffns[1:]], [f[1][0] for f in ffns[1:]],
                   [f[1][1] for f in ffns[1:]], [2 * f[2] for f in ffns[1:]], [8, 8], [0.7, 0.2])
-    if op.has_avx2():
+    if int8_loops(op):
         assert (got - want).abs().max() < 1e-4 * want.abs().max()
     assert (got - want).norm() < 3e-2 * want.norm()
 

@@ -1,0 +1,69 @@
+// int4_cpu.cpp's kernels without torch, for tests/test_arm_kernels.py: built by a cross compiler for AArch64 and run
+// under qemu, so the NEON loops, which no x86 machine runs, are checked against the x86 ones bit for bit.
+//   int4_cpu_harness IN OUT
+// IN: int64 kind (4 or 8), M, N, K, G; x fp32 [M, K]; kind 4: packed uint8 [Np * Kp / 2], sz bf16 bits [Kp / G, Np, 2]
+// (container.py's int4 layout); kind 8: q int8 [N, K], scale fp32 [N]. OUT: y fp32 [M, N] from the best loop this
+// build has, then y from the portable loop. Prints which loop was the best one.
+#define INT4_KERNELS_ONLY
+#include "../int4_cpu.cpp"
+
+#include <cstdio>
+#include <cstdlib>
+
+template <class T>
+std::vector<T> read_n(FILE* f, int64_t n) {
+  std::vector<T> v(n);
+  if (n && std::fread(v.data(), sizeof(T), n, f) != size_t(n)) {
+    std::fprintf(stderr, "int4_cpu_harness: input too short\n");
+    std::exit(2);
+  }
+  return v;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: int4_cpu_harness IN OUT\n");
+    return 2;
+  }
+  FILE* in = std::fopen(argv[1], "rb");
+  if (!in) {
+    std::perror(argv[1]);
+    return 2;
+  }
+  const std::vector<int64_t> h = read_n<int64_t>(in, 5);
+  const int64_t kind = h[0], M = h[1], N = h[2], K = h[3], G = h[4];
+  const std::vector<float> x = read_n<float>(in, M * K);
+  std::vector<float> best(M * N), generic(M * N);
+  if (kind == 4) {
+    const int64_t n_groups = (K + G - 1) / G, Kp = n_groups * G, Np = (N + ROWS - 1) / ROWS * ROWS;
+    const std::vector<uint8_t> packed = read_n<uint8_t>(in, Np * Kp / 2);
+    const std::vector<uint16_t> sz = read_n<uint16_t>(in, n_groups * Np * 2);
+    const int loops[2] = {int4_loop(BEST, G), int4_loop(GENERIC, G)};
+    float* ys[2] = {best.data(), generic.data()};
+    for (int i = 0; i < 2; i++) {
+      Int4X X;
+      int4_prepare_x(x.data(), M, K, G, loops[i] != LOOP_FP32, X);
+      int4_blocks(loops[i], X, x.data(), packed.data(), sz.data(), M, N, K, G, 0, Np / ROWS, ys[i]);
+    }
+    std::printf("int4 loop %s\n", loops[0] == LOOP_Q8_SDOT ? "sdot" : loops[0] == LOOP_FP32 ? "fp32" : "x86");
+  } else {
+    const std::vector<int8_t> q = read_n<int8_t>(in, N * K);
+    const std::vector<float> scale = read_n<float>(in, N);
+    const int loops[2] = {int8_loop(BEST), int8_loop(GENERIC)};
+    float* ys[2] = {best.data(), generic.data()};
+    for (int i = 0; i < 2; i++) {
+      Int8X X;
+      if (loops[i] != LOOP8_FP32) int8_prepare_x(x.data(), M, K, X);
+      int8_rows_range(loops[i], X, x.data(), M, K, q.data(), scale.data(), 0, N, N, ys[i]);
+    }
+    std::printf("int8 loop %s\n", loops[0] == LOOP8_SDOT ? "sdot" : loops[0] == LOOP8_FP32 ? "fp32" : "x86");
+  }
+  std::fclose(in);
+  FILE* out = std::fopen(argv[2], "wb");
+  if (!out || std::fwrite(best.data(), 4, best.size(), out) != best.size() ||
+      std::fwrite(generic.data(), 4, generic.size(), out) != generic.size() || std::fclose(out) != 0) {
+    std::perror(argv[2]);
+    return 2;
+  }
+  return 0;
+}
