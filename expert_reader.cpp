@@ -10,8 +10,10 @@
 // last part checks the blob's crc32 (zlib's) when asked. Pools: 0 demand reads, 1 prefetch guesses (so a demand
 // read never queues behind a guess), 2 the bench's disk measurement.
 
+#ifndef PICAFLOR_NO_TORCH  // tests/int4_cpu_harness.cpp: the crc32 alone, without torch
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#endif
 
 #if defined(__unix__) || defined(__APPLE__)  // pread, pthreads; elsewhere no ops: stream_infer's Python readers
 #include <pthread.h>
@@ -32,6 +34,8 @@
 
 #ifdef __PCLMUL__
 #include <immintrin.h>
+#elif defined(__ARM_FEATURE_CRC32)
+#include <arm_acle.h>
 #endif
 
 namespace {
@@ -144,12 +148,24 @@ uint32_t crc_update(uint32_t c, const uint8_t* p, size_t n) {
   return crc_lane_finish(crc_fold(crc_fold(crc_fold(x0, k128, x1), k128, x2), k128, x3), p, n);
 }
 #endif
+#elif defined(__ARM_FEATURE_CRC32)
+// AArch64's CRC32 instructions (ARMv8.1 on; an option in 8.0) compute zlib's CRC-32, reflected, 8 bytes an
+// instruction: several times the table's speed, for the reader thread that checks a blob it just read
+uint32_t crc_update(uint32_t c, const uint8_t* p, size_t n) {
+  for (; n >= 8; p += 8, n -= 8) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    c = __crc32d(c, v);
+  }
+  return crc_bytes(c, p, n);  // the last 0-7 bytes
+}
 #else
 uint32_t crc_update(uint32_t c, const uint8_t* p, size_t n) { return crc_bytes(c, p, n); }
 #endif
 
 uint32_t crc32_zlib(uint32_t crc, const uint8_t* p, size_t n) { return ~crc_update(~crc, p, n); }
 
+#ifndef PICAFLOR_NO_TORCH
 // ---- the reader pools ----
 
 enum Status { PENDING = -1, OK = 0, CRC_MISMATCH = 1, SHORT_READ = 2, OS_ERROR = 3 };
@@ -325,8 +341,10 @@ int64_t crc32(const at::Tensor& buf, int64_t crc) {
 
 const int fork_handler = pthread_atfork(nullptr, nullptr, reset_after_fork);
 
+#endif  // PICAFLOR_NO_TORCH
 }  // namespace
 
+#ifndef PICAFLOR_NO_TORCH
 TORCH_LIBRARY_FRAGMENT(picaflor_int4, m) {
   m.def("blob_read(int ticket, int pool, int direct_fd, int fd, int offset, int addr, int nbytes, int n_parts, "
         "int align, int expected_crc, int n_threads) -> ()", &blob_read);
@@ -337,4 +355,5 @@ TORCH_LIBRARY_FRAGMENT(picaflor_int4, m) {
   m.def("crc32(Tensor buf, int crc) -> int", &crc32);
 }
 
+#endif  // PICAFLOR_NO_TORCH
 #endif  // __unix__ || __APPLE__

@@ -1,6 +1,6 @@
 // int4_cpu.cpp: stream_infer's CPU int4 matmul, y = x @ W^T with W read straight from the container's bytes.
 // Built on first use by stream_infer.native_int4() (torch.utils.cpp_extension, -O3 -march=native, or -mcpu=native
-// on ARM, cached). With INT4_KERNELS_ONLY defined it is the loops alone, without torch (tests/int4_cpu_harness.cpp).
+// on ARM, cached). With PICAFLOR_NO_TORCH defined it is the loops alone, without torch (tests/int4_cpu_harness.cpp).
 //
 // Why not torch's _weight_int4pack_mm_for_cpu: it dequantizes to bf16 and streamed ~3 GB/s of int4 weights per
 // thread here, while decode is a memory-bound GEMV: the kernel has to keep up with DRAM, not with the ALUs.
@@ -20,7 +20,7 @@
 // Each thread owns whole 32-row blocks; rows of x go 4 at a time so a block's bytes are decoded once per 4 rows
 // and stay in L1/L2 for the next 4.
 
-#ifndef INT4_KERNELS_ONLY  // tests/int4_cpu_harness.cpp: the kernels alone, without torch
+#ifndef PICAFLOR_NO_TORCH  // tests/int4_cpu_harness.cpp: the kernels alone, without torch
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -642,7 +642,7 @@ void int8_rows_range(int loop, const Int8X& X, const float* xp, int64_t M, int64
   }
 }
 
-#ifndef INT4_KERNELS_ONLY  // the torch ops
+#ifndef PICAFLOR_NO_TORCH  // the torch ops
 // Runs fn(i0, i1) over [0, n) in contiguous chunks on torch's intra-op threads (its libgomp), one fork/join per
 // call. DYNAMIC_CHUNKS: ~8 chunks a thread, taken from a shared counter, so a thread the OS or the hypervisor
 // preempted (a reader thread's syscall, an interrupt, CPU steal) hands its share to the others instead of
@@ -1056,10 +1056,10 @@ bool has_avx2() {
 #endif
 }
 
-#endif  // INT4_KERNELS_ONLY
+#endif  // PICAFLOR_NO_TORCH
 }  // namespace
 
-#ifndef INT4_KERNELS_ONLY
+#ifndef PICAFLOR_NO_TORCH
 TORCH_LIBRARY(picaflor_int4, m) {
   m.def("int4_mm(Tensor x, Tensor packed, Tensor sz, int N, int group_size) -> Tensor", &int4_mm);
   m.def("int4_mm_generic(Tensor x, Tensor packed, Tensor sz, int N, int group_size) -> Tensor", &int4_mm_generic);

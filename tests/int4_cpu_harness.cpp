@@ -1,11 +1,15 @@
-// int4_cpu.cpp's kernels without torch, for tests/test_arm_kernels.py: built by a cross compiler for AArch64 and run
-// under qemu, so the NEON loops, which no x86 machine runs, are checked against the x86 ones bit for bit.
+// int4_cpu.cpp's kernels and expert_reader.cpp's crc32 without torch, for tests/test_arm_kernels.py: built by a
+// cross compiler for AArch64 and run under qemu, so the NEON loops and the CRC32 instructions, which no x86 machine
+// runs, are checked against the x86 loops bit for bit and against zlib.
 //   int4_cpu_harness IN OUT
-// IN: int64 kind (4 or 8), M, N, K, G; x fp32 [M, K]; kind 4: packed uint8 [Np * Kp / 2], sz bf16 bits [Kp / G, Np, 2]
-// (container.py's int4 layout); kind 8: q int8 [N, K], scale fp32 [N]. OUT: y fp32 [M, N] from the best loop this
-// build has, then y from the portable loop. Prints which loop was the best one.
-#define INT4_KERNELS_ONLY
+// IN: int64 kind (4, 8 or 32), M, N, K, G; kind 4: x fp32 [M, K], packed uint8 [Np * Kp / 2], sz bf16 bits
+// [Kp / G, Np, 2] (container.py's int4 layout); kind 8: x fp32 [M, K], q int8 [N, K], scale fp32 [N]. OUT: y fp32
+// [M, N] from the best loop this build has, then y from the portable loop. Prints which loop was the best one.
+// Kind 32: M lengths (int64) then K bytes; OUT: per length L, uint32 crc32 of the first L bytes in one call, then
+// in two (the first L / 3 bytes, then the rest).
+#define PICAFLOR_NO_TORCH
 #include "../int4_cpu.cpp"
+#include "../expert_reader.cpp"
 
 #include <cstdio>
 #include <cstdlib>
@@ -32,6 +36,23 @@ int main(int argc, char** argv) {
   }
   const std::vector<int64_t> h = read_n<int64_t>(in, 5);
   const int64_t kind = h[0], M = h[1], N = h[2], K = h[3], G = h[4];
+  if (kind == 32) {
+    const std::vector<int64_t> lengths = read_n<int64_t>(in, M);
+    const std::vector<uint8_t> bytes = read_n<uint8_t>(in, K);
+    std::vector<uint32_t> crcs;
+    for (int64_t L : lengths) {
+      crcs.push_back(crc32_zlib(0, bytes.data(), L));
+      crcs.push_back(crc32_zlib(crc32_zlib(0, bytes.data(), L / 3), bytes.data() + L / 3, L - L / 3));
+    }
+    FILE* out = std::fopen(argv[2], "wb");
+    if (!out || std::fwrite(crcs.data(), 4, crcs.size(), out) != crcs.size() || std::fclose(out) != 0) return 2;
+#if defined(__PCLMUL__) || defined(__ARM_FEATURE_CRC32)
+    std::printf("crc32 path instructions\n");
+#else
+    std::printf("crc32 path table\n");
+#endif
+    return 0;
+  }
   const std::vector<float> x = read_n<float>(in, M * K);
   std::vector<float> best(M * N), generic(M * N);
   if (kind == 4) {

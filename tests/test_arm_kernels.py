@@ -1,8 +1,8 @@
-"""int4_cpu.cpp on AArch64 (Apple M-series, Graviton, Snapdragon laptops): its NEON dot-product loops, built by a
-cross compiler and run under qemu (Debian g++-aarch64-linux-gnu and qemu-user; .ci/run installs them), against the
-x86 loops this machine runs (bit for bit: the same integer sums and fused multiply-adds) and the dequantize-then-matmul
-reference; and the whole extension, torch ops included, compiled for AArch64 (syntax and types only: no AArch64
-torch runs here)."""
+"""int4_cpu.cpp and expert_reader.cpp on AArch64 (Apple M-series, Graviton, Snapdragon laptops): the NEON
+dot-product loops and the CRC32-instruction crc32, built by a cross compiler and run under qemu (Debian
+g++-aarch64-linux-gnu and qemu-user; .ci/run installs them), against the x86 loops this machine runs (bit for bit:
+the same integer sums and fused multiply-adds), the dequantize-then-matmul reference and zlib; and the whole
+extension, torch ops included, compiled for AArch64 (syntax and types only: no AArch64 torch runs here)."""
 import os
 import platform
 import shutil
@@ -109,6 +109,23 @@ def test_arm_int8_loops_equal_x86_and_reference(harness, M, N, K):
         assert torch.equal(best, op.int8_mm(x, q, scale)), (best - op.int8_mm(x, q, scale)).abs().max()
     plain_best, plain_generic, loop = run_case(harness, "plain", [8, M, N, K, 0], [x, q, scale], M, N)
     assert loop == "fp32" and torch.equal(plain_best, plain_generic)
+
+
+def test_arm_crc32_equals_zlib(harness):
+    """expert_reader.cpp's crc32 (each blob's check after its read): AArch64's CRC32 instructions (the ARMv8.2 build)
+    and the slicing-by-8 table (ARMv8.0 without them), in one call and in two, against zlib."""
+    import zlib
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()  # a micro expert's size
+    lengths = [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 255, 256, 257, 4099, len(data)]
+    want = [zlib.crc32(data[:n]) for n in lengths for _ in range(2)]
+    built, out = harness
+    inp, res = out / "crc_in.bin", out / "crc_out.bin"
+    with open(inp, "wb") as f:
+        f.write(np.asarray([32, len(lengths), 0, len(data), 0] + lengths, dtype=np.int64).tobytes() + data)
+    for name, path in (("sdot", "instructions"), ("plain", "table")):
+        r = subprocess.run([QEMU, built[name], str(inp), str(res)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.split()[-1] == path, r.stdout + r.stderr
+        assert np.fromfile(res, dtype=np.uint32).tolist() == want
 
 
 def test_extension_compiles_for_aarch64():
