@@ -679,29 +679,69 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
   return shape;
 }
 
-at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
-                        int64_t group_size, int path) {
+// One matrix of an int4 matmul: its checked shapes, x as fp32 and as the loops take it, and y
+struct Int4Job {
+  at::Tensor x, y;
+  int64_t M = 0, K = 0, N = 0, G = 0, n_blocks = 0;
+  const uint8_t* pp = nullptr;
+  const uint16_t* sp = nullptr;
+  int loop = LOOP_FP32;
+  const Int4X* X = nullptr;  // prepared x: this job's own, or an earlier job's with the same x
+  Int4X own;
+};
+
+void int4_job(Int4Job& j, const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+              int64_t group_size, int path) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "int4_mm: x must be a CPU tensor [..., K]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_mm: packed must be contiguous uint8");
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(), "int4_mm: sz must be contiguous bf16");
-  const at::Tensor x = as_float_contiguous(x_in);
-  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, G = group_size;
+  j.x = as_float_contiguous(x_in);
+  const int64_t K = j.x.size(-1), M = K ? j.x.numel() / K : 0, G = group_size;
   TORCH_CHECK(G > 0 && N > 0 && K > 0, "int4_mm: bad shape");
   const int64_t n_groups = (K + G - 1) / G, Kp = n_groups * G, Np = (N + ROWS - 1) / ROWS * ROWS;
   TORCH_CHECK(packed.numel() == Np * Kp / 2, "int4_mm: packed has ", packed.numel(), " bytes, expected ", Np * Kp / 2);
   TORCH_CHECK(sz.numel() == n_groups * Np * 2, "int4_mm: sz has ", sz.numel(), " values, expected ", n_groups * Np * 2);
-  at::Tensor y = at::empty(out_shape(x, N), x.options());
-  if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
-  const int64_t n_blocks = Np / ROWS;
-  const int loop = int4_loop(int(path), G);
-  Int4X X;
-  int4_prepare_x(xp, M, K, G, loop != LOOP_FP32, X);
-  parallel_chunks(n_blocks, [&](int64_t b0, int64_t b1) { int4_blocks(loop, X, xp, pp, sp, M, N, K, G, b0, b1, yp); });
-  return y;
+  j.y = at::empty(out_shape(j.x, N), j.x.options());
+  j.M = M, j.K = K, j.N = N, j.G = G, j.n_blocks = M ? Np / ROWS : 0;
+  j.pp = packed.data_ptr<uint8_t>();
+  j.sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  j.loop = int4_loop(path, G);
+}
+
+// Several int4 matmuls in one parallel region: the 32-row blocks of every matrix form one work list, so a MoE
+// layer's experts take one fork/join per projection instead of one per matrix, in longer runs of weights a thread.
+// Each job's y is what it would be alone, bit for bit: the same blocks through the same loop on the same x.
+void int4_run(std::vector<Int4Job>& jobs) {
+  std::vector<int64_t> first(jobs.size() + 1, 0);  // job i owns work items first[i] .. first[i + 1]
+  for (size_t i = 0; i < jobs.size(); i++) {
+    Int4Job& j = jobs[i];
+    for (size_t e = 0; e < i && !j.X; e++)  // x shared with an earlier job (a layer's gate|up projections)
+      if (jobs[e].x.data_ptr() == j.x.data_ptr() && jobs[e].M == j.M && jobs[e].K == j.K && jobs[e].G == j.G &&
+          (jobs[e].loop == LOOP_FP32) == (j.loop == LOOP_FP32))
+        j.X = jobs[e].X;
+    if (!j.X && j.M) {
+      int4_prepare_x(j.x.data_ptr<float>(), j.M, j.K, j.G, j.loop != LOOP_FP32, j.own);
+      j.X = &j.own;
+    }
+    first[i + 1] = first[i] + j.n_blocks;
+  }
+  parallel_chunks(first.back(), [&](int64_t w0, int64_t w1) {
+    for (size_t i = 0; i < jobs.size(); i++) {
+      const int64_t b0 = std::max(w0, first[i]), b1 = std::min(w1, first[i + 1]);
+      const Int4Job& j = jobs[i];
+      if (b0 < b1)
+        int4_blocks(j.loop, *j.X, j.x.data_ptr<float>(), j.pp, j.sp, j.M, j.N, j.K, j.G, b0 - first[i], b1 - first[i],
+                    j.y.data_ptr<float>());
+    }
+  });
+}
+
+at::Tensor int4_mm_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
+                        int64_t group_size, int path) {
+  std::vector<Int4Job> jobs(1);
+  int4_job(jobs[0], x_in, packed, sz, N, group_size, path);
+  int4_run(jobs);
+  return jobs[0].y;
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
@@ -889,13 +929,8 @@ at::Tensor attn_block(at::Tensor x, const at::Tensor& w_in, double eps_in, const
   return rms_norm(x, w_post, eps_post);
 }
 
-// SwiGLU FFN on int4 weights: down(silu(gate) * up) with gate|up fused as one [2F, D] matrix (gate rows first,
-// as model.py and container.py store routed experts): the whole expert in one call.
-at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& gu_packed, const at::Tensor& gu_sz, int64_t two_f,
-                      int64_t gu_group, const at::Tensor& down_packed, const at::Tensor& down_sz, int64_t d_out,
-                      int64_t down_group) {
-  TORCH_CHECK(two_f % 2 == 0, "swiglu_ffn: gate|up rows must be even");
-  at::Tensor h = int4_mm_impl(x, gu_packed, gu_sz, two_f, gu_group, BEST);
+// silu(gate) * up from gate|up rows [..., 2F] (gate first) -> [..., F]
+at::Tensor swiglu_act(const at::Tensor& h, int64_t two_f) {
   const int64_t F = two_f / 2, rows = h.numel() / two_f;
   std::vector<int64_t> shape(h.sizes().begin(), h.sizes().end());
   shape.back() = F;
@@ -907,7 +942,17 @@ at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& gu_packed, const at
       const float g = hp[r * two_f + i], u = hp[r * two_f + F + i];
       ap[r * F + i] = g / (1.0f + std::exp(-g)) * u;
     }
-  return int4_mm_impl(a, down_packed, down_sz, d_out, down_group, BEST);
+  return a;
+}
+
+// SwiGLU FFN on int4 weights: down(silu(gate) * up) with gate|up fused as one [2F, D] matrix (gate rows first,
+// as model.py and container.py store routed experts): the whole expert in one call.
+at::Tensor swiglu_ffn(const at::Tensor& x, const at::Tensor& gu_packed, const at::Tensor& gu_sz, int64_t two_f,
+                      int64_t gu_group, const at::Tensor& down_packed, const at::Tensor& down_sz, int64_t d_out,
+                      int64_t down_group) {
+  TORCH_CHECK(two_f % 2 == 0, "swiglu_ffn: gate|up rows must be even");
+  return int4_mm_impl(swiglu_act(int4_mm_impl(x, gu_packed, gu_sz, two_f, gu_group, BEST), two_f), down_packed,
+                      down_sz, d_out, down_group, BEST);
 }
 
 // o += wt * y: the rounded product, then the add (torch's `out += y * w`)
@@ -929,12 +974,19 @@ void swiglu_mix(const at::Tensor& x, at::Tensor out, at::TensorList gu_packed, a
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == x.numel() && !out.is_alias_of(x),
               "swiglu_mix: out must be contiguous fp32 shaped like x, and not x itself");
   const int64_t d_out = x.size(-1);
-  float* o = out.data_ptr<float>();
+  // every expert's gate|up in one parallel region, then every down projection in one (int4_run): each y is
+  // swiglu_ffn's, bit for bit
+  std::vector<Int4Job> gate_up(n), down(n);
   for (size_t i = 0; i < n; i++) {
-    at::Tensor y = swiglu_ffn(x, gu_packed[i], gu_sz[i], two_f[i], group_size[i], down_packed[i], down_sz[i], d_out,
-                              group_size[i]);
-    add_scaled(o, y.data_ptr<float>(), y.numel(), float(weights[i]));
+    TORCH_CHECK(two_f[i] % 2 == 0, "swiglu_mix: gate|up rows must be even");
+    int4_job(gate_up[i], x, gu_packed[i], gu_sz[i], two_f[i], group_size[i], BEST);
   }
+  int4_run(gate_up);
+  for (size_t i = 0; i < n; i++)
+    int4_job(down[i], swiglu_act(gate_up[i].y, two_f[i]), down_packed[i], down_sz[i], d_out, group_size[i], BEST);
+  int4_run(down);
+  float* o = out.data_ptr<float>();
+  for (size_t i = 0; i < n; i++) add_scaled(o, down[i].y.data_ptr<float>(), down[i].y.numel(), float(weights[i]));
 }
 
 // out += weights[i] * ys[i] in the order given, as swiglu_mix sums: stream_infer computes a layer's cached experts

@@ -466,6 +466,10 @@ class StreamedMoE(nn.Module):
         # the shared expert's swiglu_ffn arguments after x (decode passes them as they are)
         self.shared_args = (ffn_args(shared.gate_up_proj.raw, shared.down_proj.raw) if isinstance(shared, NativeFFN)
                             else None)
+        # and as swiglu_mix takes an expert (Expert.mix_args), when both projections share a group size
+        sa = self.shared_args
+        self.shared_mix_args = (sa[0], sa[1], sa[4], sa[5], sa[2], sa[3]) if sa and sa[3] == sa[7] else None
+        self.fuse_shared = True  # bench/token_ab.py --set fuse_shared=1,0 switches it
 
     def route(self, x, top_k=None):
         """(weights, expert ids, selection keys [rows, E]). DeepSeek-V3 router (as model.Router): sigmoid scores in
@@ -499,12 +503,19 @@ class StreamedMoE(nn.Module):
         cache.request(keys, protect)  # this layer's misses, read in parallel (right guesses join the cache)
         if self.prefetch:
             self.guess_next(x, protect)
-        out = op.swiglu_ffn(x, *self.shared_args)  # while this layer's missing experts are read
         # all of this layer's experts at once when they fit together (the budget guarantees 2 x top_k; more with
         # --experts-per-token: then one at a time, the same order and sums)
         together = len(keys) * cache.nbytes <= cache.budget
         entries = cache.entries
         cached = [key for key in keys if key in entries]
+        if together and len(cached) == len(keys) and self.fuse_shared and self.shared_mix_args is not None:
+            # every expert cached: the shared one and the routed ones in one call, every gate|up projection in one
+            # parallel region and every down one in another (the same sums, in the same order, from 0)
+            out = torch.zeros_like(x)
+            op.swiglu_mix(x, out, *zip(self.shared_mix_args, *[cache.get(key, protect).mix_args for key in keys]),
+                          [1.0] + [weight[key[1]] for key in keys])
+            return out
+        out = op.swiglu_ffn(x, *self.shared_args)  # while this layer's missing experts are read
         if together and len(cached) < len(keys):
             # the cached experts first, while the missing ones are still read; the sums in the fixed order
             ys = {key: cache.get(key, protect)(x) for key in cached + [k for k in keys if k not in cached]}

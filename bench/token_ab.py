@@ -8,8 +8,9 @@ whole runs alternated A, B, A, B still needed many rounds to see a 5% change. He
 prompts and sets `engine.cache.<name>` to the next value before each token (the first value of each prompt
 rotates), then prints per value: mean and median ms a token, misses a token, guesses read a token, and the time
 waited for reads per miss (a guess asked for before it landed waits too). Only settings read per token make sense
-(n_parts: parts per blob read; native_reads: C++ or Python readers; prefetch: the engine's --prefetch). In-process,
-no memory cgroup (stream_infer --bench does that; O_DIRECT reads skip the page cache).
+(n_parts: parts per blob read; native_reads: C++ or Python readers; prefetch: the engine's --prefetch; fuse_shared:
+a layer with every expert cached computes its shared and routed experts in one native call, or the shared one
+apart). In-process, no memory cgroup (stream_infer --bench does that; O_DIRECT reads skip the page cache).
 """
 import argparse
 import os
@@ -43,7 +44,9 @@ def cache_setting(name):
 # name -> (parser, what it takes, how an engine takes a value)
 SETTABLE = {"n_parts": (positive_int, "positive int", cache_setting("n_parts")),
             "native_reads": (boolean, "0/1/true/false", cache_setting("native_reads")),
-            "prefetch": (boolean, "0/1/true/false", lambda eng, v: eng.set_prefetch(v))}
+            "prefetch": (boolean, "0/1/true/false", lambda eng, v: eng.set_prefetch(v)),
+            # a MoE layer with every expert cached: shared + routed experts in one swiglu_mix call, or apart
+            "fuse_shared": (boolean, "0/1/true/false", lambda eng, v: [setattr(m, "fuse_shared", v) for m in eng.moes])}
 
 
 def parse_set(text):

@@ -920,6 +920,59 @@ def test_native_decode_helpers_equal_model_py():
     assert (got - want).norm() < 3e-2 * want.norm()
 
 
+def test_moe_layer_in_one_call_equals_one_call_per_expert(tiny):
+    """swiglu_mix runs every expert's gate|up projection in one parallel region and every down projection in one
+    (int4_run: the blocks of all the matrices as one work list): each expert's output is swiglu_ffn's bit for bit,
+    also with widths, group sizes and thread counts that split the list mid-matrix; so a decode layer with every
+    expert cached (shared + routed in one call) gives the tokens the one with its shared expert apart gives."""
+    op = S.native_int4()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 1, 96, generator=gen)
+    ffns = []
+    for width, g in ((160, 32), (64, 32), (96, 48), (32, 32)):
+        gu, dn = torch.randn(2 * width, 96, generator=gen), torch.randn(96, width, generator=gen)
+        ffns.append((*C.quantize_int4(gu, g), *C.quantize_int4(dn, g), 2 * width, g))
+    weights = [1.0, 0.7, 0.2, 0.05]
+    want = torch.zeros_like(x)
+    for (gp, gs, dp, ds, two_f, g), w in zip(ffns, weights):
+        op.mix_outputs(want, [op.swiglu_ffn(x, gp, gs, two_f, g, dp, ds, 96, g)], [w])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got = torch.zeros_like(x)
+            op.swiglu_mix(x, got, *zip(*ffns), weights)
+            assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(before)
+    m, path = tiny
+    eng = S.load(path)
+    assert eng.decode_plan is not None and all(moe.shared_mix_args is not None for moe in eng.moes)
+    prompt = list(range(5, 25))
+    calls = []
+
+    class Counting:  # the native ops, counting the swiglu_mix calls that take the shared expert along
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def swiglu_mix(self, *a):
+            calls.append(len(a[2]))
+            return real.swiglu_mix(*a)
+    real = S._NATIVE
+    S._NATIVE = Counting()
+    try:
+        fused = eng.generate(prompt, 8)
+        assert calls and all(n == CFG["top_k"] + 1 for n in calls)
+        for moe in eng.moes:
+            moe.fuse_shared = False
+        calls.clear()
+        apart = eng.generate(prompt, 8)
+        assert calls and all(n == CFG["top_k"] for n in calls)
+    finally:
+        S._NATIVE = real
+    assert fused == apart
+
+
 def test_native_int4_kernel_nan_and_zero_rows():
     op = S.native_int4()
     p, sz = C.quantize_int4(torch.randn(32, 128), 64)
