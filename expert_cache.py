@@ -210,8 +210,18 @@ class BlobBuffers:
             if not self._idle(k):
                 held.add(i)
             elif hasattr(mmap, "MADV_DONTNEED"):
-                chunk.madvise(mmap.MADV_DONTNEED, off, self.stride)
+                pages = whole_pages(off, self.stride, mmap.PAGESIZE)
+                if pages:
+                    chunk.madvise(mmap.MADV_DONTNEED, *pages)
         return held
+
+
+def whole_pages(off, nbytes, page):
+    """(start, length) of the whole pages inside [off, off + nbytes), or None. Slots are 4 KiB-aligned; on a 16 or
+    64 KiB-page kernel (Asahi, some ARM servers) madvise refuses an unaligned start and rounds the length up to a
+    page, so a slot's range as it is would zero the start of its neighbour, maybe a cached expert."""
+    start, end = -(-off // page) * page, (off + nbytes) // page * page
+    return (start, end - start) if end > start else None
 
 
 class ExpertCache:

@@ -215,13 +215,13 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     prompt = torch.randint(1, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
     eng.cache.reset_counters()
     timings = []
-    rb0, _ = S.io_counters()
+    rb0 = S.io_counters()
     t0 = time.perf_counter()
     it = eng.stream(prompt, n_new, temperature=0.0, experts_per_token=experts_per_token, timings=timings)
     first = next(it)
     prefill_s = time.perf_counter() - t0
     st_prefill = eng.cache.stats()
-    rb1, _ = S.io_counters()
+    rb1 = S.io_counters()
     majflt0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     cpu0, own0, wall0 = cpu_times(), time.process_time(), time.perf_counter()
     lookups0, hits0 = eng.cache.lookups, eng.cache.hits + eng.cache.prefetch_hits
@@ -229,16 +229,17 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     bytes0, wait0, busy0 = eng.cache.bytes_read, eng.cache.read_wait_s, eng.cache.disk_busy_s
     out = [first] + list(it)
     cpu1, own1, wall1 = cpu_times(), time.process_time(), time.perf_counter()
-    rb2, _ = S.io_counters()
+    rb2 = S.io_counters()
     majflt = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - majflt0  # pages (code, page cache) the budget evicted and decode faulted back
     decode_lat = timings[1:]
     n_dec = len(decode_lat)
     st = eng.cache.stats()
     dec_lookups = st["lookups"] - lookups0
     dec_hit = (st["hits"] + st["prefetch_hits"] - hits0) / max(dec_lookups, 1)
-    disk_per_tok = (rb2 - rb1) / max(n_dec, 1)
     dec_bytes = st["bytes_read"] - bytes0
     counted_per_tok = dec_bytes / max(n_dec, 1)
+    # storage reads as the kernel counts them; without /proc/self/io (macOS) the cache's own count stands in
+    disk_per_tok = (rb2[0] - rb1[0]) / max(n_dec, 1) if rb1 and rb2 else counted_per_tok
     wait_per_tok = (eng.cache.read_wait_s - wait0) / max(n_dec, 1)
     busy = eng.cache.disk_busy_s - busy0  # decode's own reads: bytes over the time any was running
     disk_decode = dec_bytes / busy if busy > 0 and dec_bytes >= 8 * cont.expert_nbytes else None
@@ -261,6 +262,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "p50_token_latency_s": pct(0.5), "p99_token_latency_s": pct(0.99),
         "hit_rate": dec_hit, "hit_rate_with_prefill": st["hit_rate"], "prefill_reads": st_prefill["reads"],
         "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
+        "disk_bytes_source": "/proc/self/io" if rb1 and rb2 else "counted (no /proc/self/io here)",
         "demanded_bytes_per_token": demanded_per_tok,
         "read_wait_s_per_token": wait_per_tok, "major_faults_per_token": majflt / max(n_dec, 1),
         "cpu_steal_fraction": steal_fraction(cpu0, cpu1),
@@ -283,14 +285,19 @@ def cgroup_memory_dir():
     for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
         ctl = os.path.join(root, "cgroup.controllers")
         if os.path.exists(ctl) and "memory" in open(ctl).read().split():
-            rel = next((l.split(":", 2)[2].strip() for l in open("/proc/self/cgroup") if l.startswith("0::")), "/")
+            with open(os.path.join(S.PROC_SELF, "cgroup")) as f:
+                rel = next((l.split(":", 2)[2].strip() for l in f if l.startswith("0::")), "/")
             d = os.path.join(root, rel.lstrip("/"), name)
             try:
                 os.mkdir(d)
                 return d, "v2"
             except OSError:
                 pass
-    rel = next((l.split(":", 2)[2].strip() for l in open("/proc/self/cgroup") if ":memory:" in l), None)
+    try:
+        with open(os.path.join(S.PROC_SELF, "cgroup")) as f:
+            rel = next((l.split(":", 2)[2].strip() for l in f if ":memory:" in l), None)
+    except OSError:  # no /proc (macOS): no cgroups either
+        return None, None
     if rel is not None and os.path.isdir("/sys/fs/cgroup/memory"):
         d = os.path.join("/sys/fs/cgroup/memory", rel.lstrip("/"), name)
         try:
@@ -424,7 +431,8 @@ def print_bench(res):
           f"| token latency p50 {res['p50_token_latency_s'] * 1e3:.1f} ms p99 {res['p99_token_latency_s'] * 1e3:.1f} ms")
     print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), capacity {res['cache_capacity_experts']} experts of "
           f"{res['expert_bytes'] / 1e6:.2f} MB | disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
-          f"(/proc/self/io; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB) | waiting for reads "
+          f"({res.get('disk_bytes_source', '/proc/self/io')}; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB) "
+          f"| waiting for reads "
           f"{res['read_wait_s_per_token'] * 1e3:.1f} ms of a token's {1e3 / max(res['decode_tok_s'], 1e-9):.1f} ms")
     cgp = res.get("cgroup_peak_bytes")
     huge = res.get("huge_page_bytes")

@@ -138,29 +138,51 @@ def fmt_size(n):
     return f"{n}B"
 
 
+PROC_SELF = "/proc/self"  # Linux; macOS has no /proc (tests point this elsewhere to run as there)
+
+
 def proc_status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
+    """A /proc/self/status figure in bytes (0 when absent), or None where there is no /proc (macOS)."""
+    try:
+        with open(os.path.join(PROC_SELF, "status")) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
     return 0
 
 
+def peak_rss_from_rusage():
+    """getrusage's peak RSS in bytes (ru_maxrss: bytes on macOS, KiB on Linux); 0 where there is none."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def rss_bytes():
-    return proc_status("VmRSS")
+    """Resident bytes now; without /proc (macOS) the peak so far, which is never less, so the budget's accounting
+    (the engine's baseline and resident sizes) errs towards reserving too much, never too little."""
+    now = proc_status("VmRSS")
+    return now if now is not None else peak_rss_from_rusage()
 
 
 def peak_rss_bytes():
-    return proc_status("VmHWM")
+    peak = proc_status("VmHWM")
+    return peak if peak is not None else peak_rss_from_rusage()
 
 
 def io_counters():
-    """(read_bytes really fetched from storage, rchar bytes returned by read syscalls) of this process."""
+    """(read_bytes really fetched from storage, rchar bytes returned by read syscalls) of this process, or None
+    where there is no /proc/self/io (macOS): then nothing can tell storage reads from page-cache hits."""
     try:
-        d = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines() if ": " in line)
+        d = dict(line.split(": ") for line in open(os.path.join(PROC_SELF, "io")).read().splitlines() if ": " in line)
         return int(d["read_bytes"]), int(d["rchar"])
-    except OSError:
-        return 0, 0
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -257,7 +279,8 @@ def native_int4():
         except Exception as e:  # no compiler, no ninja, a foreign toolchain: fall back, loudly, once
             why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
             print(f"stream_infer: warning: could not build {src} ({why}); using torch's slower int4pack kernel. "
-                  f"Install a C++ compiler (apt install g++) and ninja (pip install -r requirements.txt)",
+                  f"Install a C++ compiler ({'xcode-select --install' if sys.platform == 'darwin' else 'apt install g++'}) "
+                  f"and ninja (pip install -r requirements.txt)",
                   file=sys.stderr)
             _NATIVE = False
     return _NATIVE or None
@@ -960,7 +983,8 @@ def compute_threads(eng, threads="auto"):
     """auto: every core, streaming or not (measured in the module docstring)."""
     if threads != "auto":
         return max(1, int(threads))
-    return os.cpu_count() or 1
+    # the cores this process may run on (a container's or taskset's share), not the machine's
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def load(path, ram_budget=None, device="cpu", **kw):

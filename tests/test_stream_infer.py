@@ -1466,3 +1466,68 @@ def test_vs_llamacpp_budgets_and_bad_input(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
     assert V.exit_reason(-9, "", True) == "killed (out of memory in the cgroup)"
     assert V.exit_reason(-11, "", True) == "crashed (SIGSEGV)" and "OOM killer" in V.exit_reason(-9, "", False)
+
+
+def test_runs_without_proc_as_on_macos(tiny, tmp_path, monkeypatch, capsys):
+    """macOS has no /proc: memory figures come from getrusage (the peak: the budget's accounting over-reserves),
+    the bench finds no cgroup and takes disk bytes from the cache's own count, saying so, instead of crashing at
+    load or printing 0 MB read as if /proc/self/io had said it."""
+    m, path = tiny
+    want = S.load(path).generate(list(range(5, 25)), 6)
+    monkeypatch.setattr(S, "PROC_SELF", str(tmp_path / "no-proc"))
+    assert S.proc_status("VmRSS") is None and S.io_counters() is None
+    assert S.rss_bytes() == S.peak_rss_bytes() == S.peak_rss_from_rusage() > 100 << 20  # torch alone is ~200 MB
+    assert B.cgroup_memory_dir() == (None, None)
+    eng = S.load(path, ram_budget=None, preload=False)
+    eng.cache.budget = 5 * eng.container.expert_nbytes
+    assert eng.baseline_rss > 0 and eng.resident_rss >= eng.baseline_rss
+    assert eng.generate(list(range(5, 25)), 6) == want
+    res = B.run_bench(eng, n_prompt=6, n_new=5)
+    assert res["disk_bytes_source"].startswith("counted") and res["peak_rss_bytes"] > 0
+    assert res["disk_bytes_per_token"] == res["counted_bytes_per_token"] > 0
+    B.print_bench(res)
+    assert "counted (no /proc/self/io here)" in capsys.readouterr().out
+
+
+def test_slot_pages_given_back_whole_on_any_page_size():
+    """A slot's pages go back to the OS (MADV_DONTNEED) only where whole pages lie inside it: on 4 KiB pages the
+    4 KiB-aligned slot itself, on 16 / 64 KiB pages the pages inside it, never a neighbour's start."""
+    assert EC.whole_pages(3 * 12288, 12288, 4096) == (3 * 12288, 12288)
+    assert EC.whole_pages(12288, 36864, 16384) == (16384, 32768)  # [12288, 49152) holds [16384, 49152)
+    assert EC.whole_pages(12288, 12288, 16384) is None  # [12288, 24576): no whole 16 KiB page inside
+    assert EC.whole_pages(65536 + 4096, 200704, 65536) == (131072, 131072)
+    for page in (4096, 16384, 65536):
+        for off in range(0, 10 * 12288, 12288):
+            got = EC.whole_pages(off, 12288, page)
+            if got:
+                assert got[0] % page == 0 and got[1] % page == 0 and off <= got[0] and sum(got) <= off + 12288
+
+
+def test_expert_reads_skip_the_page_cache_on_macos(tiny, monkeypatch):
+    """macOS has no O_DIRECT: the container opens a descriptor of its own with F_NOCACHE for expert reads, and the
+    blobs read through it are the same bytes; where F_NOCACHE is refused, buffered reads as before."""
+    import fcntl
+    m, path = tiny
+    plain = C.load_container(path)
+    want = bytes(plain.read_expert_blob(1, 3))
+    calls = []
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(fcntl, "fcntl", lambda fd, cmd, arg: calls.append((cmd, arg)) or 0)
+    cont = C.load_container(path)
+    assert cont.direct_fd is not None and cont.direct_fd != cont.fd
+    assert calls == [(getattr(fcntl, "F_NOCACHE", 48), 1)]
+    assert bytes(cont.read_expert_blob(1, 3)) == want
+    eng_ref, eng = S.load(path), S.load(path, ram_budget=None, preload=False)
+    assert eng.container.direct_fd is not None
+    eng.cache.budget = 5 * eng.container.expert_nbytes
+    assert eng.generate(list(range(5, 25)), 6) == eng_ref.generate(list(range(5, 25)), 6)
+
+    def refuse(fd, cmd, arg):
+        raise OSError(22, "Invalid argument")
+    monkeypatch.setattr(fcntl, "fcntl", refuse)
+    refused = C.load_container(path)
+    assert refused.direct_fd is None
+    refused.close()
+    cont.close()
+    plain.close()
