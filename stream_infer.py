@@ -87,6 +87,7 @@ import contextlib
 import math
 import operator
 import os
+import platform
 import sys
 import time
 
@@ -253,7 +254,6 @@ def native_int4():
     global _NATIVE
     if _NATIVE is None:
         import hashlib
-        import platform
         from torch.utils import cpp_extension
         here = os.path.dirname(os.path.abspath(__file__))
         src, reader_src = os.path.join(here, "int4_cpu.cpp"), os.path.join(here, "expert_reader.cpp")
@@ -594,6 +594,11 @@ def pick_kernel(kernel, device):
         # its integer loops (AVX2, AArch64 dot products); its portable one is slower than int4pack (x86, measured)
         if native_int4() is not None and (native_int4().has_avx2() or native_int4().has_sdot()):
             return "native"
+        if native_int4() is not None and platform.machine().lower() in ("aarch64", "arm64"):
+            # an ARM core (or a compiler) without ARMv8.2 dot products: say why the fast decode path is off
+            print("stream_infer: warning: int4_cpu.cpp was built without ARM dot-product instructions (an older "
+                  "compiler or a pre-ARMv8.2 core); using torch's int4pack kernel and the slower module-by-module decode",
+                  file=sys.stderr)
         return "int4pack" if cpu_int4pack_ok() else "reference"
     if kernel == "native" and (device != "cpu" or native_int4() is None):
         raise StreamError("--kernel native: int4_cpu.cpp runs on CPU only and needs a C++ compiler and ninja "

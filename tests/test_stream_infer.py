@@ -1531,3 +1531,27 @@ def test_expert_reads_skip_the_page_cache_on_macos(tiny, monkeypatch):
     refused.close()
     cont.close()
     plain.close()
+
+
+def test_auto_kernel_on_arm_without_dot_products_says_so(monkeypatch, capsys):
+    """--kernel auto takes the native kernel where it has integer loops (AVX2, AArch64 dot products); an ARM build
+    without dot products falls back to int4pack and says why, and an x86 one without AVX2 falls back quietly."""
+    import platform
+
+    class Ops:
+        def has_avx2(self):
+            return False
+
+        def has_sdot(self):
+            return self.sdot
+    ops = Ops()
+    monkeypatch.setattr(S, "native_int4", lambda: ops)
+    monkeypatch.setattr(S, "cpu_int4pack_ok", lambda: True)
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    ops.sdot = True
+    assert S.pick_kernel("auto", "cpu") == "native" and capsys.readouterr().err == ""
+    ops.sdot = False
+    assert S.pick_kernel("auto", "cpu") == "int4pack"
+    assert "without ARM dot-product instructions" in capsys.readouterr().err
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert S.pick_kernel("auto", "cpu") == "int4pack" and capsys.readouterr().err == ""
