@@ -686,7 +686,7 @@ struct Int4Job {
   const uint8_t* pp = nullptr;
   const uint16_t* sp = nullptr;
   int loop = LOOP_FP32;
-  const Int4X* X = nullptr;  // prepared x: this job's own, or an earlier job's with the same x
+  int64_t x_from = -1;  // the job whose prepared x (`own`) this one uses: itself, or an earlier one with the same x
   Int4X own;
 };
 
@@ -715,13 +715,13 @@ void int4_run(std::vector<Int4Job>& jobs) {
   std::vector<int64_t> first(jobs.size() + 1, 0);  // job i owns work items first[i] .. first[i + 1]
   for (size_t i = 0; i < jobs.size(); i++) {
     Int4Job& j = jobs[i];
-    for (size_t e = 0; e < i && !j.X; e++)  // x shared with an earlier job (a layer's gate|up projections)
+    for (size_t e = 0; e < i && j.x_from < 0; e++)  // x shared with an earlier job (a layer's gate|up projections)
       if (jobs[e].x.data_ptr() == j.x.data_ptr() && jobs[e].M == j.M && jobs[e].K == j.K && jobs[e].G == j.G &&
           (jobs[e].loop == LOOP_FP32) == (j.loop == LOOP_FP32))
-        j.X = jobs[e].X;
-    if (!j.X && j.M) {
+        j.x_from = jobs[e].x_from;
+    if (j.x_from < 0 && j.M) {
       int4_prepare_x(j.x.data_ptr<float>(), j.M, j.K, j.G, j.loop != LOOP_FP32, j.own);
-      j.X = &j.own;
+      j.x_from = int64_t(i);
     }
     first[i + 1] = first[i] + j.n_blocks;
   }
@@ -730,8 +730,8 @@ void int4_run(std::vector<Int4Job>& jobs) {
       const int64_t b0 = std::max(w0, first[i]), b1 = std::min(w1, first[i + 1]);
       const Int4Job& j = jobs[i];
       if (b0 < b1)
-        int4_blocks(j.loop, *j.X, j.x.data_ptr<float>(), j.pp, j.sp, j.M, j.N, j.K, j.G, b0 - first[i], b1 - first[i],
-                    j.y.data_ptr<float>());
+        int4_blocks(j.loop, jobs[j.x_from].own, j.x.data_ptr<float>(), j.pp, j.sp, j.M, j.N, j.K, j.G, b0 - first[i],
+                    b1 - first[i], j.y.data_ptr<float>());
     }
   });
 }

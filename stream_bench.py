@@ -285,8 +285,11 @@ def cgroup_memory_dir():
     for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
         ctl = os.path.join(root, "cgroup.controllers")
         if os.path.exists(ctl) and "memory" in open(ctl).read().split():
-            with open(os.path.join(S.PROC_SELF, "cgroup")) as f:
-                rel = next((l.split(":", 2)[2].strip() for l in f if l.startswith("0::")), "/")
+            try:
+                with open(os.path.join(S.PROC_SELF, "cgroup")) as f:
+                    rel = next((l.split(":", 2)[2].strip() for l in f if l.startswith("0::")), "/")
+            except OSError:  # no /proc/self/cgroup: no way to place a child cgroup
+                return None, None
             d = os.path.join(root, rel.lstrip("/"), name)
             try:
                 os.mkdir(d)
