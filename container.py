@@ -493,6 +493,7 @@ class Container:
         self.identity = self._identity()  # a blob checked once is trusted while the open file stays the same
         self.verified = set()  # (layer, expert) whose crc32 matched in this process
         self.direct_fd = None
+        self.retired_fds = []  # direct_fd after O_DIRECT failed, closed by close()
         if hasattr(os, "O_DIRECT"):
             try:
                 self.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -514,11 +515,19 @@ class Container:
             os.close(fd)
             return None
 
+    def stop_direct_reads(self):
+        """O_DIRECT failed on this filesystem: buffered reads from now on. Its descriptor stays open until close()
+        (another reader thread may be reading through it this moment; a closed number can be reused by any open)."""
+        fd, self.direct_fd = self.direct_fd, None
+        if fd is not None:
+            self.retired_fds.append(fd)
+
     def close(self):
-        for fd in (self.fd, self.direct_fd):
+        for fd in [self.fd, self.direct_fd] + self.retired_fds:
             if fd is not None:
                 os.close(fd)
         self.fd = self.direct_fd = None
+        self.retired_fds = []
 
     def __del__(self):
         try:
@@ -539,7 +548,7 @@ class Container:
                 if got == nbytes:
                     return buf
             except OSError:
-                self.direct_fd = None  # e.g. EINVAL on a filesystem that opened but cannot do O_DIRECT
+                self.stop_direct_reads()  # e.g. EINVAL on a filesystem that opened but cannot do O_DIRECT
         got = os.preadv(self.fd, [buf], offset)
         if got != nbytes:
             raise self.short_read_error(offset, got, nbytes)

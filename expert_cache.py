@@ -128,7 +128,7 @@ class NativeRead:
                 _READS_IN_FLIGHT.pop(self.ticket, None)
             (layer, e), c = self.key, self.c
             if buffered:  # O_DIRECT failed on this filesystem: buffered reads from now on (as Container._pread)
-                c.direct_fd = None
+                c.stop_direct_reads()
             if status == 0:
                 if self.check:
                     c.verified.add(self.key)

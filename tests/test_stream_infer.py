@@ -655,7 +655,12 @@ def test_native_reads_land_checked_bytes_and_fail_loudly(tiny, tmp_path):
     buf = mmap.mmap(-1, cont.expert_nbytes)
     EC.NativeRead(cont, (3, 3), buf, 0, 4, ops).result()
     assert cont.direct_fd is None and bytes(buf) == bytes(cont.read_expert_blob(3, 3))
-    os.close(direct)
+    assert cont.retired_fds[-1] == direct  # kept open (a reader may still use it), closed with the container
+    os.fstat(direct)
+    cont.close()
+    with pytest.raises(OSError):
+        os.fstat(direct)
+    cont = C.load_container(path)
     # cut short after opening: the last expert's read comes back short
     cut = tmp_path / "cut.pcf4"
     shutil.copy(path, cut)
