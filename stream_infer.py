@@ -37,7 +37,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   (2G medians 13.45 off / 14.69 on, rounds spread 9.7-16.3 tok/s each way). Re-measure on a trained model and a
   laptop whose NVMe reads by DMA.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
-  is loaded (python + torch baseline + resident weights, measured from /proc/self/status) - the KV cache for
+  is loaded (python + torch baseline + resident weights, measured from /proc/self/status; without /proc, as on
+  macOS, getrusage's peak, which reserves more) - the KV cache for
   `context` positions - working memory (one prefill chunk of 256 tokens' activations, 64 logit rows, slack;
   `working_bytes`). If less than 2 x top_k experts would fit, it refuses before loading, saying how much is needed.
 - CPU int4 path (`--kernel native`, the default): int4_cpu.cpp, compiled on first use (g++ and ninja; ~20 s,
@@ -45,8 +46,9 @@ How it works (the implementer's calls, as DESIGN.md asks):
   multiplies integers, as llama.cpp's Q4_0 x Q8_0 kernels do (relative error ~0.6% on random activations, the
   size of bf16 rounding), 512 bits wide where the compiler targets AVX-512BW (the same integer sums, bit for
   bit; +11% cold and +40% hot on 2 threads here), and as vpermb + vpdpbusd with AVX-512 VNNI (bit for bit again;
-  +8-15% cold, +25% hot over the 512-bit loop); its portable fp32 loop (other CPUs) is slower than int4pack, so
-  auto picks it only on AVX2. Measured on the earlier AVX2 machine (2 cores, M=1, micro shapes, weights cold
+  +8-15% cold, +25% hot over the 512-bit loop), and on AArch64 with dot products (ARMv8.2+, Apple M1 on) as
+  zips + sdot (bit for bit the x86 result, tested under qemu; unmeasured on ARM hardware); its portable fp32 loop
+  (other CPUs) is slower than int4pack, so auto picks native only with AVX2 or ARM dot products. Measured on the earlier AVX2 machine (2 cores, M=1, micro shapes, weights cold
   in DRAM, `python bench/int4_gemv.py`): 7-9 GB/s of int4 weights on 1 thread and 10-13 GB/s on 2,
   vs 3.2 / 6.1 GB/s for torch's `_weight_int4pack_mm_for_cpu` (which dequantizes to bf16); hot in cache 15 GB/s
   per thread vs 3. A software prefetch 1 KB ahead added ~20% cold. Without a compiler it warns once and falls
