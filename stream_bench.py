@@ -282,25 +282,22 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
 def cgroup_memory_dir():
     """A fresh child memory cgroup (v2 memory.max or v1 memory.limit_in_bytes) or None; we must be root."""
     name = f"picaflor-bench-{os.getpid()}"
+    try:
+        with open(os.path.join(S.PROC_SELF, "cgroup")) as f:
+            own = f.read().splitlines()  # this process's cgroups, v2 ("0::path") and v1 ("N:controllers:path")
+    except OSError:  # no /proc (macOS): no cgroups either
+        return None, None
     for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
         ctl = os.path.join(root, "cgroup.controllers")
         if os.path.exists(ctl) and "memory" in open(ctl).read().split():
-            try:
-                with open(os.path.join(S.PROC_SELF, "cgroup")) as f:
-                    rel = next((l.split(":", 2)[2].strip() for l in f if l.startswith("0::")), "/")
-            except OSError:  # no /proc/self/cgroup: no way to place a child cgroup
-                return None, None
+            rel = next((l.split(":", 2)[2].strip() for l in own if l.startswith("0::")), "/")
             d = os.path.join(root, rel.lstrip("/"), name)
             try:
                 os.mkdir(d)
                 return d, "v2"
             except OSError:
                 pass
-    try:
-        with open(os.path.join(S.PROC_SELF, "cgroup")) as f:
-            rel = next((l.split(":", 2)[2].strip() for l in f if ":memory:" in l), None)
-    except OSError:  # no /proc (macOS): no cgroups either
-        return None, None
+    rel = next((l.split(":", 2)[2].strip() for l in own if ":memory:" in l), None)
     if rel is not None and os.path.isdir("/sys/fs/cgroup/memory"):
         d = os.path.join("/sys/fs/cgroup/memory", rel.lstrip("/"), name)
         try:
