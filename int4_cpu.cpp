@@ -35,6 +35,16 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+#ifndef _OPENMP
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#endif
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -642,17 +652,94 @@ void int8_rows_range(int loop, const Int8X& X, const float* xp, int64_t M, int64
   }
 }
 
-#ifndef PICAFLOR_NO_TORCH  // the torch ops
-// Runs fn(i0, i1) over [0, n) in contiguous chunks on torch's intra-op threads (its libgomp), one fork/join per
-// call. DYNAMIC_CHUNKS: ~8 chunks a thread, taken from a shared counter, so a thread the OS or the hypervisor
-// preempted (a reader thread's syscall, an interrupt, CPU steal) hands its share to the others instead of
-// holding up the whole call; else a static split, one chunk a thread.
+// Workers for parallel_chunks where the compiler has no OpenMP (Apple clang on macOS, the harness): started on
+// first use, they spin ~0.2 ms after each call (decode calls again within microseconds, as libgomp's threads
+// spin) and then sleep, so an idle process burns no CPU. One call at a time: a concurrent or nested caller runs
+// its work on its own thread instead of waiting.
+#ifndef _OPENMP
+class ChunkPool {
+ public:
+  // fn(t) for t in 0..n-1, t = 0 on the calling thread; false (nothing run) while the pool is busy
+  bool run(int n, const std::function<void(int)>& fn) {
+    bool idle = false;
+    if (!busy_.compare_exchange_strong(idle, true, std::memory_order_acquire)) return false;
+    while (int(slots_.size()) < n - 1) {  // a worker per extra thread, kept for the process's life
+      slots_.emplace_back(new std::atomic<uint64_t>(0));
+      std::thread(&ChunkPool::work, this, int(slots_.size()) - 1, slots_.back().get()).detach();  // ends with the process
+    }
+    job_ = &fn;
+    left_.store(n - 1);
+    {
+      std::lock_guard<std::mutex> lock(sleep_);  // a worker about to sleep sees its new slot value or the notify
+      ++generation_;
+      for (int w = 0; w < n - 1; w++) slots_[w]->store(generation_, std::memory_order_release);
+    }
+    wake_.notify_all();
+    fn(0);
+    for (int spins = 0; left_.load(std::memory_order_acquire) != 0; spins++)
+      spins > 4096 ? std::this_thread::yield() : cpu_relax();  // a preempted worker: let it run
+    busy_.store(false, std::memory_order_release);
+    return true;
+  }
+
+ private:
+  // a pause between polls: the spinning thread may share its core with one that computes (SMT)
+  static void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+
+  void work(int w, std::atomic<uint64_t>* slot_ptr) {
+    uint64_t seen = 0;
+    std::atomic<uint64_t>& slot = *slot_ptr;
+    for (;;) {
+      const auto since = std::chrono::steady_clock::now();
+      for (int spins = 0; slot.load(std::memory_order_acquire) == seen; spins++) {
+        cpu_relax();
+        if (spins % 256 == 255 && std::chrono::steady_clock::now() - since > std::chrono::microseconds(200)) {
+          std::unique_lock<std::mutex> lock(sleep_);
+          wake_.wait(lock, [&] { return slot.load(std::memory_order_acquire) != seen; });
+        }
+      }
+      seen = slot.load(std::memory_order_acquire);
+      (*job_)(w + 1);
+      left_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::atomic<bool> busy_{false};  // a flag, not a mutex: a nested call comes from the thread that holds it
+  std::mutex sleep_;
+  std::condition_variable wake_;
+  std::vector<std::unique_ptr<std::atomic<uint64_t>>> slots_;  // worker w runs a job when its slot changes
+  const std::function<void(int)>* job_ = nullptr;
+  std::atomic<int> left_{0};
+  uint64_t generation_ = 0;
+};
+
+// The process's pool; a forked child (which has none of the parent's threads) makes its own
+ChunkPool& chunk_pool() {
+  static ChunkPool* pool = nullptr;
+  static pid_t owner = 0;
+  static std::mutex made;
+  std::lock_guard<std::mutex> lock(made);
+  if (!pool || owner != getpid()) pool = new ChunkPool(), owner = getpid();  // the old one is left: never freed
+  return *pool;
+}
+#endif
+
+// Runs fn(i0, i1) over [0, n) in contiguous chunks on up to `threads` threads, one fork/join per call: OpenMP's
+// (torch's libgomp on Linux), else ChunkPool's. DYNAMIC_CHUNKS: ~8 chunks a thread, taken from a shared counter,
+// so a thread the OS or the hypervisor preempted (a reader thread's syscall, an interrupt, CPU steal) hands its
+// share to the others instead of holding up the whole call; else a static split, one chunk a thread.
 #ifndef DYNAMIC_CHUNKS
 #define DYNAMIC_CHUNKS 1
 #endif
 template <typename F>
-void parallel_chunks(int64_t n, const F& fn) {
-  const int nt = int(std::min<int64_t>(at::get_num_threads(), n));
+void parallel_chunks(int threads, int64_t n, const F& fn) {
+  const int nt = int(std::min<int64_t>(threads, n));
   if (nt <= 1) {
     fn(int64_t(0), n);
     return;
@@ -660,12 +747,32 @@ void parallel_chunks(int64_t n, const F& fn) {
 #if DYNAMIC_CHUNKS
   const int64_t chunk = std::max<int64_t>(1, (n + 8 * nt - 1) / (8 * nt));
   std::atomic<int64_t> next{0};
+  auto share = [&] {
+    for (int64_t i0 = next.fetch_add(chunk); i0 < n; i0 = next.fetch_add(chunk)) fn(i0, std::min(i0 + chunk, n));
+  };
+#ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
-  for (int64_t i0 = next.fetch_add(chunk); i0 < n; i0 = next.fetch_add(chunk)) fn(i0, std::min(i0 + chunk, n));
+  share();
 #else
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-  for (int t = 0; t < nt; t++) fn(n * t / nt, n * (t + 1) / nt);
+  if (!chunk_pool().run(nt, [&](int) { share(); })) share();
 #endif
+#else
+  auto part = [&](int t) { fn(n * t / nt, n * (t + 1) / nt); };
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int t = 0; t < nt; t++) part(t);
+#else
+  if (!chunk_pool().run(nt, part))
+    for (int t = 0; t < nt; t++) part(t);
+#endif
+#endif
+}
+
+#ifndef PICAFLOR_NO_TORCH  // the torch ops
+// parallel_chunks on torch's intra-op thread count (torch.set_num_threads)
+template <typename F>
+void parallel_chunks(int64_t n, const F& fn) {
+  parallel_chunks(at::get_num_threads(), n, fn);
 }
 
 // x [..., K] as fp32 and contiguous, with no dispatch when it already is (decode calls these ~200 times a token)

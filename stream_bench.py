@@ -27,8 +27,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # as stream_infer.py: read by libgomp at torch import
+if __name__ == "__main__":  # as stream_infer.py (openmp_kernels()): read by libgomp at torch import
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if sys.platform != "darwin" and
+                          os.environ.get("PICAFLOR_OPENMP", "1") != "0" else "PASSIVE")
 
 import torch
 

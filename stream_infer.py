@@ -76,7 +76,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
   at load with as many as fit, the same number per layer (decoding then starts from a full cache, not an empty
   one); `--no-preload` reads on demand. The load time (`load_s` in --bench) includes it.
 - Threads (`--threads auto`): every core, and OpenMP threads spin between GEMVs (OMP_WAIT_POLICY=ACTIVE, set
-  when run as a script). Measured on micro, 2 cores, native kernel, 16 decode tokens: 2G budget 11.7 tok/s with
+  when run as a script; PASSIVE where the kernels run on int4_cpu.cpp's own ChunkPool, macOS). Measured on micro, 2 cores, native kernel, 16 decode tokens: 2G budget 11.7 tok/s with
   2 threads vs 9.0 with 1; 1G 6.0 vs 3.8. (Before expert buffers were recycled, spinning threads starved the
   reader threads while streaming and 1 thread was faster; a machine whose cores are busy elsewhere still wants
   `--threads 1`.)
@@ -93,10 +93,19 @@ import platform
 import sys
 import time
 
+
+def openmp_kernels():
+    """Whether int4_cpu.cpp runs on OpenMP threads (torch's libgomp) or on its own pool (ChunkPool): Apple clang
+    has no OpenMP, and PICAFLOR_OPENMP=0 asks for the pool here (A/Bs, tests of the macOS build)."""
+    return sys.platform != "darwin" and os.environ.get("PICAFLOR_OPENMP", "1") != "0"
+
+
 # Decode is hundreds of small parallel GEMVs per token: with OpenMP threads that sleep between them, 2 threads
 # decoded 3x slower than 1 here (2 cores); spinning ones (ACTIVE) 1.7x faster. libgomp reads this at torch import.
+# On ChunkPool, torch's own OpenMP threads must sleep at once instead (PASSIVE): woken by a torch op (RoPE's cos
+# runs on MKL's threads), spinning ones took a core from the pool's (micro, 6G: decode 25 tok/s against 59).
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if openmp_kernels() else "PASSIVE")
 
 import torch
 import torch.nn as nn
@@ -265,8 +274,10 @@ def native_int4():
             cpu = next((l for l in open("/proc/cpuinfo") if l.startswith(("flags", "Features"))), "")
         except OSError:
             cpu = platform.processor()
-        name = "picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__).encode()).hexdigest()[:10]
-        omp = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has no OpenMP: serial kernel
+        use_omp = openmp_kernels()  # else int4_cpu.cpp's own threads (ChunkPool)
+        omp = ["-fopenmp"] if use_omp else []
+        name = ("picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__).encode()).hexdigest()[:10]
+                + ("" if use_omp else "_pool"))
         # ARM compilers name the host CPU with -mcpu (gcc and clang: dot products where the core has them)
         arch = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else ["-march=native"]
         # ninja is a pip dependency: make the venv's bin findable when python runs without activating it

@@ -1,7 +1,10 @@
 // int4_cpu.cpp's kernels and expert_reader.cpp's crc32 without torch, for tests/test_arm_kernels.py: built by a
 // cross compiler for AArch64 and run under qemu, so the NEON loops and the CRC32 instructions, which no x86 machine
 // runs, are checked against the x86 loops bit for bit and against zlib.
-//   int4_cpu_harness IN OUT
+// Also, built for this machine, ChunkPool (parallel_chunks without OpenMP, as on macOS): THREADS > 1 splits the
+// best loop's blocks or rows over that many threads, repeats it (two callers at once, and after the workers fell
+// asleep; exit 3 if a result differs) and prints how many threads really ran a share of a lone caller's work.
+//   int4_cpu_harness IN OUT [THREADS]
 // IN: int64 kind (4, 8 or 32), M, N, K, G; kind 4: x fp32 [M, K], packed uint8 [Np * Kp / 2], sz bf16 bits
 // [Kp / G, Np, 2] (container.py's int4 layout); kind 8: x fp32 [M, K], q int8 [N, K], scale fp32 [N]. OUT: y fp32
 // [M, N] from the best loop this build has, then y from the portable loop. Prints which loop was the best one.
@@ -13,6 +16,10 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <set>
+#include <thread>
 
 template <class T>
 std::vector<T> read_n(FILE* f, int64_t n) {
@@ -25,10 +32,18 @@ std::vector<T> read_n(FILE* f, int64_t n) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: int4_cpu_harness IN OUT\n");
+  if (argc != 3 && argc != 4) {
+    std::fprintf(stderr, "usage: int4_cpu_harness IN OUT [THREADS]\n");
     return 2;
   }
+  const int threads = argc == 4 ? std::atoi(argv[3]) : 1;
+  std::mutex seen_lock;
+  std::set<std::thread::id> seen;  // the threads that ran a share of the best loop (one caller at a time)
+  std::atomic<bool> counting{true};
+  auto note = [&] {
+    std::lock_guard<std::mutex> lock(seen_lock);
+    if (counting) seen.insert(std::this_thread::get_id());
+  };
   FILE* in = std::fopen(argv[1], "rb");
   if (!in) {
     std::perror(argv[1]);
@@ -55,30 +70,60 @@ int main(int argc, char** argv) {
   }
   const std::vector<float> x = read_n<float>(in, M * K);
   std::vector<float> best(M * N), generic(M * N);
+  std::function<void(float*)> run_best;  // the best loop over every block (int4) or row (int8), `threads` threads
   if (kind == 4) {
     const int64_t n_groups = (K + G - 1) / G, Kp = n_groups * G, Np = (N + ROWS - 1) / ROWS * ROWS;
     const std::vector<uint8_t> packed = read_n<uint8_t>(in, Np * Kp / 2);
     const std::vector<uint16_t> sz = read_n<uint16_t>(in, n_groups * Np * 2);
     const int loops[2] = {int4_loop(BEST, G), int4_loop(GENERIC, G)};
-    float* ys[2] = {best.data(), generic.data()};
-    for (int i = 0; i < 2; i++) {
-      Int4X X;
-      int4_prepare_x(x.data(), M, K, G, loops[i] != LOOP_FP32, X);
-      int4_blocks(loops[i], X, x.data(), packed.data(), sz.data(), M, N, K, G, 0, Np / ROWS, ys[i]);
-    }
+    Int4X X[2];
+    for (int i = 0; i < 2; i++) int4_prepare_x(x.data(), M, K, G, loops[i] != LOOP_FP32, X[i]);
+    int4_blocks(loops[1], X[1], x.data(), packed.data(), sz.data(), M, N, K, G, 0, Np / ROWS, generic.data());
+    run_best = [&, packed, sz, loop = loops[0], X = X[0]](float* y) {  // copies: the block's locals end
+      parallel_chunks(threads, Np / ROWS, [&](int64_t b0, int64_t b1) {
+        note();
+        int4_blocks(loop, X, x.data(), packed.data(), sz.data(), M, N, K, G, b0, b1, y);
+      });
+    };
     std::printf("int4 loop %s\n", loops[0] == LOOP_Q8_SDOT ? "sdot" : loops[0] == LOOP_FP32 ? "fp32" : "x86");
   } else {
     const std::vector<int8_t> q = read_n<int8_t>(in, N * K);
     const std::vector<float> scale = read_n<float>(in, N);
     const int loops[2] = {int8_loop(BEST), int8_loop(GENERIC)};
-    float* ys[2] = {best.data(), generic.data()};
-    for (int i = 0; i < 2; i++) {
-      Int8X X;
-      if (loops[i] != LOOP8_FP32) int8_prepare_x(x.data(), M, K, X);
-      int8_rows_range(loops[i], X, x.data(), M, K, q.data(), scale.data(), 0, N, N, ys[i]);
-    }
+    Int8X X[2];
+    for (int i = 0; i < 2; i++)
+      if (loops[i] != LOOP8_FP32) int8_prepare_x(x.data(), M, K, X[i]);
+    int8_rows_range(loops[1], X[1], x.data(), M, K, q.data(), scale.data(), 0, N, N, generic.data());
+    run_best = [&, q, scale, loop = loops[0], X = X[0]](float* y) {
+      parallel_chunks(threads, N, [&](int64_t n0, int64_t n1) {
+        note();
+        int8_rows_range(loop, X, x.data(), M, K, q.data(), scale.data(), n0, n1, N, y);
+      });
+    };
     std::printf("int8 loop %s\n", loops[0] == LOOP8_SDOT ? "sdot" : loops[0] == LOOP8_FP32 ? "fp32" : "x86");
   }
+  run_best(best.data());
+  if (threads > 1) {  // the pool again and again: from two callers at once, and after its workers fell asleep
+    for (int round = 1; round <= 12; round++) {
+      std::vector<float> y1(M * N), y2(M * N);
+      if (round % 2) {
+        counting = false;  // the second caller runs on its own thread, not the pool's
+        std::thread other([&] { run_best(y2.data()); });
+        run_best(y1.data());
+        other.join();
+        counting = true;
+      } else {
+        run_best(y1.data());
+        y2 = y1;
+      }
+      if (y1 != best || y2 != best) {
+        std::fprintf(stderr, "int4_cpu_harness: round %d differs from the first\n", round);
+        return 3;
+      }
+      if (round % 3 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  std::printf("threads %zu\n", seen.size());
   std::fclose(in);
   FILE* out = std::fopen(argv[2], "wb");
   if (!out || std::fwrite(best.data(), 4, best.size(), out) != best.size() ||

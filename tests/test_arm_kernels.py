@@ -57,7 +57,8 @@ def run_case(harness, name, header, arrays, M, N):
     r = subprocess.run([QEMU, built[name], str(inp), str(res)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     y = torch.from_numpy(np.fromfile(res, dtype=np.float32).copy()).view(2, M, N)
-    return y[0], y[1], r.stdout.split()[-1]
+    said = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines())  # "int4 loop sdot", "threads 1"
+    return y[0], y[1], said[f"int{header[0]} loop"]
 
 
 def x86_native():

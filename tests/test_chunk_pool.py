@@ -1,0 +1,114 @@
+"""int4_cpu.cpp's ChunkPool: the threads its kernels run on where the compiler has no OpenMP (Apple clang on macOS,
+where stream_infer builds without -fopenmp, and PICAFLOR_OPENMP=0 here). tests/int4_cpu_harness.cpp, built for this
+machine without OpenMP, splits the int4 and int8 loops over 3 threads through the pool, repeats them from two callers
+at once and after the workers fell asleep, and must equal the OpenMP extension's output bit for bit; the whole
+extension must compile without OpenMP."""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import container as C  # noqa: E402
+import stream_infer as S  # noqa: E402
+
+THREADS = 3  # more threads than this machine's 2 cores: a worker preempted mid-call must still be waited for
+# (M, N, K, G): N in 32-row blocks from 1 (one thread does it all) to 256; a group size the integer loop leaves
+INT4_CASES = [(1, 8192, 2048, 64), (3, 40, 100, 32), (5, 96, 256, 128), (2, 32, 90, 30), (4, 2050, 512, 64)]
+INT8_CASES = [(1, 4096, 512), (3, 70, 37), (2, 2, 64)]
+
+
+@pytest.fixture(scope="module")
+def pool_harness(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "no C++ compiler: apt-get install g++"
+    out = tmp_path_factory.mktemp("pool")
+    exe = str(out / "harness")
+    # -Wno-maybe-uninitialized: gcc 12's own AVX-512 intrinsics headers trip it (gcc bug 105593)
+    r = subprocess.run([cxx, "-O2", "-std=c++17", "-march=native", "-pthread", "-Wall", "-Werror",
+                        "-Wno-maybe-uninitialized", "-o", exe, os.path.join(ROOT, "tests", "int4_cpu_harness.cpp")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe, out
+
+
+def run_pool(pool_harness, header, arrays, M, N):
+    """The harness on one case with THREADS threads: (the pooled loop's y, threads that ran a share)."""
+    exe, out = pool_harness
+    inp, res = out / "in.bin", out / "out.bin"
+    with open(inp, "wb") as f:
+        f.write(np.asarray(header, dtype=np.int64).tobytes())
+        for a in arrays:
+            f.write(a.contiguous().numpy().tobytes())
+    r = subprocess.run([exe, str(inp), str(res), str(THREADS)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines())
+    y = torch.from_numpy(np.fromfile(res, dtype=np.float32).copy()).view(2, M, N)
+    return y[0], int(said["threads"])
+
+
+@pytest.mark.parametrize("M,N,K,G", INT4_CASES)
+def test_pool_int4_equals_openmp_build(pool_harness, M, N, K, G):
+    op = S.native_int4()
+    assert op is not None, "the native extension did not build"
+    gen = torch.Generator().manual_seed(M * 1000 + K)
+    x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
+    packed, sz = C.quantize_int4(w, G)
+    y, threads = run_pool(pool_harness, [4, M, N, K, G], [x, packed, sz.view(torch.int16)], M, N)
+    assert torch.equal(y, op.int4_mm(x, packed, sz, N, G))
+    blocks = (N + 31) // 32
+    # each call hands out ~8 chunks a thread, so every thread gets work once the blocks outnumber the threads by far
+    assert threads == 1 if blocks == 1 else (threads == THREADS if blocks >= 64 else 1 <= threads <= THREADS)
+
+
+@pytest.mark.parametrize("M,N,K", INT8_CASES)
+def test_pool_int8_equals_openmp_build(pool_harness, M, N, K):
+    op = S.native_int4()
+    assert op is not None, "the native extension did not build"
+    gen = torch.Generator().manual_seed(M * 1000 + K)
+    x = torch.randn(M, K, generator=gen)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+    scale = torch.rand(N, generator=gen) * 0.01
+    y, threads = run_pool(pool_harness, [8, M, N, K, 0], [x, q, scale], M, N)
+    assert torch.equal(y, op.int8_mm(x, q, scale))
+    assert threads == THREADS if N >= 1024 else 1 <= threads <= min(N, THREADS)
+
+
+def test_extension_compiles_without_openmp():
+    """The torch ops as stream_infer builds them on macOS (no -fopenmp: parallel_chunks on ChunkPool) compile here,
+    syntax and types against this torch's headers."""
+    from torch.utils import cpp_extension
+    cxx = shutil.which("g++") or shutil.which("c++")
+    inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    r = subprocess.run([cxx, "-fsyntax-only", "-std=c++20", "-march=native", "-Wall", *inc,
+                        os.path.join(ROOT, "int4_cpu.cpp")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and " warning: " not in r.stderr, r.stderr[-3000:]
+
+
+def test_pool_build_decodes_the_same_tokens(tmp_path):
+    """The whole extension built as on macOS (PICAFLOR_OPENMP=0: no -fopenmp, kernels on ChunkPool; ~20 s to
+    build), run by stream_infer on 3 threads, greedy-decodes the same tokens as this process's OpenMP build."""
+    from model import ModelConfig, Picaflor, save_checkpoint
+    torch.manual_seed(0)
+    m = Picaflor(ModelConfig(vocab_size=300, n_layer=3, n_dense_layers=1, d_model=128, n_head=4, n_kv_head=2,
+                             dense_ffn=256, n_experts=8, expert_ffn=128, n_shared=1, top_k=2, max_seq_len=64))
+    path = str(tmp_path / "tiny.pcf4")
+    C.write_container(save_checkpoint(m, str(tmp_path / "run"), 1), path, group_size=32, progress=False)
+    prompt = list(range(5, 21))
+    want = S.load(path, kernel="native").generate(prompt, 12)
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import stream_infer as S; torch.set_num_threads(3); "
+            "eng = S.load(sys.argv[2], kernel='native'); print(eng.generate(list(range(5, 21)), 12)); "
+            "print([l.split()[-1] for l in open('/proc/self/maps') if 'picaflor_int4_cpu' in l][:1])")
+    r = subprocess.run([sys.executable, "-c", code, ROOT, path], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PICAFLOR_OPENMP="0"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    tokens, lib = r.stdout.strip().splitlines()[-2:]
+    assert lib.endswith("_pool.so']"), lib  # the pool build, not the OpenMP one
+    assert tokens == str(want)
