@@ -76,8 +76,9 @@ How it works (the implementer's calls, as DESIGN.md asks):
   at load with as many as fit, the same number per layer (decoding then starts from a full cache, not an empty
   one); `--no-preload` reads on demand. The load time (`load_s` in --bench) includes it.
 - Threads (`--threads auto`): every core, and OpenMP threads spin between GEMVs (OMP_WAIT_POLICY=ACTIVE, set
-  when run as a script; PASSIVE where the kernels run on int4_cpu.cpp's own ChunkPool, macOS). Measured on micro, 2 cores, native kernel, 16 decode tokens: 2G budget 11.7 tok/s with
-  2 threads vs 9.0 with 1; 1G 6.0 vs 3.8. (Before expert buffers were recycled, spinning threads starved the
+  when run as a script; PASSIVE where the kernels run on int4_loops.h's own ChunkPool, macOS). Measured on
+  micro, 2 cores, native kernel, 16 decode tokens: 2G budget 11.7 tok/s with 2 threads vs 9.0 with 1; 1G 6.0
+  vs 3.8. (Before expert buffers were recycled, spinning threads starved the
   reader threads while streaming and 1 thread was faster; a machine whose cores are busy elsewhere still wants
   `--threads 1`.)
 - Output is identical whatever the budget: the compute order never depends on what was cached.
@@ -95,8 +96,8 @@ import time
 
 
 def openmp_kernels():
-    """Whether int4_cpu.cpp runs on OpenMP threads (torch's libgomp) or on its own pool (ChunkPool): Apple clang
-    has no OpenMP, and PICAFLOR_OPENMP=0 asks for the pool here (A/Bs, tests of the macOS build)."""
+    """Whether int4_cpu.cpp runs on OpenMP threads (torch's libgomp) or on its own (int4_loops.h's ChunkPool):
+    Apple clang has no OpenMP, and PICAFLOR_OPENMP=0 asks for the pool here (A/Bs, tests of the macOS build)."""
     return sys.platform != "darwin" and os.environ.get("PICAFLOR_OPENMP", "1") != "0"
 
 
@@ -260,8 +261,9 @@ _NATIVE = None
 
 
 def native_int4():
-    """torch.ops of int4_cpu.cpp (the fast CPU int4 matmul), compiled on first use (~20 s, then cached under
-    ~/.cache/torch_extensions, rebuilt when the source changes) or None when it cannot be built here."""
+    """torch.ops of int4_cpu.cpp (the fast CPU int4 matmul, over int4_loops.h's loops), compiled on first use
+    (~20 s, then cached under ~/.cache/torch_extensions, rebuilt when the source changes) or None when it cannot be
+    built here."""
     global _NATIVE
     if _NATIVE is None:
         import hashlib
@@ -274,10 +276,12 @@ def native_int4():
             cpu = next((l for l in open("/proc/cpuinfo") if l.startswith(("flags", "Features"))), "")
         except OSError:
             cpu = platform.processor()
-        use_omp = openmp_kernels()  # else int4_cpu.cpp's own threads (ChunkPool)
+        use_omp = openmp_kernels()  # else int4_loops.h's own threads (ChunkPool)
         omp = ["-fopenmp"] if use_omp else []
-        name = ("picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__).encode()).hexdigest()[:10]
-                + ("" if use_omp else "_pool"))
+        # and by int4_loops.h, which int4_cpu.cpp includes: cpp_extension rebuilds only when a listed source changes
+        with open(os.path.join(here, "int4_loops.h"), "rb") as f:
+            key = (cpu + torch.__version__).encode() + f.read()
+        name = "picaflor_int4_cpu_" + hashlib.sha1(key).hexdigest()[:10] + ("" if use_omp else "_pool")
         # ARM compilers name the host CPU with -mcpu (gcc and clang: dot products where the core has them)
         arch = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else ["-march=native"]
         # ninja is a pip dependency: make the venv's bin findable when python runs without activating it

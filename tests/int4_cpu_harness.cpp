@@ -1,4 +1,4 @@
-// int4_cpu.cpp's kernels and expert_reader.cpp's crc32 without torch, for tests/test_arm_kernels.py: built by a
+// int4_loops.h's kernels and expert_reader.cpp's crc32 without torch, for tests/test_arm_kernels.py: built by a
 // cross compiler for AArch64 and run under qemu, so the NEON loops and the CRC32 instructions, which no x86 machine
 // runs, are checked against the x86 loops bit for bit and against zlib.
 // Also, built for this machine, ChunkPool (parallel_chunks without OpenMP, as on macOS): THREADS > 1 splits the
@@ -10,8 +10,8 @@
 // [M, N] from the best loop this build has, then y from the portable loop. Prints which loop was the best one.
 // Kind 32: M lengths (int64) then K bytes; OUT: per length L, uint32 crc32 of the first L bytes in one call, then
 // in two (the first L / 3 bytes, then the rest).
-#define PICAFLOR_NO_TORCH
-#include "../int4_cpu.cpp"
+#include "../int4_loops.h"
+#define PICAFLOR_NO_TORCH  // expert_reader.cpp's crc32 without its torch ops
 #include "../expert_reader.cpp"
 
 #include <cstdio>

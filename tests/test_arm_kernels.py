@@ -1,5 +1,5 @@
-"""int4_cpu.cpp and expert_reader.cpp on AArch64 (Apple M-series, Graviton, Snapdragon laptops): the NEON
-dot-product loops and the CRC32-instruction crc32, built by a cross compiler and run under qemu (Debian
+"""int4_loops.h (int4_cpu.cpp's loops) and expert_reader.cpp on AArch64 (Apple M-series, Graviton, Snapdragon laptops):
+the NEON dot-product loops and the CRC32-instruction crc32, built by a cross compiler and run under qemu (Debian
 g++-aarch64-linux-gnu and qemu-user; .ci/run installs them), against the x86 loops this machine runs (bit for bit:
 the same integer sums and fused multiply-adds), the dequantize-then-matmul reference and zlib; and the whole
 extension, torch ops included, compiled for AArch64 (syntax and types only: no AArch64 torch runs here)."""
