@@ -32,13 +32,14 @@
 #include <type_traits>
 #include <vector>
 #ifndef _OPENMP
-#include <unistd.h>
+#include <pthread.h>
 
 #include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #endif
 
@@ -659,9 +660,25 @@ class ChunkPool {
   bool run(int n, const std::function<void(int)>& fn) {
     bool idle = false;
     if (!busy_.compare_exchange_strong(idle, true, std::memory_order_acquire)) return false;
-    while (int(slots_.size()) < n - 1) {  // a worker per extra thread, kept for the process's life
-      slots_.emplace_back(new std::atomic<uint64_t>(0));
-      std::thread(&ChunkPool::work, this, int(slots_.size()) - 1, slots_.back().get()).detach();  // ends with the process
+    // on every way out, a throwing fn(0) included: the workers are done with fn (it lives in the caller's frame)
+    // before the pool is free again
+    struct Done {
+      ChunkPool& pool;
+      ~Done() {
+        for (int spins = 0; pool.left_.load(std::memory_order_acquire) != 0; spins += spins < 4096)
+          spins >= 4096 ? std::this_thread::yield() : cpu_relax();  // a preempted worker: let it run
+        pool.busy_.store(false, std::memory_order_release);
+      }
+    } done{*this};
+    slots_.reserve(n - 1);  // push_back below cannot throw then
+    while (int(slots_.size()) < n - 1) {  // a worker per extra thread, kept (detached) for the process's life
+      std::unique_ptr<std::atomic<uint64_t>> slot(new std::atomic<uint64_t>(0));
+      try {
+        std::thread(&ChunkPool::work, this, int(slots_.size()), slot.get()).detach();
+      } catch (const std::system_error&) {  // no thread to be had (a limit): the caller runs the work alone
+        return false;
+      }
+      slots_.push_back(std::move(slot));
     }
     job_ = &fn;
     left_.store(n - 1);
@@ -672,9 +689,6 @@ class ChunkPool {
     }
     wake_.notify_all();
     fn(0);
-    for (int spins = 0; left_.load(std::memory_order_acquire) != 0; spins++)
-      spins > 4096 ? std::this_thread::yield() : cpu_relax();  // a preempted worker: let it run
-    busy_.store(false, std::memory_order_release);
     return true;
   }
 
@@ -701,7 +715,7 @@ class ChunkPool {
         }
       }
       seen = slot.load(std::memory_order_acquire);
-      (*job_)(w + 1);
+      (*job_)(w + 1);  // a throw here ends the process (std::terminate), as in an OpenMP region
       left_.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
@@ -715,13 +729,19 @@ class ChunkPool {
   uint64_t generation_ = 0;
 };
 
-// The process's pool; a forked child (which has none of the parent's threads) makes its own
+// The process's pool, made on first use. A forked child has none of the parent's threads: the fork handler
+// forgets the pool there, so the child makes its own (no lock to inherit held, no system call per call)
+std::atomic<ChunkPool*> the_pool{nullptr};
 ChunkPool& chunk_pool() {
-  static ChunkPool* pool = nullptr;
-  static pid_t owner = 0;
-  static std::mutex made;
-  std::lock_guard<std::mutex> lock(made);
-  if (!pool || owner != getpid()) pool = new ChunkPool(), owner = getpid();  // the old one is left: never freed
+  ChunkPool* pool = the_pool.load(std::memory_order_acquire);
+  if (!pool) {
+    static const int forget_in_child =
+        pthread_atfork(nullptr, nullptr, [] { the_pool.store(nullptr, std::memory_order_relaxed); });
+    (void)forget_in_child;
+    ChunkPool* made = new ChunkPool();  // never freed: detached workers may use it until the process ends
+    if (the_pool.compare_exchange_strong(pool, made, std::memory_order_acq_rel)) pool = made;
+    else delete made;  // another thread's came first (this one has no workers yet)
+  }
   return *pool;
 }
 #endif

@@ -3,7 +3,9 @@
 // runs, are checked against the x86 loops bit for bit and against zlib.
 // Also, built for this machine, ChunkPool (parallel_chunks without OpenMP, as on macOS): THREADS > 1 splits the
 // best loop's blocks or rows over that many threads, repeats it (two callers at once, and after the workers fell
-// asleep; exit 3 if a result differs) and prints how many threads really ran a share of a lone caller's work.
+// asleep; exit 3 if a result differs) and prints how many threads really ran a share of a lone caller's work (as
+// they were scheduled) and how many a pool job runs on, before and after a job that threw on the calling thread, and
+// whether a forked child's pool works.
 //   int4_cpu_harness IN OUT [THREADS]
 // IN: int64 kind (4, 8 or 32), M, N, K, G; kind 4: x fp32 [M, K], packed uint8 [Np * Kp / 2], sz bf16 bits
 // [Kp / G, Np, 2] (container.py's int4 layout); kind 8: x fp32 [M, K], q int8 [N, K], scale fp32 [N]. OUT: y fp32
@@ -19,7 +21,11 @@
 #include <functional>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <thread>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 template <class T>
 std::vector<T> read_n(FILE* f, int64_t n) {
@@ -104,7 +110,7 @@ int main(int argc, char** argv) {
   }
   run_best(best.data());
   if (threads > 1) {  // the pool again and again: from two callers at once, and after its workers fell asleep
-    for (int round = 1; round <= 12; round++) {
+    for (int round = 1; round <= 24; round++) {
       std::vector<float> y1(M * N), y2(M * N);
       if (round % 2) {
         counting = false;  // the second caller runs on its own thread, not the pool's
@@ -124,6 +130,46 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("threads %zu\n", seen.size());
+  if (threads > 1) {
+    // how many distinct threads a pool job runs on (its contract: fn(t) once for every t, each on its own thread)
+    auto pool_threads = [&] {
+      std::vector<std::thread::id> ids(threads);
+      const bool ran = chunk_pool().run(threads, [&](int t) { ids[t] = std::this_thread::get_id(); });
+      return ran ? std::set<std::thread::id>(ids.begin(), ids.end()).size() : size_t(0);
+    };
+    std::printf("pool_threads %zu\n", pool_threads());
+    // a job that throws on the calling thread: the pool waits for its workers, and stays usable
+    bool threw = false;
+    try {
+      chunk_pool().run(threads, [](int t) {
+        if (t == 0) throw std::runtime_error("the caller's share failed");
+      });
+    } catch (const std::runtime_error&) {
+      threw = true;
+    }
+    for (int round = 0; round < 8; round++) {
+      std::vector<float> y(M * N);
+      run_best(y.data());
+      if (y != best) {
+        std::fprintf(stderr, "int4_cpu_harness: a call after the throw differs\n");
+        return 3;
+      }
+    }
+    std::printf("threw %d\npool_threads_after_throw %zu\n", int(threw), pool_threads());
+#ifndef __SANITIZE_THREAD__  // (ThreadSanitizer does not support threads started after a multi-threaded fork)
+    // a forked child has none of the pool's workers: it must make its own (a hang here is the failure)
+    const pid_t child = fork();
+    if (child == 0) {
+      std::vector<float> y(M * N);
+      run_best(y.data());
+      _exit(y == best && pool_threads() == size_t(threads) ? 0 : 4);
+    }
+    int status = 0;
+    const bool child_ok = child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status) &&
+                          WEXITSTATUS(status) == 0;
+    std::printf("fork_child_ok %d\n", int(child_ok));
+#endif
+  }
   std::fclose(in);
   FILE* out = std::fopen(argv[2], "wb");
   if (!out || std::fwrite(best.data(), 4, best.size(), out) != best.size() ||

@@ -1,8 +1,9 @@
 """int4_loops.h's ChunkPool: the threads its kernels run on where the compiler has no OpenMP (Apple clang on
 macOS, where stream_infer builds without -fopenmp, and PICAFLOR_OPENMP=0 here). tests/int4_cpu_harness.cpp, built for this
 machine without OpenMP, splits the int4 and int8 loops over 3 threads through the pool, repeats them from two callers
-at once and after the workers fell asleep, and must equal the OpenMP extension's output bit for bit; the whole
-extension must compile without OpenMP."""
+at once and after the workers fell asleep, and must equal the OpenMP extension's output bit for bit; a job that
+throws on the calling thread leaves the pool usable; ThreadSanitizer finds no race; the whole extension built
+without OpenMP decodes the same tokens."""
 import os
 import shutil
 import subprocess
@@ -22,25 +23,30 @@ import stream_infer as S  # noqa: E402
 THREADS = 3  # more threads than this machine's 2 cores: a worker preempted mid-call must still be waited for
 # (M, N, K, G): N in 32-row blocks from 1 (one thread does it all) to 256; a group size the integer loop leaves
 INT4_CASES = [(1, 8192, 2048, 64), (3, 40, 100, 32), (5, 96, 256, 128), (2, 32, 90, 30), (4, 2050, 512, 64)]
-INT8_CASES = [(1, 4096, 512), (3, 70, 37), (2, 2, 64)]
+INT8_CASES = [(1, 16384, 512), (3, 70, 37), (2, 2, 64)]
+
+
+def build_harness(out, name, flags):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "no C++ compiler: apt-get install g++"
+    exe = str(out / name)
+    # -Wno-maybe-uninitialized: gcc 12's own AVX-512 intrinsics headers trip it (gcc bug 105593)
+    r = subprocess.run([cxx, *flags, "-std=c++17", "-march=native", "-pthread", "-Wall", "-Werror",
+                        "-Wno-maybe-uninitialized", "-o", exe, os.path.join(ROOT, "tests", "int4_cpu_harness.cpp")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
 
 
 @pytest.fixture(scope="module")
 def pool_harness(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    assert cxx, "no C++ compiler: apt-get install g++"
     out = tmp_path_factory.mktemp("pool")
-    exe = str(out / "harness")
-    # -Wno-maybe-uninitialized: gcc 12's own AVX-512 intrinsics headers trip it (gcc bug 105593)
-    r = subprocess.run([cxx, "-O2", "-std=c++17", "-march=native", "-pthread", "-Wall", "-Werror",
-                        "-Wno-maybe-uninitialized", "-o", exe, os.path.join(ROOT, "tests", "int4_cpu_harness.cpp")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return exe, out
+    return build_harness(out, "harness", ["-O2"]), out
 
 
 def run_pool(pool_harness, header, arrays, M, N):
-    """The harness on one case with THREADS threads: (the pooled loop's y, threads that ran a share)."""
+    """The harness on one case with THREADS threads: (the pooled loop's y, what it printed: threads that ran a
+    share of a lone caller's work, whether the job that threw on the caller did, threads of the calls after it)."""
     exe, out = pool_harness
     inp, res = out / "in.bin", out / "out.bin"
     with open(inp, "wb") as f:
@@ -48,24 +54,32 @@ def run_pool(pool_harness, header, arrays, M, N):
         for a in arrays:
             f.write(a.contiguous().numpy().tobytes())
     r = subprocess.run([exe, str(inp), str(res), str(THREADS)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == 0 and "WARNING: ThreadSanitizer" not in r.stderr, r.stdout + r.stderr
     said = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines())
     y = torch.from_numpy(np.fromfile(res, dtype=np.float32).copy()).view(2, M, N)
+    # a pool job runs on THREADS distinct threads, and still does after one threw on the caller (no longer busy)
+    assert said["threw"] == "1" and said["pool_threads"] == said["pool_threads_after_throw"] == str(THREADS), said
+    assert said.get("fork_child_ok", "1") == "1", said  # (the ThreadSanitizer build does not fork)
     return y[0], int(said["threads"])
+
+
+def int4_case(M, N, K, G):
+    gen = torch.Generator().manual_seed(M * 1000 + K)
+    x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
+    packed, sz = C.quantize_int4(w, G)
+    return x, packed, sz
 
 
 @pytest.mark.parametrize("M,N,K,G", INT4_CASES)
 def test_pool_int4_equals_openmp_build(pool_harness, M, N, K, G):
     op = S.native_int4()
     assert op is not None, "the native extension did not build"
-    gen = torch.Generator().manual_seed(M * 1000 + K)
-    x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
-    packed, sz = C.quantize_int4(w, G)
+    x, packed, sz = int4_case(M, N, K, G)
     y, threads = run_pool(pool_harness, [4, M, N, K, G], [x, packed, sz.view(torch.int16)], M, N)
     assert torch.equal(y, op.int4_mm(x, packed, sz, N, G))
     blocks = (N + 31) // 32
-    # each call hands out ~8 chunks a thread, so every thread gets work once the blocks outnumber the threads by far
-    assert threads == 1 if blocks == 1 else (threads == THREADS if blocks >= 64 else 1 <= threads <= THREADS)
+    # who takes a share of the loop's chunks is up to the scheduler; with 256 blocks (~0.3 ms a call) a worker does
+    assert threads == 1 if blocks == 1 else (threads >= 2 if blocks >= 256 else 1 <= threads <= THREADS)
 
 
 @pytest.mark.parametrize("M,N,K", INT8_CASES)
@@ -78,7 +92,17 @@ def test_pool_int8_equals_openmp_build(pool_harness, M, N, K):
     scale = torch.rand(N, generator=gen) * 0.01
     y, threads = run_pool(pool_harness, [8, M, N, K, 0], [x, q, scale], M, N)
     assert torch.equal(y, op.int8_mm(x, q, scale))
-    assert threads == THREADS if N >= 1024 else 1 <= threads <= min(N, THREADS)
+    assert threads >= 2 if N >= 16384 else 1 <= threads <= min(N, THREADS)
+
+
+def test_pool_under_thread_sanitizer(tmp_path):
+    """The harness built with ThreadSanitizer (-fsanitize=thread): the pooled loops, two callers at once, sleeping
+    and waking workers and the throwing job, with no data race reported."""
+    exe = build_harness(tmp_path, "harness_tsan", ["-O1", "-g", "-fsanitize=thread"])
+    M, N, K, G = 1, 2048, 512, 64
+    x, packed, sz = int4_case(M, N, K, G)
+    y, threads = run_pool((exe, tmp_path), [4, M, N, K, G], [x, packed, sz.view(torch.int16)], M, N)
+    assert torch.equal(y, S.native_int4().int4_mm(x, packed, sz, N, G))
 
 
 def test_extension_compiles_without_openmp():
