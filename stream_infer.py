@@ -278,10 +278,15 @@ def native_int4():
             cpu = platform.processor()
         use_omp = openmp_kernels()  # else int4_loops.h's own threads (ChunkPool)
         omp = ["-fopenmp"] if use_omp else []
-        # and by int4_loops.h, which int4_cpu.cpp includes: cpp_extension rebuilds only when a listed source changes
-        with open(os.path.join(here, "int4_loops.h"), "rb") as f:
-            key = (cpu + torch.__version__).encode() + f.read()
-        name = "picaflor_int4_cpu_" + hashlib.sha1(key).hexdigest()[:10] + ("" if use_omp else "_pool")
+        # the build dir is keyed by int4_loops.h's bytes too (int4_cpu.cpp includes it): cpp_extension rebuilds
+        # only when a source it was given changes (a missing header: the build below fails, loudly, and falls back)
+        try:
+            with open(os.path.join(here, "int4_loops.h"), "rb") as f:
+                loops = f.read()
+        except OSError:
+            loops = b""
+        name = ("picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__).encode() + loops).hexdigest()[:10]
+                + ("" if use_omp else "_pool"))
         # ARM compilers name the host CPU with -mcpu (gcc and clang: dot products where the core has them)
         arch = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else ["-march=native"]
         # ninja is a pip dependency: make the venv's bin findable when python runs without activating it

@@ -978,6 +978,22 @@ def test_moe_layer_in_one_call_equals_one_call_per_expert(tiny):
     assert fused == apart
 
 
+def test_native_kernel_without_a_compiler_falls_back_loudly(tiny, tmp_path):
+    """No working C++ compiler (a laptop without Xcode's tools): one warning naming the fix, then torch's int4pack
+    kernel, and the same greedy tokens as the native kernel."""
+    m, path = tiny
+    want = S.load(path, kernel="native").generate(list(range(5, 15)), 6)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import stream_infer as S; print(S.native_int4()); "
+            "eng = S.load(sys.argv[2]); print(eng.kernel, eng.generate(list(range(5, 15)), 6))")
+    env = dict(os.environ, CXX="/bin/false", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))  # a fresh, failing build
+    r = subprocess.run([sys.executable, "-c", code, ROOT, path], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    warnings = [line for line in r.stderr.splitlines() if "could not build" in line]
+    assert len(warnings) == 1 and "Install a C++ compiler" in warnings[0], r.stderr[-2000:]
+    native, run = r.stdout.strip().splitlines()[-2:]
+    assert native == "None" and run == f"int4pack {want}"
+
+
 def test_native_int4_kernel_nan_and_zero_rows():
     op = S.native_int4()
     p, sz = C.quantize_int4(torch.randn(32, 128), 64)
