@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import container as C  # noqa: E402
+from harness_io import run_harness  # noqa: E402
 import stream_infer as S  # noqa: E402
 
 CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
@@ -49,15 +50,7 @@ def harness(tmp_path_factory):
 def run_case(harness, name, header, arrays, M, N):
     """The harness on one case: (its best loop's y, the portable loop's y, the loop it named)."""
     built, out = harness
-    inp, res = out / "in.bin", out / "out.bin"
-    with open(inp, "wb") as f:
-        f.write(np.asarray(header, dtype=np.int64).tobytes())
-        for a in arrays:
-            f.write(a.contiguous().numpy().tobytes())
-    r = subprocess.run([QEMU, built[name], str(inp), str(res)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    y = torch.from_numpy(np.fromfile(res, dtype=np.float32).copy()).view(2, M, N)
-    said = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines())  # "int4 loop sdot", "threads 1"
+    y, said, _ = run_harness([QEMU, built[name]], out, header, arrays, M, N)
     return y[0], y[1], said[f"int{header[0]} loop"]
 
 

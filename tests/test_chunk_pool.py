@@ -8,9 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import container as C  # noqa: E402
+from harness_io import run_harness  # noqa: E402
 import stream_infer as S  # noqa: E402
 
 THREADS = 3  # more threads than this machine's 2 cores: a worker preempted mid-call must still be waited for
@@ -48,15 +47,8 @@ def run_pool(pool_harness, header, arrays, M, N):
     """The harness on one case with THREADS threads: (the pooled loop's y, what it printed: threads that ran a
     share of a lone caller's work, whether the job that threw on the caller did, threads of the calls after it)."""
     exe, out = pool_harness
-    inp, res = out / "in.bin", out / "out.bin"
-    with open(inp, "wb") as f:
-        f.write(np.asarray(header, dtype=np.int64).tobytes())
-        for a in arrays:
-            f.write(a.contiguous().numpy().tobytes())
-    r = subprocess.run([exe, str(inp), str(res), str(THREADS)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "WARNING: ThreadSanitizer" not in r.stderr, r.stdout + r.stderr
-    said = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines())
-    y = torch.from_numpy(np.fromfile(res, dtype=np.float32).copy()).view(2, M, N)
+    y, said, err = run_harness([exe], out, header, arrays, M, N, args=[str(THREADS)])
+    assert "WARNING: ThreadSanitizer" not in err, err
     # a pool job runs on THREADS distinct threads, and still does after one threw on the caller (no longer busy)
     assert said["threw"] == "1" and said["pool_threads"] == said["pool_threads_after_throw"] == str(THREADS), said
     assert said.get("fork_child_ok", "1") == "1", said  # (the ThreadSanitizer build does not fork)
@@ -103,17 +95,6 @@ def test_pool_under_thread_sanitizer(tmp_path):
     x, packed, sz = int4_case(M, N, K, G)
     y, threads = run_pool((exe, tmp_path), [4, M, N, K, G], [x, packed, sz.view(torch.int16)], M, N)
     assert torch.equal(y, S.native_int4().int4_mm(x, packed, sz, N, G))
-
-
-def test_extension_compiles_without_openmp():
-    """The torch ops (int4_cpu.cpp) as stream_infer builds them on macOS (no -fopenmp: parallel_chunks on
-    ChunkPool) compile here, syntax and types against this torch's headers."""
-    from torch.utils import cpp_extension
-    cxx = shutil.which("g++") or shutil.which("c++")
-    inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-    r = subprocess.run([cxx, "-fsyntax-only", "-std=c++20", "-march=native", "-Wall", *inc,
-                        os.path.join(ROOT, "int4_cpu.cpp")], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and " warning: " not in r.stderr, r.stderr[-3000:]
 
 
 def test_pool_build_decodes_the_same_tokens(tmp_path):
