@@ -3,7 +3,7 @@ macOS, where stream_infer builds without -fopenmp, and PICAFLOR_OPENMP=0 here). 
 machine without OpenMP, splits the int4 and int8 loops over 3 threads through the pool, repeats them from two callers
 at once and after the workers fell asleep, and must equal the OpenMP extension's output bit for bit; a job that
 throws on the calling thread leaves the pool usable; ThreadSanitizer finds no race; the whole extension built
-without OpenMP decodes the same tokens."""
+without OpenMP decodes the same tokens; every script that runs the kernels sets OMP_WAIT_POLICY before torch loads."""
 import os
 import shutil
 import subprocess
@@ -117,3 +117,33 @@ def test_pool_build_decodes_the_same_tokens(tmp_path):
     tokens, lib = r.stdout.strip().splitlines()[-2:]
     assert "_pool" in os.path.basename(lib), lib  # the pool build, not the OpenMP one
     assert tokens == str(want)
+
+
+def test_every_script_sets_the_wait_policy_before_torch_loads():
+    """libgomp / libomp read OMP_WAIT_POLICY once, when torch loads: each script that runs the int4 kernels must set
+    it before then. On the pool (PICAFLOR_OPENMP=0, as on macOS) torch's OpenMP threads must sleep at once (PASSIVE),
+    or they spin on the pool's cores; on OpenMP the kernels' own threads spin between GEMVs (ACTIVE)."""
+    probe = ("import os, runpy, sys\n"
+             "seen = []\n"
+             "class Hook:  # records the policy at the moment torch is first imported\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name == 'torch' and not seen: seen.append(os.environ.get('OMP_WAIT_POLICY'))\n"
+             "sys.meta_path.insert(0, Hook())\n"
+             "sys.argv = sys.argv[1:]\n"
+             "try: runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit: pass\n"
+             "print('POLICY', seen)\n")
+    runs = {("stream_infer.py", "0"): "PASSIVE", ("stream_bench.py", "0"): "PASSIVE", ("eval.py", "0"): "PASSIVE",
+            ("chat.py", "0"): "PASSIVE", ("stream_infer.py", "1"): "ACTIVE", ("stream_bench.py", "1"): "ACTIVE"}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    procs = {}
+    for (script, openmp), want in runs.items():
+        # chat.py imports torch only once it loads a model: a missing container gets it that far
+        args = ["missing.pcf4"] if script == "chat.py" else ["--help"]
+        procs[(script, openmp)] = subprocess.Popen(
+            [sys.executable, "-c", probe, script, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=dict(env, PICAFLOR_OPENMP=openmp))
+    for key, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        line = next((line for line in out.splitlines() if line.startswith("POLICY")), "")
+        assert line == f"POLICY [{runs[key]!r}]", (key, out[-500:], err[-1500:])
