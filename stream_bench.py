@@ -16,8 +16,9 @@ read (the bound takes the mean, or the rate decode's own reads ran at if higher)
 time being the reads decode needed (its misses; with --prefetch its right guesses too, never its wrong ones) at
 the measured rate, the memory time the weights one token touches at the rate this machine reads a working set of
 their size (in cache where they fit, from DRAM where not).
-A sweep writes a table and a PNG (decode tok/s, hit rate and disk bytes per token against the budget, with
-llama.cpp's curve from bench/vs_llamacpp.py's JSON when there is one).
+A sweep writes a table, the same rows as a markdown table beside its JSON (OUT.md, what README.md shows) and a PNG
+(decode tok/s, hit rate and disk bytes per token against the budget, with llama.cpp's curve from
+bench/vs_llamacpp.py's JSON when there is one).
 """
 
 import json
@@ -547,9 +548,46 @@ def run_sweep(args, argv):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+        with open(os.path.splitext(args.json)[0] + ".md", "w") as f:  # the README's table, from these very rows
+            f.write(sweep_markdown(rows))
     plot_sweep(rows, args.plot or os.path.splitext(args.json or "sweep.json")[0] + ".png", args.llamacpp_json,
                args.container)
     return rows
+
+
+def sweep_markdown(rows):
+    """A sweep's rows as a markdown table (what README.md shows): each budget's median run, with the range of %
+    of the bound and of CPU steal over its runs."""
+    def ranged(r, key, scale=100):
+        runs = [x[key] for x in r.get("runs", []) if x.get(key) is not None]
+        return f" ({min(runs) * scale:.0f}-{max(runs) * scale:.0f})" if len(runs) > 1 else ""
+
+    def opt(v, f):
+        return "n/a" if v is None else f(v)
+
+    gb = lambda v: f"{v / 1e9:.2f}"  # noqa: E731
+    head = ["budget", "decode tok/s", "prefill tok/s", "p50 / p99 ms", "hit rate", "experts cached", "disk MB / token",
+            "waiting for reads, ms / token", "peak RSS", "in huge pages", "disk GB/s before / after / decode's reads",
+            "memory GB/s", "lower-bound tok/s", "% of bound (runs)", "% of serial bound", "CPU steal (runs)",
+            "other processes' CPU"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['budget_str']} | {r['error']} |" + " |" * (len(head) - 2))
+            continue
+        disk = " / ".join(opt(r.get(k), gb) for k in ("disk_bw_before_bytes_s", "disk_bw_after_bytes_s",
+                                                      "disk_bw_decode_bytes_s"))
+        lines.append("| " + " | ".join([
+            r["budget_str"], f"{r['decode_tok_s']:.2f}", f"{r['prefill_tok_s']:.2f}",
+            f"{r['p50_token_latency_s'] * 1e3:.0f} / {r['p99_token_latency_s'] * 1e3:.0f}", f"{r['hit_rate']:.3f}",
+            str(r["cache_capacity_experts"]), f"{r['disk_bytes_per_token'] / 1e6:.1f}",
+            f"{r['read_wait_s_per_token'] * 1e3:.0f}", gb(r["peak_rss_bytes"]) + " GB",
+            opt(r.get("huge_page_bytes"), lambda v: gb(v) + " GB"), disk, f"{r['mem_bw_bytes_s'] / 1e9:.1f}",
+            f"{r['bound_tok_s']:.2f}", f"**{r['pct_of_bound'] * 100:.0f}%**{ranged(r, 'pct_of_bound')}",
+            f"{r['decode_tok_s'] / r['bound_tok_s_serial'] * 100:.0f}%",
+            opt(r.get("cpu_steal_fraction"), lambda v: f"{v * 100:.0f}%") + ranged(r, "cpu_steal_fraction"),
+            opt(r.get("others_cpu_fraction"), lambda v: f"{v * 100:.0f}%")]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_sweep(rows, plot, llamacpp_json, container):

@@ -1147,7 +1147,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--bench", action="store_true", help="honest benchmark (memory cgroup, page cache dropped)")
     ap.add_argument("--bench-prompt-tokens", type=int, default=32)
-    ap.add_argument("--json", help="write the benchmark result here")
+    ap.add_argument("--json", help="write the benchmark result here (--sweep: its table as markdown beside it, .md)")
     ap.add_argument("--sweep", help="benchmark at each budget, e.g. 4G,2G,1G (table + PNG plot)")
     ap.add_argument("--plot", help="PNG path for --sweep (default: next to --json, or sweep.png)")
     ap.add_argument("--repeat", type=int, default=1,

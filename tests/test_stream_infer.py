@@ -1343,7 +1343,9 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
         return {"decode_tok_s": tok, "bound_tok_s": 10.0, "prefill_tok_s": 1.0, "hit_rate": 0.5,
                 "disk_bytes_per_token": 1e6, "read_wait_s_per_token": 0.01, "bound_tok_s_serial": 5.0,
                 "disk_bw_bytes_s": 1e9, "mem_bw_bytes_s": 1e10, "peak_rss_bytes": 1 << 30, "page_cache_excluded": True,
-                "ram_budget": S.parse_size(args.ram_budget), "cpu_steal_fraction": tok / 100}
+                "ram_budget": S.parse_size(args.ram_budget), "cpu_steal_fraction": tok / 100,
+                "p50_token_latency_s": 1 / tok, "p99_token_latency_s": 2 / tok, "cache_capacity_experts": 300,
+                "huge_page_bytes": None, "disk_bw_decode_bytes_s": 1.5e9, "others_cpu_fraction": 0.02}
 
     monkeypatch.setattr(B, "bench_in_cgroup", fake_bench)
     monkeypatch.setattr(B, "print_bench", lambda res: None)
@@ -1356,6 +1358,13 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     assert "error" in rows[1] and "runs" not in rows[1]  # refused once: not tried again
     out = capsys.readouterr().out
     assert "1 failed" in out and "4% (3-5)" in out  # the CPU steal column: the median run's, and the range
+    # README's table, written next to the JSON: the median run's figures, the runs' ranges, the refused budget's error
+    md = (tmp_path / "s.md").read_text().splitlines()
+    assert len(md) == 4 and md[1].count("---") == md[0].count("|") - 1
+    cells = [c.strip() for c in md[2].strip("|").split("|")]
+    assert cells[:5] == ["2G", "4.00", "1.00", "250 / 500", "0.500"] and cells[6:8] == ["1.0", "10"]
+    assert cells[10] == "n/a / n/a / 1.50" and cells[13:] == ["**40%** (30-50)", "80%", "4% (3-5)", "2%"]
+    assert md[3].startswith("| 1G | x.pcf4: benchmark child failed") and md[3].count("|") == md[0].count("|")
     decode["2G"] = iter([5.0, 3.0])
     args.sweep, args.repeat = "2G", 2
     assert B.run_sweep(args, [])[0]["decode_tok_s"] == 3.0  # even count: the lower middle run
