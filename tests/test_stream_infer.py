@@ -3,6 +3,7 @@ import ctypes
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from collections import OrderedDict
@@ -481,6 +482,64 @@ def test_cache_replay_cli_bad_input(tmp_path):
                       ([str(tmp_path), "--decays", "1.5"], "--decays in [0, 1)")):
         r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_route_guess_names_the_next_layers_picks(tmp_path):
+    """bench/route_guess.py: where nothing changes the hidden state between two MoE layers (attention and experts
+    write zeros, norms alike) the next router on this layer's input names every pick; a router whose bias favours
+    two experts makes them the popular guess; a config file measures its random model alone."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import route_guess
+    torch.manual_seed(0)
+    m = Picaflor(ModelConfig(**dict(CFG, n_layer=3, n_dense_layers=1))).eval()
+    windows = torch.randint(1, CFG["vocab_size"], (2, 16))
+    mixed = route_guess.measure(m, windows, batch_size=2)["1->2"]
+    with torch.no_grad():
+        for blk in m.layers[1:]:
+            blk.self_attn.o_proj.weight.zero_()
+            blk.mlp.experts.down_proj.zero_()
+            blk.mlp.shared_experts.down_proj.weight.zero_()
+        m.layers[2].mlp.e_score_correction_bias[[3, 5]] = 10.0
+    r = route_guess.measure(m, windows, batch_size=2)["1->2"]
+    assert r["moe_input_top_k"] == 1.0 and r["residual_top_k"] == 1.0 and r["popular_top_k"] == 1.0, r
+    assert mixed["moe_input_top_k"] < 1.0 and mixed["moe_input_top_k"] <= mixed["moe_input_top_2k"], mixed
+    assert route_guess.recall(torch.tensor([[0, 1], [2, 3]]), torch.tensor([[1, 4], [5, 6]])) == 0.25
+    cfg_file = tmp_path / "cfg.py"
+    cfg_file.write_text("".join(f"{k} = {v!r}\n" for k, v in CFG.items()))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "route_guess.py"), str(cfg_file), "--tokens", "64",
+                        "--seq-len", "16"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "random init" in r.stdout and "trained" not in r.stdout, r.stdout + r.stderr
+    save_checkpoint(m, str(tmp_path / "run"), 1)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "route_guess.py"), str(tmp_path / "run"),
+                        "--tokens", "64", "--seq-len", "16"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "trained" in r.stdout and "random init" in r.stdout, r.stdout + r.stderr
+    weights = next((tmp_path / "run").glob("step_*/model.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    (tmp_path / "bad.py").write_text("n_layer = 'x'\n")
+    for source, msg in ((tmp_path / "nope", "no such checkpoint or config"), (tmp_path / "run", "no valid checkpoint"),
+                        (tmp_path / "bad.py", "bad.py")):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "route_guess.py"), str(source)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_prefetch_oracle_guesses_from_the_recorded_future(tiny):
+    """bench/prefetch_oracle.py: guesses taken from a first pass's routing, all right, leave only the first MoE
+    layer of a token to miss (fewer misses than off or all wrong); off, nothing is guessed; the engine is as it was
+    after (the run itself checks that both passes decoded the same tokens)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import prefetch_oracle
+    m, path = tiny
+    eng = S.load(path, preload=False)
+    eng.cache.budget = 16 * eng.cache.nbytes  # 16 of 48 experts: misses in every layer
+    variants = [None, (1, 1.0), (1, 0.0)]
+    lat, miss, wait, guessed = prefetch_oracle.run(eng, variants, prompts=3, tokens=10)
+    assert [len(lat[v]) for v in range(3)] == [9, 9, 9]
+    assert sum(guessed[0]) == 0 and sum(guessed[1]) > 0 and sum(guessed[2]) > 0, guessed
+    top_k = eng.cfg.top_k
+    assert max(miss[1]) <= top_k and statistics.mean(miss[1]) < min(statistics.mean(miss[0]),
+                                                                     statistics.mean(miss[2])), miss
+    assert not eng.moes[0].prefetch and "guess_next" not in vars(eng.moes[0]) and eng.cache.n_slots == 0
 
 
 def test_guesses_replace_guesses_never_cached_experts(tiny):
