@@ -51,7 +51,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   (other CPUs) is slower than int4pack, so auto picks native only with AVX2 or ARM dot products. Measured on the earlier AVX2 machine (2 cores, M=1, micro shapes, weights cold
   in DRAM, `python bench/int4_gemv.py`): 7-9 GB/s of int4 weights on 1 thread and 10-13 GB/s on 2,
   vs 3.2 / 6.1 GB/s for torch's `_weight_int4pack_mm_for_cpu` (which dequantizes to bf16); hot in cache 15 GB/s
-  per thread vs 3. A software prefetch 1 KB ahead added ~20% cold. Without a compiler it warns once and falls
+  per thread vs 3. A software prefetch 1 KB ahead added ~20% cold, and one 8 KB ahead into L2 ~20% more on a
+  Xeon VM (`bench/int4_prefetch.py`). Without a compiler it warns once and falls
   back to the int4pack kernel (`--kernel int4pack`; on AVX-512 CPUs torch packs 64-row blocks, so its weights are
   repacked once each, experts at every read); `--kernel reference` dequantizes then multiplies (the check).
   int8 rows (embeddings, lm_head) go through the same extension, on AVX2 with activations quantized to int8 per

@@ -542,6 +542,21 @@ def test_prefetch_oracle_guesses_from_the_recorded_future(tiny):
     assert not eng.moes[0].prefetch and "guess_next" not in vars(eng.moes[0]) and eng.cache.n_slots == 0
 
 
+def test_int4_prefetch_bench_runs_the_real_loop():
+    """bench/int4_prefetch.py builds int4_loops.h's VNNI loop at each L2 prefetch distance and times them with a
+    plain read (or says in one line that this CPU lacks the loop); a malformed shape is one line and a non-zero exit."""
+    script = os.path.join(ROOT, "bench", "int4_prefetch.py")
+    r = subprocess.run([sys.executable, script, "--shapes", "64x128", "--rounds", "1", "--mb", "4"],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        assert "needs AVX-512 VNNI" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    else:
+        rates = dict(re.findall(r"^  (L1 1 KB only|\+ L2 8 KB|plain read)\s+([\d.]+)", r.stdout, re.M))
+        assert len(rates) == 3 and all(float(v) > 0 for v in rates.values()), r.stdout
+    r = subprocess.run([sys.executable, script, "--shapes", "100x128"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "multiple of 32" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_guesses_replace_guesses_never_cached_experts(tiny):
     """Prefetch reads go into their own buffers: once those exist, a wrong guess only ever replaces an older guess
     that landed, so the cache keeps every expert it had; a right guess joins the cache when demanded."""
