@@ -46,7 +46,9 @@ def main():
                              f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
         results = {}
         for n, k in a.shapes:
-            r = subprocess.run([exe, str(n), str(k), str(a.rounds), str(a.mb)], capture_output=True, text=True)
+            # threads that spin between parallel regions, as decode's (an inherited PASSIVE would time wake-ups)
+            r = subprocess.run([exe, str(n), str(k), str(a.rounds), str(a.mb)], capture_output=True, text=True,
+                               env=dict(os.environ, OMP_WAIT_POLICY="ACTIVE"))
             if r.returncode != 0:
                 raise SystemExit(f"error: {r.stderr.strip() or f'int4_prefetch exited {r.returncode}'}")
             rows = [line.split("\t") for line in r.stdout.strip().splitlines()]
@@ -54,7 +56,7 @@ def main():
                                    for name, m, lo, hi in rows}
             print(f"{n} x {k}, 2 threads, cold ({a.mb} MB), {a.rounds} rounds: GB/s median (min-max)")
             for name, m, lo, hi in rows:
-                print(f"  {name:14} {float(m):6.1f}  ({float(lo):.1f}-{float(hi):.1f})")
+                print(f"  {name:14} {float(m):6.2f}  ({float(lo):.2f}-{float(hi):.2f})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -546,8 +546,8 @@ def test_int4_prefetch_bench_runs_the_real_loop():
     """bench/int4_prefetch.py builds int4_loops.h's VNNI loop at each L2 prefetch distance and times them with a
     plain read (or says in one line that this CPU lacks the loop); a malformed shape is one line and a non-zero exit."""
     script = os.path.join(ROOT, "bench", "int4_prefetch.py")
-    r = subprocess.run([sys.executable, script, "--shapes", "64x128", "--rounds", "1", "--mb", "4"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, script, "--shapes", "512x512", "--rounds", "1", "--mb", "8"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
     if r.returncode != 0:
         assert "needs AVX-512 VNNI" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     else:
