@@ -34,8 +34,10 @@ How it works (the implementer's calls, as DESIGN.md asks):
   reading costs compute: the 2-thread int4 GEMV ran at 10.5-12.4 GB/s alone and 5.9-6.6 GB/s while expert blobs
   were read in the background. Re-measured on a Sapphire Rapids VM (2 cores): still a loss (1.5G: 14.1 off, 12.7
   on; 2G 14.5 / 13.5; guesses right ~63%); with the score policy and guesses on their own readers no clear win
-  (2G medians 13.45 off / 14.69 on, rounds spread 9.7-16.3 tok/s each way). Re-measure on a trained model and a
-  laptop whose NVMe reads by DMA.
+  (2G medians 13.45 off / 14.69 on, rounds spread 9.7-16.3 tok/s each way). What a better router would win:
+  `bench/prefetch_oracle.py` (guesses from a recorded future) found break-even near 65-70% right and 80% right 13%
+  faster at 1.5G; `bench/route_guess.py CKPT` says how often a model's router is right (a trained tiny: 89%, its
+  random twin 72%). Re-measure on a trained model and a laptop whose NVMe reads by DMA.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status; without /proc, as on
   macOS, getrusage's peak, which reserves more) - the KV cache for
