@@ -17,8 +17,8 @@ import argparse
 import os
 import random
 import statistics
-import time
 import sys
+import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # as stream_infer.py sets when run as a script
 import torch  # noqa: E402
