@@ -229,6 +229,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     lookups0, hits0 = eng.cache.lookups, eng.cache.hits + eng.cache.prefetch_hits
     demanded0 = eng.cache.misses + eng.cache.prefetch_hits  # reads decode needed (a right guess is one)
     bytes0, wait0, busy0 = eng.cache.bytes_read, eng.cache.read_wait_s, eng.cache.disk_busy_s
+    tally0 = list(eng.guess_tally)
     out = [first] + list(it)
     cpu1, own1, wall1 = cpu_times(), time.process_time(), time.perf_counter()
     rb2 = S.io_counters()
@@ -254,6 +255,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     # the bound's disk time: the reads decode needed (its misses, right guesses included), not wrong guesses
     demanded_per_tok = (st["misses"] + st["prefetch_hits"] - demanded0) * cont.expert_nbytes / max(n_dec, 1)
     t_disk = demanded_per_tok / disk_bw if disk_bw else 0.0
+    guessed = eng.guess_tally[0] - tally0[0]  # picks a guess was made for (prefetch on, or auto's probe)
     lat = sorted(decode_lat)
     pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan"))
     return {
@@ -276,6 +278,9 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "disk_bw_decode_bytes_s": disk_decode,
         "mem_bw_bytes_s": mem_bw, "weight_bytes_per_token": mem_per_tok,
         "bound_tok_s": 1.0 / max(t_mem, t_disk, 1e-12), "bound_tok_s_serial": 1.0 / max(t_mem + t_disk, 1e-12),
+        "prefetch": eng.prefetch_mode, "prefetch_on_at_end": bool(eng.moes and eng.moes[0].prefetch),
+        "guess_right_rate": (eng.guess_tally[1] - tally0[1]) / guessed if guessed else None,
+        "prefetch_verdicts": list(eng.prefetch_verdicts),
         "direct_io": cont.direct_fd is not None, "load_s": eng.load_s, "cache": st, "preloaded": eng.preloaded, "preloaded_experts": eng.preloaded_experts,
         "kernel_ms": measure_kernels(cont) if eng.device == "cpu" else None,
     }
@@ -424,6 +429,13 @@ def fmt_steal(r):
     return out
 
 
+def prefetch_summary(res):
+    """'off', 'on (guesses 86% right)', 'auto: off (guesses 61% right)'."""
+    mode, rate = res.get("prefetch", "off"), res.get("guess_right_rate")
+    out = mode if mode != "auto" else f"auto: {'on' if res.get('prefetch_on_at_end') else 'off'} at the end"
+    return out + (f" (guesses {rate * 100:.0f}% right)" if rate is not None else "")
+
+
 def print_bench(res):
     g = lambda n: f"{n / 1e9:.2f} GB" if n is not None else "n/a"  # noqa: E731
     print(f"container {res['container']} ({g(res['container_bytes'])}, random weights: {res['random_weights']}), "
@@ -448,7 +460,7 @@ def print_bench(res):
         print(f"expert gate_up GEMV {km['shape']}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in km.items() if k != "shape"))
     steal, others = res.get("cpu_steal_fraction"), res.get("others_cpu_fraction")
     print(f"cgroup: {res.get('cgroup')}, O_DIRECT: {res['direct_io']}, page cache excluded: {res.get('page_cache_excluded')}, "
-          f"cache policy {res.get('cache_policy')}, CPU steal during decode "
+          f"cache policy {res.get('cache_policy')}, prefetch {prefetch_summary(res)}, CPU steal during decode "
           f"{'n/a' if steal is None else f'{steal * 100:.1f}%'}, other processes' CPU "
           f"{'n/a' if others is None else f'{others * 100:.1f}%'}")
     if steal is not None and steal > STEAL_WARN:

@@ -25,19 +25,22 @@ How it works (the implementer's calls, as DESIGN.md asks):
   cached experts; every expert's output is summed in the fixed order afterwards (int4_cpu.cpp mix_outputs). On
   micro at 2G (`python stream_infer.py micro.pcf4 --bench`, 32 tokens) that took decode from 13-14 to 16-19
   tok/s, with the crc off the decoding thread and 50 more cached experts (meta_model).
-- Prefetch (`--prefetch`, OFF by default): the next MoE layer's likely experts are read ahead by applying ITS
+- Prefetch (`--prefetch auto`, the default): the next MoE layer's likely experts are read ahead by applying ITS
   router to the current hidden state (mixtral-offloading's speculative prefetch), overlapping this layer's
-  compute, into their own buffers (2 x top_k, carved out of the budget). On this machine it still loses. `python
+  compute, into their own buffers (2 x top_k, carved out of the budget), but only while those guesses are right
+  often enough to pay: auto counts how many of each layer's picks the previous layer's guess named (a few decode
+  tokens name guesses without reading them while it is off) and every PREFETCH_JUDGE_PICKS picks turns
+  prefetch on at >= 80% right, off below 72% (Engine.judge_prefetch; `--bench` prints the share and the
+  verdict). Why the bar: prefetch loses here at the ~60% right a random-weight model gets. `python
   bench/prefetch_ab.py micro.pcf4 --ram-budget B` (one process, off and on in turn): 3G 14.0 / 12.4 tok/s (off /
-  on), 2G 11.8 / 9.2, 1G 3.7 / 3.3, although guesses keep every hit and cut the misses by 30-45%. Two reasons,
-  both measured there: half the guesses are wrong on a random-weight model (+20-40% reads), and on this VM
-  reading costs compute: the 2-thread int4 GEMV ran at 10.5-12.4 GB/s alone and 5.9-6.6 GB/s while expert blobs
-  were read in the background. Re-measured on a Sapphire Rapids VM (2 cores): still a loss (1.5G: 14.1 off, 12.7
-  on; 2G 14.5 / 13.5; guesses right ~63%); with the score policy and guesses on their own readers no clear win
-  (2G medians 13.45 off / 14.69 on, rounds spread 9.7-16.3 tok/s each way). What a better router would win:
-  `bench/prefetch_oracle.py` (guesses from a recorded future) found break-even near 65-70% right and 80% right 13%
-  faster at 1.5G; `bench/route_guess.py CKPT` says how often a model's router is right (a trained tiny: 89%, its
-  random twin 72%). Re-measure on a trained model and a laptop whose NVMe reads by DMA.
+  on), 2G 11.8 / 9.2, 1G 3.7 / 3.3, although guesses keep every hit and cut the misses by 30-45%: half the
+  guesses are wrong (+20-40% reads), and on a VM reading costs compute (the 2-thread int4 GEMV 17.3 GB/s alone,
+  13.7 while blobs were read in the background, on this VM). `bench/prefetch_oracle.py` (guesses from a
+  recorded future, each right with a chosen probability) puts break-even near 65-70% right: at 1.5G 60% right
+  lost ~10%, 80% won 3-5% one layer ahead (13% two ahead), 100% 18%; `bench/route_guess.py CKPT` says how often
+  a model's router is right (a trained tiny: 89%, its random twin 72%; random micro 59-62%, so auto stays off
+  there, at no measurable cost). `--prefetch` alone forces it on, `--prefetch off` off. Unmeasured on a trained
+  model big enough to stream, and on a laptop whose NVMe reads by DMA.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status; without /proc, as on
   macOS, getrusage's peak, which reserves more) - the KV cache for
@@ -510,6 +513,9 @@ class StreamedMoE(nn.Module):
         self.next_moe = None  # the next MoE layer, for prefetch
         self.native = native  # int4_cpu.cpp's router and the one-token decode path
         self.prefetch = True
+        # --prefetch auto: guesses named without reading (its probe), the experts the last layer's guess named for
+        # this one (decode), and [picks, picks the guess named] counted over the engine's layers
+        self.shadow_guess, self.guessed, self.guess_tally = False, None, [0, 0]
         self.route_scale = cfg.route_scale
         # the shared expert's swiglu_ffn arguments after x (decode passes them as they are)
         self.shared_args = (ffn_args(shared.gate_up_proj.raw, shared.down_proj.raw) if isinstance(shared, NativeFFN)
@@ -531,10 +537,22 @@ class StreamedMoE(nn.Module):
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale, idx, sel
 
     def guess_next(self, x, protect):
-        """Prefetch: the next layer's router on this hidden state names the experts to read ahead."""
-        if self.prefetch and self.next_moe is not None:
-            _, nidx, _ = self.next_moe.route(x)
-            self.cache.guess([(self.next_moe.layer, e) for e in sorted(set(nidx.reshape(-1).tolist()))], protect)
+        """Prefetch: the next layer's router on this hidden state names the experts to read ahead (with shadow_guess
+        it only names them: --prefetch auto's probe). A one-token guess is kept for the next layer to count."""
+        nxt = self.next_moe
+        if nxt is None or not (self.prefetch or self.shadow_guess):
+            return
+        _, nidx, _ = nxt.route(x)
+        picks = sorted(set(nidx.reshape(-1).tolist()))
+        nxt.guessed = picks if nidx.numel() == nxt.top_k else None
+        if self.prefetch:
+            self.cache.guess([(nxt.layer, e) for e in picks], protect)
+
+    def count_guess(self, picked):
+        """One token's picks against the previous layer's guess of them (--prefetch auto's evidence)."""
+        self.guess_tally[0] += len(picked)
+        self.guess_tally[1] += len(set(picked).intersection(self.guessed))
+        self.guessed = None
 
     def decode(self, x):
         """forward for one token on the native kernel, x fp32 as it comes ([1, 1, D]: the ops take any leading
@@ -545,11 +563,13 @@ class StreamedMoE(nn.Module):
         w, idx, sel = op.route(x, self.router_w, self.bias, self.top_k, self.route_scale)
         cache.observe(layer, sel)
         picked = idx.tolist()[0]  # top-k: distinct experts (no [0] view: a tensor made per call)
+        if self.guessed is not None:
+            self.count_guess(picked)
         weight = dict(zip(picked, w.tolist()[0]))
         keys = [(layer, e) for e in sorted(picked)]
         protect = set(keys)
         cache.request(keys, protect)  # this layer's misses, read in parallel (right guesses join the cache)
-        if self.prefetch:
+        if self.prefetch or self.shadow_guess:
             self.guess_next(x, protect)
         # all of this layer's experts at once when they fit together (the budget guarantees 2 x top_k; more with
         # --experts-per-token: then one at a time, the same order and sums)
@@ -583,6 +603,9 @@ class StreamedMoE(nn.Module):
         x = x.reshape(-1, shape[-1]).float()
         w, idx, sel = self.route(x)
         self.cache.observe(self.layer, sel)
+        if self.guessed is not None and x.shape[0] == 1:
+            self.count_guess(idx[0].tolist())
+        self.guessed = None  # counted for one token only (a prompt's pass is not decode)
         keys = [(self.layer, e) for e in sorted(set(idx.reshape(-1).tolist()))]
         protect = set(keys)
         self.cache.request(keys, protect)  # this layer's misses, read in parallel (right guesses join the cache)
@@ -642,14 +665,23 @@ def pick_kernel(kernel, device):
 # python bench/prefill_chunk.py micro.pcf4 --ram-budget 1G); the chunk's activations measured ~70 KB a token there.
 PREFILL_CHUNK = 256
 LOGIT_CHUNK = 64  # logit rows (x vocab) computed at a time by loglikelihood
+# --prefetch auto reads ahead only while the guesses name enough of the picks. bench/prefetch_oracle.py (micro, 1.5G,
+# guesses one layer ahead): 60% right lost ~10% against prefetch off, 80% won 3-5%, 100% 18%; break-even ~70%
+PREFETCH_ON_RIGHT, PREFETCH_OFF_RIGHT = 0.80, 0.72
+PREFETCH_JUDGE_PICKS = 240  # picks per verdict (+-0.03 on the share right; ~8 tokens of micro with prefetch on)
+PREFETCH_PROBE_EVERY_MAX = 32  # while off, one token in 2 names guesses, one in 4 after the next verdict, ... 32
+PREFETCH_MODES = ("off", "on", "auto")
 
 
 class Engine:
-    def __init__(self, path, ram_budget=None, device="cpu", kernel="auto", n_readers=4, prefetch=False,
+    def __init__(self, path, ram_budget=None, device="cpu", kernel="auto", n_readers=4, prefetch="auto",
                  context=None, cache_policy="score", preload="auto", prefill_chunk=PREFILL_CHUNK):
         self.cache_policy, self.n_readers = cache_policy, n_readers
         if cache_policy not in EC.CACHE_POLICIES:  # before anything is loaded
             raise StreamError(f"cache policy {cache_policy!r}: use one of {', '.join(EC.CACHE_POLICIES)}")
+        self.prefetch_mode = {False: "off", True: "on", None: "off"}.get(prefetch, prefetch)
+        if self.prefetch_mode not in PREFETCH_MODES:
+            raise StreamError(f"prefetch {prefetch!r}: use one of {', '.join(PREFETCH_MODES)}")
         self.prefill_chunk = int(prefill_chunk)
         if self.prefill_chunk < 1:
             raise StreamError(f"prefill_chunk {prefill_chunk}: must be at least 1 token")
@@ -718,7 +750,14 @@ class Engine:
                                   f"smaller model")
             cache_budget = min(cache_budget, free)
         self.cache.budget = cache_budget
-        self.set_prefetch(prefetch)
+        # --prefetch auto's evidence: [picks, picks the previous layer's guess named], over every MoE layer
+        self.guess_tally = [0, 0]
+        for moe in self.moes:
+            moe.guess_tally = self.guess_tally
+        self.prefetch_judged = (0, 0)  # the tally at the last verdict
+        self.prefetch_probe_every = 2
+        self.prefetch_verdicts = []  # (share of picks guessed right, prefetch on after it), one per verdict
+        self.set_prefetch(self.prefetch_mode == "on")
         self.every_expert_bytes = self.cache.every_expert_bytes
         self.preloaded, self.preloaded_experts = False, 0
         if preload is True or (preload == "auto" and cache_budget >= self.every_expert_bytes):
@@ -893,6 +932,29 @@ class Engine:
             moe.prefetch = bool(on)
         self.cache.set_slots(2 * self.cfg.top_k if on else 0)  # a layer's guesses in flight, the last layer's landed
 
+    def judge_prefetch(self, step):
+        """--prefetch auto, before decode token `step` (1, 2, ...): every PREFETCH_JUDGE_PICKS picks, prefetch goes
+        on when the guesses named >= PREFETCH_ON_RIGHT of them and off below PREFETCH_OFF_RIGHT. While off, some
+        tokens name guesses without reading them (the router of the next layer: ~60 us a layer on micro), fewer
+        after each verdict that keeps it off. Nothing to judge when every expert fits in the cache."""
+        if self.prefetch_mode != "auto" or not self.moes or self.cache.budget >= self.every_expert_bytes:
+            return
+        tally, judged = self.guess_tally, self.prefetch_judged
+        on = self.moes[0].prefetch
+        named = tally[0] - judged[0]
+        if named >= PREFETCH_JUDGE_PICKS:
+            right = (tally[1] - judged[1]) / named
+            want = right >= (PREFETCH_OFF_RIGHT if on else PREFETCH_ON_RIGHT)
+            self.prefetch_judged = tuple(tally)
+            self.prefetch_verdicts.append((round(right, 3), want))
+            self.prefetch_probe_every = 2 if want else min(2 * self.prefetch_probe_every, PREFETCH_PROBE_EVERY_MAX)
+            if want != on:
+                self.set_prefetch(want)
+                on = want
+        probe = not on and step % self.prefetch_probe_every == 0
+        for moe in self.moes:
+            moe.shadow_guess = probe
+
     def set_experts_per_token(self, k):
         k = k or self.cfg.top_k
         if not 1 <= k <= self.cfg.n_experts:
@@ -961,6 +1023,8 @@ class Engine:
             for step in range(max_new_tokens):
                 t0 = time.perf_counter()
                 self.set_experts_per_token(k)  # the engine is shared: another call in between may have changed it
+                if step:
+                    self.judge_prefetch(step)
                 h = self.forward(ids, kv)
                 logits = self.logits(h[:, -1])
                 nxt = sample_next(logits, temperature, None, top_p, gen)
@@ -972,6 +1036,8 @@ class Engine:
                     break
                 ids = nxt.view(1, 1)
         finally:
+            for moe in self.moes:  # a probe is for decode tokens only
+                moe.shadow_guess = False
             self.cache.settle()
 
     def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=None, experts_per_token=None, seed=None,
@@ -1162,9 +1228,9 @@ def main(argv=None):
                     help="int4 matmul: auto = triton on CUDA, else native (int4_cpu.cpp, built on first use), else "
                          "int4pack (torch's CPU kernel); reference dequantizes then multiplies")
     ap.add_argument("--readers", type=int, default=4, help="expert reader threads")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="read the next layer's likely experts ahead (its router on this hidden state); off by default, "
-                         "see the header comment for why")
+    ap.add_argument("--prefetch", nargs="?", const="on", default="auto", choices=PREFETCH_MODES,
+                    help="read the next layer's likely experts ahead (its router on this hidden state): auto (default: "
+                         "on while its guesses name >= 80%% of the picks), on (--prefetch alone) or off")
     ap.add_argument("--cache-policy", default="score", choices=EC.CACHE_POLICIES,
                     help="expert eviction: score (default: the expert its router scored lowest lately) or lru")
     ap.add_argument("--device", default="cpu")

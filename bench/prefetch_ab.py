@@ -4,9 +4,9 @@ Does prefetch pay on this machine? Two measurements, one run:
 1. interference: the 2-thread native int4 GEMV (GB/s of weights, from DRAM) alone, then while expert blobs are read
    from the container in the background as the cache reads them (O_DIRECT parts on reader threads). Prefetch can
    only win if compute keeps its speed while the disk reads.
-2. A/B: one engine under --ram-budget, decoding fresh random prompts with prefetch off and on in turn (each mode
-   sees the cache the other left, as a long session would), --reps rounds; tok/s and cache counters per run, then
-   the medians.
+2. A/B/C: one engine under --ram-budget, decoding fresh random prompts with prefetch off, on and auto in turn
+   (each mode sees the cache the others left, as a long session would; auto keeps its verdicts from round to
+   round), --reps rounds; tok/s and cache counters per run, then the medians.
 
     python bench/prefetch_ab.py micro.pcf4 --ram-budget 2G [--reps 3] [--tokens 24] [--json OUT]
 
@@ -99,12 +99,14 @@ def main():
     print(f"int4 GEMV ({args.threads} threads): {inter['gemv_alone_gb_s']:.2f} GB/s alone, "
           f"{inter['gemv_while_reading_gb_s']:.2f} GB/s while experts are read in the background "
           f"(the disk gave {inter['disk_while_computing_gb_s']:.2f} GB/s meanwhile)", flush=True)
-    eng = S.load(args.container, ram_budget=args.ram_budget, n_readers=args.readers)
+    eng = S.load(args.container, ram_budget=args.ram_budget, n_readers=args.readers, prefetch="off")  # set per run
     gen = torch.Generator().manual_seed(0)
-    runs = {"off": [], "on": []}
+    runs = {"off": [], "on": [], "auto": []}
     for rep in range(args.reps):
-        for mode in ("off", "on"):
-            eng.set_prefetch(mode == "on")
+        for mode in runs:
+            eng.prefetch_mode = mode  # auto judges its own guesses before each decode token (Engine.judge_prefetch)
+            eng.set_prefetch(mode == "on" or (mode == "auto" and bool(eng.prefetch_verdicts)
+                                              and eng.prefetch_verdicts[-1][1]))
             prompt = torch.randint(1, eng.cfg.vocab_size, (16,), generator=gen).tolist()
             eng.cache.reset_counters()
             timings = []
@@ -113,15 +115,19 @@ def main():
             run = {"decode_tok_s": len(timings[1:]) / sum(timings[1:]),
                    **{k: st[k] for k in ("lookups", "hits", "prefetch_hits", "misses", "reads", "prefetch_reads")}}
             runs[mode].append(run)
-            print(f"prefetch {mode:3s} round {rep + 1}: {run['decode_tok_s']:.2f} tok/s, hits {run['hits']}, "
+            if mode == "auto":
+                run["verdicts"] = list(eng.prefetch_verdicts)
+            print(f"prefetch {mode:4s} round {rep + 1}: {run['decode_tok_s']:.2f} tok/s, hits {run['hits']}, "
                   f"prefetch hits {run['prefetch_hits']}, misses {run['misses']}, reads {run['reads']} "
-                  f"({run['prefetch_reads']} guesses) of {run['lookups']} lookups", flush=True)
+                  f"({run['prefetch_reads']} guesses) of {run['lookups']} lookups"
+                  + (f"; auto's verdicts so far (share right, on): {run['verdicts']}" if mode == "auto" else ""),
+                  flush=True)
     res["runs"] = runs
-    for mode in ("off", "on"):
+    for mode in runs:
         v = sorted(r["decode_tok_s"] for r in runs[mode])
         res[f"median_tok_s_prefetch_{mode}"] = v[len(v) // 2]
     print(f"median decode tok/s at {args.ram_budget}: prefetch off {res['median_tok_s_prefetch_off']:.2f}, "
-          f"on {res['median_tok_s_prefetch_on']:.2f}")
+          f"on {res['median_tok_s_prefetch_on']:.2f}, auto {res['median_tok_s_prefetch_auto']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

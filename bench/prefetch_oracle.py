@@ -135,7 +135,7 @@ def main():
     if a.prompts < 1 or a.tokens < 2:
         raise SystemExit("error: --prompts >= 1 and --tokens >= 2")
     try:
-        eng = S.load(a.container, ram_budget=a.ram_budget)
+        eng = S.load(a.container, ram_budget=a.ram_budget, prefetch="off")  # each variant sets its own
     except S.StreamError as e:
         raise SystemExit(f"error: {e}") from None
     S.compute_threads(eng, "auto")

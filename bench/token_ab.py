@@ -8,7 +8,8 @@ whole runs alternated A, B, A, B still needed many rounds to see a 5% change. He
 prompts and sets `engine.cache.<name>` to the next value before each token (the first value of each prompt
 rotates), then prints per value: mean and median ms a token, misses a token, guesses read a token, and the time
 waited for reads per miss (a guess asked for before it landed waits too). Only settings read per token make sense
-(n_parts: parts per blob read; native_reads: C++ or Python readers; prefetch: the engine's --prefetch; fuse_shared:
+(n_parts: parts per blob read; native_reads: C++ or Python readers; prefetch: the engine's --prefetch; probe:
+--prefetch auto's guesses named without reading, on every token (its worst case); fuse_shared:
 a layer with every expert cached computes its shared and routed experts in one native call, or the shared one
 apart). In-process, no memory cgroup (stream_infer --bench does that; O_DIRECT reads skip the page cache).
 """
@@ -45,6 +46,8 @@ def cache_setting(name):
 SETTABLE = {"n_parts": (positive_int, "positive int", cache_setting("n_parts")),
             "native_reads": (boolean, "0/1/true/false", cache_setting("native_reads")),
             "prefetch": (boolean, "0/1/true/false", lambda eng, v: eng.set_prefetch(v)),
+            # --prefetch auto's probe while off: every layer names the next one's guesses without reading them
+            "probe": (boolean, "0/1/true/false", lambda eng, v: [setattr(m, "shadow_guess", v) for m in eng.moes]),
             # a MoE layer with every expert cached: shared + routed experts in one swiglu_mix call, or apart
             "fuse_shared": (boolean, "0/1/true/false", lambda eng, v: [setattr(m, "fuse_shared", v) for m in eng.moes])}
 
@@ -77,7 +80,7 @@ def main():
         raise SystemExit(f"error: --prompts >= 1, --tokens >= 2, and at least one decode token per value "
                          f"({a.prompts} x {a.tokens - 1} for {len(vals)} values)")
     try:
-        eng = S.load(a.container, ram_budget=a.ram_budget)
+        eng = S.load(a.container, ram_budget=a.ram_budget, prefetch="off")  # each variant sets its own
     except S.StreamError as e:
         raise SystemExit(f"error: {e}") from None
     S.compute_threads(eng, "auto")

@@ -542,6 +542,64 @@ def test_prefetch_oracle_guesses_from_the_recorded_future(tiny):
     assert not eng.moes[0].prefetch and "guess_next" not in vars(eng.moes[0]) and eng.cache.n_slots == 0
 
 
+def guess_model_container(tmp_path, name, o_proj_scale=None):
+    """A tiny container whose guesses are all right (attention and experts after the first MoE layer write
+    zeros: the hidden state the next router sees is the one this layer's guess used), or with o_proj_scale
+    {layer: factor}: attention that outweighs the residual there, so guesses across it are mostly wrong."""
+    torch.manual_seed(1)
+    m = Picaflor(ModelConfig(**CFG)).eval()
+    with torch.no_grad():
+        for blk in m.layers[1:]:
+            blk.self_attn.o_proj.weight.zero_()
+            blk.mlp.experts.down_proj.zero_()
+            blk.mlp.shared_experts.down_proj.weight.zero_()
+        for layer, factor in (o_proj_scale or {}).items():
+            m.layers[layer].self_attn.o_proj.weight.normal_(0, 0.02 * factor)
+    path = str(tmp_path / f"{name}.pcf4")
+    C.write_container(save_checkpoint(m, str(tmp_path / name), 1), path, group_size=32, progress=False)
+    return path
+
+
+def test_prefetch_auto_reads_ahead_only_while_guesses_are_right(tmp_path, monkeypatch):
+    """--prefetch auto: off at first, a few tokens name guesses without reading them; where they name the picks
+    it turns prefetch on (reads ahead), and off again when they fall below the bar; where they miss it stays off,
+    probing less often. The output never changes; a model that is all resident is never judged."""
+    monkeypatch.setattr(S, "PREFETCH_JUDGE_PICKS", 16)  # 4 picks a token here (two guessed layers, top-2)
+    prompt = list(range(5, 15))
+    good = guess_model_container(tmp_path, "good")
+    ref = S.load(good, preload=False).generate(prompt, 40)
+    eng = S.load(good, prefetch="auto", preload=False)
+    eng.cache.budget = 8 * eng.cache.nbytes  # 8 of 48 experts: streaming
+    assert not eng.moes[0].prefetch and eng.prefetch_mode == "auto"
+    assert eng.generate(prompt, 40) == ref
+    assert eng.prefetch_verdicts[0] == (1.0, True) and eng.moes[0].prefetch and eng.cache.n_slots > 0
+    assert eng.cache.prefetch_reads > 0 and eng.guess_tally[0] == eng.guess_tally[1] > 0
+    assert not any(moe.shadow_guess for moe in eng.moes)  # probes end with the request
+    monkeypatch.setattr(S, "PREFETCH_OFF_RIGHT", 1.01)  # no guess is right enough now: off again
+    assert eng.generate(prompt, 12) == ref[:12]
+    assert eng.prefetch_verdicts[-1] == (1.0, False) and not eng.moes[0].prefetch and eng.cache.n_slots == 0
+
+    bad = guess_model_container(tmp_path, "bad", {2: 50.0, 3: 2500.0})
+    ref = S.load(bad, preload=False).generate(prompt, 60)
+    eng = S.load(bad, prefetch="auto", preload=False)
+    eng.cache.budget = 8 * eng.cache.nbytes
+    assert eng.generate(prompt, 60) == ref
+    rates = [r for r, on in eng.prefetch_verdicts]
+    assert len(rates) >= 2 and max(rates) < S.PREFETCH_OFF_RIGHT and not any(on for _, on in eng.prefetch_verdicts)
+    assert eng.cache.prefetch_reads == 0 and not eng.moes[0].prefetch and eng.prefetch_probe_every > 2
+    res = B.run_bench(eng, n_prompt=6, n_new=20)  # the benchmark says what auto decided and how right guesses were
+    assert res["prefetch"] == "auto" and res["prefetch_on_at_end"] is False and res["guess_right_rate"] < 0.72
+    assert "auto: off at the end (guesses" in B.prefetch_summary(res)
+
+    full = S.load(good, prefetch="auto")  # every expert resident: nothing to read ahead, nothing guessed
+    full.generate(prompt, 20)
+    assert full.preloaded and full.guess_tally == [0, 0] and not full.prefetch_verdicts
+    with pytest.raises(S.StreamError, match="prefetch 'sometimes': use one of off, on, auto"):
+        S.load(good, prefetch="sometimes")
+    for flags in (["--prefetch", "auto"], ["--prefetch"]):  # alone: on, as the flag was before auto
+        assert S.main([good, "--prompt", "1,2,3", "--max-new-tokens", "2", "--ram-budget", "2G", *flags]) == 0
+
+
 def test_int4_prefetch_bench_runs_the_real_loop():
     """bench/int4_prefetch.py builds int4_loops.h's VNNI loop at each L2 prefetch distance and times them with a
     plain read (or says in one line that this CPU lacks the loop); a malformed shape is one line and a non-zero exit."""
