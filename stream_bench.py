@@ -430,7 +430,7 @@ def fmt_steal(r):
 
 
 def prefetch_summary(res):
-    """'off', 'on (guesses 86% right)', 'auto: off (guesses 61% right)'."""
+    """'off', 'on (guesses 86% right)', 'auto: off at the end (guesses 61% right)'."""
     mode, rate = res.get("prefetch", "off"), res.get("guess_right_rate")
     out = mode if mode != "auto" else f"auto: {'on' if res.get('prefetch_on_at_end') else 'off'} at the end"
     return out + (f" (guesses {rate * 100:.0f}% right)" if rate is not None else "")

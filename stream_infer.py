@@ -605,7 +605,7 @@ class StreamedMoE(nn.Module):
         self.cache.observe(self.layer, sel)
         if self.guessed is not None and x.shape[0] == 1:
             self.count_guess(idx[0].tolist())
-        self.guessed = None  # counted for one token only (a prompt's pass is not decode)
+        self.guessed = None  # counted for one row only (a prompt's rows are not)
         keys = [(self.layer, e) for e in sorted(set(idx.reshape(-1).tolist()))]
         protect = set(keys)
         self.cache.request(keys, protect)  # this layer's misses, read in parallel (right guesses join the cache)
@@ -756,6 +756,7 @@ class Engine:
             moe.guess_tally = self.guess_tally
         self.prefetch_judged = (0, 0)  # the tally at the last verdict
         self.prefetch_probe_every = 2
+        self.decode_tokens = 0  # judged so far (auto's probe schedule)
         self.prefetch_verdicts = []  # (share of picks guessed right, prefetch on after it), one per verdict
         self.set_prefetch(self.prefetch_mode == "on")
         self.every_expert_bytes = self.cache.every_expert_bytes
@@ -932,13 +933,15 @@ class Engine:
             moe.prefetch = bool(on)
         self.cache.set_slots(2 * self.cfg.top_k if on else 0)  # a layer's guesses in flight, the last layer's landed
 
-    def judge_prefetch(self, step):
-        """--prefetch auto, before decode token `step` (1, 2, ...): every PREFETCH_JUDGE_PICKS picks, prefetch goes
-        on when the guesses named >= PREFETCH_ON_RIGHT of them and off below PREFETCH_OFF_RIGHT. While off, some
-        tokens name guesses without reading them (the router of the next layer: ~60 us a layer on micro), fewer
-        after each verdict that keeps it off. Nothing to judge when every expert fits in the cache."""
+    def judge_prefetch(self):
+        """--prefetch auto, before each decode token (stream(), chat.py): every PREFETCH_JUDGE_PICKS picks, prefetch
+        goes on when the guesses named >= PREFETCH_ON_RIGHT of them and off below PREFETCH_OFF_RIGHT. While off,
+        some tokens name guesses without reading them (the router of the next layer: ~60 us a layer on micro), fewer
+        after each verdict that keeps it off, counted over the engine's decode tokens (not each request's, so short
+        requests probe too). Nothing to judge when every expert fits in the cache."""
         if self.prefetch_mode != "auto" or not self.moes or self.cache.budget >= self.every_expert_bytes:
             return
+        self.decode_tokens += 1
         tally, judged = self.guess_tally, self.prefetch_judged
         on = self.moes[0].prefetch
         named = tally[0] - judged[0]
@@ -951,9 +954,14 @@ class Engine:
             if want != on:
                 self.set_prefetch(want)
                 on = want
-        probe = not on and step % self.prefetch_probe_every == 0
+        probe = not on and self.decode_tokens % self.prefetch_probe_every == 0
         for moe in self.moes:
             moe.shadow_guess = probe
+
+    def stop_probes(self):
+        """The end of a request: no probe left on and no guess left over for the next one (a guess is one token's)."""
+        for moe in self.moes:
+            moe.shadow_guess, moe.guessed = False, None
 
     def set_experts_per_token(self, k):
         k = k or self.cfg.top_k
@@ -1024,7 +1032,7 @@ class Engine:
                 t0 = time.perf_counter()
                 self.set_experts_per_token(k)  # the engine is shared: another call in between may have changed it
                 if step:
-                    self.judge_prefetch(step)
+                    self.judge_prefetch()
                 h = self.forward(ids, kv)
                 logits = self.logits(h[:, -1])
                 nxt = sample_next(logits, temperature, None, top_p, gen)
@@ -1036,8 +1044,7 @@ class Engine:
                     break
                 ids = nxt.view(1, 1)
         finally:
-            for moe in self.moes:  # a probe is for decode tokens only
-                moe.shadow_guess = False
+            self.stop_probes()  # a probe is for decode tokens only
             self.cache.settle()
 
     def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=None, experts_per_token=None, seed=None,
@@ -1230,7 +1237,8 @@ def main(argv=None):
     ap.add_argument("--readers", type=int, default=4, help="expert reader threads")
     ap.add_argument("--prefetch", nargs="?", const="on", default="auto", choices=PREFETCH_MODES,
                     help="read the next layer's likely experts ahead (its router on this hidden state): auto (default: "
-                         "on while its guesses name >= 80%% of the picks), on (--prefetch alone) or off")
+                         "on while its guesses name >= 80%% of the picks), on (--prefetch alone, after the container "
+                         "path, or --prefetch=on) or off")
     ap.add_argument("--cache-policy", default="score", choices=EC.CACHE_POLICIES,
                     help="expert eviction: score (default: the expert its router scored lowest lately) or lru")
     ap.add_argument("--device", default="cpu")

@@ -104,7 +104,8 @@ def main():
     runs = {"off": [], "on": [], "auto": []}
     for rep in range(args.reps):
         for mode in runs:
-            eng.prefetch_mode = mode  # auto judges its own guesses before each decode token (Engine.judge_prefetch)
+            eng.prefetch_mode = mode  # auto judges its own guesses before each decode token (Engine.judge_prefetch),
+            eng.prefetch_judged = tuple(eng.guess_tally)  # not those the "on" run made
             eng.set_prefetch(mode == "on" or (mode == "auto" and bool(eng.prefetch_verdicts)
                                               and eng.prefetch_verdicts[-1][1]))
             prompt = torch.randint(1, eng.cfg.vocab_size, (16,), generator=gen).tolist()

@@ -587,6 +587,19 @@ def test_prefetch_auto_reads_ahead_only_while_guesses_are_right(tmp_path, monkey
     rates = [r for r, on in eng.prefetch_verdicts]
     assert len(rates) >= 2 and max(rates) < S.PREFETCH_OFF_RIGHT and not any(on for _, on in eng.prefetch_verdicts)
     assert eng.cache.prefetch_reads == 0 and not eng.moes[0].prefetch and eng.prefetch_probe_every > 2
+    named = eng.guess_tally[0]  # requests shorter than the probe interval still probe: it counts the engine's tokens
+    for _ in range(2 * eng.prefetch_probe_every):
+        eng.generate(prompt, 3)
+    assert eng.guess_tally[0] > named
+    import chat  # chat.py's loop over the engine judges its decode tokens too
+    b = chat.engine_backend(eng)
+    kv, tokens = b["new_cache"](32), eng.decode_tokens
+    b["forward"](torch.tensor([prompt]), kv)  # the prompt's pass: not a decode token
+    for t in range(3):
+        b["forward"](torch.tensor([[7 + t]]), kv)
+    assert eng.decode_tokens == tokens + 3
+    b["after_reply"]()
+    assert not any(moe.shadow_guess or moe.guessed for moe in eng.moes)
     res = B.run_bench(eng, n_prompt=6, n_new=20)  # the benchmark says what auto decided and how right guesses were
     assert res["prefetch"] == "auto" and res["prefetch_on_at_end"] is False and res["guess_right_rate"] < 0.72
     assert "auto: off at the end (guesses" in B.prefetch_summary(res)
