@@ -116,16 +116,12 @@ def engine_backend(eng, experts_per_token=None):
 
     eng.set_experts_per_token(experts_per_token)
 
-    def forward(ids, cache):
-        if ids.shape[1] == 1:
-            eng.judge_prefetch()  # --prefetch auto judges its guesses before each decode token, as Engine.stream does
-        return eng.logits(eng.forward(ids, cache)[:, -1])
-
     def after_reply():
-        eng.stop_probes()
+        eng.stop_probes()  # --prefetch auto probes decode tokens only (Engine.forward judges each)
         eng.cache.settle()
 
-    return dict(forward=forward, new_cache=lambda n: KVCache(eng.cfg, 1, n, eng.device, torch.float32),
+    return dict(forward=lambda ids, cache: eng.logits(eng.forward(ids, cache)[:, -1]),
+                new_cache=lambda n: KVCache(eng.cfg, 1, n, eng.device, torch.float32),
                 max_len=eng.context, device=eng.device, after_reply=after_reply)
 
 

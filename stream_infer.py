@@ -934,7 +934,7 @@ class Engine:
         self.cache.set_slots(2 * self.cfg.top_k if on else 0)  # a layer's guesses in flight, the last layer's landed
 
     def judge_prefetch(self):
-        """--prefetch auto, before each decode token (stream(), chat.py): every PREFETCH_JUDGE_PICKS picks, prefetch
+        """--prefetch auto, before each decode token (forward): every PREFETCH_JUDGE_PICKS picks, prefetch
         goes on when the guesses named >= PREFETCH_ON_RIGHT of them and off below PREFETCH_OFF_RIGHT. While off,
         some tokens name guesses without reading them (the router of the next layer: ~60 us a layer on micro), fewer
         after each verdict that keeps it off, counted over the engine's decode tokens (not each request's, so short
@@ -983,6 +983,8 @@ class Engine:
             return torch.cat([self.forward(ids[:, i:i + n], cache) for i in range(0, T, n)], 1)
         m = self.model
         start = cache.pos if cache is not None else 0
+        if ids.shape == (1, 1) and start > 0:
+            self.judge_prefetch()  # a decode token, whichever loop feeds it (stream, chat.py, an API user's)
         x = m.embed_tokens(ids).float()
         pos = torch.arange(start, start + ids.shape[1], device=ids.device)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
@@ -1031,8 +1033,6 @@ class Engine:
             for step in range(max_new_tokens):
                 t0 = time.perf_counter()
                 self.set_experts_per_token(k)  # the engine is shared: another call in between may have changed it
-                if step:
-                    self.judge_prefetch()
                 h = self.forward(ids, kv)
                 logits = self.logits(h[:, -1])
                 nxt = sample_next(logits, temperature, None, top_p, gen)
