@@ -806,6 +806,15 @@ def main(argv):
         stop["signal"] = signum
     signal.signal(signal.SIGTERM, on_sigterm)
 
+    def on_rank0(*flags):
+        """Decisions made on a clock or a signal, taken from rank 0 by every rank: under torchrun a rank that saved
+        or stopped alone would wait at its barrier while the others ran on to their next collective (a hang)."""
+        if not ddp:
+            return flags
+        t = torch.tensor([int(bool(f)) for f in flags], device=device)
+        dist.broadcast(t, 0)
+        return tuple(bool(v) for v in t.tolist())
+
     def check_control():
         ctl = read_json(control_path, {}) if master else {}
         want = bool(ctl.get("start_decay")) and st.get("decay_started_at_tokens") is None
@@ -895,9 +904,12 @@ def main(argv):
             break
         if cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]:
             break
-        if cfg["stop_after_hours"] >= 0 and time.time() - t_start >= cfg["stop_after_hours"] * 3600:
+        hours_up, signalled = on_rank0(cfg["stop_after_hours"] >= 0 and time.time() - t_start >= cfg["stop_after_hours"] * 3600,
+                                       stop["signal"] is not None)
+        if signalled:
+            stop["signal"] = stop["signal"] or signal.SIGTERM  # a rank torchrun did not signal stops with rank 0
             break
-        if stop["signal"] is not None:
+        if hours_up:
             break
         T = stage["seq_len"]
         if not st["seq_len_history"] or st["seq_len_history"][-1]["seq_len"] != T:
@@ -992,13 +1004,15 @@ def main(argv):
             last_saved_step, t_last_ckpt = st["step"], time.time()
             if master:
                 checkpoint.write_atomic_text(os.path.join(out, "BEST"), os.path.basename(path) + "\n")
+        if master and os.environ.get("PICAFLOR_INJECT_RANK0_LAG_S"):  # a slow rank 0 (fsync, mirror): the DDP test
+            time.sleep(float(os.environ["PICAFLOR_INJECT_RANK0_LAG_S"]))
         if finished_stage:
             save("stage_final")
             last_saved_step, t_last_ckpt = st["step"], time.time()
         elif st["step"] % cfg["ckpt_interval"] == 0:
             save("periodic")
             last_saved_step, t_last_ckpt = st["step"], time.time()
-        elif cfg["checkpoint_minutes"] > 0 and time.time() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60:
+        elif cfg["checkpoint_minutes"] > 0 and on_rank0(time.time() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60)[0]:
             save("temporary")
             last_saved_step, t_last_ckpt = st["step"], time.time()
         if st["step"] % cfg["log_interval"] == 0 and (ddp or os.path.exists(control_path)):

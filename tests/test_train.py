@@ -81,8 +81,12 @@ def test_torchrun_two_processes_gloo(data_root, tmp_path):
             f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=6", "--warmup_iters=1", "--eval_interval=3",
             "--ckpt_interval=3"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(base + ["--stop_after_steps=3"], cwd=REPO, capture_output=True, text=True, env=env)
+    # rank 0 lags each step by more than checkpoint_minutes: a rank deciding on its own clock saved alone (a hang)
+    lag = dict(env, PICAFLOR_INJECT_RANK0_LAG_S="0.4")
+    r = subprocess.run(base + ["--stop_after_steps=2", "--checkpoint_minutes=0.005", "--hang_timeout=40"], cwd=REPO,
+                       capture_output=True, text=True, env=lag, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert json.load(open(os.path.join(out, "step_0000002", "state.json")))["kind"] == "temporary"  # time-based
     r = subprocess.run(base + ["--init_from=resume"], cwd=REPO, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     st = json.load(open(os.path.join(out, "step_0000006", "state.json")))
