@@ -162,6 +162,9 @@ def build_plan(cfg, tokens_per_step):
         if phase not in ("warmup", "stable", "decay"):
             raise TrainError(f"stages[{i}]: lr_phase must be warmup, stable or decay, got {phase!r}")
         T = int(s.get("seq_len", cfg["seq_len"]))
+        if T < 1:
+            raise TrainError(f"stages[{i}]: seq_len must be at least 1, got {T}" if "seq_len" in s
+                             else f"--seq_len={T}: must be at least 1")
         if ("tokens" in s) == ("steps" in s):
             raise TrainError(f"stages[{i}]: give exactly one of tokens or steps")
         tokens = int(s["tokens"]) if "tokens" in s else int(s["steps"]) * tokens_per_step(T)
@@ -234,6 +237,9 @@ def rows_per_stream(mix, rows, micro_index):
 
 # -----------------------------------------------------------------------------------------------------------
 # model helpers
+
+RESUME_CONFIG_WINS = ("max_seq_len", "bias_update_rate")  # model fields no weight depends on
+
 
 def model_config_from(cfg):
     from model import ModelConfig
@@ -598,12 +604,28 @@ def main(argv):
         if not run_dir:
             die("usage: python train.py --status RUN_DIR")
         return print_status(run_dir)
-    configurator.configure_or_exit(g, rest, "train.py")
+    given = configurator.configure_or_exit(g, rest, "train.py")
+    ignored = [k for k in ("max_iters", "warmup_iters", "decay_frac") if k in given and g["stages"]]
+    if ignored:  # the stages make the plan: these would silently do nothing
+        die(f"--{ignored[0]} has no effect when the config sets stages; change the stages' steps or tokens (and "
+            f"lr_phase) instead")
     globals().update(g)
     cfg = g
     for k in ("eval_interval", "log_interval", "ckpt_interval"):
         if cfg[k] < 1:
             die(f"--{k}={cfg[k]}: must be at least 1 (a large value means rarely)")
+    for k in ("batch_size", "grad_accum", "eval_iters"):
+        if cfg[k] < 1:
+            die(f"--{k}={cfg[k]}: must be at least 1")
+    if set(cfg["lr_mult"]) - {"embedding", "old", "new"}:  # a misspelt key would leave its group at 1.0
+        die(f"--lr_mult={cfg['lr_mult']}: keys must be embedding, old and new, got "
+            f"{sorted(set(cfg['lr_mult']) - {'embedding', 'old', 'new'})}")
+    if cfg["device"] not in ("cpu", "cuda"):  # cuda:1 or mps would have trained on the CPU
+        die(f"--device={cfg['device']}: must be cpu or cuda (pick a GPU with CUDA_VISIBLE_DEVICES; torchrun gives "
+            f"each process its own)")
+    if cfg["dtype"] == "float16" and cfg["device"] == "cuda":
+        die("--dtype=float16 needs loss scaling, which train.py does not do (gradients would underflow); use "
+            "--dtype=bfloat16")
 
     # --- processes and device -----------------------------------------------------------------------------
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -654,7 +676,12 @@ def main(argv):
             if newest and newest[-1][1] != ck:
                 log(f"WARNING: newest checkpoint {newest[-1][1]} is invalid (bad manifest); resuming from {ck}")
         state = read_json(os.path.join(ck, "state.json"))
-        mcfg = model_config_from({**cfg, **state["model_config"]})
+        # the checkpoint's architecture; the config's training-only fields (a longer context, another balancing rate)
+        arch = {k: v for k, v in state["model_config"].items() if k not in RESUME_CONFIG_WINS}
+        for k in RESUME_CONFIG_WINS:
+            if k in state["model_config"] and state["model_config"][k] != cfg[k]:
+                log(f"resume: {k} {state['model_config'][k]} -> {cfg[k]} (the config's)")
+        mcfg = model_config_from({**cfg, **arch})
         sd = load_file(os.path.join(ck, "model.safetensors"))
         if os.path.exists(os.path.join(ck, "optimizer.pt")):
             opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
@@ -718,6 +745,10 @@ def main(argv):
         for s in plan:  # stages that do not pin a seq_len follow the config's, so it may change on resume
             if s.get("seq_len_from_config"):
                 s["seq_len"] = cfg["seq_len"]
+    for s in plan:  # RoPE has no learned positions: a longer max_seq_len only needs saying
+        if s["seq_len"] > mcfg.max_seq_len:
+            raise TrainError(f"stage {s['name']} trains on seq_len {s['seq_len']}, longer than the model's max_seq_len="
+                             f"{mcfg.max_seq_len}; raise --max_seq_len or lower the stage's seq_len")
     corpora = sorted({c for s in plan for c in s["mix"]})
     quarantined = sorted(set(cfg["quarantine_shards"]) | set((state or {}).get("quarantined_shards", [])))
     streams, val_stream = {}, None
@@ -776,7 +807,13 @@ def main(argv):
     opt = torch.optim.AdamW([{k: v for k, v in gr.items() if k != "names"} for gr in groups], lr=cfg["learning_rate"],
                             betas=(cfg["beta1"], cfg["beta2"]), fused=True)  # fused on CPU too: ~14x faster step there
     if opt_sd is not None:
-        opt.load_state_dict(opt_sd)
+        opt.load_state_dict(opt_sd)  # brings back the saved groups' lr_mult, weight_decay, betas: the config's win
+        for gr, want in zip(opt.param_groups, groups):
+            for k, v in (("lr_mult", want["lr_mult"]), ("weight_decay", want["weight_decay"]),
+                         ("betas", (cfg["beta1"], cfg["beta2"]))):
+                if (tuple(gr[k]) if k == "betas" else gr[k]) != v:
+                    log(f"resume: {gr['origin']} group's {k} {gr[k]} -> {v} (the config's)")
+                    gr[k] = v
     if state is not None and "rng" in state:
         set_rng_state(state["rng"], device_type)
     raw_model = model

@@ -67,12 +67,22 @@ def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, tmp_
     run(base + ["--stop_after_steps=4"])
     st = json.load(open(os.path.join(out, "step_0000004", "state.json")))
     assert st["tokens"] == 4 * 4 * 32
-    run(base + ["--init_from=resume", "--stop_after_steps=3", "--batch_size=2", "--seq_len=48", "--replan"])
+    # the resumed leg's config wins over the checkpoint's training-only settings: a longer context (no weight depends
+    # on max_seq_len) and the per-origin LR multipliers (load_state_dict brought back the saved ones: weights moved)
+    run(base + ["--init_from=resume", "--stop_after_steps=3", "--batch_size=2", "--seq_len=80", "--max_seq_len=80",
+                "--lr_mult={'embedding': 0.0, 'old': 0.0, 'new': 0.0}", "--replan"])
     st = json.load(open(os.path.join(out, "step_0000007", "state.json")))
-    assert st["tokens"] == 4 * 4 * 32 + 3 * 2 * 48
+    assert st["tokens"] == 4 * 4 * 32 + 3 * 2 * 80
     pos = st["data_position"]["local"]
     assert pos["shard"] == 0 and pos["epoch"] == 0 and pos["offset"] == st["tokens"]
-    assert [h["seq_len"] for h in st["seq_len_history"]] == [32, 48]
+    assert [h["seq_len"] for h in st["seq_len_history"]] == [32, 80]
+    assert st["model_config"]["max_seq_len"] == 80
+    opt_sd = torch.load(os.path.join(out, "step_0000007", "optimizer.pt"), weights_only=True)
+    assert {g["lr_mult"] for g in opt_sd["param_groups"]} == {0.0}
+    from safetensors.torch import load_file
+    w4, w7 = (load_file(os.path.join(out, f"step_000000{s}", "model.safetensors")) for s in (4, 7))
+    moved = [k for k in w4 if "correction_bias" not in k and not torch.equal(w4[k], w7[k])]  # the bias is no parameter
+    assert not moved, moved[:3]
 
 
 def test_torchrun_two_processes_gloo(data_root, tmp_path):
@@ -170,7 +180,9 @@ def test_start_decay_on_demand(data_root, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
-                                  "too_big", "zero_interval", "scratch_over_a_run", "status_of_a_damaged_step"])
+                                  "too_big", "zero_interval", "scratch_over_a_run", "status_of_a_damaged_step",
+                                  "zero_batch_size", "zero_grad_accum", "seq_len_over_max", "lr_mult_typo", "cuda_index",
+                                  "float16", "max_iters_with_stages"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -188,6 +200,20 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         args = args + ["--batch_size=1000000"]
     elif case == "zero_interval":
         args = args + ["--eval_interval=0"]
+    elif case in ("zero_batch_size", "zero_grad_accum"):
+        args = args + [f"--{case[5:]}=0"]
+    elif case == "seq_len_over_max":  # refused before the model is built, naming the fix
+        args = args + ["--seq_len=128"]
+    elif case == "lr_mult_typo":
+        args = args + ["--lr_mult={'embeddings': 0.3, 'old': 1.0, 'new': 1.0}"]
+    elif case == "cuda_index":  # it trained on the CPU without a word
+        args = args + ["--device=cuda:0"]
+    elif case == "float16":
+        args = args + ["--device=cuda", "--dtype=float16"]
+    elif case == "max_iters_with_stages":  # the stages make the plan; the override did nothing
+        stage_file = tmp_path / "stages.py"
+        stage_file.write_text("stages = [dict(name='all', steps=4, lr_phase='stable')]\n")
+        args = TINY + [str(stage_file), f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=100"]
     elif case == "scratch_over_a_run":  # the same command again after a crash, without --init_from=resume
         for step in (1, 2):  # a run's checkpoints (their content does not matter to the refusal)
             checkpoint.save(out, step, {"state.json": lambda p, s=step: json.dump({"step": s}, open(p, "w"))})
@@ -208,6 +234,9 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
     assert r.returncode != 0
     err = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert len(err) == 1 and "error" in err[0] and "Traceback" not in r.stderr, r.stderr
+    fix = {"seq_len_over_max": "--max_seq_len", "lr_mult_typo": "embedding, old and new", "cuda_index": "cpu or cuda",
+           "float16": "bfloat16", "max_iters_with_stages": "stages", "zero_batch_size": "at least 1"}
+    assert fix.get(case, "") in err[0], err[0]
     if case == "corrupt_checkpoint":
         assert os.path.isdir(os.path.join(out, "step_0000002"))  # nothing deleted
         assert "no valid checkpoint" in err[0] and "--init_from=scratch" in err[0]
