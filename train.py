@@ -208,7 +208,12 @@ def lr_at(plan, tokens_seen, lr, lr_min, step_tokens=0):
 
 
 def decay_now(plan, tokens_seen, length):
-    """The plan cut at tokens_seen with one decay stage of `length` tokens appended (on-demand decay)."""
+    """The plan cut at tokens_seen with one decay stage of `length` tokens appended (on-demand decay). During a
+    decay stage the plan ends with that one instead, and a finished plan stays as it is: a second decay would
+    start from the peak LR again."""
+    i, cur, _ = stage_at(plan, tokens_seen)
+    if cur is None or cur["lr_phase"] == "decay":
+        return [dict(s) for s in plan[:i + 1]]
     out, start = [], 0
     for s in plan:
         if start >= tokens_seen:
@@ -863,10 +868,13 @@ def main(argv):
             nonlocal_plan = st["plan"]
             length = cfg["decay_tokens"] or next((s["tokens"] for s in nonlocal_plan if s["lr_phase"] == "decay"),
                                                  int(cfg["decay_frac"] * plan_tokens(nonlocal_plan)))
+            already = stage_at(nonlocal_plan, st["tokens"])[1]
+            already = already is None or already["lr_phase"] == "decay"
             st["plan"] = decay_now(nonlocal_plan, st["tokens"], max(length, tokens_per_step(nonlocal_plan[-1]["seq_len"])))
             st["decay_started_at_tokens"] = st["tokens"]
             st.setdefault("replans", []).append({"step": st["step"], "reason": "start_decay", "at": time.time()})
-            log(f"control.json: starting the decay now, over {st['plan'][-1]['tokens']:,} tokens")
+            log("control.json: start_decay: already decaying (or done); the run ends with this decay" if already else
+                f"control.json: starting the decay now, over {st['plan'][-1]['tokens']:,} tokens")
 
     def save(kind):
         """Checkpoint on rank 0 (all ranks wait); returns its path."""

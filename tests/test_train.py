@@ -179,6 +179,17 @@ def test_start_decay_on_demand(data_root, tmp_path):
     assert st["finished"] and st["step"] == 3 + 512 // 128 and st["plan"][-1]["lr_phase"] == "decay"
 
 
+def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr():
+    plan = [dict(name=n, mix={"a": 1.0}, tokens=t, seq_len=8, lr_phase=p)
+            for n, t, p in (("w", 10, "warmup"), ("s", 70, "stable"), ("d", 20, "decay"))]
+    lr = lambda pl, t: train.lr_at(pl, t, 3e-3, 3e-4)
+    cut = train.decay_now(plan, 40, 30)  # in the stable stage: cut there, then 30 tokens of decay
+    assert train.plan_tokens(cut) == 70 and cut[-1]["lr_phase"] == "decay" and lr(cut, 40) == 3e-3
+    for at in (90, 100, 130):  # inside the plan's own decay, at its end, after it
+        again = train.decay_now(plan, at, 30)
+        assert train.plan_tokens(again) == 100 and lr(again, at) == lr(plan, at) < 3e-3
+
+
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
                                   "too_big", "zero_interval", "scratch_over_a_run", "status_of_a_damaged_step",
                                   "zero_batch_size", "zero_grad_accum", "seq_len_over_max", "lr_mult_typo", "cuda_index",
