@@ -25,7 +25,8 @@ Exit codes (one line on stderr each, and a crash-<ms>.json report in out_dir): 0
 (SIGTERM: checkpoint, then exit), 1 error (bad config, bad checkpoint, missing data), 2 bad config syntax or key,
 3 corrupt data (shard, offset, what), 4 storage denied (HTTP 401/403: credentials or billing, not data), 5 storage
 unreachable, 6 out of disk (previous checkpoint intact), 7 non-finite loss (the step is not applied and never
-reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread stacks in hang-*.txt).
+reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread stacks in hang-*.txt), 10 an
+unforeseen error (its traceback on stderr and in the crash report; the guardian restarts on it).
 Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step; mirror_dir copies them
 and the newest checkpoint elsewhere. Documents are never cut (shards pack them whole), so no token is dropped.
 """
@@ -116,6 +117,7 @@ _CONFIG_KEYS = sorted(k for k, v in globals().items() if not k.startswith("_") a
 # -----------------------------------------------------------------------------------------------------------
 
 EXIT_OK, EXIT_ERROR, EXIT_DATA, EXIT_DENIED, EXIT_UNREACHABLE, EXIT_DISK, EXIT_NONFINITE, EXIT_HANG = 0, 1, 3, 4, 5, 6, 7, 8
+EXIT_CRASH = 10  # anything unforeseen (a CUDA or NCCL error, an I/O error on a network mount): the guardian restarts
 PEAK_BF16_FLOPS = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("4090", 165e12), ("L40S", 362e12),
                    ("A10", 125e12), ("L4", 121e12)]  # dense bf16 peaks (vendor datasheets)
 
@@ -495,7 +497,17 @@ class Watchdog:
 
 CAUSES = {EXIT_ERROR: "error", EXIT_DATA: "corrupt data", EXIT_DENIED: "storage denied",
           EXIT_UNREACHABLE: "storage unreachable", EXIT_DISK: "out of disk", EXIT_NONFINITE: "non-finite loss",
-          EXIT_HANG: "hang"}
+          EXIT_HANG: "hang", EXIT_CRASH: "crash"}
+
+
+def crashed(e):
+    """An unforeseen error: its traceback kept (stderr, crash report), one line saying so, exit 10 (restartable)."""
+    import traceback
+    tb = traceback.format_exc()
+    sys.stderr.write(tb)
+    write_crash_report("crash", EXIT_CRASH, f"{type(e).__name__}: {e}", traceback=tb)
+    die(f"unexpected {type(e).__name__}: {e} (traceback above and in {_RUN_INFO.get('out_dir') or 'out_dir'}'s "
+        f"crash report); checkpoints are intact: resume with --init_from=resume", EXIT_CRASH)
 
 
 def write_crash_report(cause, code, message, **extra):
@@ -900,7 +912,7 @@ def main(argv):
         try:
             return save_checkpoint(m, out_dir, state_dict["step"], state=dict(state_dict), extra_writers=extra,
                                    tokenizer_file=tok_file if os.path.exists(tok_file) else None)
-        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        except Exception as e:  # torch.save reports a failed write as a RuntimeError, safetensors as SafetensorError
             reason = e.strerror if isinstance(e, OSError) and e.errno in DISK_ERRNOS else disk_full(out_dir)
             if reason:
                 raise TrainError(f"out of disk while writing a checkpoint in {out_dir} ({reason}); the previous "
@@ -964,6 +976,10 @@ def main(argv):
             gr["lr"] = lr * gr["lr_mult"]
         if os.environ.get("PICAFLOR_INJECT_SLEEP_AT_STEP") == str(st["step"]):  # fault injection for the hang test
             time.sleep(1e6)
+        if os.environ.get("PICAFLOR_INJECT_CRASH_AT_STEP") == str(st["step"]) and master:  # the guardian's restart test
+            if not os.path.exists(os.path.join(out, "injected-crash")):  # once: the restart goes on
+                open(os.path.join(out, "injected-crash"), "w").close()
+                raise RuntimeError("injected crash")
         loss_acc = torch.zeros((), device=device)
         stage_start_tokens = sum(s["tokens"] for s in st["plan"][:idx_stage])
         for micro in range(cfg["grad_accum"]):
@@ -1124,6 +1140,8 @@ if __name__ == "__main__":
             msg = f"out of disk: {e}; free space in {_RUN_INFO.get('out_dir')} and resume (checkpoints are intact)"
             write_crash_report("out of disk", EXIT_DISK, msg)
             die(msg, EXIT_DISK)
-        raise
+        crashed(e)
     except KeyboardInterrupt:
         die("interrupted", 130)
+    except Exception as e:
+        crashed(e)
