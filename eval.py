@@ -55,6 +55,7 @@ each difference from the first column as within noise (~, |diff| < 2 * sqrt(se_a
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -418,7 +419,9 @@ class HFModel:
             self.max_length = int(mml) if mml is not None and mml < 1e29 else 2048
         self.prefix_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         self.bos_text = tok.decode(self.prefix_id) if self.prefix_id is not None else None
-        self.stop_ids = {tok.eos_token_id} - {None}
+        # the tokenizer's eos and the generation config's (export.py lists <|end|> and <|bos|>; HF generate stops at both)
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.stop_ids = ({tok.eos_token_id} | set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])) - {None}
         self.split_head = getattr(cfg, "model_type", None) in HF_SPLIT_HEAD_TYPES
         self.generation_settings = shipped_penalties(getattr(model, "generation_config", None))
 
@@ -755,8 +758,15 @@ def greedy_generate(lm, prompt, until, max_gen_toks):
     """Greedy continuation of prompt, cut at the first stop string (the harness's `until`) or a stop token."""
     max_gen_toks = min(max_gen_toks, lm.max_length - 1)
     ids = lm.encode(prompt)[-(lm.max_length - max_gen_toks):]  # the harness's left truncation
-    if not hasattr(lm, "run"):
-        new = lm.engine.generate(ids, max_gen_toks, temperature=0)
+    if not hasattr(lm, "run"):  # the int4 engine: the same stops as the loop below (its generate knows one eos id)
+        new = []
+        with contextlib.closing(lm.engine.stream(ids, max_gen_toks, temperature=0)) as tokens:
+            for nxt in tokens:
+                if nxt in lm.stop_ids:
+                    break
+                new.append(nxt)
+                if any(u in lm.decode(new) for u in until):
+                    break
     else:
         new = []
         cache = lm.new_cache(1, len(ids) + max_gen_toks)

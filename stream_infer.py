@@ -1063,11 +1063,12 @@ class Engine:
         if not ctx or not cont:
             raise StreamError("loglikelihood needs a non-empty context and continuation")
         ids = ctx + cont
-        if len(ids) > self.context:
-            raise StreamError(f"{len(ids)} tokens exceed the reserved context {self.context}; load with a larger context")
+        if len(ids) - 1 > self.context:  # the last token is only a target: it is never run
+            raise StreamError(f"{len(ids) - 1} tokens exceed the reserved context {self.context}; load with a larger "
+                              f"context")
         self._check_ids(ids, "input")
         self.set_experts_per_token(None)
-        h = self.forward(torch.tensor([ids], device=self.device))[0, len(ctx) - 1:len(ids) - 1]
+        h = self.forward(torch.tensor([ids[:-1]], device=self.device))[0, len(ctx) - 1:]
         target = torch.tensor(cont, device=h.device)
         total, greedy = 0.0, True
         for i in range(0, len(cont), LOGIT_CHUNK):  # logit rows a chunk at a time (the budget holds one chunk)

@@ -225,6 +225,45 @@ def test_generation_ignores_shipped_repetition_penalty(hf_setup, tmp_path, capsy
     assert differs
 
 
+def test_int4_engine_generation_stops_where_the_batched_loop_does():
+    """The int4 engine's path stops at a stop token (it glued the text after <|end|> onto the answer) and at a stop
+    string, as eval.py's own loop does."""
+    class Engine:
+        def __init__(self, out):
+            self.out, self.closed = out, False
+
+        def stream(self, ids, n, temperature=0):
+            try:
+                yield from self.out[:n]
+            finally:
+                self.closed = True
+
+    class LM:  # eval.py's engine wrapper, minus the model: token i decodes to words[i]
+        words = ["", " The", " answer", " is", " 12.", "<|end|>", " 99", " bottles", "\n\n"]
+        stop_ids, max_length = {5}, 64
+
+        def encode(self, text):
+            return [1, 2]
+
+        def decode(self, ids):
+            return "".join(self.words[i] for i in ids)
+    lm = LM()
+    lm.engine = Engine([1, 2, 3, 4, 5, 6, 7])
+    assert ev.greedy_generate(lm, "Q", ["\n\n"], 16) == " The answer is 12."
+    assert lm.engine.closed  # the engine's request ended (its cache settled) although not every token was taken
+    lm.engine = Engine([1, 2, 8, 6, 7])
+    assert ev.greedy_generate(lm, "Q", ["\n\n"], 16) == " The answer"
+
+
+def test_hf_stop_ids_include_the_generation_configs_eos_list(tmp_path):
+    """export.py's generation_config lists <|end|> and <|bos|>: eval.py's HF path stops at both, as HF's generate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d = es.make_tiny_hf_model(str(tmp_path / "m"), vocab_size=300, d_model=32, n_layer=2, n_positions=64,
+                              generation_config={"eos_token_id": [7, 9]})
+    lm = ev.HFModel(AutoModelForCausalLM.from_pretrained(d), AutoTokenizer.from_pretrained(d), "m", "cpu")
+    assert {7, 9} <= lm.stop_ids
+
+
 def test_passkey_reported_per_length(tmp_path):
     run_dir, tok = make_picaflor_ckpt(tmp_path, max_seq_len=1024)
     out = tmp_path / "out"

@@ -831,6 +831,11 @@ def test_loglikelihood(tiny):
     whole, _ = eng.loglikelihood(ctx + cont)
     assert whole < ll
     assert eng.loglikelihood_batch([(ctx, cont)])[0][0] == pytest.approx(ll)
+    # a request of context + 1 tokens fits (eval.py truncates to that): the last token is a target, never run
+    small = S.load(path, kernel="reference", context=6)
+    assert small.loglikelihood([5, 6, 7, 8], [9, 10, 11])[0] == pytest.approx(eng.loglikelihood([5, 6, 7, 8], [9, 10, 11])[0], abs=1e-4)
+    with pytest.raises(S.StreamError, match="7 tokens exceed the reserved context 6"):
+        small.loglikelihood([5, 6, 7, 8], [9, 10, 11, 12])
 
 
 def test_embedding_rows_read_on_demand(tiny, tmp_path):
