@@ -28,7 +28,8 @@ unreachable, 6 out of disk (previous checkpoint intact), 7 non-finite loss (the 
 reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread stacks in hang-*.txt), 10 an
 unforeseen error (its traceback on stderr and in the crash report; the guardian restarts on it).
 Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step; mirror_dir copies them
-and the newest checkpoint elsewhere. Documents are never cut (shards pack them whole), so no token is dropped.
+and the newest checkpoint elsewhere (keep_last applies there too; a failed copy warns, training goes on; a mirror
+that cannot be written is refused at the start). Documents are never cut (shards pack them whole), so no token is dropped.
 """
 
 import os
@@ -527,22 +528,34 @@ def write_crash_report(cause, code, message, **extra):
         pass  # the report must never hide the error it reports
 
 
-def mirror(out_dir, dest, checkpoints=True):
-    """Copy logs (and the newest checkpoint, atomically) to dest, so they outlive the machine's disk."""
+def mirror(out_dir, dest, checkpoints=True, keep=1):
+    """Copy logs (and the newest checkpoint, atomically) to dest, so they outlive the machine's disk; retention
+    as in out_dir (keep_last). A failure (a bucket mount's hiccup, a full mirror disk) warns and training goes on:
+    out_dir still holds everything. Returns whether it worked."""
     import checkpoint
-    os.makedirs(dest, exist_ok=True)
-    for name in os.listdir(out_dir):
-        if name in ("metrics.jsonl", "guardian.json", "LATEST", "BEST") or name.startswith(("crash-", "hang-")):
-            shutil.copyfile(os.path.join(out_dir, name), os.path.join(dest, name + ".tmp"))
-            os.replace(os.path.join(dest, name + ".tmp"), os.path.join(dest, name))
-    if checkpoints:
-        newest = checkpoint.latest_valid(out_dir)
-        if newest and not checkpoint.is_valid(os.path.join(dest, os.path.basename(newest))):
-            tmp = os.path.join(dest, ".tmp-" + os.path.basename(newest))
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(newest, tmp)
-            shutil.rmtree(os.path.join(dest, os.path.basename(newest)), ignore_errors=True)
-            os.replace(tmp, os.path.join(dest, os.path.basename(newest)))
+    try:
+        os.makedirs(dest, exist_ok=True)
+        for name in os.listdir(out_dir):
+            if name in ("metrics.jsonl", "guardian.json", "LATEST", "BEST") or name.startswith(("crash-", "hang-")):
+                shutil.copyfile(os.path.join(out_dir, name), os.path.join(dest, name + ".tmp"))
+                os.replace(os.path.join(dest, name + ".tmp"), os.path.join(dest, name))
+        if checkpoints:
+            newest = checkpoint.latest_valid(out_dir)
+            there = newest and os.path.join(dest, os.path.basename(newest))
+            manifest = lambda d: open(os.path.join(d, "MANIFEST.json"), "rb").read()
+            # a step saved again (stage_final, then final) has another manifest: copied again
+            if newest and not (checkpoint.is_valid(there) and manifest(there) == manifest(newest)):
+                tmp = os.path.join(dest, ".tmp-" + os.path.basename(newest))
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.copytree(newest, tmp)
+                shutil.rmtree(there, ignore_errors=True)
+                os.replace(tmp, there)
+            retain(dest, keep)  # else every checkpoint ever made piles up there
+    except OSError as e:
+        print(f"WARNING: mirror to {dest} failed ({e}); training goes on, {out_dir} holds every checkpoint",
+              file=sys.stderr)
+        return False
+    return True
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -669,6 +682,15 @@ def main(argv):
         torch.backends.cudnn.allow_tf32 = True
     out = cfg["out_dir"]
     tokens_per_step = lambda T: cfg["batch_size"] * T * cfg["grad_accum"] * world
+    if master and cfg["mirror_dir"]:  # a mirror that cannot work is refused now, not found out hours in
+        probe = os.path.join(cfg["mirror_dir"], f".probe-{os.getpid()}")
+        try:
+            os.makedirs(cfg["mirror_dir"], exist_ok=True)
+            open(probe, "w").close()
+            os.remove(probe)
+        except OSError as e:
+            raise TrainError(f"mirror_dir {cfg['mirror_dir']} is not writable ({e.strerror}); mount it, or pass another "
+                             f"--mirror_dir (or none)")
 
     # --- state: scratch | resume | grow -------------------------------------------------------------------
     state, sd, opt_sd, layer_origin = None, None, None, None
@@ -900,7 +922,7 @@ def main(argv):
             path = model_save(raw_model, out, st, opt, tokenizer_file)
             retain(out, cfg["keep_last"])
             if cfg["mirror_dir"]:
-                mirror(out, cfg["mirror_dir"])
+                mirror(out, cfg["mirror_dir"], keep=cfg["keep_last"])
         watchdog.tick()
         if ddp:
             dist.barrier()

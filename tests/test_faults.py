@@ -460,10 +460,19 @@ def test_a_restart_gets_what_is_left_of_the_legs_hours(tmp_path):
 
 def test_mirror_keeps_logs_and_newest_checkpoint_elsewhere(data_root, tmp_path):
     out, mirror = str(tmp_path / "run"), str(tmp_path / "mirror")
-    r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1",
-               "--eval_interval=100", "--ckpt_interval=2", "--mirror", mirror])
+    r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=6", "--warmup_iters=1",
+               "--eval_interval=100", "--ckpt_interval=1", "--keep_last=1", "--mirror", mirror])
     assert r.returncode == 0, r.stderr
     assert open(os.path.join(mirror, "metrics.jsonl")).read() == open(os.path.join(out, "metrics.jsonl")).read()
     newest = os.path.basename(checkpoint.latest_valid(out))
     assert checkpoint.is_valid(os.path.join(mirror, newest))
     assert load_checkpoint(mirror) is not None
+    # retention there as here (every checkpoint ever made piled up in the mirror)
+    steps = lambda d: {s_ for s_, _ in checkpoint.list_checkpoints(d)}
+    assert steps(mirror) <= steps(out) and len(steps(out)) < 6
+    # a mirror that cannot be written is refused at the start, in one line
+    (tmp_path / "file").write_text("")
+    r = train([f"--data_root={data_root}", f"--out_dir={tmp_path / 'run2'}", "--max_iters=2", "--warmup_iters=1",
+               "--mirror", str(tmp_path / "file" / "mirror")])
+    err = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 1 and len(err) == 1 and "mirror_dir" in err[0] and "not writable" in err[0], r.stderr
