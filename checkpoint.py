@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
@@ -115,8 +116,11 @@ def resolve(path):
         return path
     latest = os.path.join(path, "LATEST")
     if os.path.isfile(latest):
-        cand = os.path.join(path, open(latest).read().strip())
-        if is_valid(cand):
+        try:
+            cand = os.path.join(path, open(latest).read().strip())
+        except (OSError, UnicodeDecodeError):  # overwritten by something else: the newest valid step decides
+            cand = None
+        if cand and is_valid(cand):
             return cand
     cand = latest_valid(path)
     if cand is None:
@@ -126,7 +130,7 @@ def resolve(path):
 
 def write_atomic(path, data):
     """Write bytes to path so a reader sees the old file or the whole new one, never a part."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # two threads of one process (relay's heartbeat)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

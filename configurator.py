@@ -75,6 +75,45 @@ def exec_config_file(path, g):
             g[k] = coerce(k, scope[k], g[k])
 
 
+DATA_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.UAdd, ast.USub)
+
+
+def not_data(text):
+    """None if a config file's text is plain data (assignments of literals, arithmetic, names, dict(...)), else
+    (line, what): a file from another machine (relay's config.py) is exec'd by train.py, so it may hold no code."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as e:
+        return e.lineno or 0, f"syntax error: {e.msg}"
+
+    def bad(node):
+        if isinstance(node, (ast.Constant, ast.Name)):
+            return None
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            return next(filter(None, map(bad, node.elts)), None)
+        if isinstance(node, ast.Dict):
+            return next(filter(None, map(bad, [k for k in node.keys if k is not None] + node.values)), None) \
+                if None not in node.keys else node
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, DATA_OPS):
+            return bad(node.operand)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, DATA_OPS):
+            return bad(node.left) or bad(node.right)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args
+                and all(k.arg is not None for k in node.keywords)):
+            return next(filter(None, (bad(k.value) for k in node.keywords)), None)
+        return node
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # a docstring
+        if isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets):
+            node = bad(stmt.value)
+            if node is None:
+                continue
+            return node.lineno, ast.unparse(node)[:60]
+        return stmt.lineno, ast.unparse(stmt).splitlines()[0][:60]
+    return None
+
+
 def configure(g, argv):
     """Apply config files and --key=value overrides from argv to the globals dict g; returns the keys set."""
     keys = config_keys(g)

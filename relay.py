@@ -14,7 +14,9 @@ Files in the store (DESIGN.md, Relay):
     RELAY.json           the lease: holder, nonce, generation, leg, claimed/heartbeat times, ttl, write_id
     training_state.json  step, tokens, stage, plan, decay fields (copied from the checkpoint's state.json),
                          decay_requested, legs (legs pushed so far), checkpoint (folder name)
-    config.py            the run's train.py config (init writes it; every leg trains with it)
+    config.py            the run's train.py config (init writes it; every leg trains with it); data only:
+                         literal assignments (configurator.not_data), since train.py execs it on every
+                         contributor's machine, so a config.py holding code is refused before anything runs
     checkpoint/          the latest checkpoint dir (MANIFEST.json verified before upload and after download)
     logs/leg-NNNN.jsonl  the metrics.jsonl lines of every leg
     LEDGER.md            one row per leg: who, GPU, steps, tokens, wall time, $, loss at start and end
@@ -40,11 +42,15 @@ Implementer's calls: the repo holds only the latest checkpoint (older ones stay 
 in its own local folder WORKDIR/leg-NNNN-genG/ (default WORKDIR ./relay-work/<store name>), so a fenced leg's
 checkpoint is never touched again (leg dirs are removed only once pushed); `decay` refuses while someone holds the
 baton (its commit would fence them out); `claim` by the current holder renews; $ = wall hours x gpu_hourly_usd
-(the config's, or --gpu_hourly_usd=); defaults ttl 1200 s, heartbeat 300 s (Hub rate limits).
+(the config's, or --gpu_hourly_usd=); defaults ttl 1200 s, heartbeat 300 s (Hub rate limits). One relay.py at a time
+works in a WORKDIR (flock on WORKDIR/.relay.lock). HTTP requests time out after RELAY_HTTP_TIMEOUT_S (60 s) without
+progress (huggingface_hub's client waits forever), as a Transient. A failed upload or commit of a finished leg keeps
+the lease and names the `push` / `release` that finish it.
 """
 
 import argparse
 import ast
+import contextlib
 import datetime as dt
 import getpass
 import html
@@ -61,6 +67,7 @@ import time
 import uuid
 
 import checkpoint
+import configurator
 from relay_store import Conflict, RelayError, StoreError, Transient, open_store, write_atomic
 
 RELAY_FORMAT = "picaflor-relay"
@@ -101,6 +108,15 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
     for attempt in range(tries):
         try:
             return store.commit(parent, adds, deletes, message), relay
+        except Conflict:
+            if attempt == 0:
+                raise
+            # a retry refused because the head moved: maybe by our own earlier attempt, landed after we looked
+            head, _, _ = store.head()
+            landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
+            if landed and landed.get("write_id") == relay["write_id"]:
+                return head, relay
+            raise
         except Transient as e:
             err = e
         for _ in range(tries):  # find out whether it landed
@@ -174,6 +190,25 @@ def workdir_for(args):
         return os.path.abspath(args.workdir)
     name = re.sub(r"[^\w.-]+", "_", args.store.split("://", 1)[-1].strip("/"))
     return os.path.abspath(os.path.join("relay-work", name))
+
+
+@contextlib.contextmanager
+def workdir_locked(workdir):
+    """One relay.py at a time in a workdir: a second `run` there renewed the first one's lease as its own and trained
+    in its leg dir (flock: released when this process ends, however it ends)."""
+    import fcntl
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        f = open(os.path.join(workdir, ".relay.lock"), "a+")
+    except OSError as e:
+        raise RelayError(f"--workdir {workdir}: {e.strerror}; pass a directory this user can write") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RelayError(f"another relay.py is working in {workdir}; wait for it to end, or pass another "
+                             f"--workdir") from None
+        yield
 
 
 class Lease:
@@ -547,6 +582,10 @@ def prepare_leg(store, lease, workdir):
     cfg = store.read(lease.sha, "config.py")
     if cfg is None:
         raise RelayError(f"{store.url}: no config.py at {lease.sha[:10]}; the run was not created by `relay.py init`")
+    bad = configurator.not_data(cfg.decode("utf-8", errors="replace"))
+    if bad:  # train.py execs it: from the store, only data (any repo writer could put code there)
+        raise RelayError(f"{store.url}: config.py at {lease.sha[:10]}, line {bad[0]}: `{bad[1]}` is not plain data, "
+                         f"and relay runs no code from the store; commit a config.py of literal assignments")
     open(os.path.join(run_dir, "relay_config.py"), "wb").write(cfg)
     state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha)
     if state.get("decay_requested"):
@@ -615,10 +654,12 @@ def cmd_run(args):
     hb.start()
     try:
         run_dir = prepare_leg(store, lease, workdir)
-    except RelayError:
+    except (RelayError, OSError) as e:  # OSError: this machine's disk, say: the baton goes back either way
         stop_heartbeat(hb)
         release(store, lease)
-        raise
+        if isinstance(e, RelayError):
+            raise
+        raise RelayError(f"pulling the run failed: {e}; lease released") from None
     stop_heartbeat(hb)
     print(f"relay: pulled step {lease.base_step} into {run_dir}")
     proc = None
@@ -679,6 +720,14 @@ def cmd_run(args):
         release(store, lease)
         raise RelayError(f"{crashed}; its newest checkpoint (step {plan['step']}) was pushed as {sha[:10]} and the "
                          f"lease released; local files kept in {run_dir}")
+    def kept_for_retry(e, ck):  # the leg exists only here: the baton stays ours for `push`, not handed to a redo
+        maybe = " (it may have landed: the push below finds out)" if isinstance(e, Transient) else ""
+        wd = os.path.dirname(lease.path)
+        return RelayError(f"push failed: {e}{maybe}; the checkpoint is kept at {ck} and the lease stays yours until "
+                          f"{lease.ttl_s:.0f}s after its last renewal: retry with `python relay.py push {store.url} "
+                          f"--workdir {wd}`, then `python relay.py release {store.url} --workdir {wd}`")
+    if rc == 0 and isinstance(failure, StoreError):  # the upload failed (the store, not the checkpoint)
+        raise kept_for_retry(failure, run_dir)
     if rc != 0 or failure:
         release(store, lease)
         why = (f"no checkpoint past the pulled step {lease.base_step}" if isinstance(failure, NothingToPush)
@@ -689,13 +738,8 @@ def cmd_run(args):
         sha, row = commit_push(store, lease, plan, run_dir)
     except Fenced:
         raise
-    except (RelayError, OSError) as e:  # the store failed the commit (unreachable, refused, its disk full): the
-        # leg exists only here, so the baton is kept for a retry, not handed to someone who would redo the leg
-        maybe = " (it may have landed: the push below finds out)" if isinstance(e, Transient) else ""
-        raise RelayError(f"push failed: {e}{maybe}; the checkpoint is kept at {plan['ck']} and the lease stays yours "
-                         f"until {lease.ttl_s:.0f}s after its last renewal: retry with `python relay.py push "
-                         f"{store.url} --workdir {os.path.dirname(lease.path)}`, then `python relay.py release {store.url} "
-                         f"--workdir {os.path.dirname(lease.path)}`") from None
+    except (RelayError, OSError) as e:  # the store failed the commit (unreachable, refused, its disk full)
+        raise kept_for_retry(e, plan["ck"]) from None
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     release(store, lease)
     print(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")
@@ -738,6 +782,11 @@ def cmd_init(args):
         raise RelayError(f"{args.config}: config file not found; pass a file under config/")
     else:
         cfg_text = open(args.config).read()
+    bad = configurator.not_data(cfg_text)
+    if bad:  # every contributor's train.py would exec it
+        raise RelayError(f"init refused: {args.config or 'the config'}, line {bad[0]}: `{bad[1]}` is not plain data; a "
+                         f"relay run's config runs on every contributor's machine, so it holds only literal "
+                         f"assignments (x = 1, stages = [dict(...)])")
     if store.exists():
         sha, _, _ = store.head()
         files = store.list(sha)
@@ -889,9 +938,11 @@ def cmd_decay(args):
         raise Busy(f"{store.url}: {snap.relay['holder']} holds the baton; a commit now would fence them out. Run decay "
                    f"after their leg (the next leg then starts the decay)")
     state = dict(snap.state, decay_requested=True, decay_requested_at=time.time())
+    # an expired holder stays expired: the lease's age counts from the newest commit, so keeping its name revived it
+    relay_json = dict(snap.relay, holder=None, nonce=None) if snap.relay.get("holder") else snap.relay
     try:
         commit_cas(store, snap.sha, {"training_state.json": (json.dumps(state, indent=1) + "\n").encode()}, [],
-                   "relay: request the WSD decay from the next leg on", snap.relay)
+                   "relay: request the WSD decay from the next leg on", relay_json)
     except Conflict:
         raise Busy(f"{store.url}: the run changed while requesting decay; try again")
     print("relay: decay requested; the next leg begins the WSD decay")
@@ -1024,13 +1075,13 @@ function render(D) {
   document.getElementById("updated").textContent = "data read " + new Date(D.generated_at * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC, " + ms.length + " log points";
   var b = D.baton, s = D.state || {}, h = [];
   if (b) {
-    if (b.holder) h.push("<span>baton: <b id='holder'>" + esc(b.holder) + "</b> since " + (b.claimed_at ? new Date(b.claimed_at * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC" : "?") + " (leg " + b.leg + ", generation " + b.generation + ", renewed " + Math.round(b.lease_age_s) + "s ago)</span>");
+    if (b.holder) h.push("<span>baton: <b id='holder'>" + esc(b.holder) + "</b> since " + (b.claimed_at ? new Date(b.claimed_at * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC" : "?") + " (leg " + esc(b.leg) + ", generation " + esc(b.generation) + ", renewed " + Math.round(b.lease_age_s) + "s ago)</span>");
     else h.push("<span>baton: <b id='holder'>free</b>" + (b.expired_holder ? " (lease of " + esc(b.expired_holder) + " expired)" : "") + "</span>");
   } else h.push("<span>local run dir (no relay)</span>");
   h.push("<span>step <b>" + fmt(s.step) + "</b></span>", "<span>tokens <b>" + fmt(s.tokens) + "</b></span>");
   if (s.stage !== undefined && s.stage !== null) h.push("<span>stage <b>" + esc(String(s.stage)) + "</b></span>");
-  if (s.legs !== undefined) h.push("<span>legs <b>" + s.legs + "</b></span>");
-  h.push("<span>spent <b id='usd'>$" + (s.usd_total || 0).toFixed(2) + "</b></span>");
+  if (s.legs !== undefined) h.push("<span>legs <b>" + esc(s.legs) + "</b></span>");
+  h.push("<span>spent <b id='usd'>$" + Number(s.usd_total || 0).toFixed(2) + "</b></span>");
   if (s.decay_requested) h.push("<span><b>decay requested</b></span>");
   document.getElementById("baton").innerHTML = h.join("");
   lineChart("loss", [{name: "loss", pts: pts(ms, "loss")}, {name: "val loss", pts: pts(ms, "val_loss")}], "tokens");
@@ -1041,7 +1092,7 @@ function render(D) {
                     .filter(function (r) { return num(r.x) && Array.isArray(r.vals) && r.vals.length; }).filter(function (r, i, a) {
                       return a.length <= 240 || i % Math.ceil(a.length / 240) === 0; }));  // at most ~240 columns
   var rows = D.ledger || [], t = "<table id='ledgertable'><tr><th>leg</th><th>who</th><th>gpu</th><th>steps</th><th>tokens</th><th>wall</th><th>$</th><th>loss start</th><th>loss end</th><th>finished (UTC)</th></tr>";
-  rows.forEach(function (r) { t += "<tr><td>" + r.leg + "</td><td>" + esc(r.who) + "</td><td>" + esc(r.gpu) + "</td><td>" + r.steps + "</td><td>" + fmt(r.tokens) + "</td><td>" + esc(r.wall) + "</td><td>" + (r.usd === null ? "-" : r.usd.toFixed(2)) + "</td><td>" + fmt(r.loss_start) + "</td><td>" + fmt(r.loss_end) + "</td><td>" + esc(r.finished) + "</td></tr>"; });
+  rows.forEach(function (r) { t += "<tr><td>" + esc(r.leg) + "</td><td>" + esc(r.who) + "</td><td>" + esc(r.gpu) + "</td><td>" + esc(r.steps) + "</td><td>" + fmt(r.tokens) + "</td><td>" + esc(r.wall) + "</td><td>" + (r.usd === null ? "-" : esc(Number(r.usd).toFixed(2))) + "</td><td>" + fmt(r.loss_start) + "</td><td>" + fmt(r.loss_end) + "</td><td>" + esc(r.finished) + "</td></tr>"; });
   document.getElementById("ledger").innerHTML = rows.length ? t + "</table>" : "<span class='muted'>no legs yet</span>";
 }
 function esc(x) { return String(x).replace(/[&<>"']/g, function (c) { return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]; }); }
@@ -1160,6 +1211,9 @@ def main(argv=None):
         return 2
     args.overrides = extra
     try:
+        if args.cmd in ("run", "claim", "pull", "push", "release"):  # the commands that use a workdir's lease
+            with workdir_locked(workdir_for(args)):
+                return globals()["cmd_" + args.cmd](args)
         return globals()["cmd_" + args.cmd](args)
     except (RelayError, checkpoint.CheckpointError) as e:
         print(f"relay.py {args.cmd}: error: {e}", file=sys.stderr)

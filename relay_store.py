@@ -179,20 +179,48 @@ class FileStore:
             return cid
 
 
+# seconds an HTTP request may wait for a connection or for the next bytes (not the whole transfer): huggingface_hub's
+# client waits forever, and a lease renewal stuck in a dead connection hung `relay.py run` for good
+HTTP_TIMEOUT_S = float(os.environ.get("RELAY_HTTP_TIMEOUT_S", "60"))
+
+
+_TIMEOUTS_SET = []
+
+
+def use_http_timeouts():
+    """huggingface_hub's shared HTTP client, with timeouts (HTTP_TIMEOUT_S; connecting at most 30 s). Once per
+    process: setting a factory closes the shared client, which another thread (the heartbeat) may be using."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils import _http
+    if _TIMEOUTS_SET:
+        return
+
+    def client():
+        c = _http.default_client_factory()
+        c.timeout = _http.httpx2.Timeout(HTTP_TIMEOUT_S, connect=min(30.0, HTTP_TIMEOUT_S))
+        return c
+    set_client_factory(client)
+    _TIMEOUTS_SET.append(True)
+
+
 class HfStore:
     """A Hugging Face Hub model repo through huggingface_hub (endpoint and token from HF_ENDPOINT / HF_TOKEN)."""
 
     def __init__(self, repo_id):
         from huggingface_hub import HfApi
+        use_http_timeouts()
         self.repo_id = repo_id
         self.url = "hf://" + repo_id
         self.api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now, not at import time
         self.cache = {}  # (commit sha, path) -> bytes | None
 
     def _call(self, what, fn, *a, **kw):
-        from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+        from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError,
+                                            RepositoryNotFoundError, RevisionNotFoundError)
         try:
             return fn(*a, **kw)
+        except LocalEntryNotFoundError as e:  # a download that failed (5xx, connection) and had no local copy
+            raise Transient(f"{self.url}: {what}: {one_line(e)}")
         except EntryNotFoundError:
             raise  # a missing file: the caller decides
         except (RepositoryNotFoundError, RevisionNotFoundError) as e:
@@ -201,7 +229,7 @@ class HfStore:
             code = e.response.status_code if e.response is not None else None
             if code == 412:
                 raise Conflict(f"{self.url}: {what}: a commit has happened since ours (HTTP 412)")
-            if code is None or code >= 500 or code in (408, 429):
+            if code is None or code >= 500 or code in (408, 409, 429):  # 409: the repo was locked, nothing landed
                 raise Transient(f"{self.url}: {what}: HTTP {code} ({one_line(e)})")
             raise StoreError(f"{self.url}: {what}: HTTP {code} ({one_line(e)})")
         except (OSError, TimeoutError) as e:  # connection errors and timeouts of the HTTP client

@@ -132,6 +132,9 @@ class FakeHub:
         url = urlsplit(req.path)
         self.requests.append((method, url.path))
         if self.status_override is not None:
+            n = int(req.headers.get("Content-Length") or 0)
+            if n:  # read the body first: left unread, the connection's next request would be parsed from it
+                req.rfile.read(n)
             status = self.status_override
             if self.fail_left is not None:
                 self.fail_left -= 1

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from relay_fixtures import ROOT, base_env, init_run, relay_cli, wait_for, write_fake_train
+from relay_fixtures import ROOT, base_env, init_run, relay_cli, wait_for, write_config, write_fake_train
 
 import checkpoint  # noqa: E402
 import relay  # noqa: E402
@@ -563,6 +563,56 @@ def test_decay_flag_travels_to_the_next_leg(tmp_path, hub, rl):
     assert st["decay_requested"] is False and st["decay_started_at_tokens"] == 0 and st["step"] == 2
 
 
+def test_decay_after_a_holder_expired_does_not_revive_its_lease(tmp_path, hub, rl):
+    """A lease's age counts from the newest commit: decay's commit kept the dead holder's name, which made its lease
+    live again for another ttl (nobody could claim)."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    init_run(url, tmp_path, env, cli=rl)
+    store = relay.open_store(url)
+    relay.claim(store, str(tmp_path / "wa"), "alice", ttl=1.0, heartbeat=0.25)  # then alice's machine dies
+    time.sleep(1.5)
+    assert rl(["decay", url], env).returncode == 0
+    lease = relay.claim(store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=10)
+    assert lease.who == "bob" and relay.Snapshot(store).state["decay_requested"]
+
+
+def test_a_second_relay_in_the_same_workdir_is_refused(tmp_path, hub, rl):
+    """Two `relay.py run` in one workdir: the second renewed the first one's lease as its own and trained in its leg
+    dir. One relay.py at a time holds a workdir (flock); another one says so and changes nothing."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    wa = tmp_path / "wa"
+    with relay.workdir_locked(str(wa)):  # as a running `relay.py run` holds it
+        for args in (["run", url, "--steps", "2", "--train-script", fake], ["claim", url], ["push", url],
+                     ["release", url], ["pull", url]):
+            r = rl(args + ["--workdir", wa], env)
+            assert r.returncode == 3 and f"another relay.py is working in {wa}" in r.stderr, (args, r.stderr)
+    assert relay.Snapshot(relay.open_store(url)).relay["holder"] is None
+    assert rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", wa], env).returncode == 0
+
+
+def test_a_config_with_code_is_never_run(tmp_path, hub, rl):
+    """train.py execs the run's config.py on every contributor's machine: a store's config.py that is more than
+    data (a repo writer's `import os; os.system(...)`) is refused before anything runs, and init refuses one."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    init_run(url, tmp_path, env, cli=rl)
+    store = relay.open_store(url)
+    snap = relay.Snapshot(store)
+    marker = tmp_path / "PWNED"
+    evil = f"gpu_hourly_usd = 2.0\nimport pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+    relay.commit_cas(store, snap.sha, {"config.py": evil.encode()}, [], "a test", snap.relay)
+    r = rl(["run", url, "--steps", "2", "--train-script", write_fake_train(tmp_path), "--workdir", tmp_path / "wb"], env)
+    assert r.returncode == 3 and "line 2: `import pathlib` is not plain data" in r.stderr, r.stderr
+    assert not marker.exists()
+    assert relay.Snapshot(store).relay["holder"] is None  # the claim was released
+    cfg = write_config(tmp_path / "x", "batch_size = int('4')\n") if (tmp_path / "x").mkdir() is None else None
+    r = rl(["init", f"file://{tmp_path}/store2", cfg, "--workdir", tmp_path / "wi"], env)
+    assert r.returncode == 3 and "init refused" in r.stderr and "int('4')" in r.stderr, r.stderr
+
+
 def test_trainer_failure_releases_and_pushes_nothing(tmp_path, hub, rl):
     url = store_url("file", tmp_path, hub)
     env = base_env()
@@ -665,6 +715,32 @@ def test_leg_whose_push_fails_keeps_the_lease_for_a_retry(tmp_path, hub, rl, mon
     assert len(rows) == 1 and snap.state["step"] == 4 and snap.relay["holder"] is None
 
 
+def test_leg_whose_upload_fails_keeps_the_lease_for_a_retry(tmp_path, hub, rl, monkeypatch):
+    """The upload before the commit (store.stage: the checkpoint's big files) fails for longer than the client's own
+    retries: the finished leg is kept with the baton, as when the commit fails (it was released, and redone)."""
+    import relay_store
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    real = relay_store.FileStore.stage
+
+    def unreachable(self, adds):  # the checkpoint's upload only (a commit stages its small files too)
+        if any(p.startswith(relay.CKPT_PREFIX + "/") for p in adds):
+            raise relay.Transient("HTTP 503 (a test)")
+        return real(self, adds)
+    monkeypatch.setattr(relay_store.FileStore, "stage", unreachable)
+    r = rl(["run", url, "--steps", "4", "--train-script", fake, "--workdir", tmp_path / "wa"], env)
+    assert r.returncode == 3 and "HTTP 503 (a test)" in r.stderr and "lease stays yours" in r.stderr, r.stderr
+    store = relay.open_store(url)
+    rows, snap = ledger_rows(store)
+    assert rows == [] and snap.relay["holder"] and snap.state["step"] == 0
+    monkeypatch.setattr(relay_store.FileStore, "stage", real)
+    assert rl(["push", url, "--workdir", tmp_path / "wa"], env).returncode == 0
+    assert rl(["release", url, "--workdir", tmp_path / "wa"], env).returncode == 0
+    rows, snap = ledger_rows(store)
+    assert len(rows) == 1 and snap.state["step"] == 4 and snap.relay["holder"] is None
+
+
 def test_push_that_landed_unseen_is_found_by_the_retry(tmp_path, hub, rl, monkeypatch):
     """The store takes the push but fails every reply (unknown whether it landed): the named `push` finds it by its
     write_id instead of being fenced off by our own commit, and `release` hands the baton back (both failed, and
@@ -702,6 +778,77 @@ def test_push_that_landed_unseen_is_found_by_the_retry(tmp_path, hub, rl, monkey
     monkeypatch.setattr(relay_store.FileStore, "_write_commit", full)
     r = rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", tmp_path / "wb"], env)
     assert r.returncode == 3 and "No space left on device" in r.stderr and "lease stays yours" in r.stderr, r.stderr
+
+
+def test_a_hub_that_never_answers_times_out(monkeypatch):
+    """huggingface_hub's client waits forever by default: a lease renewal in a dead connection hung `relay.py run`
+    for good. Requests time out (relay_store.HTTP_TIMEOUT_S) as a Transient, which the callers retry or report."""
+    import socket
+    import threading
+    import relay_store
+    from huggingface_hub.utils import _http
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+    threading.Thread(target=lambda: [held.append(srv.accept()) for _ in iter(int, 1)], daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{srv.getsockname()[1]}")
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.setattr(relay_store, "HTTP_TIMEOUT_S", 0.5)
+    store = relay_store.open_store("hf://alice/run")
+    _http.close_session()  # the next request makes a client with this test's timeout
+    try:
+        for call in (store.head, lambda: store.read("a" * 40, "RELAY.json")):
+            t0 = time.time()
+            with pytest.raises(relay.Transient, match="Timeout"):
+                call()
+            assert time.time() - t0 < 30
+    finally:
+        _http.close_session()
+        srv.close()
+
+
+def test_a_retry_refused_by_our_own_late_commit_is_success(tmp_path):
+    """A commit whose reply is lost (a gateway 504) lands only after commit_cas looked: the retry is refused
+    because the head moved, by our own commit. Its write_id says so; it was reported as fenced (a ghost lease)."""
+    import relay_store
+
+    class LateLanding(relay_store.FileStore):
+        pending, seen = None, False
+
+        def commit(self, parent, adds, deletes, message):
+            if self.pending is None:
+                self.pending = (parent, adds, deletes, message)
+                raise relay.Transient("HTTP 504 (a test)")
+            return super().commit(parent, adds, deletes, message)
+
+        def head(self):
+            h = super().head()
+            if self.pending and not self.seen:  # the re-check sees the old head; then the server lands our commit
+                self.seen = True
+                super().commit(*self.pending)
+            return h
+    store = LateLanding(str(tmp_path / "store"))
+    store.create()
+    parent = store.head()[0]
+    sha, rel = relay.commit_cas(store, parent, {"x": b"1"}, [], "m", {"holder": "alice"})
+    assert sha == store.head()[0] and store.read(sha, "x") == b"1"
+    assert json.loads(store.read(sha, "RELAY.json"))["write_id"] == rel["write_id"]
+    # someone else's commit landing in that gap is still a conflict
+    other = LateLanding(str(tmp_path / "store"))
+    other.pending = (sha, {"RELAY.json": b'{"write_id": "theirs"}'}, [], "theirs")
+    real_commit = relay_store.FileStore.commit
+    first = [True]
+
+    def lost_reply(self, parent, adds, deletes, message):
+        if first[0]:
+            first[0] = False
+            raise relay.Transient("HTTP 504 (a test)")  # ours never landed
+        return real_commit(self, parent, adds, deletes, message)
+    other.commit = lost_reply.__get__(other)
+    with pytest.raises(relay.Conflict):
+        relay.commit_cas(other, sha, {"z": b"3"}, [], "m", {"holder": "bob"})
+    assert json.loads(other.read(other.head()[0], "RELAY.json"))["write_id"] == "theirs"
 
 
 def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):

@@ -55,6 +55,11 @@ def fixture_run(tmp_path, monkeypatch):
 
 
 def test_dashboard_renders_run_in_chromium(fixture_run, tmp_path):
+    # any repo writer can edit LEDGER.md: a row whose cells are markup is shown as text, not rendered
+    store = relay.open_store(fixture_run)
+    snap = relay.Snapshot(store)
+    row = "| 3 | mallory | x | <b>9</b> | 1 | 1s | 0.00 | 1 | 1 | 0-9 | <i>3</i> | now |\n"
+    relay.commit_cas(store, snap.sha, {"LEDGER.md": (snap.ledger() + row).encode()}, [], "a test", snap.relay)
     p, url = serve(fixture_run, base_env())
     try:
         page = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -74,7 +79,8 @@ def test_dashboard_renders_run_in_chromium(fixture_run, tmp_path):
     assert dom.count('class="cell"') == 3 * 16
     assert 'class="nodata"' not in dom
     rows = re.findall(r"<tr><td>(\d+)</td><td>([^<]*)</td><td>([^<]*)</td>", dom)
-    assert rows == [("1", "tester", "FakeGPU 80GB"), ("2", "bob", "FakeGPU 80GB")]
+    assert rows == [("1", "tester", "FakeGPU 80GB"), ("2", "bob", "FakeGPU 80GB"), ("3", "mallory", "x")]
+    assert "<td>&lt;b&gt;9&lt;/b&gt;</td>" in dom
     spent = float(re.search(r'id="usd">\$([\d.]+)', dom).group(1))
     assert spent > 0.1  # 16 steps x 20 ms at $1/s
 
