@@ -629,7 +629,13 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
             bar.update(data.nbytes)
         bar.close()
         w.close()
+        fd = os.open(tmp, os.O_RDONLY)  # on disk before it takes the name: GGUF has no checksum to catch a torn file
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, out)
+        checkpoint.fsync_dir(os.path.dirname(os.path.abspath(out)))
     except BaseException:
         try:
             w.close()
@@ -680,6 +686,15 @@ def check_out(src_dir, out, fmt):
                           f"pass a new --out, or remove it yourself")
     if fmt != "hf" and os.path.isdir(out):
         raise ExportError(f"{out}: is a folder; --format {fmt} writes one file (e.g. --out {os.path.join(out, 'model.' + ('gguf' if fmt == 'gguf' else 'pcf4'))})")
+    magic = container.MAGIC if fmt == "int4" else b"GGUF"
+    if fmt != "hf" and os.path.exists(out):  # a run's LATEST, another checkpoint's weights: not ours to replace
+        try:
+            head = open(out, "rb").read(len(magic))
+        except OSError as e:
+            raise ExportError(f"{out}: cannot be read ({e.strerror}); pass another --out")
+        if head != magic:
+            raise ExportError(f"{out}: exists and is not an earlier {fmt} export (only such a file is replaced); pass "
+                              f"a new --out, or remove it yourself")
 
 
 def main(argv=None):

@@ -425,11 +425,20 @@ def test_out_never_replaces_the_source_or_a_foreign_folder(ckpt, tmp_path):
     (mine / "notes.txt").write_text("important")
     for out, fmt, want in [(run, "hf", "inside the source"), (str(mine), "hf", "not an earlier Hugging Face export"),
                            (os.path.join(run, "step_0000007", "x.gguf"), "gguf", "inside the source"),
-                           (str(mine), "int4", "is a folder")]:
+                           (str(mine), "int4", "is a folder"),
+                           # a file that is not an earlier export of that format (the run's LATEST was overwritten)
+                           (os.path.join(run, "LATEST"), "int4", "not an earlier int4 export"),
+                           (str(mine / "notes.txt"), "gguf", "not an earlier gguf export")]:
+        latest = open(os.path.join(run, "LATEST")).read()
         with pytest.raises(SystemExit) as e:
             run_export([run, "--format", fmt, "--out", out])
         assert want in str(e.value) and "\n" not in str(e.value), e.value
+        assert open(os.path.join(run, "LATEST")).read() == latest
     assert sorted(os.listdir(run)) == before and (mine / "notes.txt").read_text() == "important"
+    import checkpoint
+    good = checkpoint.resolve(run)
+    open(os.path.join(run, "LATEST"), "wb").write(b"PCFLINT4\xff\xfe")  # a LATEST something else overwrote
+    assert checkpoint.resolve(run) == good  # the newest valid step, not a UnicodeDecodeError
     hf = str(tmp_path / "hf")
     os.mkdir(hf)  # an empty folder is fine
     run_export([run, "--format", "hf", "--out", hf])
