@@ -298,7 +298,10 @@ def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, cont
         except ValueError as e:
             raise ChatError(str(e)) from None
         if experts_per_token:
-            model.set_top_k(experts_per_token)
+            try:
+                model.set_top_k(experts_per_token)
+            except ValueError as e:
+                raise ChatError(f"--experts-per-token {experts_per_token}: {e}") from None
         return tok, picaflor_backend(model)
     import container
     import stream_infer
@@ -309,7 +312,10 @@ def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, cont
     tok = stream_infer.load_tokenizer(eng.container)
     if tok is None:
         raise ChatError(f"{path}: the container carries no tokenizer; re-export it from a checkpoint with tokenizer.json")
-    return tok, engine_backend(eng, experts_per_token)
+    try:
+        return tok, engine_backend(eng, experts_per_token)
+    except stream_infer.StreamError as e:
+        raise ChatError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -460,6 +466,10 @@ def main(argv=None):
         a = ap.parse_args(argv)
         if a.context is not None and a.context < 16:
             raise ChatError(f"--context {a.context}: at least 16 positions (a turn's own tokens need room)")
+        if a.max_new_tokens < 1:
+            raise ChatError(f"--max-new-tokens {a.max_new_tokens}: at least 1")
+        if a.experts_per_token is not None and a.experts_per_token < 1:  # 0 meant the default, silently
+            raise ChatError(f"--experts-per-token {a.experts_per_token}: at least 1 (leave it out for the model's top_k)")
         import torch
         torch.set_num_threads(max(1, a.threads))
         tok, backend = load_model(a.model, a.ram_budget, a.device, a.experts_per_token, a.context)

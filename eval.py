@@ -540,8 +540,8 @@ def load_hf(spec, device, dtype):
     try:
         tok = AutoTokenizer.from_pretrained(spec)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
-    except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: a truncated weights file
-        raise EvalError(f"{spec}: cannot load as a transformers model ({str(e).splitlines()[0]})") from None
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a truncated weights file; shapes
+        raise EvalError(f"{spec}: cannot load as a transformers model ({(str(e).splitlines() or [''])[0]})") from None
     return HFModel(model, tok, spec, device)
 
 
@@ -918,6 +918,12 @@ def compare(paths):
             sums[-1]["results"].items()
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise EvalError(f"{p}: not an eval.py summary.json ({type(e).__name__}); pass files written by --out")
+    for s, p in zip(sums, paths):  # values that are not numbers made a TypeError deep in the table
+        for task, res in s["results"].items():
+            bad = [m for m, v in (res.items() if isinstance(res, dict) else [("", res)])
+                   if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
+            if bad:
+                raise EvalError(f"{p}: results[{task!r}][{bad[0]!r}] is not a number; pass files written by --out")
     names = [s.get("model", p) for s, p in zip(sums, paths)]
     rows = []
     for s in sums:
@@ -1016,14 +1022,13 @@ def evaluate(args):
             shown = ", ".join(f"{m} {fmt(v)}" for m, v in res.items() if not m.endswith("_stderr") and m != "n")
             print(f"{name}: {shown} (n={res['n']}, {seconds:.1f}s)", flush=True)
         if args.out:  # after every task: a later task's failure (its data, a download, Ctrl-C) loses none of these
-            with open(os.path.join(args.out, f"{task}.jsonl"), "w") as f:
-                for i, d in enumerate(docs):
-                    f.write(json.dumps(example_record(i, d)) + "\n")
+            # each file whole or not at all (a crash mid-rewrite truncated summary.json, losing the finished tasks)
+            checkpoint.write_atomic_text(os.path.join(args.out, f"{task}.jsonl"),
+                                         "".join(json.dumps(example_record(i, d)) + "\n" for i, d in enumerate(docs)))
             summary["tasks_done"] = list(summary["seconds"])
-            with open(os.path.join(args.out, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=1)
-            with open(os.path.join(args.out, "results.md"), "w") as f:
-                f.write(f"# {args.model}\n\n" + markdown_table(summary))
+            checkpoint.write_atomic_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1))
+            checkpoint.write_atomic_text(os.path.join(args.out, "results.md"),
+                                         f"# {args.model}\n\n" + markdown_table(summary))
     print(markdown_table(summary))
     return summary
 
@@ -1031,6 +1036,10 @@ def evaluate(args):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        for flag in ("max_gen_toks", "batch_size", "max_batch_tokens", "passkey_n"):  # 0 meant the default, < 0 nothing
+            v = getattr(args, flag)
+            if v is not None and v < 1:
+                raise EvalError(f"--{flag.replace('_', '-')} {v}: at least 1")
         if args.compare:
             print(compare(args.compare))
             return 0

@@ -386,6 +386,8 @@ def test_chat_with_int4_container(tok, sft_run, tmp_path):
     assert conv.fed_tokens[n] == 1 + len(chat.render_turn(tok, "user", "ping 6")[0]) + 1
     with pytest.raises(chat.ChatError):
         chat.load_model(str(tmp_path / "missing.pcf4"))
+    with pytest.raises(chat.ChatError, match="--experts-per-token 99"):
+        chat.load_model(path, experts_per_token=99)
 
 
 def test_interrupt_reset_and_full_context(tok, sft_run):
@@ -439,6 +441,12 @@ def test_chat_cli_with_checkpoint(sft_run, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert ">>> pong 1\n>>> pong" in out and out.endswith("bye\n")
     assert chat.main([sft_run + "/nope"]) == 1 and "no such file" in capsys.readouterr().err
+    for flags, want in ((["--experts-per-token", "99"], "--experts-per-token 99"),  # a traceback
+                        (["--experts-per-token", "0"], "at least 1"),  # silently the default
+                        (["--max-new-tokens", "-3"], "--max-new-tokens -3")):  # reserved negative room
+        assert chat.main([sft_run, *flags]) == 1
+        err = capsys.readouterr().err
+        assert want in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_an_undecodable_sampled_id_keeps_the_reply_and_the_history(tok, sft_run):

@@ -311,6 +311,8 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
     afile.write_text("x")
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
+    worded = tmp_path / "worded.json"
+    worded.write_text('{"results": {"piqa": {"acc": "high"}}}')
     import shutil
     broken = tmp_path / "broken_hf"  # a transformers dir whose weights file was cut short
     shutil.copytree(model_dir, broken)
@@ -322,6 +324,8 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
               ([model_dir, "--tasks", "passkey", "--passkey-lengths", "100,abc"], "--passkey-lengths"),
               ([model_dir, "--tasks", "passkey", "--passkey-lengths", "48,"], "--passkey-lengths"),
               (["--compare", str(listed)], "not an eval.py summary.json"),
+              (["--compare", str(worded)], "is not a number"),
+              ([model_dir, "--tasks", "gsm8k", "--max-gen-toks", "0"], "--max-gen-toks 0: at least 1"),
               ([str(broken), "--tasks", "piqa", "--data-dir", data_dir], "cannot load as a transformers model")]
     for argv, msg in cases:
         assert ev.main(argv) == 2, argv
