@@ -616,13 +616,8 @@ def split_flags(argv):
 
 
 def main(argv):
-    import torch
-    import torch.distributed as dist
     import configurator
     import checkpoint
-    import shards
-    from model import Picaflor, load_stats
-    from safetensors.torch import load_file
 
     g = {k: globals()[k] for k in _CONFIG_KEYS}
     if any(a in ("-h", "--help") for a in argv):
@@ -656,6 +651,12 @@ def main(argv):
     if cfg["dtype"] == "float16" and cfg["device"] == "cuda":
         die("--dtype=float16 needs loss scaling, which train.py does not do (gradients would underflow); use "
             "--dtype=bfloat16")
+
+    import torch  # after the config's checks: a bad flag is refused before seconds of imports
+    import torch.distributed as dist
+    import shards
+    from model import Picaflor, load_stats
+    from safetensors.torch import load_file
 
     # --- processes and device -----------------------------------------------------------------------------
     ddp = int(os.environ.get("RANK", -1)) != -1
