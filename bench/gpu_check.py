@@ -97,8 +97,8 @@ def decode_tok_s(eng, prompt, n):
     return 1.0 / statistics.median(timings[1:])
 
 
-def check_engine(path, device, n_new):
-    prompt = list(range(5, 21))
+def check_engine(path, device, n_new, prompt_tokens=16):
+    prompt = list(range(5, 5 + prompt_tokens))
     ids = torch.tensor([prompt], device=device)
     ref = S.load(path, device=device, kernel="reference", preload=False)
     h_ref = ref.forward(ids)
@@ -139,6 +139,7 @@ def main():
     ap.add_argument("--container", required=True, help="int4 container (micro.pcf4 for speed figures)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=16, help="greedy tokens to compare and to time")
+    ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (the prefill's M)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -157,7 +158,7 @@ def main():
     print(f"kernels: largest rel err {worst:.1e} ({'ok' if worst < TOLERANCE else 'OVER'} {TOLERANCE:g})")
     print(f"engine: {a.container} on {a.device}, kernel triton vs kernel reference")
     try:
-        eng = check_engine(a.container, a.device, a.tokens)
+        eng = check_engine(a.container, a.device, a.tokens, a.prompt_tokens)
     except S.StreamError as e:
         sys.exit(f"gpu_check: {e}")
     ok = (worst < TOLERANCE and max(eng["hidden_rel_err"], eng["logits_rel_err"]) < TOLERANCE and eng["greedy_equal"]

@@ -833,7 +833,7 @@ def test_loglikelihood(tiny):
     assert eng.loglikelihood_batch([(ctx, cont)])[0][0] == pytest.approx(ll)
     # a request of context + 1 tokens fits (eval.py truncates to that): the last token is a target, never run
     small = S.load(path, kernel="reference", context=6)
-    assert small.loglikelihood([5, 6, 7, 8], [9, 10, 11])[0] == pytest.approx(eng.loglikelihood([5, 6, 7, 8], [9, 10, 11])[0], abs=1e-4)
+    assert small.loglikelihood(ctx, cont)[0] == pytest.approx(ll, abs=1e-4)
     with pytest.raises(S.StreamError, match="7 tokens exceed the reserved context 6"):
         small.loglikelihood([5, 6, 7, 8], [9, 10, 11, 12])
 
@@ -1281,8 +1281,9 @@ def test_gpu_check_script_on_the_interpreter(tiny, tmp_path):
     m, path = tiny
     script = os.path.join(ROOT, "bench", "gpu_check.py")
     out = tmp_path / "gc.json"
-    r = subprocess.run([sys.executable, script, "--container", path, "--device", "cpu", "--tokens", "3", "--json",
-                        str(out)], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
+    r = subprocess.run([sys.executable, script, "--container", path, "--device", "cpu", "--tokens", "3", "--prompt-tokens",
+                        "6", "--json", str(out)], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"),
+                       timeout=300)
     assert r.returncode == 0 and "gpu_check: ok" in r.stdout, r.stdout + r.stderr[-2000:]
     res = json.load(open(out))
     eng = res["engine"]
