@@ -469,7 +469,8 @@ def main(argv=None):
         if a.max_new_tokens < 1:
             raise ChatError(f"--max-new-tokens {a.max_new_tokens}: at least 1")
         if a.experts_per_token is not None and a.experts_per_token < 1:  # 0 meant the default, silently
-            raise ChatError(f"--experts-per-token {a.experts_per_token}: at least 1 (leave it out for the model's top_k)")
+            raise ChatError(f"--experts-per-token {a.experts_per_token}: at least 1 (leave it out for the model's "
+                            f"top_k)")
         import torch
         torch.set_num_threads(max(1, a.threads))
         tok, backend = load_model(a.model, a.ram_budget, a.device, a.experts_per_token, a.context)

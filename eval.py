@@ -419,9 +419,11 @@ class HFModel:
             self.max_length = int(mml) if mml is not None and mml < 1e29 else 2048
         self.prefix_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         self.bos_text = tok.decode(self.prefix_id) if self.prefix_id is not None else None
-        # the tokenizer's eos and the generation config's (export.py lists <|end|> and <|bos|>; HF generate stops at both)
+        # the tokenizer's eos and the generation config's (export.py lists <|end|> and <|bos|>; HF's generate stops
+        # at both)
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self.stop_ids = ({tok.eos_token_id} | set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])) - {None}
+        gen_eos = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+        self.stop_ids = ({tok.eos_token_id} | set(gen_eos)) - {None}
         self.split_head = getattr(cfg, "model_type", None) in HF_SPLIT_HEAD_TYPES
         self.generation_settings = shipped_penalties(getattr(model, "generation_config", None))
 

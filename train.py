@@ -29,7 +29,8 @@ reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread s
 unforeseen error (its traceback on stderr and in the crash report; the guardian restarts on it).
 Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step; mirror_dir copies them
 and the newest checkpoint elsewhere (keep_last applies there too; a failed copy warns, training goes on; a mirror
-that cannot be written is refused at the start). Documents are never cut (shards pack them whole), so no token is dropped.
+that cannot be written is refused at the start). Documents are never cut (shards pack them whole), so no token is
+dropped.
 """
 
 import os
@@ -690,8 +691,8 @@ def main(argv):
             open(probe, "w").close()
             os.remove(probe)
         except OSError as e:
-            raise TrainError(f"mirror_dir {cfg['mirror_dir']} is not writable ({e.strerror}); mount it, or pass another "
-                             f"--mirror_dir (or none)")
+            raise TrainError(f"mirror_dir {cfg['mirror_dir']} is not writable ({e.strerror}); mount it, or pass "
+                             f"another --mirror_dir (or none)")
 
     # --- state: scratch | resume | grow -------------------------------------------------------------------
     state, sd, opt_sd, layer_origin = None, None, None, None
@@ -984,8 +985,8 @@ def main(argv):
             break
         if cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]:
             break
-        hours_up, signalled = on_rank0(cfg["stop_after_hours"] >= 0 and time.time() - t_start >= cfg["stop_after_hours"] * 3600,
-                                       stop["signal"] is not None)
+        hours = cfg["stop_after_hours"]
+        hours_up, signalled = on_rank0(hours >= 0 and time.time() - t_start >= hours * 3600, stop["signal"] is not None)
         if signalled:
             stop["signal"] = stop["signal"] or signal.SIGTERM  # a rank torchrun did not signal stops with rank 0
             break
