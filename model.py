@@ -67,6 +67,12 @@ class ModelConfig:
         return self.d_model // self.n_head
 
     def validate(self):
+        sizes = (["vocab_size", "n_layer", "d_model", "n_head", "n_kv_head", "max_seq_len"]
+                 + (["dense_ffn"] if self.n_dense_layers > 0 else [])
+                 + (["n_experts", "expert_ffn"] if self.n_dense_layers < self.n_layer else []))
+        small = [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]
+        if small:  # a zero head count divided by zero below
+            raise ValueError("bad model config: " + ", ".join(small) + " must be at least 1")
         problems = []
         if self.d_model % self.n_head:
             problems.append(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
@@ -535,7 +541,11 @@ class Picaflor(nn.Module):
             logits = self.lm_head(x)
             if loss_mask is not None:
                 targets = targets.masked_fill(loss_mask == 0, -1)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            flat = targets.reshape(-1)
+            # the mean over the targets left; a window with none (all masked: an SFT window of prompt tokens) is 0,
+            # not 0/0 = NaN, which stopped the run as a "non-finite loss"
+            loss = (F.cross_entropy(logits.float().view(-1, logits.size(-1)), flat, ignore_index=-1, reduction="sum")
+                    / (flat != -1).sum().clamp(min=1))
             out += [logits, loss]
         if return_load:
             out.append(torch.stack([m.last_load for m in self.moe_layers()]) if self.moe_layers()

@@ -105,10 +105,15 @@ def load_index(corpus_dir):
         for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "splits"):
             if key not in index:
                 raise ValueError(f"no {key!r}")
+        whole = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        if not whole(index["vocab_size"]) or not isinstance(index["tokenizer_sha256"], str):
+            raise ValueError("vocab_size must be a whole number and tokenizer_sha256 a string")
         for split, entries in index["splits"].items():
             for e in entries:
                 if not {"file", "tokens", "sha256"} <= set(e):
                     raise ValueError(f"split {split!r} has an entry without file/tokens/sha256")
+                if not whole(e["tokens"]) or not isinstance(e["file"], str):
+                    raise ValueError(f"split {split!r}: an entry's tokens {e['tokens']!r} is not a whole number")
                 if index.get("loss_mask") and not {"mask", "mask_sha256"} <= set(e):
                     raise ValueError(f"loss_mask is set but {e['file']} has no mask/mask_sha256")
     except (ValueError, TypeError, AttributeError) as e:

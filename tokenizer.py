@@ -88,6 +88,9 @@ class Tokenizer:
             if doc.get("format") != FORMAT or doc.get("version") != VERSION:
                 raise ValueError(f"not a {FORMAT} v{VERSION} file")
             token_bytes = [base64.b64decode(s, validate=True) for s in doc["tokens"]]
+            # ids 1..256 are the 256 single bytes (encode falls back on them: otherwise it panics in the BPE library)
+            if token_bytes[:256] != [bytes([b]) for b in range(256)] or len(set(token_bytes)) != len(token_bytes):
+                raise ValueError("ids 1..256 are not the 256 single bytes, or a token appears twice")
             tok = cls(doc["pattern"], token_bytes, int(doc["vocab_size"]))
             if doc["special_ids"] != tok.special_ids:
                 raise ValueError("special ids do not match the token list")

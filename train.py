@@ -252,7 +252,10 @@ RESUME_CONFIG_WINS = ("max_seq_len", "bias_update_rate")  # model fields no weig
 
 def model_config_from(cfg):
     from model import ModelConfig
-    return ModelConfig.from_dict({f.name: cfg[f.name] for f in fields(ModelConfig)})
+    try:
+        return ModelConfig.from_dict({f.name: cfg[f.name] for f in fields(ModelConfig)})
+    except ValueError as e:  # a config error (exit 1), not a crash to restart
+        raise TrainError(f"{e}; fix the config (or its --key=value overrides)")
 
 
 def origin_of(name, layer_origin):
@@ -695,7 +698,7 @@ def main(argv):
                              f"another --mirror_dir (or none)")
 
     # --- state: scratch | resume | grow -------------------------------------------------------------------
-    state, sd, opt_sd, layer_origin = None, None, None, None
+    state, sd, opt_sd, layer_origin, ck = None, None, None, None, None
     mcfg = model_config_from(cfg)
     existing = checkpoint.list_checkpoints(out)
     # a start that is not a resume would overwrite that run's steps (and retention the rest); only corrupt ones: go on
@@ -815,6 +818,20 @@ def main(argv):
     if index.get("vocab_size", 0) > mcfg.vocab_size:
         raise TrainError(f"corpus {val_corpus} has vocab_size {index['vocab_size']} > model vocab_size {mcfg.vocab_size}; "
                          f"set --vocab_size={index['vocab_size']}")
+    # one tokenizer for every corpus of the plan and for the weights: token ids mean nothing across tokenizers, and a
+    # corpus prepared again (a new tokenizer by default) silently retrained a resumed run on other meanings
+    tok_of = {c: shards.load_index(os.path.join(cfg["data_root"], c)).get("tokenizer_sha256") for c in corpora}
+    if len(set(tok_of.values())) > 1:
+        raise TrainError("the plan's corpora were tokenized with different tokenizers (" + ", ".join(
+            f"{c} {h[:12]}" for c, h in sorted(tok_of.items())) + "); prepare them with one: --tokenizer FILE")
+    src_tok = os.path.join(ck, "tokenizer.json") if ck else None
+    if src_tok and os.path.isfile(src_tok) and tok_of[val_corpus]:
+        import hashlib
+        had = hashlib.sha256(open(src_tok, "rb").read()).hexdigest()
+        if had != tok_of[val_corpus]:
+            raise TrainError(f"{cfg['data_root']}/{val_corpus} was tokenized with tokenizer {tok_of[val_corpus][:12]}, "
+                             f"but {ck} was trained with {had[:12]} (its tokenizer.json); prepare the corpus again "
+                             f"with --tokenizer {src_tok}, or start a new run")
     if state is not None:
         for c, pos in state.get("data_position", {}).items():
             if c in streams:

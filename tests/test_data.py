@@ -89,6 +89,15 @@ def test_tokenizer_save_load_hash(tok, tmp_path):
         with pytest.raises(ValueError) as e:
             tokmod.Tokenizer.load(bad)
         assert str(bad) in str(e.value) and "\n" not in str(e.value)
+    # a byte token replaced: it loaded, then encode panicked inside the BPE library (a BaseException)
+    import base64
+    import json as js
+    doc = js.loads(p.read_bytes())
+    doc["tokens"][ord("a")] = base64.b64encode(b"\xff\xfe").decode()
+    bad = tmp_path / "bytes.json"
+    bad.write_text(js.dumps(doc))
+    with pytest.raises(ValueError, match="256 single bytes"):
+        tokmod.Tokenizer.load(bad)
 
 
 def test_tokenizer_vocab_bounds():
@@ -200,6 +209,17 @@ def test_stream_bad_inputs(tok, tmp_path):
         s.set_position({"shard": 5, "offset": 0, "epoch": 0})
     with pytest.raises(shards.DataError):
         shards.TokenStream(tmp_path / "c", split="val")  # no such split
+    # values of the wrong type in index.json: "corrupt index", not a TypeError deep in the stream
+    import json as js
+    good = (tmp_path / "c" / "index.json").read_text()
+    for edit in (lambda ix: ix["splits"]["train"][0].update(tokens=None),
+                 lambda ix: ix["splits"]["train"][0].update(tokens="1000"), lambda ix: ix.update(vocab_size="300")):
+        ix = js.loads(good)
+        edit(ix)
+        (tmp_path / "c" / "index.json").write_text(js.dumps(ix))
+        with pytest.raises(shards.DataError, match="corrupt index"):
+            shards.TokenStream(tmp_path / "c")
+    (tmp_path / "c" / "index.json").write_text(good)
 
 
 def _poke(path, byte_offset, data):

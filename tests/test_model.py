@@ -350,6 +350,22 @@ def test_generate_with_cache_equals_without():
     assert len(set(a[0, 7:].tolist())) > 1  # a degenerate constant sequence would prove little
 
 
+def test_loss_is_the_mean_over_targets_and_zero_without_any():
+    """A window whose targets are all masked (an SFT window of prompt tokens) has loss 0, not NaN (which stopped
+    training as a non-finite loss); otherwise the mean over the targets left, as cross_entropy's ignore_index."""
+    m = randomise(M.Picaflor(SMALL_CFG), seed=4).eval()
+    idx = torch.randint(1, SMALL_CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(1, SMALL_CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(2, 8, dtype=torch.uint8)
+    mask[0, 3:] = 1
+    logits, loss = m(idx, targets, loss_mask=mask)
+    want = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.masked_fill(mask == 0, -1).view(-1),
+                           ignore_index=-1)
+    assert torch.allclose(loss, want, atol=1e-6)
+    _, none = m(idx, targets, loss_mask=torch.zeros_like(mask))
+    assert none.item() == 0.0
+
+
 def test_chunked_prefill_equals_full_forward():
     model = randomise(M.Picaflor(SMALL_CFG), seed=5).eval()
     idx = torch.randint(0, SMALL_CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))

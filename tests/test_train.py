@@ -83,6 +83,15 @@ def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, tmp_
     w4, w7 = (load_file(os.path.join(out, f"step_000000{s}", "model.safetensors")) for s in (4, 7))
     moved = [k for k in w4 if "correction_bias" not in k and not torch.equal(w4[k], w7[k])]  # the bias is no parameter
     assert not moved, moved[:3]
+    # the corpus prepared again (a new tokenizer, by default): the resume is refused, naming the fix
+    other = tmp_path / "data2"
+    r = subprocess.run([sys.executable, "data/local/prepare.py", "--src", os.path.join(sysconfig.get_paths()["stdlib"],
+                        "json"), "--out", str(other / "local"), "--vocab-size", "300", "--val-percent", "20"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = run(base + ["--init_from=resume", f"--data_root={other}", "--stop_after_steps=1"], check=False)
+    assert r.returncode == 1 and "prepare the corpus again with --tokenizer" in r.stderr, r.stderr[-2000:]
+    assert checkpoint.latest_valid(out).endswith("step_0000007")  # nothing trained on it
 
 
 def test_torchrun_two_processes_gloo(data_root, tmp_path):
@@ -193,7 +202,7 @@ def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr(
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
                                   "too_big", "zero_interval", "scratch_over_a_run", "status_of_a_damaged_step",
                                   "zero_batch_size", "zero_grad_accum", "seq_len_over_max", "lr_mult_typo", "cuda_index",
-                                  "float16", "max_iters_with_stages"])
+                                  "float16", "max_iters_with_stages", "zero_heads"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -221,6 +230,8 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         args = args + ["--device=cuda:0"]
     elif case == "float16":
         args = args + ["--device=cuda", "--dtype=float16"]
+    elif case == "zero_heads":  # a ZeroDivisionError traceback
+        args = args + ["--n_head=0"]
     elif case == "max_iters_with_stages":  # the stages make the plan; the override did nothing
         stage_file = tmp_path / "stages.py"
         stage_file.write_text("stages = [dict(name='all', steps=4, lr_phase='stable')]\n")
@@ -246,7 +257,8 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
     err = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert len(err) == 1 and "error" in err[0] and "Traceback" not in r.stderr, r.stderr
     fix = {"seq_len_over_max": "--max_seq_len", "lr_mult_typo": "embedding, old and new", "cuda_index": "cpu or cuda",
-           "float16": "bfloat16", "max_iters_with_stages": "stages", "zero_batch_size": "at least 1"}
+           "float16": "bfloat16", "max_iters_with_stages": "stages", "zero_batch_size": "at least 1",
+           "zero_heads": "n_head=0 must be at least 1"}
     assert fix.get(case, "") in err[0], err[0]
     if case == "corrupt_checkpoint":
         assert os.path.isdir(os.path.join(out, "step_0000002"))  # nothing deleted
