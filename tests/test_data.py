@@ -459,3 +459,22 @@ def test_fineweb_prepare_from_fake_hub(tok, tmp_path):
         tok3 = tokmod.Tokenizer.load(tmp_path / "fw3" / "tokenizer.json")
         assert tok3.vocab_size == 300 and shards.load_index(tmp_path / "fw3")["tokenizer_sha256"] == tok3.hash
         assert shards.verify_corpus(tmp_path / "fw3") == []
+        # val is text the tokenizer never trained on: the first documents, which its training skipped (it trained
+        # on the first documents, val's included)
+        sys.path.insert(0, os.path.join(ROOT, "data", "fineweb_edu"))
+        import prepare as fw
+        val = [d for _, docs in read_split_docs(tmp_path / "fw3", tok3, "val") for d in docs]
+        held, chars = 0, 0
+        while held == 0 or chars < fw.VAL_CHARS_PER_TOKEN * (1500 // 200):
+            chars += len(texts[held])
+            held += 1
+        assert val and val == texts[:len(val)] and len(val) <= held
+
+        def after_val(budget=3000):  # what the script's tokenizer trained on: the documents after the held-out ones
+            used = 0
+            for t in texts[held:]:
+                if used >= budget:
+                    return
+                used += len(t)
+                yield t
+        assert tokmod.train_tokenizer(after_val(), 300).hash == tok3.hash

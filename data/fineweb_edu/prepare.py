@@ -6,7 +6,8 @@ FineWeb-Edu from the Hugging Face Hub -> uint16 token shards (the nano run's dat
 
 Downloads the parquet files of --repo (default HuggingFaceFW/fineweb-edu, files matching --pattern, default
 the sample/10BT/ ones) one at a time with huggingface_hub (HF cache, pinned to the repo's commit sha),
-trains the tokenizer on the first --tokenizer-chars characters of documents unless --tokenizer is given,
+trains the tokenizer on --tokenizer-chars characters of documents (after the ones val takes) unless --tokenizer
+is given,
 tokenizes with --threads tokenizer threads and a progress bar, and writes whole-document shards.
 
 Calls recorded here:
@@ -14,7 +15,8 @@ Calls recorded here:
   the total (val + train) past --max-tokens, so the corpus holds at most --max-tokens tokens. The documents
   left out are not counted as dropped tokens: nothing is truncated, the cap just ends the corpus.
 - the first --val-tokens tokens of documents (default 0.5% of --max-tokens, at most 10M, at least one
-  document) form the val split; the rest is train. Empty rows are skipped.
+  document) form the val split; the rest is train. Empty rows are skipped. A tokenizer trained here skips
+  those documents (the first ones up to VAL_CHARS_PER_TOKEN characters per val token), so val is unseen text.
 - index.json records, per shard, the repo, commit sha and parquet row ranges its documents came from, so
   `python shards.py refetch data/fineweb_edu FILE` re-downloads and re-makes exactly that shard.
 - Remote failures exit with a one-line cause: HTTP 401/403 = storage denied (token or billing, not data).
@@ -28,6 +30,9 @@ import time
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# the documents val will take are left out of a tokenizer trained here (val must be text the tokenizer never saw):
+# the first ones up to this many characters per val token, generous (English web text runs ~4.5)
+VAL_CHARS_PER_TOKEN = 8
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py
 import shards  # noqa: E402
 from tokenizer import Tokenizer, train_tokenizer  # noqa: E402
@@ -80,6 +85,8 @@ def run(args):
     os.makedirs(args.out, exist_ok=True)
 
     tok_path = os.path.join(args.out, "tokenizer.json")
+    val_target = args.val_tokens if args.val_tokens is not None else min(10_000_000, args.max_tokens // 200)
+    val_docs = [float("inf")]  # val comes from the first documents; a tokenizer trained here never sees them
     if args.tokenizer:
         tok = Tokenizer.load(args.tokenizer)
         if os.path.abspath(args.tokenizer) != os.path.abspath(tok_path):
@@ -87,9 +94,14 @@ def run(args):
         print(f"reusing tokenizer {args.tokenizer} (vocab {tok.vocab_size})")
     else:
         def training_texts():
-            chars = 0
+            chars, skipped, n_skipped = 0, 0, 0
             with tqdm(total=args.tokenizer_chars, desc="tokenizer text", unit="char", unit_scale=True) as bar:
                 for _, _, text in documents(args.repo, revision, files, args.column):
+                    if n_skipped == 0 or skipped < VAL_CHARS_PER_TOKEN * val_target:  # held out for val
+                        skipped += len(text)
+                        n_skipped += 1
+                        val_docs[0] = n_skipped
+                        continue
                     if chars >= args.tokenizer_chars:
                         return
                     chars += len(text)
@@ -101,7 +113,6 @@ def run(args):
         tok.save(tok_path)
         print(f"trained tokenizer: vocab {tok.vocab_size} in {time.time() - t1:.0f}s -> {tok_path}")
 
-    val_target = args.val_tokens if args.val_tokens is not None else min(10_000_000, args.max_tokens // 200)
     shards.remove_old_shards(args.out)
     make_source = lambda rows: shards.hub_source(args.repo, "dataset", revision, args.column, rows)  # noqa: E731
     writers = {s: shards.ShardWriter(args.out, s, args.shard_tokens, make_source) for s in ("val", "train")}
@@ -121,7 +132,7 @@ def run(args):
                 stop_reason = f"--max-tokens {args.max_tokens:,} reached (next document: {len(toks):,} tokens)"
                 done = True
                 break
-            split = "val" if counts["val"] < val_target or counts["val"] == 0 else "train"
+            split = "val" if n_docs < val_docs[0] and (counts["val"] < val_target or counts["val"] == 0) else "train"
             writers[split].add(toks, (file, row))
             counts[split] += len(toks)
             n_docs += 1
@@ -129,6 +140,9 @@ def run(args):
                 used_files.append(file)
             bar.update(len(toks))
     bar.close()
+    if counts["val"] < val_target and val_docs[0] != float("inf"):
+        print(f"note: val holds {counts['val']:,} tokens, under --val-tokens {val_target:,}: only the "
+              f"{val_docs[0]:,} documents the tokenizer did not train on can be val")
     if counts["train"] == 0:
         raise ValueError(f"{args.repo}: only {n_docs} document(s) fit in --max-tokens {args.max_tokens:,}; no train "
                          f"split left (raise --max-tokens or lower --val-tokens)")
