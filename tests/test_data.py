@@ -331,6 +331,10 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
         (src / name).write_text(body, encoding="utf-8")
     (src / "ignored.bin").write_bytes(b"\x00\x01")
     (src / "empty.txt").write_text("")
+    latin1 = os.fsdecode(b"caf\xe9.txt")  # a file name that is not UTF-8 (was a UnicodeEncodeError traceback)
+    texts[latin1] = "un document en latin-1, nomm\u00e9 ainsi"
+    with open(os.path.join(os.fsencode(src), b"caf\xe9.txt"), "w", encoding="utf-8") as f:
+        f.write(texts[latin1])
     os.symlink("user@host.123:456", src / ".#doc1.md")  # an editor's lock file: a dangling link (was a traceback)
     out = tmp_path / "corpus"
     _run(["data/local/prepare.py", "--src", str(src), "--out", str(out), "--vocab-size", "300",

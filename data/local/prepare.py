@@ -46,7 +46,7 @@ def find_files(root, exts):
 
 
 def path_hash(rel):
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16)
+    return int(hashlib.sha1(os.fsencode(rel)).hexdigest(), 16)  # the name's bytes: not every file name is UTF-8
 
 
 def main():
