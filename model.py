@@ -754,7 +754,14 @@ def from_hf_config(hf):
     n_dense = types.index("sparse") if "sparse" in types else len(types)
     if types != ["dense"] * n_dense + ["sparse"] * (len(types) - n_dense):
         raise ValueError(f"picaflor needs dense layers first, then sparse; got mlp_layer_types={types}")
-    rope = g("rope_parameters") or {}
+    # RoPE: rope_parameters (transformers 5), else the older top-level rope_theta; never a guessed default (HF's is
+    # not 10000) and never a scaled variant read as plain RoPE
+    rope = g("rope_parameters") or g("rope_scaling") or {}
+    theta = rope.get("rope_theta", g("rope_theta"))
+    if theta is None:
+        raise ValueError("the config names no rope_theta (rope_parameters or rope_theta); picaflor will not guess it")
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"rope_type {rope.get('rope_type', rope.get('type'))!r}: picaflor implements plain RoPE only")
     hd = g("head_dim") or g("hidden_size") // g("num_attention_heads")
     if hd * g("num_attention_heads") != g("hidden_size"):
         raise ValueError("picaflor needs head_dim * num_attention_heads == hidden_size")
@@ -763,7 +770,7 @@ def from_hf_config(hf):
         n_head=g("num_attention_heads"), n_kv_head=g("num_key_value_heads"), dense_ffn=g("intermediate_size"),
         n_experts=g("num_experts"), expert_ffn=g("moe_intermediate_size"), n_shared=g("num_shared_experts"),
         top_k=g("num_experts_per_tok"), route_scale=g("router_scaling_factor"),
-        rope_theta=rope.get("rope_theta", 10000.0), max_seq_len=g("max_position_embeddings"),
+        rope_theta=float(theta), max_seq_len=g("max_position_embeddings"),
         norm_eps=g("rms_norm_eps"), tie_embeddings=bool(g("tie_word_embeddings", False)),
     ).validate()
 

@@ -113,6 +113,17 @@ def test_from_hf_config_rejects_interleaved_layer_types():
     d["mlp_layer_types"] = ["dense", "sparse", "dense", "sparse"]
     with pytest.raises(ValueError, match="dense layers first"):
         M.from_hf_config(d)
+    # RoPE: the older top-level rope_theta is read; none at all, or a scaled variant, is refused (10000 was assumed)
+    d = M.to_hf_config(PARITY_CFG)
+    d.pop("rope_parameters")
+    d["rope_theta"] = 500.0
+    assert M.from_hf_config(d).rope_theta == 500.0
+    d.pop("rope_theta")
+    with pytest.raises(ValueError, match="no rope_theta"):
+        M.from_hf_config(d)
+    d["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(ValueError, match="plain RoPE only"):
+        M.from_hf_config(d)
 
 
 # ----------------------------------------------------------------------------------------------------------
