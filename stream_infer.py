@@ -98,6 +98,7 @@ import operator
 import os
 import platform
 import sys
+import threading
 import time
 
 
@@ -628,6 +629,8 @@ def check_sampling(temperature, top_p, flag=""):
     sampled the least likely tokens. flag "--": named as the command line's flags."""
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise StreamError(f"{flag}temperature {temperature}: 0 (greedy) or more")
+    if 0 < temperature < 1e-4:  # logits / 1e-39 overflow to inf: a NaN error deep in sampling
+        raise StreamError(f"{flag}temperature {temperature}: 0 for greedy, else at least 1e-4")
     if top_p is not None and not 0 < top_p <= 1:
         raise StreamError(f"{flag}{'top-p' if flag else 'top_p'} {top_p}: in (0, 1]")
 
@@ -699,6 +702,9 @@ class Engine:
         if context is not None and context < 1:  # a negative one made the KV reserve negative: over the budget
             raise StreamError(f"context {context}: at least 1 KV position (default 512 under a budget)")
         self.context = min(context or (512 if ram_budget is not None else cfg.max_seq_len), cfg.max_seq_len)
+        # one request step at a time: the expert cache and the MoE layers' top_k are shared (threads sharing an
+        # engine got wrong tokens, KeyErrors and an over-budget cache); requests interleave between steps
+        self.lock = threading.RLock()
         self.max_seq_len = self.context
         self.kernel = pick_kernel(kernel, self.device)
         self.budget = parse_size(ram_budget) if ram_budget is not None else None
@@ -716,9 +722,13 @@ class Engine:
         # measured ~one on micro), and for --kernel reference one dequantized fp32 copy of the largest matrix
         widest = max(cfg.d_model, 2 * cfg.dense_ffn, 2 * cfg.n_shared * cfg.expert_ffn, 2 * cfg.expert_ffn)
         temporaries = 2 if self.kernel == "native" else 4
+        # + a prefill chunk's attention scores against the whole context (measured: about one copy), growing with
+        # --context: a 4000-token prompt at context 4096 went 62 MiB over the budget without them
         self.working_bytes = ((32 << 20) + 2 * 4 * LOGIT_CHUNK * cfg.vocab_size
                               + temporaries * 4 * self.prefill_chunk * widest
-                              + (4 * widest * cfg.d_model if self.kernel == "reference" else 0))
+                              + 4 * cfg.n_head * min(self.prefill_chunk, self.context) * self.context
+                              + (2 * 4 * max(widest, cfg.vocab_size) * cfg.d_model if self.kernel == "reference"
+                                 else 0))  # (the int8 lm_head, dequantized whole, and its fp32 cast)
         n_moe = cfg.n_layer - cfg.n_dense_layers
         self.min_cache = 2 * cfg.top_k * c.expert_nbytes if n_moe else 0
         needed = self.baseline_rss + self.resident_bytes + self.kv_bytes + self.working_bytes + self.min_cache
@@ -972,15 +982,24 @@ class Engine:
 
     # --- forward ---
     @torch.no_grad()
-    def forward(self, ids, cache=None, positions=None):
-        """ids (1, T) -> final hidden states (1, T, D) (fp32); the KV cache advances by T. Long inputs go through
-        in chunks of prefill_chunk tokens (on a KV cache, a fresh one when none is given), so activation memory
-        does not grow with the prompt: the budget reserves one chunk's worth."""
+    def forward(self, ids, cache=None, positions=None, last_only=False):
+        """ids (1, T) -> final hidden states (1, T, D) (fp32), or with last_only the last position's (1, 1, D); the KV
+        cache advances by T. Long inputs go through in chunks of prefill_chunk tokens (on a KV cache, a fresh one when
+        none is given), so activation memory does not grow with the prompt: the budget reserves one chunk's worth.
+        The whole output is T x D floats: stream() asks for the last row only, loglikelihood() a chunk at a time."""
         T, n = ids.shape[1], self.prefill_chunk
         if T > n:
             if cache is None:
                 cache = KVCache(self.cfg, 1, T, self.device, torch.float32)
-            return torch.cat([self.forward(ids[:, i:i + n], cache) for i in range(0, T, n)], 1)
+            out = None if last_only else torch.empty(1, T, self.cfg.d_model, device=self.device)
+            for i in range(0, T, n):  # filled in place: a cat of the chunks held the whole output twice
+                h = self.forward(ids[:, i:i + n], cache)
+                if last_only:
+                    out = h[:, -1:]
+                else:
+                    out[:, i:i + n] = h
+                del h
+            return out
         m = self.model
         start = cache.pos if cache is not None else 0
         if ids.shape == (1, 1) and start > 0:
@@ -996,7 +1015,7 @@ class Engine:
                 x = block(x, cos, sin, cache)
         if cache is not None:
             cache.pos += ids.shape[1]
-        return m.norm(x)
+        return m.norm(x[:, -1:] if last_only else x)
 
     def logits(self, h):
         return self.model.lm_head(h).float()
@@ -1024,7 +1043,9 @@ class Engine:
         if total > self.context:
             raise StreamError(f"prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceeds the reserved context "
                               f"{self.context} (max_seq_len {self.cfg.max_seq_len}); pass a larger --context")
-        self.set_experts_per_token(experts_per_token)  # checked here; set again before each step (below)
+        with self.lock:
+            before = self.moes[0].top_k if self.moes else None
+            self.set_experts_per_token(experts_per_token)  # checked here; set again before each step (below)
         k = experts_per_token
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         kv = KVCache(self.cfg, 1, max(total, 1), self.device, torch.float32)
@@ -1032,9 +1053,10 @@ class Engine:
         try:
             for step in range(max_new_tokens):
                 t0 = time.perf_counter()
-                self.set_experts_per_token(k)  # the engine is shared: another call in between may have changed it
-                h = self.forward(ids, kv)
-                logits = self.logits(h[:, -1])
+                with self.lock:
+                    self.set_experts_per_token(k)  # the engine is shared: another call in between may have changed it
+                    h = self.forward(ids, kv, last_only=True)
+                    logits = self.logits(h[:, -1])
                 nxt = sample_next(logits, temperature, None, top_p, gen)
                 tok = int(nxt.item())
                 if timings is not None:
@@ -1044,8 +1066,11 @@ class Engine:
                     break
                 ids = nxt.view(1, 1)
         finally:
-            self.stop_probes()  # a probe is for decode tokens only
-            self.cache.settle()
+            with self.lock:
+                self.stop_probes()  # a probe is for decode tokens only
+                self.cache.settle()
+                for moe in self.moes:  # the engine's own setting again (a caller's forward() would route with k)
+                    moe.top_k = before
 
     def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=None, experts_per_token=None, seed=None,
                  eos_id=None):
@@ -1055,11 +1080,16 @@ class Engine:
     def loglikelihood(self, context_ids, continuation_ids=None):
         """(sum of log p(continuation | context), whether every continuation token is the greedy argmax).
         With continuation_ids None: scores tokens[1:] of context_ids given the ones before."""
-        ctx = [int(i) for i in context_ids]
-        if continuation_ids is None:
+        try:  # whole numbers only, as stream(): a float id was truncated, a string's digits were read as ids
+            if isinstance(context_ids, (str, bytes)) or isinstance(continuation_ids, (str, bytes)):
+                raise TypeError
+            ctx = [operator.index(i) for i in context_ids]
+            cont = None if continuation_ids is None else [operator.index(i) for i in continuation_ids]
+        except TypeError:
+            raise StreamError("loglikelihood: lists of token ids (ints); encode text with the container's tokenizer "
+                              "first") from None
+        if cont is None:
             ctx, cont = ctx[:1], ctx[1:]
-        else:
-            cont = [int(i) for i in continuation_ids]
         if not ctx or not cont:
             raise StreamError("loglikelihood needs a non-empty context and continuation")
         ids = ctx + cont
@@ -1067,15 +1097,29 @@ class Engine:
             raise StreamError(f"{len(ids) - 1} tokens exceed the reserved context {self.context}; load with a larger "
                               f"context")
         self._check_ids(ids, "input")
+        with self.lock:
+            before = self.moes[0].top_k if self.moes else None
+            try:
+                return self._loglikelihood(ctx, ids)
+            finally:
+                for moe in self.moes:  # the engine's own setting again
+                    moe.top_k = before
+
+    def _loglikelihood(self, ctx, ids):
         self.set_experts_per_token(None)
-        h = self.forward(torch.tensor([ids[:-1]], device=self.device))[0, len(ctx) - 1:]
-        target = torch.tensor(cont, device=h.device)
-        total, greedy = 0.0, True
-        for i in range(0, len(cont), LOGIT_CHUNK):  # logit rows a chunk at a time (the budget holds one chunk)
-            logits = self.logits(h[i:i + LOGIT_CHUNK])
-            t = target[i:i + LOGIT_CHUNK]
-            total += float(torch.log_softmax(logits, dim=-1).gather(1, t[:, None]).sum())
-            greedy = greedy and bool((logits.argmax(dim=-1) == t).all())
+        run = ids[:-1]  # position p predicts ids[p + 1]; the continuation's targets start at position len(ctx) - 1
+        kv = KVCache(self.cfg, 1, len(run), self.device, torch.float32)
+        total, greedy, n = 0.0, True, self.prefill_chunk
+        for c0 in range(0, len(run), n):  # a prefill chunk at a time, scored as it comes (no T x D output kept)
+            h = self.forward(torch.tensor([run[c0:c0 + n]], device=self.device), kv)[0]
+            first = max(c0, len(ctx) - 1)  # the chunk's first position whose target is a continuation token
+            for i in range(first, c0 + h.shape[0], LOGIT_CHUNK):  # logit rows a chunk at a time (the budget: one)
+                j = min(i + LOGIT_CHUNK, c0 + h.shape[0])
+                logits = self.logits(h[i - c0:j - c0])
+                t = torch.tensor(ids[i + 1:j + 1], device=h.device)
+                total += float(torch.log_softmax(logits, dim=-1).gather(1, t[:, None]).sum())
+                greedy = greedy and bool((logits.argmax(dim=-1) == t).all())
+            del h
         self.cache.settle()
         return total, greedy
 
@@ -1185,9 +1229,15 @@ def check_args(args, argv):
         raise StreamError(f"--threads {args.threads!r}: a positive integer or auto")
     if args.repeat < 1 or (args.repeat > 1 and not args.sweep):
         raise StreamError(f"--repeat {args.repeat}: a positive count of runs per budget, for --sweep")
-    if args.readers < 1:
-        raise StreamError(f"--readers {args.readers}: at least 1 expert reader thread")
+    if not 1 <= args.readers <= 64:  # 100000 failed to make its threads, a traceback mid-load
+        raise StreamError(f"--readers {args.readers}: 1 to 64 expert reader threads")
     check_sampling(args.temperature, args.top_p, "--")
+    if args.experts_per_token is not None and args.experts_per_token < 1:  # 0 meant the default, silently
+        raise StreamError(f"--experts-per-token {args.experts_per_token}: at least 1 (leave it out for the model's)")
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
+        raise StreamError(f"--seed {args.seed}: 0 to 2**63 - 1")
+    if args.sweep is not None and not [b for b in args.sweep.split(",") if b.strip()]:
+        raise StreamError(f"--sweep {args.sweep!r}: a comma-separated list of budgets, e.g. 4G,2G,1G")
     if args.max_new_tokens < (2 if args.bench or args.sweep else 0):
         raise StreamError(f"--max-new-tokens {args.max_new_tokens}: " + ("a benchmark times decode after the first "
                           "token, so at least 2" if args.bench or args.sweep else "0 or more"))

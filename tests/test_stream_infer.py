@@ -1376,6 +1376,38 @@ print(json.dumps([rc, rc2, rc3]))
     assert "Traceback" not in r.stderr
 
 
+def test_a_long_prompt_stays_under_the_budget(tmp_path):
+    """A prompt near the context: its hidden states were kept whole and then concatenated (twice T x d_model), and a
+    prefill chunk's attention scores against the whole context were not in the working reserve; at micro's head
+    count a 4000-token prompt went 62 MiB over the budget. The budget here is exactly what the engine accounts for
+    (+ 2 MiB), in a subprocess; generate and loglikelihood of the long prompt stay under it."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, n_layer=2, n_dense_layers=1, d_model=2048, n_head=16, n_kv_head=4, dense_ffn=64,
+                      n_experts=4, expert_ffn=64, n_shared=1, top_k=2, max_seq_len=4096)  # micro's attention
+    ck = save_checkpoint(Picaflor(cfg), str(tmp_path / "run"), 1)
+    path = str(tmp_path / "wide.pcf4")
+    C.write_container(ck, path, group_size=64, progress=False)
+    code = f"""
+import sys, json, torch
+sys.path.insert(0, {ROOT!r})
+torch.set_num_threads(1)
+import stream_infer as S
+S.load({path!r}).generate([1, 2], 2)  # pages in torch's kernels
+e = S.load({path!r}, ram_budget="3G", context=4096)
+budget = e.resident_rss + e.kv_bytes + e.working_bytes + e.every_expert_bytes + (2 << 20)
+del e
+eng = S.load({path!r}, ram_budget=budget, context=4096)
+prompt = [1 + i % 299 for i in range(4000)]
+eng.generate(prompt, 2)
+ll = eng.loglikelihood(prompt[:2000], prompt[2000:])[0]
+print(json.dumps(dict(budget=budget, peak=S.peak_rss_bytes(), ll=ll)))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.splitlines()[-1])
+    assert res["peak"] <= res["budget"], (res["peak"] - res["budget"]) / 2**20
+
+
 def test_api_requests_keep_their_own_settings_and_bad_arguments_are_stream_errors(tiny):
     """The engine is shared: a stream's experts_per_token was a setting on the MoE modules, so another call in the
     middle of a stream (a generate, a loglikelihood) switched the rest of it to its own k. Sampling arguments and
@@ -1409,6 +1441,43 @@ def test_api_requests_keep_their_own_settings_and_bad_arguments_are_stream_error
     assert len(small.generate(list(range(1, 17)), 1)) == 1
     with pytest.raises(S.StreamError, match="exceeds the reserved context"):
         small.generate(list(range(1, 17)), 2)
+    # loglikelihood's ids as stream()'s (a float was truncated, a string's digits read as ids)
+    for ctx, cont in (([1.9, 2.2], [3]), ("12", [3]), ([5, 6], "7")):
+        with pytest.raises(S.StreamError, match="token ids"):
+            eng.loglikelihood(ctx, cont)
+    # a request's experts_per_token ends with it: a caller's own forward() after it routes with the engine's top_k
+    ids = torch.tensor([p])
+    before = eng.logits(eng.forward(ids))
+    eng.generate(p, 2, experts_per_token=1)
+    assert torch.equal(eng.logits(eng.forward(ids)), before)
+
+
+def test_one_engine_shared_by_threads_gives_each_its_own_tokens(tiny):
+    """Threads sharing one engine (a server's requests) under a small cache, each with its own experts_per_token:
+    without a lock they got one another's top_k, KeyErrors from the cache, and a cache over its budget."""
+    import threading
+    m, path = tiny
+    ref = S.load(path)
+    prompts = {k: list(range(3 + k, 23 + k)) for k in (1, 2, 3, 4)}
+    want = {k: ref.generate(prompts[k], 6, experts_per_token=k) for k in prompts}
+    eng = S.load(path, ram_budget=None, preload=False)
+    eng.cache.budget = 6 * eng.container.expert_nbytes  # 6 experts for 4 threads' picks
+    got, errors = {k: [] for k in prompts}, []
+
+    def serve(k):
+        try:
+            for _ in range(2):
+                got[k].append(eng.generate(prompts[k], 6, experts_per_token=k))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+    threads = [threading.Thread(target=serve, args=(k,)) for k in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(g == [want[k], want[k]] for k, g in got.items())
+    assert eng.cache.used <= eng.cache.budget
 
 
 def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
@@ -1419,7 +1488,10 @@ def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
              (["--temperature", "-1"], "--temperature -1"), (["--kernel", "triton"], "--kernel triton"),
              (["--device", "cuda"], "--device cuda"), (["--bench", "--max-new-tokens", "1"], "at least 2"),
              (["--bench", "--bench-prompt-tokens", "0"], "--bench-prompt-tokens 0"),
-             (["--chat", "--kernel", "native", "--no-preload"], "--kernel, --no-preload")]
+             (["--chat", "--kernel", "native", "--no-preload"], "--kernel, --no-preload"),
+             (["--temperature", "1e-39"], "at least 1e-4"), (["--seed", str(2 ** 64)], "--seed"),
+             (["--readers", "100000"], "1 to 64"), (["--experts-per-token", "0"], "at least 1"),
+             (["--sweep", ","], "--sweep")]
     for flags, want in cases:
         assert S.main([path, "--prompt", "1,2,3", "--max-new-tokens", "2", *flags]) == 1, flags
         err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
