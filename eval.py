@@ -1051,6 +1051,12 @@ def main(argv=None):
     except (EvalError, checkpoint.CheckpointError, C.ContainerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # stream_infer's errors (imported only for --int4-engine): one line too
+        si = sys.modules.get("stream_infer")
+        if si is None or not isinstance(e, si.StreamError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1211,7 +1211,8 @@ def main(argv=None):
         return 2
     args.overrides = extra
     try:
-        if args.cmd in ("run", "claim", "pull", "push", "release"):  # the commands that use a workdir's lease
+        # the commands that use a workdir's lease (pull --out only reads the store)
+        if args.cmd in ("run", "claim", "push", "release") or (args.cmd == "pull" and not args.out):
             with workdir_locked(workdir_for(args)):
                 return globals()["cmd_" + args.cmd](args)
         return globals()["cmd_" + args.cmd](args)

@@ -414,6 +414,17 @@ def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):
     # stream_infer's Engine (int4 kernels, one request at a time) agrees up to its kernels' rounding; on AVX2 that
     # includes int8 activations into the lm_head (this random model's log-likelihoods reach -370: up to 0.18 off)
     assert all(abs(a - b) <= 2e-3 * abs(a) + 3e-2 for x, y in zip(got["int4"], got["engine"]) for a, b in zip(x, y))
+    # an engine error during the run is one line, exit 2 (a traceback: main caught only its own error types)
+    import stream_infer
+
+    def refuses(self, *a, **k):
+        raise stream_infer.StreamError("the engine refused (a test)")
+    stream_infer.Engine.loglikelihood, real = refuses, stream_infer.Engine.loglikelihood
+    try:
+        assert ev.main([path, "--int4-engine", "--tasks", "piqa", "--data-dir", data_dir, "--device", "cpu",
+                        "--limit", "2"]) == 2
+    finally:
+        stream_infer.Engine.loglikelihood = real
 
 
 def test_cli_end_to_end(hf_setup, tmp_path):

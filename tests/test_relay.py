@@ -589,6 +589,8 @@ def test_a_second_relay_in_the_same_workdir_is_refused(tmp_path, hub, rl):
                      ["release", url], ["pull", url]):
             r = rl(args + ["--workdir", wa], env)
             assert r.returncode == 3 and f"another relay.py is working in {wa}" in r.stderr, (args, r.stderr)
+        r = rl(["pull", url, "--workdir", wa, "--out", tmp_path / "copy"], env)  # a read-only copy needs no lease
+        assert r.returncode == 0 and checkpoint.latest_valid(str(tmp_path / "copy")), r.stderr
     assert relay.Snapshot(relay.open_store(url)).relay["holder"] is None
     assert rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", wa], env).returncode == 0
 
