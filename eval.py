@@ -760,28 +760,24 @@ def greedy_generate(lm, prompt, until, max_gen_toks):
     """Greedy continuation of prompt, cut at the first stop string (the harness's `until`) or a stop token."""
     max_gen_toks = min(max_gen_toks, lm.max_length - 1)
     ids = lm.encode(prompt)[-(lm.max_length - max_gen_toks):]  # the harness's left truncation
-    if not hasattr(lm, "run"):  # the int4 engine: the same stops as the loop below (its generate knows one eos id)
-        new = []
-        with contextlib.closing(lm.engine.stream(ids, max_gen_toks, temperature=0)) as tokens:
-            for nxt in tokens:
-                if nxt in lm.stop_ids:
-                    break
-                new.append(nxt)
-                if any(u in lm.decode(new) for u in until):
-                    break
-    else:
-        new = []
+
+    def batched_greedy():  # eval.py's own loop on the batched path's model
         cache = lm.new_cache(1, len(ids) + max_gen_toks)
         step = torch.tensor([ids], device=lm.device)
         for _ in range(max_gen_toks):
-            h = lm.run(step, cache)[:, -1]
-            nxt = int(lm.head(h).float().argmax(dim=-1)[0])
+            nxt = int(lm.head(lm.run(step, cache)[:, -1]).float().argmax(dim=-1)[0])
+            yield nxt
+            step = torch.tensor([[nxt]], device=lm.device)
+    # the int4 engine streams its own tokens (its generate knows one eos id); both stop alike
+    tokens = lm.engine.stream(ids, max_gen_toks, temperature=0) if not hasattr(lm, "run") else batched_greedy()
+    new = []
+    with contextlib.closing(tokens):
+        for nxt in tokens:
             if nxt in lm.stop_ids:
                 break
             new.append(nxt)
             if any(u in lm.decode(new) for u in until):
                 break
-            step = torch.tensor([[nxt]], device=lm.device)
     new = [t for t in new if t not in lm.stop_ids]
     text = lm.decode(new)
     for u in until:

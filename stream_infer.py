@@ -46,7 +46,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status; without /proc, as on
   macOS, getrusage's peak, which reserves more) - the KV cache for
   `context` positions - working memory (one prefill chunk of 256 tokens' activations and its attention scores
-  against the context, 64 logit rows, slack; `working_bytes`). If less than 2 x top_k experts would fit, it refuses before loading, saying how much is needed.
+  against the context, 64 logit rows, slack; `working_bytes`). If less than 2 x top_k experts would fit, it
+  refuses before loading, saying how much is needed.
 - CPU int4 path (`--kernel native`, the default): int4_cpu.cpp, compiled on first use (g++ and ninja; ~20 s,
   cached), reads the container's bytes as they are. On AVX2 it quantizes activations per group to int8 and
   multiplies integers, as llama.cpp's Q4_0 x Q8_0 kernels do (relative error ~0.6% on random activations, the
