@@ -810,6 +810,22 @@ def test_a_hub_that_never_answers_times_out(monkeypatch):
         srv.close()
 
 
+def test_a_locked_repo_is_transient(tmp_path, hub, hf_env):
+    """HTTP 409 (the repo locked by another commit in progress: ours did not land) is retried, not fatal (`run --wait`
+    quit on it)."""
+    url = "hf://alice/run"
+    init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
+    store = relay.open_store(url)
+    sha = store.head()[0]
+    hub.status_override = 409
+    try:
+        with pytest.raises(relay.Transient, match="409"):
+            store.commit(sha, {"x.txt": b"1"}, [], "a test")
+    finally:
+        hub.status_override = None
+    assert store.head()[0] == sha
+
+
 def test_a_retry_refused_by_our_own_late_commit_is_success(tmp_path):
     """A commit whose reply is lost (a gateway 504) lands only after commit_cas looked: the retry is refused
     because the head moved, by our own commit. Its write_id says so; it was reported as fenced (a ghost lease)."""
