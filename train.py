@@ -826,8 +826,7 @@ def main(argv):
             f"{c} {h[:12]}" for c, h in sorted(tok_of.items())) + "); prepare them with one: --tokenizer FILE")
     src_tok = os.path.join(ck, "tokenizer.json") if ck else None
     if src_tok and os.path.isfile(src_tok) and tok_of[val_corpus]:
-        import hashlib
-        had = hashlib.sha256(open(src_tok, "rb").read()).hexdigest()
+        had = checkpoint.sha256_file(src_tok)
         if had != tok_of[val_corpus]:
             raise TrainError(f"{cfg['data_root']}/{val_corpus} was tokenized with tokenizer {tok_of[val_corpus][:12]}, "
                              f"but {ck} was trained with {had[:12]} (its tokenizer.json); prepare the corpus again "
