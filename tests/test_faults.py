@@ -216,8 +216,9 @@ def test_random_sigkills_mid_training_end_bitwise_equal(data_root, tmp_path):
     a step and its save take ~30 ms here), not in the ~4 s of imports before training, where a kill tests nothing."""
     common = [f"--data_root={data_root}", "--max_iters=30", "--warmup_iters=2", "--eval_interval=8", "--ckpt_interval=1",
               "--keep_last=2"]
-    straight = str(tmp_path / "straight")
-    assert train(common + [f"--out_dir={straight}"]).returncode == 0
+    straight = str(tmp_path / "straight")  # the uninterrupted run, on the other core meanwhile (one thread each)
+    straight_run = subprocess.Popen([sys.executable, "train.py", *TINY, *common, f"--out_dir={straight}"], cwd=REPO,
+                                    env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "straight.err", "w"))
     out = str(tmp_path / "killed")
     rng = random.Random(1234)
     kills, killed_at = 0, []
@@ -243,6 +244,7 @@ def test_random_sigkills_mid_training_end_bitwise_equal(data_root, tmp_path):
         if json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["finished"]:
             break
     assert kills == 4, killed_at  # all four landed inside training (the run had not finished)
+    assert straight_run.wait(timeout=300) == 0, (tmp_path / "straight.err").read_text()[-2000:]
     la, lb = metrics(straight), metrics(out)  # the losses of every step, redone steps' last record
     assert [la[s_]["loss"] for s_ in range(1, 31)] == [lb[s_]["loss"] for s_ in range(1, 31)]
     a, b = load_checkpoint(straight), load_checkpoint(out)

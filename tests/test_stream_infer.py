@@ -1281,13 +1281,13 @@ def test_gpu_check_script_on_the_interpreter(tiny, tmp_path):
     m, path = tiny
     script = os.path.join(ROOT, "bench", "gpu_check.py")
     out = tmp_path / "gc.json"
-    r = subprocess.run([sys.executable, script, "--container", path, "--device", "cpu", "--tokens", "3", "--prompt-tokens",
-                        "6", "--json", str(out)], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"),
+    r = subprocess.run([sys.executable, script, "--container", path, "--device", "cpu", "--tokens", "2", "--prompt-tokens",
+                        "4", "--json", str(out)], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"),
                        timeout=300)
     assert r.returncode == 0 and "gpu_check: ok" in r.stdout, r.stdout + r.stderr[-2000:]
     res = json.load(open(out))
     eng = res["engine"]
-    assert res["ok"] and eng["greedy_equal"] and eng["streamed_greedy_equal"] and len(eng["greedy_ref"]) == 3
+    assert res["ok"] and eng["greedy_equal"] and eng["streamed_greedy_equal"] and len(eng["greedy_ref"]) == 2
     assert eng["streamed_misses"] > 8 and max(eng["hidden_rel_err"], eng["logits_rel_err"]) < 1e-5
     assert all(row["rel_err"] < 1e-3 for row in res["kernels"]) and len(res["kernels"]) == 2
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -1526,7 +1526,7 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     assert "decode" in r.stdout and "% of the bound" in r.stdout
     r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--sweep", "1M,3G",
                         "--max-new-tokens", "2", "--bench-prompt-tokens", "4", "--threads", "1", "--json", str(rows),
-                        "--plot", str(png), "--llamacpp-json", str(tmp_path / "absent.json"), "--repeat", "3"],
+                        "--plot", str(png), "--llamacpp-json", str(tmp_path / "absent.json"), "--repeat", "2"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(rows.read_text())
@@ -1536,11 +1536,12 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     # the table's row for a budget without figures says why (a truncated container once read "needs more than the budget")
     row_1m = next(line for line in r.stdout.splitlines() if line.strip().startswith("1M "))
     assert got[0]["error"] in row_1m and "--ram-budget 1M" in row_1m  # here: the child killed in its 1M cgroup
-    # --repeat 3: three runs of 3G (the refused 1M once); its row is the run with the median % of the bound
+    # --repeat 2: two runs of 3G (the refused 1M once); its row is the run with the median % of the bound, of an even
+    # count the lower middle one
     pcts = sorted(run["pct_of_bound"] for run in got[1]["runs"])
-    assert len(pcts) == 3 and "runs" not in got[0] and got[1]["pct_of_bound"] == pcts[1]
+    assert len(pcts) == 2 and "runs" not in got[0] and got[1]["pct_of_bound"] == pcts[0]
     assert got[1]["pct_of_bound"] == pytest.approx(got[1]["decode_tok_s"] / got[1]["bound_tok_s"])
-    assert "median of 3 runs" in r.stdout
+    assert "median of 2 runs" in r.stdout
     r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--bench", "--repeat", "2"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode != 0 and "--repeat 2: a positive count of runs per budget, for --sweep" in r.stderr
