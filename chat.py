@@ -488,7 +488,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # as stream_infer.py (openmp_kernels()): torch's OpenMP threads sleep at once where the int4 kernels run on their
+    # as stream_infer.py (kernels.openmp_kernels()): torch's OpenMP threads sleep at once where the int4 kernels run on their
     # own pool (macOS; PICAFLOR_OPENMP=0), not spin on its cores; read at torch's import, which main() makes lazily
     if sys.platform == "darwin" or os.environ.get("PICAFLOR_OPENMP", "1") == "0":
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

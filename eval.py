@@ -64,7 +64,7 @@ import re
 import sys
 import time
 
-# As stream_infer.py (openmp_kernels()): where the int4 kernels run on their own pool (macOS; PICAFLOR_OPENMP=0),
+# As stream_infer.py (kernels.openmp_kernels()): where the int4 kernels run on their own pool (macOS; PICAFLOR_OPENMP=0),
 # torch's OpenMP threads must sleep at once, not spin on the cores the pool needs. libomp/libgomp read it at import.
 if __name__ == "__main__" and (sys.platform == "darwin" or os.environ.get("PICAFLOR_OPENMP", "1") == "0"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -85,7 +85,7 @@ class NativeRead:
     reads it (unless verify is False: the bench's disk measurement); a re-read checks that the open file was not
     rewritten (as Container.check_expert_blob). Pools: 0 demand reads, 1 guesses, 2 the bench. `buf` (a
     page-aligned mmap of at least one blob) is held in _READS_IN_FLIGHT until the read has landed. ops: the
-    extension's torch.ops namespace (stream_infer.native_reader())."""
+    extension's torch.ops namespace (kernels.native_reader())."""
 
     def __init__(self, container, key, buf, pool, n_parts, ops, verify=True):
         c = self.c = container

@@ -28,7 +28,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-if __name__ == "__main__":  # as stream_infer.py (openmp_kernels()): read by libgomp at torch import
+if __name__ == "__main__":  # as stream_infer.py (kernels.openmp_kernels()): read by libgomp at torch import
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if sys.platform != "darwin" and
                           os.environ.get("PICAFLOR_OPENMP", "1") != "0" else "PASSIVE")
 
@@ -36,6 +36,7 @@ import torch
 
 import container as C
 import expert_cache as EC
+import kernels
 import stream_infer as S
 
 
@@ -60,7 +61,7 @@ def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=(), picked=Non
     blobs = EC.BlobBuffers(n)  # as the cache's buffers (huge pages, which read faster)
     bufs = [blobs.take() for _ in range(2)]
     t0 = time.perf_counter()
-    ops = S.native_reader()
+    ops = kernels.native_reader()
     if ops is not None:  # expert_reader.cpp's threads, as the cache reads (its pool 2: the bench's)
         for r in [EC.NativeRead(cont, k, bufs[i % 2], 2, n_readers, ops, verify=False) for i, k in enumerate(pick)]:
             r.result()
@@ -179,13 +180,13 @@ def measure_kernels(cont, reps=20):
     shape, g = dec["shape"], dec["group_size"]
     x = torch.randn(1, shape[1])
     w = C.dequantize_int4(dec["packed"], dec["sz"], shape, g)
-    fns = {"reference_dequant_matmul": lambda: S.int4_matmul_reference(x, dec["packed"], dec["sz"], shape, g),
+    fns = {"reference_dequant_matmul": lambda: kernels.int4_matmul_reference(x, dec["packed"], dec["sz"], shape, g),
            "fp32_dense": lambda: x @ w.t()}
-    if S.native_int4() is not None:
-        fns["native"] = lambda: S.int4_matmul_native(x, dec["packed"], dec["sz"], shape, g)
-    if S.cpu_int4pack_ok() and g in S.INT4PACK_GROUPS:
-        packed4 = S.to_int4pack_layout(dec["packed"].clone(), shape, g)
-        fns["int4pack"] = lambda: S.int4_matmul_cpu(x, packed4, dec["sz"], shape, g)
+    if kernels.native_int4() is not None:
+        fns["native"] = lambda: kernels.int4_matmul_native(x, dec["packed"], dec["sz"], shape, g)
+    if kernels.cpu_int4pack_ok() and g in kernels.INT4PACK_GROUPS:
+        packed4 = kernels.to_int4pack_layout(dec["packed"].clone(), shape, g)
+        fns["int4pack"] = lambda: kernels.int4_matmul_cpu(x, packed4, dec["sz"], shape, g)
     out = {"shape": shape}
     for name, fn in fns.items():
         fn()

@@ -48,23 +48,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   `context` positions - working memory (one prefill chunk of 256 tokens' activations and its attention scores
   against the context, 64 logit rows, slack; `working_bytes`). If less than 2 x top_k experts would fit, it
   refuses before loading, saying how much is needed.
-- CPU int4 path (`--kernel native`, the default): int4_cpu.cpp, compiled on first use (g++ and ninja; ~20 s,
-  cached), reads the container's bytes as they are. On AVX2 it quantizes activations per group to int8 and
-  multiplies integers, as llama.cpp's Q4_0 x Q8_0 kernels do (relative error ~0.6% on random activations, the
-  size of bf16 rounding), 512 bits wide where the compiler targets AVX-512BW (the same integer sums, bit for
-  bit; +11% cold and +40% hot on 2 threads here), and as vpermb + vpdpbusd with AVX-512 VNNI (bit for bit again;
-  +8-15% cold, +25% hot over the 512-bit loop), and on AArch64 with dot products (ARMv8.2+, Apple M1 on) as
-  zips + sdot (bit for bit the x86 result, tested under qemu; unmeasured on ARM hardware); its portable fp32 loop
-  (other CPUs) is slower than int4pack, so auto picks native only with AVX2 or ARM dot products. Measured on the earlier AVX2 machine (2 cores, M=1, micro shapes, weights cold
-  in DRAM, `python bench/int4_gemv.py`): 7-9 GB/s of int4 weights on 1 thread and 10-13 GB/s on 2,
-  vs 3.2 / 6.1 GB/s for torch's `_weight_int4pack_mm_for_cpu` (which dequantizes to bf16); hot in cache 15 GB/s
-  per thread vs 3. A software prefetch 1 KB ahead added ~20% cold, and one 8 KB ahead into L2 ~20% more on a
-  Xeon VM (`bench/int4_prefetch.py`). Without a compiler it warns once and falls
-  back to the int4pack kernel (`--kernel int4pack`; on AVX-512 CPUs torch packs 64-row blocks, so its weights are
-  repacked once each, experts at every read); `--kernel reference` dequantizes then multiplies (the check).
-  int8 rows (embeddings, lm_head) go through the same extension, on AVX2 with activations quantized to int8 per
-  32 columns: micro's lm_head GEMV went from 11.4 to 17.7-20.0 GB/s on 2 threads (~2.5 ms less per token; the
-  int8 rows part of bench/int4_gemv.py, where torch's _weight_int8pack_mm gives 8.2-10.3).
+- int4 kernels (`--kernel`: native on CPU, the default where it builds; int4pack; reference; triton on CUDA):
+  kernels.py, whose docstring says how each works and what it measured.
 - Decode-time fusions: q|k|v and the shared / dense gate|up are concatenated at load into one int4 matrix each
   (the packed layout is whole 32-row blocks, so this is a byte concatenation), one GEMV instead of three or two;
   a one-token MoE step uses scalar routing weights. Both keep the arithmetic of the unfused path. On the native
@@ -74,10 +59,9 @@ How it works (the implementer's calls, as DESIGN.md asks):
   (bench/decode_profile.py) and five op calls a layer ~2 tok/s fully resident (README, "Less Python per token");
   prefill and every other kernel use the modules.
 - Cache policy `score` (default; `--cache-policy lru` for plain LRU): expert_cache.py's docstring.
-- CUDA: `triton_int4_matmul` (bottom of this file) reads the same bytes; Triton is imported only on that path.
-  int8 rows (the lm_head) are dequantized once at load there. A missed expert is read into host memory as on CPU
-  and copied to the GPU; the expert cache, which lives on the GPU, is held to the GPU's free memory as well as to
-  --ram-budget. Never run on a GPU yet: `bench/gpu_check.py` is the one-run check for the first machine with one
+- CUDA: kernels.triton_int4_matmul; int8 rows (the lm_head) are dequantized once at load there. A missed
+  expert is read into host memory as on CPU and copied to the GPU; the expert cache, which lives on the GPU, is
+  held to the GPU's free memory as well as to --ram-budget. Never run on a GPU yet: `bench/gpu_check.py` is the one-run check for the first machine with one
   (its correctness part runs on CPU under TRITON_INTERPRET=1 in the tests).
 - When every routed expert fits in the budget (or there is none) they are all read at load (`preload`, one
   sequential pass, like llama.cpp loading its weights), so decoding touches no disk; otherwise the cache is filled
@@ -94,7 +78,6 @@ How it works (the implementer's calls, as DESIGN.md asks):
 """
 
 import argparse
-import contextlib
 import math
 import operator
 import os
@@ -104,18 +87,14 @@ import threading
 import time
 
 
-def openmp_kernels():
-    """Whether int4_cpu.cpp runs on OpenMP threads (torch's libgomp) or on its own (int4_loops.h's ChunkPool):
-    Apple clang has no OpenMP, and PICAFLOR_OPENMP=0 asks for the pool here (A/Bs, tests of the macOS build)."""
-    return sys.platform != "darwin" and os.environ.get("PICAFLOR_OPENMP", "1") != "0"
-
-
 # Decode is hundreds of small parallel GEMVs per token: with OpenMP threads that sleep between them, 2 threads
 # decoded 3x slower than 1 here (2 cores); spinning ones (ACTIVE) 1.7x faster. libgomp reads this at torch import.
 # On ChunkPool, torch's own OpenMP threads must sleep at once instead (PASSIVE): woken by a torch op (RoPE's cos
 # runs on MKL's threads), spinning ones took a core from the pool's (micro, 6G: decode 25 tok/s against 59).
+# (kernels.openmp_kernels(), inline: kernels imports torch)
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if openmp_kernels() else "PASSIVE")
+    openmp = sys.platform != "darwin" and os.environ.get("PICAFLOR_OPENMP", "1") != "0"
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if openmp else "PASSIVE")
 
 import torch
 import torch.nn as nn
@@ -123,6 +102,7 @@ import torch.nn.functional as F
 
 import container as C
 import expert_cache as EC
+import kernels
 from model import KVCache, meta_model, rope_cos_sin, sample_next
 
 
@@ -207,201 +187,6 @@ def io_counters():
         return None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# weights as stored in the container
-
-INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes (torch 2.13)
-_INT4PACK = None  # torch's CPU int4 kernel: None unchecked, False absent, else "same" or "repack" (its layout here)
-
-
-def cpu_int4pack_ok():
-    """torch's CPU int4 kernel exists (checked once per process); to_int4pack_layout() gives it the bytes it wants."""
-    global _INT4PACK
-    if _INT4PACK is None:
-        try:
-            q = torch.randint(0, 16, (64, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-            ref = torch._convert_weight_to_int4pack_for_cpu(q, 1).flatten()
-            _INT4PACK = "same" if torch.equal(C.unpack_int4(ref, 64, 64).int(), q) else "repack"
-        except (AttributeError, RuntimeError):
-            _INT4PACK = False
-    return bool(_INT4PACK)
-
-
-def int4pack_same_layout():
-    """torch packs int4 as container.py stores it (its AVX2 build; its AVX-512 build packs 64-row blocks)."""
-    return cpu_int4pack_ok() and _INT4PACK == "same"
-
-
-def to_int4pack_layout(packed, shape, group_size, rows_at_a_time=128):
-    """In place: the container's packed bytes -> the layout torch's int4pack kernel uses on this CPU (the same size).
-    A no-op where the layouts agree; elsewhere a repack (~25 ms per 2048x1024 matrix), once per resident weight
-    and once per expert read: --kernel int4pack is the fallback for machines without a compiler. Both layouts keep
-    a run of rows (a multiple of 64) in the same contiguous bytes, so it goes rows_at_a_time rows at a time: the
-    int32 unpacked copy it needs stays a few MB (whole matrices took 10x their bytes, 168 MB for micro's dense FFN)."""
-    if group_size in INT4PACK_GROUPS and not int4pack_same_layout():  # other groups: reference, container bytes
-        Np, Kp = C.int4_padded_shape(shape, group_size)
-        for r0 in range(0, Np, rows_at_a_time):
-            part = packed[r0 * Kp // 2:(r0 + rows_at_a_time) * Kp // 2]
-            q = C.unpack_int4(part, min(rows_at_a_time, Np - r0), Kp).to(torch.int32)
-            part.copy_(torch._convert_weight_to_int4pack_for_cpu(q, 1).view(-1))
-    return packed
-
-
-def int4_matmul_reference(x, packed, sz, shape, group_size):
-    """The reference every int4 path must equal: dequantize to fp32, then x @ W^T."""
-    return x.float() @ C.dequantize_int4(packed, sz, shape, group_size).t()
-
-
-def int4_matmul_cpu(x, packed, sz, shape, group_size):
-    """x (M, K) -> (M, N) fp32 through torch's int4pack CPU kernel (bf16 activations); packed as to_int4pack_layout
-    left it."""
-    if group_size not in INT4PACK_GROUPS:
-        return int4_matmul_reference(x, packed, sz, shape, group_size)
-    N, K = shape
-    Np, Kp = C.int4_padded_shape(shape, group_size)
-    xb = x.to(torch.bfloat16)
-    if Kp != K:
-        xb = F.pad(xb, (0, Kp - K))
-    y = torch._weight_int4pack_mm_for_cpu(xb.contiguous(), packed.view(Np, Kp // 2), group_size, sz)
-    return y[:, :N].float()
-
-
-_NATIVE = None
-
-
-def native_int4():
-    """torch.ops of int4_cpu.cpp (the fast CPU int4 matmul, over int4_loops.h's loops), compiled on first use
-    (~20 s, then cached under ~/.cache/torch_extensions, rebuilt when the source changes) or None when it cannot be
-    built here."""
-    global _NATIVE
-    if _NATIVE is None:
-        import hashlib
-        from torch.utils import cpp_extension
-        here = os.path.dirname(os.path.abspath(__file__))
-        src, reader_src = os.path.join(here, "int4_cpu.cpp"), os.path.join(here, "expert_reader.cpp")
-        # -march=native: the build dir is keyed by this machine's CPU flags, so a shared home cannot hand a
-        # binary to a CPU that lacks its instructions
-        try:
-            cpu = next((l for l in open("/proc/cpuinfo") if l.startswith(("flags", "Features"))), "")
-        except OSError:
-            cpu = platform.processor()
-        use_omp = openmp_kernels()  # else int4_loops.h's own threads (ChunkPool)
-        omp = ["-fopenmp"] if use_omp else []
-        # the build dir is keyed by int4_loops.h's bytes too (int4_cpu.cpp includes it): cpp_extension rebuilds
-        # only when a source it was given changes (a missing header: the build below fails, loudly, and falls back)
-        try:
-            with open(os.path.join(here, "int4_loops.h"), "rb") as f:
-                loops = f.read()
-        except OSError:
-            loops = b""
-        name = ("picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__).encode() + loops).hexdigest()[:10]
-                + ("" if use_omp else "_pool"))
-        # ARM compilers name the host CPU with -mcpu (gcc and clang: dot products where the core has them)
-        arch = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else ["-march=native"]
-        # ninja is a pip dependency: make the venv's bin findable when python runs without activating it
-        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-        try:
-            if not os.path.exists(os.path.join(cpp_extension._get_build_directory(name, False), name + ".so")):
-                print("stream_infer: compiling int4_cpu.cpp, the fast CPU int4 kernel (first use only, ~20 s)",
-                      file=sys.stderr)
-            cpp_extension.load(name=name, sources=[src, reader_src], extra_cflags=["-O3"] + arch + omp,
-                               extra_ldflags=omp, is_python_module=False, verbose=False)
-            _NATIVE = torch.ops.picaflor_int4
-        except Exception as e:  # no compiler, no ninja, a foreign toolchain: fall back, loudly, once
-            why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
-            print(f"stream_infer: warning: could not build {src} ({why}); using torch's slower int4pack kernel. "
-                  f"Install a C++ compiler ({'xcode-select --install' if sys.platform == 'darwin' else 'apt install g++'}) "
-                  f"and ninja (pip install -r requirements.txt)",
-                  file=sys.stderr)
-            _NATIVE = False
-    return _NATIVE or None
-
-
-def int4_matmul_native(x, packed, sz, shape, group_size):
-    """x (M, K) -> (M, N) fp32 through int4_cpu.cpp (fp32 activations, the container's bytes as they are)."""
-    return native_int4().int4_mm(x, packed, sz, shape[0], group_size)
-
-
-def native_reader():
-    """The extension's expert readers (expert_reader.cpp, built with int4_cpu.cpp), or None without a compiler."""
-    ops = native_int4() if os.name == "posix" else None
-    return ops if ops is not None and hasattr(ops, "blob_read") else None
-
-
-class QLinear(nn.Module):
-    """A linear layer over a container tensor (int4 / int8 / f32), y = x @ W^T, fp32 in and out."""
-
-    def __init__(self, raw, kernel, shared=False):
-        """shared: another module reads raw's bytes as the container stores them (a tied int4 embedding)."""
-        super().__init__()
-        if kernel == "int4pack" and raw["kind"] == "int4" and raw.get("layout") != "int4pack":
-            packed = raw["packed"].clone() if shared and not int4pack_same_layout() else raw["packed"]
-            raw = dict(raw, packed=to_int4pack_layout(packed, raw["shape"], raw["group_size"]), layout="int4pack")
-        self.raw, self.kind, self.shape, self.kernel = raw, raw["kind"], raw["shape"], kernel
-        # int4_cpu.cpp's int4_mm arguments after x (forward and Engine._decode_step pass them as they are)
-        self.native_args = ((raw["packed"], raw["sz"], self.shape[0], raw["group_size"])
-                            if kernel == "native" and self.kind == "int4" else None)
-        if self.kind == "int8":
-            self.scale_bf16 = raw["scale"].to(torch.bfloat16)
-        # on the Triton (GPU) path int8 rows are dequantized once here (fp32, the reference path's arithmetic): per
-        # call, micro's lm_head would make a 256 MB temporary every token
-        self.dense = (C.dequantize_int8(raw["q"], raw["scale"], self.shape)
-                      if self.kind == "int8" and kernel == "triton" else None)
-        self.nbytes = sum(v.numel() * v.element_size() for v in raw.values() if isinstance(v, torch.Tensor))
-
-    def forward(self, x):
-        if self.native_args is not None:  # the decode hot path: any leading dims, no reshapes
-            return _NATIVE.int4_mm(x, *self.native_args)
-        r = self.raw
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.kind == "f32":
-            y = x2.float() @ r["data"].t()
-        elif self.kind == "int8":
-            if self.dense is not None:
-                y = x2.float() @ self.dense.t()
-            elif self.kernel == "native":
-                y = _NATIVE.int8_mm(x2, r["q"], r["scale"])
-            elif self.kernel != "reference" and x2.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
-                y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), r["q"], self.scale_bf16).float()
-            else:
-                y = x2.float() @ C.dequantize_int8(r["q"], r["scale"], self.shape).t()
-        elif self.kernel == "int4pack":
-            y = int4_matmul_cpu(x2, r["packed"], r["sz"], self.shape, r["group_size"])
-        elif self.kernel == "triton":
-            y = triton_int4_matmul(x2, r["packed"], r["sz"], self.shape, r["group_size"])
-        else:
-            y = int4_matmul_reference(x2, r["packed"], r["sz"], self.shape, r["group_size"])
-        return y.reshape(*lead, self.shape[0])
-
-
-class QEmbedding(nn.Module):
-    """Token embedding rows dequantized on lookup (int8 rows, int4 row blocks or f32)."""
-
-    def __init__(self, raw):
-        super().__init__()
-        self.raw, self.shape = raw, raw["shape"]
-
-    def forward(self, idx):
-        r, flat = self.raw, idx.reshape(-1)
-        if r["kind"] == "f32":
-            out = r["data"][flat]
-        elif r["kind"] == "int8":
-            out = r["q"][flat].float() * r["scale"][flat, None]
-        else:  # int4: dequantize the 32-row block of each id
-            g, D = r["group_size"], self.shape[1]
-            Np, Kp = C.int4_padded_shape(self.shape, g)
-            blk = 16 * Kp
-            rows = []
-            for i in flat.tolist():
-                b = i // C.ROW_BLOCK
-                q = C.unpack_int4(r["packed"][b * blk:(b + 1) * blk], C.ROW_BLOCK, Kp)[i % C.ROW_BLOCK].float()
-                sz = r["sz"][:, i].float()
-                rows.append(((q.view(-1, g) - 8) * sz[:, :1] + sz[:, 1:]).view(-1)[:D])
-            out = torch.stack(rows)
-        return out.reshape(*idx.shape, self.shape[1])
-
-
 class DiskEmbedding(nn.Module):
     """Token embedding rows read from the container on lookup (int8 rows, when the lm_head does not share
     them): the table (67 MB on micro) leaves the budget to the expert cache, and a token costs two small reads the
@@ -425,7 +210,7 @@ class DiskEmbedding(nn.Module):
 
 class Expert:
     """One routed expert, decoded zero-copy over its blob buffer: raw parts `gate_up` and `down`, which the native
-    kernel multiplies as they are; the other kernels get QLinear modules (built only for them: two nn.Modules
+    kernel multiplies as they are; the other kernels get kernels.QLinear modules (built only for them: two nn.Modules
     cost ~0.1 ms of Python per miss)."""
 
     def __init__(self, container, buf, kernel, device="cpu", views=None):
@@ -442,7 +227,8 @@ class Expert:
             gu, dn = self.gate_up, self.down
             self.mix_args = (gu["packed"], gu["sz"], dn["packed"], dn["sz"], gu["shape"][0], gu["group_size"])
         else:
-            self.gate_up_proj, self.down_proj = QLinear(self.gate_up, kernel), QLinear(self.down, kernel)
+            self.gate_up_proj = kernels.QLinear(self.gate_up, kernel)
+            self.down_proj = kernels.QLinear(self.down, kernel)
 
     def __call__(self, x):
         if self.native:
@@ -456,13 +242,13 @@ class Expert:
 # a one-token step is otherwise ~100 small torch ops per layer, which cost as much as the GEMVs here
 
 def ffn_args(gu, dn):
-    """swiglu_ffn's arguments after x for a fused int4 gate|up and its down (raw int4 parts, as QLinear.raw)."""
+    """swiglu_ffn's arguments after x for a fused int4 gate|up and its down (raw int4 parts, as kernels.QLinear.raw)."""
     return gu["packed"], gu["sz"], gu["shape"][0], gu["group_size"], dn["packed"], dn["sz"], dn["shape"][0], dn["group_size"]
 
 
 def native_swiglu(x, gu, dn):
-    """down(silu(gate) * up) over a fused int4 gate|up, in one call (gu, dn: raw int4 parts, as QLinear.raw)."""
-    return _NATIVE.swiglu_ffn(x, *ffn_args(gu, dn))
+    """down(silu(gate) * up) over a fused int4 gate|up, in one call (gu, dn: raw int4 parts, as kernels.QLinear.raw)."""
+    return kernels.NATIVE.swiglu_ffn(x, *ffn_args(gu, dn))
 
 
 class NativeFFN(nn.Module):
@@ -484,7 +270,7 @@ class NativeRMSNorm(nn.Module):
         self.weight, self.eps = norm.weight, norm.eps
 
     def forward(self, x):
-        return _NATIVE.rms_norm(x, self.weight, self.eps)
+        return kernels.NATIVE.rms_norm(x, self.weight, self.eps)
 
 
 class NativeAttention(nn.Module):
@@ -501,7 +287,7 @@ class NativeAttention(nn.Module):
         if (cache is None or x.shape[:2] != (1, 1) or a.qkv_proj is None or cache.pos >= cache.max_len
                 or cache.k[i].dtype != torch.float32):
             return a(x, cos, sin, cache)
-        y = _NATIVE.attn_decode(a.qkv_proj(x), a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin,
+        y = kernels.NATIVE.attn_decode(a.qkv_proj(x), a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin,
                                 cache.k[i], cache.v[i], cache.pos, a.cfg.n_head, a.cfg.n_kv_head)
         return a.o_proj(y)
 
@@ -532,7 +318,7 @@ class StreamedMoE(nn.Module):
         """(weights, expert ids, selection keys [rows, E]). DeepSeek-V3 router (as model.Router): sigmoid scores in
         fp32, bias only selects (the keys are scores + bias), weights normalised."""
         if self.native:
-            return _NATIVE.route(x, self.router_w, self.bias, top_k or self.top_k, self.route_scale)
+            return kernels.NATIVE.route(x, self.router_w, self.bias, top_k or self.top_k, self.route_scale)
         scores = torch.sigmoid(x.float() @ self.router_w.t())
         sel = scores + self.bias
         _, idx = torch.topk(sel, top_k or self.top_k, dim=-1, sorted=False)
@@ -562,7 +348,7 @@ class StreamedMoE(nn.Module):
         dims, so no reshapes): the shared expert in one call, the routed ones in one (or one each while some are
         read), summed in the same fixed order whatever was cached. Lean on purpose: Python after a GEMV runs on
         cold caches here (~40 us per cache lookup), so argument tuples are made once (shared_args, mix_args)."""
-        op, cache, layer = _NATIVE, self.cache, self.layer
+        op, cache, layer = kernels.NATIVE, self.cache, self.layer
         w, idx, sel = op.route(x, self.router_w, self.bias, self.top_k, self.route_scale)
         cache.observe(layer, sel)
         picked = idx.tolist()[0]  # top-k: distinct experts (no [0] view: a tensor made per call)
@@ -645,20 +431,20 @@ def pick_kernel(kernel, device):
         if device.startswith("cuda"):
             return "triton"
         # its integer loops (AVX2, AArch64 dot products); its portable one is slower than int4pack (x86, measured)
-        if native_int4() is not None and (native_int4().has_avx2() or native_int4().has_sdot()):
+        if kernels.native_int4() is not None and (kernels.native_int4().has_avx2() or kernels.native_int4().has_sdot()):
             return "native"
-        if native_int4() is not None and platform.machine().lower() in ("aarch64", "arm64"):
+        if kernels.native_int4() is not None and platform.machine().lower() in ("aarch64", "arm64"):
             # an ARM core (or a compiler) without ARMv8.2 dot products: say why the fast decode path is off
             print("stream_infer: warning: int4_cpu.cpp was built without ARM dot-product instructions (an older "
                   "compiler or a pre-ARMv8.2 core); using torch's int4pack kernel and the slower module-by-module decode",
                   file=sys.stderr)
-        return "int4pack" if cpu_int4pack_ok() else "reference"
-    if kernel == "native" and (device != "cpu" or native_int4() is None):
+        return "int4pack" if kernels.cpu_int4pack_ok() else "reference"
+    if kernel == "native" and (device != "cpu" or kernels.native_int4() is None):
         raise StreamError("--kernel native: int4_cpu.cpp runs on CPU only and needs a C++ compiler and ninja "
                           "(the warning above says why it did not build); use --kernel int4pack")
     if kernel == "int4pack" and device != "cpu":
         raise StreamError("--kernel int4pack: torch's CPU int4 kernel; on CUDA use --kernel triton (auto picks it)")
-    if kernel == "int4pack" and not cpu_int4pack_ok():
+    if kernel == "int4pack" and not kernels.cpu_int4pack_ok():
         raise StreamError("--kernel int4pack: this torch build lacks the CPU int4 kernel; "
                           "use --kernel reference (torch is pinned in requirements.txt)")
     return kernel
@@ -823,7 +609,7 @@ class Engine:
             return {k: (v.to(dev) if isinstance(v, torch.Tensor) and dev != "cpu" else v) for k, v in r.items()}
 
         def lin(name, shared=False):
-            return QLinear(to_dev(raw[name]), kernel, shared)
+            return kernels.QLinear(to_dev(raw[name]), kernel, shared)
 
         def fuse(module, fused_name, names):
             """q|k|v or gate|up as one int4 GEMV when they concatenate as bytes (int4, same K and group size, row
@@ -839,7 +625,7 @@ class Engine:
                 joined = {"kind": "int4", "shape": [sum(r["shape"][0] for r in parts), parts[0]["shape"][1]],
                           "group_size": parts[0]["group_size"], "packed": torch.cat([r["packed"] for r in parts], out=packed),
                           "sz": torch.cat([r["sz"] for r in parts], dim=1, out=sz)}
-                setattr(module, fused_name, QLinear(to_dev(joined), kernel))
+                setattr(module, fused_name, kernels.QLinear(to_dev(joined), kernel))
                 for a in attrs:
                     setattr(module, a, None)
             else:
@@ -853,14 +639,14 @@ class Engine:
 
         m = meta_model(cfg)  # no random init on meta: that would import torch._dynamo (+180 MB of budget)
         self.cache = EC.ExpertCache(c, 0, lambda buf, views: Expert(c, buf, kernel, dev, views),
-                                   score_ops=_NATIVE if native else None,
-                                   reader_ops=native_reader() if native or _NATIVE else None,  # no build for others
+                                   score_ops=kernels.NATIVE if native else None,
+                                   reader_ops=kernels.native_reader() if native or kernels.NATIVE else None,  # no build for others
                                    n_readers=self.n_readers, policy=self.cache_policy,
                                    # an expert over the buffer's views as they are: not a GPU copy, not int4pack's layout
                                    reuse_views=dev == "cpu" and kernel != "int4pack")
         embed = None if self.embed_on_disk else to_dev(raw["embed_tokens.weight"])  # one device copy when tied
-        m.embed_tokens = DiskEmbedding(c, "embed_tokens.weight", dev) if self.embed_on_disk else QEmbedding(embed)
-        m.lm_head = QLinear(embed, kernel, shared=True) if cfg.tie_embeddings else lin("lm_head.weight")
+        m.embed_tokens = DiskEmbedding(c, "embed_tokens.weight", dev) if self.embed_on_disk else kernels.QEmbedding(embed)
+        m.lm_head = kernels.QLinear(embed, kernel, shared=True) if cfg.tie_embeddings else lin("lm_head.weight")
         m.norm.weight = vec("norm.weight")
         if native:
             m.norm = NativeRMSNorm(m.norm)
@@ -909,7 +695,7 @@ class Engine:
         them: native kernel, CPU, fused int4 q|k|v, int4 o_proj, native norms, a native dense FFN or StreamedMoE)."""
         if self.kernel != "native" or self.device != "cpu":
             return None
-        int4 = (lambda q: isinstance(q, QLinear) and q.native_args)  # noqa: E731  (int4_mm arguments, or falsy)
+        int4 = (lambda q: isinstance(q, kernels.QLinear) and q.native_args)  # noqa: E731  (int4_mm arguments, or falsy)
         plan = []
         for b in self.model.layers:
             attn, norms = b.self_attn, (b.input_layernorm, b.post_attention_layernorm)
@@ -928,10 +714,10 @@ class Engine:
 
     def _decode_step(self, x, cos, sin, cache):
         """The layers of one decode token (batch 1, fp32 KV cache with room) as Block, NativeAttention, NativeRMSNorm,
-        QLinear and NativeFFN compute it: the same native functions in the same order (attn_block fuses the attention
+        kernels.QLinear and NativeFFN compute it: the same native functions in the same order (attn_block fuses the attention
         half's five calls), bit for bit, without the ~140 nn.Module calls and ~340 module attribute lookups a token
         that cost milliseconds here."""
-        op, pos, H, KV = _NATIVE, cache.pos, self.cfg.n_head, self.cfg.n_kv_head
+        op, pos, H, KV = kernels.NATIVE, cache.pos, self.cfg.n_head, self.cfg.n_kv_head
         x = x.contiguous().clone()  # attn_block adds into it
         for i, (attn_args, ffn, moe) in enumerate(self.decode_plan):
             # rms_norm, q|k|v GEMV, attn_decode, o_proj GEMV, the residual add and the post-attention norm in one call
@@ -1140,63 +926,6 @@ def compute_threads(eng, threads="auto"):
 def load(path, ram_budget=None, device="cpu", **kw):
     """An Engine over an int4 container; ram_budget like '2G' (None: no limit, every expert cacheable)."""
     return Engine(path, ram_budget=ram_budget, device=device, **kw)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Triton int4 dequant-matmul (CUDA; tested on CPU with TRITON_INTERPRET=1). Imported lazily.
-
-_TRITON_KERNEL = None
-
-
-def _triton_kernel():
-    global _TRITON_KERNEL
-    if _TRITON_KERNEL is not None:
-        return _TRITON_KERNEL
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def int4_mm_kernel(x_ptr, p_ptr, sz_ptr, y_ptr, M, N, K, Np, stride_xm, stride_ym,
-                       GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # y[m, n] = sum_k x[m, k] * ((q[n, k] - 8) * scale[k // G, n] + zero[k // G, n]); q read from the
-        # container layout: byte (n // 32) * 16 * Kp + k * 16 + n % 16, high nibble when n % 32 >= 16
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        Kp = (K + GROUP - 1) // GROUP * GROUP
-        for k0 in range(0, Kp, BK):
-            rk = k0 + tl.arange(0, BK)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-            nmask = rn < Np
-            byte = (rn[None, :] // 32) * 16 * Kp + rk[:, None] * 16 + rn[None, :] % 16
-            b = tl.load(p_ptr + byte, mask=nmask[None, :] & (rk[:, None] < Kp), other=0).to(tl.int32)
-            q = (b >> ((rn[None, :] % 32) // 16 * 4)) & 15
-            sidx = ((rk[:, None] // GROUP) * Np + rn[None, :]) * 2
-            s = tl.load(sz_ptr + sidx, mask=nmask[None, :] & (rk[:, None] < Kp), other=0.0).to(tl.float32)
-            z = tl.load(sz_ptr + sidx + 1, mask=nmask[None, :] & (rk[:, None] < Kp), other=0.0).to(tl.float32)
-            w = (q.to(tl.float32) - 8.0) * s + z
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    _TRITON_KERNEL = (triton, int4_mm_kernel)
-    return _TRITON_KERNEL
-
-
-def triton_int4_matmul(x, packed, sz, shape, group_size, BM=16, BN=32, BK=32):
-    """x (M, K) fp32/bf16 -> (M, N) fp32 with the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
-    Decode (M = 1..16) uses one row block; prefill tiles M."""
-    triton, kern = _triton_kernel()
-    N, K = shape
-    Np, Kp = C.int4_padded_shape(shape, group_size)
-    x = x.float().contiguous()
-    M = x.shape[0]
-    y = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current GPU
-        kern[grid](x, packed, sz.view(-1), y, M, N, K, Np, x.stride(0), y.stride(0), GROUP=group_size, BM=BM, BN=BN,
-                   BK=BK)
-    return y
 
 
 # ----------------------------------------------------------------------------------------------------------

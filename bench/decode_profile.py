@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stream_bench as B  # noqa: E402
+import kernels  # noqa: E402
 import stream_infer as S  # noqa: E402
 
 CACHE_CALLS = ["observe", "request", "_ensure_room", "_score_victim", "_submit", "_evict", "get", "_finish"]
@@ -58,13 +59,13 @@ def main():
 
     for name in CACHE_CALLS:
         setattr(cache, name, timed("cache." + name, getattr(cache, name)))
-    native = S._NATIVE
+    native = kernels.NATIVE
 
     class TimedOps:
         def __getattr__(self, name):
             return timed(name, getattr(native, name))
 
-    S._NATIVE = TimedOps()
+    kernels.NATIVE = TimedOps()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, eng.cfg.vocab_size, (16,), generator=gen).tolist()
     timings = []

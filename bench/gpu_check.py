@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import container as C  # noqa: E402
+import kernels  # noqa: E402
 import stream_infer as S  # noqa: E402
 
 MICRO_SHAPES = [(3072, 2048), (2048, 2048), (2048, 1024), (8192, 2048), (2048, 4096)]  # q|k|v, o / gate_up, down, shared
@@ -69,8 +70,8 @@ def check_kernels(device, reps):
         p, sz = C.quantize_int4(torch.randn(n, k, generator=gen), g)
         x = torch.randn(m, k, generator=gen).to(device)
         p, sz = p.to(device), sz.to(device)
-        ref = S.int4_matmul_reference(x, p, sz, (n, k), g)
-        got = S.triton_int4_matmul(x, p, sz, (n, k), g)
+        ref = kernels.int4_matmul_reference(x, p, sz, (n, k), g)
+        got = kernels.triton_int4_matmul(x, p, sz, (n, k), g)
         err = rel_err(ref, got)
         worst = max(worst, err)
         row = {"M": m, "N": n, "K": k, "group": g, "rel_err": err}
@@ -78,8 +79,8 @@ def check_kernels(device, reps):
             w16 = C.dequantize_int4(p, sz, (n, k), g).to(torch.bfloat16)
             x16 = x.to(torch.bfloat16)
             nbytes = p.numel() * p.element_size() + sz.numel() * sz.element_size()
-            for name, fn in (("triton", lambda: S.triton_int4_matmul(x, p, sz, (n, k), g)),
-                             ("reference", lambda: S.int4_matmul_reference(x, p, sz, (n, k), g)),
+            for name, fn in (("triton", lambda: kernels.triton_int4_matmul(x, p, sz, (n, k), g)),
+                             ("reference", lambda: kernels.int4_matmul_reference(x, p, sz, (n, k), g)),
                              ("bf16_dense", lambda: x16 @ w16.t())):
                 row[name + "_ms"] = median_s(fn, device, reps) * 1e3
             row["triton_int4_GB_s"] = nbytes / row["triton_ms"] / 1e6

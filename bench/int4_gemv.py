@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import container as C  # noqa: E402
-import stream_infer as S  # noqa: E402
+import kernels  # noqa: E402
 
 
 def median_time(fn, reps):
@@ -50,7 +50,7 @@ def main():
     N, K = (int(v) for v in a.shape.lower().split("x"))
     g = a.group_size
     Np, Kp = C.int4_padded_shape((N, K), g)
-    op = S.native_int4()
+    op = kernels.native_int4()
     if op is None:
         sys.exit("error: int4_cpu.cpp did not build (see the warning above); install g++ and ninja")
     gen = torch.Generator().manual_seed(0)
@@ -60,22 +60,22 @@ def main():
              place((torch.randn(Kp // g, Np, 2, generator=gen) * 0.01).to(torch.bfloat16))) for _ in range(n_mats)]
     x = torch.randn(1, K, generator=gen)
     xb = torch.nn.functional.pad(x, (0, Kp - K)).to(torch.bfloat16)
-    kernels = {"native": lambda p, sz: op.int4_mm(x, p, sz, N, g)}
+    fns = {"native": lambda p, sz: op.int4_mm(x, p, sz, N, g)}
     if op.has_vnni():  # the native kernel's VNNI loop beside its AVX-512BW and AVX2 ones (same results, bit for bit)
-        kernels["native_512bw"] = lambda p, sz: op.int4_mm_avx512bw(x, p, sz, N, g)
+        fns["native_512bw"] = lambda p, sz: op.int4_mm_avx512bw(x, p, sz, N, g)
     if op.has_avx512():
-        kernels["native_avx2"] = lambda p, sz: op.int4_mm_avx2(x, p, sz, N, g)
+        fns["native_avx2"] = lambda p, sz: op.int4_mm_avx2(x, p, sz, N, g)
     if op.has_sdot():  # AArch64: the dot-product loop beside the portable fp32 one
-        kernels["native_fp32"] = lambda p, sz: op.int4_mm_generic(x, p, sz, N, g)
-    if S.cpu_int4pack_ok() and g in S.INT4PACK_GROUPS:
-        kernels["int4pack"] = lambda p, sz: torch._weight_int4pack_mm_for_cpu(xb, p.view(Np, Kp // 2), g, sz)
+        fns["native_fp32"] = lambda p, sz: op.int4_mm_generic(x, p, sz, N, g)
+    if kernels.cpu_int4pack_ok() and g in kernels.INT4PACK_GROUPS:
+        fns["int4pack"] = lambda p, sz: torch._weight_int4pack_mm_for_cpu(xb, p.view(Np, Kp // 2), g, sz)
     print(f"shape {N}x{K} group {g}, {a.pages} pages: {one / 1e6:.2f} MB per matrix, cold loop over {n_mats} ({n_mats * one / 1e6:.0f} MB); "
           f"AVX2 path: {op.has_avx2()}, AVX-512 path: {op.has_avx512()}, VNNI path: {op.has_vnni()}, "
           f"AArch64 dot-product path: {op.has_sdot()}")
     rows = []
     for th in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(th)
-        for name, fn in kernels.items():
+        for name, fn in fns.items():
             cold = median_time(lambda: [fn(p, sz) for p, sz in mats], a.reps) / n_mats
             hot = median_time(lambda: fn(*mats[0]), a.reps * 20)
             rows.append(dict(kernel=name, threads=th, cold_ms=cold * 1e3, cold_gb_s=one / cold / 1e9,
@@ -83,8 +83,8 @@ def main():
             r = rows[-1]
             print(f"{name:12s} {th} thread(s): cold {r['cold_gb_s']:5.1f} GB/s ({r['cold_ms']:.3f} ms) | "
                   f"hot {r['hot_gb_s']:5.1f} GB/s ({r['hot_ms']:.3f} ms)")
-        if "int4pack" in kernels:
-            nat, pack = rows[-len(kernels)], rows[-1]
+        if "int4pack" in fns:
+            nat, pack = rows[-len(fns)], rows[-1]
             print(f"  native / int4pack at {th} thread(s): cold {pack['cold_ms'] / nat['cold_ms']:.2f}x, "
                   f"hot {pack['hot_ms'] / nat['hot_ms']:.2f}x")
     rows8 = int8_rows_bench(op, a, place) if a.int8_shape != "0" else []

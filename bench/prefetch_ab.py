@@ -28,6 +28,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import container as C  # noqa: E402
 import expert_cache as EC  # noqa: E402
+import kernels  # noqa: E402
 import stream_infer as S  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def gemv_rate(mats, x, secs):
     t0, done = time.perf_counter(), 0
     while time.perf_counter() - t0 < secs:
         for packed, sz, n in mats:
-            S.native_int4().int4_mm(x, packed, sz, n, 64)
+            kernels.native_int4().int4_mm(x, packed, sz, n, 64)
             done += packed.numel() + 2 * sz.numel()
     return done / (time.perf_counter() - t0) / 1e9
 
@@ -47,7 +48,7 @@ def background_reads(cont, n_readers, stop, counted):
     n = cont.expert_nbytes
     part = -(-n // n_readers // C.ALIGN) * C.ALIGN
     buf = EC.BlobBuffers(n).take()  # as the cache's buffers
-    ops = S.native_reader()
+    ops = kernels.native_reader()
     if ops is not None:  # as the cache reads: expert_reader.cpp's threads
         while not stop.is_set():
             EC.NativeRead(cont, random.choice(keys), buf, 2, n_readers, ops, verify=False).result()
@@ -92,7 +93,7 @@ def main():
     torch.set_num_threads(args.threads)
     if not os.path.exists(args.container):
         sys.exit(f"{args.container}: no such container (python container.py --random-config config/micro.py --out ...)")
-    if S.native_int4() is None:
+    if kernels.native_int4() is None:
         sys.exit("the native int4 kernel did not build (needs g++ and ninja); prefetch is judged on it")
     res = {"container": args.container, "ram_budget": args.ram_budget, "threads": args.threads}
     res["interference"] = inter = interference(args.container, args.readers)

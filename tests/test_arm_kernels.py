@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 
 import container as C  # noqa: E402
 from harness_io import run_harness  # noqa: E402
-import stream_infer as S  # noqa: E402
+import kernels  # noqa: E402
 
 CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
 INSTALL = "apt-get install g++-aarch64-linux-gnu qemu-user (.ci/run does it)"
@@ -59,7 +59,7 @@ def x86_native():
     that is not x86 (then only the tolerances apply). An x86 host without them fails: the point would be lost."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
-    op = S.native_int4()
+    op = kernels.native_int4()
     assert op is not None and op.has_avx2(), "the x86 extension with AVX2 is the reference here (g++, an AVX2 CPU)"
     return op
 
@@ -71,7 +71,7 @@ def test_arm_int4_loops_equal_x86_and_reference(harness, M, N, K, G):
     x[0, : min(K, G)] = 0.0  # an all-zero group of activations
     packed, sz = C.quantize_int4(w, G)
     arrays = [x, packed, sz.view(torch.int16)]
-    ref = S.int4_matmul_reference(x, packed, sz, (N, K), G)
+    ref = kernels.int4_matmul_reference(x, packed, sz, (N, K), G)
     best, generic, loop = run_case(harness, "sdot", [4, M, N, K, G], arrays, M, N)
     assert loop == ("sdot" if G % 4 == 0 else "fp32")
     # the portable loop multiplies fp32 activations: the reference up to summation order

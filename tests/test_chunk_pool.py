@@ -17,6 +17,7 @@ sys.path.insert(0, ROOT)
 
 import container as C  # noqa: E402
 from harness_io import run_harness  # noqa: E402
+import kernels  # noqa: E402
 import stream_infer as S  # noqa: E402
 
 THREADS = 3  # more threads than this machine's 2 cores: a worker preempted mid-call must still be waited for
@@ -64,7 +65,7 @@ def int4_case(M, N, K, G):
 
 @pytest.mark.parametrize("M,N,K,G", INT4_CASES)
 def test_pool_int4_equals_openmp_build(pool_harness, M, N, K, G):
-    op = S.native_int4()
+    op = kernels.native_int4()
     assert op is not None, "the native extension did not build"
     x, packed, sz = int4_case(M, N, K, G)
     y, threads = run_pool(pool_harness, [4, M, N, K, G], [x, packed, sz.view(torch.int16)], M, N)
@@ -76,7 +77,7 @@ def test_pool_int4_equals_openmp_build(pool_harness, M, N, K, G):
 
 @pytest.mark.parametrize("M,N,K", INT8_CASES)
 def test_pool_int8_equals_openmp_build(pool_harness, M, N, K):
-    op = S.native_int4()
+    op = kernels.native_int4()
     assert op is not None, "the native extension did not build"
     gen = torch.Generator().manual_seed(M * 1000 + K)
     x = torch.randn(M, K, generator=gen)
@@ -94,7 +95,7 @@ def test_pool_under_thread_sanitizer(tmp_path):
     M, N, K, G = 1, 2048, 512, 64
     x, packed, sz = int4_case(M, N, K, G)
     y, threads = run_pool((exe, tmp_path), [4, M, N, K, G], [x, packed, sz.view(torch.int16)], M, N)
-    assert torch.equal(y, S.native_int4().int4_mm(x, packed, sz, N, G))
+    assert torch.equal(y, kernels.native_int4().int4_mm(x, packed, sz, N, G))
 
 
 def test_pool_build_decodes_the_same_tokens(tmp_path):

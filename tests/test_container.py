@@ -64,16 +64,16 @@ def test_packed_layout_is_torch_cpu_kernel_layout():
     ref = torch._convert_weight_to_int4pack_for_cpu(q, 1).flatten()
     # torch's AVX2 build packs as we store (the bytes are used as read); its AVX-512 build packs 64-row blocks, and
     # stream_infer repacks for it: on any CPU the kernel gets exactly the bytes torch itself would have packed
-    import stream_infer as S
-    assert S.int4pack_same_layout() == torch.equal(ref, p)
-    assert torch.equal(S.to_int4pack_layout(p.clone(), (64, 96), 32), ref)
+    import kernels
+    assert kernels.int4pack_same_layout() == torch.equal(ref, p)
+    assert torch.equal(kernels.to_int4pack_layout(p.clone(), (64, 96), 32), ref)
     # the repack goes a run of rows at a time (bounded scratch memory), tails included: the same bytes
     q = torch.randint(0, 16, (352, 64), dtype=torch.int32)
     q[:, ::32], q[:, 1::32] = 0, 15
     p, _ = C.quantize_int4(q.float() - 8.0, 32)
     ref = torch._convert_weight_to_int4pack_for_cpu(q, 1).flatten()
     for rows in (64, 128, 4096):
-        assert torch.equal(S.to_int4pack_layout(p.clone(), (352, 64), 32, rows_at_a_time=rows), ref), rows
+        assert torch.equal(kernels.to_int4pack_layout(p.clone(), (352, 64), 32, rows_at_a_time=rows), ref), rows
 
 
 def test_container_round_trip_and_report(built):

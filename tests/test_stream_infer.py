@@ -18,6 +18,7 @@ sys.path.insert(0, ROOT)
 import container as C  # noqa: E402
 import expert_cache as EC  # noqa: E402
 import stream_bench as B  # noqa: E402
+import kernels  # noqa: E402
 import stream_infer as S  # noqa: E402
 from model import ModelConfig, Picaflor, save_checkpoint  # noqa: E402
 
@@ -108,9 +109,9 @@ def test_budgeted_hidden_states_equal_resident_bit_for_bit(tiny, monkeypatch):
     """Under a budget a layer computes its cached experts while the missing ones are read, then sums every expert in
     the fixed order: the hidden states equal fully resident ones exactly, step by step (not only the argmax)."""
     m, path = tiny
-    if S.native_int4() is None:
+    if kernels.native_int4() is None:
         pytest.fail("int4_cpu.cpp did not build: install g++ and ninja (pip install -r requirements.txt)")
-    calls, real = {"mix_outputs": 0}, S.native_int4()
+    calls, real = {"mix_outputs": 0}, kernels.native_int4()
 
     class Counting:  # counts the native ops StreamedMoE calls
         def __getattr__(self, name):
@@ -124,7 +125,7 @@ def test_budgeted_hidden_states_equal_resident_bit_for_bit(tiny, monkeypatch):
 
     full, small = S.load(path), S.load(path, preload=False)
     small.cache.budget = 6 * small.container.expert_nbytes  # 6 of 48 experts
-    monkeypatch.setattr(S, "_NATIVE", Counting())
+    monkeypatch.setattr(kernels, "NATIVE", Counting())
     ids = torch.randint(1, 300, (1, 24), generator=torch.Generator().manual_seed(5))
     kv_full, kv_small = (S.KVCache(e.cfg, 1, 24, "cpu", torch.float32) for e in (full, small))
     assert torch.equal(full.forward(ids[:, :8], kv_full), small.forward(ids[:, :8], kv_small))
@@ -387,14 +388,14 @@ def test_decode_step_equals_the_modules(tiny):
         eng._decode_step = lambda *a: calls.append(1)  # not taken: 2 tokens, or no room left in the cache
         eng.forward(ids[:, :2], S.KVCache(eng.cfg, 1, 4, "cpu", torch.float32))
         assert not calls
-    kernels = S.load(path, kernel="int4pack") if S.cpu_int4pack_ok() else None
-    assert kernels is None or kernels.decode_plan is None  # other kernels: the modules
+    other = S.load(path, kernel="int4pack") if kernels.cpu_int4pack_ok() else None
+    assert other is None or other.decode_plan is None  # other kernels: the modules
 
 
 def test_native_score_bookkeeping_equals_numpy():
     """int4_cpu.cpp's observe_scores / score_victim (policy "score" in decode) equal the numpy versions bit for bit:
     the decayed average rounded as numpy rounds it (no fused multiply-add), the victim with the same tie-break."""
-    op = S.native_int4()
+    op = kernels.native_int4()
     assert op is not None, "int4_cpu.cpp did not build (see the warning above)"
     gen = torch.Generator().manual_seed(0)
     row, want = torch.full((64,), -float("inf"), dtype=torch.float64), None
@@ -716,13 +717,13 @@ def test_disk_busy_time_counts_overlapping_reads_once(tiny, native):
         return read(layer, e, *a)
 
     c.c.read_expert_part = slow
-    S.native_reader().reader_delay_us(0, 200_000)  # the same slow disk for the native readers (demand pool)
+    kernels.native_reader().reader_delay_us(0, 200_000)  # the same slow disk for the native readers (demand pool)
     busy0 = c.disk_busy_s
     try:
         c.request([(1, 0), (1, 1)], set())  # two blobs' parts on the 4 reader threads, in waves of 4
         c.settle()
     finally:
-        S.native_reader().reader_delay_us(0, 0)
+        kernels.native_reader().reader_delay_us(0, 0)
     step = -(-c.nbytes // c.n_parts // C.ALIGN) * C.ALIGN
     waves = -(-2 * len(range(0, c.nbytes, step)) // 4)
     assert 0.2 * waves <= c.disk_busy_s - busy0 < 0.2 * waves + 0.15 and c.active_reads == 0
@@ -738,7 +739,7 @@ def test_native_reads_land_checked_bytes_and_fail_loudly(tiny, tmp_path):
     import time
     import zlib
     m, path = tiny
-    ops = S.native_reader()
+    ops = kernels.native_reader()
     assert ops is not None, "expert_reader.cpp did not build: install g++ and ninja"
     gen = torch.Generator().manual_seed(0)
     for n in (0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 255, 256, 257, 511, 512, 1000, 4096, 4099, 65537):
@@ -866,7 +867,7 @@ def test_embedding_rows_read_on_demand(tiny, tmp_path):
         ck = save_checkpoint(mt, str(tmp_path / ("run_" + out)), 1)
         C.write_container(ck, str(tmp_path / out), group_size=32, progress=False, **over)
         e = S.load(str(tmp_path / out))
-        assert isinstance(e.model.embed_tokens, S.QEmbedding) and not e.embed_on_disk
+        assert isinstance(e.model.embed_tokens, kernels.QEmbedding) and not e.embed_on_disk
         ref = C.load_container(str(tmp_path / out)).tensor("embed_tokens.weight")
         assert (e.model.embed_tokens(ids) - ref[ids]).abs().max() < 1e-6
 
@@ -904,13 +905,13 @@ def int4_case(xs, ws, g):
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(xs, generator=gen), torch.randn(ws, generator=gen)
     p, sz = C.quantize_int4(w, g)
-    return x, p, sz, S.int4_matmul_reference(x, p, sz, ws, g)
+    return x, p, sz, kernels.int4_matmul_reference(x, p, sz, ws, g)
 
 
 @pytest.mark.parametrize("xs,ws,g", NATIVE_SHAPES)
 def test_native_int4_kernel_equals_reference(xs, ws, g):
     x, p, sz, ref = int4_case(xs, ws, g)
-    op = S.native_int4()
+    op = kernels.native_int4()
     assert op is not None, "int4_cpu.cpp did not build (see the warning above)"
     # the portable path multiplies fp32 activations: equal to the reference up to summation order
     got = op.int4_mm_generic(x, p, sz, ws[0], g)
@@ -918,7 +919,7 @@ def test_native_int4_kernel_equals_reference(xs, ws, g):
     # the default path (int8 activations per group on AVX2, else the portable one) equals the reference applied to
     # x as it quantizes it, and stays within int8 rounding of the exact result
     xq = q8_activations(x, g) if int8_loops(op) and g % 4 == 0 else x
-    want = S.int4_matmul_reference(xq, p, sz, ws, g)
+    want = kernels.int4_matmul_reference(xq, p, sz, ws, g)
     for got in (op.int4_mm(x, p, sz, ws[0], g), op.int4_mm(torch.cat([x, x], 1)[:, :ws[1]], p, sz, ws[0], g),
                 op.int4_mm(x.view(1, *xs), p, sz, ws[0], g)[0]):  # non-contiguous and 3-D inputs
         assert got.shape == ref.shape and got.dtype == torch.float32
@@ -931,7 +932,7 @@ def test_native_int4_kernel_equals_reference(xs, ws, g):
     got = op.int4_mm(x.to(torch.bfloat16), p, sz, ws[0], g)  # bf16 in: the same as its fp32 value
     xb = x.to(torch.bfloat16).float()
     xbq = q8_activations(xb, g) if int8_loops(op) and g % 4 == 0 else xb
-    assert (got - S.int4_matmul_reference(xbq, p, sz, ws, g)).abs().max() < 1e-5 * ref.abs().max()
+    assert (got - kernels.int4_matmul_reference(xbq, p, sz, ws, g)).abs().max() < 1e-5 * ref.abs().max()
 
 
 def int8_loops(op):
@@ -951,7 +952,7 @@ def q8_activations(x, g):
 
 def test_native_int8_kernel_equals_reference():
     gen = torch.Generator().manual_seed(0)
-    op = S.native_int4()
+    op = kernels.native_int4()
     # K not a multiple of 32 or 8: tails; 96 and 160: an odd number of 32-column blocks
     for M, N, K in ((1, 300, 64), (3, 70, 37), (6, 129, 200), (2, 33, 20), (1, 64, 96), (5, 50, 160)):
         x = torch.randn(M, K, generator=gen)
@@ -983,7 +984,7 @@ def test_native_kernels_same_on_any_thread_count():
     """The GEMVs hand their row blocks out in chunks from a shared counter (a preempted thread's share goes to the
     others): whichever thread takes a block, the result is the one-thread result, bit for bit, also with a thread
     count that leaves a short last chunk."""
-    op = S.native_int4()
+    op = kernels.native_int4()
     gen = torch.Generator().manual_seed(3)
     x4, w4 = torch.randn(3, 256, generator=gen), torch.randn(37 * 32 - 5, 256, generator=gen)  # 37 blocks, a tail
     p, sz = C.quantize_int4(w4, 64)
@@ -1003,7 +1004,7 @@ def test_native_kernels_same_on_any_thread_count():
 def test_native_decode_helpers_equal_model_py():
     """int4_cpu.cpp's one-call decode helpers against the model.py modules they stand in for."""
     import model as M
-    op = S.native_int4()
+    op = kernels.native_int4()
     gen = torch.Generator().manual_seed(0)
     # RMSNorm, on a width that leaves a tail after the 16-wide vector loop
     norm = M.RMSNorm(40, 1e-6)
@@ -1064,8 +1065,8 @@ def test_native_decode_helpers_equal_model_py():
     xf = torch.randn(1, 40, generator=gen)
 
     def ref_ffn(gu, dn, width):
-        g, u = S.int4_matmul_reference(q8_activations(xf, 8), *gu, (2 * width, 40), 8).chunk(2, -1)
-        return S.int4_matmul_reference(q8_activations(torch.nn.functional.silu(g) * u, 8), *dn, (40, width), 8)
+        g, u = kernels.int4_matmul_reference(q8_activations(xf, 8), *gu, (2 * width, 40), 8).chunk(2, -1)
+        return kernels.int4_matmul_reference(q8_activations(torch.nn.functional.silu(g) * u, 8), *dn, (40, width), 8)
     want = ref_ffn(*ffns[0]) + 0.7 * ref_ffn(*ffns[1]) + 0.2 * ref_ffn(*ffns[2])
     got = op.swiglu_ffn(xf, *ffns[0][0], 48, 8, *ffns[0][1], 40, 8)  # the shared expert alone, then mixed into
     op.swiglu_mix(xf, got, [f[0][0] for f in ffns[1:]], [f[0][1] for f in ffns[1:]], [f[1][0] for f in ffns[1:]],
@@ -1080,7 +1081,7 @@ def test_moe_layer_in_one_call_equals_one_call_per_expert(tiny):
     (int4_run: the blocks of all the matrices as one work list): each expert's output is swiglu_ffn's bit for bit,
     also with widths, group sizes and thread counts that split the list mid-matrix; so a decode layer with every
     expert cached (shared + routed in one call) gives the tokens the one with its shared expert apart gives."""
-    op = S.native_int4()
+    op = kernels.native_int4()
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(1, 1, 96, generator=gen)
     ffns = []
@@ -1113,8 +1114,8 @@ def test_moe_layer_in_one_call_equals_one_call_per_expert(tiny):
         def swiglu_mix(self, *a):
             calls.append(len(a[2]))
             return real.swiglu_mix(*a)
-    real = S._NATIVE
-    S._NATIVE = Counting()
+    real = kernels.NATIVE
+    kernels.NATIVE = Counting()
     try:
         fused = eng.generate(prompt, 8)
         assert calls and all(n == CFG["top_k"] + 1 for n in calls)
@@ -1124,7 +1125,7 @@ def test_moe_layer_in_one_call_equals_one_call_per_expert(tiny):
         apart = eng.generate(prompt, 8)
         assert calls and all(n == CFG["top_k"] for n in calls)
     finally:
-        S._NATIVE = real
+        kernels.NATIVE = real
     assert fused == apart
 
 
@@ -1133,7 +1134,7 @@ def test_native_kernel_without_a_compiler_falls_back_loudly(tiny, tmp_path):
     kernel, and the same greedy tokens as the native kernel."""
     m, path = tiny
     want = S.load(path, kernel="native").generate(list(range(5, 15)), 6)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import stream_infer as S; print(S.native_int4()); "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import kernels, stream_infer as S; print(kernels.native_int4()); "
             "eng = S.load(sys.argv[2]); print(eng.kernel, eng.generate(list(range(5, 15)), 6))")
     env = dict(os.environ, CXX="/bin/false", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))  # a fresh, failing build
     r = subprocess.run([sys.executable, "-c", code, ROOT, path], capture_output=True, text=True, timeout=300, env=env)
@@ -1145,7 +1146,7 @@ def test_native_kernel_without_a_compiler_falls_back_loudly(tiny, tmp_path):
 
 
 def test_native_int4_kernel_nan_and_zero_rows():
-    op = S.native_int4()
+    op = kernels.native_int4()
     p, sz = C.quantize_int4(torch.randn(32, 128), 64)
     x = torch.randn(3, 128)
     x[0, 5] = float("nan")
@@ -1231,7 +1232,7 @@ def test_weights_and_blob_buffers_in_huge_page_memory(tiny):
 def test_native_int4_kernel_rejects_wrong_sizes():
     w = torch.randn(40, 100)
     p, sz = C.quantize_int4(w, 32)
-    op = S.native_int4()
+    op = kernels.native_int4()
     with pytest.raises(RuntimeError, match="packed has"):
         op.int4_mm(torch.randn(1, 100), p[:-16], sz, 40, 32)
     with pytest.raises(RuntimeError, match="sz has"):
@@ -1243,7 +1244,7 @@ def test_native_int4_kernel_rejects_wrong_sizes():
 @pytest.mark.parametrize("xs,ws,g", ODD_SHAPES)
 def test_cpu_int4_path_equals_reference(xs, ws, g):
     x, p, sz, ref = int4_case(xs, ws, g)
-    got = S.int4_matmul_cpu(x, S.to_int4pack_layout(p, ws, g), sz, ws, g)
+    got = kernels.int4_matmul_cpu(x, kernels.to_int4pack_layout(p, ws, g), sz, ws, g)
     assert got.shape == ref.shape
     assert (got - ref).abs().max() < 2e-2 * ref.abs().max()  # bf16 activations
 
@@ -1255,14 +1256,14 @@ def test_triton_kernel_interpreter_equals_reference():
     code = f"""
 import sys, torch
 sys.path.insert(0, {ROOT!r})
-import container as C, stream_infer as S
+import container as C, kernels
 torch.set_num_threads(1)
 gen = torch.Generator().manual_seed(0)
 for xs, ws, g in {ODD_SHAPES!r}:
     x, w = torch.randn(xs, generator=gen), torch.randn(ws, generator=gen)
     p, sz = C.quantize_int4(w, g)
-    ref = S.int4_matmul_reference(x, p, sz, ws, g)
-    got = S.triton_int4_matmul(x, p, sz, ws, g)
+    ref = kernels.int4_matmul_reference(x, p, sz, ws, g)
+    got = kernels.triton_int4_matmul(x, p, sz, ws, g)
     err = float((got - ref).abs().max() / ref.abs().max())
     assert got.shape == ref.shape and err < 1e-4, (xs, ws, g, err)
 print("ok")
@@ -1799,8 +1800,8 @@ def test_auto_kernel_on_arm_without_dot_products_says_so(monkeypatch, capsys):
         def has_sdot(self):
             return self.sdot
     ops = Ops()
-    monkeypatch.setattr(S, "native_int4", lambda: ops)
-    monkeypatch.setattr(S, "cpu_int4pack_ok", lambda: True)
+    monkeypatch.setattr(kernels, "native_int4", lambda: ops)
+    monkeypatch.setattr(kernels, "cpu_int4pack_ok", lambda: True)
     monkeypatch.setattr(platform, "machine", lambda: "arm64")
     ops.sdot = True
     assert S.pick_kernel("auto", "cpu") == "native" and capsys.readouterr().err == ""
@@ -1809,3 +1810,15 @@ def test_auto_kernel_on_arm_without_dot_products_says_so(monkeypatch, capsys):
     assert "without ARM dot-product instructions" in capsys.readouterr().err
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     assert S.pick_kernel("auto", "cpu") == "int4pack" and capsys.readouterr().err == ""
+
+
+def test_kernels_script_names_this_machines_loops():
+    """python kernels.py says which loops the native build has (what --kernel auto picks from), as the extension
+    reports them in this process, and whether torch's int4pack kernel needs the container's bytes repacked."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "kernels.py")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    op = kernels.native_int4()
+    want = [n for n in ("avx2", "avx512", "vnni", "sdot") if getattr(op, "has_" + n)()]
+    native = next(line for line in r.stdout.splitlines() if line.startswith("native:"))
+    assert native.startswith("native: built, integer loops " + (", ".join(want) or "none")), native
+    assert ("repacked" in r.stdout) == (kernels.cpu_int4pack_ok() and not kernels.int4pack_same_layout())
