@@ -9,7 +9,8 @@ Checkpoint directories on disk: atomic writes, manifests, LATEST (retention is t
 
 A checkpoint without a valid manifest does not exist. A save writes into a hidden temp dir, fsyncs every file
 and the dir, then renames it into place; a crash (or a full disk) at any moment leaves the previous checkpoint
-untouched and, at worst, a `.tmp-*` dir that the next save removes.
+untouched and, at worst, a `.tmp-*` dir that the next save removes (or a step moved aside for its re-save,
+`step_N.old-PID`, which the next save or resume puts back: `recover`).
 """
 
 import hashlib
@@ -143,11 +144,33 @@ def write_atomic_text(path, text):
     write_atomic(path, text.encode())
 
 
+def recover(out_dir):
+    """Finish a re-save that died between its two renames (save() below): a step moved aside as step_N.old-PID with
+    no step_N goes back in place; one whose replacement landed is removed. Returns the steps put back."""
+    back = []
+    if not os.path.isdir(out_dir):
+        return back
+    for name in sorted(os.listdir(out_dir)):
+        m = re.match(r"^(step_\d{7,})\.old-\d+$", name)
+        if not m:
+            continue
+        aside, final = os.path.join(out_dir, name), os.path.join(out_dir, m.group(1))
+        if os.path.exists(final):
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
+            back.append(final)
+    if back:
+        fsync_dir(out_dir)
+    return back
+
+
 def save(out_dir, step, writers, extra_manifest=None):
     """Write a checkpoint atomically. writers: {filename: fn(path)} each writing one file. Returns its path.
     On any failure (disk full included) the temp dir is removed and the error re-raised; nothing older is
     touched."""
     os.makedirs(out_dir, exist_ok=True)
+    recover(out_dir)
     for name in os.listdir(out_dir):  # leftovers of a save that died
         if name.startswith(".tmp-step_"):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)

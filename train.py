@@ -700,6 +700,8 @@ def main(argv):
     # --- state: scratch | resume | grow -------------------------------------------------------------------
     state, sd, opt_sd, layer_origin, ck = None, None, None, None, None
     mcfg = model_config_from(cfg)
+    for back in checkpoint.recover(out):  # a re-save that died between its renames: the step it had moved aside
+        log(f"WARNING: {back} was left aside by a save that died; put back")
     existing = checkpoint.list_checkpoints(out)
     # a start that is not a resume would overwrite that run's steps (and retention the rest); only corrupt ones: go on
     newest_valid = next((p for _, p in reversed(existing) if checkpoint.is_valid(p)), None) \

@@ -209,6 +209,29 @@ def test_disk_full_during_save_keeps_previous_checkpoint(data_root, tmp_path):
         assert r.returncode == 6 and "out of disk" in r.stderr and "Traceback" not in r.stderr, (name, r.stderr)
         assert checkpoint.latest_valid(out) == good and load_checkpoint(out) is not None
         assert not [n for n in os.listdir(out) if n.startswith(".tmp")]
+    # a re-save of a step that died between its two renames left the old step aside (step_N.old-PID) and no step_N:
+    # the resume puts it back and resumes from it, not from an earlier step
+    os.replace(good, good + ".old-4242")
+    r = train(args + ["--init_from=resume", "--stop_after_steps=0"])
+    assert r.returncode == 0 and "put back" in r.stderr + r.stdout, r.stderr[-2000:]
+    assert f"resuming from {good} at step 2" in r.stderr + r.stdout and checkpoint.is_valid(good)
+    assert not [n for n in os.listdir(out) if ".old-" in n]
+
+
+def test_recover_puts_back_a_step_moved_aside_and_drops_a_replaced_one(tmp_path):
+    """checkpoint.recover: the two ways a re-save can die between its renames (save() calls it first, train.py's
+    resume too)."""
+    def write(step):
+        return checkpoint.save(str(tmp_path), step, {"w.bin": lambda p: open(p, "wb").write(b"x" * step)})
+    s2, s4 = write(2), write(4)
+    os.replace(s4, s4 + ".old-7")  # died after moving step 4 aside
+    shutil.copytree(s2, s2 + ".old-8")  # died after the new step 2 landed, before the old one was removed
+    assert checkpoint.recover(str(tmp_path)) == [s4]
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_0000002", "step_0000004"]
+    assert checkpoint.latest_valid(str(tmp_path)) == s4
+    os.replace(s4, s4 + ".old-9")
+    write(6)  # a save recovers first
+    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path))] == [2, 4, 6]
 
 
 def test_random_sigkills_mid_training_end_bitwise_equal(data_root, tmp_path):
