@@ -475,9 +475,17 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
                   file=sys.stderr)
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(model_card(src, dtype_name, tok is not None))
+        for name in os.listdir(tmp):  # on disk before the dir takes the name (the weights fsynced as written)
+            if not name.endswith(".safetensors"):
+                with open(os.path.join(tmp, name), "rb+") as f:
+                    os.fsync(f.fileno())
+        checkpoint.fsync_dir(tmp)
+        old = out.rstrip("/") + f".old-{os.getpid()}"  # an earlier export stays whole until the new one has its name
         if os.path.exists(out):
-            shutil.rmtree(out)
+            os.replace(out, old)
         os.replace(tmp, out)
+        checkpoint.fsync_dir(os.path.dirname(os.path.abspath(out)))
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
