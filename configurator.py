@@ -79,7 +79,8 @@ DATA_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow,
 
 
 def not_data(text):
-    """None if a config file's text is plain data (assignments of literals, arithmetic, names, dict(...)), else
+    """None if a config file's text is plain data (assignments of literals, arithmetic, names, dict(...); a power only
+    of a literal to a literal of at most 64, no repeated strings or lists: nothing that takes long to compute), else
     (line, what): a file from another machine (relay's config.py) is exec'd by train.py, so it may hold no code."""
     try:
         tree = ast.parse(text)
@@ -96,6 +97,15 @@ def not_data(text):
                 if None not in node.keys else node
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, DATA_OPS):
             return bad(node.operand)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):  # 9**9**9 would hang: a literal ** a small one
+            e = node.right.operand if isinstance(node.right, ast.UnaryOp) else node.right
+            if not (isinstance(node.left, ast.Constant) and isinstance(e, ast.Constant)
+                    and isinstance(e.value, (int, float)) and abs(e.value) <= 64):
+                return node
+        if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)  # "x" * 10**12 would fill memory
+                and any(isinstance(s, (ast.List, ast.Tuple, ast.Set)) or isinstance(s, ast.Constant)
+                        and isinstance(s.value, (str, bytes)) for s in (node.left, node.right))):
+            return node
         if isinstance(node, ast.BinOp) and isinstance(node.op, DATA_OPS):
             return bad(node.left) or bad(node.right)
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args

@@ -79,3 +79,18 @@ def test_configure_or_exit_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, str(script), "--batch_size=x"], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "batch_size" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("body,ok", [
+    ("lr = 6 * 10**-4\nbatch = 2**20\ndecay = -2**3\nrates = dict(a=1e-3, b=[1, 2])", True),
+    ("x = 9**9**9", False),  # would hang the trainer that execs it
+    ("x = 'a' * 10**12", False),  # would fill its memory
+    ("x = [0] * 10**12", False),
+    ("x = (2**64)**64", False),
+    ("n = 2**depth", False),
+    ("import os", False),
+])
+def test_a_config_from_another_machine_must_be_quick_plain_data(body, ok):
+    """configurator.not_data, which relay.py applies to the run's config.py before train.py execs it: literals and
+    arithmetic only, and no arithmetic that takes long to compute (a huge power or repetition)."""
+    assert (configurator.not_data(body) is None) == ok
