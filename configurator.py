@@ -4,7 +4,8 @@ nanoGPT-style configuration: a script defines its config as plain globals, then 
     configurator.configure(globals(), sys.argv[1:])
 
 A bare argument is a config file exec'd into those globals; `--key=value` overrides one global, parsed with
-ast.literal_eval (a bare word stays a string where the global is a string) and must keep the global's type.
+ast.literal_eval (where the global is a string, the text as written unless it is a quoted string) and must keep the
+global's type (None only where the default is None).
 Unknown keys (on the command line or assigned in a config file) are refused with the closest valid key, so a
 typo never silently trains with a default. Errors are one line: `configure_or_exit` prints it and exits 2.
 """
@@ -30,9 +31,11 @@ def closest(key, keys):
 
 
 def coerce(key, value, old):
-    """Check that `value` may replace `old` (same type; an int may stand for a float; None takes anything)."""
-    if old is None or value is None:
+    """Check that `value` may replace `old` (same type; an int may stand for a float; a None default takes anything)."""
+    if old is None:
         return value
+    if value is None:  # --seq_len=None would fail later as an unexpected TypeError (exit 10: restarted)
+        raise ConfigError(f"{key} must be a {type(old).__name__} (default {old!r}), got None")
     if isinstance(old, bool) or isinstance(value, bool):
         if isinstance(old, bool) and isinstance(value, bool):
             return value
@@ -47,6 +50,14 @@ def coerce(key, value, old):
 
 
 def parse_value(key, text, old):
+    if isinstance(old, str):  # a string key takes the text as written (--out_dir=2024), or a quoted literal's string
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+        if value is None:
+            raise ConfigError(f"--{key}=None: {key} is a string; pass --{key}= for an empty one")
+        return value if isinstance(value, str) else text
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):

@@ -20,7 +20,7 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   the only true signal was that the newest checkpoint stopped advancing. So: when max_stuck_starts (3)
   consecutive starts produced no new checkpoint, run `on_stuck` (e.g. remount / re-sync the data), re-verify
   every shard, repair what it finds and go on, or stop with exit 9 and a report.
-SIGTERM to the guardian is passed to the trainer (which checkpoints and exits 0) and ends supervision; if the
+SIGTERM or Ctrl-C to the guardian is passed to the trainer (which checkpoints and exits 0) and ends supervision; if the
 guardian itself is killed, Linux sends the trainer SIGTERM (PR_SET_PDEATHSIG).
 """
 
@@ -72,7 +72,16 @@ class Guardian:
         self.out = g["out_dir"]
         self.path = os.path.join(self.out, "guardian.json")
         os.makedirs(self.out, exist_ok=True)
-        self.log = train.read_json(self.path, None) or {"starts": [], "quarantined": [], "repairs": []}
+        try:
+            self.log = train.read_json(self.path, None) or {"starts": [], "quarantined": [], "repairs": []}
+        except train.TrainError as e:  # a torn guardian.json (a full disk): kept aside, a fresh log begins
+            os.replace(self.path, self.path + f".corrupt-{int(time.time())}")
+            self.say(f"warning: {e}; kept as {os.path.basename(self.path)}.corrupt-*, starting a fresh log")
+            self.log = {"starts": [], "quarantined": [], "repairs": []}
+        released = [q for q in self.log["quarantined"] if q["shard"] in self.cfg["release_shards"]]
+        for q in released:  # --release_shards: the operator fixed them; the next fault may quarantine them again
+            self.log["quarantined"].remove(q)
+            self.log["repairs"].append({"shard": q["shard"], "action": "released (--release_shards)", "at": time.time()})
         self.log["status"] = "running"
         self.child = None
         self.stopping = False
@@ -91,11 +100,17 @@ class Guardian:
         return {n: os.path.join(self.cfg["data_root"], n) for n in sorted(names)}
 
     def quarantine(self, shard_path, offset, reason):
+        """Whether it is newly quarantined. A loss mask's file quarantines its shard (train.py skips shards by name)."""
         corpus = os.path.basename(os.path.dirname(os.path.abspath(shard_path)))
-        key = f"{corpus}/{os.path.basename(shard_path)}"
-        if key not in [q["shard"] for q in self.log["quarantined"]]:
-            self.log["quarantined"].append({"shard": key, "offset": offset, "reason": reason, "at": time.time()})
-            self.say(f"QUARANTINED {key} ({reason}); training goes on without it")
+        name = os.path.basename(shard_path)
+        if name.endswith(".mask.bin"):
+            name = name[:-len(".mask.bin")] + ".bin"
+        key = f"{corpus}/{name}"
+        if key in [q["shard"] for q in self.log["quarantined"]]:
+            return False
+        self.log["quarantined"].append({"shard": key, "offset": offset, "reason": reason, "at": time.time()})
+        self.say(f"QUARANTINED {key} ({reason}); training goes on without it")
+        return True
 
     def repair_shard(self, path, offset, repeated):
         """A shard named by a corrupt-data exit: refetch if corrupt on disk, else quarantine on a repeat.
@@ -140,10 +155,12 @@ class Guardian:
         fixed = 0
         for name, cdir in self.corpora().items():
             for problem in shards.verify_corpus(cdir):
-                fixed += 1
                 bad = problem.split(" ", 1)[0].rstrip(":")
+                acted = len(self.log["repairs"]) + len(self.log["quarantined"])
                 if os.path.isfile(bad) and self.repair_shard(bad, None, repeated=True) is not None:
                     return False
+                # a shard quarantined before is still corrupt on disk: not a fix (else every restart is burnt on it)
+                fixed += len(self.log["repairs"]) + len(self.log["quarantined"]) > acted
         return bool(cmd) or fixed > 0
 
     def leg_left(self):
@@ -175,24 +192,29 @@ class Guardian:
             args.append(f"--{k}={v}" if k == "stop_after_steps" else f"--{k}={v:.6f}")
         if latest_step(self.out) is not None and not (first and self.rollback()):
             args += ["--init_from=resume", "--resume_from="]
-        q = sorted(set(self.cfg["quarantine_shards"]) | {x["shard"] for x in self.log["quarantined"]})
+        mine = {x["shard"] for x in self.log["quarantined"]}
+        q = sorted(set(self.cfg["quarantine_shards"]) | mine)
         if q:
             args.append(f"--quarantine_shards={q!r}")
+        if self.cfg["release_shards"]:  # not one quarantined again since (a fix that did not hold)
+            args.append(f"--release_shards={sorted(set(self.cfg['release_shards']) - mine)!r}")
         return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), *args]
 
-    def on_sigterm(self, signum, frame):
-        self.stopping = True
+    def on_signal(self, signum, frame):
+        """SIGTERM, or SIGINT (Ctrl-C, which the trainer got too): the trainer checkpoints and exits; so does this."""
+        self.stopping = signal.Signals(signum).name
         if self.child and self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)
 
     def run(self):
-        signal.signal(signal.SIGTERM, self.on_sigterm)
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
         no_progress, unreachable_tries, last_data_fault = [], 0, None
         while True:
             if self.stopping:  # a SIGTERM while no trainer ran (a backoff, a repair): start none
-                self.log["status"] = "stopped (SIGTERM)"
+                self.log["status"] = f"stopped ({self.stopping})"
                 self.save()
-                self.say("stopped by SIGTERM between starts")
+                self.say(f"stopped by {self.stopping} between starts")
                 return 0
             if self.n_started >= self.cfg["max_restarts"] + 1:  # this invocation's: guardian.json keeps every one
                 return self.stop(train.EXIT_ERROR, f"gave up after {self.cfg['max_restarts']} restarts")
@@ -231,11 +253,11 @@ class Guardian:
                          crash_report=rep_name, message=(rep or {}).get("message"))
             self.save()
             if rc == 0:
-                self.log["status"] = "stopped (SIGTERM)" if self.stopping else "done"
+                self.log["status"] = f"stopped ({self.stopping})" if self.stopping else "done"
                 self.save()
                 return 0
             if self.stopping:
-                return self.stop(rc, "stopped by SIGTERM")
+                return self.stop(rc, f"stopped by {self.stopping}")
             if rc in NO_RESTART:
                 return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
                                      f"restarting cannot fix this")
@@ -244,6 +266,8 @@ class Guardian:
                 if unreachable_tries > UNREACHABLE_RETRIES:
                     return self.stop(rc, f"storage unreachable {UNREACHABLE_RETRIES + 1} times: {(rep or {}).get('message')}")
                 time.sleep(self.backoff(unreachable_tries))
+            if rc == train.EXIT_DATA and rep and rep.get("kind") == "index":  # the corpus's index.json: no shard to fix
+                return self.stop(rc, f"{cause}: {rep.get('message')}; restarting cannot fix this")
             if rc == train.EXIT_DATA and rep and rep.get("path"):
                 fault = (rep["path"], rep.get("offset"))
                 verdict = self.repair_shard(rep["path"], rep.get("offset"), repeated=fault == last_data_fault)

@@ -24,7 +24,7 @@ resume nor retention mistakes the old timeline for the new one.
 Exit codes (one line on stderr each, and a crash-<ms>.json report in out_dir): 0 done / leg done / preempted
 (SIGTERM: checkpoint, then exit), 1 error (bad config, bad checkpoint, missing data), 2 bad config syntax or key,
 3 corrupt data (shard, offset, what), 4 storage denied (HTTP 401/403: credentials or billing, not data), 5 storage
-unreachable, 6 out of disk (previous checkpoint intact), 7 non-finite loss (the step is not applied and never
+unreachable, 6 out of disk (previous checkpoint intact), 7 non-finite loss or gradient norm (the step is not applied and never
 reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread stacks in hang-*.txt), 10 an
 unforeseen error (its traceback on stderr and in the crash report; the guardian restarts on it).
 Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step; mirror_dir copies them
@@ -101,6 +101,7 @@ keep_last = 3
 mirror_dir = ""              # also copy logs and the newest checkpoint here (another disk, a bucket mount)
 hang_timeout = 1800.0        # seconds without step progress -> dump all thread stacks, exit 8 (0: off)
 quarantine_shards = []       # "corpus/file" shards to skip (the guardian adds to it; kept in state.json)
+release_shards = []          # "corpus/file" quarantined shards to read again (fixed by hand; checkpoints untouched)
 on_stuck = ""                # guardian: shell command run when max_stuck_starts starts made no new checkpoint
 max_stuck_starts = 3
 unreachable_backoff_s = 5.0  # guardian: storage unreachable -> wait 2x, 4x, 8x this (<= 60 s) between 3 retries
@@ -414,14 +415,26 @@ def retain(out_dir, keep):
     valid = [(s, p) for s, p in ckpts if checkpoint.is_valid(p, check_hashes=False)]
     if not valid:
         return []
-    kinds = {p: (read_json(os.path.join(p, "state.json"), {}) or {}).get("kind", "periodic") for _, p in valid}
+    states = {}
+    for _, p in valid:
+        try:
+            with open(os.path.join(p, "state.json")) as f:
+                states[p] = json.load(f)
+        except (OSError, ValueError):  # a corrupt one (its hash fails on resume) is neither kept nor removed here
+            continue
+        if not isinstance(states[p], dict):
+            del states[p]
+    readable = [(s, p) for s, p in valid if p in states]
+    kinds = {p: states[p].get("kind", "periodic") for _, p in readable}
     best = (open(os.path.join(out_dir, "BEST")).read().strip() if os.path.exists(os.path.join(out_dir, "BEST")) else None)
-    permanent = [p for _, p in valid if kinds[p] in ("periodic", "final", "preempt")]
-    protect = set(permanent[-max(1, keep):]) | {p for _, p in valid if kinds[p] == "stage_final"} | {valid[-1][1]}
+    permanent = [p for _, p in readable if kinds[p] in ("periodic", "final", "preempt")]
+    # every stage's end stays, the end of a finished plan too (saved again as "final"; a --replan extends the plan)
+    protect = (set(permanent[-max(1, keep):]) | {valid[-1][1]}
+               | {p for _, p in readable if kinds[p] == "stage_final" or states[p].get("finished")})
     if best:
         protect.add(os.path.join(out_dir, best))
     removed = []
-    for _, p in valid:
+    for _, p in readable:
         if p not in protect:
             shutil.rmtree(p)
             removed.append(os.path.basename(p))
@@ -555,7 +568,7 @@ def mirror(out_dir, dest, checkpoints=True, keep=1):
                 shutil.rmtree(there, ignore_errors=True)
                 os.replace(tmp, there)
             retain(dest, keep)  # else every checkpoint ever made piles up there
-    except OSError as e:
+    except Exception as e:  # OSError mostly; a mirror must never end the run
         print(f"WARNING: mirror to {dest} failed ({e}); training goes on, {out_dir} holds every checkpoint",
               file=sys.stderr)
         return False
@@ -686,6 +699,7 @@ def main(argv):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     out = cfg["out_dir"]
+    _RUN_INFO.update(out_dir=out, master=master)  # a fault before the loop gets its crash report too
     tokens_per_step = lambda T: cfg["batch_size"] * T * cfg["grad_accum"] * world
     if master and cfg["mirror_dir"]:  # a mirror that cannot work is refused now, not found out hours in
         probe = os.path.join(cfg["mirror_dir"], f".probe-{os.getpid()}")
@@ -696,6 +710,15 @@ def main(argv):
         except OSError as e:
             raise TrainError(f"mirror_dir {cfg['mirror_dir']} is not writable ({e.strerror}); mount it, or pass "
                              f"another --mirror_dir (or none)")
+
+    def config_wins(stored, how):
+        """The checkpoint's architecture, but the training-only fields (a longer context, another balancing rate) from
+        the config where it sets them (a config file or --key=value), else the checkpoint's."""
+        wins = {k: cfg[k] for k in RESUME_CONFIG_WINS if k in given or k not in stored}
+        for k, v in wins.items():
+            if k in stored and stored[k] != v:
+                log(f"{how}: {k} {stored[k]} -> {v} (the config's)")
+        return wins
 
     # --- state: scratch | resume | grow -------------------------------------------------------------------
     state, sd, opt_sd, layer_origin, ck = None, None, None, None, None
@@ -711,7 +734,7 @@ def main(argv):
                          f"continue it with --init_from=resume, or pass another --out_dir")
     if cfg["init_from"] == "resume":
         if cfg["resume_from"]:
-            ck = cfg["resume_from"]
+            ck = checkpoint.resolve(cfg["resume_from"])  # a step dir, or a run dir (its newest) as grow_from takes
             checkpoint.verify(ck)
         else:
             ck = checkpoint.latest_valid(out)
@@ -722,12 +745,7 @@ def main(argv):
             if newest and newest[-1][1] != ck:
                 log(f"WARNING: newest checkpoint {newest[-1][1]} is invalid (bad manifest); resuming from {ck}")
         state = read_json(os.path.join(ck, "state.json"))
-        # the checkpoint's architecture; the config's training-only fields (a longer context, another balancing rate)
-        arch = {k: v for k, v in state["model_config"].items() if k not in RESUME_CONFIG_WINS}
-        for k in RESUME_CONFIG_WINS:
-            if k in state["model_config"] and state["model_config"][k] != cfg[k]:
-                log(f"resume: {k} {state['model_config'][k]} -> {cfg[k]} (the config's)")
-        mcfg = model_config_from({**cfg, **arch})
+        mcfg = model_config_from({**cfg, **state["model_config"], **config_wins(state["model_config"], "resume")})
         sd = load_file(os.path.join(ck, "model.safetensors"))
         if os.path.exists(os.path.join(ck, "optimizer.pt")):
             opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
@@ -761,7 +779,8 @@ def main(argv):
         old = ModelConfig.from_dict(src_state["model_config"])
         sd, layer_origin = grow_state_dict(load_file(os.path.join(ck, "model.safetensors")), old,
                                            cfg["grow_layers"], cfg["grow_where"])
-        mcfg = ModelConfig.from_dict({**asdict(old), "n_layer": old.n_layer + cfg["grow_layers"]})
+        mcfg = ModelConfig.from_dict({**asdict(old), "n_layer": old.n_layer + cfg["grow_layers"],
+                                      **config_wins(src_state["model_config"], "grow")})
         log(f"growing {ck}: {old.n_layer} -> {mcfg.n_layer} layers (new blocks start as identity)")
     elif cfg["init_from"] == "finetune":
         if not cfg["finetune_from"]:
@@ -769,7 +788,7 @@ def main(argv):
         ck = checkpoint.resolve(cfg["finetune_from"])
         checkpoint.verify(ck)
         src_state = read_json(os.path.join(ck, "state.json"))
-        mcfg = model_config_from({**cfg, **src_state["model_config"]})
+        mcfg = model_config_from({**cfg, **src_state["model_config"], **config_wins(src_state["model_config"], "finetune")})
         sd = load_file(os.path.join(ck, "model.safetensors"))
         layer_origin = src_state.get("layer_origin") or ["new"] * mcfg.n_layer
         log(f"fine-tuning from {ck} (step {src_state.get('step')}); fresh optimizer and plan")
@@ -780,7 +799,7 @@ def main(argv):
     plan = build_plan(cfg, tokens_per_step)
     if state is not None:
         stored = state["plan"]
-        if state.get("config_stages") != cfg["stages"] or (not cfg["stages"] and stored_plan_differs(state, cfg)):
+        if state.get("config_stages") != cfg["stages"] or stored_plan_differs(state, cfg):
             if not flags["--replan"]:
                 raise TrainError(f"the config's plan differs from the plan stored in {out} (state.json); pass --replan "
                                  f"to adopt the new plan, or use the run's original config")
@@ -796,33 +815,38 @@ def main(argv):
             raise TrainError(f"stage {s['name']} trains on seq_len {s['seq_len']}, longer than the model's max_seq_len="
                              f"{mcfg.max_seq_len}; raise --max_seq_len or lower the stage's seq_len")
     corpora = sorted({c for s in plan for c in s["mix"]})
-    quarantined = sorted(set(cfg["quarantine_shards"]) | set((state or {}).get("quarantined_shards", [])))
-    streams, val_stream = {}, None
+    quarantined = sorted((set(cfg["quarantine_shards"]) | set((state or {}).get("quarantined_shards", [])))
+                         - set(cfg["release_shards"]))
+    streams, val_stream, indexes = {}, None, {}
     for c in corpora:
         cdir = os.path.join(cfg["data_root"], c)
         if not os.path.isdir(cdir):
             known = sorted(d for d in os.listdir(cfg["data_root"])) if os.path.isdir(cfg["data_root"]) else []
             raise TrainError(f"dataset {c!r}: no folder {cdir}; run python data/{c}/prepare.py first"
                              + (f" (corpora here: {', '.join(known)})" if known else ""))
-        skip = [q.split("/", 1)[1] for q in quarantined if q.startswith(c + "/")]
-        if skip:
-            log(f"WARNING: QUARANTINED shards of {c} are skipped: {', '.join(skip)} (see guardian.json; a fixed shard "
-                f"comes back when it is removed from quarantine_shards and state.json)")
-        streams[c] = shards.TokenStream(cdir, "train", vocab_size=mcfg.vocab_size, skip_shards=skip)
+        indexes[c] = shards.load_index(cdir)
+        if indexes[c].get("vocab_size", 0) > mcfg.vocab_size:  # a config mistake, not corrupt data (no restart)
+            raise TrainError(f"corpus {c} has vocab_size {indexes[c]['vocab_size']} > model vocab_size "
+                             f"{mcfg.vocab_size}; set --vocab_size={indexes[c]['vocab_size']}")
+    skip_of = {c: [q.split("/", 1)[1] for q in quarantined if q.startswith(c + "/")] for c in corpora}
+    for c in corpora:
+        if skip_of[c]:
+            log(f"WARNING: QUARANTINED shards of {c} are skipped: {', '.join(skip_of[c])} (see guardian.json; a fixed "
+                f"shard comes back with --release_shards=\"['{c}/{skip_of[c][0]}']\")")
+        streams[c] = shards.TokenStream(os.path.join(cfg["data_root"], c), "train", vocab_size=mcfg.vocab_size,
+                                        skip_shards=skip_of[c])
     first = plan[0]["mix"]
     val_corpus = max(sorted(first), key=lambda c: first[c])
-    try:
-        val_stream = shards.TokenStream(os.path.join(cfg["data_root"], val_corpus), "val", vocab_size=mcfg.vocab_size)
+    try:  # quarantine holds for val shards too (the guardian names them as it names train ones)
+        val_stream = shards.TokenStream(os.path.join(cfg["data_root"], val_corpus), "val", vocab_size=mcfg.vocab_size,
+                                        skip_shards=skip_of[val_corpus])
     except shards.DataError:
         val_stream = None  # a corpus without a val split: no val loss, said once below
-    index = shards.load_index(os.path.join(cfg["data_root"], val_corpus))
+    index = indexes[val_corpus]
     tokenizer_file = os.path.join(cfg["data_root"], val_corpus, index.get("tokenizer", "tokenizer.json"))
-    if index.get("vocab_size", 0) > mcfg.vocab_size:
-        raise TrainError(f"corpus {val_corpus} has vocab_size {index['vocab_size']} > model vocab_size {mcfg.vocab_size}; "
-                         f"set --vocab_size={index['vocab_size']}")
     # one tokenizer for every corpus of the plan and for the weights: token ids mean nothing across tokenizers, and a
     # corpus prepared again (a new tokenizer by default) silently retrained a resumed run on other meanings
-    tok_of = {c: shards.load_index(os.path.join(cfg["data_root"], c)).get("tokenizer_sha256") for c in corpora}
+    tok_of = {c: indexes[c].get("tokenizer_sha256") for c in corpora}
     if len(set(tok_of.values())) > 1:
         raise TrainError("the plan's corpora were tokenized with different tokenizers (" + ", ".join(
             f"{c} {h[:12]}" for c, h in sorted(tok_of.items())) + "); prepare them with one: --tokenizer FILE")
@@ -886,10 +910,10 @@ def main(argv):
     st = state or {"step": 0, "tokens": 0, "best_val_loss": None, "elapsed_seconds": 0.0, "usd_spent": 0.0,
                    "created_at": time.time(), "seq_len_history": []}
     st["plan"], st["config_stages"], st["layer_origin"] = plan, cfg["stages"], layer_origin
+    st["finished"] = stage_at(plan, st["tokens"])[1] is None  # a finished run extended by --replan is not, any more
     st["quarantined_shards"] = quarantined
     _RUN_INFO.update(out_dir=out, state=st, streams=streams, master=master)
-    if not cfg["stages"]:
-        st["plan_source"] = {k: cfg[k] for k in ("max_iters", "warmup_iters", "decay_frac")}
+    st["plan_source"] = {k: cfg[k] for k in PLAN_SOURCE_KEYS} if not cfg["stages"] else {"dataset": cfg["dataset"]}
     control_path = os.path.join(out, "control.json")
     gpu_name, peak = gpu_peak_flops(device_type)
     if master:
@@ -899,8 +923,15 @@ def main(argv):
     stop = {"signal": None}
 
     def on_sigterm(signum, frame):
-        stop["signal"] = signum
+        stop["signal"] = stop["signal"] or signum  # Ctrl-C under the guardian: SIGINT first, then its SIGTERM
     signal.signal(signal.SIGTERM, on_sigterm)
+
+    def on_sigint(signum, frame):  # Ctrl-C: as SIGTERM (a checkpoint at the end of this step); a second one quits now
+        if stop["signal"] is not None:
+            raise KeyboardInterrupt
+        stop["signal"] = signum
+        log("Ctrl-C: saving a checkpoint at the end of this step, then exiting (Ctrl-C again quits without one)")
+    signal.signal(signal.SIGINT, on_sigint)
 
     def on_rank0(*flags):
         """Decisions made on a clock or a signal, taken from rank 0 by every rank: under torchrun a rank that saved
@@ -912,7 +943,13 @@ def main(argv):
         return tuple(bool(v) for v in t.tolist())
 
     def check_control():
-        ctl = read_json(control_path, {}) if master else {}
+        ctl = {}
+        if master:
+            try:  # `echo ... > control.json` empties the file first: a half-written one is read again next time
+                ctl = read_json(control_path, {})
+            except TrainError as e:
+                log(f"WARNING: {e}; read again at the next check")
+            ctl = ctl if isinstance(ctl, dict) else {}
         want = bool(ctl.get("start_decay")) and st.get("decay_started_at_tokens") is None
         if ddp:
             t = torch.tensor([int(want)], device=device)
@@ -1046,7 +1083,16 @@ def main(argv):
             raise TrainError(f"non-finite loss ({loss_val}) at step {st['step']} (tokens {st['tokens']:,}, stage "
                              f"{stage['name']}); the step was not applied and no checkpoint holds it; lower the LR "
                              f"or resume from the last checkpoint", EXIT_NONFINITE)
-        gnorm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg["grad_clip"]) if cfg["grad_clip"] > 0 else None
+        if os.environ.get("PICAFLOR_INJECT_NAN_GRAD_AT_STEP") == str(st["step"]):  # the test of the check below
+            next(p for p in raw_model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        # the norm without clipping when grad_clip is 0: a NaN gradient under a finite loss (an overflow in backward)
+        # would otherwise reach the weights, and the next checkpoint would verify
+        gnorm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg["grad_clip"] if cfg["grad_clip"] > 0
+                                               else float("inf"))
+        if not math.isfinite(float(gnorm)):
+            raise TrainError(f"non-finite gradient norm ({float(gnorm)}) at step {st['step']} under a finite loss "
+                             f"({loss_val:.4f}); the step was not applied and no checkpoint holds it; lower the LR or "
+                             f"resume from the last checkpoint", EXIT_NONFINITE)
         opt.step()
         opt.zero_grad(set_to_none=True)
         load = raw_model.take_expert_load()
@@ -1083,7 +1129,7 @@ def main(argv):
                    "dead_frac": float(dead.mean()) if dead is not None else None,
                    "load_cv_layers": [round(float(v), 4) for v in cv] if cv is not None else None,
                    "dead_frac_layers": [round(float(v), 4) for v in dead] if dead is not None else None,
-                   "grad_norm": float(gnorm) if gnorm is not None else None,
+                   "grad_norm": float(gnorm),
                    "usd": st["usd_spent"], "usd_per_btok": st["usd_spent"] / (st["tokens"] / 1e9),
                    "usd_projected": st["usd_spent"] * plan_tokens(st["plan"]) / st["tokens"],
                    "elapsed_s": st["elapsed_seconds"], "gpu": gpu_name or "cpu", "world_size": world, "time": time.time()}
@@ -1127,7 +1173,8 @@ def main(argv):
         kind = "preempt" if stop["signal"] is not None else "final"
         save(kind)
     if stop["signal"] is not None:
-        log(f"SIGTERM: checkpoint saved at step {st['step']}; exiting (resume with --init_from=resume)")
+        log(f"{signal.Signals(stop['signal']).name}: checkpoint saved at step {st['step']}; exiting (resume with "
+            f"--init_from=resume)")
     elif st["finished"]:
         log(f"run finished: all {len(st['plan'])} planned stages done ({st['tokens']:,} tokens)")
     else:
@@ -1152,9 +1199,16 @@ def main(argv):
         dist.destroy_process_group()
 
 
+PLAN_SOURCE_KEYS = ("max_iters", "warmup_iters", "decay_frac", "dataset")  # what a plan without stages is built from
+
+
 def stored_plan_differs(state, cfg):
-    src = state.get("plan_source")
-    return src is not None and src != {k: cfg[k] for k in ("max_iters", "warmup_iters", "decay_frac")}
+    """Whether the config builds another plan than the stored one from the same stages: other lengths without stages,
+    another --dataset for stages without a mix (checkpoints before the dataset was recorded: not compared)."""
+    src = state.get("plan_source") or {}
+    if cfg["stages"] and all("mix" in s for s in cfg["stages"] if isinstance(s, dict)):
+        src = {}
+    return any(src[k] != cfg[k] for k in PLAN_SOURCE_KEYS if k in src)
 
 
 if __name__ == "__main__":

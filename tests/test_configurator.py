@@ -94,3 +94,15 @@ def test_a_config_from_another_machine_must_be_quick_plain_data(body, ok):
     """configurator.not_data, which relay.py applies to the run's config.py before train.py execs it: literals and
     arithmetic only, and no arithmetic that takes long to compute (a huge power or repetition)."""
     assert (configurator.not_data(body) is None) == ok
+
+
+def test_none_only_where_the_default_is_none_and_string_keys_take_the_text():
+    g = {"out_dir": "out", "seq_len": 32, "mirror_dir": "", "maybe": None}
+    for arg, words in [("--seq_len=None", "seq_len must be a int"), ("--out_dir=None", "--out_dir= for an empty")]:
+        with pytest.raises(ConfigError, match=words):
+            configure(dict(g), [arg])
+    h = dict(g)
+    configure(h, ["--out_dir=2024", "--mirror_dir=True", "--maybe=None"])
+    assert h["out_dir"] == "2024" and h["mirror_dir"] == "True" and h["maybe"] is None
+    configure(h, ["--out_dir='runs/a b'"])
+    assert h["out_dir"] == "runs/a b"

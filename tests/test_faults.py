@@ -178,11 +178,16 @@ def test_sigterm_checkpoints_and_resume_is_bitwise(data_root, tmp_path):
     assert [a[s]["loss"] for s in range(1, 11)] == [b[s]["loss"] for s in range(1, 11)]
 
 
-def test_nan_never_reaches_a_checkpoint(data_root, tmp_path):
+@pytest.mark.parametrize("inject,said,extra", [
+    ("PICAFLOR_INJECT_NAN_AT_STEP", "non-finite loss", []),
+    # a NaN gradient under a finite loss (an overflow in backward), without clipping: the norm is checked anyway
+    ("PICAFLOR_INJECT_NAN_GRAD_AT_STEP", "non-finite gradient norm", ["--grad_clip=0"]),
+])
+def test_nan_never_reaches_a_checkpoint(data_root, tmp_path, inject, said, extra):
     out = str(tmp_path / "run")
     r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=10", "--warmup_iters=1",
-               "--eval_interval=100", "--ckpt_interval=2"], env=dict(ENV, PICAFLOR_INJECT_NAN_AT_STEP="5"))
-    assert r.returncode == 7 and "non-finite loss" in r.stderr
+               "--eval_interval=100", "--ckpt_interval=2", *extra], env=dict(ENV, **{inject: "4"}))
+    assert r.returncode == 7 and said in r.stderr, r.stderr[-2000:]
     steps = [s for s, p in checkpoint.list_checkpoints(out) if checkpoint.is_valid(p)]
     assert steps and max(steps) <= 5
     for s, p in checkpoint.list_checkpoints(out):
@@ -501,3 +506,86 @@ def test_mirror_keeps_logs_and_newest_checkpoint_elsewhere(data_root, tmp_path):
                "--mirror", str(tmp_path / "file" / "mirror")])
     err = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 1 and len(err) == 1 and "mirror_dir" in err[0] and "not writable" in err[0], r.stderr
+
+
+def test_ctrl_c_under_the_guardian_checkpoints_and_a_torn_guardian_log_is_set_aside(data_root, tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) under --supervise: the trainer saves a checkpoint
+    and exits 0, the guardian records "stopped (SIGINT)", no traceback. A torn guardian.json (a full disk) is kept
+    aside and a fresh log begins, instead of a traceback."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "guardian.json").write_text('{"starts": [')
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                          "--max_iters=100000", "--warmup_iters=2", "--eval_interval=100000", "--ckpt_interval=1000",
+                          "--supervise"], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not os.path.exists(out / "metrics.jsonl"):  # the trainer is training
+        assert time.time() < deadline and p.poll() is None, p.stdout.read()
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGINT)
+    err, _ = p.communicate(timeout=120)
+    assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "Ctrl-C: saving a checkpoint" in err and "SIGINT: checkpoint saved" in err
+    log = json.load(open(out / "guardian.json"))
+    assert log["status"] == "stopped (SIGINT)" and len(log["starts"]) == 1
+    assert [n for n in os.listdir(out) if n.startswith("guardian.json.corrupt-")]
+    step = json.load(open(os.path.join(checkpoint.latest_valid(str(out)), "state.json")))["step"]
+    assert step > 0
+
+
+def test_quarantine_holds_for_val_shards_release_brings_one_back_and_a_torn_control_file_waits(tmp_path):
+    """A quarantined val shard is skipped as train ones are (the guardian restarted on it until it gave up);
+    --release_shards reads it again without touching a checkpoint (the old advice, editing state.json, broke every
+    checkpoint's hash); an empty control.json (`echo ... >` truncates first) is a warning, read again later."""
+    root = make_corpus(tmp_path / "data")
+    val = os.path.join(root, "local", "val_000000.bin")
+    zero_page(val)
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    open(os.path.join(out, "control.json"), "w").close()
+    base = [f"--data_root={root}", f"--out_dir={out}", "--max_iters=20", "--warmup_iters=1", "--eval_interval=2"]
+    r = train(base + ["--stop_after_steps=3", "--quarantine_shards=['local/val_000000.bin']"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "control.json: not valid JSON" in r.stdout + r.stderr and "--release_shards" in r.stdout + r.stderr
+    st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+    assert st["quarantined_shards"] == ["local/val_000000.bin"]
+    r = train(base + ["--init_from=resume", "--stop_after_steps=2", "--release_shards=['local/val_000000.bin']"])
+    assert r.returncode == 3 and "val_000000.bin" in r.stderr and "corrupt data" in r.stderr, r.stderr[-2000:]
+    assert checkpoint.latest_valid(out) and checkpoint.is_valid(checkpoint.latest_valid(out))
+
+
+def test_config_mistakes_before_training_are_not_corrupt_data(data_root, tmp_path):
+    """A corpus with a larger vocabulary than the model is a config error (exit 1, which the guardian does not
+    restart), not corrupt data (3, restarted up to max_restarts), and gets a crash report; a corrupt index.json is
+    not a shard to quarantine: the guardian stops after one start."""
+    r = train([f"--data_root={data_root}", f"--out_dir={tmp_path / 'a'}", "--vocab_size=256", "--max_iters=4",
+               "--warmup_iters=1"])
+    assert r.returncode == 1 and "set --vocab_size=320" in r.stderr, r.stderr[-2000:]
+    assert [n for n in os.listdir(tmp_path / "a") if n.startswith("crash-")]
+    shutil.copytree(os.path.join(data_root, "local"), tmp_path / "data" / "local")
+    with open(tmp_path / "data" / "local" / "index.json", "w") as f:
+        f.write('{"splits": ')
+    out = tmp_path / "b"
+    r = train([f"--data_root={tmp_path / 'data'}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1", "--supervise",
+               "--max_restarts=3"])
+    log = json.load(open(out / "guardian.json"))
+    assert r.returncode == 3 and len(log["starts"]) == 1 and not log["quarantined"], (r.stderr[-2000:], log)
+    assert "restarting cannot fix this" in log["report"]["message"]
+
+
+def test_guardian_quarantines_a_mask_by_its_shard_and_counts_no_old_quarantine_as_a_fix(tmp_path):
+    """A corrupt loss mask quarantined `x.mask.bin`, which train.py (skipping shards by name) never skipped; and
+    on_stuck counted a shard it had quarantined before, still corrupt on disk, as fixed: every restart was burnt."""
+    import guardian
+    src = shutil.copytree(os.path.join(sysconfig.get_paths()["stdlib"], "json"), tmp_path / "src")
+    root = make_corpus(tmp_path / "data", src=src)
+    shutil.rmtree(src)  # the recorded source is gone: a corrupt shard cannot be re-fetched
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}"])
+    mask = os.path.join(root, "local", "train_000000.mask.bin")
+    assert g.quarantine(mask, 0, "test") and not g.quarantine(os.path.join(root, "local", "train_000000.bin"), 0, "x")
+    assert [q["shard"] for q in g.log["quarantined"]] == ["local/train_000000.bin"]
+    shard = os.path.join(root, "local", "train_000001.bin")
+    zero_page(shard)  # corrupt on disk, no source to re-fetch from: quarantined by the first on_stuck
+    assert g.on_stuck(["corrupt data"] * 3) is True and "local/train_000001.bin" in [q["shard"] for q in g.log["quarantined"]]
+    assert g.on_stuck(["corrupt data"] * 3) is False  # the same shard again: nothing was fixed
