@@ -376,14 +376,20 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
         index = shards.load_index(data_dir)
     except shards.DataError as e:
         raise ChatError(str(e)) from None
+    toks = {}
+    for _, path in ckpts:  # every checkpoint's tokenizer before the first is scored (a late mismatch lost them all)
+        try:
+            toks[path] = Tokenizer.load(os.path.join(path, "tokenizer.json"))
+        except ValueError as e:
+            raise ChatError(f"{e}; each checkpoint of an SFT run carries its tokenizer.json") from None
+        if toks[path].hash != index.get("tokenizer_sha256"):
+            raise ChatError(f"{path}/tokenizer.json differs from {data_dir}'s tokenizer; pass the --data corpus "
+                            f"prepared with this model's tokenizer")
     results = []
     for step, path in ckpts:
         t0 = time.time()
         model = load_checkpoint(path, device=device, dtype=dtype)
-        tok = Tokenizer.load(os.path.join(path, "tokenizer.json"))
-        if tok.hash != index["tokenizer_sha256"]:
-            raise ChatError(f"{path}/tokenizer.json differs from {data_dir}'s tokenizer; pass the --data corpus "
-                            f"prepared with this model's tokenizer")
+        tok = toks[path]
         loss, n = val_assistant_loss(model, data_dir, max_rows)
         answers = []
         for p in prompts:
@@ -432,7 +438,9 @@ def add_sampling_args(ap):
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling with --temperature > 0")
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--context", type=int, default=None, help="KV cache positions (default: the model's max)")
+    ap.add_argument("--context", type=int, default=None,
+                    help="KV cache positions: older turns leave the history beyond it (default: the model's max; 512 "
+                         "for an int4 container with --ram-budget, whose KV cache is reserved in the budget)")
 
 
 def main(argv=None):
@@ -471,6 +479,11 @@ def main(argv=None):
         if a.experts_per_token is not None and a.experts_per_token < 1:  # 0 meant the default, silently
             raise ChatError(f"--experts-per-token {a.experts_per_token}: at least 1 (leave it out for the model's "
                             f"top_k)")
+        import stream_infer  # its sampling checks: a negative temperature sampled the least likely tokens
+        try:
+            stream_infer.check_sampling(a.temperature, a.top_p, "--")
+        except stream_infer.StreamError as e:
+            raise ChatError(str(e)) from None
         import torch
         torch.set_num_threads(max(1, a.threads))
         tok, backend = load_model(a.model, a.ram_budget, a.device, a.experts_per_token, a.context)

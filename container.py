@@ -856,6 +856,14 @@ def main(argv=None):
             return 0
         if not args.out or not (args.ckpt or args.random_config):
             ap.error("give CKPT --out PATH, or --random-config CONFIG --out PATH, or --check CONTAINER")
+        import export  # export.py's --out rules: never the source, never a file that is not an earlier container
+        parent = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(parent):
+            raise ContainerError(f"{args.out}: directory {parent} does not exist; create it or choose another --out")
+        try:
+            export.check_out(args.ckpt or args.random_config, args.out, "int4")
+        except export.ExportError as e:
+            raise ContainerError(str(e)) from None
         source = (RandomSource(config_from_file(args.random_config), args.seed, direct=not args.exact_random)
                   if args.random_config else None)
         rep = write_container(args.ckpt, args.out, args.group_size, args.embed_bits, True, args.dense_bits,
@@ -864,6 +872,9 @@ def main(argv=None):
         return 0
     except (ContainerError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: {e.filename or args.out}: {e.strerror}", file=sys.stderr)
         return 1
 
 

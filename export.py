@@ -297,6 +297,8 @@ def hf_tokenizer_files(tok, max_len):
     """tokenizer.json (HF `tokenizers`) and tokenizer_config.json contents for a picaflor Tokenizer."""
     from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
     vocab, merges = bpe_vocab_and_merges(tok)
+    # id 0 in the model's vocab too: as an added token only, `tokenizers` gave <|pad|> the next free id, a real token's
+    vocab[PAD_TOKEN] = 0
     hft = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False))
     hft.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(tok.pattern), behavior="isolated", invert=False),
@@ -611,6 +613,9 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
         w.add_bos_token_id(tok.bos_id)
         w.add_eos_token_id(tok.special_ids["<|end|>"])
         w.add_eot_token_id(tok.special_ids["<|end|>"])
+        # a new document ends generation too, as in the HF export's generation_config and eval.py: llama.cpp stops at
+        # its end-of-generation set (eos, eot, eom), and bos is in it only as eom
+        w.add_eom_token_id(tok.bos_id)
         w.add_pad_token_id(0)
         w.add_add_bos_token(True)
         w.add_add_eos_token(False)

@@ -268,6 +268,24 @@ def test_pick_scores_every_checkpoint(tok, corpus, sft_run):
     assert json.load(open(os.path.join(sft_run, "sft_pick.json")))["lowest_val_loss"] == rep["lowest_val_loss"]
 
 
+def test_pick_checks_every_tokenizer_first(corpus, sft_run, tmp_path):
+    import checkpoint
+    """A checkpoint without its tokenizer.json: one ChatError before any checkpoint is scored (a traceback after
+    the earlier ones were scored, and nothing written, before)."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(sft_run, run, ignore=shutil.ignore_patterns("sft_pick.*"))
+    newest = checkpoint.latest_valid(str(run))
+    os.remove(os.path.join(newest, "tokenizer.json"))
+    manifest = json.load(open(os.path.join(newest, "MANIFEST.json")))
+    del manifest["files"]["tokenizer.json"]  # still a valid checkpoint, only without its tokenizer
+    json.dump(manifest, open(os.path.join(newest, "MANIFEST.json"), "w"))
+    scored = []
+    with pytest.raises(chat.ChatError, match="tokenizer.json"):
+        chat.pick(str(run), str(corpus[0]), prompts=["ping 4"], max_new_tokens=4, max_rows=4, log=scored.append)
+    assert scored == []
+
+
 def test_terminal_chat_in_tmux(sft_run, tmp_path):
     """A person at a terminal: python stream_infer.py MODEL --chat --ram-budget 4G (int4 container), two turns, then
     Ctrl-C at the prompt: a clean exit (status 0, no traceback)."""
@@ -443,7 +461,9 @@ def test_chat_cli_with_checkpoint(sft_run, monkeypatch, capsys):
     assert chat.main([sft_run + "/nope"]) == 1 and "no such file" in capsys.readouterr().err
     for flags, want in ((["--experts-per-token", "99"], "--experts-per-token 99"),  # a traceback
                         (["--experts-per-token", "0"], "at least 1"),  # silently the default
-                        (["--max-new-tokens", "-3"], "--max-new-tokens -3")):  # reserved negative room
+                        (["--max-new-tokens", "-3"], "--max-new-tokens -3"),  # reserved negative room
+                        (["--temperature", "-1"], "--temperature -1.0"),  # sampled the least likely tokens
+                        (["--temperature", "0.7", "--top-p", "1.5"], "--top-p 1.5")):
         assert chat.main([sft_run, *flags]) == 1
         err = capsys.readouterr().err
         assert want in err and len(err.strip().splitlines()) == 1, err

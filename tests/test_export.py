@@ -132,6 +132,13 @@ def test_hf_tokenizer_encodes_identically(ckpt, hf_fp32):
         assert ht.decode(ids) == tok.decode(ids)
     assert ht("hi").input_ids == [tok.bos_id] + tok.encode("hi")  # documents start with <|bos|>, as in training
     assert ht.convert_tokens_to_ids("<|end|>") == tok.special_ids["<|end|>"]
+    # <|pad|> is id 0 (config.json's pad_token_id) and no real token's id: once it took the top BPE token's, which
+    # transformers then decoded as <|pad|> or dropped with skip_special_tokens
+    top = len(tok.token_bytes)
+    assert ht.convert_tokens_to_ids("<|pad|>") == 0 == ht.pad_token_id
+    assert ht.decode([top], skip_special_tokens=True) == tok.decode([top]) != ""
+    every = list(range(1, top + 1))
+    assert ht.convert_ids_to_tokens(every).count("<|pad|>") == 0
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = ht.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert text == "<|bos|><|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>"
@@ -201,7 +208,9 @@ def test_gguf_has_loader_names_keys_and_dequantizes(ckpt, gtype, tol):
             A + "leading_dense_block_count": c.n_dense_layers, A + "expert_weights_norm": True,
             A + "expert_gating_func": int(gguf.ExpertGatingFuncType.SIGMOID),
             "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.bos_token_id": ckpt["tok"].bos_id,
-            "tokenizer.ggml.eos_token_id": ckpt["tok"].special_ids["<|end|>"]}
+            "tokenizer.ggml.eos_token_id": ckpt["tok"].special_ids["<|end|>"],
+            "tokenizer.ggml.eot_token_id": ckpt["tok"].special_ids["<|end|>"],
+            "tokenizer.ggml.eom_token_id": ckpt["tok"].bos_id}  # llama.cpp's end-of-generation set: end and bos
     for k, v in need.items():
         assert kv.get(k) == v, (k, kv.get(k), v)
     assert kv[A + "expert_weights_scale"] == pytest.approx(c.route_scale)
@@ -413,7 +422,7 @@ def test_gguf_from_int4_container_matches_the_container(ckpt, tmp_path):
     assert msg.startswith("error:") and pcf in msg and "--format gguf" in msg and "\n" not in msg
 
 
-def test_out_never_replaces_the_source_or_a_foreign_folder(ckpt, tmp_path):
+def test_out_never_replaces_the_source_or_a_foreign_folder(ckpt, tmp_path, capsys):
     """`--format hf` replaces its --out folder whole: given the run dir, or a folder of the user's, or `.`, it
     deleted it (checkpoints and all). Now only an earlier HF export is replaced; the rest is a one-line error."""
     import shutil
@@ -435,7 +444,21 @@ def test_out_never_replaces_the_source_or_a_foreign_folder(ckpt, tmp_path):
         assert want in str(e.value) and "\n" not in str(e.value), e.value
         assert open(os.path.join(run, "LATEST")).read() == latest
     assert sorted(os.listdir(run)) == before and (mine / "notes.txt").read_text() == "important"
+    # container.py's own CLI (`container.py CKPT --out PATH`) under the same rules: it overwrote a checkpoint's weights
+    import container
+    cfg_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "tiny.py")
+    cfg_text = open(cfg_file).read()
+    for args, want in [([run, "--out", os.path.join(run, "step_0000007", "model.safetensors")], "inside the source"),
+                       ([run, "--out", str(mine)], "is a folder"),
+                       ([run, "--out", str(tmp_path / "nope" / "x.pcf4")], "does not exist"),
+                       (["--random-config", cfg_file, "--out", cfg_file], "is, holds or lies inside the source")]:
+        capsys.readouterr()
+        assert container.main(args) == 1
+        err = capsys.readouterr().err
+        assert want in err and len(err.strip().splitlines()) == 1, err
+    assert open(cfg_file).read() == cfg_text
     import checkpoint
+    checkpoint.verify(os.path.join(run, "step_0000007"))
     good = checkpoint.resolve(run)
     open(os.path.join(run, "LATEST"), "wb").write(b"PCFLINT4\xff\xfe")  # a LATEST something else overwrote
     assert checkpoint.resolve(run) == good  # the newest valid step, not a UnicodeDecodeError
