@@ -45,7 +45,12 @@ baton (its commit would fence them out); `claim` by the current holder renews; $
 (the config's, or --gpu_hourly_usd=); defaults ttl 1200 s, heartbeat 300 s (Hub rate limits). One relay.py at a time
 works in a WORKDIR (flock on WORKDIR/.relay.lock). HTTP requests time out after RELAY_HTTP_TIMEOUT_S (60 s) without
 progress (huggingface_hub's client waits forever), as a Transient. A failed upload or commit of a finished leg keeps
-the lease and names the `push` / `release` that finish it.
+the lease and names the `push` / `release` that finish it. A heartbeat that found the lease overdue (the store too
+slow, nobody else's commit seen) stops the trainer and still pushes: the compare-and-swap decides. A renewal's
+write_id is recorded in LEASE.json before it is sent, as a push's is, so one whose answer was lost is recognised
+as ours; `claim` from the same workdir adopts our own landed commits, and renews our lease even past the ttl when
+the head is still our last commit (nobody claimed), so a crashed contributor's leg resumes. `init --ttl
+--heartbeat` are kept in RELAY.json as the run's defaults for `claim` / `run`.
 """
 
 import argparse
@@ -55,6 +60,7 @@ import datetime as dt
 import getpass
 import html
 import json
+import math
 import os
 import re
 import shutil
@@ -109,9 +115,10 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
         try:
             return store.commit(parent, adds, deletes, message), relay
         except Conflict:
-            if attempt == 0:
+            if attempt == 0 and write_id is None:
                 raise
-            # a retry refused because the head moved: maybe by our own earlier attempt, landed after we looked
+            # refused because the head moved: maybe by our own earlier attempt (this call's, or an earlier call's
+            # given the same write_id again), landed after we looked
             head, _, _ = store.head()
             landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
             if landed and landed.get("write_id") == relay["write_id"]:
@@ -168,6 +175,19 @@ class Snapshot:
         if self.state is None or self.state.get("format") != STATE_FORMAT:
             raise RelayError(f"{store.url}: training_state.json at {self.sha[:10]} missing or not {STATE_FORMAT}; "
                              f"restore it from the previous commit; relay changed nothing")
+        # the numbers relay computes with (a hand edit once failed after a whole leg had trained, the baton held)
+        for name, d, key, may_be_null in (("RELAY.json", self.relay, "ttl_s", False),
+                                          ("RELAY.json", self.relay, "heartbeat_s", False),
+                                          ("training_state.json", self.state, "legs", False),
+                                          ("training_state.json", self.state, "step", True),
+                                          ("training_state.json", self.state, "tokens", True),
+                                          ("training_state.json", self.state, "usd_total", True)):
+            v = d.get(key)
+            if key in d and not (v is None and may_be_null) and (
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0
+                    or (key in ("legs", "step", "tokens") and v != int(v))):
+                raise RelayError(f"{store.url}: {name} at {self.sha[:10]}: {key} {v!r} is not a number >= 0; restore "
+                                 f"it from the previous commit; relay changed nothing")
 
     @property
     def lease_age(self):  # seconds since the last holder write, on the store's clock
@@ -241,16 +261,24 @@ class Lease:
             os.remove(self.path)
 
 
-def claim(store, workdir, who, ttl=DEFAULT_TTL, heartbeat=DEFAULT_HEARTBEAT):
-    if heartbeat < MIN_HEARTBEAT_S or ttl < 3 * heartbeat:
+def check_lease_times(ttl, heartbeat):
+    if not (heartbeat >= MIN_HEARTBEAT_S and ttl >= 3 * heartbeat and math.isfinite(ttl)):
         raise RelayError(f"--ttl {ttl} / --heartbeat {heartbeat}: the heartbeat must be at least {MIN_HEARTBEAT_S}s "
                          f"(each beat is a commit) and the ttl at least 3x it (a lease needs missed beats to expire)")
+
+
+def claim(store, workdir, who, ttl=None, heartbeat=None):
+    """ttl / heartbeat None: the run's (relay.py init --ttl / --heartbeat), else DEFAULT_TTL / DEFAULT_HEARTBEAT."""
+    check_lease_times(DEFAULT_TTL if ttl is None else ttl, DEFAULT_HEARTBEAT if heartbeat is None else heartbeat)
     try:  # before anything is committed: a claim whose LEASE.json cannot be written is a baton nobody can release
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
         raise RelayError(f"--workdir {workdir}: cannot use it ({e.strerror}); pass a folder") from None
     snap = Snapshot(store)
     r = snap.relay
+    ttl = float(r.get("default_ttl_s", DEFAULT_TTL)) if ttl is None else ttl
+    heartbeat = float(r.get("default_heartbeat_s", DEFAULT_HEARTBEAT)) if heartbeat is None else heartbeat
+    check_lease_times(ttl, heartbeat)
     lease_path = os.path.join(workdir, "LEASE.json")
     mine = None
     if os.path.exists(lease_path):
@@ -258,9 +286,15 @@ def claim(store, workdir, who, ttl=DEFAULT_TTL, heartbeat=DEFAULT_HEARTBEAT):
             mine = Lease.load(workdir, store)
         except RelayError:
             mine = None
-    if mine and snap.held and r.get("nonce") == mine.nonce and snap.sha == mine.sha:
-        renew(store, mine)  # we hold it already: `claim` again is a heartbeat (same generation, same leg)
-        return mine
+    if mine and r.get("nonce") == mine.nonce and adopt_own_head(store, mine, snap):
+        # the head is our own commit: `claim` again is a heartbeat (same generation, same leg), also past the ttl
+        # when nobody took the baton meanwhile (the compare-and-swap decides), so a crashed leg's work resumes
+        try:
+            renew(store, mine)
+            return mine
+        except Fenced:
+            snap = Snapshot(store)  # someone claimed it in between
+            r = snap.relay
     if snap.held:
         until = snap.commit_time + float(r.get("ttl_s", DEFAULT_TTL))
         raise Busy(f"{store.url}: {r['holder']} holds the baton (leg {r.get('leg')}, generation {r['generation']}, "
@@ -283,14 +317,34 @@ def claim(store, workdir, who, ttl=DEFAULT_TTL, heartbeat=DEFAULT_HEARTBEAT):
 
 
 def renew(store, lease):
-    """Heartbeat: a commit of RELAY.json chained from our last commit. Raises Fenced if anything else landed."""
+    """Heartbeat: a commit of RELAY.json chained from our last commit. Raises Fenced if anything else landed. Its
+    write_id is recorded first and reused until one lands: a renewal whose answer was lost (the store unreachable
+    after it landed) is then found at the head by the next try, not taken for someone else's commit."""
+    wid = getattr(lease, "pending_renewal", None)
+    if not wid:
+        lease.pending_renewal = wid = uuid.uuid4().hex
+        lease.save()
     new = dict(lease.relay, heartbeat_at=time.time())
     try:
-        sha, new = commit_cas(store, lease.sha, {}, [], f"relay: heartbeat leg {lease.leg} by {lease.who}", new)
+        sha, new = commit_cas(store, lease.sha, {}, [], f"relay: heartbeat leg {lease.leg} by {lease.who}", new,
+                              write_id=wid)
     except Conflict as e:
+        lease.pending_renewal = None
+        lease.save()
         raise Fenced(f"lease lost: {e}; another contributor took the baton (our lease had expired or was released)")
-    lease.sha, lease.relay = sha, new
+    lease.sha, lease.relay, lease.pending_renewal = sha, new, None
     lease.save()
+
+
+def adopt_own_head(store, lease, snap):
+    """Our own commits whose answers were lost: a push that landed moves the lease on (adopt_landed_push), a renewal
+    that landed is the head we chain from. Returns whether the head is now our lease's."""
+    if snap.sha != lease.sha and not adopt_landed_push(store, lease):
+        renewal = getattr(lease, "pending_renewal", None)
+        if renewal and snap.relay.get("write_id") == renewal:
+            lease.sha, lease.relay, lease.pending_renewal = snap.sha, snap.relay, None
+            lease.save()
+    return snap.sha == lease.sha
 
 
 def release(store, lease):
@@ -473,7 +527,7 @@ def chain_lease_to(lease, sha, new_relay, step, run_dir):
     """Our push is the head: the lease chains from it."""
     lease.sha, lease.relay, lease.leg, lease.base_step = sha, new_relay, lease.leg + 1, step
     lease.pulled_at = time.time()  # a second push in this lease bills from here, not from the pull again
-    lease.pending_push = None
+    lease.pending_push, lease.leg_wall_s = None, None
     lease.save()
     if run_dir and os.path.isdir(run_dir):
         open(os.path.join(run_dir, "PUSHED"), "w").write(f"{sha}\n")
@@ -515,7 +569,7 @@ class Heartbeat(threading.Thread):
         super().__init__(daemon=True)
         self.store, self.lease, self.on_fail = store, lease, on_fail
         self.stop = threading.Event()
-        self.failed = None
+        self.failed, self.fenced = None, False  # fenced: someone else's commit landed (else only overdue)
         renewed_age = max(0.0, time.time() - float(lease.relay.get("heartbeat_at") or time.time()))
         self.last_ok = time.monotonic() - renewed_age
         self.deadline_s = lease.ttl_s - max(lease.ttl_s / 5, 0.5)  # stop ourselves before anyone may take over
@@ -534,10 +588,12 @@ class Heartbeat(threading.Thread):
             if self.overdue():
                 return self.fail(f"lease not renewed for {time.monotonic() - self.last_ok:.0f}s (ttl {self.lease.ttl_s:.0f}s): "
                                  f"stopped training before anyone else may take the baton")
+            sent = time.monotonic()  # the renewal counts from its request: its answer may come seconds later
             try:
                 renew(self.store, self.lease)
-                self.last_ok, wait = time.monotonic(), self.lease.heartbeat_s
+                self.last_ok, wait = sent, max(0.0, self.lease.heartbeat_s - (time.monotonic() - sent))
             except Fenced as e:
+                self.fenced = True
                 return self.fail(str(e))
             except (StoreError, RelayError) as e:
                 print(f"relay: heartbeat failed, retrying: {e}", file=sys.stderr)
@@ -551,13 +607,14 @@ def config_usd_per_hour(config_path, overrides):
                 return float(a.split("=", 1)[1])
             except ValueError:
                 raise RelayError(f"{a}: not a number")
-    try:
+    usd = 0.0
+    try:  # the last assignment, as train.py's exec keeps it (init appends its overrides after the config's own)
         for node in ast.parse(open(config_path).read()).body:
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "gpu_hourly_usd" for t in node.targets):
-                return float(ast.literal_eval(node.value))
-    except (OSError, SyntaxError, ValueError):
+                usd = float(ast.literal_eval(node.value))
+    except (OSError, SyntaxError, ValueError, TypeError):
         pass
-    return 0.0
+    return usd
 
 
 def train_command(args, config_path, run_dir):
@@ -640,13 +697,16 @@ def cmd_run(args):
             if not args.wait:
                 raise
             print(f"relay: {e}; waiting {args.poll:.0f}s", file=sys.stderr)
-            time.sleep(args.poll)
+            try:
+                time.sleep(args.poll)
+            except KeyboardInterrupt:
+                raise RelayError("interrupted while waiting for the baton; nothing claimed") from None
     print(f"relay: claimed leg {lease.leg} (generation {lease.generation}) of {store.url}")
 
     def stop_heartbeat(hb):
         hb.stop.set()
         hb.join()
-        if hb.failed:
+        if hb.fenced:
             raise Fenced(f"{hb.failed}. Training stopped; nothing pushed; local checkpoints are kept in "
                          f"{lease.run_dir or workdir}")
 
@@ -654,13 +714,16 @@ def cmd_run(args):
     hb.start()
     try:
         run_dir = prepare_leg(store, lease, workdir)
-    except (RelayError, OSError) as e:  # OSError: this machine's disk, say: the baton goes back either way
+    except (RelayError, OSError, KeyboardInterrupt) as e:  # OSError: this machine's disk: the baton goes back
         stop_heartbeat(hb)
         release(store, lease)
         if isinstance(e, RelayError):
             raise
-        raise RelayError(f"pulling the run failed: {e}; lease released") from None
+        why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed: {e}"
+        raise RelayError(f"pulling the run {why}; lease released") from None
     stop_heartbeat(hb)
+    if hb.failed:  # overdue during a long download, not fenced: one renewal now says whether the lease is still ours
+        renew(store, lease)
     print(f"relay: pulled step {lease.base_step} into {run_dir}")
     proc = None
     stop_reason = []
@@ -694,14 +757,16 @@ def cmd_run(args):
                         f"stopped training before anyone else may take the baton")
         rc = proc.wait()
         wall = time.time() - t0
-        if not hb.failed:
+        lease.leg_wall_s = wall  # what a retried `relay.py push` bills (not the hours until the retry)
+        lease.save()
+        if not hb.fenced:  # an overdue lease stopped the trainer; the push below is a compare-and-swap either way
             try:  # verify and upload while the heartbeat still renews the lease (after a crash too: see below)
                 plan = prepare_push(store, lease, run_dir, wall_s=wall,
                                     usd_per_hour=config_usd_per_hour(cmd[2], args.overrides))
             except RelayError as e:
                 failure = e
-            except OSError as e:  # e.g. the store's disk: the lease must still be released below
-                failure = RelayError(f"push failed: {e}; local files kept in {run_dir}")
+            except OSError as e:  # the store's disk (the checkpoint was verified): kept for a retry, as any upload
+                failure = StoreError(f"{e.filename or store.url}: {e.strerror}; local files kept in {run_dir}")
     finally:
         for s, h in old_handlers.items():
             signal.signal(s, h)
@@ -743,6 +808,8 @@ def cmd_run(args):
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     release(store, lease)
     print(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")
+    if hb.failed:
+        print(f"relay: warning: {hb.failed}; the leg ended early, its checkpoint was pushed", file=sys.stderr)
     return 0
 
 
@@ -768,6 +835,8 @@ def config_from_checkpoint(ck):
 
 def cmd_init(args):
     store = open_store(args.store)
+    check_lease_times(DEFAULT_TTL if args.ttl is None else args.ttl,
+                      DEFAULT_HEARTBEAT if args.heartbeat is None else args.heartbeat)
     ck = None
     if args.from_checkpoint:  # everything is checked before the store is touched
         try:
@@ -775,7 +844,10 @@ def cmd_init(args):
             checkpoint.verify(ck)
         except checkpoint.CheckpointError as e:
             raise RelayError(f"init refused: {e}")
-        cfg_text = open(args.config).read() if args.config and os.path.isfile(args.config) else config_from_checkpoint(ck)
+        if args.config and not os.path.isfile(args.config):  # a typo silently took the checkpoint's config
+            raise RelayError(f"{args.config}: config file not found; pass a file under config/, or leave CONFIG out "
+                             f"to use the checkpoint's own")
+        cfg_text = open(args.config).read() if args.config else config_from_checkpoint(ck)
     elif args.config is None:
         raise RelayError("init: give a train.py CONFIG (with --key=value overrides) or --from-checkpoint DIR")
     elif not os.path.isfile(args.config):
@@ -827,8 +899,11 @@ def cmd_init(args):
         adds["config.py"] = cfg_text.encode()
         adds["training_state.json"] = (json.dumps(state, indent=1) + "\n").encode()
         adds["LEDGER.md"] = ("# Ledger\n\nOne row per leg pushed by `relay.py`.\n\n" + LEDGER_HEADER).encode()
+        ttl = DEFAULT_TTL if args.ttl is None else args.ttl
+        heartbeat = DEFAULT_HEARTBEAT if args.heartbeat is None else args.heartbeat
         relay = {"format": RELAY_FORMAT, "version": 1, "holder": None, "nonce": None, "generation": 0, "leg": 1,
-                 "ttl_s": args.ttl, "heartbeat_s": args.heartbeat, "created_at": time.time()}
+                 "ttl_s": ttl, "heartbeat_s": heartbeat, "default_ttl_s": ttl, "default_heartbeat_s": heartbeat,
+                 "created_at": time.time()}
         sha, _ = commit_cas(store, sha, adds, [], f"relay: init at step {state['step']}", relay)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -906,8 +981,9 @@ def cmd_push(args):
         raise RelayError("push: no leg dir recorded; pass --run-dir DIR (a train.py out_dir)")
     cfg = os.path.join(run_dir, "relay_config.py")
     earlier = adopt_landed_push(store, lease)
-    try:
-        sha, row = push(store, lease, run_dir, usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
+    try:  # a leg `run` trained bills its trainer's time, not the hours until this retry
+        sha, row = push(store, lease, run_dir, wall_s=getattr(lease, "leg_wall_s", None),
+                        usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
                         else config_usd_per_hour(cfg, []))
     except NothingToPush:
         if earlier is None:
@@ -931,7 +1007,8 @@ def cmd_release(args):
 def cmd_decay(args):
     store = open_store(args.store)
     snap = Snapshot(store)
-    if snap.state.get("decay_requested") or snap.state.get("decay"):
+    if (snap.state.get("decay_requested") or snap.state.get("decay")
+            or snap.state.get("decay_started_at_tokens") is not None):  # what train.py writes once it decays
         print("relay: decay already requested or under way; nothing changed")
         return 0
     if snap.held:
@@ -1142,7 +1219,11 @@ def cmd_dashboard(args):
         def log_message(self, *a):
             pass
 
-    srv = ThreadingHTTPServer((args.host, args.port), Handler)
+    try:
+        srv = ThreadingHTTPServer((args.host, args.port), Handler)
+    except OSError as e:  # a port in use (a second dashboard), a host not on this machine
+        raise RelayError(f"dashboard: cannot listen on {args.host}:{args.port} ({e.strerror}); pass another --port "
+                         f"(or --host)") from None
     print(f"relay: dashboard for {args.store} at http://{args.host}:{srv.server_address[1]}/", flush=True)
     try:
         srv.serve_forever()
@@ -1171,8 +1252,10 @@ def build_parser():
     for name, help_ in [("claim", "take the baton (or renew it if you hold it)"), ("run", "claim, pull, train a leg, push, release"),
                         ("init", "create a run: a train.py config (+ --key=value) or --from-checkpoint DIR")]:
         sp = add(name, help_)
-        sp.add_argument("--ttl", type=float, default=DEFAULT_TTL, help="lease time-to-live in seconds (>= 3x --heartbeat)")
-        sp.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT, help="seconds between lease renewals")
+        sp.add_argument("--ttl", type=float, default=None, help="lease time-to-live in seconds (>= 3x --heartbeat; "
+                        f"default: the run's, set by init, else {DEFAULT_TTL:.0f})")
+        sp.add_argument("--heartbeat", type=float, default=None, help="seconds between lease renewals (default: the "
+                        f"run's, else {DEFAULT_HEARTBEAT:.0f})")
         if name in ("run", "init"):
             sp.add_argument("--python", default=sys.executable, help="python that runs the trainer")
             sp.add_argument("--train-script", default=os.path.join(HERE, "train.py"), help="trainer (default train.py next to relay.py)")

@@ -288,7 +288,8 @@ LEASE_TIMES = {"file": (3.0, 0.75), "hf": (3.0, 0.75)}
 @pytest.mark.parametrize("kind", ["file", "hf"])
 def test_paused_relay_run_stops_itself_and_keeps_checkpoint(kind, tmp_path, hub, rl):
     """`relay run` SIGSTOPped past the TTL (its trainer runs on, in its own session), another claims; on SIGCONT it
-    stops training at once, pushes nothing, exits 4 saying why, and its local checkpoint is kept."""
+    stops training at once, pushes nothing (a push it tries is refused), exits 4 saying why, and its local
+    checkpoint is kept."""
     url = store_url(kind, tmp_path, hub)
     env = env_for(kind, tmp_path, hub, FAKE_STEP_S="0.03", FAKE_CKPT_EVERY="5")
     ttl, hb = LEASE_TIMES[kind]
@@ -305,7 +306,8 @@ def test_paused_relay_run_stops_itself_and_keeps_checkpoint(kind, tmp_path, hub,
     out, err = p.communicate(timeout=30)
     assert p.returncode == 4, err
     last = err.strip().splitlines()[-1]
-    assert "error:" in last and "lease" in last and "nothing pushed" in last and "kept" in last
+    # fenced by its heartbeat (nothing pushed), or stopped as overdue and its push refused by the compare-and-swap
+    assert "error:" in last and ("lease lost" in last or "push rejected" in last) and "kept" in last, last
     assert "Traceback" not in err
     ck = checkpoint.latest_valid(str(leg))
     assert ck is not None and checkpoint.verify(ck)["step"] >= 10
@@ -717,30 +719,38 @@ def test_leg_whose_push_fails_keeps_the_lease_for_a_retry(tmp_path, hub, rl, mon
     assert len(rows) == 1 and snap.state["step"] == 4 and snap.relay["holder"] is None
 
 
-def test_leg_whose_upload_fails_keeps_the_lease_for_a_retry(tmp_path, hub, rl, monkeypatch):
+@pytest.mark.parametrize("fault", ["HTTP 503 (a test)", "No space left on device"])
+def test_leg_whose_upload_fails_keeps_the_lease_for_a_retry(fault, tmp_path, hub, rl, monkeypatch):
     """The upload before the commit (store.stage: the checkpoint's big files) fails for longer than the client's own
-    retries: the finished leg is kept with the baton, as when the commit fails (it was released, and redone)."""
+    retries, or the file store's disk is full: the finished leg is kept with the baton, as when the commit fails (it
+    was released, and redone). The retried push bills the trainer's time, not the wait until the retry."""
+    import errno
     import relay_store
     url = store_url("file", tmp_path, hub)
     env = base_env()
     fake = init_run(url, tmp_path, env, cli=rl)
     real = relay_store.FileStore.stage
 
-    def unreachable(self, adds):  # the checkpoint's upload only (a commit stages its small files too)
+    def failing(self, adds):  # the checkpoint's upload only (a commit stages its small files too)
         if any(p.startswith(relay.CKPT_PREFIX + "/") for p in adds):
-            raise relay.Transient("HTTP 503 (a test)")
+            if fault.startswith("HTTP"):
+                raise relay.Transient(fault)
+            raise OSError(errno.ENOSPC, fault, "/store/disk")
         return real(self, adds)
-    monkeypatch.setattr(relay_store.FileStore, "stage", unreachable)
+    monkeypatch.setattr(relay_store.FileStore, "stage", failing)
     r = rl(["run", url, "--steps", "4", "--train-script", fake, "--workdir", tmp_path / "wa"], env)
-    assert r.returncode == 3 and "HTTP 503 (a test)" in r.stderr and "lease stays yours" in r.stderr, r.stderr
+    assert r.returncode == 3 and fault in r.stderr and "lease stays yours" in r.stderr, r.stderr
     store = relay.open_store(url)
     rows, snap = ledger_rows(store)
     assert rows == [] and snap.relay["holder"] and snap.state["step"] == 0
     monkeypatch.setattr(relay_store.FileStore, "stage", real)
+    leg_wall_s = json.load(open(tmp_path / "wa" / "LEASE.json"))["leg_wall_s"]
+    time.sleep(1.5)  # the retry comes later: not billed
     assert rl(["push", url, "--workdir", tmp_path / "wa"], env).returncode == 0
     assert rl(["release", url, "--workdir", tmp_path / "wa"], env).returncode == 0
     rows, snap = ledger_rows(store)
     assert len(rows) == 1 and snap.state["step"] == 4 and snap.relay["holder"] is None
+    assert rows[0]["wall"] == relay.fmt_wall(leg_wall_s)
 
 
 def test_push_that_landed_unseen_is_found_by_the_retry(tmp_path, hub, rl, monkeypatch):
@@ -983,3 +993,172 @@ def test_ctrl_c_ends_the_leg_cleanly(tmp_path, hub):
     rows, snap = ledger_rows(relay.open_store(url))
     assert len(rows) == 1 and rows[0]["steps"] >= 5 and snap.relay["holder"] is None
     assert snap.state["step"] == rows[0]["steps"]
+
+
+def test_a_renewal_whose_answer_was_lost_is_ours_not_a_fence(tmp_path):
+    """A heartbeat lands, then the store answers nothing long enough that relay cannot tell: the next renewal was
+    refused (the head moved: by that heartbeat) and taken for another contributor's claim, which stopped the leg
+    and left a ghost holder. Its write_id, recorded first, says it was ours; `claim` from the same workdir finds
+    its own landed renewal or push too (it was "busy" against itself), and renews its own lease after the ttl
+    when nobody took the baton meanwhile (the leg's work was dropped for a new generation)."""
+    import relay_store
+
+    class Flaky(relay_store.FileStore):
+        dark_heads = 0
+
+        def commit(self, parent, adds, deletes, message):
+            sha = super().commit(parent, adds, deletes, message)
+            if "heartbeat" in message and self.dark_heads == -1:
+                self.dark_heads = 20  # landed; the answer and the next head reads are lost
+                raise relay.Transient("HTTP 504 (a test)")
+            return sha
+
+        def head(self):
+            if self.dark_heads > 0:
+                self.dark_heads -= 1
+                raise relay.Transient("HTTP 503 (a test)")
+            return super().head()
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = Flaky(str(tmp_path / "store"))
+    work = str(tmp_path / "wa")
+    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    store.dark_heads = -1
+    with pytest.raises(relay.Transient, match="unknown whether the commit landed"):
+        relay.renew(store, lease)
+    store.dark_heads = 0
+    relay.renew(store, lease)  # was: Fenced ("another contributor took the baton")
+    assert lease.sha == store.head()[0] and lease.generation == relay.Snapshot(store).relay["generation"]
+    store.dark_heads = -1
+    with pytest.raises(relay.Transient):
+        relay.renew(store, lease)
+    store.dark_heads = 0
+    again = relay.claim(store, work, "alice", ttl=60, heartbeat=20)  # was: Busy, "alice holds the baton"
+    assert (again.generation, again.leg) == (lease.generation, lease.leg) and again.sha == store.head()[0]
+    # a push that landed unseen (LEASE.json still names it pending): claim moves on to it, not "busy"
+    back = again
+    run_dir = relay.prepare_leg(store, back, work)
+    checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("w"),
+                                 "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    plan = relay.prepare_push(store, back, run_dir, wall_s=1)
+    saved, leg = dict(json.load(open(back.path))), back.leg
+    relay.commit_push(store, back, plan, run_dir)
+    pending_id = json.loads(store.read(store.head()[0], "RELAY.json"))["write_id"]
+    json.dump(dict(saved, pending_push={"write_id": pending_id, "step": 3}), open(back.path, "w"))  # crashed then
+    after = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    assert after.leg == leg + 1 and after.base_step == 3 and after.sha == store.head()[0]
+    # past the ttl, nobody else took it: the same workdir renews its own lease (same generation and leg)
+    relay.release(store, after)
+    short = relay.claim(store, work, "alice", ttl=1.0, heartbeat=0.25)
+    time.sleep(2.2)  # expired (the store's clock has 1 s resolution)
+    assert not relay.Snapshot(store).held
+    resumed = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    assert (resumed.generation, resumed.leg) == (short.generation, short.leg)
+
+
+def test_the_heartbeat_deadline_counts_from_the_request(tmp_path, monkeypatch):
+    """A renewal that lands but whose answer takes seconds: the lease's clock (the store's) started when it landed,
+    not when the answer came back; counting from the answer, a holder trained on while another could claim."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=6, heartbeat=0.5)
+    real = relay.renew
+
+    def slow_answer(store_, lease_):
+        real(store_, lease_)
+        time.sleep(1.0)
+    monkeypatch.setattr(relay, "renew", slow_answer)
+    hb = relay.Heartbeat(store, lease, lambda: None)
+    t0 = time.monotonic()
+    hb.start()
+    wait_for(lambda: hb.last_ok > t0, 10, "a renewal")
+    hb.stop.set()
+    hb.join()
+    assert time.monotonic() - hb.last_ok >= 0.9 and not hb.failed
+
+
+def test_an_overdue_heartbeat_stops_the_trainer_but_still_pushes(tmp_path, rl, monkeypatch):
+    """The store was slow (a renewal took longer than the lease's deadline) but nobody took the baton: the trainer
+    is stopped (it may not train on an expired lease), and its checkpoint is still pushed, by compare-and-swap, and
+    the baton released; it was thrown away with the baton left held."""
+    url = store_url("file", tmp_path, None)
+    env = base_env({"FAKE_STEP_S": "0.05"})
+    fake = init_run(url, tmp_path, env, cli=rl)
+    real, slow = relay.renew, [True]
+
+    def renew_once_slow(store_, lease_):
+        real(store_, lease_)
+        if slow and lease_.run_dir:  # the trainer's heartbeat, not the pull's
+            slow.clear()
+            time.sleep(3.0)  # past ttl - ttl/5 of the 3 s lease
+    monkeypatch.setattr(relay, "renew", renew_once_slow)
+    r = rl(["run", url, "--steps", "100000", "--train-script", fake, "--workdir", tmp_path / "wa"], env)
+    assert r.returncode == 0 and "lease not renewed" in r.stderr and "its checkpoint was pushed" in r.stderr, r.stderr
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert len(rows) == 1 and snap.state["step"] > 0 and snap.relay["holder"] is None
+
+
+def test_hand_edited_state_and_small_relay_faults_are_one_line(tmp_path, rl, monkeypatch):
+    """A training_state.json or RELAY.json number edited into a string or null: one line naming the file (a
+    traceback, once after a whole leg had trained); init --ttl / --heartbeat checked and kept as the run's default;
+    init with a CONFIG that does not exist (it silently took the checkpoint's config); decay once the trainer decays;
+    a dashboard port in use; gpu_hourly_usd's last assignment, as train.py's exec keeps it."""
+    import socket
+    url = store_url("file", tmp_path, None)
+    env = base_env()
+    r = rl(["init", url, write_config(tmp_path), "--train-script", write_fake_train(tmp_path), "--workdir",
+            tmp_path / "wi", "--ttl", "1", "--heartbeat", "50"], env)
+    assert r.returncode == 3 and "at least 3x" in r.stderr and not (tmp_path / "store").exists(), r.stderr
+    init_run(url, tmp_path, env, extra=("--ttl", "40", "--heartbeat", "10"), cli=rl)
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice")
+    assert (lease.ttl_s, lease.heartbeat_s) == (40.0, 10.0)
+    relay.release(store, lease)
+    snap = relay.Snapshot(store)
+    for name, edit in (("training_state.json", {"tokens": "1e6"}), ("training_state.json", {"legs": None}),
+                       ("RELAY.json", {"ttl_s": "20m"})):
+        doc = dict(snap.state if name == "training_state.json" else snap.relay, **edit)
+        sha = store.commit(store.head()[0], {name: json.dumps(doc).encode()}, [], "a hand edit")
+        for cmd in (["status", url], ["claim", url, "--workdir", tmp_path / "wb"]):
+            r = rl(cmd, env)
+            assert r.returncode == 3 and name in r.stderr and "restore it" in r.stderr, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1
+        store.commit(sha, {name: json.dumps(snap.state if name == "training_state.json" else snap.relay).encode()},
+                     [], "restored")
+    ck = relay.pull(store, str(tmp_path / "pulled"))
+    r = rl(["init", f"file://{tmp_path}/store2", tmp_path / "typo.py", "--from-checkpoint", ck], env)
+    assert r.returncode == 3 and "typo.py: config file not found" in r.stderr, r.stderr
+    state = dict(relay.Snapshot(store).state, decay_started_at_tokens=4096)
+    store.commit(store.head()[0], {"training_state.json": json.dumps(state).encode()}, [], "a leg that decays")
+    r = rl(["decay", url], env)
+    assert r.returncode == 0 and "already" in r.stdout and not relay.Snapshot(store).state.get("decay_requested")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = rl(["dashboard", url, "--port", s.getsockname()[1]], env)
+    assert r.returncode == 3 and "another --port" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    cfg = write_config(tmp_path, "gpu_hourly_usd = 2.0\n# relay.py init overrides\ngpu_hourly_usd = 10\n")
+    assert relay.config_usd_per_hour(cfg, []) == 10.0
+
+
+def test_ctrl_c_while_waiting_or_pulling_is_one_line_and_releases(tmp_path, rl, monkeypatch):
+    """Ctrl-C in `run --wait` (a traceback) or during the pull (a traceback, and the baton stayed held until the ttl)."""
+    url = store_url("file", tmp_path, None)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    store = relay.open_store(url)
+    other = relay.claim(store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=20)
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(relay.time, "sleep", interrupted)
+    r = rl(["run", url, "--steps", "2", "--wait", "--poll", "5", "--train-script", fake, "--workdir", tmp_path / "wa"],
+           env)
+    assert r.returncode == 3 and "interrupted while waiting" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    monkeypatch.undo()
+    relay.release(store, other)
+    monkeypatch.setattr(relay, "pull", interrupted)
+    r = rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", tmp_path / "wa"], env)
+    assert r.returncode == 3 and "interrupted; lease released" in r.stderr, r.stderr
+    assert relay.Snapshot(store).relay["holder"] is None
