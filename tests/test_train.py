@@ -172,9 +172,27 @@ def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, 
     changed = [a for a in base if not a.endswith("plan.py")] + [stage_file(tmp_path, "plan2.py", 6)]
     r = run(changed + ["--init_from=resume"], check=False)
     assert r.returncode == 1 and "--replan" in r.stderr and "Traceback" not in r.stderr
+    # so is another --dataset: stages without a mix train on it (it trained on the old corpus, the config said other)
+    r = run(base + ["--init_from=resume", "--dataset=other"], check=False)
+    assert r.returncode == 1 and "--replan" in r.stderr
     # --status prints plan against progress
     r = run(["--status", out])
     assert "FINISHED" in r.stdout and "down" in r.stdout and "lr now" in r.stdout
+    # a --replan that extends the finished plan keeps its end: saved again as "final", it was an ordinary checkpoint
+    # that keep_last deleted (the finished model); --resume_from takes the run dir, as grow_from and finetune_from do
+    longer = tmp_path / "plan3.py"
+    longer.write_text(open(base[len(TINY)]).read().replace("]\n", ", dict(name='more', steps=4)]\n"))
+    run([a for a in base if not a.endswith("plan.py")] + [str(longer), "--init_from=resume", f"--resume_from={out}",
+                                                           "--replan", "--ckpt_interval=2", "--keep_last=1"])
+    assert [s for s, _ in checkpoint.list_checkpoints(out)] == [3, 7, 11, 15]
+    # a fine-tune takes the config's longer context and balancing rate (the checkpoint's, with its max_seq_len 64,
+    # refused a longer seq_len while the error said to raise --max_seq_len)
+    ft = str(tmp_path / "ft")
+    run(TINY + [f"--data_root={data_root}", f"--out_dir={ft}", "--init_from=finetune", f"--finetune_from={out}",
+                "--max_iters=20", "--warmup_iters=1", "--eval_interval=100", "--max_seq_len=128", "--seq_len=128",
+                "--bias_update_rate=0.5", "--stop_after_steps=1"])
+    mc = json.load(open(os.path.join(checkpoint.latest_valid(ft), "state.json")))["model_config"]
+    assert mc["max_seq_len"] == 128 and mc["bias_update_rate"] == 0.5
 
 
 def test_start_decay_on_demand(data_root, tmp_path):
@@ -301,38 +319,6 @@ def test_every_config_file_is_valid(path):
     assert cfg.vocab_size <= 65535
     plan = train.build_plan(g, lambda T: g["batch_size"] * T * g["grad_accum"])
     assert train.plan_tokens(plan) > 0
-
-
-def test_an_extended_plan_keeps_the_finished_ones_end(data_root, tmp_path):
-    """The end of a finished plan is saved again as "final", and a --replan that extends the plan made it an ordinary
-    checkpoint that keep_last deleted: the finished model, gone."""
-    out = str(tmp_path / "run")
-    stages = ("--stages=[{'name': 'main', 'steps': 4, 'lr_phase': 'stable'}, "
-              "{'name': 'decay', 'steps': 4, 'lr_phase': 'decay'}]")
-    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--eval_interval=100", "--keep_last=2"]
-    run(base + [stages, "--ckpt_interval=100"])
-    assert [s for s, _ in checkpoint.list_checkpoints(out)] == [4, 8]
-    longer = stages[:-1] + ", {'name': 'more', 'steps': 8}]"
-    run(base + [longer, "--ckpt_interval=2", "--init_from=resume", "--replan"])
-    assert [s for s, _ in checkpoint.list_checkpoints(out)] == [4, 8, 14, 16]
-
-
-def test_resume_refuses_another_dataset_and_finetune_takes_a_longer_context(data_root, tmp_path):
-    """--dataset on resume built the same stored plan and trained on the old corpus while the saved config named the
-    new one: it is a plan change (--replan). --resume_from takes a run dir as grow_from and finetune_from do; a
-    fine-tune (or growth) takes the config's max_seq_len / bias_update_rate where it sets them."""
-    out = str(tmp_path / "run")
-    base = TINY + [f"--data_root={data_root}", "--max_iters=20", "--warmup_iters=1", "--eval_interval=100"]
-    run(base + [f"--out_dir={out}", "--stop_after_steps=2"])
-    r = run(base + [f"--out_dir={out}", "--init_from=resume", "--dataset=other"], check=False)
-    assert r.returncode == 1 and "--replan" in r.stderr, r.stderr[-2000:]
-    r = run(base + [f"--out_dir={out}", "--init_from=resume", f"--resume_from={out}", "--stop_after_steps=1"])
-    assert "resuming from" in r.stdout and "step_0000002" in r.stdout
-    ft = str(tmp_path / "ft")
-    r = run(base + [f"--out_dir={ft}", "--init_from=finetune", f"--finetune_from={out}", "--max_seq_len=128",
-                    "--seq_len=128", "--bias_update_rate=0.5", "--stop_after_steps=1"])
-    mc = json.load(open(os.path.join(checkpoint.latest_valid(ft), "state.json")))["model_config"]
-    assert mc["max_seq_len"] == 128 and mc["bias_update_rate"] == 0.5
 
 
 def test_retention_skips_a_checkpoint_whose_state_is_unreadable(tmp_path):
