@@ -15,6 +15,7 @@ from relay_fixtures import ROOT, base_env, init_run, relay_cli, wait_for, write_
 
 import checkpoint  # noqa: E402
 import relay  # noqa: E402
+import relay_dashboard  # noqa: E402
 from hub_server import RelayHub  # noqa: E402
 
 # huggingface_hub's own LFS PUT (lfs.py: http_backoff("PUT", data=fileobj)) trips an httpx2 deprecation notice
@@ -112,7 +113,7 @@ def test_init_run_two_legs_status_pull(kind, tmp_path, hub, monkeypatch, rl):
     assert steps == [8, 9, 10, 11]
     text = relay_cli(["status", url], env).stdout
     assert "baton: free" in text and "leg 2: bob" in text
-    d = relay.dashboard_data(url)  # what the dashboard page is built from, read through the same store
+    d = relay_dashboard.dashboard_data(url)  # what the dashboard page is built from, read through the same store
     assert [m["step"] for m in d["metrics"]] == list(range(1, 12)) and len(d["ledger"]) == 2
     assert d["baton"]["holder"] is None and d["state"]["step"] == 11
 
@@ -394,7 +395,7 @@ def test_hf_checkpoint_travels_through_git_lfs(tmp_path, hub, hf_env):
     assert any(p.startswith("STORAGE/lfs-cdn/") and p.endswith(sha) for _, p in hub.requests[n0:])  # bytes from the CDN
     assert not any(p.startswith("/alice/run/resolve/") and p.endswith("model.safetensors") and m == "GET"
                    for m, p in hub.requests[n0:])
-    d = relay.dashboard_data(url)  # relay's small-file reads follow the redirect too (the log is an LFS file now)
+    d = relay_dashboard.dashboard_data(url)  # relay's small-file reads follow the redirect too (the log is an LFS file now)
     assert [m["step"] for m in d["metrics"]] == list(range(1, 10))
 
 

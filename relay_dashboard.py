@@ -1,0 +1,220 @@
+"""
+relay_dashboard: `python relay.py dashboard STORE_OR_RUN_DIR` serves one read-only page of a relay run (or a local
+train.py out_dir): loss and val loss against tokens, tokens/s, MFU, expert load balance per layer, the baton, the
+ledger. The data is inlined in the page (works offline, no CDN) and refreshed from /data.json; every value from
+the store is escaped before it reaches the HTML.
+"""
+
+import html
+import json
+import os
+import threading
+import time
+
+import relay
+
+def dashboard_data(target, log_cache=None):
+    """Everything the page shows, from a store URL or a local run dir (metrics.jsonl only). log_cache keeps the
+    parsed logs/leg-N.jsonl between refreshes (a pushed leg's log never changes)."""
+    d = {"source": target, "generated_at": time.time(), "metrics": [], "ledger": [], "baton": None, "state": None}
+    log_cache = {} if log_cache is None else log_cache
+    if "://" in target:
+        store = relay.open_store(target)
+        st = relay.status_dict(store)
+        d["baton"] = {k: st[k] for k in ("holder", "expired_holder", "generation", "leg", "claimed_at", "lease_age_s", "ttl_s")}
+        d["state"] = {k: st[k] for k in ("step", "tokens", "stage", "legs", "decay_requested", "decay", "usd_total")}
+        d["ledger"] = st["ledger"]
+        for p in store.list(st["head"], "logs/"):
+            if p.endswith(".jsonl"):
+                if p not in log_cache:
+                    log_cache[p] = [m for m in (safe_json(l) for l in (store.read(st["head"], p) or b"").decode().splitlines()) if m]
+                d["metrics"] += log_cache[p]
+    else:
+        if not os.path.isdir(target):
+            raise relay.RelayError(f"{target}: not a store URL nor a run directory; pass hf://owner/name, file:///path or a train.py out_dir")
+        for root in [target] + sorted(os.path.join(target, n) for n in os.listdir(target) if n.startswith("leg-")):
+            d["metrics"] += relay.read_metrics(os.path.join(root, "metrics.jsonl"))
+        usd = [m["usd"] for m in d["metrics"] if isinstance(m.get("usd"), (int, float))]
+        d["state"] = {"step": d["metrics"][-1].get("step") if d["metrics"] else None,
+                      "tokens": d["metrics"][-1].get("tokens") if d["metrics"] else None, "usd_total": usd[-1] if usd else 0.0}
+    d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))
+    return d
+
+
+def safe_json(line):
+    try:
+        m = json.loads(line)
+        return m if isinstance(m, dict) else None
+    except ValueError:
+        return None
+
+
+PAGE = r"""<!doctype html>
+<html><head><meta charset="utf-8"><title>picaflor relay: __TITLE__</title>
+<style>
+body{font:14px system-ui,sans-serif;margin:20px;color:#222;background:#fafafa}
+h1{font-size:20px;margin:0 0 4px} h2{font-size:15px;margin:18px 0 6px}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:14px}
+.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:10px}
+.kv span{display:inline-block;margin-right:18px} .kv b{font-weight:600}
+table{border-collapse:collapse;font-size:12px;width:100%} td,th{border-bottom:1px solid #eee;padding:3px 6px;text-align:right}
+td:nth-child(2),td:nth-child(3),th:nth-child(2),th:nth-child(3){text-align:left}
+svg text{font-size:10px;fill:#555} .muted{color:#888}
+</style></head><body>
+<h1>picaflor relay &mdash; <span id="src"></span></h1>
+<div class="muted" id="updated"></div>
+<div class="card kv" id="baton"></div>
+<div class="grid">
+ <div class="card"><h2>Loss over tokens</h2><svg id="loss" width="440" height="230"></svg></div>
+ <div class="card"><h2>Throughput (tokens/s)</h2><svg id="tps" width="440" height="230"></svg></div>
+ <div class="card"><h2>Learning rate</h2><svg id="lr" width="440" height="230"></svg></div>
+ <div class="card"><h2>Dead-expert fraction</h2><svg id="dead" width="440" height="230"></svg></div>
+ <div class="card"><h2>Expert balance: load CV per MoE layer (green = even)</h2><svg id="heat" width="440" height="230"></svg></div>
+</div>
+<div class="card"><h2>Ledger</h2><div id="ledger"></div></div>
+<script>
+var DATA = __DATA__;
+var COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
+function el(tag, attrs, text) { var e = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (var k in attrs) e.setAttribute(k, attrs[k]); if (text !== undefined) e.textContent = text; return e; }
+function fmt(v) { if (v === null || v === undefined) return "-"; var a = Math.abs(v);
+  if (a >= 1e9) return (v / 1e9).toFixed(2) + "B"; if (a >= 1e6) return (v / 1e6).toFixed(2) + "M";
+  if (a >= 1e3) return (v / 1e3).toFixed(1) + "k"; if (a > 0 && a < 0.01) return v.toExponential(1); return (+v.toFixed(4)).toString(); }
+function mean(x) { return Array.isArray(x) ? (x.length ? x.reduce(function (a, b) { return a + b; }, 0) / x.length : null) : x; }
+function num(v) { return typeof v === "number" && isFinite(v); }
+// series: [{name, pts:[[x,y],...]}]; draws axes, 4 ticks each, polylines, legend; "no data" when empty
+function lineChart(id, series, xlabel) {
+  var svg = document.getElementById(id); while (svg.firstChild) svg.removeChild(svg.firstChild);
+  var W = +svg.getAttribute("width"), H = +svg.getAttribute("height"), L = 54, R = 10, T = 10, B = 34;
+  var all = []; series.forEach(function (s) { all = all.concat(s.pts); });
+  if (!all.length) { svg.appendChild(el("text", {x: W / 2 - 20, y: H / 2, "class": "nodata"}, "no data")); return; }
+  var x0 = Math.min.apply(null, all.map(function (p) { return p[0]; })), x1 = Math.max.apply(null, all.map(function (p) { return p[0]; }));
+  var y0 = Math.min.apply(null, all.map(function (p) { return p[1]; })), y1 = Math.max.apply(null, all.map(function (p) { return p[1]; }));
+  if (x1 === x0) x1 = x0 + 1; if (y1 === y0) { y1 = y0 + Math.abs(y0 || 1) * 0.1; y0 = y0 - Math.abs(y0 || 1) * 0.1; }
+  var sx = function (x) { return L + (x - x0) / (x1 - x0) * (W - L - R); }, sy = function (y) { return H - B - (y - y0) / (y1 - y0) * (H - T - B); };
+  svg.appendChild(el("line", {x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#999"}));
+  svg.appendChild(el("line", {x1: L, y1: T, x2: L, y2: H - B, stroke: "#999"}));
+  for (var i = 0; i <= 4; i++) {
+    var xv = x0 + (x1 - x0) * i / 4, yv = y0 + (y1 - y0) * i / 4;
+    svg.appendChild(el("text", {x: sx(xv), y: H - B + 13, "text-anchor": i === 0 ? "start" : i === 4 ? "end" : "middle"}, fmt(xv)));
+    svg.appendChild(el("text", {x: 2, y: sy(yv) + 3}, fmt(yv)));
+    svg.appendChild(el("line", {x1: L, y1: sy(yv), x2: W - R, y2: sy(yv), stroke: "#eee"}));
+  }
+  svg.appendChild(el("text", {x: W / 2 - 20, y: H - 4}, xlabel));
+  series.forEach(function (s, k) {
+    if (!s.pts.length) return;
+    var d = s.pts.map(function (p) { return sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1); }).join(" ");
+    svg.appendChild(el("polyline", {points: d, fill: "none", stroke: COLORS[k % 4], "stroke-width": 1.5, "class": "series", "data-name": s.name}));
+    if (s.pts.length === 1) svg.appendChild(el("circle", {cx: sx(s.pts[0][0]), cy: sy(s.pts[0][1]), r: 3, fill: COLORS[k % 4]}));
+    svg.appendChild(el("text", {x: W - R - 90, y: T + 12 + 12 * k, style: "fill:" + COLORS[k % 4]}, s.name));
+  });
+}
+function heatmap(id, rows) { // rows: [{x, vals:[per layer]}]
+  var svg = document.getElementById(id); while (svg.firstChild) svg.removeChild(svg.firstChild);
+  var W = +svg.getAttribute("width"), H = +svg.getAttribute("height"), L = 54, B = 34, T = 10, R = 40;
+  if (!rows.length) { svg.appendChild(el("text", {x: W / 2 - 20, y: H / 2, "class": "nodata"}, "no data")); return; }
+  var nl = Math.max.apply(null, rows.map(function (r) { return r.vals.length; }));
+  var vmax = 0; rows.forEach(function (r) { r.vals.forEach(function (v) { if (num(v)) vmax = Math.max(vmax, v); }); });
+  vmax = vmax || 1;
+  var cw = (W - L - R) / rows.length, ch = (H - T - B) / nl;
+  rows.forEach(function (r, i) { r.vals.forEach(function (v, l) {
+    var t = num(v) ? v / vmax : 0, c = "rgb(" + Math.round(255 * t) + "," + Math.round(220 * (1 - t)) + "," + Math.round(120 * (1 - t)) + ")";
+    var rect = el("rect", {x: L + i * cw, y: T + l * ch, width: Math.max(cw, 1), height: Math.max(ch - 1, 1), fill: c, "class": "cell"});
+    rect.appendChild(el("title", {}, "layer " + l + ", tokens " + fmt(r.x) + ": cv " + fmt(v))); svg.appendChild(rect); }); });
+  for (var l = 0; l < nl; l++) if (nl <= 12 || l % Math.ceil(nl / 12) === 0) svg.appendChild(el("text", {x: 4, y: T + (l + 0.5) * ch + 3}, "layer " + l));
+  svg.appendChild(el("text", {x: L, y: H - B + 13}, fmt(rows[0].x))); svg.appendChild(el("text", {x: W - R, y: H - B + 13, "text-anchor": "end"}, fmt(rows[rows.length - 1].x)));
+  svg.appendChild(el("text", {x: W / 2 - 20, y: H - 4}, "tokens"));
+  svg.appendChild(el("text", {x: W - R + 4, y: T + 10}, "red")); svg.appendChild(el("text", {x: W - R + 4, y: T + 22}, "cv " + fmt(vmax)));
+  svg.appendChild(el("text", {x: W - R + 4, y: H - B - 12}, "green")); svg.appendChild(el("text", {x: W - R + 4, y: H - B}, "cv 0"));
+}
+function thin(a, n) { if (a.length <= n) return a; var k = Math.ceil(a.length / n); return a.filter(function (x, i) { return i % k === 0 || i === a.length - 1; }); }
+function pts(ms, key) { return thin(ms.filter(function (m) { return num(m.tokens) && num(mean(m[key])); }).map(function (m) { return [m.tokens, mean(m[key])]; }), 2000); }
+function render(D) {
+  var ms = D.metrics || [];
+  document.getElementById("src").textContent = D.source;
+  document.getElementById("updated").textContent = "data read " + new Date(D.generated_at * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC, " + ms.length + " log points";
+  var b = D.baton, s = D.state || {}, h = [];
+  if (b) {
+    if (b.holder) h.push("<span>baton: <b id='holder'>" + esc(b.holder) + "</b> since " + (b.claimed_at ? new Date(b.claimed_at * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC" : "?") + " (leg " + esc(b.leg) + ", generation " + esc(b.generation) + ", renewed " + Math.round(b.lease_age_s) + "s ago)</span>");
+    else h.push("<span>baton: <b id='holder'>free</b>" + (b.expired_holder ? " (lease of " + esc(b.expired_holder) + " expired)" : "") + "</span>");
+  } else h.push("<span>local run dir (no relay)</span>");
+  h.push("<span>step <b>" + fmt(s.step) + "</b></span>", "<span>tokens <b>" + fmt(s.tokens) + "</b></span>");
+  if (s.stage !== undefined && s.stage !== null) h.push("<span>stage <b>" + esc(String(s.stage)) + "</b></span>");
+  if (s.legs !== undefined) h.push("<span>legs <b>" + esc(s.legs) + "</b></span>");
+  h.push("<span>spent <b id='usd'>$" + Number(s.usd_total || 0).toFixed(2) + "</b></span>");
+  if (s.decay_requested) h.push("<span><b>decay requested</b></span>");
+  document.getElementById("baton").innerHTML = h.join("");
+  lineChart("loss", [{name: "loss", pts: pts(ms, "loss")}, {name: "val loss", pts: pts(ms, "val_loss")}], "tokens");
+  lineChart("tps", [{name: "tok/s", pts: pts(ms, "tok_per_s")}], "tokens");
+  lineChart("lr", [{name: "lr", pts: pts(ms, "lr")}], "tokens");
+  lineChart("dead", [{name: "dead frac", pts: pts(ms, "dead_frac")}], "tokens");
+  heatmap("heat", ms.map(function (m) { return {x: m.tokens, vals: Array.isArray(m.load_cv_layers) ? m.load_cv_layers : m.load_cv}; })
+                    .filter(function (r) { return num(r.x) && Array.isArray(r.vals) && r.vals.length; }).filter(function (r, i, a) {
+                      return a.length <= 240 || i % Math.ceil(a.length / 240) === 0; }));  // at most ~240 columns
+  var rows = D.ledger || [], t = "<table id='ledgertable'><tr><th>leg</th><th>who</th><th>gpu</th><th>steps</th><th>tokens</th><th>wall</th><th>$</th><th>loss start</th><th>loss end</th><th>finished (UTC)</th></tr>";
+  rows.forEach(function (r) { t += "<tr><td>" + esc(r.leg) + "</td><td>" + esc(r.who) + "</td><td>" + esc(r.gpu) + "</td><td>" + esc(r.steps) + "</td><td>" + fmt(r.tokens) + "</td><td>" + esc(r.wall) + "</td><td>" + (r.usd === null ? "-" : esc(Number(r.usd).toFixed(2))) + "</td><td>" + fmt(r.loss_start) + "</td><td>" + fmt(r.loss_end) + "</td><td>" + esc(r.finished) + "</td></tr>"; });
+  document.getElementById("ledger").innerHTML = rows.length ? t + "</table>" : "<span class='muted'>no legs yet</span>";
+}
+function esc(x) { return String(x).replace(/[&<>"']/g, function (c) { return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]; }); }
+render(DATA);
+setInterval(function () { fetch("data.json").then(function (r) { return r.json(); }).then(render).catch(function () {}); }, 30000);
+</script></body></html>
+"""
+
+
+def serve(args):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    cache = {"t": 0.0, "data": None, "logs": {}}
+    lock = threading.Lock()
+
+    def data():  # re-read the store at most every --refresh seconds, whatever the number of viewers
+        with lock:
+            if cache["data"] is None or time.time() - cache["t"] > args.refresh:
+                cache["data"], cache["t"] = dashboard_data(args.store, cache["logs"]), time.time()
+            return cache["data"]
+    data()  # fail early, with the one-line error, on a bad target
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            try:
+                d = data()
+            except relay.RelayError as e:
+                return self.send(503, "text/plain", f"relay dashboard: {e}\n".encode())
+            if self.path in ("/", "/index.html"):
+                body = PAGE.replace("__TITLE__", html.escape(args.store)).replace(
+                    "__DATA__", json.dumps(d).replace("</", "<\\/"))
+                return self.send(200, "text/html; charset=utf-8", body.encode())
+            if self.path == "/data.json":
+                return self.send(200, "application/json", json.dumps(d).encode())
+            self.send(404, "text/plain", b"not found\n")
+
+        def do_POST(self):
+            self.send(405, "text/plain", b"read-only\n")
+
+        def send(self, code, ctype, body):
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    try:
+        srv = ThreadingHTTPServer((args.host, args.port), Handler)
+    except OSError as e:  # a port in use (a second dashboard), a host not on this machine
+        raise relay.RelayError(f"dashboard: cannot listen on {args.host}:{args.port} ({e.strerror}); pass another --port "
+                         f"(or --host)") from None
+    print(f"relay: dashboard for {args.store} at http://{args.host}:{srv.server_address[1]}/", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":  # python relay_dashboard.py TARGET [--port N] is `python relay.py dashboard TARGET ...`
+    import sys
+    sys.exit(relay.main(["dashboard", *sys.argv[1:]]))
