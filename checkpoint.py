@@ -13,6 +13,7 @@ untouched and, at worst, a `.tmp-*` dir that the next save removes (or a step mo
 `step_N.old-PID`, which the next save or resume puts back: `recover`).
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -132,11 +133,16 @@ def resolve(path):
 def write_atomic(path, data):
     """Write bytes to path so a reader sees the old file or the whole new one, never a part."""
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # two threads of one process (relay's heartbeat)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no partial temp file left behind on it
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 

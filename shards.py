@@ -106,16 +106,24 @@ def load_index(corpus_dir):
             if key not in index:
                 raise ValueError(f"no {key!r}")
         whole = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
-        if not whole(index["vocab_size"]) or not isinstance(index["tokenizer_sha256"], str):
-            raise ValueError("vocab_size must be a whole number and tokenizer_sha256 a string")
+        if not whole(index["vocab_size"]) or index["vocab_size"] > 65535 or not all(
+                isinstance(index[k], str) for k in ("tokenizer_sha256", "tokenizer")):
+            raise ValueError("vocab_size must be a whole number <= 65535 (uint16 shards), tokenizer and "
+                             "tokenizer_sha256 strings")
+        if not isinstance(index.get("source", {}), dict):
+            raise ValueError("source must be an object")
         for split, entries in index["splits"].items():
             for e in entries:
                 if not {"file", "tokens", "sha256"} <= set(e):
                     raise ValueError(f"split {split!r} has an entry without file/tokens/sha256")
-                if not whole(e["tokens"]) or not isinstance(e["file"], str):
-                    raise ValueError(f"split {split!r}: an entry's tokens {e['tokens']!r} is not a whole number")
-                if index.get("loss_mask") and not {"mask", "mask_sha256"} <= set(e):
-                    raise ValueError(f"loss_mask is set but {e['file']} has no mask/mask_sha256")
+                if not whole(e["tokens"]) or not isinstance(e["file"], str) or not isinstance(e["sha256"], str):
+                    raise ValueError(f"split {split!r}: an entry's tokens {e['tokens']!r} is not a whole number or "
+                                     f"its file / sha256 not a string")
+                if index.get("loss_mask") and not ({"mask", "mask_sha256"} <= set(e) and isinstance(e["mask"], str)
+                                                   and isinstance(e["mask_sha256"], str)):
+                    raise ValueError(f"loss_mask is set but {e['file']} has no mask/mask_sha256 strings")
+                if not isinstance(e.get("source", {}), dict):
+                    raise ValueError(f"split {split!r}: {e['file']}'s source must be an object")
     except (ValueError, TypeError, AttributeError) as e:
         msg = str(e).splitlines()[0]
         raise DataError(f"{path}: corrupt index ({msg}); {_fix_hint(corpus_dir)}", path, None, "index") from None
@@ -206,6 +214,32 @@ class ShardWriter:
         return self.entries
 
 
+@contextlib.contextmanager
+def staging(out_dir):
+    """A prepare run builds its tokenizer and shards in OUT/.staging-PID, and install_corpus swaps them in at the
+    end: a run that fails (no train split left, a bad --column, a full disk, Ctrl-C) leaves the corpus it found as it
+    was (the old corpus used to be deleted first, and hours of tokenizing with it)."""
+    import shutil
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):  # a killed run's
+        if name.startswith(".staging-"):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    stage = os.path.join(out_dir, f".staging-{os.getpid()}")
+    os.makedirs(stage)
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def install_corpus(out_dir, stage, index):
+    """The staged build replaces the previous corpus; the index comes last (a crash in between: no index.json)."""
+    remove_old_shards(out_dir)
+    for name in os.listdir(stage):
+        os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+    write_index(out_dir, index)
+
+
 def remove_old_shards(out_dir):
     """Delete a previous prepare run's index.json and shards (only *.bin named like ours): none is left unindexed,
     and an interrupted run leaves "no index.json" (run prepare.py) rather than an index naming deleted shards."""
@@ -226,6 +260,15 @@ def parquet_file(path, name, column):
     pf = pq.ParquetFile(path)
     if column not in pf.schema_arrow.names:
         raise DataError(f"{name}: no column {column!r} (it has {', '.join(pf.schema_arrow.names)}); pass --column NAME")
+    return pf
+
+
+def text_column(pf, name, column):
+    """pf, once its `column` holds strings (a numeric --column failed deep in tokenizing, with a traceback)."""
+    import pyarrow as pa
+    kind = pf.schema_arrow.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"{name}: column {column!r} holds {kind}, not text; pass the text column with --column NAME")
     return pf
 
 
@@ -524,6 +567,10 @@ class TokenStream:
             raise DataError(f"{index_path}: split {split!r} has no tokens to read; {_fix_hint(self.corpus_dir)}",
                             index_path, None, "index")
         self.total_tokens = sum(self.lengths)
+        # which split a saved position indexes: prepared again (other shard sizes, more tokens, another val share)
+        # with the same tokenizer, a position lands elsewhere and the run skips or repeats tokens without a word
+        self.split_sha = hashlib.sha256(json.dumps([[e["file"], int(e["tokens"]), e["sha256"]]
+                                                    for e in self.entries]).encode()).hexdigest()[:16]
         self.has_mask = bool(self.index.get("loss_mask"))  # y = -1 where the target token's mask is 0
         self.row_tokens = self.index.get("row_tokens")
         self._warned_rows = False
@@ -534,7 +581,14 @@ class TokenStream:
     def position(self):
         return {"shard": self._shard, "offset": self._offset, "epoch": self._epoch}
 
-    def set_position(self, pos):
+    def set_position(self, pos, split_sha=None):
+        """pos: a saved `position`; split_sha: the `split_sha` saved with it (None: not checked, older checkpoints)."""
+        if split_sha is not None and split_sha != self.split_sha:
+            path = os.path.join(self.corpus_dir, "index.json")
+            raise DataError(f"{path}: the {self.split} split is not the one the checkpoint's data position indexes (the "
+                            f"corpus was prepared again: other shards or sizes), so the run would skip or repeat tokens; "
+                            f"prepare it as before (the same arguments), or fine-tune from the checkpoint "
+                            f"(--init_from=finetune) on the new corpus", path, None, "index")
         shard, offset, epoch = int(pos["shard"]), int(pos["offset"]), int(pos.get("epoch", 0))
         if not (0 <= shard < len(self.entries) and 0 <= offset <= self.entries[shard]["tokens"]):
             raise DataError(f"{self.corpus_dir}/index.json: position {pos} is outside split {self.split!r} (the corpus "

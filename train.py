@@ -835,6 +835,12 @@ def main(argv):
                 f"shard comes back with --release_shards=\"['{c}/{skip_of[c][0]}']\")")
         streams[c] = shards.TokenStream(os.path.join(cfg["data_root"], c), "train", vocab_size=mcfg.vocab_size,
                                         skip_shards=skip_of[c])
+    for c in corpora:  # a plan longer than its data repeats it: said, not silent (positions wrap into epoch + 1)
+        planned = sum(s["tokens"] * s["mix"].get(c, 0) / sum(s["mix"].values()) for s in plan)
+        if planned > streams[c].total_tokens:
+            log(f"WARNING: the plan trains ~{planned:,.0f} tokens of {c}, which holds {streams[c].total_tokens:,} "
+                f"train tokens: it is read ~{planned / streams[c].total_tokens:.1f} times; prepare more (--max-tokens) "
+                f"or plan fewer tokens if that is not meant")
     first = plan[0]["mix"]
     val_corpus = max(sorted(first), key=lambda c: first[c])
     try:  # quarantine holds for val shards too (the guardian names them as it names train ones)
@@ -858,9 +864,10 @@ def main(argv):
                              f"but {ck} was trained with {had[:12]} (its tokenizer.json); prepare the corpus again "
                              f"with --tokenizer {src_tok}, or start a new run")
     if state is not None:
+        saved_splits = state.get("data_split_sha") or {}
         for c, pos in state.get("data_position", {}).items():
             if c in streams:
-                streams[c].set_position(pos)
+                streams[c].set_position(pos, saved_splits.get(c))
 
     # --- model and optimizer ------------------------------------------------------------------------------
     if device_type == "cpu":
@@ -974,6 +981,7 @@ def main(argv):
         if master:
             st["kind"] = kind
             st["data_position"] = {c: s.position for c, s in streams.items()}
+            st["data_split_sha"] = {c: s.split_sha for c, s in streams.items()}  # what the positions index
             st["rng"] = rng_state(device_type)
             st["config"] = cfg
             path = model_save(raw_model, out, st, opt, tokenizer_file)

@@ -213,13 +213,34 @@ def test_stream_bad_inputs(tok, tmp_path):
     import json as js
     good = (tmp_path / "c" / "index.json").read_text()
     for edit in (lambda ix: ix["splits"]["train"][0].update(tokens=None),
-                 lambda ix: ix["splits"]["train"][0].update(tokens="1000"), lambda ix: ix.update(vocab_size="300")):
+                 lambda ix: ix["splits"]["train"][0].update(tokens="1000"), lambda ix: ix.update(vocab_size="300"),
+                 # these crashed `shards.py verify` / `refetch` with a TypeError
+                 lambda ix: ix.update(tokenizer=None), lambda ix: ix["splits"]["train"][0].update(sha256=7),
+                 lambda ix: ix.update(source="x"), lambda ix: ix.update(vocab_size=70000)):
         ix = js.loads(good)
         edit(ix)
         (tmp_path / "c" / "index.json").write_text(js.dumps(ix))
         with pytest.raises(shards.DataError, match="corrupt index"):
             shards.TokenStream(tmp_path / "c")
     (tmp_path / "c" / "index.json").write_text(good)
+
+
+def test_a_position_is_refused_by_a_corpus_prepared_again(tok, tmp_path):
+    """The same tokenizer, other shard sizes (or more tokens, another val share): a saved position landed elsewhere
+    and the run skipped or repeated tokens without a word. The split's fingerprint saved with it says so."""
+    make_corpus(tmp_path / "c", tok, [1000, 500, 300])
+    s = shards.TokenStream(tmp_path / "c")
+    s.next_batch(4, 100)
+    pos, sha = dict(s.position), s.split_sha
+    again = shards.TokenStream(tmp_path / "c")
+    again.set_position(pos, sha)  # the same corpus: accepted
+    assert again.position == pos
+    make_corpus(tmp_path / "c", tok, [600, 600, 600])
+    other = shards.TokenStream(tmp_path / "c")
+    with pytest.raises(shards.DataError, match="prepared again") as e:
+        other.set_position(pos, sha)
+    assert e.value.kind == "index" and "\n" not in str(e.value)
+    other.set_position(pos)  # a checkpoint from before the fingerprint: not checked
 
 
 def _poke(path, byte_offset, data):
@@ -390,7 +411,7 @@ def _write_parquets(repo_dir, rng):
         texts = [" ".join(rng.choice(words) for _ in range(rng.randrange(3, 60))) for _ in range(25)]
         texts[5] = ""  # empty rows are skipped
         texts[9] = None
-        pq.write_table(pa.table({"text": texts, "id": [f"{k}-{i}" for i in range(25)]}),
+        pq.write_table(pa.table({"text": texts, "id": [f"{k}-{i}" for i in range(25)], "score": [i / 25 for i in range(25)]}),
                        repo_dir / "sample" / "10BT" / f"00{k}_00000.parquet", row_group_size=7)
         all_texts += [t for t in texts if t]
     (repo_dir / "README.md").write_text("fake fineweb-edu\n")
@@ -451,7 +472,10 @@ def test_fineweb_prepare_from_fake_hub(tok, tmp_path):
         # (the old shards were removed before the flag was first used, then pyarrow's IndexError)
         _run(["shards.py", "refetch", str(out), victim], env=env)
         before = sorted(os.listdir(out))
-        for bad, want in ((["--column", "txt"], "--column"), (["--threads", "0"], "--threads 0")):
+        # (and a failure only found while tokenizing: no train split left, a numeric --column, which deleted it)
+        for bad, want in ((["--column", "txt"], "--column"), (["--threads", "0"], "--threads 0"),
+                          (["--val-tokens", "100000000"], "no train split left"),
+                          (["--column", "score"], "not text")):
             r = _run(["data/fineweb_edu/prepare.py", "--tokenizer", str(tok_file), "--out", str(out), *bad],
                      env=env, check=False)
             assert r.returncode != 0 and want in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

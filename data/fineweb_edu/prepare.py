@@ -72,6 +72,8 @@ def main():
         run(args)
     except (shards.StorageError, shards.DataError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # a full disk, an --out that cannot be written: the corpus there is as it was
+        sys.exit(f"error: {e.filename or args.out}: {e.strerror}; free space in --out (or pass another), then run again")
 
 
 def run(args):
@@ -80,17 +82,22 @@ def run(args):
     print(f"{args.repo}@{revision[:12]}: {len(files)} parquet files match {args.pattern}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"{args.out}: exists and is not a folder; pass --out DIR")
-    # --column checked on the first file before anything is written (the old corpus is removed further down)
-    shards.parquet_file(shards.hub_download(args.repo, files[0], "dataset", revision), files[0], args.column)
-    os.makedirs(args.out, exist_ok=True)
+    # --column checked on the first file before anything is written; a run that fails later leaves the corpus in
+    # --out as it was (the new one is built in a staging folder and swapped in at the end)
+    shards.text_column(shards.parquet_file(shards.hub_download(args.repo, files[0], "dataset", revision), files[0],
+                                           args.column), files[0], args.column)
+    with shards.staging(args.out) as stage:
+        build(args, revision, files, stage, t0)
 
-    tok_path = os.path.join(args.out, "tokenizer.json")
+
+def build(args, revision, files, stage, t0):
+    """Tokenizer and shards into `stage`, then swapped in for the corpus in args.out (shards.install_corpus)."""
+    tok_path = os.path.join(stage, "tokenizer.json")
     val_target = args.val_tokens if args.val_tokens is not None else min(10_000_000, args.max_tokens // 200)
     val_docs = [float("inf")]  # val comes from the first documents; a tokenizer trained here never sees them
     if args.tokenizer:
         tok = Tokenizer.load(args.tokenizer)
-        if os.path.abspath(args.tokenizer) != os.path.abspath(tok_path):
-            tok.save(tok_path)
+        tok.save(tok_path)
         print(f"reusing tokenizer {args.tokenizer} (vocab {tok.vocab_size})")
     else:
         def training_texts():
@@ -111,11 +118,10 @@ def run(args):
         t1 = time.time()
         tok = train_tokenizer(training_texts(), args.vocab_size)
         tok.save(tok_path)
-        print(f"trained tokenizer: vocab {tok.vocab_size} in {time.time() - t1:.0f}s -> {tok_path}")
+        print(f"trained tokenizer: vocab {tok.vocab_size} in {time.time() - t1:.0f}s")
 
-    shards.remove_old_shards(args.out)
     make_source = lambda rows: shards.hub_source(args.repo, "dataset", revision, args.column, rows)  # noqa: E731
-    writers = {s: shards.ShardWriter(args.out, s, args.shard_tokens, make_source) for s in ("val", "train")}
+    writers = {s: shards.ShardWriter(stage, s, args.shard_tokens, make_source) for s in ("val", "train")}
     counts = {"val": 0, "train": 0}
     used_files, n_docs, stop_reason = [], 0, "source exhausted"
     batch_docs = 512 * max(1, args.threads)
@@ -156,7 +162,7 @@ def run(args):
                    "argv": sys.argv[1:]},
         "splits": splits,
     }
-    shards.write_index(args.out, index)
+    shards.install_corpus(args.out, stage, index)
     print(f"{n_docs:,} documents from {len(used_files)} parquet file(s); stopped: {stop_reason}")
     for s, entries in splits.items():
         print(f"{s}: {len(entries)} shards, {counts[s]:,} tokens")

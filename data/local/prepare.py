@@ -91,15 +91,22 @@ def main():
     print(f"{len(docs):,} documents ({n_train:,} train, {len(docs) - n_train:,} val), {total_bytes / 1e6:.1f} MB "
           f"from {args.src}")
 
-    os.makedirs(args.out, exist_ok=True)
-    tok_path = os.path.join(args.out, "tokenizer.json")
+    try:
+        with shards.staging(args.out) as stage:  # a run that fails leaves the corpus in --out as it was
+            build(args, docs, exts, total_bytes, stage, t0)
+    except OSError as e:
+        sys.exit(f"error: {e.filename or args.out}: {e.strerror}; free space in --out (or pass another), then run again")
+
+
+def build(args, docs, exts, total_bytes, stage, t0):
+    """Tokenizer and shards into `stage`, then swapped in for the corpus in args.out (shards.install_corpus)."""
+    tok_path = os.path.join(stage, "tokenizer.json")
     if args.tokenizer:
         try:
             tok = Tokenizer.load(args.tokenizer)
         except ValueError as e:
             sys.exit(f"error: {e}")
-        if os.path.abspath(args.tokenizer) != os.path.abspath(tok_path):
-            tok.save(tok_path)
+        tok.save(tok_path)
         print(f"reusing tokenizer {args.tokenizer} (vocab {tok.vocab_size})")
     else:
         t1 = time.time()
@@ -108,10 +115,9 @@ def main():
         except ValueError as e:
             sys.exit(f"error: {e}")
         tok.save(tok_path)
-        print(f"trained tokenizer: vocab {tok.vocab_size} in {time.time() - t1:.1f}s -> {tok_path}")
+        print(f"trained tokenizer: vocab {tok.vocab_size} in {time.time() - t1:.1f}s")
 
-    shards.remove_old_shards(args.out)
-    writers = {s: shards.ShardWriter(args.out, s, args.shard_tokens, lambda rs: shards.files_source(args.src, rs))
+    writers = {s: shards.ShardWriter(stage, s, args.shard_tokens, lambda rs: shards.files_source(args.src, rs))
                for s in ("train", "val")}
     batch = 256
     with tqdm(total=total_bytes, desc="tokenizing", unit="B", unit_scale=True, disable=None) as bar:
@@ -129,7 +135,7 @@ def main():
                    "bytes": total_bytes, "made_by": "data/local/prepare.py", "argv": sys.argv[1:]},
         "splits": splits,
     }
-    shards.write_index(args.out, index)
+    shards.install_corpus(args.out, stage, index)
     for s, entries in splits.items():
         print(f"{s}: {len(entries)} shards, {sum(e['tokens'] for e in entries):,} tokens")
     print(f"wrote {os.path.join(args.out, 'index.json')} in {time.time() - t0:.1f}s")

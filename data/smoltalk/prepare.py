@@ -22,8 +22,11 @@ Calls recorded here:
   counted. An exchange that alone exceeds --max-len is dropped (counted, its tokens reported): never cut.
 - Bad rows are counted by kind and skipped, never a crash: unknown role, empty assistant turn, no assistant
   turn, malformed row (not a list of {role, content} strings), malformed JSON (--jsonl).
-- val: the Hub's test file(s) (at most --val-conversations conversations); without one (or with --jsonl) the
-  first --val-conversations conversations (at most 10%) are held out.
+- val: the Hub's test file(s) (at most --val-conversations conversations); without one the first
+  --val-conversations conversations are held out; with --jsonl the first --val-conversations, at most 10% of
+  its lines (a Hub repo is streamed, its size unknown up front: a small one needs a smaller --val-conversations).
+- A run that fails (no usable train split, a full disk) leaves the corpus in --out as it was: the new one is
+  built in a staging folder and swapped in at the end.
 """
 
 import argparse
@@ -281,23 +284,31 @@ def run(args):
         source = {"kind": "hub", "repo": args.repo, "repo_type": "dataset", "revision": revision,
                   "pattern": args.pattern, "column": args.column, "train_files": train_files, "val_files": test_files}
 
-    shards.remove_old_shards(args.out)
-    tok_path = os.path.join(args.out, "tokenizer.json")
-    if os.path.abspath(tok_src) != os.path.abspath(tok_path):
-        tok.save(tok_path)
-    splits = build(tok, {"val": iter(val), "train": train}, args.max_len, args.out, args.shard_tokens, stats)
-    for s in ("train", "val"):
-        if not splits[s]:
-            raise ValueError(f"{args.jsonl or args.repo}: no usable conversation for the {s} split "
-                             f"(bad rows: {dict((k, v) for k, v in stats.items() if k.startswith('bad_'))})")
+    with shards.staging(args.out) as stage:  # a run that fails leaves the corpus in --out as it was
+        tok.save(os.path.join(stage, "tokenizer.json"))
+        splits = build(tok, {"val": iter(val), "train": train}, args.max_len, stage, args.shard_tokens, stats)
+        for s in ("train", "val"):
+            if not splits[s]:
+                raise ValueError(f"{args.jsonl or args.repo}: no usable conversation for the {s} split "
+                                 f"(bad rows: {dict((k, v) for k, v in stats.items() if k.startswith('bad_'))}; "
+                                 f"{stats['val_conversations']:,} went to val)")
+        index = finish(args, tok, tok_src, source, splits, stats)
+        shards.install_corpus(args.out, stage, index)
+    report_build(args, stats, splits, t0)
+
+
+def finish(args, tok, tok_src, source, splits, stats):
+    """The corpus's index.json contents."""
     report = dict(sorted(stats.items()))
     source.update(made_by="data/smoltalk/prepare.py", argv=sys.argv[1:], tokenizer_from=os.path.abspath(tok_src),
                   report=report)
-    index = {"version": shards.INDEX_VERSION, "tokenizer": "tokenizer.json", "tokenizer_sha256": tok.hash,
-             "vocab_size": tok.vocab_size, "loss_mask": True, "row_tokens": args.max_len, "source": source,
-             "splits": splits}
-    shards.write_index(args.out, index)
-    bad = {k[4:]: v for k, v in report.items() if k.startswith("bad_")}
+    return {"version": shards.INDEX_VERSION, "tokenizer": "tokenizer.json", "tokenizer_sha256": tok.hash,
+            "vocab_size": tok.vocab_size, "loss_mask": True, "row_tokens": args.max_len, "source": source,
+            "splits": splits}
+
+
+def report_build(args, stats, splits, t0):
+    bad = {k[4:]: v for k, v in stats.items() if k.startswith("bad_")}
     print(f"read {stats['rows_read']:,} conversations; bad rows skipped: {sum(bad.values())} {bad or ''}")
     print(f"split at exchange boundaries (longer than --max-len {args.max_len}): {stats['conversations_split']} "
           f"conversations -> {stats['split_pieces']} pieces; exchanges dropped (alone longer than a row): "
