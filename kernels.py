@@ -200,7 +200,9 @@ class QLinear(nn.Module):
                 y = x2.float() @ self.dense.t()
             elif self.kernel == "native":
                 y = NATIVE.int8_mm(x2, r["q"], r["scale"])
-            elif self.kernel != "reference" and x2.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
+            # torch 2.13's kernel segfaults for M > 1 unless K is a multiple of 16 (loglikelihood's 64 logit rows)
+            elif (self.kernel != "reference" and x2.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
+                  and (x2.shape[0] == 1 or self.shape[1] % 16 == 0)):
                 y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), r["q"], self.scale_bf16).float()
             else:
                 y = x2.float() @ C.dequantize_int8(r["q"], r["scale"], self.shape).t()

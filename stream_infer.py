@@ -1073,7 +1073,9 @@ def main(argv=None):
                             args.seed, eos):
             out.append(t)
             if tok is not None:
-                text = tok.decode(out)
+                # as chat.py and eval.py: specials (the <|bos|> that ends a document) not printed by name, and an id
+                # with no text (reserved 0) a U+FFFD, not a ValueError
+                text = tok.decode_generated(out)
                 if not text.endswith("\ufffd"):
                     sys.stdout.write(text[len(shown):])
                     shown = text
@@ -1081,6 +1083,8 @@ def main(argv=None):
                 sys.stdout.write(f"{t} ")
             sys.stdout.flush()
         dt = time.perf_counter() - t0
+        if tok is not None:  # what a trailing U+FFFD held back (an unfinished character, an id with no text)
+            sys.stdout.write(tok.decode_generated(out)[len(shown):])
         st = eng.cache.stats()
         print()
         hit = f"expert hit rate {st['hit_rate']:.3f}" if st["lookups"] else "no routed experts"

@@ -1822,3 +1822,37 @@ def test_kernels_script_names_this_machines_loops():
     native = next(line for line in r.stdout.splitlines() if line.startswith("native:"))
     assert native.startswith("native: built, integer loops " + (", ".join(want) or "none")), native
     assert ("repacked" in r.stdout) == (kernels.cpu_int4pack_ok() and not kernels.int4pack_same_layout())
+
+
+def test_int4pack_loglikelihood_on_a_width_torch_int8pack_cannot_take(tmp_path):
+    """torch's _weight_int8pack_mm segfaulted for more than one row when K % 16 != 0: loglikelihood's logit rows
+    through an int8 lm_head of d_model 40 on --kernel int4pack killed the process. Run in a child: a crash is rc 139."""
+    torch.manual_seed(0)
+    cfg = dict(CFG, d_model=40, n_head=2, n_kv_head=1, dense_ffn=48, expert_ffn=32)
+    ck = save_checkpoint(Picaflor(ModelConfig(**cfg)), str(tmp_path / "run"), 1)
+    path = str(tmp_path / "d40.pcf4")
+    C.write_container(ck, path, group_size=8, progress=False)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import stream_infer as S; "
+            "print(S.load(sys.argv[2], kernel='int4pack').loglikelihood([1, 2, 3], [4, 5, 6])[0]); "
+            "print(S.load(sys.argv[2], kernel='reference').loglikelihood([1, 2, 3], [4, 5, 6])[0])")
+    r = subprocess.run([sys.executable, "-c", code, ROOT, path], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    got, ref = (float(v) for v in r.stdout.split()[-2:])
+    assert abs(got - ref) < 0.05 * abs(ref)
+
+
+def test_cli_prints_generated_text_without_specials(tmp_path, monkeypatch, capsys):
+    """The CLI printed <|bos|> by name at the end of a document and raised on an id with no text (reserved 0), as
+    chat.py and eval.py once did: it decodes as they do now (tokenizer.decode_generated)."""
+    import tokenizer as T
+    tok = T.train_tokenizer(["the hummingbird flies over the flowers, hello world"] * 40, 300)
+    tok.save(str(tmp_path / "tok.json"))
+    torch.manual_seed(0)
+    ck = save_checkpoint(Picaflor(ModelConfig(**dict(CFG, vocab_size=tok.vocab_size))), str(tmp_path / "run"), 1,
+                         tokenizer_file=str(tmp_path / "tok.json"))
+    path = str(tmp_path / "t.pcf4")
+    C.write_container(ck, path, group_size=32, progress=False)
+    monkeypatch.setattr(S.Engine, "stream", lambda self, ids, n, *a, **k: iter(tok.encode(" world") + [tok.bos_id, 0]))
+    assert S.main([path, "--prompt", "hello", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("hello world") and "<|bos|>" not in out and "\ufffd" in out, out
