@@ -78,6 +78,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
 """
 
 import argparse
+import contextlib
 import math
 import operator
 import os
@@ -493,6 +494,7 @@ class Engine:
         # one request step at a time: the expert cache and the MoE layers' top_k are shared (threads sharing an
         # engine got wrong tokens, KeyErrors and an over-budget cache); requests interleave between steps
         self.lock = threading.RLock()
+        self.experts_per_token = cfg.top_k  # the engine's own setting (set_experts_per_token)
         self.max_seq_len = self.context
         self.kernel = pick_kernel(kernel, self.device)
         self.budget = parse_size(ram_budget) if ram_budget is not None else None
@@ -761,16 +763,42 @@ class Engine:
         for moe in self.moes:
             moe.shadow_guess, moe.guessed = False, None
 
-    def set_experts_per_token(self, k):
+    def checked_k(self, k):
         k = k or self.cfg.top_k
         if not 1 <= k <= self.cfg.n_experts:
             raise StreamError(f"--experts-per-token {k}: must be in 1..{self.cfg.n_experts}")
-        for moe in self.moes:
-            moe.top_k = k
+        return k
+
+    def set_experts_per_token(self, k):
+        """The engine's own setting, which forward() routes with (None: the container's top_k); a request's
+        experts_per_token holds for its own steps only (routing below)."""
+        k = self.checked_k(k)
+        with self.lock:
+            self.experts_per_token = k
+            for moe in self.moes:
+                moe.top_k = k
+
+    @contextlib.contextmanager
+    def routing(self, k):
+        """One request step with its own experts per token, under the lock; the engine's setting again after it (a
+        request that captured the setting before it restored another request's k)."""
+        with self.lock:
+            for moe in self.moes:
+                moe.top_k = k
+            try:
+                yield
+            finally:
+                for moe in self.moes:
+                    moe.top_k = self.experts_per_token
 
     # --- forward ---
-    @torch.no_grad()
     def forward(self, ids, cache=None, positions=None, last_only=False):
+        """Threads may share the engine: one forward at a time (the lock), see _forward."""
+        with self.lock:
+            return self._forward(ids, cache, positions, last_only)
+
+    @torch.no_grad()
+    def _forward(self, ids, cache=None, positions=None, last_only=False):
         """ids (1, T) -> final hidden states (1, T, D) (fp32), or with last_only the last position's (1, 1, D); the KV
         cache advances by T. Long inputs go through in chunks of prefill_chunk tokens (on a KV cache, a fresh one when
         none is given), so activation memory does not grow with the prompt: the budget reserves one chunk's worth.
@@ -831,18 +859,14 @@ class Engine:
         if total > self.context:
             raise StreamError(f"prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceeds the reserved context "
                               f"{self.context} (max_seq_len {self.cfg.max_seq_len}); pass a larger --context")
-        with self.lock:
-            before = self.moes[0].top_k if self.moes else None
-            self.set_experts_per_token(experts_per_token)  # checked here; set again before each step (below)
-        k = experts_per_token
+        k = self.checked_k(experts_per_token)  # the request's own: set for each of its steps (routing)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         kv = KVCache(self.cfg, 1, max(total, 1), self.device, torch.float32)
         ids = torch.tensor([prompt_ids], device=self.device)
         try:
             for step in range(max_new_tokens):
                 t0 = time.perf_counter()
-                with self.lock:
-                    self.set_experts_per_token(k)  # the engine is shared: another call in between may have changed it
+                with self.routing(k):  # the engine is shared: other requests' steps come in between
                     h = self.forward(ids, kv, last_only=True)
                     logits = self.logits(h[:, -1])
                 nxt = sample_next(logits, temperature, None, top_p, gen)
@@ -857,8 +881,6 @@ class Engine:
             with self.lock:
                 self.stop_probes()  # a probe is for decode tokens only
                 self.cache.settle()
-                for moe in self.moes:  # the engine's own setting again (a caller's forward() would route with k)
-                    moe.top_k = before
 
     def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=None, experts_per_token=None, seed=None,
                  eos_id=None):
@@ -885,16 +907,10 @@ class Engine:
             raise StreamError(f"{len(ids) - 1} tokens exceed the reserved context {self.context}; load with a larger "
                               f"context")
         self._check_ids(ids, "input")
-        with self.lock:
-            before = self.moes[0].top_k if self.moes else None
-            try:
-                return self._loglikelihood(ctx, ids)
-            finally:
-                for moe in self.moes:  # the engine's own setting again
-                    moe.top_k = before
+        with self.routing(self.cfg.top_k):  # scored as the container's model, whatever the engine serves with
+            return self._loglikelihood(ctx, ids)
 
     def _loglikelihood(self, ctx, ids):
-        self.set_experts_per_token(None)
         run = ids[:-1]  # position p predicts ids[p + 1]; the continuation's targets start at position len(ctx) - 1
         kv = KVCache(self.cfg, 1, len(run), self.device, torch.float32)
         total, greedy, n = 0.0, True, self.prefill_chunk

@@ -1856,3 +1856,25 @@ def test_cli_prints_generated_text_without_specials(tmp_path, monkeypatch, capsy
     assert S.main([path, "--prompt", "hello", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("hello world") and "<|bos|>" not in out and "\ufffd" in out, out
+
+
+def test_interleaved_requests_leave_the_engines_own_experts_per_token(tiny):
+    """Each request captured the MoE layers' top_k before it and put that back after: one that started while another
+    held k = 1 restored 1 for good, and a later forward() (chat.py's backend calls it directly) routed with it."""
+    m, path = tiny
+    eng = S.load(path)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = eng.logits(eng.forward(ids))
+    g1 = eng.stream([5, 6, 7], 3, experts_per_token=1)
+    next(g1)
+    g2 = eng.stream([5, 6, 7], 3)
+    next(g2)
+    list(g1)
+    list(g2)
+    assert [moe.top_k for moe in eng.moes] == [CFG["top_k"]] * len(eng.moes)
+    assert torch.equal(eng.logits(eng.forward(ids)), before)
+    eng.set_experts_per_token(1)  # the engine's own setting: forward() and the steps after any request use it
+    one = eng.logits(eng.forward(ids))
+    eng.generate([5, 6, 7], 2, experts_per_token=2)
+    eng.loglikelihood([5, 6], [7, 8])
+    assert [moe.top_k for moe in eng.moes] == [1] * len(eng.moes) and torch.equal(eng.logits(eng.forward(ids)), one)
