@@ -393,9 +393,11 @@ def bench_in_cgroup(args, argv):
                     f.write(str(os.getpid()))
 
         cpu0 = time.process_time()
-        r = subprocess.run(argv, env=env, preexec_fn=enter_cgroup)
+        try:  # Ctrl-C: subprocess.run ends the child, then the cgroup goes too (it was left behind)
+            r = subprocess.run(argv, env=env, preexec_fn=enter_cgroup)
+        finally:
+            cg_peak = close_cgroup(cg)
         parent_cpu_s = time.process_time() - cpu0  # this process while the child ran: ~0, or it stole the child's cores
-        cg_peak = close_cgroup(cg)
         if r.returncode != 0 or not os.path.exists(res_path):
             why = "killed (out of memory inside the cgroup?)" if r.returncode < 0 else f"exit {r.returncode}"
             raise S.StreamError(f"{args.container}: benchmark child failed ({why}) at --ram-budget {args.ram_budget}")

@@ -1110,6 +1110,9 @@ def main(argv=None):
     except (StreamError, EC.CacheError, C.ContainerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C in a generation or a benchmark (its child and cgroup are gone by now)
+        print("\nstream_infer: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1878,3 +1878,25 @@ def test_interleaved_requests_leave_the_engines_own_experts_per_token(tiny):
     eng.generate([5, 6, 7], 2, experts_per_token=2)
     eng.loglikelihood([5, 6], [7, 8])
     assert [moe.top_k for moe in eng.moes] == [1] * len(eng.moes) and torch.equal(eng.logits(eng.forward(ids)), one)
+
+
+def test_ctrl_c_in_a_benchmark_removes_its_cgroup(tiny, monkeypatch, capsys):
+    """Ctrl-C while the benchmark child ran: a traceback, and its memory cgroup was left behind for good."""
+    import subprocess as sp
+    m, path = tiny
+    made, real_run, real_cg = [], sp.run, B.limited_cgroup
+
+    def cgroup(budget):
+        cg = real_cg(budget)
+        made.append(cg[0])
+        return cg
+
+    def interrupted(*a, **k):
+        if "preexec_fn" in k:  # the benchmark child (not the memory-bandwidth probe)
+            raise KeyboardInterrupt
+        return real_run(*a, **k)
+    monkeypatch.setattr(B, "limited_cgroup", cgroup)
+    monkeypatch.setattr(sp, "run", interrupted)
+    assert S.main([path, "--bench", "--ram-budget", "3G", "--max-new-tokens", "2", "--bench-prompt-tokens", "4"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert made and all(cg is None or not os.path.exists(cg) for cg in made)
