@@ -857,8 +857,10 @@ class Engine:
         check_sampling(temperature, top_p)
         total = len(prompt_ids) + max_new_tokens - 1  # the last new token is never fed back
         if total > self.context:
+            fix = ("shorten the prompt or --max-new-tokens (the model's max_seq_len)" if self.context >= self.cfg.max_seq_len
+                   else "pass a larger --context")
             raise StreamError(f"prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceeds the reserved context "
-                              f"{self.context} (max_seq_len {self.cfg.max_seq_len}); pass a larger --context")
+                              f"{self.context} (max_seq_len {self.cfg.max_seq_len}); {fix}")
         k = self.checked_k(experts_per_token)  # the request's own: set for each of its steps (routing)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         kv = KVCache(self.cfg, 1, max(total, 1), self.device, torch.float32)
@@ -904,8 +906,9 @@ class Engine:
             raise StreamError("loglikelihood needs a non-empty context and continuation")
         ids = ctx + cont
         if len(ids) - 1 > self.context:  # the last token is only a target: it is never run
-            raise StreamError(f"{len(ids) - 1} tokens exceed the reserved context {self.context}; load with a larger "
-                              f"context")
+            fix = ("shorten the input (the model's max_seq_len)" if self.context >= self.cfg.max_seq_len
+                   else "load with a larger context")
+            raise StreamError(f"{len(ids) - 1} tokens exceed the reserved context {self.context}; {fix}")
         self._check_ids(ids, "input")
         with self.routing(self.cfg.top_k):  # scored as the container's model, whatever the engine serves with
             return self._loglikelihood(ctx, ids)
@@ -1001,6 +1004,8 @@ def check_args(args, argv):
         if dropped:
             raise StreamError(f"--chat does not take {', '.join(dropped)} (chat.py serves with the defaults)")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and (os.path.isdir(path) or path.endswith(os.sep)):  # found only after the whole run, a traceback
+            raise StreamError(f"{flag} {path}: a folder; give a file path (e.g. {os.path.join(path, 'bench.json')})")
         where = os.path.dirname(os.path.abspath(path)) if path else None
         if where and not os.path.isdir(where):
             try:  # made now, not after a benchmark that ran for minutes
@@ -1042,7 +1047,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", default="auto",
                     help="compute threads; auto: every core (use 1 on a machine whose cores are busy elsewhere)")
-    ap.add_argument("--context", type=int, default=None, help="KV cache positions reserved in the budget (default 512)")
+    ap.add_argument("--context", type=int, default=None, help="KV cache positions reserved in the budget (default "
+                    "512 with --ram-budget, else the model's max_seq_len; never more than max_seq_len)")
     ap.add_argument("--no-preload", action="store_true",
                     help="at start-up the expert cache is filled (every expert when all fit in --ram-budget, else as many "
                          "as fit, evenly per layer); this starts empty and reads on demand")

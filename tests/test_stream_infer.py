@@ -1492,7 +1492,9 @@ def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
              (["--chat", "--kernel", "native", "--no-preload"], "--kernel, --no-preload"),
              (["--temperature", "1e-39"], "at least 1e-4"), (["--seed", str(2 ** 64)], "--seed"),
              (["--readers", "100000"], "1 to 64"), (["--experts-per-token", "0"], "at least 1"),
-             (["--sweep", ","], "--sweep")]
+             (["--sweep", ","], "--sweep"),
+             # a folder as --json / --plot failed only after the whole benchmark, with a traceback
+             (["--bench", "--json", str(tmp_path)], "a folder"), (["--sweep", "3G", "--plot", str(tmp_path)], "a folder")]
     for flags, want in cases:
         assert S.main([path, "--prompt", "1,2,3", "--max-new-tokens", "2", *flags]) == 1, flags
         err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
