@@ -85,6 +85,24 @@ def to_int4pack_layout(packed, shape, group_size, rows_at_a_time=128):
     return packed
 
 
+_LIBC = None
+
+
+def release_freed_heap():
+    """malloc_trim(0): hand the heap's freed pages back to the OS (glibc; else nothing)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
 def int4_matmul_reference(x, packed, sz, shape, group_size):
     """The reference every int4 path must equal: dequantize to fp32, then x @ W^T."""
     return x.float() @ C.dequantize_int4(packed, sz, shape, group_size).t()

@@ -640,7 +640,18 @@ class Engine:
             return nn.Parameter(raw[name]["data"].to(dev), requires_grad=False)
 
         m = meta_model(cfg)  # no random init on meta: that would import torch._dynamo (+180 MB of budget)
-        self.cache = EC.ExpertCache(c, 0, lambda buf, views: Expert(c, buf, kernel, dev, views),
+        # int4pack's repack (per expert read) and the reference's dequantized matrices are large temporaries that
+        # glibc's heap keeps once freed, memory the budget never counted (micro at 1.5G peaked 1.55G, its --bench
+        # OOM-killed in the cgroup): near the budget, it is handed back after each expert is built (1.34G)
+        trim_above = (0.9 * self.budget if self.budget and kernel in ("int4pack", "reference") and dev == "cpu"
+                      else None)
+
+        def make_expert(buf, views):
+            e = Expert(c, buf, kernel, dev, views)
+            if trim_above and rss_bytes() > trim_above:
+                kernels.release_freed_heap()
+            return e
+        self.cache = EC.ExpertCache(c, 0, make_expert,
                                    score_ops=kernels.NATIVE if native else None,
                                    reader_ops=kernels.native_reader() if native or kernels.NATIVE else None,  # no build for others
                                    n_readers=self.n_readers, policy=self.cache_policy,
