@@ -240,7 +240,7 @@ def test_recover_puts_back_a_step_moved_aside_and_drops_a_replaced_one(tmp_path)
 
 
 def test_random_sigkills_mid_training_end_bitwise_equal(data_root, tmp_path):
-    """Four kills, each at a random moment after the process has saved a step of its own (mid-step or mid-save:
+    """Three kills, each at a random moment after the process has saved a step of its own (mid-step or mid-save:
     a step and its save take ~30 ms here), not in the ~4 s of imports before training, where a kill tests nothing."""
     common = [f"--data_root={data_root}", "--max_iters=30", "--warmup_iters=2", "--eval_interval=8", "--ckpt_interval=1",
               "--keep_last=2"]
@@ -255,7 +255,7 @@ def test_random_sigkills_mid_training_end_bitwise_equal(data_root, tmp_path):
         newest = max((s_ for s_, _ in checkpoint.list_checkpoints(out)), default=0)
         p = subprocess.Popen([sys.executable, "train.py", *TINY, *common, f"--out_dir={out}", *resume], cwd=REPO,
                              env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if kills < 4:
+        if kills < 3:
             deadline = time.time() + 120
             while p.poll() is None and max((s_ for s_, _ in checkpoint.list_checkpoints(out)), default=0) <= newest:
                 assert time.time() < deadline
@@ -271,7 +271,7 @@ def test_random_sigkills_mid_training_end_bitwise_equal(data_root, tmp_path):
         assert p.returncode == 0, err
         if json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["finished"]:
             break
-    assert kills == 4, killed_at  # all four landed inside training (the run had not finished)
+    assert kills == 3, killed_at  # all three landed inside training (the run had not finished)
     assert straight_run.wait(timeout=300) == 0, (tmp_path / "straight.err").read_text()[-2000:]
     la, lb = metrics(straight), metrics(out)  # the losses of every step, redone steps' last record
     assert [la[s_]["loss"] for s_ in range(1, 31)] == [lb[s_]["loss"] for s_ in range(1, 31)]

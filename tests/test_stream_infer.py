@@ -507,13 +507,13 @@ def test_route_guess_names_the_next_layers_picks(tmp_path):
     assert route_guess.recall(torch.tensor([[0, 1], [2, 3]]), torch.tensor([[1, 4], [5, 6]])) == 0.25
     cfg_file = tmp_path / "cfg.py"
     cfg_file.write_text("".join(f"{k} = {v!r}\n" for k, v in CFG.items()))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "route_guess.py"), str(cfg_file), "--tokens", "64",
-                        "--seq-len", "16"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "random init" in r.stdout and "trained" not in r.stdout, r.stdout + r.stderr
     save_checkpoint(m, str(tmp_path / "run"), 1)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "route_guess.py"), str(tmp_path / "run"),
-                        "--tokens", "64", "--seq-len", "16"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "trained" in r.stdout and "random init" in r.stdout, r.stdout + r.stderr
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "route_guess.py"), str(src), "--tokens", "64",
+                               "--seq-len", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for src in (cfg_file, tmp_path / "run")]  # both at once: two single-threaded children, two cores
+    (out_cfg, err_cfg), (out_run, err_run) = (p.communicate(timeout=120) for p in procs)
+    assert procs[0].returncode == 0 and "random init" in out_cfg and "trained" not in out_cfg, out_cfg + err_cfg
+    assert procs[1].returncode == 0 and "trained" in out_run and "random init" in out_run, out_run + err_run
     weights = next((tmp_path / "run").glob("step_*/model.safetensors"))
     weights.write_bytes(weights.read_bytes()[:1000])
     (tmp_path / "bad.py").write_text("n_layer = 'x'\n")
@@ -1292,12 +1292,13 @@ def test_gpu_check_script_on_the_interpreter(tiny, tmp_path):
     assert eng["streamed_misses"] > 8 and max(eng["hidden_rel_err"], eng["logits_rel_err"]) < 1e-5
     assert all(row["rel_err"] < 1e-3 for row in res["kernels"]) and len(res["kernels"]) == 2
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for args, msg in ((["--device", "cuda"], "no CUDA device"), (["--device", "cpu"], "TRITON_INTERPRET=1")):
-        if msg == "no CUDA device" and torch.cuda.is_available():
-            continue
-        r = subprocess.run([sys.executable, script, "--container", path, *args], capture_output=True, text=True,
-                           env=env, timeout=120)
-        assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    cases = [(a, msg) for a, msg in ((["--device", "cuda"], "no CUDA device"), (["--device", "cpu"], "TRITON_INTERPRET=1"))
+             if not (msg == "no CUDA device" and torch.cuda.is_available())]
+    procs = [subprocess.Popen([sys.executable, script, "--container", path, *a], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for a, _ in cases]  # at once: 2 cores
+    for p, (_, msg) in zip(procs, cases):
+        err = p.communicate(timeout=120)[1]
+        assert p.returncode != 0 and msg in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_budget_strings():
@@ -1545,14 +1546,15 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     assert len(pcts) == 2 and "runs" not in got[0] and got[1]["pct_of_bound"] == pcts[0]
     assert got[1]["pct_of_bound"] == pytest.approx(got[1]["decode_tok_s"] / got[1]["bound_tok_s"])
     assert "median of 2 runs" in r.stdout
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--bench", "--repeat", "2"],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode != 0 and "--repeat 2: a positive count of runs per budget, for --sweep" in r.stderr
-    # an error raised in stream_bench (which imports stream_infer) is one line when stream_infer.py is the script:
-    # its StreamError was a second copy of the class, which main() did not catch
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--sweep", "3G,abc"],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "'abc'" in r.stderr, r.stderr[-2000:]
+    # (both refusals at once: two single-threaded children, two cores) --repeat without --sweep; and an error raised
+    # in stream_bench (which imports stream_infer) is one line when stream_infer.py is the script: its StreamError
+    # was a second copy of the class, which main() did not catch
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, *a], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+             for a in (["--bench", "--repeat", "2"], ["--sweep", "3G,abc"])]
+    (_, err_repeat), (_, err_abc) = (p.communicate(timeout=300) for p in procs)
+    assert procs[0].returncode != 0 and "--repeat 2: a positive count of runs per budget, for --sweep" in err_repeat
+    assert procs[1].returncode == 1 and "Traceback" not in err_abc and "'abc'" in err_abc, err_abc[-2000:]
     assert res["peak_rss_bytes"] < res["resident_rss_bytes"] + (96 << 20)  # the bandwidth probe's buffer is not the child's
 
 
