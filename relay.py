@@ -834,8 +834,9 @@ def config_from_checkpoint(ck):
 
 def cmd_init(args):
     store = open_store(args.store)
-    check_lease_times(DEFAULT_TTL if args.ttl is None else args.ttl,
-                      DEFAULT_HEARTBEAT if args.heartbeat is None else args.heartbeat)
+    ttl = DEFAULT_TTL if args.ttl is None else args.ttl  # the run's defaults for every claim
+    heartbeat = DEFAULT_HEARTBEAT if args.heartbeat is None else args.heartbeat
+    check_lease_times(ttl, heartbeat)
     ck = None
     if args.from_checkpoint:  # everything is checked before the store is touched
         try:
@@ -898,8 +899,6 @@ def cmd_init(args):
         adds["config.py"] = cfg_text.encode()
         adds["training_state.json"] = (json.dumps(state, indent=1) + "\n").encode()
         adds["LEDGER.md"] = ("# Ledger\n\nOne row per leg pushed by `relay.py`.\n\n" + LEDGER_HEADER).encode()
-        ttl = DEFAULT_TTL if args.ttl is None else args.ttl
-        heartbeat = DEFAULT_HEARTBEAT if args.heartbeat is None else args.heartbeat
         relay = {"format": RELAY_FORMAT, "version": 1, "holder": None, "nonce": None, "generation": 0, "leg": 1,
                  "ttl_s": ttl, "heartbeat_s": heartbeat, "default_ttl_s": ttl, "default_heartbeat_s": heartbeat,
                  "created_at": time.time()}
