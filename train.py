@@ -160,9 +160,12 @@ def build_plan(cfg, tokens_per_step):
             v = s.get(key)
             if key in s and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v)):
                 raise TrainError(f"stages[{i}]: {key} must be a whole number, got {v!r}")
-        if "mix" in s and not (isinstance(s["mix"], dict) and all(
-                isinstance(c, str) and isinstance(w, (int, float)) and not isinstance(w, bool) for c, w in s["mix"].items())):
-            raise TrainError(f"stages[{i}]: mix must be a dict of corpus name -> weight, got {s['mix']!r}")
+        if "mix" in s and not (isinstance(s["mix"], dict) and s["mix"] and all(
+                isinstance(c, str) and isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                for c, w in s["mix"].items())):
+            raise TrainError(f"stages[{i}]: mix must be a dict of corpus name -> weight (finite numbers), got {s['mix']!r}")
+        if not isinstance(s.get("name", ""), str):
+            raise TrainError(f"stages[{i}]: name must be a string, got {s['name']!r}")
         phase = s.get("lr_phase", "stable")
         if phase not in ("warmup", "stable", "decay"):
             raise TrainError(f"stages[{i}]: lr_phase must be warmup, stable or decay, got {phase!r}")
@@ -175,7 +178,7 @@ def build_plan(cfg, tokens_per_step):
         tokens = int(s["tokens"]) if "tokens" in s else int(s["steps"]) * tokens_per_step(T)
         if tokens <= 0:
             continue  # e.g. warmup_iters = 0
-        mix = s.get("mix") or {cfg["dataset"]: 1.0}
+        mix = s["mix"] if "mix" in s else {cfg["dataset"]: 1.0}
         if any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
             raise TrainError(f"stages[{i}]: mix weights must be >= 0 with a positive sum, got {mix}")
         plan.append(dict(name=s.get("name", f"stage{i}"), mix=dict(mix), tokens=tokens, seq_len=T, lr_phase=phase,
@@ -232,16 +235,20 @@ def decay_now(plan, tokens_seen, length):
 
 
 def rows_per_stream(mix, rows, micro_index):
-    """Deterministic split of `rows` sequences among the mix's corpora for micro-step number micro_index
-    (cumulative rounding, so the long-run share equals the weights and resume reproduces it exactly)."""
-    names = sorted(mix)
-    total = sum(mix.values())
-    out, given = {}, 0
-    for n in names[:-1]:
-        share = mix[n] / total
-        out[n] = math.floor((micro_index + 1) * rows * share) - math.floor(micro_index * rows * share)
-        given += out[n]
-    out[names[-1]] = rows - given
+    """Deterministic split of `rows` sequences among the mix's corpora for micro-step number micro_index: global row
+    g goes to the first corpus (sorted by name) when floor((g+1)*share) steps, else on to the rest, whose own rows are
+    split the same way (Bresenham's line, nested). Among the first n rows a corpus gets floor(n*share) of the rows
+    its predecessors left: never a negative count (the last corpus once took what rounding left, -1 at times), none
+    for a weight of 0, and resume reproduces it from micro_index alone."""
+    names = sorted(n for n in mix if mix[n] > 0)
+    lo, hi = micro_index * rows, (micro_index + 1) * rows  # this micro-step's rows, counted among the rows still unsplit
+    out = dict.fromkeys(sorted(mix), 0)
+    for i, n in enumerate(names[:-1]):
+        share = min(1.0, mix[n] / sum(mix[m] for m in names[i:]))
+        a, b = math.floor(lo * share), math.floor(hi * share)
+        out[n] = b - a
+        lo, hi = lo - a, hi - b
+    out[names[-1]] = hi - lo
     return out
 
 
@@ -662,6 +669,11 @@ def main(argv):
     if set(cfg["lr_mult"]) - {"embedding", "old", "new"}:  # a misspelt key would leave its group at 1.0
         die(f"--lr_mult={cfg['lr_mult']}: keys must be embedding, old and new, got "
             f"{sorted(set(cfg['lr_mult']) - {'embedding', 'old', 'new'})}")
+    if any(v < 0 or not math.isfinite(v) for v in cfg["lr_mult"].values()):
+        die(f"--lr_mult={cfg['lr_mult']}: multipliers must be finite and >= 0 (0 freezes a group)")
+    for k in ("quarantine_shards", "release_shards"):
+        if not all(isinstance(n, str) and n.count("/") == 1 for n in cfg[k]):
+            die(f"--{k}={cfg[k]!r}: a list of \"corpus/file\" names, e.g. \"['local/train_000003.bin']\"")
     if cfg["device"] not in ("cpu", "cuda"):  # cuda:1 or mps would have trained on the CPU
         die(f"--device={cfg['device']}: must be cpu or cuda (pick a GPU with CUDA_VISIBLE_DEVICES; torchrun gives "
             f"each process its own)")
