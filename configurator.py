@@ -30,22 +30,36 @@ def closest(key, keys):
     return f"; did you mean '{m[0]}'?" if m else ""
 
 
+def kind(value):
+    name = type(value).__name__
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
 def coerce(key, value, old):
     """Check that `value` may replace `old` (same type; an int may stand for a float; a None default takes anything)."""
     if old is None:
         return value
     if value is None:  # --seq_len=None would fail later as an unexpected TypeError (exit 10: restarted)
-        raise ConfigError(f"{key} must be a {type(old).__name__} (default {old!r}), got None")
+        raise ConfigError(f"{key} must be {kind(old)} (default {old!r}), got None")
     if isinstance(old, bool) or isinstance(value, bool):
         if isinstance(old, bool) and isinstance(value, bool):
             return value
-        raise ConfigError(f"{key} must be True or False, got {value!r}")
-    if isinstance(old, float) and isinstance(value, int):
+        if isinstance(old, bool):
+            raise ConfigError(f"{key} must be True or False, got {value!r}")
+    if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(old, (list, tuple)) and isinstance(value, (list, tuple)):
+        if isinstance(old, tuple) and old and len(value) != len(old):
+            raise ConfigError(f"{key} must hold {len(old)} items (default {old!r}), got {value!r}")
+        kinds = {type(v) for v in old}  # a default of one kind of item (betas): each new item must be of that kind
+        if len(kinds) == 1:
+            return type(old)(coerce(f"{key}[{i}]", v, old[0]) for i, v in enumerate(value))
         return type(old)(value)
+    if isinstance(old, dict) and isinstance(value, dict) and len({type(v) for v in old.values()}) == 1:
+        sample = next(iter(old.values()))  # lr_mult: every value a float, as the default's
+        return {k: coerce(f"{key}[{k!r}]", v, sample) for k, v in value.items()}
     if type(value) is not type(old):
-        raise ConfigError(f"{key} must be a {type(old).__name__} (default {old!r}), got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{key} must be {kind(old)} (default {old!r}), got {type(value).__name__} {value!r}")
     return value
 
 
@@ -83,54 +97,99 @@ def exec_config_file(path, g):
             raise ConfigError(f"{path}: unknown config key '{k}'{closest(k, before)}")
     for k in before:
         if scope.get(k) is not g[k]:
-            g[k] = coerce(k, scope[k], g[k])
+            try:
+                g[k] = coerce(k, scope[k], g[k])
+            except ConfigError as e:
+                raise ConfigError(f"{path}: {e}")
 
 
-DATA_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.UAdd, ast.USub)
+DATA_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+            ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+            ast.Pow: lambda a, b: a ** b}
+MAX_INT_BITS, MAX_ITEMS = 4096, 100_000  # what a plain config needs, far below what takes long to compute
 
 
 def not_data(text):
-    """None if a config file's text is plain data (assignments of literals, arithmetic, names, dict(...); a power only
-    of a literal to a literal of at most 64, no repeated strings or lists: nothing that takes long to compute), else
-    (line, what): a file from another machine (relay's config.py) is exec'd by train.py, so it may hold no code."""
+    """None if a config file's text is plain data, else (line, what): a file from another machine (relay's
+    config.py) is exec'd by train.py, so it may hold no code. Plain data: assignments to names (not to dict) of
+    literals, names assigned above, arithmetic and dict(key=value); evaluated here on bounded values (ints of
+    at most 4096 bits, strings and containers of at most 100,000 items), so nothing in it takes long to compute."""
     try:
         tree = ast.parse(text)
     except SyntaxError as e:
         return e.lineno or 0, f"syntax error: {e.msg}"
+    known = {}  # name -> value, of the assignments above
 
-    def bad(node):
-        if isinstance(node, (ast.Constant, ast.Name)):
-            return None
+    class Refused(Exception):
+        pass
+
+    def small(v):
+        if isinstance(v, bool) or v is None or isinstance(v, float):
+            return v
+        if isinstance(v, int):
+            if v.bit_length() > MAX_INT_BITS:
+                raise Refused
+            return v
+        if isinstance(v, (str, bytes, list, tuple, set, dict)):
+            if len(v) > MAX_ITEMS:
+                raise Refused
+            return v
+        if isinstance(v, complex):
+            return v
+        raise Refused
+
+    def value(node):
+        if isinstance(node, ast.Constant):
+            return small(node.value)
+        if isinstance(node, ast.Name):  # only names this file assigned above (not a builtin, not the script's)
+            if node.id not in known:
+                raise Refused
+            return known[node.id]
         if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-            return next(filter(None, map(bad, node.elts)), None)
-        if isinstance(node, ast.Dict):
-            return next(filter(None, map(bad, [k for k in node.keys if k is not None] + node.values)), None) \
-                if None not in node.keys else node
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, DATA_OPS):
-            return bad(node.operand)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):  # 9**9**9 would hang: a literal ** a small one
-            e = node.right.operand if isinstance(node.right, ast.UnaryOp) else node.right
-            if not (isinstance(node.left, ast.Constant) and isinstance(e, ast.Constant)
-                    and isinstance(e.value, (int, float)) and abs(e.value) <= 64):
-                return node
-        if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)  # "x" * 10**12 would fill memory
-                and any(isinstance(s, (ast.List, ast.Tuple, ast.Set)) or isinstance(s, ast.Constant)
-                        and isinstance(s.value, (str, bytes)) for s in (node.left, node.right))):
-            return node
-        if isinstance(node, ast.BinOp) and isinstance(node.op, DATA_OPS):
-            return bad(node.left) or bad(node.right)
+            items = [value(e) for e in node.elts]
+            return small({ast.List: list, ast.Tuple: tuple, ast.Set: lambda x: set(map(repr, x))}[type(node)](items))
+        if isinstance(node, ast.Dict) and None not in node.keys:
+            return small({repr(value(k)): value(v) for k, v in zip(node.keys, node.values)})
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            v = value(node.operand)
+            if not isinstance(v, (int, float, complex)):
+                raise Refused
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and type(node.op) in DATA_OPS:
+            a, b = value(node.left), value(node.right)
+            number = (int, float, complex)
+            if isinstance(node.op, ast.Pow):  # 9**9**9 would hang: an exponent of at most 64, a base of few bits
+                if not (isinstance(a, number) and isinstance(b, number) and not isinstance(b, complex) and abs(b) <= 64
+                        and (not isinstance(a, int) or a.bit_length() * abs(b) <= MAX_INT_BITS)):
+                    raise Refused
+            elif isinstance(node.op, ast.Mult):  # "x" * 10**12 would fill memory
+                if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS:
+                    raise Refused
+                for seq, n in ((a, b), (b, a)):
+                    if isinstance(seq, (str, bytes, list, tuple)) and (not isinstance(n, int) or len(seq) * n > MAX_ITEMS):
+                        raise Refused
+            elif not isinstance(node.op, ast.Add) and not (isinstance(a, number) and isinstance(b, number)):
+                raise Refused  # "%0999999999d" % 1 is a gigabyte
+            try:
+                return small(DATA_OPS[type(node.op)](a, b))
+            except (ArithmeticError, TypeError, ValueError):
+                raise Refused
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args
                 and all(k.arg is not None for k in node.keywords)):
-            return next(filter(None, (bad(k.value) for k in node.keywords)), None)
-        return node
+            return small({k.arg: value(k.value) for k in node.keywords})
+        raise Refused
+
     for stmt in tree.body:
         if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
             continue  # a docstring
-        if isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets):
-            node = bad(stmt.value)
-            if node is None:
-                continue
-            return node.lineno, ast.unparse(node)[:60]
+        if (isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets)
+                and not any(t.id == "dict" for t in stmt.targets)):  # dict = open: dict(...) would then call it
+            try:
+                v = value(stmt.value)
+            except (Refused, RecursionError):
+                return stmt.lineno, ast.unparse(stmt.value)[:60]
+            known.update((t.id, v) for t in stmt.targets)
+            continue
         return stmt.lineno, ast.unparse(stmt).splitlines()[0][:60]
     return None
 

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 import textwrap
@@ -51,7 +52,7 @@ def test_config_file(tmp_path):
 @pytest.mark.parametrize("body, words", [
     ("lerning_rate = 1e-3\n", ["unknown config key 'lerning_rate'", "learning_rate", "c.py"]),
     ("batch_size = (\n", ["c.py:", "syntax error"]),
-    ("batch_size = 'big'\n", ["batch_size must be a int"]),
+    ("batch_size = 'big'\n", ["batch_size must be an int"]),
     ("x = 1 / 0\n", ["c.py", "ZeroDivisionError"]),
 ])
 def test_bad_config_file(tmp_path, body, words):
@@ -89,6 +90,14 @@ def test_configure_or_exit_is_one_line(tmp_path):
     ("x = (2**64)**64", False),
     ("n = 2**depth", False),
     ("import os", False),
+    ("dict = open\nx = dict(file='victim', mode='w')", False),  # passed: a builtin called through dict(...)
+    ("a = [0]\nb = a * 10**12", False),  # passed: the repetition of a list held in a name
+    ("s = 'x'\nt = s * 10**12", False),
+    ("a = 10**64\nb = a * a\nc = b * b\nd = c * c\ne = d * d\nf = e * e\ng = f * f", False),  # squaring
+    ("s = 'x' * 1000\n" + "s = s + s\n" * 40, False),  # doubling
+    ("x = '%0999999999d' % 1", False),  # a gigabyte of zeros
+    ("x = open('f')", False),
+    ("compile = False\nn = 3\nstages = [dict(name='w', steps=n * 2), dict(name='s', mix={'a': 0.5}, tokens=2e9)]", True),
 ])
 def test_a_config_from_another_machine_must_be_quick_plain_data(body, ok):
     """configurator.not_data, which relay.py applies to the run's config.py before train.py execs it: literals and
@@ -96,9 +105,26 @@ def test_a_config_from_another_machine_must_be_quick_plain_data(body, ok):
     assert (configurator.not_data(body) is None) == ok
 
 
+def test_the_items_of_a_list_tuple_or_dict_keep_the_default_items_kind(tmp_path):
+    """Only the outer type was checked: --lr_mult={'old': 'x'} trained into a traceback (exit 10: restarted)."""
+    g = {"betas": (0.9, 0.95), "lr_mult": {"old": 1.0, "new": 1.0}, "batch_size": 16, "flag": False}
+    for arg, words in [("--betas=['a','b']", "betas[0] must be a float"), ("--betas=(1, 2, 3)", "must hold 2 items"),
+                       ("--lr_mult={'old': 'x'}", "lr_mult['old'] must be a float"),
+                       ("--batch_size=True", "batch_size must be an int"), ("--flag=1", "flag must be True or False")]:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            configure(dict(g), [arg])
+    h = dict(g)
+    configure(h, ["--betas=[1, 0.5]", "--lr_mult={'new': 2}"])
+    assert h["betas"] == (1.0, 0.5) and h["lr_mult"] == {"new": 2.0}
+    f = tmp_path / "c.py"  # a config file's mistake names the file
+    f.write_text("batch_size = '16'\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{f}: batch_size must be an int")):
+        configure(dict(g), [str(f)])
+
+
 def test_none_only_where_the_default_is_none_and_string_keys_take_the_text():
     g = {"out_dir": "out", "seq_len": 32, "mirror_dir": "", "maybe": None}
-    for arg, words in [("--seq_len=None", "seq_len must be a int"), ("--out_dir=None", "--out_dir= for an empty")]:
+    for arg, words in [("--seq_len=None", "seq_len must be an int"), ("--out_dir=None", "--out_dir= for an empty")]:
         with pytest.raises(ConfigError, match=words):
             configure(dict(g), [arg])
     h = dict(g)
