@@ -65,6 +65,11 @@ def verify(ckpt_dir, check_hashes=True):
         raise CheckpointError(f"{man_path}: missing, so this checkpoint is incomplete; use an earlier step_* dir")
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{man_path}: unreadable manifest ({e}); use an earlier step_* dir")
+    if not (isinstance(files, dict) and files and all(  # valid JSON of another shape: a KeyError stopped the resume
+            isinstance(name, str) and isinstance(meta, dict) and isinstance(meta.get("sha256"), str)
+            and isinstance(meta.get("bytes"), int) for name, meta in files.items())):
+        raise CheckpointError(f"{man_path}: not a picaflor manifest (files must map each name to its sha256 and "
+                              f"bytes); use an earlier step_* dir")
     for name, meta in files.items():
         p = os.path.join(ckpt_dir, name)
         if not os.path.isfile(p):
@@ -200,7 +205,12 @@ def save(out_dir, step, writers, extra_manifest=None):
         if os.path.exists(final):  # re-saving a step (e.g. after a resume): move the old one aside first
             old = final + f".old-{os.getpid()}"
             os.replace(final, old)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except BaseException:  # (a Ctrl-C between the renames) the old step goes back, not hidden until recover()
+                if not os.path.exists(final):
+                    os.replace(old, final)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)

@@ -32,9 +32,11 @@ Implementer's calls (recorded here as DESIGN.md asks):
   gradient accumulation and DDP all-reduce see the load of the whole optimizer step.
 """
 
+import difflib
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, asdict, fields
 
 import torch
@@ -69,7 +71,7 @@ class ModelConfig:
     def validate(self):
         sizes = (["vocab_size", "n_layer", "d_model", "n_head", "n_kv_head", "max_seq_len"]
                  + (["dense_ffn"] if self.n_dense_layers > 0 else [])
-                 + (["n_experts", "expert_ffn"] if self.n_dense_layers < self.n_layer else []))
+                 + (["n_experts", "expert_ffn", "n_shared"] if self.n_dense_layers < self.n_layer else []))
         small = [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]
         if small:  # a zero head count divided by zero below
             raise ValueError("bad model config: " + ", ".join(small) + " must be at least 1")
@@ -805,13 +807,20 @@ def load_checkpoint(path, device="cpu", dtype=None):
     from safetensors.torch import load_file
     ckpt_dir = checkpoint.resolve(path)
     checkpoint.verify(ckpt_dir)
-    with open(os.path.join(ckpt_dir, "state.json")) as f:
-        state = json.load(f)
-    cfg = ModelConfig.from_dict(state["model_config"])
+    try:  # a checkpoint of a newer picaflor (a config key this one lacks) or a hand-edited state.json
+        with open(os.path.join(ckpt_dir, "state.json")) as f:
+            cfg = ModelConfig.from_dict(json.load(f)["model_config"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise checkpoint.CheckpointError(f"{ckpt_dir}/state.json: no model config this picaflor can build "
+                                         f"({type(e).__name__}: {str(e)[:160]}); use the picaflor that wrote it")
     model = meta_model(cfg)
     sd = load_file(os.path.join(ckpt_dir, "model.safetensors"), device=str(device))
     model.to_empty(device=device)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # a shape that differs from the config's
+        raise checkpoint.CheckpointError(f"{ckpt_dir}/model.safetensors: does not fit its state.json config "
+                                         f"({str(e).strip().splitlines()[-1].strip()[:200]})")
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise checkpoint.CheckpointError(f"{ckpt_dir}/model.safetensors: missing {missing[:3]} unexpected "
@@ -837,8 +846,20 @@ if __name__ == "__main__":
     args = ap.parse_args()
     g = {}
     if args.config:
-        exec(open(args.config).read(), g)
-    cfg = ModelConfig.from_dict({f.name: g[f.name] for f in fields(ModelConfig) if f.name in g})
+        try:
+            exec(compile(open(args.config).read(), args.config, "exec"), g)
+        except Exception as e:  # (a missing file, a syntax error): one line
+            sys.exit(f"model.py: error: {args.config}: {type(e).__name__}: {e}")
+    names = [f.name for f in fields(ModelConfig)]
+    others = sorted(k for k, v in g.items() if not k.startswith("_") and k not in names
+                    and isinstance(v, (int, float, str, bool, list, tuple, dict, type(None))))
+    typos = [f"{k} (did you mean {m[0]}?)" for k in others for m in [difflib.get_close_matches(k, names, 1, 0.8)] if m]
+    if typos:  # n_layers = 4 printed the default's 24 layers
+        sys.exit(f"model.py: error: {args.config}: not model fields: {', '.join(typos)}")
+    try:
+        cfg = ModelConfig.from_dict({k: g[k] for k in names if k in g})
+    except (ValueError, TypeError) as e:
+        sys.exit(f"model.py: error: {args.config or 'the defaults'}: {e}")
     m = meta_model(cfg)
     print(f"total params {m.num_params() / 1e9:.3f}B, active per token {m.active_params() / 1e9:.3f}B "
           f"(top_k={cfg.top_k}; {m.active_params(top_k=1) / 1e9:.3f}B at top_k=1)")

@@ -239,6 +239,36 @@ def test_recover_puts_back_a_step_moved_aside_and_drops_a_replaced_one(tmp_path)
     assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path))] == [2, 4, 6]
 
 
+def test_a_resave_interrupted_between_its_renames_puts_the_old_step_back(tmp_path, monkeypatch):
+    """A KeyboardInterrupt on the second rename left the only checkpoint as step_N.old-PID: eval, export, chat and
+    the guardian saw none until train.py's next recover()."""
+    s = checkpoint.save(str(tmp_path), 100, {"w.bin": lambda p: open(p, "wb").write(b"old")})
+    real = os.replace
+
+    def interrupted(src, dst):
+        if dst == s and ".tmp" in os.path.basename(src):
+            raise KeyboardInterrupt
+        return real(src, dst)
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(str(tmp_path), 100, {"w.bin": lambda p: open(p, "wb").write(b"new")})
+    monkeypatch.setattr(os, "replace", real)
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_0000100"] and checkpoint.latest_valid(str(tmp_path)) == s
+    assert open(os.path.join(s, "w.bin"), "rb").read() == b"old"
+
+
+def test_a_manifest_of_another_shape_is_an_invalid_step_not_a_crash(tmp_path):
+    """Valid JSON of the wrong shape raised KeyError / AttributeError out of latest_valid: one bad newest step
+    stopped the resume from the good one before it; a manifest listing no files counted as valid."""
+    good = checkpoint.save(str(tmp_path), 1, {"w.bin": lambda p: open(p, "wb").write(b"x")})
+    bad = checkpoint.save(str(tmp_path), 2, {"w.bin": lambda p: open(p, "wb").write(b"y")})
+    for files in ([], {"w.bin": {"sha256": "0"}}, {}, {"w.bin": "x"}):
+        json.dump({"step": 2, "files": files}, open(os.path.join(bad, "MANIFEST.json"), "w"))
+        with pytest.raises(checkpoint.CheckpointError, match="not a picaflor manifest"):
+            checkpoint.verify(bad)
+        assert checkpoint.latest_valid(str(tmp_path)) == good, files
+
+
 def test_random_sigkills_mid_training_end_bitwise_equal(data_root, tmp_path):
     """Three kills, each at a random moment after the process has saved a step of its own (mid-step or mid-save:
     a step and its save take ~30 ms here), not in the ~4 s of imports before training, where a kill tests nothing."""

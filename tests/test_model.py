@@ -2,6 +2,7 @@
 checkpoints. CPU only, tiny configs (d_model 32-64)."""
 
 import os
+import subprocess
 import sys
 from dataclasses import asdict, replace
 
@@ -494,3 +495,37 @@ def test_checkpoint_tampered_file_is_refused(tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     with pytest.raises(checkpoint.CheckpointError, match="model.safetensors"):
         M.load_checkpoint(path)
+
+
+def test_checkpoint_of_another_config_is_one_checkpoint_error(tmp_path):
+    """A state.json from a newer picaflor (a config key this one lacks) raised ValueError, weights whose shapes
+    differ from the config RuntimeError: eval.py and chat.py catch CheckpointError, so the user saw a traceback."""
+    import json
+    path = M.save_checkpoint(M.Picaflor(SMALL_CFG), str(tmp_path), step=5)
+    state_path, man_path = os.path.join(path, "state.json"), os.path.join(path, "MANIFEST.json")
+    state, man = json.load(open(state_path)), json.load(open(man_path))
+
+    def rewrite(model_config):  # a consistent checkpoint (manifest and all) that holds this config
+        json.dump(dict(state, model_config=model_config), open(state_path, "w"))
+        man["files"]["state.json"] = {"sha256": checkpoint.sha256_file(state_path), "bytes": os.path.getsize(state_path)}
+        json.dump(man, open(man_path, "w"))
+    for model_config, words in [(dict(state["model_config"], qk_gate=True), "state.json: no model config"),
+                                (dict(state["model_config"], expert_ffn=2 * SMALL_CFG.expert_ffn), "does not fit")]:
+        rewrite(model_config)
+        with pytest.raises(checkpoint.CheckpointError, match=words):
+            M.load_checkpoint(path)
+
+
+def test_model_cli_and_config_checks(tmp_path):
+    """python model.py CONFIG: a typo of a model field printed the defaults' counts; a missing file or a bad shape
+    was a traceback. n_shared=0 built a model the HF export cannot write (HF reads 0 as its dense width)."""
+    with pytest.raises(ValueError, match="n_shared=0 must be at least 1"):
+        replace(SMALL_CFG, n_shared=0).validate()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    typo, bad = tmp_path / "typo.py", tmp_path / "bad.py"
+    typo.write_text("n_layers = 4\nd_model = 128\nout_dir = 'out/x'\n")
+    bad.write_text("n_head = 5\n")
+    for path, words in [(typo, "n_layers (did you mean n_layer?)"), (tmp_path / "nope.py", "No such file"),
+                        (bad, "not divisible by n_head=5")]:
+        r = subprocess.run([sys.executable, os.path.join(repo, "model.py"), str(path)], capture_output=True, text=True)
+        assert r.returncode != 0 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
