@@ -65,6 +65,7 @@ from dataclasses import asdict, fields
 
 import torch
 
+import checkpoint
 from model import ModelConfig, meta_model
 
 MAGIC = b"PCFLINT4"
@@ -219,14 +220,13 @@ def encode_blob(kind, w, group_size, symmetric=False):
 
 class CheckpointSource:
     def __init__(self, ckpt_dir):
-        import checkpoint
         from safetensors import safe_open
         try:
             self.dir = checkpoint.resolve(ckpt_dir)
             checkpoint.verify(self.dir)
         except checkpoint.CheckpointError as e:
             raise ContainerError(str(e)) from None
-        with open(os.path.join(self.dir, "state.json")) as f:
+        with open(os.path.join(self.dir, "state.json"), encoding="utf-8") as f:
             self.cfg = ModelConfig.from_dict(json.load(f)["model_config"])
         self.f = safe_open(os.path.join(self.dir, "model.safetensors"), framework="pt", device="cpu")
         self.names = set(self.f.keys())
@@ -234,11 +234,18 @@ class CheckpointSource:
         self.tokenizer_json = open(tok, encoding="utf-8").read() if os.path.exists(tok) else None
         self.random = False
 
+    def finite(self, t, what):
+        """One NaN made its whole int4 group NaN, and --check said ok: a diverged step is refused here."""
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ContainerError(f"{self.dir}/model.safetensors: {what} holds NaN or Inf (the run diverged by this "
+                                 f"step); export an earlier step_* dir")
+        return t
+
     def get(self, name):
-        return self.f.get_tensor(name)
+        return self.finite(self.f.get_tensor(name), name)
 
     def get_expert(self, name, e):
-        return self.f.get_slice(name)[e]
+        return self.finite(self.f.get_slice(name)[e], f"{name}[{e}]")
 
 
 class RandomSource:
@@ -429,6 +436,7 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out_path)
+        checkpoint.fsync_dir(os.path.dirname(os.path.abspath(out_path)))  # the new name survives a power cut too
     finally:
         bar.close()
         if os.path.exists(tmp):
@@ -438,8 +446,7 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
               "random_weights": header["random_weights"],
               "relative_rms_error": {c: math.sqrt(a[0] / max(a[1], 1e-30)) for c, a in err.items() if c != "exact"},
               "params": {c: a[2] for c, a in err.items()}}
-    with open(out_path + ".report.json", "w") as f:
-        json.dump(report, f, indent=1)
+    checkpoint.write_atomic_text(out_path + ".report.json", json.dumps(report, indent=1))
     return report
 
 
@@ -754,7 +761,10 @@ def load_container(path):
         raise ContainerError(f"{path}: is a directory, not a container file; pass the .pcf4 file") from None
     except PermissionError:
         raise ContainerError(f"{path}: permission denied") from None
-    if header_crc and zlib.crc32(raw) != header_crc:  # a changed rope_theta would otherwise load and decode wrong
+    if header_crc == 0:  # (zeroing the field switched the check off)
+        raise ContainerError(f"{path}: its header has no crc32 (written by an export.py before the check, or "
+                             f"damaged); re-export it")
+    if zlib.crc32(raw) != header_crc:  # a changed rope_theta would otherwise load and decode wrong
         raise ContainerError(f"{path}: corrupt container header (its crc32 does not match: changed or damaged); "
                              f"re-export or re-copy it")
     try:
@@ -762,6 +772,10 @@ def load_container(path):
         cfg = ModelConfig.from_dict(header["model_config"])
         tensors, experts, layout = header["tensors"], header["experts"], header["expert_layout"]
         group = header["quant"]["group_size"]
+        if not (type(group) is int and group > 0 and group % 2 == 0):
+            raise ValueError(f"group_size {group!r}: a positive even count")
+        if type(header.get("file_bytes", 0)) is not int:
+            raise ValueError(f"file_bytes {header['file_bytes']!r}: a byte count")
         spans = [(int(t["offset"]), int(t["nbytes"]), name) for name, t in tensors.items()]
         spans += [(int(ent["offset"]), int(layout["nbytes"]), f"layer {l} expert {e}") for l, ents in experts.items()
                   for e, ent in enumerate(ents)]

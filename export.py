@@ -95,7 +95,7 @@ class Source:
         checkpoint.verify(self.dir)
         state_path = os.path.join(self.dir, "state.json")
         try:
-            with open(state_path) as f:
+            with open(state_path, encoding="utf-8") as f:
                 self.state = json.load(f)
             self.cfg = ModelConfig.from_dict(self.state["model_config"])
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -132,7 +132,11 @@ class Source:
             # a fresh safe_open per read: its mmap is unmapped again right after, so the pages already read
             # do not stay in this process's memory (the header parse costs well under a millisecond)
             with safe_open(self.weights, framework="pt") as f:
-                self._cache = (name, f.get_tensor(name))
+                t = f.get_tensor(name)
+            if t.is_floating_point() and not torch.isfinite(t).all():  # it went to HF and GGUF as it was
+                raise ExportError(f"{self.weights}: {name} holds NaN or Inf (the run diverged by this step); export "
+                                  f"an earlier step_* dir")
+            self._cache = (name, t)
         return self._cache[1]
 
     def tokenizer(self):
@@ -242,11 +246,12 @@ def write_safetensors(path, entries, fetch, metadata=None, progress=None):
 
 
 def parse_size(s):
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", str(s), re.I)
-    if not m:
-        raise ExportError(f"--max-shard-size {s!r}: give a size like 5GB, 500MB or a byte count")
-    unit = (m.group(2) or "").upper().replace("I", "").rstrip("B")
-    return int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit])
+    """5GB = 5e9 bytes (as transformers counts), 5GiB = 5 * 2**30; at least one byte."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B?|B?)\s*", str(s), re.I)
+    size = m and float(m.group(1)) * ((1024 if m.group(3) else 1000) ** " KMGT".index((m.group(2) or " ").upper()))
+    if not m or size < 1:
+        raise ExportError(f"--max-shard-size {s!r}: give a size like 5GB, 500MB, 2GiB or a byte count")
+    return int(size)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -449,34 +454,36 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
             weight_map.update({p[0]: fname for p in shard})
         bar.close()
         if len(shards) > 1:
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
 
         special = {}
         if tok is not None:
             special = dict(bos_token_id=tok.bos_id, eos_token_id=tok.special_ids["<|end|>"], pad_token_id=0)
         hf_cfg = to_hf_config(cfg, dtype=dtype_name, torch_dtype=dtype_name, **special)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_cfg, f, indent=1)
         gen = {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
         if tok is not None:  # stop at the end of a turn or at the start of a new document
             gen.update(bos_token_id=tok.bos_id, eos_token_id=[tok.special_ids["<|end|>"], tok.bos_id], pad_token_id=0)
-        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+        with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump(gen, f, indent=1)
         if tok is not None:
             tj, tc = hf_tokenizer_files(tok, cfg.max_seq_len)
-            with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+            with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
                 json.dump(tj, f, ensure_ascii=False)
-            with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+            with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
                 json.dump(tc, f, indent=1)
-            with open(os.path.join(tmp, "special_tokens_map.json"), "w") as f:
+            with open(os.path.join(tmp, "special_tokens_map.json"), "w", encoding="utf-8") as f:
                 json.dump({"bos_token": "<|bos|>", "eos_token": "<|end|>", "pad_token": PAD_TOKEN}, f, indent=1)
             shutil.copyfile(src.tokenizer_path, os.path.join(tmp, "picaflor_tokenizer.json"))
         else:
             print(f"warning: {src.dir} has no tokenizer.json; the export has no tokenizer (pass --tokenizer FILE)",
                   file=sys.stderr)
-        with open(os.path.join(tmp, "README.md"), "w") as f:
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
             f.write(model_card(src, dtype_name, tok is not None))
+        with open(os.path.join(tmp, HF_MARKER), "w", encoding="utf-8") as f:  # what a later --out may replace
+            json.dump({"format": "hf", "source": os.path.abspath(src.dir), "dtype": dtype_name}, f, indent=1)
         for name in os.listdir(tmp):  # on disk before the dir takes the name (the weights fsynced as written)
             if not name.endswith(".safetensors"):
                 with open(os.path.join(tmp, name), "rb+") as f:
@@ -581,6 +588,7 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
     w = gguf.GGUFWriter(tmp, arch="hy_v3")
     try:
         w.add_name(os.path.basename(os.path.normpath(out)).rsplit(".", 1)[0])
+        w.add_string(GGUF_MARKER, os.path.abspath(src.dir))  # a later --out may replace this file, not another GGUF
         w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[gguf_type])
         w.add_vocab_size(cfg.vocab_size)
@@ -677,15 +685,37 @@ def export_int4(src, out, group_size=None, embed_bits=8, progress=True):
     return {"format": "int4", "out": out, **(report or {})}
 
 
-def is_hf_export(path):
-    """A folder export_hf wrote: a config.json naming HYV3ForCausalLM, and no checkpoint inside."""
+HF_MARKER = "picaflor_export.json"
+HF_FILES = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|picaflor_tokenizer|"
+                      r"picaflor_export)\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+                      r"README\.md")
+GGUF_MARKER = "picaflor.export"
+
+
+def foreign_files(path):
+    """Why the folder at path is not an earlier export_hf (its marker file, and only files it writes), or None.
+    A downloaded HYV3 model has the same names (config.json, model-0000N-of-...): the marker tells them apart."""
     try:
-        cfg = json.load(open(os.path.join(path, "config.json")))
         names = os.listdir(path)
-    except (OSError, ValueError):
+    except OSError as e:
+        return f"cannot be listed ({e.strerror})"
+    if HF_MARKER not in names:
+        return f"has no {HF_MARKER}, so it is not an earlier picaflor export"
+    other = sorted(n for n in names if not HF_FILES.fullmatch(n))
+    return f"holds files an export does not write ({', '.join(other[:3])})" if other else None
+
+
+def is_hf_export(path):
+    return os.path.isdir(path) and foreign_files(path) is None
+
+
+def is_gguf_export(path):
+    """A GGUF file export_gguf wrote (its picaflor.export key); any other GGUF (someone's 70B model) is not."""
+    import gguf
+    try:
+        return GGUF_MARKER in gguf.GGUFReader(path, "r").fields
+    except Exception:  # not parseable as GGUF at all
         return False
-    return ("HYV3ForCausalLM" in (cfg.get("architectures") or []) and "MANIFEST.json" not in names
-            and not any(n.startswith("step_") for n in names))
 
 
 def check_out(src_dir, out, fmt):
@@ -695,8 +725,9 @@ def check_out(src_dir, out, fmt):
     if o == s or s.startswith(o.rstrip(os.sep) + os.sep) or o.startswith(s + os.sep):
         raise ExportError(f"{out}: is, holds or lies inside the source {src_dir}; pass an --out elsewhere")
     if fmt == "hf" and os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not is_hf_export(out):
-        raise ExportError(f"{out}: exists and is not an earlier Hugging Face export (only such a folder is replaced); "
-                          f"pass a new --out, or remove it yourself")
+        why = foreign_files(out) if os.path.isdir(out) else "is a file"
+        raise ExportError(f"{out}: exists and {why} (only an earlier export is replaced, whole); pass a new --out, "
+                          f"or move it yourself")
     if fmt != "hf" and os.path.isdir(out):
         raise ExportError(f"{out}: is a folder; --format {fmt} writes one file (e.g. --out {os.path.join(out, 'model.' + ('gguf' if fmt == 'gguf' else 'pcf4'))})")
     magic = container.MAGIC if fmt == "int4" else b"GGUF"
@@ -705,9 +736,9 @@ def check_out(src_dir, out, fmt):
             head = open(out, "rb").read(len(magic))
         except OSError as e:
             raise ExportError(f"{out}: cannot be read ({e.strerror}); pass another --out")
-        if head != magic:
-            raise ExportError(f"{out}: exists and is not an earlier {fmt} export (only such a file is replaced); pass "
-                              f"a new --out, or remove it yourself")
+        if head != magic or (fmt == "gguf" and not is_gguf_export(out)):
+            raise ExportError(f"{out}: exists and is not an earlier picaflor {fmt} export (only such a file is "
+                              f"replaced); pass a new --out, or move it yourself")
 
 
 def main(argv=None):

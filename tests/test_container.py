@@ -203,23 +203,33 @@ def test_header_edits_are_caught(built, tmp_path):
     raw = bytes(data[C.PREFIX.size:C.PREFIX.size + hlen])
     assert crc == C.zlib.crc32(raw) != 0
 
-    def edited(name, old, new, keep_crc=True):
+    def edited(name, old, new, crc_field="old"):  # the header edited; its crc field as it was, 0, or made to fit
         h = raw.replace(old, new, 1)
         assert h != raw and len(h) == len(raw)
         f = tmp_path / name
-        f.write_bytes(C.PREFIX.pack(C.MAGIC, C.VERSION, crc if keep_crc else 0, hlen) + h + bytes(data[C.PREFIX.size + hlen:]))
+        field = {"old": crc, "zero": 0, "fit": C.zlib.crc32(h)}[crc_field]
+        f.write_bytes(C.PREFIX.pack(C.MAGIC, C.VERSION, field, hlen) + h + bytes(data[C.PREFIX.size + hlen:]))
         return str(f)
     theta = str(m.cfg.rope_theta).encode()
     rope = edited("rope.pcf4", b'"rope_theta":' + theta, b'"rope_theta":' + theta.replace(b"1", b"9", 1))
     assert "corrupt container header" in _one_line_error(lambda: C.load_container(rope))
-    # the same edit in a container without a header crc loads: the prefix field 0 means unchecked, as before
-    assert C.load_container(edited("rope0.pcf4", b'"rope_theta":' + theta,
-                                   b'"rope_theta":' + theta.replace(b"1", b"9", 1), keep_crc=False))
+    # the same edit with the crc field zeroed: it loaded (0 meant unchecked), --check said ok
+    msg = _one_line_error(lambda: C.load_container(edited("rope0.pcf4", b'"rope_theta":' + theta,
+                                                          b'"rope_theta":' + theta.replace(b"1", b"9", 1), "zero")))
+    assert "has no crc32" in msg and "re-export" in msg
+    # a header whose crc fits and that lost a field, has a non-hex crc32 or a group size of 0 is one line, not a
+    # KeyError / ValueError / ZeroDivisionError later
     ent = C.load_container(out).header["experts"]["1"][0]
+    group = b'"group_size":%d' % m_group(raw)
     for name, old, new in [("key.pcf4", b'"offset":%d' % ent["offset"], b'"offsex":%d' % ent["offset"]),
-                           ("crc.pcf4", ent["crc32"].encode(), b"zz" + ent["crc32"].encode()[2:])]:
-        msg = _one_line_error(lambda: C.load_container(edited(name, old, new, keep_crc=False)))
-        assert "corrupt container header" in msg
+                           ("crc.pcf4", ent["crc32"].encode(), b"zz" + ent["crc32"].encode()[2:]),
+                           ("group.pcf4", group, b'"group_size":' + b" " * (len(group) - len(b'"group_size":') - 1) + b"0")]:
+        msg = _one_line_error(lambda: C.load_container(edited(name, old, new, "fit")))
+        assert "corrupt container header" in msg and ("group_size 0" in msg or name != "group.pcf4"), (name, msg)
+
+
+def m_group(raw):
+    return C.json.loads(raw)["quant"]["group_size"]
 
 
 def test_expert_blob_checked_once_unless_the_file_changes(built, tmp_path, monkeypatch):

@@ -432,12 +432,12 @@ def test_out_never_replaces_the_source_or_a_foreign_folder(ckpt, tmp_path, capsy
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("important")
-    for out, fmt, want in [(run, "hf", "inside the source"), (str(mine), "hf", "not an earlier Hugging Face export"),
+    for out, fmt, want in [(run, "hf", "inside the source"), (str(mine), "hf", "has no picaflor_export.json"),
                            (os.path.join(run, "step_0000007", "x.gguf"), "gguf", "inside the source"),
                            (str(mine), "int4", "is a folder"),
                            # a file that is not an earlier export of that format (the run's LATEST was overwritten)
-                           (os.path.join(run, "LATEST"), "int4", "not an earlier int4 export"),
-                           (str(mine / "notes.txt"), "gguf", "not an earlier gguf export")]:
+                           (os.path.join(run, "LATEST"), "int4", "not an earlier picaflor int4 export"),
+                           (str(mine / "notes.txt"), "gguf", "not an earlier picaflor gguf export")]:
         latest = open(os.path.join(run, "LATEST")).read()
         with pytest.raises(SystemExit) as e:
             run_export([run, "--format", fmt, "--out", out])
@@ -467,6 +467,32 @@ def test_out_never_replaces_the_source_or_a_foreign_folder(ckpt, tmp_path, capsy
     run_export([run, "--format", "hf", "--out", hf])
     run_export([run, "--format", "hf", "--out", hf])  # an earlier export is replaced
     assert os.path.isfile(os.path.join(hf, "config.json"))
+    # a downloaded HYV3 model has the same file names, and a user's notes may sit in an export: neither was spared
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "config.json").write_text(json.dumps({"architectures": ["HYV3ForCausalLM"]}))
+    (hub / "model-00001-of-00080.safetensors").write_bytes(b"weights")
+    (open(os.path.join(hf, "MY_NOTES.md"), "w")).write("mine")
+    for out, want in [(str(hub), "has no picaflor_export.json"), (hf, "holds files an export does not write (MY_NOTES.md)")]:
+        with pytest.raises(SystemExit) as e:
+            run_export([run, "--format", "hf", "--out", out])
+        assert want in str(e.value) and "\n" not in str(e.value), e.value
+    assert sorted(os.listdir(hub)) == ["config.json", "model-00001-of-00080.safetensors"]
+    assert open(os.path.join(hf, "MY_NOTES.md")).read() == "mine"
+    # a GGUF file is replaced only when this export wrote it (any GGUF was: someone's 70B model)
+    import gguf
+    theirs = str(tmp_path / "theirs.gguf")
+    w = gguf.GGUFWriter(theirs, arch="llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    ours = str(tmp_path / "ours.gguf")
+    run_export([run, "--format", "gguf", "--out", ours])
+    run_export([run, "--format", "gguf", "--out", ours])  # replaced
+    with pytest.raises(SystemExit) as e:
+        run_export([run, "--format", "gguf", "--out", theirs])
+    assert "not an earlier picaflor gguf export" in str(e.value)
+    assert gguf.GGUFReader(theirs).fields["general.architecture"].contents() == "llama"
 
 
 def test_tokenizer_flag_reaches_the_int4_container_and_is_checked_for_hf(ckpt, tmp_path):
@@ -487,3 +513,35 @@ def test_tokenizer_flag_reaches_the_int4_container_and_is_checked_for_hf(ckpt, t
         with pytest.raises(SystemExit) as e:
             run_export([ckpt["run"], "--format", "hf", "--out", str(tmp_path / "hf"), "--tokenizer", big_path])
         assert "tokenizer vocab" in str(e.value) and not os.path.exists(tmp_path / "hf")
+
+
+def test_a_diverged_checkpoint_is_refused_by_every_format(ckpt, tmp_path):
+    """One NaN made its whole int4 group NaN (the report said NaN, --check said ok); HF and GGUF wrote it as it was."""
+    torch.manual_seed(0)
+    m = M.Picaflor(M.ModelConfig(**CFG))
+    with torch.no_grad():
+        m.moe_layers()[0].experts.gate_up_proj[3, 5, 7] = float("nan")
+    run = M.save_checkpoint(m, str(tmp_path / "run"), 1, tokenizer_file=str(ckpt["dir"] / "tok.json"))
+    for fmt, out in (("int4", "x.pcf4"), ("hf", "hf"), ("gguf", "x.gguf")):
+        with pytest.raises(SystemExit) as e:
+            run_export([run, "--format", fmt, "--out", str(tmp_path / out)])
+        msg = str(e.value.code)
+        assert "gate_up_proj" in msg and "NaN or Inf" in msg and "earlier step_*" in msg and "\n" not in msg, msg
+        assert not os.path.exists(tmp_path / out)
+
+
+def test_shard_sizes_and_a_locale_without_utf8(ckpt, tmp_path):
+    """5GiB was read as 5e9 and 0.5 as 0 bytes (a file per tensor); under LC_ALL=C the HF export died on
+    tokenizer.json's byte-level characters with an error that named no file."""
+    assert export.parse_size("5GB") == 5 * 10 ** 9 and export.parse_size("5GiB") == 5 << 30
+    assert export.parse_size("2.5KiB") == 2560 and export.parse_size("123") == 123
+    for bad in ("0.5", "1iB", "0", "5XB"):
+        with pytest.raises(export.ExportError):
+            export.parse_size(bad)
+    import subprocess
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")
+    r = subprocess.run([sys.executable, os.path.join(repo, "export.py"), ckpt["run"], "--format", "hf", "--out",
+                        str(tmp_path / "hf"), "--no-progress"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.load(open(tmp_path / "hf" / "tokenizer.json", encoding="utf-8"))["model"]["vocab"]
