@@ -76,6 +76,9 @@ def _fix_hint(corpus_dir, file=None):
         with open(os.path.join(corpus_dir, "index.json")) as f:
             src = json.load(f)["source"]
         argv = [str(a) for a in src.get("argv") or []]
+        # the corpus being read, not the --out it was made at (a copy elsewhere: the hint re-made the healthy one)
+        argv = [corpus_dir if i and argv[i - 1] == "--out" else "--out=" + corpus_dir if a.startswith("--out=") else a
+                for i, a in enumerate(argv)]
         if "--out" not in argv and not any(a.startswith("--out=") for a in argv):
             argv += ["--out", corpus_dir]
         prep = f"python {src['made_by']} " + " ".join(shlex.quote(a) for a in argv)
@@ -112,6 +115,10 @@ def load_index(corpus_dir):
                              "tokenizer_sha256 strings")
         if not isinstance(index.get("source", {}), dict):
             raise ValueError("source must be an object")
+        if "row_tokens" in index and not (whole(index["row_tokens"]) and index["row_tokens"] > 0):
+            raise ValueError(f"row_tokens {index['row_tokens']!r} is not a positive whole number")
+        if not isinstance(index.get("loss_mask", False), bool):
+            raise ValueError(f"loss_mask {index['loss_mask']!r} is not true or false")
         for split, entries in index["splits"].items():
             for e in entries:
                 if not {"file", "tokens", "sha256"} <= set(e):
@@ -124,6 +131,9 @@ def load_index(corpus_dir):
                     raise ValueError(f"loss_mask is set but {e['file']} has no mask/mask_sha256 strings")
                 if not isinstance(e.get("source", {}), dict):
                     raise ValueError(f"split {split!r}: {e['file']}'s source must be an object")
+                bad = [k for k in ("documents", "target_tokens") if k in e and not whole(e[k])]
+                if bad:
+                    raise ValueError(f"split {split!r}: {e['file']}'s {bad[0]} {e[bad[0]]!r} is not a whole number")
     except (ValueError, TypeError, AttributeError) as e:
         msg = str(e).splitlines()[0]
         raise DataError(f"{path}: corrupt index ({msg}); {_fix_hint(corpus_dir)}", path, None, "index") from None

@@ -216,7 +216,10 @@ def test_stream_bad_inputs(tok, tmp_path):
                  lambda ix: ix["splits"]["train"][0].update(tokens="1000"), lambda ix: ix.update(vocab_size="300"),
                  # these crashed `shards.py verify` / `refetch` with a TypeError
                  lambda ix: ix.update(tokenizer=None), lambda ix: ix["splits"]["train"][0].update(sha256=7),
-                 lambda ix: ix.update(source="x"), lambda ix: ix.update(vocab_size=70000)):
+                 lambda ix: ix.update(source="x"), lambda ix: ix.update(vocab_size=70000),
+                 # a TypeError in next_batch / `shards.py info`
+                 lambda ix: ix.update(row_tokens="64"), lambda ix: ix["splits"]["train"][0].update(documents="3"),
+                 lambda ix: ix.update(loss_mask="yes")):
         ix = js.loads(good)
         edit(ix)
         (tmp_path / "c" / "index.json").write_text(js.dumps(ix))
@@ -348,6 +351,9 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
                                              for _ in range(rng.randrange(5, 120)))
         texts[name] = body
     texts["big.txt"] = "a long document that must not be cut. " * 200  # longer than --shard-tokens
+    for i in range(20):  # copies of one file under other names: the split went by the name, so copies leaked into val
+        texts[f"copies/c{i}.txt"] = "the same text in every copy\n"
+    (src / "copies").mkdir()
     for name, body in texts.items():
         (src / name).write_text(body, encoding="utf-8")
     (src / "ignored.bin").write_bytes(b"\x00\x01")
@@ -374,6 +380,7 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
                 seen[f] = split
             assert entry["tokens"] <= 300 or len(docs) == 1  # only a single long document may overflow a shard
     assert set(seen) == set(texts)  # every non-empty text file, once; nothing else
+    assert len({seen[f"copies/c{i}.txt"] for i in range(20)}) == 1  # identical texts share a split
     assert shards.verify_corpus(out) == []
     # damage a shard, see it reported, re-make it from its recorded source, and it verifies again
     victim = index["splits"]["train"][0]["file"]
@@ -384,6 +391,9 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
     # the fix a DataError offers re-runs prepare.py with the arguments it was run with (not the stdlib defaults)
     hint = shards._fix_hint(out, victim)
     assert f"data/local/prepare.py --src {src} --out {out} --vocab-size 300" in hint, hint
+    import shutil
+    shutil.copytree(out, tmp_path / "moved")  # a copy (another machine, another data_root): its hint names the copy
+    assert f"--out {tmp_path / 'moved'} --vocab-size 300" in shards._fix_hint(tmp_path / "moved", victim)
     r = _run(["data/local/prepare.py", "--src", str(src), "--out", str(out), "--threads", "0"], check=False)
     assert r.returncode != 0 and "--threads 0" in r.stderr and shards.verify_corpus(out) == []  # nothing removed
     # --tokenizer reuses it: same hash, same shards
