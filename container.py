@@ -9,7 +9,7 @@ Written and read here only (export.py --format int4 and stream_infer.py import t
 File layout (all integers little-endian):
     0   8 bytes  magic b"PCFLINT4"
     8   uint32   format version (1)
-    12  uint32   crc32 (zlib) of the H header bytes below (0 in containers written before it: not checked)
+    12  uint32   crc32 (zlib) of the H header bytes below (0, containers written before the check: refused, re-export)
     16  uint64   H = length of the JSON header in bytes (space-padded)
     24  H bytes  JSON header: format, version, model_config, tokenizer_json (the checkpoint's tokenizer.json
                  text or null), random_weights, quant settings, `tensors` (resident tensors: name -> kind,
@@ -42,8 +42,8 @@ int4 weights; bits per weight include the bf16 scale and zero of each group):
 Asymmetric (min/max) beats symmetric (absmax, Q4_0 style) at every group size for the same bytes (the kernel's
 format carries a zero per group anyway, so symmetric saves nothing); halving the group buys ~9% less error for
 +0.25..0.5 bpw. Default: group 64, asymmetric (4.5 bpw, llama.cpp Q4_0's size); --group-size 128 gives the
-4.25 bpw GPTQ/AWQ size. No trained model exists yet to measure perplexity; bench/quant_quality.py (export
-issue) is where that figure belongs.
+4.25 bpw GPTQ/AWQ size. Perplexity on a trained tiny checkpoint: README, "int4 quality"
+(bench/quant_quality.py).
 
 Streaming write: tensors are read one at a time with safetensors `safe_open` (experts one expert slice at a
 time), quantized and written at their precomputed offsets; peak RAM is about one layer's worth of fp32.
@@ -72,7 +72,7 @@ MAGIC = b"PCFLINT4"
 VERSION = 1
 ALIGN = 4096
 PART_ALIGN = 64
-PREFIX = struct.Struct("<8sIIQ")  # magic, version, header crc32 (was reserved: 0 = unchecked), header length
+PREFIX = struct.Struct("<8sIIQ")  # magic, version, header crc32 (0 is refused), header length
 ROW_BLOCK = 32  # output rows per block of the CPU int4 kernel's packed layout
 DEFAULT_GROUP = 64
 

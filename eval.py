@@ -51,7 +51,7 @@ Outputs (--out DIR): <task>.jsonl per example (requests, per-choice log-likeliho
 summary.json {"results": {task: {metric, metric_stderr, "n"}}, "model", "harness_version", "seed", "dtype",
 "sampling", "tasks_done", ...} and results.md (a markdown table), both rewritten after every task so a failure
 later keeps the finished ones. --compare prints several summaries side by side and marks
-each difference from the first column as within noise (~, |diff| < 2 * sqrt(se_a^2 + se_b^2)) or not (*).
+each difference from the first column as within noise (~, |diff| <= 2 * sqrt(se_a^2 + se_b^2)) or not (*).
 """
 
 import argparse
@@ -943,10 +943,10 @@ def compare(paths):
                 ref = (v, se)
             elif ref[1] is not None and se is not None:
                 noise = 2 * math.sqrt(ref[1] ** 2 + se ** 2)
-                cell += f" ({v - ref[0]:+.4f} {'~' if abs(v - ref[0]) < noise else '*'})"
+                cell += f" ({v - ref[0]:+.4f} {'~' if abs(v - ref[0]) <= noise else '*'})"
             cells.append(cell)
         lines.append(f"| {task} | {m} | " + " | ".join(cells) + " |")
-    lines.append("\n~ = difference from the first column within noise (|diff| < 2 * sqrt(se1^2 + se2^2)); "
+    lines.append("\n~ = difference from the first column within noise (|diff| <= 2 * sqrt(se1^2 + se2^2)); "
                  "* = outside it")
     return "\n".join(lines)
 

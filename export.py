@@ -5,9 +5,12 @@ Export a picaflor checkpoint for the tools people already use.
     python export.py CKPT --format hf   --out DIR [--dtype bfloat16] [--max-shard-size 5GB]
     python export.py CKPT --format gguf --out model.gguf [--gguf-type f16|bf16|q8_0|q4_0]
 
-CKPT is a checkpoint dir (step_NNNNNNN/) or a run dir (its LATEST); its MANIFEST.json is verified first. Output is
-written beside --out and renamed into place; --out may not be, hold or lie inside the checkpoint, and an existing
---out folder is replaced only when it is an earlier hf export. --tokenizer FILE (any format) must fit the vocab.
+CKPT is a checkpoint dir (step_NNNNNNN/) or a run dir (its LATEST); its MANIFEST.json is verified first (for
+--format gguf also an int4 container: its dequantized weights). Output is written beside --out and renamed into
+place; --out may not be, hold or lie inside the checkpoint, and an existing --out is replaced only when picaflor
+exported it (an hf folder holding picaflor_export.json and only the files an export writes; a GGUF with the
+picaflor.export key; a container). Weights holding NaN or Inf are refused. --tokenizer FILE (any format) must fit
+the vocab.
 
 - int4: the streaming container of stream_infer.py, written and read by container.py (one place only).
 - hf: a directory transformers loads as HYV3ForCausalLM with no custom code: config.json, model.safetensors

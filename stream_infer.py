@@ -24,7 +24,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
   and why), filled by aligned single reads of each expert's blob from expert_reader.cpp's C++ threads. A layer's
   missing experts are read in parallel while the decoding thread computes the shared expert and then the layer's
   cached experts; every expert's output is summed in the fixed order afterwards (int4_cpu.cpp mix_outputs). On
-  micro at 2G (`python stream_infer.py micro.pcf4 --bench`, 32 tokens) that took decode from 13-14 to 16-19
+  micro at 2G (`python stream_infer.py micro.pcf4 --ram-budget 2G --bench --max-new-tokens 32`) that took decode from 13-14 to 16-19
   tok/s, with the crc off the decoding thread and 50 more cached experts (meta_model).
 - Prefetch (`--prefetch auto`, the default): the next MoE layer's likely experts are read ahead by applying ITS
   router to the current hidden state (mixtral-offloading's speculative prefetch), overlapping this layer's
@@ -33,7 +33,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
   tokens name guesses without reading them while it is off) and every PREFETCH_JUDGE_PICKS picks turns
   prefetch on at >= 80% right, off below 72% (Engine.judge_prefetch; `--bench` prints the share and the
   verdict). Why the bar: prefetch loses here at the ~60% right a random-weight model gets. `python
-  bench/prefetch_ab.py micro.pcf4 --ram-budget B` (one process, off and on in turn): 3G 14.0 / 12.4 tok/s (off /
+  bench/prefetch_ab.py micro.pcf4 --ram-budget B` (one process, off and on in turn, before auto existed): 3G 14.0 / 12.4 tok/s (off /
   on), 2G 11.8 / 9.2, 1G 3.7 / 3.3, although guesses keep every hit and cut the misses by 30-45%: half the
   guesses are wrong (+20-40% reads), and on a VM reading costs compute (the 2-thread int4 GEMV 17.3 GB/s alone,
   13.7 while blobs were read in the background, on this VM). `bench/prefetch_oracle.py` (guesses from a
@@ -56,7 +56,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
   kernel a decode token's layers skip the modules: Engine._decode_step calls the same native functions in Block's
   order from a per-layer plan made at load (bit for bit the module path, tested), the attention half of a layer in
   one op (attn_block), since ~140 nn.Module calls a token cost ~2-3 ms of cold-cache Python here
-  (bench/decode_profile.py) and five op calls a layer ~2 tok/s fully resident (README, "Less Python per token");
+  (bench/decode_profile.py) and five op calls a layer ~2 tok/s fully resident (README: "A decode step also runs its small ops in one native call each");
   prefill and every other kernel use the modules.
 - Cache policy `score` (default; `--cache-policy lru` for plain LRU): expert_cache.py's docstring.
 - CUDA: kernels.triton_int4_matmul; int8 rows (the lm_head) are dequantized once at load there. A missed

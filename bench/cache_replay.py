@@ -8,7 +8,7 @@ give the same figures on any machine, so a policy is judged by misses, not by a 
     python bench/cache_replay.py micro.pcf4 --capacities 684,380,229,77 [--prompts 12] [--seed 12] [--json OUT]
 
 Capacities are in experts (a sweep's "experts cached" column: micro caches 684 / 380 / 229 / 77 at 3G / 2G / 1.5G /
-1G). Policies: lru; score (stream_infer's default: evict the lowest decayed router score) at a few decays; belady
+1G in the sweep README's replay table used; 228 at 1.5G in the newest). Policies: lru; score (stream_infer's default: evict the lowest decayed router score) at a few decays; belady
 (evict the expert needed furthest ahead: it knows the future, so it is a reference, not a policy; it minimises
 all misses, prefill included, with a layer's own experts pinned while it runs, so it need not top every decode
 hit rate).

@@ -23,7 +23,7 @@ llama-cpp-python is for this benchmark only (not in requirements.txt); it builds
 (~25 min on 2 cores of the earlier machine, ~6 on a Sapphire Rapids VM, ~5 on an AMD EPYC one.) A second build goes to its own folder with
 --target DIR (and --no-cache-dir --no-binary llama-cpp-python, or pip reuses the first wheel whatever CMAKE_ARGS
 say); --llama-builds NAME=DIR then runs every setting on it as well. On Sapphire Rapids the native build's
-repacked weights segfault (AMX) and a -DGGML_AMX_INT8=OFF build runs them: README has both commands.
+repacked weights segfault (AMX) and a -DGGML_AMX_INT8=OFF build runs them: bench/STREAMING_LOG.md has that build's command.
 """
 import argparse
 import json

@@ -11,8 +11,8 @@
 #       --compile=True --seq_len=2048 --batch_size=16 --grad_accum=2 --learning_rate=1e-4 --min_lr=1e-5 \
 #       "--stages=[{'name': 'warmup', 'steps': 50, 'lr_phase': 'warmup'}, {'name': 'stable', 'steps': 1150, 'lr_phase': 'stable'}, {'name': 'decay', 'steps': 300, 'lr_phase': 'decay'}]" \
 #       --eval_interval=100 --eval_iters=40 --ckpt_interval=250 --keep_last=6
-#   (16 x 2048 x 2 = 65,536 tokens per update, 1,500 updates = ~98M tokens; a checkpoint every 250 updates, all
-#   six kept, so `chat.py pick` can compare them: the lowest val loss is not always the best chat model.)
+#   (16 x 2048 x 2 = 65,536 tokens per update, 1,500 updates = ~98M tokens; a checkpoint every 250 updates and the
+#   stage ends at 50 and 1200, eight kept, so `chat.py pick` can compare them: the lowest val loss is not always the best chat model.)
 #
 # On the relay (an SFT leg is a leg): make the SFT run's step-0 checkpoint here, then hand it to the relay:
 #   python train.py config/sft.py --finetune_from=out/nano --out_dir=out/nano_sft --stop_after_steps=0 [nano keys]
@@ -49,6 +49,6 @@ stages = [
 eval_interval = 50
 eval_iters = 10
 log_interval = 10
-ckpt_interval = 60          # 5 checkpoints to choose from (chat.py pick)
+ckpt_interval = 60          # 6 checkpoints to choose from (chat.py pick): every 60 steps and the warmup's end
 keep_last = 6
 sample_tokens = 0

@@ -360,6 +360,9 @@ def test_compare_marks_noise(tmp_path, capsys):
     table = capsys.readouterr().out
     row = next(line for line in table.splitlines() if line.startswith("| piqa | acc |"))
     assert "| A | B | C |" in table and "+0.0200 ~" in row and "+0.1500 *" in row
+    z1, z2 = summary("Z1", 1.0, 0.0), summary("Z2", 1.0, 0.0)  # identical, stderr 0 (all right): within noise
+    assert ev.main(["--compare", z1, z2]) == 0
+    assert "+0.0000 ~" in capsys.readouterr().out
 
 
 def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """
 FineWeb-Edu from the Hugging Face Hub -> uint16 token shards (the nano run's data).
 
-    python data/fineweb_edu/prepare.py --max-tokens 5_300_000_000              # the nano run (vocab 32768)
+    python data/fineweb_edu/prepare.py --max-tokens 5_500_000_000              # the nano run (vocab 32768)
     python data/fineweb_edu/prepare.py --max-tokens 50_000_000 --tokenizer data/fineweb_edu/tokenizer.json
 
 Downloads the parquet files of --repo (default HuggingFaceFW/fineweb-edu, files matching --pattern, default

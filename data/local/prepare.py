@@ -10,7 +10,8 @@ Calls recorded here:
 - one file = one document: <|bos|> + its tokens, never cut (a document goes whole into one shard).
 - the default vocab is 8192, config/tiny.py's; the nano run uses 32768 (on FineWeb-Edu).
 - files are taken in a fixed pseudo-random order (sha1 of the relative path) so --max-files/--max-bytes caps
-  sample the whole tree, not its first letters; a file goes to val when that hash says so (--val-percent).
+  sample the whole tree, not its first letters; a file goes to val when the sha1 of its text says so
+  (--val-percent), so identical files land in the same split.
 - the default --max-bytes (64 MB) takes a whole stdlib (Python 3.11: ~1,870 files, 32 MB, ~8.2M tokens at vocab
   8192; about 30 s on 2 cores); lower it (or --max-files) for a quicker, smaller corpus.
 - index.json records, per shard, the exact files it holds, so shards.py refetch can re-make it.
