@@ -11,7 +11,8 @@ Python API (eval.py, bench/quant_quality.py):
     eng.stream(...)  yields token ids as they are made
     eng.loglikelihood(context_ids, continuation_ids) -> (sum log p, is_greedy); continuation None scores
     tokens[1:] of context_ids; eng.loglikelihood_batch([(ctx, cont), ...])
-    Threads may share an engine: its lock (eng.lock) lets one request step run at a time.
+    Threads may share an engine: its lock (eng.lock) lets one request step run at a time, and a request takes its
+    KV positions from the --context the budget reserved (eng.kv_reserve), waiting while other threads' hold them.
 
 How it works (the implementer's calls, as DESIGN.md asks):
 - The model is model.py's Picaflor built on the meta device (model.meta_model: no random init, which would import
@@ -494,6 +495,10 @@ class Engine:
         # one request step at a time: the expert cache and the MoE layers' top_k are shared (threads sharing an
         # engine got wrong tokens, KeyErrors and an over-budget cache); requests interleave between steps
         self.lock = threading.RLock()
+        # the budget reserves KV for `context` positions: requests (each with its own KV cache) take their length
+        # from it and wait while others hold it (four threads' caches once sat in a budget that counted one)
+        self.kv_free, self.kv_held = self.context, {}  # positions not taken; thread id -> positions it holds
+        self.kv_turn = threading.Condition()
         self.experts_per_token = cfg.top_k  # the engine's own setting (set_experts_per_token)
         self.max_seq_len = self.context
         self.kernel = pick_kernel(kernel, self.device)
@@ -802,6 +807,30 @@ class Engine:
                 for moe in self.moes:
                     moe.top_k = self.experts_per_token
 
+    @contextlib.contextmanager
+    def kv_reserve(self, positions):
+        """A request's KV positions out of the budget's reserve, waiting for other threads' requests to end; a
+        thread whose own open requests hold what it lacks would wait for ever, so that is an error."""
+        me = threading.get_ident()
+        with self.kv_turn:
+            while self.kv_free < positions:
+                if self.kv_held.get(me):
+                    raise StreamError(f"a request of {positions} KV positions while this thread's open requests hold "
+                                      f"{self.kv_held[me]} of the {self.context} reserved; finish (or close) them first, "
+                                      f"or load with a larger context")
+                self.kv_turn.wait()
+            self.kv_free -= positions
+            self.kv_held[me] = self.kv_held.get(me, 0) + positions
+        try:
+            yield
+        finally:
+            with self.kv_turn:
+                self.kv_free += positions
+                self.kv_held[me] -= positions
+                if not self.kv_held[me]:
+                    del self.kv_held[me]
+                self.kv_turn.notify_all()
+
     # --- forward ---
     def forward(self, ids, cache=None, positions=None, last_only=False):
         """Threads may share the engine: one forward at a time (the lock), see _forward."""
@@ -874,6 +903,10 @@ class Engine:
                               f"{self.context} (max_seq_len {self.cfg.max_seq_len}); {fix}")
         k = self.checked_k(experts_per_token)  # the request's own: set for each of its steps (routing)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        with self.kv_reserve(max(total, 1)):
+            yield from self._stream(prompt_ids, max_new_tokens, temperature, top_p, k, gen, eos_id, timings, total)
+
+    def _stream(self, prompt_ids, max_new_tokens, temperature, top_p, k, gen, eos_id, timings, total):
         kv = KVCache(self.cfg, 1, max(total, 1), self.device, torch.float32)
         ids = torch.tensor([prompt_ids], device=self.device)
         try:
@@ -921,7 +954,7 @@ class Engine:
                    else "load with a larger context")
             raise StreamError(f"{len(ids) - 1} tokens exceed the reserved context {self.context}; {fix}")
         self._check_ids(ids, "input")
-        with self.routing(self.cfg.top_k):  # scored as the container's model, whatever the engine serves with
+        with self.kv_reserve(len(ids) - 1), self.routing(self.cfg.top_k):  # scored as the container's model
             return self._loglikelihood(ctx, ids)
 
     def _loglikelihood(self, ctx, ids):

@@ -1482,6 +1482,34 @@ def test_one_engine_shared_by_threads_gives_each_its_own_tokens(tiny):
     assert eng.cache.used <= eng.cache.budget
 
 
+def test_requests_share_the_kv_reserve_the_budget_counted(tiny):
+    """The budget reserves KV for `context` positions; each request's stream had its own cache on top, so four
+    threads held four. A request now takes its positions from the reserve and waits while other threads hold them;
+    a thread whose own open request holds what it lacks gets an error, not a wait for ever."""
+    import threading
+    m, path = tiny
+    eng = S.load(path, context=40)
+    p1, p2 = list(range(5, 25)), list(range(7, 27))
+    want2 = S.load(path).generate(p2, 5)
+    g1 = eng.stream(p1, 10)  # 29 positions
+    first = next(g1)
+    with pytest.raises(S.StreamError, match="this thread's open requests hold 29 of the 40"):
+        eng.generate(p2, 5)  # 24 more: over the 40
+    got = {}
+    other = threading.Thread(target=lambda: got.update(tokens=eng.generate(p2, 5)))
+    other.start()
+    other.join(timeout=1.0)
+    assert other.is_alive() and not got  # waits while this thread's request holds the reserve
+    rest = list(g1)
+    other.join(timeout=60)
+    assert not other.is_alive() and got["tokens"] == want2
+    assert eng.kv_free == 40 and not eng.kv_held and [first] + rest == S.load(path).generate(p1, 10)
+    g = eng.stream(p1, 10)
+    next(g)
+    g.close()  # a request closed early gives its positions back
+    assert eng.kv_free == 40 and eng.loglikelihood(p1, p2[:5])[0] < 0
+
+
 def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
     """Flags that used to fail deep inside (a ThreadPoolExecutor, a CUDA assert, a NaN in sampling, a benchmark's
     StopIteration, a JSON write after minutes of benchmarking) or were dropped silently (--chat's)."""
