@@ -285,6 +285,9 @@ def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, cont
                         f"container (python export.py CKPT --format int4 --out model.pcf4)")
     if os.path.isdir(path):
         from model import load_checkpoint
+        if ram_budget is not None:  # it was ignored: the whole fp32 model loaded
+            raise ChatError(f"--ram-budget {ram_budget}: bounds an int4 container's memory, not a checkpoint's; "
+                            f"export one (python export.py {path} --format int4 --out model.pcf4) or leave it out")
         try:
             ck = checkpoint.resolve(path)
             model = load_checkpoint(ck, device=device)
@@ -297,6 +300,9 @@ def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, cont
             tok = Tokenizer.load(tok_path)
         except ValueError as e:
             raise ChatError(str(e)) from None
+        if tok.vocab_size > model.cfg.vocab_size:  # its top ids index past the embedding: an IndexError mid-chat
+            raise ChatError(f"{tok_path}: tokenizer vocab {tok.vocab_size} > model vocab {model.cfg.vocab_size}; "
+                            f"wrong tokenizer for this checkpoint (copy the one of the corpus it trained on)")
         if experts_per_token:
             try:
                 model.set_top_k(experts_per_token)
@@ -368,7 +374,14 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
     from tokenizer import Tokenizer
 
     prompts = prompts or PICK_PROMPTS
-    ckpts = [(s, p) for s, p in checkpoint.list_checkpoints(run_dir) if checkpoint.is_valid(p)]
+    ckpts, skipped = [], []
+    for s, p in checkpoint.list_checkpoints(run_dir):
+        try:
+            checkpoint.verify(p)
+            ckpts.append((s, p))
+        except checkpoint.CheckpointError as e:  # said and listed in the report (it was left out silently)
+            log(f"skipping {os.path.basename(p)}: {e}")
+            skipped.append({"checkpoint": os.path.basename(p), "why": str(e)})
     if not ckpts:
         raise ChatError(f"{run_dir}: no valid checkpoint (step_* dir with an intact MANIFEST.json); train first "
                         f"(python train.py config/sft.py)")
@@ -394,21 +407,32 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
         answers = []
         for p in prompts:
             conv = Conversation(tok, picaflor_backend(model))
-            a = conv.reply(p, max_new_tokens, temperature=0.0)
+            try:
+                a = conv.reply(p, max_new_tokens, temperature=0.0)
+            except ValueError as e:  # a --prompt longer than the context: a traceback, and nothing written
+                raise ChatError(f"--prompt {p[:40]!r}...: {e}; shorten it or lower --max-new-tokens") from None
             answers.append({"prompt": p, "answer": a, "tokens": conv.last_tokens, "stopped": conv.last_stop})
         ended = sum(a["stopped"] == "end" for a in answers)
         rep = sum(repeated_ngrams(tok.encode(a["answer"])) for a in answers) / len(answers)
         results.append({"step": step, "checkpoint": os.path.basename(path), "val_loss": loss, "val_targets": n,
                         "answers_ended": ended, "repetition": rep, "answers": answers})
         log(f"{os.path.basename(path)}: val assistant loss {loss:.4f} over {n:,} tokens ({time.time() - t0:.1f}s)")
+        # after every checkpoint: a fault or a Ctrl-C later keeps what was scored (it was written at the end only)
+        report = write_pick_report(run_dir, data_dir, prompts, max_new_tokens, results, skipped,
+                                   done=len(results) == len(ckpts))
+    log(f"wrote {os.path.join(run_dir, 'sft_pick.md')} and sft_pick.json; lowest val loss: {report['lowest_val_loss']}")
+    return report
+
+
+def write_pick_report(run_dir, data_dir, prompts, max_new_tokens, results, skipped, done):
+    import checkpoint
     lowest = min(results, key=lambda r: r["val_loss"])["checkpoint"]
     best_file = os.path.join(run_dir, "BEST")
     report = {"run_dir": os.path.abspath(run_dir), "data": os.path.abspath(data_dir), "greedy": True,
               "max_new_tokens": max_new_tokens, "lowest_val_loss": lowest,
               "train_best": open(best_file).read().strip() if os.path.exists(best_file) else None,
-              "prompts": prompts, "checkpoints": results}
-    with open(os.path.join(run_dir, "sft_pick.json"), "w") as f:
-        json.dump(report, f, indent=1)
+              "complete": done, "skipped": skipped, "prompts": prompts, "checkpoints": results}
+    checkpoint.write_atomic_text(os.path.join(run_dir, "sft_pick.json"), json.dumps(report, indent=1))
     lines = [f"# Checkpoint choice for {run_dir}", "",
              f"Held-out chat set: {data_dir} (val split, loss on assistant tokens only). Answers are greedy, at most "
              f"{max_new_tokens} tokens. The lowest loss is not always the best chat model: read the answers.", "",
@@ -418,19 +442,29 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
     for r in results:
         lines.append(f"| {r['checkpoint']} | {r['val_loss']:.4f} | {r['answers_ended']}/{len(prompts)} | "
                      f"{r['repetition']:.2f} | {'lowest loss' if r['checkpoint'] == lowest else ''} |")
+    for s in skipped:
+        lines.append(f"| {s['checkpoint']} | skipped: {s['why']} | | | |")
+    if not done:
+        lines += ["", "(still scoring: the checkpoints above are those done so far)"]
     for i, p in enumerate(prompts):
         lines += ["", f"## {i + 1}. {p}", ""]
         for r in results:
             a = r["answers"][i]["answer"].strip().replace("\n", "\n> ")
             lines += [f"**{r['checkpoint']}** (loss {r['val_loss']:.4f})", "", f"> {a}" if a else "> (empty)", ""]
-    with open(os.path.join(run_dir, "sft_pick.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    log(f"wrote {os.path.join(run_dir, 'sft_pick.md')} and sft_pick.json; lowest val loss: {lowest}")
+    checkpoint.write_atomic_text(os.path.join(run_dir, "sft_pick.md"), "\n".join(lines) + "\n")
     return report
 
 
 # ----------------------------------------------------------------------------------------------------------
 # command line
+
+def check_device(device):
+    import torch
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ChatError(f"--device {device}: cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():  # a pin_memory traceback
+        raise ChatError(f"--device {device}: no CUDA device here; use --device cpu")
+
 
 def add_sampling_args(ap):
     ap.add_argument("--system", default=None, help="system prompt (kept across /reset)")
@@ -459,6 +493,7 @@ def main(argv=None):
                             help="weights dtype (default: as saved; bfloat16 halves memory on a GPU)")
             a = ap.parse_args(argv[1:])
             import torch
+            check_device(a.device)
             pick(a.run_dir, a.data, a.prompt, a.max_new_tokens, a.max_rows, a.device,
                  getattr(torch, a.dtype) if a.dtype else None)
             return 0
@@ -485,12 +520,16 @@ def main(argv=None):
         except stream_infer.StreamError as e:
             raise ChatError(str(e)) from None
         import torch
+        check_device(a.device)
         torch.set_num_threads(max(1, a.threads))
         tok, backend = load_model(a.model, a.ram_budget, a.device, a.experts_per_token, a.context)
         return chat_loop(tok, backend, a.system, a.max_new_tokens, a.temperature, a.top_p, a.seed, a.context)
     except ChatError as e:
         print(f"chat.py: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # (chat_loop handles its own; this is pick or loading)
+        print("chat.py: interrupted (pick: sft_pick.md holds the checkpoints scored so far)", file=sys.stderr)
+        return 130
     except Exception as e:  # data and checkpoint faults of the files given: one line, no traceback
         import checkpoint
         import shards

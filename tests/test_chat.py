@@ -268,6 +268,41 @@ def test_pick_scores_every_checkpoint(tok, corpus, sft_run):
     assert json.load(open(os.path.join(sft_run, "sft_pick.json")))["lowest_val_loss"] == rep["lowest_val_loss"]
 
 
+def test_pick_keeps_what_it_scored_names_what_it_skipped_and_refuses_a_long_prompt(corpus, sft_run, tmp_path,
+                                                                                    capsys):
+    """A corrupt checkpoint was left out without a word; a --prompt longer than the context was a ValueError
+    traceback; the report was written only at the end (a late fault or Ctrl-C lost every score)."""
+    import shutil
+    import checkpoint
+    run = tmp_path / "run"
+    shutil.copytree(sft_run, run, ignore=shutil.ignore_patterns("sft_pick.*"))
+    steps = checkpoint.list_checkpoints(str(run))
+    with open(os.path.join(steps[0][1], "model.safetensors"), "ab") as f:
+        f.write(b"x")
+    calls = []
+    real = chat.val_assistant_loss
+
+    def fails_on_the_last(model, *a):  # a fault while scoring the last checkpoint
+        calls.append(1)
+        if len(calls) == len(steps) - 1:
+            raise RuntimeError("disk went away")
+        return real(model, *a)
+    chat.val_assistant_loss, said = fails_on_the_last, []
+    try:
+        with pytest.raises(RuntimeError):
+            chat.pick(str(run), str(corpus[0]), prompts=["ping 4"], max_new_tokens=4, max_rows=4, log=said.append)
+    finally:
+        chat.val_assistant_loss = real
+    assert any(s.startswith(f"skipping {os.path.basename(steps[0][1])}") for s in said)
+    report = json.load(open(run / "sft_pick.json"))
+    assert not report["complete"] and len(report["checkpoints"]) == len(steps) - 2 >= 1
+    assert report["skipped"][0]["checkpoint"] == os.path.basename(steps[0][1])
+    assert "skipped:" in (run / "sft_pick.md").read_text()
+    assert chat.main(["pick", str(run), "--data", str(corpus[0]), "--prompt", "ping " * 400]) == 1
+    err = capsys.readouterr().err
+    assert "--prompt 'ping ping" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_pick_checks_every_tokenizer_first(corpus, sft_run, tmp_path):
     import checkpoint
     """A checkpoint without its tokenizer.json: one ChatError before any checkpoint is scored (a traceback after
@@ -463,7 +498,9 @@ def test_chat_cli_with_checkpoint(sft_run, monkeypatch, capsys):
                         (["--experts-per-token", "0"], "at least 1"),  # silently the default
                         (["--max-new-tokens", "-3"], "--max-new-tokens -3"),  # reserved negative room
                         (["--temperature", "-1"], "--temperature -1.0"),  # sampled the least likely tokens
-                        (["--temperature", "0.7", "--top-p", "1.5"], "--top-p 1.5")):
+                        (["--temperature", "0.7", "--top-p", "1.5"], "--top-p 1.5"),
+                        (["--ram-budget", "1K"], "not a checkpoint's"),  # ignored: the fp32 model loaded
+                        (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device")):
         assert chat.main([sft_run, *flags]) == 1
         err = capsys.readouterr().err
         assert want in err and len(err.strip().splitlines()) == 1, err
