@@ -467,8 +467,11 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_cfg, f, indent=1)
         gen = {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
-        if tok is not None:  # stop at the end of a turn or at the start of a new document
-            gen.update(bos_token_id=tok.bos_id, eos_token_id=[tok.special_ids["<|end|>"], tok.bos_id], pad_token_id=0)
+        if tok is not None:  # stop at the end of a turn, at a new document, or at a turn the model starts on its own
+            # (chat.py stops at every special token: generation ran on into an invented <|user|> turn here)
+            stops = [tok.special_ids["<|end|>"], tok.bos_id] + [tok.special_ids[t] for t in
+                                                                 ("<|user|>", "<|assistant|>", "<|system|>")]
+            gen.update(bos_token_id=tok.bos_id, eos_token_id=stops, pad_token_id=0)
         with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump(gen, f, indent=1)
         if tok is not None:

@@ -120,6 +120,14 @@ def test_generation_config_has_no_penalty(hf_fp32):
     assert gc.repetition_penalty == 1.0 and not gc.no_repeat_ngram_size
 
 
+def test_generation_stops_at_every_special_token_as_chat_does(ckpt, hf_fp32):
+    """chat.py ends a reply at any special token; HF generation stopped at <|end|> and <|bos|> only and ran on into
+    a <|user|> turn of its own."""
+    from transformers import GenerationConfig
+    gc = GenerationConfig.from_pretrained(hf_fp32[0])
+    assert sorted(gc.eos_token_id) == sorted(ckpt["tok"].special_ids.values())
+
+
 def test_hf_tokenizer_encodes_identically(ckpt, hf_fp32):
     from transformers import AutoTokenizer
     tok = ckpt["tok"]
