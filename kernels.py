@@ -150,18 +150,21 @@ def native_int4():
                 loops = f.read()
         except OSError:
             loops = b""
-        name = ("picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__).encode() + loops).hexdigest()[:10]
+        # and by this checkout's folder: two checkouts (a fork beside main, a CI clone) rebuilt over each other
+        name = ("picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__ + here).encode() + loops).hexdigest()[:10]
                 + ("" if use_omp else "_pool"))
         # ARM compilers name the host CPU with -mcpu (gcc and clang: dot products where the core has them)
         arch = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else ["-march=native"]
         # ninja is a pip dependency: make the venv's bin findable when python runs without activating it
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         try:
-            if not os.path.exists(os.path.join(cpp_extension._get_build_directory(name, False), name + ".so")):
+            build_dir = cpp_extension._get_build_directory(name, False)
+            if not os.path.exists(os.path.join(build_dir, name + ".so")):
                 print("stream_infer: compiling int4_cpu.cpp, the fast CPU int4 kernel (first use only, ~20 s)",
                       file=sys.stderr)
-            cpp_extension.load(name=name, sources=[src, reader_src], extra_cflags=["-O3"] + arch + omp,
-                               extra_ldflags=omp, is_python_module=False, verbose=False)
+            with build_turn(build_dir):
+                cpp_extension.load(name=name, sources=[src, reader_src], extra_cflags=["-O3"] + arch + omp,
+                                   extra_ldflags=omp, is_python_module=False, verbose=False)
             NATIVE = torch.ops.picaflor_int4
         except Exception as e:  # no compiler, no ninja, a foreign toolchain: fall back, loudly, once
             why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
@@ -171,6 +174,26 @@ def native_int4():
                   file=sys.stderr)
             NATIVE = False
     return NATIVE or None
+
+
+@contextlib.contextmanager
+def build_turn(build_dir):
+    """One build at a time under an flock, which the OS drops when its holder dies: torch's own lock file stays
+    behind a build that was killed (SIGTERM, a timeout) and every later load waited on it for ever, silently.
+    Holding the flock, a lock file of torch's can only be such a leftover, so it goes."""
+    os.makedirs(build_dir, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX: torch's lock only)
+        yield
+        return
+    with open(os.path.join(build_dir, "picaflor-build.flock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            print(f"stream_infer: removing {stale}, left by a build that was killed", file=sys.stderr)
+            os.remove(stale)
+        yield
 
 
 def int4_matmul_native(x, packed, sz, shape, group_size):

@@ -1145,6 +1145,19 @@ def test_native_kernel_without_a_compiler_falls_back_loudly(tiny, tmp_path):
     assert native == "None" and run == f"int4pack {want}"
 
 
+def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on():
+    """torch's build lock file stays behind a build that was killed, and every later load of the extension waited on
+    it for ever without a word (chat.py on a container hung). Under kernels.build_turn's flock it goes."""
+    assert kernels.native_int4() is not None
+    lib = next(l.split()[-1] for l in open("/proc/self/maps") if "picaflor_int4_cpu" in l)
+    stale = os.path.join(os.path.dirname(lib), "lock")
+    open(stale, "w").close()
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import kernels; print(kernels.native_int4() is not None)"
+    r = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "True", r.stderr[-2000:]
+    assert "left by a build that was killed" in r.stderr and not os.path.exists(stale)
+
+
 def test_native_int4_kernel_nan_and_zero_rows():
     op = kernels.native_int4()
     p, sz = C.quantize_int4(torch.randn(32, 128), 64)
