@@ -177,6 +177,9 @@ class Snapshot:
         # the numbers relay computes with (a hand edit once failed after a whole leg had trained, the baton held)
         for name, d, key, may_be_null in (("RELAY.json", self.relay, "ttl_s", False),
                                           ("RELAY.json", self.relay, "heartbeat_s", False),
+                                          ("RELAY.json", self.relay, "default_ttl_s", False),
+                                          ("RELAY.json", self.relay, "default_heartbeat_s", False),
+                                          ("RELAY.json", self.relay, "claimed_at", True),
                                           ("training_state.json", self.state, "legs", False),
                                           ("training_state.json", self.state, "step", True),
                                           ("training_state.json", self.state, "tokens", True),
@@ -246,8 +249,11 @@ class Lease:
             raise RelayError(f"{path}: no lease held from this workdir; run `relay.py claim {store.url}` first")
         except (ValueError, OSError) as e:  # OSError: e.g. --workdir is a file
             raise RelayError(f"{path}: unreadable ({e}); check --workdir, or delete it and claim again")
+        need = ("store", "nonce", "sha", "relay", "leg", "generation", "ttl_s", "heartbeat_s")
+        if not isinstance(d, dict) or any(k not in d for k in need) or not isinstance(d["relay"], dict):
+            raise RelayError(f"{path}: malformed (not a lease relay.py wrote); delete it and claim again")
         if d.get("store") != store.url:
-            raise RelayError(f"{path}: lease is for {d.get('store')}, not {store.url}; pass --workdir")
+            raise RelayError(f"{path}: lease is for {d.get('store')}, not {store.url}; pass another --workdir")
         return cls(path, **d)
 
     def save(self):
@@ -268,7 +274,8 @@ def check_lease_times(ttl, heartbeat):
 
 def claim(store, workdir, who, ttl=None, heartbeat=None):
     """ttl / heartbeat None: the run's (relay.py init --ttl / --heartbeat), else DEFAULT_TTL / DEFAULT_HEARTBEAT."""
-    check_lease_times(DEFAULT_TTL if ttl is None else ttl, DEFAULT_HEARTBEAT if heartbeat is None else heartbeat)
+    if ttl is not None and heartbeat is not None:  # (one of them alone: checked against the run's other below)
+        check_lease_times(ttl, heartbeat)
     try:  # before anything is committed: a claim whose LEASE.json cannot be written is a baton nobody can release
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
@@ -279,12 +286,9 @@ def claim(store, workdir, who, ttl=None, heartbeat=None):
     heartbeat = float(r.get("default_heartbeat_s", DEFAULT_HEARTBEAT)) if heartbeat is None else heartbeat
     check_lease_times(ttl, heartbeat)
     lease_path = os.path.join(workdir, "LEASE.json")
-    mine = None
-    if os.path.exists(lease_path):
-        try:
-            mine = Lease.load(workdir, store)
-        except RelayError:
-            mine = None
+    # another store's live lease (a shared --workdir) or a malformed file: refused, not overwritten (that lease
+    # could then never be pushed or released)
+    mine = Lease.load(workdir, store) if os.path.exists(lease_path) else None
     if mine and r.get("nonce") == mine.nonce and adopt_own_head(store, mine, snap):
         # the head is our own commit: `claim` again is a heartbeat (same generation, same leg), also past the ttl
         # when nobody took the baton meanwhile (the compare-and-swap decides), so a crashed leg's work resumes
@@ -303,14 +307,19 @@ def claim(store, workdir, who, ttl=None, heartbeat=None):
                claimed_at=time.time(), heartbeat_at=time.time(), ttl_s=float(ttl), heartbeat_s=float(heartbeat),
                taken_from=r.get("holder") if r.get("holder") else None)
     msg = f"relay: claim leg {legs + 1} (generation {new['generation']}) by {who}"
+    # recorded before the commit: a claim that lands while its answer is lost is found again by its write_id (the
+    # next `claim` adopts it) instead of locking its own claimer out for a whole ttl
+    lease = Lease(lease_path, store=store.url, who=who, nonce=new["nonce"], generation=new["generation"], leg=new["leg"],
+                  sha=snap.sha, relay=r, base_step=snap.state.get("step"), ttl_s=float(ttl), heartbeat_s=float(heartbeat),
+                  run_dir=None, pulled_at=None, pending_claim=uuid.uuid4().hex)
+    lease.save()
     try:
-        sha, new = commit_cas(store, snap.sha, {}, [], msg, new)
+        sha, new = commit_cas(store, snap.sha, {}, [], msg, new, write_id=lease.pending_claim)
     except Conflict:
+        lease.drop()
         raise Busy(f"{store.url}: someone else committed first (claim of generation {new['generation']} lost the race); "
                    f"try again later")
-    lease = Lease(lease_path, store=store.url, who=who, nonce=new["nonce"], generation=new["generation"], leg=new["leg"],
-                  sha=sha, relay=new, base_step=snap.state.get("step"), ttl_s=float(ttl), heartbeat_s=float(heartbeat),
-                  run_dir=None, pulled_at=None)
+    lease.sha, lease.relay, lease.pending_claim = sha, new, None
     lease.save()
     return lease
 
@@ -339,14 +348,34 @@ def adopt_own_head(store, lease, snap):
     """Our own commits whose answers were lost: a push that landed moves the lease on (adopt_landed_push), a renewal
     that landed is the head we chain from. Returns whether the head is now our lease's."""
     if snap.sha != lease.sha and not adopt_landed_push(store, lease):
-        renewal = getattr(lease, "pending_renewal", None)
-        if renewal and snap.relay.get("write_id") == renewal:
-            lease.sha, lease.relay, lease.pending_renewal = snap.sha, snap.relay, None
-            lease.save()
+        for key in ("pending_renewal", "pending_claim"):
+            wid = getattr(lease, key, None)
+            if wid and snap.relay.get("write_id") == wid:
+                lease.sha, lease.relay = snap.sha, snap.relay
+                setattr(lease, key, None)
+                lease.save()
+                break
     return snap.sha == lease.sha
 
 
+def adopt_own_renewal(store, lease):
+    """A heartbeat that landed while its answer was lost, then stopped before its retry (the leg ended): the head is
+    ours, and a push or release chained from the commit before it was fenced by our own renewal."""
+    wid = getattr(lease, "pending_renewal", None)
+    if not wid:
+        return
+    try:
+        head, _, _ = store.head()
+        landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
+    except Transient:
+        return  # still unknown: the commit below fails or conflicts as it would have
+    if landed and landed.get("write_id") == wid:
+        lease.sha, lease.relay, lease.pending_renewal = head, landed, None
+        lease.save()
+
+
 def release(store, lease):
+    adopt_own_renewal(store, lease)
     new = dict(lease.relay, holder=None, nonce=None, released_at=time.time())
     try:
         sha, _ = commit_cas(store, lease.sha, {}, [], f"relay: release by {lease.who} after leg {lease.leg}", new)
@@ -361,8 +390,9 @@ def release(store, lease):
 # Pull / push
 
 
-def pull(store, dest_dir, sha=None):
-    """Download checkpoint/ at sha into dest_dir/step_NNNNNNN, verify its manifest, write LATEST. Returns the path."""
+def pull(store, dest_dir, sha=None, keep_newer=False):
+    """Download checkpoint/ at sha into dest_dir/step_NNNNNNN, verify its manifest, write LATEST. Returns the path.
+    keep_newer (a crashed leg's dir pulled again): LATEST stays on a newer valid local step, whose work resumes."""
     snap_sha = sha or store.head()[0]
     paths = store.list(snap_sha, CKPT_PREFIX + "/")
     if not paths:
@@ -382,8 +412,11 @@ def pull(store, dest_dir, sha=None):
             if checkpoint.is_valid(final) and json.load(open(os.path.join(final, "MANIFEST.json")))["files"] == manifest["files"]:
                 return final
             os.replace(final, final + f".replaced-{int(time.time())}")  # never delete a local checkpoint
+        newer = [s for s, p in checkpoint.list_checkpoints(dest_dir)
+                 if s > int(manifest["step"]) and checkpoint.is_valid(p, check_hashes=False)]
         os.replace(got, final)
-        write_atomic(os.path.join(dest_dir, "LATEST"), os.path.basename(final) + "\n")
+        if not (keep_newer and newer):  # (retention had removed the pulled step: the re-pull pointed LATEST back at it)
+            write_atomic(os.path.join(dest_dir, "LATEST"), os.path.basename(final) + "\n")
         return final
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -475,6 +508,8 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     # read the files at our own last commit: if anyone wrote after it, the commit below fails anyway
     prev_state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha) or {}
     ledger = (store.read(lease.sha, "LEDGER.md") or LEDGER_HEADER.encode()).decode()
+    if not ledger.endswith("\n"):  # (an edit in the Hub's web editor): the new row was glued onto the last one
+        ledger += "\n"
     # the steps this push carries: a trainer that crashed after its last checkpoint logged steps the next leg redoes
     metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"), after_step=base, offset=metrics_offset,
                            until_step=step)
@@ -505,6 +540,7 @@ def commit_push(store, lease, plan, run_dir, note=None):
     """The push itself: one commit chained from our last one (note: a word for its message, e.g. that the trainer
     crashed). Raises Fenced if the lease is gone; the local dir is untouched either way."""
     step, base = plan["step"], plan["base"]
+    adopt_own_renewal(store, lease)
     new_relay = dict(lease.relay, leg=lease.leg + 1, heartbeat_at=time.time(), last_push_step=step)
     # recorded first: if the store fails so that nobody knows whether the commit landed, a later `push` or
     # `release` finds it by its write_id (adopt_landed_push) instead of being fenced off by our own commit
@@ -634,7 +670,7 @@ def prepare_leg(store, lease, workdir):
         if name.startswith("leg-") and os.path.isfile(os.path.join(d, "PUSHED")):
             shutil.rmtree(d, ignore_errors=True)
     run_dir = os.path.join(workdir, f"leg-{lease.leg:04d}-gen{lease.generation}")
-    ck = pull(store, run_dir, lease.sha)
+    ck = pull(store, run_dir, lease.sha, keep_newer=True)
     cfg = store.read(lease.sha, "config.py")
     if cfg is None:
         raise RelayError(f"{store.url}: no config.py at {lease.sha[:10]}; the run was not created by `relay.py init`")
@@ -859,16 +895,14 @@ def cmd_init(args):
         raise RelayError(f"init refused: {args.config or 'the config'}, line {bad[0]}: `{bad[1]}` is not plain data; a "
                          f"relay run's config runs on every contributor's machine, so it holds only literal "
                          f"assignments (x = 1, stages = [dict(...)])")
-    if store.exists():
-        sha, _, _ = store.head()
-        files = store.list(sha)
-        if "RELAY.json" in files:
-            raise RelayError(f"{store.url}: already a relay run; nothing overwritten (use `relay.py status`)")
-        if [f for f in files if f not in (".gitattributes", "README.md")]:
-            raise RelayError(f"{store.url}: repo is not empty and not a relay run ({len(files)} files); use a new repo")
-    else:
+    if not store.exists():
         store.create()
-        sha, _, _ = store.head()
+    sha, _, _ = store.head()  # checked after a create too: the repo may have been there all along
+    files = store.list(sha)
+    if "RELAY.json" in files:
+        raise RelayError(f"{store.url}: already a relay run; nothing overwritten (use `relay.py status`)")
+    if [f for f in files if f not in (".gitattributes", "README.md")]:
+        raise RelayError(f"{store.url}: repo is not empty and not a relay run ({len(files)} files); use a new repo")
     tmp = os.path.join(workdir_for(args), f"init-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:

@@ -77,7 +77,7 @@ var DATA = __DATA__;
 var COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
 function el(tag, attrs, text) { var e = document.createElementNS("http://www.w3.org/2000/svg", tag);
   for (var k in attrs) e.setAttribute(k, attrs[k]); if (text !== undefined) e.textContent = text; return e; }
-function fmt(v) { if (v === null || v === undefined) return "-"; var a = Math.abs(v);
+function fmt(v) { if (v === null || v === undefined) return "-"; if (typeof v !== "number") return esc(v); var a = Math.abs(v);
   if (a >= 1e9) return (v / 1e9).toFixed(2) + "B"; if (a >= 1e6) return (v / 1e6).toFixed(2) + "M";
   if (a >= 1e3) return (v / 1e3).toFixed(1) + "k"; if (a > 0 && a < 0.01) return v.toExponential(1); return (+v.toFixed(4)).toString(); }
 function mean(x) { return Array.isArray(x) ? (x.length ? x.reduce(function (a, b) { return a + b; }, 0) / x.length : null) : x; }
@@ -182,7 +182,7 @@ def serve(args):
                 return self.send(503, "text/plain", f"relay dashboard: {e}\n".encode())
             if self.path in ("/", "/index.html"):
                 body = PAGE.replace("__TITLE__", html.escape(args.store)).replace(
-                    "__DATA__", json.dumps(d).replace("</", "<\\/"))
+                    "__DATA__", json.dumps(d).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
                 return self.send(200, "text/html; charset=utf-8", body.encode())
             if self.path == "/data.json":
                 return self.send(200, "application/json", json.dumps(d).encode())

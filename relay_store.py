@@ -39,6 +39,10 @@ class Transient(StoreError):
     """A 5xx, a 429 or a timeout: the request may or may not have taken effect."""
 
 
+class NotFound(StoreError):
+    """No such repo, revision or main branch: what exists() may answer False for (any other error is not an answer)."""
+
+
 class Conflict(StoreError):
     """The head is not the commit we chained from: someone else wrote (HTTP 412)."""
 
@@ -224,7 +228,7 @@ class HfStore:
         except EntryNotFoundError:
             raise  # a missing file: the caller decides
         except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-            raise StoreError(f"{self.url}: {what}: repository or revision not found ({one_line(e)}); check the name and HF_TOKEN")
+            raise NotFound(f"{self.url}: {what}: repository or revision not found ({one_line(e)}); check the name and HF_TOKEN")
         except HfHubHTTPError as e:
             code = e.response.status_code if e.response is not None else None
             if code == 412:
@@ -249,7 +253,7 @@ class HfStore:
         try:
             self.head()
             return True
-        except StoreError:
+        except NotFound:  # (a 503 once read as "no run here": init then committed step 0 over a live run)
             return False
 
     def create(self):
@@ -260,7 +264,7 @@ class HfStore:
         refs = self._call("list refs", self.api.list_repo_refs, self.repo_id)
         sha = next((b.target_commit for b in refs.branches if b.name == "main"), None)
         if sha is None:
-            raise StoreError(f"{self.url}: has no main branch; create the run with `relay.py init {self.url} CONFIG`")
+            raise NotFound(f"{self.url}: has no main branch; create the run with `relay.py init {self.url} CONFIG`")
 
         def commit_time():  # one page of the commit list: the head's date and the server's Date header
             r = get_session().get(f"{self.api.endpoint}/api/models/{self.repo_id}/commits/{sha}", headers=build_hf_headers())

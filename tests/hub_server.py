@@ -378,6 +378,9 @@ class RelayHub(FakeHub):
                     groups.pop("kind", None)
                     groups.pop("repo_id", None)
                     return getattr(self, f"handle_{name}")(req, key, query=parse_qs(url.query), **groups)
+                if name == "refs":  # the Hub's answer for a repo that is not there (the error code names it)
+                    self.requests.append((method, url.path))
+                    return self.send_error_code(req, 404, "RepoNotFound", f"Repository {key[1]} not found")
                 break
         return super().dispatch(req, method)
 
@@ -410,7 +413,9 @@ class RelayHub(FakeHub):
         kind = (body.get("type") or "model") + "s"
         repo_id = f"{body.get('organization') or 'user'}/{body['name']}"
         if not self.create_versioned(kind, repo_id):
-            return self.send_error_code(req, 409, None, "You already created this model repo")
+            headers = {"X-Error-Message": "You already created this model repo"}  # the Hub's 409 carries the url
+            return self.send_json(req, {"error": headers["X-Error-Message"], "url": f"{self.endpoint}/{repo_id}"},
+                                  409, headers)
         self.send_json(req, {"url": f"{self.endpoint}/{repo_id}", "name": repo_id})
 
     def handle_refs(self, req, key, query):

@@ -49,7 +49,8 @@ def fixture_run(tmp_path, monkeypatch):
     assert relay.main(["run", url, "--steps", "10", "--train-script", fake, "--workdir", str(tmp_path / "wa")]) == 0
     monkeypatch.setenv("RELAY_WHO", "bob")
     assert relay.main(["run", url, "--steps", "6", "--train-script", fake, "--workdir", str(tmp_path / "wb")]) == 0
-    monkeypatch.setenv("RELAY_WHO", "carol <script>")  # escaped, not executed
+    # escaped, not executed; "<!--<script>" in the inline JSON put the parser past the page's own </script> (blank page)
+    monkeypatch.setenv("RELAY_WHO", "carol <!--<script>")
     assert relay.main(["claim", url, "--workdir", str(tmp_path / "wc")]) == 0
     return url
 
@@ -58,7 +59,8 @@ def test_dashboard_renders_run_in_chromium(fixture_run, tmp_path):
     # any repo writer can edit LEDGER.md: a row whose cells are markup is shown as text, not rendered
     store = relay.open_store(fixture_run)
     snap = relay.Snapshot(store)
-    row = "| 3 | mallory | x | <b>9</b> | 1 | 1s | 0.00 | 1 | 1 | 0-9 | <i>3</i> | now |\n"
+    # (and a tokens cell that is not a number: the table's number format threw, and the table stayed empty)
+    row = "| 3 | mallory | x | <b>9</b> | n/a | 1s | 0.00 | 1 | 1 | 0-9 | <i>3</i> | now |\n"
     relay.commit_cas(store, snap.sha, {"LEDGER.md": (snap.ledger() + row).encode()}, [], "a test", snap.relay)
     p, url = serve(fixture_run, base_env())
     try:
@@ -71,7 +73,8 @@ def test_dashboard_renders_run_in_chromium(fixture_run, tmp_path):
     finally:
         p.kill()
         p.wait()
-    assert re.search(r'id="holder">carol &lt;script&gt;</b> since \d{4}-\d\d-\d\d', dom)
+    assert re.search(r'id="holder">carol &lt;!--&lt;script&gt;</b> since \d{4}-\d\d-\d\d', dom)
+    assert "mallory" in dom and "&lt;b&gt;9&lt;/b&gt;" in dom  # the hand-edited row, as text
     assert "(leg 3, generation 3" in dom and "legs <b>2</b>" in dom and "step <b>16</b>" in dom
     # the charts drew one series each (loss, val loss, tok/s, lr, dead frac) and the per-layer heatmap 3 x 16
     for name in ("loss", "val loss", "tok/s", "lr", "dead frac"):
