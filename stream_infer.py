@@ -546,7 +546,7 @@ class Engine:
             if cache_budget < self.min_cache:
                 raise StreamError(f"{path}: --ram-budget {fmt_size(self.budget)} leaves {fmt_size(max(cache_budget, 0))} "
                                   f"for experts after loading the resident part ({fmt_size(self.resident_rss)} RSS); "
-                                  f"raise it to at least {fmt_size(self.budget - cache_budget + self.min_cache)}")
+                                  f"raise it to at least {fmt_size(self.budget - cache_budget + self.min_cache + (32 << 20))}")
         if self.device.startswith("cuda"):  # the experts live on the GPU: never more than its free memory allows
             free = torch.cuda.mem_get_info(self.device)[0] - self.working_bytes - (512 << 20)
             if free < self.min_cache:
@@ -650,6 +650,8 @@ class Engine:
         # OOM-killed in the cgroup): near the budget, it is handed back after each expert is built (1.34G)
         trim_above = (0.9 * self.budget if self.budget and kernel in ("int4pack", "reference") and dev == "cpu"
                       else None)
+
+        self.trim_above = trim_above if kernel == "reference" else None  # its per-call copies: after each forward too
 
         def make_expert(buf, views):
             e = Expert(c, buf, kernel, dev, views)
@@ -834,8 +836,14 @@ class Engine:
     # --- forward ---
     def forward(self, ids, cache=None, positions=None, last_only=False):
         """Threads may share the engine: one forward at a time (the lock), see _forward."""
+        if positions is not None:  # (it was taken and ignored: RoPE always counts from the cache's position)
+            raise StreamError("Engine.forward: positions are not supported; positions follow the KV cache")
         with self.lock:
-            return self._forward(ids, cache, positions, last_only)
+            try:
+                return self._forward(ids, cache, None, last_only)
+            finally:
+                if self.trim_above and rss_bytes() > self.trim_above:
+                    kernels.release_freed_heap()
 
     @torch.no_grad()
     def _forward(self, ids, cache=None, positions=None, last_only=False):
@@ -901,7 +909,8 @@ class Engine:
                    else "pass a larger --context")
             raise StreamError(f"prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceeds the reserved context "
                               f"{self.context} (max_seq_len {self.cfg.max_seq_len}); {fix}")
-        k = self.checked_k(experts_per_token)  # the request's own: set for each of its steps (routing)
+        # the request's own, else the engine's (set_experts_per_token): set for each of its steps (routing)
+        k = self.checked_k(experts_per_token if experts_per_token is not None else self.experts_per_token)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         with self.kv_reserve(max(total, 1)):
             yield from self._stream(prompt_ids, max_new_tokens, temperature, top_p, k, gen, eos_id, timings, total)
@@ -1047,6 +1056,11 @@ def check_args(args, argv):
                                "--sweep", "--json") if given(argv, f)]
         if dropped:
             raise StreamError(f"--chat does not take {', '.join(dropped)} (chat.py serves with the defaults)")
+    idle = [f for f in ("--json", "--plot", "--llamacpp-json", "--bench-prompt-tokens") if given(argv, f)]
+    if idle and not (args.bench or args.sweep):  # accepted and ignored (--json's folder made, left empty)
+        raise StreamError(f"{', '.join(idle)}: for --bench or --sweep only")
+    if args.chat and given(argv, "--prompt"):
+        raise StreamError("--chat does not take --prompt (type the first message at the prompt)")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path and (os.path.isdir(path) or path.endswith(os.sep)):  # found only after the whole run, a traceback
             raise StreamError(f"{flag} {path}: a folder; give a file path (e.g. {os.path.join(path, 'bench.json')})")
@@ -1059,7 +1073,9 @@ def check_args(args, argv):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="int4 MoE inference under a RAM budget, routed experts streamed from disk.")
+    # allow_abbrev=False: --kern / --max-new got past --chat's checks, which read argv, and were dropped silently
+    ap = argparse.ArgumentParser(description="int4 MoE inference under a RAM budget, routed experts streamed from disk.",
+                                 allow_abbrev=False)
     ap.add_argument("container", help="int4 container (python export.py CKPT --format int4 --out model.pcf4)")
     ap.add_argument("--ram-budget", help="bound for the whole process, e.g. 4G, 512M, 1.5G (default: no bound)")
     ap.add_argument("--prompt", default="Once upon a time", help="prompt text (token ids '1,2,3' if no tokenizer)")
@@ -1163,6 +1179,9 @@ def main(argv=None):
     except KeyboardInterrupt:  # Ctrl-C in a generation or a benchmark (its child and cgroup are gone by now)
         print("\nstream_infer: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `| head`: the reader left; no traceback (stdout pointed elsewhere for the exit's flush)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
