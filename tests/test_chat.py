@@ -303,6 +303,23 @@ def test_pick_keeps_what_it_scored_names_what_it_skipped_and_refuses_a_long_prom
     assert "--prompt 'ping ping" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path, capsys):
+    """chat.py's own advice (copy the corpus's tokenizer.json into the checkpoint) with the wrong corpus's: an
+    IndexError on the first message."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    rng = random.Random(1)
+    big = train_tokenizer([" ".join(rng.choice(words) for _ in range(30)) + f" {i} {i * 7}" for i in range(600)],
+                          MODEL["vocab_size"] * 2)
+    assert big.vocab_size > MODEL["vocab_size"]
+    big_path = str(tmp_path / "big.json")
+    big.save(big_path)
+    torch.manual_seed(0)
+    run = save_checkpoint(Picaflor(ModelConfig(**MODEL)), str(tmp_path / "run"), 1, tokenizer_file=big_path)
+    assert chat.main([run]) == 1
+    err = capsys.readouterr().err
+    assert "tokenizer vocab" in err and "> model vocab" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_pick_checks_every_tokenizer_first(corpus, sft_run, tmp_path):
     import checkpoint
     """A checkpoint without its tokenizer.json: one ChatError before any checkpoint is scored (a traceback after
