@@ -144,6 +144,8 @@ def doc_hellaswag(d):
 
 
 def doc_gsm8k(d):
+    if not (isinstance(d["question"], str) and isinstance(d["answer"], str)):  # a TypeError after generation
+        raise TypeError("question and answer must be strings")
     return {"prompt": f"Question: {d['question']}\nAnswer:", "target": d["answer"],
             "until": ["Question:", "</s>", "<|im_end|>"], "max_gen_toks": MAX_GEN_TOKS}
 
@@ -857,7 +859,9 @@ def run_task(lm, task, args):
     t0 = time.time()
     if kind == "generate_until":
         for d in docs:
-            d["generation"] = greedy_generate(lm, d["prompt"], d["until"], args.max_gen_toks or d["max_gen_toks"])
+            # a cap, not a replacement: a larger one raised passkey's 10 and its left truncation cut the needle out
+            cap = min(args.max_gen_toks, d["max_gen_toks"]) if args.max_gen_toks else d["max_gen_toks"]
+            d["generation"] = greedy_generate(lm, d["prompt"], d["until"], cap)
             d["scores"] = SCORERS[task](d["generation"], d["target"])
     else:
         loglikelihoods(lm, docs, args.batch_size, args.max_batch_tokens)
@@ -918,7 +922,9 @@ def compare(paths):
             raise EvalError(f"{p}: not an eval.py summary.json ({type(e).__name__}); pass files written by --out")
     for s, p in zip(sums, paths):  # values that are not numbers made a TypeError deep in the table
         for task, res in s["results"].items():
-            bad = [m for m, v in (res.items() if isinstance(res, dict) else [("", res)])
+            if not isinstance(res, dict):  # (a bare number made a TypeError in the table)
+                raise EvalError(f"{p}: results[{task!r}] is not a dict of metrics; pass files written by --out")
+            bad = [m for m, v in res.items()
                    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
             if bad:
                 raise EvalError(f"{p}: results[{task!r}][{bad[0]!r}] is not a number; pass files written by --out")

@@ -264,11 +264,16 @@ def test_hf_stop_ids_include_the_generation_configs_eos_list(tmp_path):
     assert {7, 9} <= lm.stop_ids
 
 
-def test_passkey_reported_per_length(tmp_path):
+def test_passkey_reported_per_length(tmp_path, monkeypatch):
     run_dir, tok = make_picaflor_ckpt(tmp_path, max_seq_len=1024)
     out = tmp_path / "out"
+    caps, real = [], ev.greedy_generate
+    monkeypatch.setattr(ev, "greedy_generate", lambda lm, p, until, n: caps.append(n) or real(lm, p, until, n))
+    # --max-gen-toks caps each task's own length: it replaced passkey's 10, and the longer reservation's left
+    # truncation cut the needle out of the prompt
     assert ev.main([run_dir, "--tasks", "passkey", "--passkey-lengths", "384,512", "--limit", "2", "--device", "cpu",
-                    "--out", str(out)]) == 0
+                    "--out", str(out), "--max-gen-toks", "128"]) == 0
+    assert caps == [10] * 4
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["results"]) == {"passkey@384", "passkey@512"}
     assert all(r["n"] == 2 and 0.0 <= r["acc"] <= 1.0 for r in summary["results"].values())
@@ -313,6 +318,11 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
     listed.write_text("[1, 2]")
     worded = tmp_path / "worded.json"
     worded.write_text('{"results": {"piqa": {"acc": "high"}}}')
+    bare = tmp_path / "bare.json"  # a number where the metrics dict belongs: a TypeError in the table
+    bare.write_text('{"results": {"piqa": 0.5}}')
+    numeric = tmp_path / "numeric"  # a gsm8k answer that is not text: a TypeError after the generation
+    numeric.mkdir()
+    (numeric / "gsm8k.jsonl").write_text('{"question": "1+1?", "answer": 2}\n')
     import shutil
     broken = tmp_path / "broken_hf"  # a transformers dir whose weights file was cut short
     shutil.copytree(model_dir, broken)
@@ -325,6 +335,8 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
               ([model_dir, "--tasks", "passkey", "--passkey-lengths", "48,"], "--passkey-lengths"),
               (["--compare", str(listed)], "not an eval.py summary.json"),
               (["--compare", str(worded)], "is not a number"),
+              (["--compare", str(bare)], "is not a dict of metrics"),
+              ([model_dir, "--tasks", "gsm8k", "--data-dir", str(numeric)], "does not have the dataset's schema"),
               ([model_dir, "--tasks", "gsm8k", "--max-gen-toks", "0"], "--max-gen-toks 0: at least 1"),
               ([str(broken), "--tasks", "piqa", "--data-dir", data_dir], "cannot load as a transformers model")]
     for argv, msg in cases:
