@@ -261,6 +261,9 @@ class Guardian:
             if rc in NO_RESTART:
                 return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
                                      f"restarting cannot fix this")
+            progressed = after is not None and (before is None or after > before)
+            if progressed or rc != train.EXIT_UNREACHABLE:  # the retries are per outage: a run that trains between
+                unreachable_tries = 0                        # short outages hours apart is not stopped by the fourth
             if rc == train.EXIT_UNREACHABLE:
                 unreachable_tries += 1
                 if unreachable_tries > UNREACHABLE_RETRIES:
@@ -275,7 +278,6 @@ class Guardian:
                 self.save()
                 if verdict is not None:
                     return self.stop(*verdict)
-            progressed = after is not None and (before is None or after > before)
             no_progress = [] if progressed else no_progress + [cause]
             if len(no_progress) >= self.cfg["max_stuck_starts"]:
                 if not self.on_stuck(no_progress):

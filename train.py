@@ -1079,6 +1079,10 @@ def main(argv):
             if not os.path.exists(os.path.join(out, "injected-crash")):  # once: the restart goes on
                 open(os.path.join(out, "injected-crash"), "w").close()
                 raise RuntimeError("injected crash")
+        blips = os.environ.get("PICAFLOR_INJECT_UNREACHABLE_AT_STEPS", "").split(",")  # the guardian's outage test
+        if str(st["step"]) in blips and master and not os.path.exists(os.path.join(out, f"injected-blip-{st['step']}")):
+            open(os.path.join(out, f"injected-blip-{st['step']}"), "w").close()  # once per step: the restart goes on
+            raise shards.StorageError("injected outage", kind="unreachable")
         loss_acc = torch.zeros((), device=device)
         stage_start_tokens = sum(s["tokens"] for s in st["plan"][:idx_stage])
         for micro in range(cfg["grad_accum"]):

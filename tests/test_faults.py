@@ -336,16 +336,22 @@ def test_a_restart_keeps_what_is_left_of_the_legs_steps(data_root, tmp_path):
 
 def test_an_unforeseen_crash_is_reported_and_restarted(data_root, tmp_path):
     """Anything train.py does not name (a CUDA error, an I/O error on a network mount) exits 10 with its traceback
-    kept, and the guardian restarts it (it exited 1 before, which the guardian takes for a config error)."""
+    kept, and the guardian restarts it (it exited 1 before, which the guardian takes for a config error). Four
+    short storage outages with training between them are retried each time: the 3 retries were for the whole run,
+    so the fourth outage stopped a run that was making progress."""
     out = str(tmp_path / "run")
-    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=6",
-                        "--warmup_iters=1", "--eval_interval=1000", "--ckpt_interval=2", "--supervise"], cwd=REPO,
-                       env=dict(ENV, PICAFLOR_INJECT_CRASH_AT_STEP="3"), capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=8",
+                        "--warmup_iters=1", "--eval_interval=1000", "--ckpt_interval=1", "--unreachable_backoff_s=0.01",
+                        "--supervise"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=dict(ENV, PICAFLOR_INJECT_CRASH_AT_STEP="3", PICAFLOR_INJECT_UNREACHABLE_AT_STEPS="2,4,5,6"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train.py: error: unexpected RuntimeError: injected crash" in r.stderr and "Traceback" in r.stderr
     g = json.load(open(os.path.join(out, "guardian.json")))
-    assert [s_["cause"] for s_ in g["starts"]] == ["crash", "ok"] and g["starts"][0]["exit_code"] == 10
-    rep = json.load(open(os.path.join(out, g["starts"][0]["crash_report"])))
+    causes = [s_["cause"] for s_ in g["starts"]]
+    assert causes == ["storage unreachable", "crash"] + ["storage unreachable"] * 3 + ["ok"], causes
+    crashed = next(s_ for s_ in g["starts"] if s_["cause"] == "crash")
+    assert crashed["exit_code"] == 10
+    rep = json.load(open(os.path.join(out, crashed["crash_report"])))
     assert rep["cause"] == "crash" and "injected crash" in rep["traceback"]
     assert json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["finished"]
 
