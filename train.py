@@ -813,8 +813,8 @@ def main(argv):
         stored = state["plan"]
         if state.get("config_stages") != cfg["stages"] or stored_plan_differs(state, cfg):
             if not flags["--replan"]:
-                raise TrainError(f"the config's plan differs from the plan stored in {out} (state.json); pass --replan "
-                                 f"to adopt the new plan, or use the run's original config")
+                raise TrainError(f"the config's plan differs from the plan stored in {os.path.join(ck, 'state.json')}; "
+                                 f"pass --replan to adopt the new plan, or use the run's original config")
             log(f"REPLAN: adopting the config's plan (was {stored})")
             state.setdefault("replans", []).append({"step": state["step"], "old": stored, "new": plan, "at": time.time()})
         else:
