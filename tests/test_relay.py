@@ -1000,21 +1000,18 @@ def test_ctrl_c_ends_the_leg_cleanly(tmp_path, hub):
     assert snap.state["step"] == rows[0]["steps"]
 
 
-def test_a_renewal_whose_answer_was_lost_is_ours_not_a_fence(tmp_path):
-    """A heartbeat lands, then the store answers nothing long enough that relay cannot tell: the next renewal was
-    refused (the head moved: by that heartbeat) and taken for another contributor's claim, which stopped the leg
-    and left a ghost holder. Its write_id, recorded first, says it was ours; `claim` from the same workdir finds
-    its own landed renewal or push too (it was "busy" against itself), and renews its own lease after the ttl
-    when nobody took the baton meanwhile (the leg's work was dropped for a new generation)."""
+def lost_answers_store(path):
+    """A file store whose next commit with drop_answer_of in its message lands but answers 504, and whose next 20
+    head reads then answer 503: the store went dark right after our commit (its outcome unknown to relay)."""
     import relay_store
 
-    class Flaky(relay_store.FileStore):
-        dark_heads = 0
+    class LostAnswers(relay_store.FileStore):
+        dark_heads, drop_answer_of = 0, None
 
         def commit(self, parent, adds, deletes, message):
             sha = super().commit(parent, adds, deletes, message)
-            if "heartbeat" in message and self.dark_heads == -1:
-                self.dark_heads = 20  # landed; the answer and the next head reads are lost
+            if self.drop_answer_of and self.drop_answer_of in message:
+                self.drop_answer_of, self.dark_heads = None, 20
                 raise relay.Transient("HTTP 504 (a test)")
             return sha
 
@@ -1023,18 +1020,27 @@ def test_a_renewal_whose_answer_was_lost_is_ours_not_a_fence(tmp_path):
                 self.dark_heads -= 1
                 raise relay.Transient("HTTP 503 (a test)")
             return super().head()
+    return LostAnswers(path)
+
+
+def test_a_renewal_whose_answer_was_lost_is_ours_not_a_fence(tmp_path):
+    """A heartbeat lands, then the store answers nothing long enough that relay cannot tell: the next renewal was
+    refused (the head moved: by that heartbeat) and taken for another contributor's claim, which stopped the leg
+    and left a ghost holder. Its write_id, recorded first, says it was ours; `claim` from the same workdir finds
+    its own landed renewal or push too (it was "busy" against itself), and renews its own lease after the ttl
+    when nobody took the baton meanwhile (the leg's work was dropped for a new generation)."""
     url = store_url("file", tmp_path, None)
     init_run(url, tmp_path, base_env())
-    store = Flaky(str(tmp_path / "store"))
+    store = lost_answers_store(str(tmp_path / "store"))
     work = str(tmp_path / "wa")
     lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
-    store.dark_heads = -1
+    store.drop_answer_of = "heartbeat"
     with pytest.raises(relay.Transient, match="unknown whether the commit landed"):
         relay.renew(store, lease)
     store.dark_heads = 0
     relay.renew(store, lease)  # was: Fenced ("another contributor took the baton")
     assert lease.sha == store.head()[0] and lease.generation == relay.Snapshot(store).relay["generation"]
-    store.dark_heads = -1
+    store.drop_answer_of = "heartbeat"
     with pytest.raises(relay.Transient):
         relay.renew(store, lease)
     store.dark_heads = 0
@@ -1180,25 +1186,9 @@ def test_lost_answers_shared_workdirs_malformed_files_and_a_re_pulled_leg(tmp_pa
     - a LEDGER.md without its final newline got the next row glued onto its last one;
     - a default_ttl_s that is not a number was a ValueError traceback in claim."""
     import relay_store
-
-    class Flaky(relay_store.FileStore):
-        dark_heads, drop_answer_of = 0, None
-
-        def commit(self, parent, adds, deletes, message):
-            sha = super().commit(parent, adds, deletes, message)
-            if self.drop_answer_of and self.drop_answer_of in message:
-                self.drop_answer_of, self.dark_heads = None, 20  # landed; the answer and the next head reads are lost
-                raise relay.Transient("HTTP 504 (a test)")
-            return sha
-
-        def head(self):
-            if self.dark_heads > 0:
-                self.dark_heads -= 1
-                raise relay.Transient("HTTP 503 (a test)")
-            return super().head()
     url = store_url("file", tmp_path, None)
     init_run(url, tmp_path, base_env())
-    store = Flaky(str(tmp_path / "store"))
+    store = lost_answers_store(str(tmp_path / "store"))
     work = str(tmp_path / "wa")
     monkeypatch.setattr(relay.time, "sleep", lambda s: None)  # commit_cas's backoff while the store is dark
 
