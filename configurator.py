@@ -12,6 +12,7 @@ typo never silently trains with a default. Errors are one line: `configure_or_ex
 
 import ast
 import difflib
+import operator
 import os
 import sys
 
@@ -103,9 +104,8 @@ def exec_config_file(path, g):
                 raise ConfigError(f"{path}: {e}")
 
 
-DATA_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-            ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
-            ast.Pow: lambda a, b: a ** b}
+DATA_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 MAX_INT_BITS, MAX_ITEMS = 4096, 100_000  # what a plain config needs, far below what takes long to compute
 
 
@@ -124,17 +124,11 @@ def not_data(text):
         pass
 
     def small(v):
-        if isinstance(v, bool) or v is None or isinstance(v, float):
+        if v is None or isinstance(v, (bool, float, complex)):
             return v
-        if isinstance(v, int):
-            if v.bit_length() > MAX_INT_BITS:
-                raise Refused
+        if isinstance(v, int) and v.bit_length() <= MAX_INT_BITS:
             return v
-        if isinstance(v, (str, bytes, list, tuple, set, dict)):
-            if len(v) > MAX_ITEMS:
-                raise Refused
-            return v
-        if isinstance(v, complex):
+        if isinstance(v, (str, bytes, list, tuple, set, dict)) and len(v) <= MAX_ITEMS:
             return v
         raise Refused
 

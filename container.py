@@ -234,18 +234,19 @@ class CheckpointSource:
         self.tokenizer_json = open(tok, encoding="utf-8").read() if os.path.exists(tok) else None
         self.random = False
 
-    def finite(self, t, what):
-        """One NaN made its whole int4 group NaN, and --check said ok: a diverged step is refused here."""
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise ContainerError(f"{self.dir}/model.safetensors: {what} holds NaN or Inf (the run diverged by this "
-                                 f"step); export an earlier step_* dir")
-        return t
-
     def get(self, name):
-        return self.finite(self.f.get_tensor(name), name)
+        return check_finite(self.f.get_tensor(name), f"{self.dir}/model.safetensors: {name}")
 
     def get_expert(self, name, e):
-        return self.finite(self.f.get_slice(name)[e], f"{name}[{e}]")
+        return check_finite(self.f.get_slice(name)[e], f"{self.dir}/model.safetensors: {name}[{e}]")
+
+
+def check_finite(t, what):
+    """t, unless it holds NaN or Inf (one NaN made its whole int4 group NaN and --check said ok; HF and GGUF exports
+    wrote it as it was): a diverged step is refused, for every export format."""
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise ContainerError(f"{what} holds NaN or Inf (the run diverged by this step); export an earlier step_* dir")
+    return t
 
 
 class RandomSource:

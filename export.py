@@ -135,11 +135,7 @@ class Source:
             # a fresh safe_open per read: its mmap is unmapped again right after, so the pages already read
             # do not stay in this process's memory (the header parse costs well under a millisecond)
             with safe_open(self.weights, framework="pt") as f:
-                t = f.get_tensor(name)
-            if t.is_floating_point() and not torch.isfinite(t).all():  # it went to HF and GGUF as it was
-                raise ExportError(f"{self.weights}: {name} holds NaN or Inf (the run diverged by this step); export "
-                                  f"an earlier step_* dir")
-            self._cache = (name, t)
+                self._cache = (name, container.check_finite(f.get_tensor(name), f"{self.weights}: {name}"))
         return self._cache[1]
 
     def tokenizer(self):

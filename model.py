@@ -850,9 +850,9 @@ if __name__ == "__main__":
             exec(compile(open(args.config).read(), args.config, "exec"), g)
         except Exception as e:  # (a missing file, a syntax error): one line
             sys.exit(f"model.py: error: {args.config}: {type(e).__name__}: {e}")
+    import configurator
     names = [f.name for f in fields(ModelConfig)]
-    others = sorted(k for k, v in g.items() if not k.startswith("_") and k not in names
-                    and isinstance(v, (int, float, str, bool, list, tuple, dict, type(None))))
+    others = sorted(configurator.config_keys(g) - set(names))
     typos = [f"{k} (did you mean {m[0]}?)" for k in others for m in [difflib.get_close_matches(k, names, 1, 0.8)] if m]
     if typos:  # n_layers = 4 printed the default's 24 layers
         sys.exit(f"model.py: error: {args.config}: not model fields: {', '.join(typos)}")

@@ -348,30 +348,32 @@ def adopt_own_head(store, lease, snap):
     """Our own commits whose answers were lost: a push that landed moves the lease on (adopt_landed_push), a renewal
     that landed is the head we chain from. Returns whether the head is now our lease's."""
     if snap.sha != lease.sha and not adopt_landed_push(store, lease):
-        for key in ("pending_renewal", "pending_claim"):
-            wid = getattr(lease, key, None)
-            if wid and snap.relay.get("write_id") == wid:
-                lease.sha, lease.relay = snap.sha, snap.relay
-                setattr(lease, key, None)
-                lease.save()
-                break
+        adopt_landed_write(lease, snap.sha, snap.relay)
     return snap.sha == lease.sha
+
+
+def adopt_landed_write(lease, head, landed):
+    """A renewal or claim of ours whose answer was lost, found at the head by its write_id: the lease chains from it."""
+    for key in ("pending_renewal", "pending_claim"):
+        wid = getattr(lease, key, None)
+        if wid and landed and landed.get("write_id") == wid:
+            lease.sha, lease.relay = head, landed
+            setattr(lease, key, None)
+            lease.save()
+            return
 
 
 def adopt_own_renewal(store, lease):
     """A heartbeat that landed while its answer was lost, then stopped before its retry (the leg ended): the head is
     ours, and a push or release chained from the commit before it was fenced by our own renewal."""
-    wid = getattr(lease, "pending_renewal", None)
-    if not wid:
+    if not getattr(lease, "pending_renewal", None):
         return
     try:
         head, _, _ = store.head()
         landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
     except Transient:
         return  # still unknown: the commit below fails or conflicts as it would have
-    if landed and landed.get("write_id") == wid:
-        lease.sha, lease.relay, lease.pending_renewal = head, landed, None
-        lease.save()
+    adopt_landed_write(lease, head, landed)
 
 
 def release(store, lease):
@@ -412,10 +414,10 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
             if checkpoint.is_valid(final) and json.load(open(os.path.join(final, "MANIFEST.json")))["files"] == manifest["files"]:
                 return final
             os.replace(final, final + f".replaced-{int(time.time())}")  # never delete a local checkpoint
-        newer = [s for s, p in checkpoint.list_checkpoints(dest_dir)
-                 if s > int(manifest["step"]) and checkpoint.is_valid(p, check_hashes=False)]
+        newer = keep_newer and any(s > int(manifest["step"]) and checkpoint.is_valid(p, check_hashes=False)
+                                   for s, p in checkpoint.list_checkpoints(dest_dir))
         os.replace(got, final)
-        if not (keep_newer and newer):  # (retention had removed the pulled step: the re-pull pointed LATEST back at it)
+        if not newer:  # (retention had removed the pulled step: the re-pull pointed LATEST back at it)
             write_atomic(os.path.join(dest_dir, "LATEST"), os.path.basename(final) + "\n")
         return final
     finally:

@@ -840,13 +840,13 @@ class Engine:
             raise StreamError("Engine.forward: positions are not supported; positions follow the KV cache")
         with self.lock:
             try:
-                return self._forward(ids, cache, None, last_only)
+                return self._forward(ids, cache, last_only)
             finally:
                 if self.trim_above and rss_bytes() > self.trim_above:
                     kernels.release_freed_heap()
 
     @torch.no_grad()
-    def _forward(self, ids, cache=None, positions=None, last_only=False):
+    def _forward(self, ids, cache=None, last_only=False):
         """ids (1, T) -> final hidden states (1, T, D) (fp32), or with last_only the last position's (1, 1, D); the KV
         cache advances by T. Long inputs go through in chunks of prefill_chunk tokens (on a KV cache, a fresh one when
         none is given), so activation memory does not grow with the prompt: the budget reserves one chunk's worth.

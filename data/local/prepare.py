@@ -46,8 +46,12 @@ def find_files(root, exts):
     return found
 
 
+def sha1_number(data):
+    return int(hashlib.sha1(data).hexdigest(), 16)
+
+
 def path_hash(rel):
-    return int(hashlib.sha1(os.fsencode(rel)).hexdigest(), 16)  # the name's bytes: not every file name is UTF-8
+    return sha1_number(os.fsencode(rel))  # the name's bytes: not every file name is UTF-8
 
 
 def main():
@@ -82,8 +86,7 @@ def main():
         if not text.strip():
             continue
         # by the text, not the name: identical files (the stdlib has 11 groups) once landed in both train and val
-        split = "val" if int(hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest(), 16) % 10000 < \
-            args.val_percent * 100 else "train"
+        split = "val" if sha1_number(text.encode("utf-8", "surrogatepass")) % 10000 < args.val_percent * 100 else "train"
         docs.append((rel, text, split))
         total_bytes += len(text.encode("utf-8"))
     if sum(s == "val" for _, _, s in docs) == 0 and len(docs) > 1:  # tiny folders still get a val document
