@@ -27,7 +27,8 @@ Exit codes (one line on stderr each, and a crash-<ms>.json report in out_dir): 0
 unreachable, 6 out of disk (previous checkpoint intact), 7 non-finite loss or gradient norm (the step is not applied and never
 reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread stacks in hang-*.txt), 10 an
 unforeseen error (its traceback on stderr and in the crash report; the guardian restarts on it).
-Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step; mirror_dir copies them
+Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step (a resume moves rows past
+its step to metrics.abandoned.jsonl, so each step is logged once); mirror_dir copies them
 and the newest checkpoint elsewhere (keep_last applies there too; a failed copy warns, training goes on; a mirror
 that cannot be written is refused at the start). Documents are never cut (shards pack them whole), so no token is
 dropped.
@@ -475,15 +476,29 @@ def disk_full(directory, probe_bytes=1 << 20):
             pass
 
 
-def open_metrics(path):
-    """Append mode; a line cut by a kill is terminated so every later line parses."""
-    f = open(path, "a")
-    if f.tell() > 0:
+def open_metrics(path, resumed_step):
+    """Append mode. Rows past the step this start resumes (logged after the last checkpoint by a start that crashed,
+    or by a timeline a rollback left) move to metrics.abandoned.jsonl: the steps are logged again, once each."""
+    kept, gone = [], []
+    if os.path.isfile(path):
         with open(path, "rb") as r:
-            r.seek(-1, os.SEEK_END)
-            if r.read(1) != b"\n":
-                f.write("\n")
-    return f
+            for line in r:
+                try:
+                    row_step = json.loads(line).get("step")
+                except (ValueError, AttributeError):
+                    row_step = None  # a line cut by a kill
+                (kept if isinstance(row_step, int) and row_step <= resumed_step else gone).append(line.rstrip(b"\n"))
+    if gone:
+        with open(os.path.join(os.path.dirname(path), "metrics.abandoned.jsonl"), "ab") as a:
+            a.write(b"".join(g + b"\n" for g in gone if g.strip()))
+            a.flush()
+            os.fsync(a.fileno())
+        with open(path + ".tmp", "wb") as w:
+            w.write(b"".join(k + b"\n" for k in kept))
+            w.flush()
+            os.fsync(w.fileno())
+        os.replace(path + ".tmp", path)
+    return open(path, "a")
 
 
 class Watchdog:
@@ -560,7 +575,7 @@ def mirror(out_dir, dest, checkpoints=True, keep=1):
     try:
         os.makedirs(dest, exist_ok=True)
         for name in os.listdir(out_dir):
-            if name in ("metrics.jsonl", "guardian.json", "LATEST", "BEST") or name.startswith(("crash-", "hang-")):
+            if name in ("metrics.jsonl", "metrics.abandoned.jsonl", "guardian.json", "LATEST", "BEST") or name.startswith(("crash-", "hang-")):
                 shutil.copyfile(os.path.join(out_dir, name), os.path.join(dest, name + ".tmp"))
                 os.replace(os.path.join(dest, name + ".tmp"), os.path.join(dest, name))
         if checkpoints:
@@ -816,6 +831,12 @@ def main(argv):
                 raise TrainError(f"the config's plan differs from the plan stored in {os.path.join(ck, 'state.json')}; "
                                  f"pass --replan to adopt the new plan, or use the run's original config")
             log(f"REPLAN: adopting the config's plan (was {stored})")
+            on_demand = next((s for s in stored if s["name"] == "decay-on-demand"), None)
+            if state.get("decay_started_at_tokens") is not None and on_demand is not None:
+                # a started decay is history (control.json cannot start a second one): resume a step before it to drop it
+                plan = decay_now(plan, state["decay_started_at_tokens"], on_demand["tokens"])
+                log(f"REPLAN: the on-demand decay started at {state['decay_started_at_tokens']:,} tokens stays in the "
+                    f"new plan; to train without it, resume a checkpoint from before it")
             state.setdefault("replans", []).append({"step": state["step"], "old": stored, "new": plan, "at": time.time()})
         else:
             plan = stored
@@ -937,7 +958,7 @@ def main(argv):
     gpu_name, peak = gpu_peak_flops(device_type)
     if master:
         os.makedirs(out, exist_ok=True)
-    metrics_f = open_metrics(os.path.join(out, "metrics.jsonl")) if master else None
+    metrics_f = open_metrics(os.path.join(out, "metrics.jsonl"), st["step"]) if master else None
     watchdog = Watchdog(cfg["hang_timeout"], out, master)
     stop = {"signal": None}
 

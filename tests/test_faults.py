@@ -452,6 +452,10 @@ def test_a_supervised_rollback_resumes_the_step_it_names(data_root, tmp_path):
     assert sorted(os.path.basename(p) for p in aside) == ["step_0000004", "step_0000006"]
     assert all(checkpoint.is_valid(p) for p in aside)  # kept whole, only set aside
     assert os.path.exists(os.path.join(mirror, "metrics.jsonl"))
+    logged = [json.loads(l)["step"] for l in open(os.path.join(out, "metrics.jsonl"))]  # each step once, none past 3
+    assert logged == sorted(set(logged)) and logged[-1] == 3 and 2 in logged, logged
+    assert [json.loads(l)["step"] for l in open(os.path.join(out, "metrics.abandoned.jsonl"))] == [3, 4, 5, 6]
+    assert os.path.exists(os.path.join(mirror, "metrics.abandoned.jsonl"))
     assert [s_ for s_, _ in checkpoint.list_checkpoints(mirror)] == [2, 3]  # its steps 4 and 6 set aside too
     best = os.path.join(out, "BEST")  # it named a step set aside: now the resumed state's best, or none
     assert not os.path.exists(best) or os.path.isdir(os.path.join(out, open(best).read().strip()))

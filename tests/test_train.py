@@ -202,9 +202,12 @@ def test_start_decay_on_demand(data_root, tmp_path):
                    "--decay_frac=0.0", "--decay_tokens=512", "--eval_interval=1000"]
     run(base + ["--stop_after_steps=3"])
     json.dump({"start_decay": True}, open(os.path.join(out, "control.json"), "w"))
-    run(base + ["--init_from=resume"])
-    st = json.load(open(os.path.join(out, "LATEST" and open(os.path.join(out, "LATEST")).read().strip(), "state.json")))
+    run(base + ["--init_from=resume", "--stop_after_steps=1"])
+    # a --replan (a longer plan) keeps the decay that started: control.json could not start it again
+    run([a for a in base if a != "--max_iters=100"] + ["--max_iters=200", "--init_from=resume", "--replan"])
+    st = json.load(open(os.path.join(out, open(os.path.join(out, "LATEST")).read().strip(), "state.json")))
     assert st["finished"] and st["step"] == 3 + 512 // 128 and st["plan"][-1]["lr_phase"] == "decay"
+    assert st["plan"][-1]["name"] == "decay-on-demand" and st["decay_started_at_tokens"] == 3 * 128
 
 
 def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr():
