@@ -938,22 +938,22 @@ def compare(paths):
     lines = ["| task | metric | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for task, m in rows:
         cells, ref = [], None
-        for s in sums:
+        for col, s in enumerate(sums):
             res = s["results"].get(task, {})
             v, se = res.get(m), res.get(m + "_stderr")
             if v is None:
                 cells.append("-")
                 continue
             cell = f"{fmt(v)} ± {fmt(se)}" if se is not None else fmt(v)
-            if ref is None:
+            if col == 0:  # the first column is the reference: a row it lacks is compared against nothing
                 ref = (v, se)
-            elif ref[1] is not None and se is not None:
+            elif ref is not None and ref[1] is not None and se is not None:
                 noise = 2 * math.sqrt(ref[1] ** 2 + se ** 2)
                 cell += f" ({v - ref[0]:+.4f} {'~' if abs(v - ref[0]) <= noise else '*'})"
             cells.append(cell)
         lines.append(f"| {task} | {m} | " + " | ".join(cells) + " |")
     lines.append("\n~ = difference from the first column within noise (|diff| <= 2 * sqrt(se1^2 + se2^2)); "
-                 "* = outside it")
+                 "* = outside it; a row without a first-column value is not compared")
     return "\n".join(lines)
 
 

@@ -375,6 +375,11 @@ def test_compare_marks_noise(tmp_path, capsys):
     z1, z2 = summary("Z1", 1.0, 0.0), summary("Z2", 1.0, 0.0)  # identical, stderr 0 (all right): within noise
     assert ev.main(["--compare", z1, z2]) == 0
     assert "+0.0000 ~" in capsys.readouterr().out
+    partial = tmp_path / "P.json"  # the first column lacks arc_easy: that row compares nothing (B was its reference)
+    partial.write_text(json.dumps({"model": "P", "results": {"piqa": {"acc": 0.6, "acc_stderr": 0.02, "n": 100}}}))
+    assert ev.main(["--compare", str(partial), b, c]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| arc_easy | acc |"))
+    assert row.startswith("| arc_easy | acc | - | 0.6200") and "~" not in row and "*" not in row, row
 
 
 def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch):
