@@ -40,7 +40,8 @@ Implementer's calls (DESIGN.md asks to record them here):
 - Chat template (simple, documented; the chat issue may refine it):
   `<|bos|>[<|system|>TEXT<|end|>]<|user|>TEXT<|end|><|assistant|>TEXT<|end|>...`, generation prompt
   `<|assistant|>`. AutoTokenizer(text) prepends <|bos|> like training documents; apply_chat_template adds it
-  through the template. eos = <|end|> (end of a turn); generation also stops at <|bos|> (a new document).
+  through the template. eos = <|end|> (end of a turn); generation also stops at <|bos|> (a new document) and at
+  the turn openers (GGUF: as eom and the FIM pad/rep/sep ids, llama.cpp's other end-of-generation keys).
 - GGUF: names and keys from llama.cpp's hy_v3 loader (src/models/hy-v3.cpp, llama-arch.cpp). No Q/K
   permutation: hy_v3 uses NEOX RoPE, which is HF's rotate_half layout (the llama.cpp converter does not
   permute either). The selection bias is `blk.N.exp_probs_b` (the loader's name, no ".bias" suffix).
@@ -623,9 +624,13 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
         w.add_bos_token_id(tok.bos_id)
         w.add_eos_token_id(tok.special_ids["<|end|>"])
         w.add_eot_token_id(tok.special_ids["<|end|>"])
-        # a new document ends generation too, as in the HF export's generation_config and eval.py: llama.cpp stops at
-        # its end-of-generation set (eos, eot, eom), and bos is in it only as eom
+        # every special ends generation, as in the HF export's generation_config and chat.py. llama.cpp's
+        # end-of-generation set is eos, eot, eom and the three FIM ids pad/rep/sep (llama-vocab.cpp), so bos rides
+        # as eom and the turn openers as FIM ids: without fim_pre/suf/mid no infill uses them
         w.add_eom_token_id(tok.bos_id)
+        for key, name in ((gguf.Keys.Tokenizer.FIM_PAD_ID, "<|user|>"), (gguf.Keys.Tokenizer.FIM_REP_ID, "<|assistant|>"),
+                          (gguf.Keys.Tokenizer.FIM_SEP_ID, "<|system|>")):
+            w.add_uint32(key, tok.special_ids[name])
         w.add_pad_token_id(0)
         w.add_add_bos_token(True)
         w.add_add_eos_token(False)

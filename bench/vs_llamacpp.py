@@ -130,6 +130,7 @@ def parity(ckpt, threads):
     import numpy as np
     import torch
     import checkpoint
+    import export
     import llama_cpp as L
     import model as M
     try:
@@ -160,12 +161,18 @@ def parity(ckpt, threads):
                 raise BenchError("llama_decode failed")
             got.append(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(nv,)).copy())
         got = np.stack(got)[:, :ref.shape[-1]]
+        vocab = L.llama_model_get_vocab(model)  # the GGUF's end-of-generation set must hold every special token
+        tok = export.Source(ck).tokenizer()
+        not_eog = [n for n, i in tok.special_ids.items() if not L.llama_vocab_is_eog(vocab, i)] if tok else None
         L.llama_free(ctx)
         L.llama_model_free(model)
     res = {"checkpoint": ck, "positions": T, "max_abs_diff": float(np.abs(got - ref).max()),
-           "max_abs_logit": float(np.abs(ref).max()), "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean())}
+           "max_abs_logit": float(np.abs(ref).max()), "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean()),
+           "specials_not_ending_generation": not_eog}
     print(f"parity {ck}: llama.cpp vs picaflor logits over {T} positions: max |diff| {res['max_abs_diff']:.2e} "
-          f"(max |logit| {res['max_abs_logit']:.2f}), top-1 agreement {res['top1_agreement']:.3f}")
+          f"(max |logit| {res['max_abs_logit']:.2f}), top-1 agreement {res['top1_agreement']:.3f}; "
+          + ("no tokenizer" if not_eog is None else
+             f"special tokens llama.cpp does not stop at: {', '.join(not_eog) or 'none'}"))
     return res
 
 

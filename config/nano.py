@@ -25,7 +25,7 @@ top_k = 2
 route_scale = 1.0
 bias_update_rate = 1e-3
 rope_theta = 10000.0
-max_seq_len = 4096
+max_seq_len = 2048      # the trained length: chat, eval and exports default to it (raise it with a longer stage)
 tie_embeddings = False
 
 batch_size = 16

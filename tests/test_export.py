@@ -218,7 +218,12 @@ def test_gguf_has_loader_names_keys_and_dequantizes(ckpt, gtype, tol):
             "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.bos_token_id": ckpt["tok"].bos_id,
             "tokenizer.ggml.eos_token_id": ckpt["tok"].special_ids["<|end|>"],
             "tokenizer.ggml.eot_token_id": ckpt["tok"].special_ids["<|end|>"],
-            "tokenizer.ggml.eom_token_id": ckpt["tok"].bos_id}  # llama.cpp's end-of-generation set: end and bos
+            "tokenizer.ggml.eom_token_id": ckpt["tok"].bos_id,  # llama.cpp's end-of-generation set: every special
+            "tokenizer.ggml.fim_pad_token_id": ckpt["tok"].special_ids["<|user|>"],
+            "tokenizer.ggml.fim_rep_token_id": ckpt["tok"].special_ids["<|assistant|>"],
+            "tokenizer.ggml.fim_sep_token_id": ckpt["tok"].special_ids["<|system|>"]}
+    assert not any(k in kv for k in ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id",
+                                     "tokenizer.ggml.fim_mid_token_id"))  # so no infill uses those three
     for k, v in need.items():
         assert kv.get(k) == v, (k, kv.get(k), v)
     assert kv[A + "expert_weights_scale"] == pytest.approx(c.route_scale)
