@@ -315,7 +315,7 @@ def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, cont
         eng = stream_infer.load(path, ram_budget, device, context=context)
     except (stream_infer.StreamError, container.ContainerError) as e:
         raise ChatError(str(e)) from None
-    tok = stream_infer.load_tokenizer(eng.container)
+    tok = eng.tokenizer
     if tok is None:
         raise ChatError(f"{path}: the container carries no tokenizer; re-export it from a checkpoint with tokenizer.json")
     try:

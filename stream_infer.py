@@ -503,6 +503,8 @@ class Engine:
         self.max_seq_len = self.context
         self.kernel = pick_kernel(kernel, self.device)
         self.budget = parse_size(ram_budget) if ram_budget is not None else None
+        # the container's tokenizer (None without one) inside the baseline: a 32K vocab's tables are several MB
+        self.tokenizer = load_tokenizer(c, self.path)
         # budget accounting, before anything big is loaded (on a GPU after its context exists: ~hundreds of MB of RSS)
         if self.device.startswith("cuda"):
             torch.zeros(1, device=self.device)
@@ -1003,7 +1005,8 @@ def load(path, ram_budget=None, device="cpu", **kw):
 # ----------------------------------------------------------------------------------------------------------
 # CLI
 
-def load_tokenizer(cont):
+def load_tokenizer(cont, path):
+    """The container's tokenizer, None when it carries none."""
     if not cont.tokenizer_json:
         return None
     import tempfile
@@ -1012,8 +1015,9 @@ def load_tokenizer(cont):
         f.write(cont.tokenizer_json)
     try:
         return tokenizer.Tokenizer.load(f.name)
-    except ValueError:
-        return None
+    except ValueError as e:  # (it was taken for no tokenizer: prompt bytes became token ids)
+        raise StreamError(f"{path}: the tokenizer it carries does not load ({e}); re-export it from a checkpoint "
+                          f"whose tokenizer.json loads") from None
     finally:
         os.remove(f.name)
 
@@ -1137,7 +1141,7 @@ def main(argv=None):
                    prefetch=args.prefetch, context=args.context, cache_policy=args.cache_policy,
                    preload=False if args.no_preload else "auto")
         torch.set_num_threads(compute_threads(eng, args.threads))
-        tok = load_tokenizer(eng.container)
+        tok = eng.tokenizer
         if tok is not None:
             ids = [tok.bos_id] + tok.encode(args.prompt)
             eos = tok.bos_id

@@ -1937,6 +1937,33 @@ def test_cli_prints_generated_text_without_specials(tmp_path, monkeypatch, capsy
     assert out.startswith("hello world") and "<|bos|>" not in out and "\ufffd" in out, out
 
 
+def test_tokenizer_loads_inside_the_budget_and_a_broken_one_is_named(tmp_path, monkeypatch, capsys):
+    """The CLI loaded the tokenizer after the budget had measured the process (a 32K vocab's tables came out of the
+    working slack), and a tokenizer that did not load was taken for none: prompt bytes became token ids."""
+    import tokenizer as T
+    tok = T.train_tokenizer(["the hummingbird flies over the flowers, hello world"] * 40, 300)
+    tok.save(str(tmp_path / "tok.json"))
+    ck = save_checkpoint(Picaflor(ModelConfig(**dict(CFG, vocab_size=tok.vocab_size))), str(tmp_path / "run"), 1,
+                         tokenizer_file=str(tmp_path / "tok.json"))
+    path = str(tmp_path / "t.pcf4")
+    C.write_container(ck, path, group_size=32, progress=False)
+    events, real_rss, real_tok = [], S.rss_bytes, S.load_tokenizer
+    monkeypatch.setattr(S, "rss_bytes", lambda: events.append("rss") or real_rss())
+    monkeypatch.setattr(S, "load_tokenizer", lambda *a: events.append("tokenizer") or real_tok(*a))
+    eng = S.load(path, ram_budget="2G")
+    assert events[0] == "tokenizer" and eng.tokenizer.encode("hello") == tok.encode("hello")
+    real_load = C.load_container
+
+    def broken(p):
+        c = real_load(p)
+        c.tokenizer_json = '{"format": "picaflor-tiktoken"'
+        return c
+    monkeypatch.setattr(C, "load_container", broken)
+    assert S.main([path, "--prompt", "hello", "--max-new-tokens", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and path in err[0] and "tokenizer" in err[0] and "re-export" in err[0], err
+
+
 def test_interleaved_requests_leave_the_engines_own_experts_per_token(tiny):
     """Each request captured the MoE layers' top_k before it and put that back after: one that started while another
     held k = 1 restored 1 for good, and a later forward() (chat.py's backend calls it directly) routed with it."""
