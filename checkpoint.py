@@ -14,6 +14,7 @@ untouched and, at worst, a `.tmp-*` dir that the next save removes (or a step mo
 """
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ import threading
 import time
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for lack of space (or a size limit)
 
 
 class CheckpointError(Exception):

@@ -132,7 +132,7 @@ class Guardian:
                     self.say(f"storage unreachable while re-fetching {path}; retrying in {wait:g} s")
                     time.sleep(wait)
                     continue
-                code = train.EXIT_DENIED if e.kind == "denied" else train.EXIT_UNREACHABLE
+                code = {"denied": train.EXIT_DENIED, "disk": train.EXIT_DISK}.get(e.kind, train.EXIT_UNREACHABLE)
                 tries = f" ({attempt + 1} tries)" if e.kind == "unreachable" else ""
                 return code, f"{train.CAUSES[code]} while re-fetching {path}{tries}: {e}"
             except shards.DataError as e:

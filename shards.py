@@ -44,7 +44,7 @@ import sys
 
 import numpy as np
 
-from checkpoint import sha256_file, write_atomic as _atomic_write  # one copy of the file-integrity helpers
+from checkpoint import DISK_ERRNOS, sha256_file, write_atomic as _atomic_write  # one copy of the file helpers
 
 SHARD_DTYPE = np.dtype("<u2")  # uint16, little endian: vocab_size <= 65535
 INDEX_VERSION = 1
@@ -60,7 +60,8 @@ class DataError(Exception):
 
 
 class StorageError(Exception):
-    """A remote store refused or could not be reached (not a data fault). kind: 'denied' | 'not_found' | 'unreachable'."""
+    """A remote store refused or could not be reached, or the local disk could not hold what it sent (not a data
+    fault). kind: 'denied' | 'not_found' | 'unreachable' | 'disk'."""
 
     def __init__(self, message, url=None, status=None, kind=None):
         super().__init__(message)
@@ -72,9 +73,12 @@ def _fix_hint(corpus_dir, file=None):
     (without them it would fail, or make another corpus from the defaults), else its own prepare.py."""
     import shlex
     corpus_dir = str(corpus_dir)
+    chat = False  # a chat corpus's packed rows cannot be re-made one shard at a time: refetch_shard refuses
     try:
         with open(os.path.join(corpus_dir, "index.json")) as f:
-            src = json.load(f)["source"]
+            index = json.load(f)
+        chat = any("mask" in e for es in index["splits"].values() for e in es)
+        src = index["source"]
         argv = [str(a) for a in src.get("argv") or []]
         # the corpus being read, not the --out it was made at (a copy elsewhere: the hint re-made the healthy one)
         argv = [corpus_dir if i and argv[i - 1] == "--out" else "--out=" + corpus_dir if a.startswith("--out=") else a
@@ -85,7 +89,7 @@ def _fix_hint(corpus_dir, file=None):
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         here = os.path.join(corpus_dir, "prepare.py")
         prep = (f"python {here}" if os.path.isfile(here) else f"python data/<corpus>/prepare.py --out {corpus_dir}")
-    if file is None:
+    if file is None or chat:
         return f"run {prep}"
     return f"re-run {prep} or re-fetch the shard (python shards.py refetch {corpus_dir} {file})"
 
@@ -335,7 +339,8 @@ def _http_status(exc):
 @contextlib.contextmanager
 def hub_errors(what):
     """Turn huggingface_hub failures into StorageError: 401/403 = denied (credentials or billing, not the data),
-    404 = not found, anything else on the wire = unreachable. Other errors pass through."""
+    404, a repo the Hub does not show or a malformed name = not found, a full local disk (the HF cache) = disk,
+    anything else on the wire = unreachable. Other errors pass through."""
     try:
         yield
     except Exception as e:
@@ -343,12 +348,26 @@ def hub_errors(what):
             raise
         status = _http_status(e)
         mod = type(e).__module__
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:  # (a full cache was retried as a Hub outage)
+            raise StorageError(f"{what}: out of disk while downloading ({e.strerror}); free space where the HF cache "
+                               f"lives (HF_HOME / HF_HUB_CACHE) and retry", what, None, "disk") from None
+        if type(e).__name__ == "GatedRepoError":  # (a RepositoryNotFoundError too)
+            raise StorageError(f"{what}: the Hub says this repo is gated: accept its terms on hf.co with the account "
+                               f"of your HF_TOKEN", what, status, "denied") from None
+        if type(e).__name__ in ("RepositoryNotFoundError", "RevisionNotFoundError", "HFValidationError"):
+            # hf.co answers 401 for a repo that does not exist; a malformed id never reaches the wire
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise StorageError(f"{what}: no such repo or revision on the Hub, or private to another account "
+                               f"({first[:160]}); check --repo / --revision and HF_TOKEN", what, status,
+                               "not_found") from None
         if status in (401, 403):
             raise StorageError(f"{what}: HTTP {status} from the Hub: storage denied (check the token/credentials or "
                                f"billing; the data is not at fault)", what, status, "denied") from None
         if status == 404:
             raise StorageError(f"{what}: HTTP 404 from the Hub: not found (check --repo / the file name / the "
                                f"revision)", what, status, "not_found") from None
+        if isinstance(e, OSError) and e.filename is not None:  # a local file (the cache folder), not the wire
+            raise
         if status is not None or isinstance(e, OSError) or mod.startswith(("huggingface_hub", "httpx", "requests")):
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise StorageError(f"{what}: Hub unreachable ({first[:160]}); check the network / HF_ENDPOINT and retry",
@@ -545,7 +564,11 @@ def refetch_shard(corpus_dir, file):
     if got != entry["sha256"]:
         raise DataError(f"{path}: re-made from its source it hashes {got[:12]}, not {entry['sha256'][:12]} (the source "
                         f"changed); {_fix_hint(corpus_dir)}", path, None, "source")
-    _atomic_write(path, data)
+    try:
+        _atomic_write(path, data)
+    except OSError as e:  # (a traceback that ended the guardian); the old shard stays as it was
+        raise StorageError(f"{path}: cannot write the re-made shard ({e.strerror}); free space in {corpus_dir} "
+                           f"and run again", path, None, "disk") from None
     _open_shard(corpus_dir, entry, index["vocab_size"])  # re-verify what is on disk now
     return path
 

@@ -136,6 +136,8 @@ class Tokenizer:
         for name, sid in self.special_ids.items():
             if sid == i:
                 return name.encode()
+        if not 0 < i <= len(self.token_bytes):  # (id 0 read token_bytes[-1], the last merge)
+            raise ValueError(f"token id {i}: not an ordinary or special id of this tokenizer (1..{self.vocab_size - 1})")
         return self.token_bytes[i - 1]
 
 

@@ -37,7 +37,6 @@ dropped.
 import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep instead of spinning (2x wall on shared CPUs)
 import base64
-import errno
 import json
 import math
 import shutil
@@ -46,6 +45,8 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
+
+from checkpoint import DISK_ERRNOS  # a write refused for lack of space
 
 # -----------------------------------------------------------------------------------------------------------
 # config (globals; config files and --key=value override them)
@@ -455,7 +456,6 @@ def retain(out_dir, keep):
 _RUN_INFO = {}  # what a crash report needs: out_dir, state, streams
 
 
-DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def disk_full(directory, probe_bytes=1 << 20):
@@ -1273,7 +1273,7 @@ if __name__ == "__main__":
         write_crash_report("corrupt data", EXIT_DATA, str(e), path=e.path, offset=e.offset, kind=e.kind)
         die(f"corrupt data: {e}", EXIT_DATA)
     except shards.StorageError as e:
-        code = EXIT_DENIED if e.kind == "denied" else EXIT_UNREACHABLE
+        code = {"denied": EXIT_DENIED, "disk": EXIT_DISK}.get(e.kind, EXIT_UNREACHABLE)
         write_crash_report(CAUSES[code], code, str(e), url=e.url, status=e.status)
         die(f"{CAUSES[code]}: {e}", code)
     except OSError as e:

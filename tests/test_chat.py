@@ -63,6 +63,9 @@ def corpus(tok, tmp_path_factory):
     for n in range(4):  # 4 exchanges of ~10 tokens: longer than a row of 32, split into pieces
         long_conv += [{"role": "user", "content": f"ping {n}"}, {"role": "assistant", "content": f"pong {n}"}]
     lines.insert(100, json.dumps(long_conv))
+    wordy = [{"role": "system", "content": "you are a helpful assistant that says pong " * 3}]  # no room beside a turn
+    lines.insert(150, json.dumps(wordy + [{"role": "user", "content": f"ping {n}"} if i % 2 == 0 else
+                                          {"role": "assistant", "content": f"pong {n}"} for n in (1, 2) for i in (0, 1)]))
     lines.insert(200, json.dumps([{"role": "user", "content": "hello " * 40}, {"role": "assistant", "content": "x"}]))
     lines.insert(300, "{this is not json")
     lines.insert(301, json.dumps([{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "pong 1"}]))
@@ -70,7 +73,7 @@ def corpus(tok, tmp_path_factory):
     lines.insert(303, json.dumps([{"role": "user", "content": "ping 1"}]))
     lines.insert(304, json.dumps({"messages": [{"role": "user", "content": 5}]}))
     src = d / "chats.jsonl"
-    src.write_text("\n".join(lines) + "\n")
+    src.write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")  # a BOM (Windows): cost the first row
     out = d / "pp"
     r = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", tok.path, "--jsonl", str(src),
                         "--max-len", str(ROW), "--val-conversations", "40", "--shard-tokens", "4000", "--out", str(out)],
@@ -179,6 +182,14 @@ def test_corpus_masks_and_token_stream(tok, corpus):
     shutil.copytree(out, bad)
     (bad / e["mask"]).write_bytes(bytes(raw))
     assert any("corrupt loss mask" in p for p in shards.verify_corpus(bad))
+    raw = bytearray((bad / e["file"]).read_bytes())  # its hint re-runs prepare.py (a chat shard cannot be re-fetched)
+    raw[3] ^= 1
+    (bad / e["file"]).write_bytes(bytes(raw))
+    hint = next(p for p in shards.verify_corpus(bad) if e["file"] in p and "mask" not in p.split(":")[0])
+    assert "data/smoltalk/prepare.py" in hint and "refetch" not in hint, hint
+    # each shard names where its rows came from; pieces and conversations are counted apart
+    srcs = [x["source"] for x in index["splits"]["train"]]
+    assert all(x["files"] == [str(out.parent / "chats.jsonl")] and x["conversations"] <= x["pieces"] for x in srcs)
 
 
 def test_bad_rows_counted_and_long_conversations_split(corpus):
@@ -187,7 +198,10 @@ def test_bad_rows_counted_and_long_conversations_split(corpus):
     assert rep["bad_malformed_json"] == 1 and rep["bad_unknown_role"] == 1 and rep["bad_empty_assistant"] == 1
     assert rep["bad_no_assistant"] == 1 and rep["bad_malformed"] == 1
     assert "bad rows skipped: 5" in r.stdout and "Traceback" not in r.stderr
-    assert rep["conversations_split"] == 2 and rep["split_pieces"] == 2  # 4 exchanges -> 2 pieces; the other: none
+    # 4 exchanges -> 2 pieces; the too-long user turn: none; the wordy system prompt's 2 exchanges: 1 piece without it
+    assert rep["conversations_split"] == 3 and rep["split_pieces"] == 3
+    assert rep["bad_malformed_json"] == 1 and rep["rows_read"] == 608  # the BOM line was read too
+    assert rep["pieces_without_system_prompt"] == 1 and "without their system prompt" in r.stdout
     assert rep["exchanges_dropped_too_long"] == 1 and rep["tokens_dropped_too_long"] > ROW
     assert "split at exchange boundaries" in r.stdout and "dropped" in r.stdout
     # nothing usable: a one-line error, no traceback

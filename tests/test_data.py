@@ -68,6 +68,10 @@ def test_tokenizer_specials_not_produced_from_text(tok):
     assert tok.decode([tok.bos_id]) == "<|bos|>"
     with pytest.raises(ValueError):
         tok.decode([0])
+    assert tok.id_to_bytes(tok.bos_id) == b"<|bos|>" and tok.id_to_bytes(1) == tok.token_bytes[0]
+    for bad in (0, tok.vocab_size, -1):  # id 0 gave the last merge's bytes
+        with pytest.raises(ValueError):
+            tok.id_to_bytes(bad)
 
 
 def test_tokenizer_save_load_hash(tok, tmp_path):
@@ -394,6 +398,9 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
     import shutil
     shutil.copytree(out, tmp_path / "moved")  # a copy (another machine, another data_root): its hint names the copy
     assert f"--out {tmp_path / 'moved'} --vocab-size 300" in shards._fix_hint(tmp_path / "moved", victim)
+    r = _run(["data/local/prepare.py", "--src", str(src), "--out", str(tmp_path / "capped"), "--vocab-size", "300",
+              "--max-files", "5"])
+    assert "5 documents" in r.stdout and "more files left out by --max-files" in r.stdout, r.stdout  # said, not silent
     r = _run(["data/local/prepare.py", "--src", str(src), "--out", str(out), "--threads", "0"], check=False)
     assert r.returncode != 0 and "--threads 0" in r.stderr and shards.verify_corpus(out) == []  # nothing removed
     # --tokenizer reuses it: same hash, same shards
@@ -516,3 +523,36 @@ def test_fineweb_prepare_from_fake_hub(tok, tmp_path):
                 used += len(t)
                 yield t
         assert tokmod.train_tokenizer(after_val(), 300).hash == tok3.hash
+
+
+def test_hub_errors_name_the_cause():
+    """A full HF cache was a Hub outage (retried, then exit 5 instead of 6); a malformed repo id was 'unreachable'; a
+    repo hf.co does not show (it answers 401) was 'denied, check billing'; a local file error was 'the network'."""
+    import errno
+    import httpx2 as httpx  # (the HTTP client huggingface_hub 2.x uses)
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    def kind_of(exc):
+        try:
+            with shards.hub_errors("o/d/f.parquet"):
+                raise exc
+        except shards.StorageError as e:
+            assert "o/d/f.parquet" in str(e) and "\n" not in str(e)
+            return e.kind, str(e)
+    resp = lambda code: httpx.Response(code, request=httpx.Request("GET", "https://hf.co/x"))  # noqa: E731
+    assert kind_of(OSError(errno.EFBIG, "File too large"))[0] == "disk"
+    assert "HF_HOME" in kind_of(OSError(errno.ENOSPC, "No space left on device"))[1]
+    try:
+        validate_repo_id("HuggingFaceFW/fineweb-edu ")
+    except Exception as e:
+        bad_id = e
+    assert kind_of(bad_id)[0] == "not_found"
+    kind, msg = kind_of(RepositoryNotFoundError("401 Client Error: Repository Not Found", response=resp(401)))
+    assert kind == "not_found" and "--repo" in msg
+    assert kind_of(GatedRepoError("403 gated", response=resp(403)))[0] == "denied"
+    assert kind_of(httpx.ConnectError("connection refused"))[0] == "unreachable"
+    assert kind_of(ConnectionResetError(errno.ECONNRESET, "reset"))[0] == "unreachable"
+    with pytest.raises(PermissionError):  # a local file, not the wire: as it is
+        with shards.hub_errors("o/d"):
+            raise PermissionError(errno.EACCES, "Permission denied", "/root/.cache/huggingface")

@@ -17,6 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 import checkpoint  # noqa: E402
+import shards  # noqa: E402
+import train as train_py  # noqa: E402
 from model import load_checkpoint  # noqa: E402
 from test_train import TINY, metrics  # noqa: E402
 
@@ -485,7 +487,6 @@ def test_sigterm_between_starts_starts_no_trainer(tmp_path):
     the next start ran a whole new trainer (under relay: training on after the lease was gone)."""
     import threading
     import guardian
-    import train as train_py
     g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--unreachable_backoff_s=1"])
     children = []
 
@@ -639,3 +640,25 @@ def test_guardian_quarantines_a_mask_by_its_shard_and_counts_no_old_quarantine_a
     zero_page(shard)  # corrupt on disk, no source to re-fetch from: quarantined by the first on_stuck
     assert g.on_stuck(["corrupt data"] * 3) is True and "local/train_000001.bin" in [q["shard"] for q in g.log["quarantined"]]
     assert g.on_stuck(["corrupt data"] * 3) is False  # the same shard again: nothing was fixed
+
+
+def test_a_full_disk_while_refetching_stops_as_out_of_disk_not_a_traceback(tmp_path, monkeypatch):
+    """refetch_shard's write met a full disk: an OSError traceback out of `shards.py refetch`, and out of the guardian
+    (it caught StorageError and DataError only), which ended the supervisor; now a StorageError of kind disk, exit 6."""
+    import errno
+    import guardian
+    root = make_corpus(tmp_path / "data")
+    shard = os.path.join(root, "local", "train_000000.bin")
+    zero_page(shard)
+    damaged = open(shard, "rb").read()
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shards, "_atomic_write", full)
+    with pytest.raises(shards.StorageError) as e:
+        shards.refetch_shard(os.path.dirname(shard), "train_000000.bin")
+    assert e.value.kind == "disk" and shard in str(e.value) and "free space" in str(e.value)
+    assert open(shard, "rb").read() == damaged  # left as it was
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}"])
+    code, msg = g.repair_shard(shard, 0, repeated=False)
+    assert code == train_py.EXIT_DISK and "out of disk" in msg and shard in msg, msg

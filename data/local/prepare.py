@@ -78,9 +78,10 @@ def main():
         sys.exit(f"error: {args.src}: no such folder; pass --src DIR with .txt/.md/.py files")
     exts = tuple(e if e.startswith(".") else "." + e for e in args.exts.split(",") if e)
     rels = sorted(find_files(args.src, exts), key=lambda r: (path_hash(r), r))
-    docs, total_bytes = [], 0  # (rel, text, split)
-    for rel in tqdm(rels, desc="reading", unit="file", disable=None):
+    docs, total_bytes, capped = [], 0, None  # (rel, text, split)
+    for k, rel in enumerate(tqdm(rels, desc="reading", unit="file", disable=None)):
         if args.max_files and len(docs) >= args.max_files or args.max_bytes and total_bytes >= args.max_bytes:
+            capped = (len(rels) - k, "--max-files" if args.max_files and len(docs) >= args.max_files else "--max-bytes")
             break
         text = shards.read_document(os.path.join(args.src, rel))
         if not text.strip():
@@ -95,7 +96,8 @@ def main():
     if n_train == 0:
         sys.exit(f"error: {args.src}: found no non-empty {'/'.join(exts)} files for training; pass --src DIR")
     print(f"{len(docs):,} documents ({n_train:,} train, {len(docs) - n_train:,} val), {total_bytes / 1e6:.1f} MB "
-          f"from {args.src}")
+          f"from {args.src}" + (f"; {capped[0]:,} more files left out by {capped[1]} (raise it to include them)"
+                                if capped else ""))
 
     try:
         with shards.staging(args.out) as stage:  # a run that fails leaves the corpus in --out as it was

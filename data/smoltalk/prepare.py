@@ -71,7 +71,7 @@ def load_tokenizer_arg(path):
 # sources: (reference, messages) or (reference, ChatFormatError) per conversation
 
 def jsonl_conversations(path):
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a BOM (Windows) cost the first row
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -129,6 +129,7 @@ def pieces_of(tok, messages, bodies, max_len, stats):
             cur, cur_len = system + ex, 1 + sys_len + ex_len
         elif 1 + ex_len <= max_len:
             cur, cur_len = list(ex), 1 + ex_len
+            stats["pieces_without_system_prompt"] += bool(system)  # its instructions did not fit beside it
         else:  # one exchange longer than a row: dropped, never cut
             stats["exchanges_dropped_too_long"] += 1
             stats["tokens_dropped_too_long"] += ex_len
@@ -185,7 +186,10 @@ class RowPacker:
 def build(tok, split_sources, max_len, out_dir, shard_tokens, stats):
     """split_sources: {split: iterator of (ref, messages)} -> {split: shard entries}."""
     shard_tokens = max(max_len, shard_tokens // max_len * max_len)  # shards hold whole rows
-    make_source = lambda refs: {"kind": "chat", "conversations": sum(len(r) for r in refs)}  # noqa: E731
+    def make_source(refs):  # refs: per row, the (file, line or row) of each piece packed into it
+        pieces = [ref for row in refs for ref in row]
+        return {"kind": "chat", "pieces": len(pieces), "conversations": len(set(pieces)),
+                "files": sorted({str(ref[0]) for ref in pieces})}
     out = {}
     for split, source in split_sources.items():
         packer = RowPacker(shards.ShardWriter(out_dir, split, shard_tokens, make_source, with_mask=True), max_len,
@@ -261,7 +265,7 @@ def run(args):
     if args.jsonl:
         if not os.path.isfile(args.jsonl):
             raise ValueError(f"{args.jsonl}: no such file; --jsonl takes one JSON list of {{role, content}} per line")
-        n_lines = sum(1 for line in open(args.jsonl, encoding="utf-8", errors="replace") if line.strip())
+        n_lines = sum(1 for line in open(args.jsonl, encoding="utf-8-sig", errors="replace") if line.strip())
         n_val = min(args.val_conversations, max(1, n_lines // 10))
         it = jsonl_conversations(args.jsonl)
         val = [c for _, c in zip(range(n_val), it)]
@@ -312,7 +316,8 @@ def report_build(args, stats, splits, t0):
     print(f"read {stats['rows_read']:,} conversations; bad rows skipped: {sum(bad.values())} {bad or ''}")
     print(f"split at exchange boundaries (longer than --max-len {args.max_len}): {stats['conversations_split']} "
           f"conversations -> {stats['split_pieces']} pieces; exchanges dropped (alone longer than a row): "
-          f"{stats['exchanges_dropped_too_long']} ({stats['tokens_dropped_too_long']:,} tokens)")
+          f"{stats['exchanges_dropped_too_long']} ({stats['tokens_dropped_too_long']:,} tokens); pieces without "
+          f"their system prompt (it did not fit beside them): {stats['pieces_without_system_prompt']}")
     for s in ("train", "val"):
         total = stats[f"{s}_rows"] * args.max_len
         print(f"{s}: {stats[f'{s}_conversations']:,} conversations, {stats[f'{s}_rows']:,} rows of {args.max_len} "
