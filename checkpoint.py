@@ -218,7 +218,36 @@ def save(out_dir, step, writers, extra_manifest=None):
             os.replace(tmp, final)
         fsync_dir(out_dir)
         write_atomic_text(os.path.join(out_dir, "LATEST"), step_dir_name(step) + "\n")
-    except BaseException:
+    except BaseException as e:
+        # torch.save reports a full disk as a RuntimeError, safetensors as a SafetensorError: probe while the temp
+        # files still take their space (probed after removing them, the disk had room again: a "crash", exit 10)
+        full = None
+        if isinstance(e, Exception) and not (isinstance(e, OSError) and e.errno in DISK_ERRNOS):
+            text = str(e)
+            full = ("No space left on device" if any(m in text for m in ("No space left", "os error 28",
+                                                                         "file write failed", "Disk quota"))
+                    else disk_full(out_dir))
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise OSError(errno.ENOSPC, f"{full} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+                          out_dir) from e
         raise
     return final
+
+
+def disk_full(directory, probe_bytes=1 << 20):
+    """Why a write in directory fails for lack of space (a probe write), or None if it has room."""
+    path = os.path.join(directory, f".disk-probe-{os.getpid()}")
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\0" * probe_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+        return None
+    except OSError as e:
+        return e.strerror if e.errno in DISK_ERRNOS else None
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass

@@ -209,23 +209,31 @@ class Guardian:
     def run(self):
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
-        no_progress, unreachable_tries, last_data_fault = [], 0, None
+        no_progress, unreachable_tries, last_data_fault, fruitless = [], 0, None, 0
         while True:
             if self.stopping:  # a SIGTERM while no trainer ran (a backoff, a repair): start none
                 self.log["status"] = f"stopped ({self.stopping})"
                 self.save()
                 self.say(f"stopped by {self.stopping} between starts")
                 return 0
-            if self.n_started >= self.cfg["max_restarts"] + 1:  # this invocation's: guardian.json keeps every one
-                return self.stop(train.EXIT_ERROR, f"gave up after {self.cfg['max_restarts']} restarts")
+            # restarts after starts that made no new checkpoint, in this invocation (guardian.json keeps every one):
+            # a week-long run with a fault a day is not ended by its 21st
+            if fruitless > self.cfg["max_restarts"]:
+                return self.stop(train.EXIT_ERROR, f"gave up after {self.cfg['max_restarts']} restarts that made no "
+                                                   f"new checkpoint")
             before = latest_step(self.out)
             t0 = time.time()
             left = None
             if self.n_started == 0:
                 self.first_step, self.t_first = before, t0
                 if self.rollback() or (before is None and self.cfg["init_from"] == "resume" and self.cfg["resume_from"]):
-                    # the leg starts where its first start resumes
-                    self.first_step = train.read_json(os.path.join(self.cfg["resume_from"], "state.json"), {}).get("step")
+                    # the leg starts where its first start resumes (a run dir: its newest; a run dir's own state.json
+                    # does not exist, so step 0 made the whole run count as the leg's steps)
+                    try:
+                        ck = checkpoint.resolve(self.cfg["resume_from"])
+                        self.first_step = train.read_json(os.path.join(ck, "state.json"), {}).get("step")
+                    except (checkpoint.CheckpointError, train.TrainError, AttributeError):
+                        self.first_step = None  # train.py names what is wrong with it, in one line, and stops
             else:
                 left = self.leg_left()
                 if any(v <= 0 for v in left.values()):  # the leg's steps or hours are used up: nothing to restart
@@ -262,6 +270,7 @@ class Guardian:
                 return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
                                      f"restarting cannot fix this")
             progressed = after is not None and (before is None or after > before)
+            fruitless += not progressed
             if progressed or rc != train.EXIT_UNREACHABLE:  # the retries are per outage: a run that trains between
                 unreachable_tries = 0                        # short outages hours apart is not stopped by the fourth
             if rc == train.EXIT_UNREACHABLE:
@@ -278,7 +287,8 @@ class Guardian:
                 self.save()
                 if verdict is not None:
                     return self.stop(*verdict)
-            no_progress = [] if progressed else no_progress + [cause]
+            # unreachable storage has its own retries above (counted as stuck, its 4th try never came)
+            no_progress = [] if progressed else no_progress if rc == train.EXIT_UNREACHABLE else no_progress + [cause]
             if len(no_progress) >= self.cfg["max_stuck_starts"]:
                 if not self.on_stuck(no_progress):
                     return self.stop(EXIT_STUCK, f"stuck: {len(no_progress)} consecutive starts produced no new "

@@ -168,9 +168,11 @@ def native_int4():
             NATIVE = torch.ops.picaflor_int4
         except Exception as e:  # no compiler, no ninja, a foreign toolchain: fall back, loudly, once
             why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
-            print(f"stream_infer: warning: could not build {src} ({why}); using torch's slower int4pack kernel. "
-                  f"Install a C++ compiler ({'xcode-select --install' if sys.platform == 'darwin' else 'apt install g++'}) "
-                  f"and ninja (pip install -r requirements.txt)",
+            fix = ("make the build folder writable or point TORCH_EXTENSIONS_DIR at one that is"
+                   if isinstance(e, OSError) else  # (a filesystem fault got the compiler advice)
+                   f"Install a C++ compiler ({'xcode-select --install' if sys.platform == 'darwin' else 'apt install g++'}) "
+                   f"and ninja (pip install -r requirements.txt)")
+            print(f"stream_infer: warning: could not build {src} ({why}); using torch's slower int4pack kernel. {fix}",
                   file=sys.stderr)
             NATIVE = False
     return NATIVE or None
@@ -187,8 +189,20 @@ def build_turn(build_dir):
     except ImportError:  # (not POSIX: torch's lock only)
         yield
         return
-    with open(os.path.join(build_dir, "picaflor-build.flock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with open(os.path.join(build_dir, "picaflor-build.flock"), "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process builds (or is stopped mid-build): said, not a silent wait
+            f.seek(0)
+            print(f"stream_infer: waiting for another build of {build_dir} (pid {f.read().strip() or '?'}) to finish",
+                  file=sys.stderr)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without flock (NFS -o nolock: ENOLCK): torch's lock file only, as before
+            yield
+            return
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
         stale = os.path.join(build_dir, "lock")
         if os.path.exists(stale):
             print(f"stream_infer: removing {stale}, left by a build that was killed", file=sys.stderr)

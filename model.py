@@ -783,6 +783,7 @@ def from_hf_config(hf):
 def save_checkpoint(model, out_dir, step, state=None, extra_writers=None, tokenizer_file=None):
     """Write out_dir/step_NNNNNNN/ atomically: model.safetensors, state.json (state + model_config), a copy
     of the tokenizer file as tokenizer.json (so every consumer finds it in the checkpoint), extra files."""
+    import pathlib
     import shutil
     import checkpoint
     from safetensors.torch import save_file
@@ -793,7 +794,8 @@ def save_checkpoint(model, out_dir, step, state=None, extra_writers=None, tokeni
     state.setdefault("step", step)
     state["model_config"] = asdict(model.cfg)
     writers = {"model.safetensors": lambda p: save_file(sd, p, metadata={"format": "pt"}),
-               "state.json": lambda p: open(p, "w").write(json.dumps(state, indent=1))}
+               # (with, so an error reported at close is raised: a bare open().write() dropped it, a short file verified)
+               "state.json": lambda p: pathlib.Path(p).write_text(json.dumps(state, indent=1))}
     if tokenizer_file:
         writers["tokenizer.json"] = lambda p: shutil.copyfile(tokenizer_file, p)
     writers.update(extra_writers or {})

@@ -267,6 +267,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "p50_token_latency_s": pct(0.5), "p99_token_latency_s": pct(0.99),
         "hit_rate": dec_hit, "hit_rate_with_prefill": st["hit_rate"], "prefill_reads": st_prefill["reads"],
         "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
+        "prefill_disk_bytes": rb1[0] - rb0[0] if rb0 and rb1 else st_prefill["bytes_read"],
         "disk_bytes_source": "/proc/self/io" if rb1 and rb2 else "counted (no /proc/self/io here)",
         "demanded_bytes_per_token": demanded_per_tok,
         "read_wait_s_per_token": wait_per_tok, "major_faults_per_token": majflt / max(n_dec, 1),

@@ -107,7 +107,8 @@ release_shards = []          # "corpus/file" quarantined shards to read again (f
 on_stuck = ""                # guardian: shell command run when max_stuck_starts starts made no new checkpoint
 max_stuck_starts = 3
 unreachable_backoff_s = 5.0  # guardian: storage unreachable -> wait 2x, 4x, 8x this (<= 60 s) between 3 retries
-max_restarts = 20
+max_restarts = 20           # guardian: restarts after starts that made no new checkpoint, per invocation
+lock_wait_s = 600.0         # a second trainer on this out_dir waits this long for the first to exit, then errors
 sample_tokens = 64           # sample printed at the end (0: none)
 # this invocation
 stop_after_steps = -1        # >=0: stop after this many optimizer steps (a relay leg; 0 writes a checkpoint)
@@ -458,22 +459,35 @@ _RUN_INFO = {}  # what a crash report needs: out_dir, state, streams
 
 
 
-def disk_full(directory, probe_bytes=1 << 20):
-    """Why a write in directory fails for lack of space (a probe write), or None if it has room."""
-    path = os.path.join(directory, f".disk-probe-{os.getpid()}")
-    try:
-        with open(path, "wb") as f:
-            f.write(b"\0" * probe_bytes)
-            f.flush()
-            os.fsync(f.fileno())
-        return None
-    except OSError as e:
-        return e.strerror if e.errno in DISK_ERRNOS else None
-    finally:
+def hold_run_lock(out_dir, wait_s, log):
+    """One trainer per out_dir (an flock on out_dir/.trainer.lock, held until exit): a second one deleted the first's
+    checkpoint temp dir mid-save. It waits up to wait_s for the first to exit (a relaunched guardian's trainer,
+    while the killed guardian's finishes its SIGTERM checkpoint), then errors. Returns the open lock file."""
+    import fcntl
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, ".trainer.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
         try:
-            os.remove(path)
-        except OSError:
-            pass
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise TrainError(f"{out_dir}: another trainer (pid {holder}) is training this run ({path}); stop it "
+                                 f"or wait for it, or pass another --out_dir")
+            if not said:
+                log(f"waiting up to {wait_s:g} s for the trainer holding {path} (pid {holder}) to exit")
+                said = True
+            time.sleep(0.5)
+        except OSError as e:  # a filesystem without locks (some network mounts): as before, unguarded
+            log(f"WARNING: {path}: cannot lock ({e.strerror}); make sure only one trainer writes {out_dir}")
+            return fd
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 def open_metrics(path, resumed_step):
@@ -728,6 +742,8 @@ def main(argv):
     out = cfg["out_dir"]
     _RUN_INFO.update(out_dir=out, master=master)  # a fault before the loop gets its crash report too
     tokens_per_step = lambda T: cfg["batch_size"] * T * cfg["grad_accum"] * world
+    if master:
+        _RUN_INFO["lock"] = hold_run_lock(out, cfg["lock_wait_s"], log)
     if master and cfg["mirror_dir"]:  # a mirror that cannot work is refused now, not found out hours in
         probe = os.path.join(cfg["mirror_dir"], f".probe-{os.getpid()}")
         try:
@@ -735,8 +751,12 @@ def main(argv):
             open(probe, "w").close()
             os.remove(probe)
         except OSError as e:
-            raise TrainError(f"mirror_dir {cfg['mirror_dir']} is not writable ({e.strerror}); mount it, or pass "
-                             f"another --mirror_dir (or none)")
+            if not checkpoint.list_checkpoints(out):
+                raise TrainError(f"mirror_dir {cfg['mirror_dir']} is not writable ({e.strerror}); mount it, or pass "
+                                 f"another --mirror_dir (or none)")
+            # a resume (a guardian's restart in a bucket mount's blip): as a failed copy mid-run, a warning
+            log(f"WARNING: mirror_dir {cfg['mirror_dir']} is not writable now ({e.strerror}); training goes on, "
+                f"{out} holds every checkpoint")
 
     def config_wins(stored, how):
         """The checkpoint's architecture, but the training-only fields (a longer context, another balancing rate) from
@@ -770,7 +790,7 @@ def main(argv):
                 raise TrainError(f"{out}: no valid checkpoint to resume from; start with --init_from=scratch"
                                  + (f" (found {len(newest)} invalid step_* dirs)" if newest else ""))
             if newest and newest[-1][1] != ck:
-                log(f"WARNING: newest checkpoint {newest[-1][1]} is invalid (bad manifest); resuming from {ck}")
+                log(f"WARNING: newest checkpoint {newest[-1][1]} is invalid (it does not verify); resuming from {ck}")
         state = read_json(os.path.join(ck, "state.json"))
         mcfg = model_config_from({**cfg, **state["model_config"], **config_wins(state["model_config"], "resume")})
         sd = load_file(os.path.join(ck, "model.safetensors"))
@@ -778,9 +798,10 @@ def main(argv):
             opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
         layer_origin = state["layer_origin"]
         log(f"resuming from {ck} at step {state['step']}, {state['tokens']:,} tokens")
-        if cfg["resume_from"] and master and any(s_ > state["step"] for s_, _ in existing):
-            # a rollback: the later steps are another timeline, kept aside (the mirror's too, or a resume from it
-            # would take the old timeline's newest)
+        if master and any(s_ > state["step"] for s_, _ in existing):
+            # a rollback, or newer steps that do not verify: the later steps are another timeline, kept aside (the
+            # mirror's too, or a resume from it would take the old timeline's newest); left in place, the newest
+            # (protected by retention as the newest) made retention prune every step this start saved
             tag = f"after_step_{state['step']:07d}_{time.strftime('%Y%m%d-%H%M%S')}"
             n_moved = set_aside_after(out, state["step"], tag)
             if cfg["mirror_dir"]:
@@ -796,6 +817,15 @@ def main(argv):
                     os.remove(best)
             log(f"WARNING: resuming an earlier step: moved {n_moved} later checkpoint(s) of {out} to "
                 f"{os.path.join(out, 'abandoned', tag)}, so they are neither resumed nor pruned")
+            try:  # a decay control.json started after this step belongs to the timeline set aside
+                ctl = read_json(os.path.join(out, "control.json"), {})
+            except TrainError:
+                ctl = {}
+            taken = ctl.get("start_decay_taken_at_step") if isinstance(ctl, dict) else None
+            if cfg["resume_from"] and isinstance(taken, int) and taken > state["step"]:  # a rollback asked for
+                os.replace(os.path.join(out, "control.json"), os.path.join(out, "abandoned", tag, "control.json"))
+                log(f"control.json: its start_decay was taken at step {taken}, after step {state['step']}: moved to "
+                    f"{os.path.join(out, 'abandoned', tag)}; this timeline trains without it")
     elif cfg["init_from"] == "grow":
         if not cfg["grow_from"] or cfg["grow_layers"] <= 0:
             raise TrainError("init_from=grow needs grow_from=CHECKPOINT and grow_layers > 0")
@@ -1006,6 +1036,9 @@ def main(argv):
             st.setdefault("replans", []).append({"step": st["step"], "reason": "start_decay", "at": time.time()})
             log("control.json: start_decay: already decaying (or done); the run ends with this decay" if already else
                 f"control.json: starting the decay now, over {st['plan'][-1]['tokens']:,} tokens")
+            if master:  # the step it was taken at: a rollback to a step before it drops the request (see resume)
+                ctl["start_decay_taken_at_step"] = st["step"]
+                checkpoint.write_atomic_text(control_path, json.dumps(ctl) + "\n")
 
     def save(kind):
         """Checkpoint on rank 0 (all ranks wait); returns its path."""
@@ -1032,10 +1065,9 @@ def main(argv):
         try:
             return save_checkpoint(m, out_dir, state_dict["step"], state=dict(state_dict), extra_writers=extra,
                                    tokenizer_file=tok_file if os.path.exists(tok_file) else None)
-        except Exception as e:  # torch.save reports a failed write as a RuntimeError, safetensors as SafetensorError
-            reason = e.strerror if isinstance(e, OSError) and e.errno in DISK_ERRNOS else disk_full(out_dir)
-            if reason:
-                raise TrainError(f"out of disk while writing a checkpoint in {out_dir} ({reason}); the previous "
+        except OSError as e:  # checkpoint.save names a full disk so, whatever the writer raised
+            if e.errno in DISK_ERRNOS:
+                raise TrainError(f"out of disk while writing a checkpoint in {out_dir} ({e.strerror}); the previous "
                                  f"checkpoint is intact; free space and resume", EXIT_DISK)
             raise
 

@@ -40,7 +40,7 @@ def numbers(text, kind, lo, hi, flag):
 def run(eng, variants, prompts, tokens, seed=0):
     """Decode `prompts` random prompts twice each (record, then measure with the variant switched every token);
     per variant index: lists of seconds a token, misses, seconds waited for reads and guess reads."""
-    cache, cfg, E = eng.cache, eng.cfg, eng.cfg.n_experts
+    cache, E = eng.cache, eng.cfg.n_experts
     moe_rank = {m.layer: i for i, m in enumerate(eng.moes)}
     rng = random.Random(seed)
     state = {"trace": None, "token": 0, "variant": None}

@@ -259,6 +259,33 @@ def test_a_resave_interrupted_between_its_renames_puts_the_old_step_back(tmp_pat
     assert open(os.path.join(s, "w.bin"), "rb").read() == b"old"
 
 
+def test_a_full_disk_under_any_writer_error_is_named_out_of_disk(tmp_path, monkeypatch):
+    """torch.save and safetensors raise their own errors on a full disk; the probe that told it apart ran after the
+    temp dir was removed, found room again, and a real full disk became an unforeseen crash (exit 10, restarts)."""
+    import errno
+
+    def probe(directory, probe_bytes=1 << 20):  # the disk is full exactly while the temp files still exist
+        return "No space left on device" if any(n.startswith(".tmp-") for n in os.listdir(directory)) else None
+    monkeypatch.setattr(checkpoint, "disk_full", probe)
+
+    def failing(message):
+        def write(p):
+            open(p, "wb").write(b"x" * 4096)
+            raise RuntimeError(message)
+        return write
+    with pytest.raises(OSError) as e:
+        checkpoint.save(str(tmp_path), 1, {"optimizer.pt": failing("[enforce fail] some writer failure")})
+    assert e.value.errno == errno.ENOSPC and "RuntimeError" in str(e.value)
+    monkeypatch.setattr(checkpoint, "disk_full", lambda d, probe_bytes=0: None)  # room: the writer's own error
+    with pytest.raises(RuntimeError, match="some writer failure"):
+        checkpoint.save(str(tmp_path), 1, {"optimizer.pt": failing("some writer failure")})
+    with pytest.raises(OSError) as e:  # torch's message for a failed write says so, whatever the probe finds
+        checkpoint.save(str(tmp_path), 1, {"optimizer.pt": failing("PytorchStreamWriter failed writing file data/0: "
+                                                                   "file write failed")})
+    assert e.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == []  # no temp dir left, no step
+
+
 def test_a_manifest_of_another_shape_is_an_invalid_step_not_a_crash(tmp_path):
     """Valid JSON of the wrong shape raised KeyError / AttributeError out of latest_valid: one bad newest step
     stopped the resume from the good one before it; a manifest listing no files counted as valid."""
@@ -662,3 +689,64 @@ def test_a_full_disk_while_refetching_stops_as_out_of_disk_not_a_traceback(tmp_p
     g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}"])
     code, msg = g.repair_shard(shard, 0, repeated=False)
     assert code == train_py.EXIT_DISK and "out of disk" in msg and shard in msg, msg
+
+
+def test_a_corrupt_newest_step_is_set_aside_so_retention_keeps_the_new_ones(data_root, tmp_path):
+    """The newest step fails its hash (a flipped byte; the size still matches): resume takes the step before it, but
+    retention (a size check) kept the corrupt newest as 'the newest' and pruned every step the new start saved."""
+    out = str(tmp_path / "run")
+    common = [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000"]
+    assert train(common + ["--ckpt_interval=5", "--stop_after_steps=10"]).returncode == 0
+    with open(os.path.join(out, "step_0000010", "model.safetensors"), "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    r = train(common + ["--init_from=resume", "--ckpt_interval=1", "--keep_last=1", "--stop_after_steps=3"])
+    assert r.returncode == 0 and "resuming from" in r.stdout and "step_0000005" in r.stdout, r.stderr[-2000:]
+    assert [s_ for s_, _ in checkpoint.list_checkpoints(out) if s_ > 5] == [8]  # keep_last=1: the newest stays
+    assert checkpoint.latest_valid(out).endswith("step_0000008")
+    aside = [d for dp, ds, _ in os.walk(os.path.join(out, "abandoned")) for d in ds if d.startswith("step_")]
+    assert aside == ["step_0000010"]  # kept whole for a look, out of the way
+
+
+@pytest.mark.parametrize("blips, extra, code, said", [
+    # three outages, each after new checkpoints, with max_restarts=2: restarts that made progress are not counted
+    ("3,6,9", ["--ckpt_interval=1", "--max_restarts=2"], 0, None),
+    # outages with no checkpoint between them: the 3 retries (4 tries) come before the stuck check (it stopped at 3)
+    ("0,1,2,3,4", ["--ckpt_interval=1000", "--warmup_iters=5"], 5, "storage unreachable 4 times"),
+])
+def test_the_guardians_restart_limits_count_what_they_say(data_root, tmp_path, blips, extra, code, said):
+    out = str(tmp_path / "run")
+    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                        "--max_iters=10", "--warmup_iters=1", "--eval_interval=1000", "--unreachable_backoff_s=0.01",
+                        *extra, "--supervise"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=dict(ENV, PICAFLOR_INJECT_UNREACHABLE_AT_STEPS=blips))
+    assert r.returncode == code, r.stderr[-3000:]
+    g = json.load(open(os.path.join(out, "guardian.json")))
+    if said:
+        assert said in g["report"]["message"] and g["report"]["cause"] == "storage unreachable", g["report"]
+    else:
+        assert [s_["cause"] for s_ in g["starts"]] == ["storage unreachable"] * 3 + ["ok"]
+
+
+def test_a_leg_resumed_from_a_run_dir_counts_its_steps_from_that_runs_newest(data_root, tmp_path):
+    """--resume_from=RUN_DIR (not a step dir): the guardian read RUN_DIR/state.json, which does not exist, took the
+    leg's first step as 0, and after a crash counted the whole run's steps as the leg's: 'used up', 3 of 10 trained."""
+    src, out = str(tmp_path / "src"), str(tmp_path / "run")
+    common = [*TINY, f"--data_root={data_root}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000",
+              "--ckpt_interval=1"]
+    assert subprocess.run([sys.executable, "train.py", *common, f"--out_dir={src}", "--stop_after_steps=10"],
+                          cwd=REPO, capture_output=True, env=ENV, timeout=300).returncode == 0
+    r = subprocess.run([sys.executable, "train.py", *common, f"--out_dir={out}", "--init_from=resume",
+                        f"--resume_from={src}", "--stop_after_steps=10", "--supervise"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env=dict(ENV, PICAFLOR_INJECT_CRASH_AT_STEP="13"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"] == 20
+    bad = tmp_path / "bad" / "step_0000010"  # a rollback target whose state.json is cut: train.py's one line, no traceback
+    shutil.copytree(os.path.join(src, "step_0000010"), bad)
+    (bad / "state.json").write_text('{"step": 10, ')
+    r = subprocess.run([sys.executable, "train.py", *common, f"--out_dir={tmp_path / 'bad'}", "--init_from=resume",
+                        f"--resume_from={bad}", "--supervise"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=ENV)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "state.json" in r.stderr, r.stderr[-3000:]

@@ -5,6 +5,7 @@ import os
 import re
 import statistics
 import subprocess
+import time
 import sys
 from collections import OrderedDict
 
@@ -1161,6 +1162,40 @@ def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, capsys
     with kernels.build_turn(str(build_dir)):  # no leftover: nothing said
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_a_build_waited_on_is_said_and_a_filesystem_without_flock_still_builds(tmp_path, capsys, monkeypatch):
+    """A build stopped mid-way (kill -STOP) held the flock and later loads waited on it without a word; where flock
+    is refused (NFS -o nolock: ENOLCK) the native kernel was never used, with advice to install a compiler."""
+    import errno
+    import fcntl
+    import threading
+    build_dir = tmp_path / "build"
+    holder = open(build_dir.mkdir() or build_dir / "picaflor-build.flock", "a+")
+    holder.write("4242")
+    holder.flush()
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    entered = threading.Event()
+
+    def second():
+        with kernels.build_turn(str(build_dir)):
+            entered.set()
+    t = threading.Thread(target=second)
+    t.start()
+    time.sleep(0.5)
+    assert not entered.is_set()
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    t.join(10)
+    assert entered.is_set() and "waiting for another build" in capsys.readouterr().err
+    real = fcntl.flock
+
+    def no_locks(f, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with kernels.build_turn(str(build_dir)):  # torch's lock file alone guards it, as before the flock
+        pass
+    monkeypatch.setattr(fcntl, "flock", real)
+    holder.close()
 
 
 def test_native_int4_kernel_nan_and_zero_rows():

@@ -369,3 +369,56 @@ def test_retention_skips_a_checkpoint_whose_state_is_unreadable(tmp_path):
     removed = train.retain(out, 2)
     assert sorted(removed) == ["step_0000002", "step_0000003"]
     assert [s for s, _ in checkpoint.list_checkpoints(out)] == [1, 4, 5]
+
+
+def test_a_rollback_before_an_on_demand_decay_trains_without_it(data_root, tmp_path):
+    """control.json stayed as it was after the trainer took start_decay, so resuming a step from before the decay (as
+    README says, to train on without it) started it again at once; the file now records the step it was taken at."""
+    out = str(tmp_path / "run")
+    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=100", "--warmup_iters=1",
+                   "--decay_frac=0.0", "--decay_tokens=512", "--eval_interval=1000", "--ckpt_interval=1", "--keep_last=10"]
+    run(base + ["--stop_after_steps=3"])
+    json.dump({"start_decay": True}, open(os.path.join(out, "control.json"), "w"))
+    run(base + ["--init_from=resume", "--stop_after_steps=2"])
+    assert json.load(open(os.path.join(out, "control.json")))["start_decay_taken_at_step"] == 3
+    r = run(base + ["--init_from=resume", f"--resume_from={os.path.join(out, 'step_0000002')}", "--stop_after_steps=2"])
+    st = json.load(open(os.path.join(out, "step_0000004", "state.json")))
+    assert st.get("decay_started_at_tokens") is None and st["plan"][-1]["name"] != "decay-on-demand"
+    assert not os.path.exists(os.path.join(out, "control.json")) and "trains without it" in r.stdout
+    # a crash before the decay reached a checkpoint: no rollback, so the request stays and is taken again
+    json.dump({"start_decay": True, "start_decay_taken_at_step": 9}, open(os.path.join(out, "control.json"), "w"))
+    run(base + ["--init_from=resume", "--stop_after_steps=1"])
+    assert json.load(open(os.path.join(out, "step_0000005", "state.json")))["decay_started_at_tokens"] is not None
+
+
+def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_root, tmp_path):
+    """Two trainers on one out_dir: the second's save() deleted the first's temp dir mid-save. And a mirror that was
+    briefly unwritable when the guardian restarted the trainer ended the run (refused as a config error)."""
+    import signal
+    import time
+    out = str(tmp_path / "run")
+    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=40", "--warmup_iters=1",
+                   "--eval_interval=1000"]
+    first = subprocess.Popen([sys.executable, "train.py", *base], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                                  PICAFLOR_INJECT_SLEEP_AT_STEP="1"))
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(out, "metrics.jsonl")):  # past start-up: it holds the lock
+            assert time.time() < deadline and first.poll() is None
+            time.sleep(0.1)
+        r = subprocess.run([sys.executable, "train.py", *base, "--init_from=resume", "--lock_wait_s=1"], cwd=REPO,
+                           capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+        assert r.returncode == 1 and f"another trainer (pid {first.pid})" in r.stderr, r.stderr[-2000:]
+        assert len(r.stderr.strip().splitlines()) == 1 and "waiting up to 1 s" in r.stdout
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    other = [a for a in base if not a.startswith("--out_dir=")] + [f"--out_dir={tmp_path / 'other'}"]
+    blocked = tmp_path / "mirror"
+    blocked.write_text("a file where the mount should be")
+    r = run(other + ["--stop_after_steps=2", f"--mirror_dir={blocked}"], check=False)
+    assert r.returncode == 1 and "is not writable" in r.stderr  # a new run: refused before anything is trained
+    run(other + ["--stop_after_steps=2"])
+    r = run(other + ["--init_from=resume", "--stop_after_steps=1", f"--mirror_dir={blocked}"])
+    assert "is not writable now" in r.stdout and "training goes on" in r.stdout
