@@ -90,7 +90,7 @@ class NativeRead:
     def __init__(self, container, key, buf, pool, n_parts, ops, verify=True):
         c = self.c = container
         self.key, self.buf, self.error, self.waited, self.verify = key, buf, None, True, verify  # until queued
-        self.ops = ops
+        self.ops, self.in_flight = ops, _READS_IN_FLIGHT  # (held: __del__ at interpreter exit finds no module globals)
         if len(buf) < c.expert_nbytes:
             raise ValueError(f"NativeRead: a buffer of {len(buf)} bytes cannot hold a {c.expert_nbytes}-byte blob")
         ent = c.expert_entry(*key)
@@ -120,6 +120,10 @@ class NativeRead:
             pass
 
     def result(self):
+        if not self.waited and self.ticket not in self.in_flight:  # waited for by the atexit hook: its status is gone
+            self.waited = True
+            self.error = C.ContainerError(f"{self.c.path}: the read of layer {self.key[0]} expert {self.key[1]} was "
+                                          f"ended at interpreter exit")
         if not self.waited:
             try:
                 status, err, landed, buffered = self.ops.blob_wait(self.ticket)  # without the GIL
@@ -150,7 +154,8 @@ class NativeRead:
         return self.buf
 
     def __del__(self):  # dropped unwaited (an error elsewhere): wait here rather than at exit
-        if not getattr(self, "waited", True):
+        # (not after the atexit hook waited for it: a dropped ticket, and module globals maybe gone)
+        if not getattr(self, "waited", True) and self.ticket in self.in_flight:
             self.wait()
 
 
@@ -334,7 +339,10 @@ class ExpertCache:
             cand[key] = False
         if not cand.any():
             return None
-        s = np.where(cand, self.score_tab, np.inf)
+        # a NaN score (a router fed a NaN) counts as the lowest, as int4_cpu.cpp's score_victim (s[i] < s[best] is
+        # false for NaN, so a NaN first candidate stays): min() of it was NaN, nothing equalled it, argmin of nothing
+        tab = np.where(np.isnan(self.score_tab), -np.inf, self.score_tab)
+        s = np.where(cand, tab, np.inf)
         idx = np.flatnonzero(s == s.min())
         i = int(idx[np.argmin(self.stamp.flat[idx])])
         return divmod(i, s.shape[1])
@@ -424,17 +432,24 @@ class ExpertCache:
     def _read(self, key, buf, guess=False):
         """Start reading one blob into buf (on the guess readers or the demand ones): [Future per part], or with
         native_reads [one NativeRead] (expert_reader.cpp's readers: its pool 1 for guesses, 0 on demand)."""
-        self.reads += 1
+        if self.native_reads:
+            fut = [NativeRead(self.c, key, buf, 1 if guess else 0, self.n_parts, self.reader_ops)]
+        else:
+            # one blob = n_readers aligned parts read at once (queue depth; see container.read_expert_part)
+            step = -(-self.nbytes // self.n_parts // C.ALIGN) * C.ALIGN
+            parts = [(o, min(step, self.nbytes - o)) for o in range(0, self.nbytes, step)]
+            left = [len(parts)]  # parts not landed yet: the reader that lands the last one checks the blob
+            pool, fut = self.guess_pool if guess else self.pool, []
+            try:
+                for o, n in parts:
+                    fut.append(pool.submit(self._read_part, key, buf, o, n, left))
+            except BaseException:  # (a pool shut down): the parts queued land before buf goes back to the caller
+                wait_quietly(fut)
+                raise
+        self.reads += 1  # (counted once started: the bench checks them against /proc/self/io)
         self.bytes_read += self.nbytes
         self.read_keys.add(key)
-        if self.native_reads:
-            return [NativeRead(self.c, key, buf, 1 if guess else 0, self.n_parts, self.reader_ops)]
-        # one blob = n_readers aligned parts read at once (queue depth; see container.read_expert_part)
-        step = -(-self.nbytes // self.n_parts // C.ALIGN) * C.ALIGN
-        parts = [(o, min(step, self.nbytes - o)) for o in range(0, self.nbytes, step)]
-        left = [len(parts)]  # parts not landed yet: the reader that lands the last one checks the blob
-        pool = self.guess_pool if guess else self.pool
-        return [pool.submit(self._read_part, key, buf, o, n, left) for o, n in parts]
+        return fut
 
     def _read_part(self, key, buf, start, nbytes, left):
         """One part read on a reader thread, timed: disk_busy_s adds up the time at least one read was running (the
@@ -460,7 +475,11 @@ class ExpertCache:
 
     def _submit(self, key):
         buf = self.free_bufs.pop() if self.free_bufs else self.blob_buffers.take()
-        self.inflight[key] = (self._read(key, buf), False, buf)
+        try:
+            self.inflight[key] = (self._read(key, buf), False, buf)
+        except BaseException:  # nothing was queued (a read that could not start): the buffer stays the cache's
+            self.free_bufs.append(buf)
+            raise
 
     def _finish(self, key):
         fut, prefetch, buf = self.inflight.pop(key)
@@ -514,7 +533,11 @@ class ExpertCache:
                     return
                 self.slot_bufs.append(self.guesses.pop(old)[1])
             buf = self.slot_bufs.pop()
-            self.guesses[key] = (self._read(key, buf, guess=True), buf)
+            try:
+                self.guesses[key] = (self._read(key, buf, guess=True), buf)
+            except BaseException:  # (as _submit)
+                self.slot_bufs.append(buf)
+                raise
             self.prefetch_reads += 1
 
     def set_slots(self, n):
@@ -577,7 +600,9 @@ class ExpertCache:
         else:
             self.misses += 1
         if key not in self.inflight:
-            if not self._ensure_room({key}, wait=True):
+            # room without evicting the caller's other experts of this pass (their arguments may be held for one
+            # call: evicted, their buffers could not be recycled), else with only this one kept
+            if not self._ensure_room(set(protect) | {key}, wait=True) and not self._ensure_room({key}, wait=True):
                 raise CacheError(f"{self.c.path}: an expert cache of {self.budget / 2**20:.1f} MiB cannot hold one "
                                  f"expert ({self.nbytes / 2**20:.1f} MiB); raise --ram-budget")
             self._submit(key)

@@ -3,6 +3,7 @@
 // swiglu_mix, route) plus the expert cache's score bookkeeping. Built on first use by stream_infer.native_int4()
 // (torch.utils.cpp_extension, -O3 -march=native, or -mcpu=native on ARM, cached) with expert_reader.cpp.
 
+#include <cmath>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -420,7 +421,9 @@ int64_t score_victim(const at::Tensor& score, const at::Tensor& stamp, at::IntAr
   int64_t best = -1;
   for (int64_t i = 0; i < n; i++) {
     if (t[i] < 0 || std::find(protect.begin(), protect.end(), i) != protect.end()) continue;
-    if (best < 0 || s[i] < s[best] || (s[i] == s[best] && t[i] < t[best])) best = i;
+    // a NaN score (a router fed a NaN) is the lowest, as in the numpy version (compared as is, it was skipped)
+    const double v = std::isnan(s[i]) ? -INFINITY : s[i], vb = best < 0 ? 0.0 : (std::isnan(s[best]) ? -INFINITY : s[best]);
+    if (best < 0 || v < vb || (v == vb && t[i] < t[best])) best = i;
   }
   return best;
 }

@@ -470,6 +470,8 @@ class Engine:
     def __init__(self, path, ram_budget=None, device="cpu", kernel="auto", n_readers=4, prefetch="auto",
                  context=None, cache_policy="score", preload="auto", prefill_chunk=PREFILL_CHUNK):
         self.cache_policy, self.n_readers = cache_policy, n_readers
+        if not (isinstance(n_readers, int) and 1 <= n_readers <= 64):  # (the API's check, as the CLI's --readers)
+            raise StreamError(f"n_readers {n_readers!r}: 1 to 64 expert reader threads")
         if cache_policy not in EC.CACHE_POLICIES:  # before anything is loaded
             raise StreamError(f"cache policy {cache_policy!r}: use one of {', '.join(EC.CACHE_POLICIES)}")
         self.prefetch_mode = {False: "off", True: "on", None: "off"}.get(prefetch, prefetch)
