@@ -47,6 +47,8 @@ from contextlib import nullcontext
 from dataclasses import asdict, fields
 
 from checkpoint import DISK_ERRNOS  # a write refused for lack of space
+from schedule import (PLAN_SOURCE_KEYS, PlanError, build_plan, decay_now, lr_at, plan_tokens, rows_per_stream,
+                      stage_at, stored_plan_differs)
 
 # -----------------------------------------------------------------------------------------------------------
 # config (globals; config files and --key=value override them)
@@ -137,122 +139,6 @@ class TrainError(Exception):
 def die(msg, code=EXIT_ERROR):
     print(f"train.py: error: {msg}", file=sys.stderr)
     sys.exit(code)
-
-
-# -----------------------------------------------------------------------------------------------------------
-# the plan (pure functions of the plan list; tests call them)
-
-def build_plan(cfg, tokens_per_step):
-    """Normalise the config's stages into [{name, mix, tokens, seq_len, lr_phase}] with token lengths."""
-    if not cfg["stages"] and cfg["warmup_iters"] + int(cfg["decay_frac"] * cfg["max_iters"]) > cfg["max_iters"]:
-        raise TrainError(f"max_iters={cfg['max_iters']} is shorter than warmup_iters={cfg['warmup_iters']} plus the "
-                         f"decay ({cfg['decay_frac']} x max_iters); lower --warmup_iters or raise --max_iters")
-    raw = cfg["stages"] or [
-        dict(name="warmup", steps=cfg["warmup_iters"], lr_phase="warmup"),
-        dict(name="stable", steps=cfg["max_iters"] - cfg["warmup_iters"] - int(cfg["decay_frac"] * cfg["max_iters"]), lr_phase="stable"),
-        dict(name="decay", steps=int(cfg["decay_frac"] * cfg["max_iters"]), lr_phase="decay"),
-    ]
-    plan = []
-    for i, s in enumerate(raw):
-        if not isinstance(s, dict):
-            raise TrainError(f"stages[{i}] must be a dict, got {s!r}")
-        bad = set(s) - {"name", "mix", "tokens", "steps", "seq_len", "lr_phase"}
-        if bad:
-            raise TrainError(f"stages[{i}]: unknown keys {sorted(bad)} (allowed: name, mix, tokens, steps, seq_len, lr_phase)")
-        for key in ("tokens", "steps", "seq_len"):  # 2e9 is a float in Python: whole numbers of either type
-            v = s.get(key)
-            if key in s and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v)):
-                raise TrainError(f"stages[{i}]: {key} must be a whole number, got {v!r}")
-        if "mix" in s and not (isinstance(s["mix"], dict) and s["mix"] and all(
-                isinstance(c, str) and isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
-                for c, w in s["mix"].items())):
-            raise TrainError(f"stages[{i}]: mix must be a dict of corpus name -> weight (finite numbers), got {s['mix']!r}")
-        if not isinstance(s.get("name", ""), str):
-            raise TrainError(f"stages[{i}]: name must be a string, got {s['name']!r}")
-        phase = s.get("lr_phase", "stable")
-        if phase not in ("warmup", "stable", "decay"):
-            raise TrainError(f"stages[{i}]: lr_phase must be warmup, stable or decay, got {phase!r}")
-        T = int(s.get("seq_len", cfg["seq_len"]))
-        if T < 1:
-            raise TrainError(f"stages[{i}]: seq_len must be at least 1, got {T}" if "seq_len" in s
-                             else f"--seq_len={T}: must be at least 1")
-        if ("tokens" in s) == ("steps" in s):
-            raise TrainError(f"stages[{i}]: give exactly one of tokens or steps")
-        tokens = int(s["tokens"]) if "tokens" in s else int(s["steps"]) * tokens_per_step(T)
-        if tokens <= 0:
-            continue  # e.g. warmup_iters = 0
-        mix = s["mix"] if "mix" in s else {cfg["dataset"]: 1.0}
-        if any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
-            raise TrainError(f"stages[{i}]: mix weights must be >= 0 with a positive sum, got {mix}")
-        plan.append(dict(name=s.get("name", f"stage{i}"), mix=dict(mix), tokens=tokens, seq_len=T, lr_phase=phase,
-                         seq_len_from_config="seq_len" not in s))
-    if not plan:
-        raise TrainError("the plan is empty: set stages or max_iters > 0")
-    return plan
-
-
-def stage_at(plan, tokens_seen):
-    """(index, stage, tokens into the stage) for the stage that trains token number tokens_seen."""
-    start = 0
-    for i, s in enumerate(plan):
-        if tokens_seen < start + s["tokens"]:
-            return i, s, tokens_seen - start
-        start += s["tokens"]
-    return len(plan), None, 0
-
-
-def plan_tokens(plan):
-    return sum(s["tokens"] for s in plan)
-
-
-def lr_at(plan, tokens_seen, lr, lr_min, step_tokens=0):
-    """WSD (MiniCPM arXiv 2404.06395; Hagele et al. 2024): linear warmup, constant, then a (1 - sqrt) decay.
-    step_tokens (tokens of the step about to run) makes warmup reach the full LR on its last step."""
-    i, s, into = stage_at(plan, tokens_seen)
-    if s is None:
-        return lr_min
-    if s["lr_phase"] == "warmup":
-        return lr * min(1.0, (into + step_tokens) / s["tokens"])
-    if s["lr_phase"] == "decay":
-        return lr_min + (lr - lr_min) * (1 - math.sqrt(into / s["tokens"]))
-    return lr
-
-
-def decay_now(plan, tokens_seen, length):
-    """The plan cut at tokens_seen with one decay stage of `length` tokens appended (on-demand decay). During a
-    decay stage the plan ends with that one instead, and a finished plan stays as it is: a second decay would
-    start from the peak LR again."""
-    i, cur, _ = stage_at(plan, tokens_seen)
-    if cur is None or cur["lr_phase"] == "decay":
-        return [dict(s) for s in plan[:i + 1]]
-    out, start = [], 0
-    for s in plan:
-        if start >= tokens_seen:
-            break
-        keep = min(s["tokens"], tokens_seen - start)
-        out.append(dict(s, tokens=keep))
-        start += s["tokens"]
-    last = out[-1] if out else plan[0]
-    out.append(dict(name="decay-on-demand", mix=dict(last["mix"]), tokens=int(length), seq_len=last["seq_len"], lr_phase="decay"))
-    return out
-
-
-def rows_per_stream(mix, rows, micro_index):
-    """Deterministic split of `rows` sequences among the mix's corpora for micro-step number micro_index: global row
-    g goes to the first corpus (sorted by name) when floor((g+1)*share) steps, else on to the rest, whose own rows are
-    split the same way (Bresenham's line, nested). Among the first n rows a corpus gets floor(n*share) of the rows
-    its predecessors left: never a negative count (the last corpus once took what rounding left, -1 at times), none
-    for a weight of 0, and resume reproduces it from micro_index alone."""
-    names = sorted(n for n in mix if mix[n] > 0)
-    lo, hi = micro_index * rows, (micro_index + 1) * rows  # this micro-step's rows, counted among the rows still unsplit
-    out = dict.fromkeys(sorted(mix), 0)
-    for i, n in enumerate(names[:-1]):
-        share = min(1.0, mix[n] / sum(mix[m] for m in names[i:]))
-        a, b = math.floor(lo * share), math.floor(hi * share)
-        out[n] = b - a
-        lo, hi = lo - a, hi - b
-    out[names[-1]] = hi - lo
-    return out
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -455,8 +341,6 @@ def retain(out_dir, keep):
 # durability: metrics file, hang watchdog, crash reports, mirror
 
 _RUN_INFO = {}  # what a crash report needs: out_dir, state, streams
-
-
 
 
 def hold_run_lock(out_dir, wait_s, log):
@@ -853,7 +737,10 @@ def main(argv):
         raise TrainError(f"init_from must be scratch, resume, grow or finetune, got {cfg['init_from']!r}")
 
     # --- data ----------------------------------------------------------------------------------------------
-    plan = build_plan(cfg, tokens_per_step)
+    try:
+        plan = build_plan(cfg, tokens_per_step)
+    except PlanError as e:
+        raise TrainError(str(e)) from None
     if state is not None:
         stored = state["plan"]
         if state.get("config_stages") != cfg["stages"] or stored_plan_differs(state, cfg):
@@ -1274,18 +1161,6 @@ def main(argv):
         metrics_f.close()
     if ddp:
         dist.destroy_process_group()
-
-
-PLAN_SOURCE_KEYS = ("max_iters", "warmup_iters", "decay_frac", "dataset")  # what a plan without stages is built from
-
-
-def stored_plan_differs(state, cfg):
-    """Whether the config builds another plan than the stored one from the same stages: other lengths without stages,
-    another --dataset for stages without a mix (checkpoints before the dataset was recorded: not compared)."""
-    src = state.get("plan_source") or {}
-    if cfg["stages"] and all("mix" in s for s in cfg["stages"] if isinstance(s, dict)):
-        src = {}
-    return any(src[k] != cfg[k] for k in PLAN_SOURCE_KEYS if k in src)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import checkpoint  # noqa: E402
+import schedule  # noqa: E402
 import train  # noqa: E402
 from model import Picaflor, ModelConfig, load_checkpoint  # noqa: E402
 
@@ -213,12 +214,12 @@ def test_start_decay_on_demand(data_root, tmp_path):
 def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr():
     plan = [dict(name=n, mix={"a": 1.0}, tokens=t, seq_len=8, lr_phase=p)
             for n, t, p in (("w", 10, "warmup"), ("s", 70, "stable"), ("d", 20, "decay"))]
-    lr = lambda pl, t: train.lr_at(pl, t, 3e-3, 3e-4)
-    cut = train.decay_now(plan, 40, 30)  # in the stable stage: cut there, then 30 tokens of decay
-    assert train.plan_tokens(cut) == 70 and cut[-1]["lr_phase"] == "decay" and lr(cut, 40) == 3e-3
+    lr = lambda pl, t: schedule.lr_at(pl, t, 3e-3, 3e-4)
+    cut = schedule.decay_now(plan, 40, 30)  # in the stable stage: cut there, then 30 tokens of decay
+    assert schedule.plan_tokens(cut) == 70 and cut[-1]["lr_phase"] == "decay" and lr(cut, 40) == 3e-3
     for at in (90, 100, 130):  # inside the plan's own decay, at its end, after it
-        again = train.decay_now(plan, at, 30)
-        assert train.plan_tokens(again) == 100 and lr(again, at) == lr(plan, at) < 3e-3
+        again = schedule.decay_now(plan, at, 30)
+        assert schedule.plan_tokens(again) == 100 and lr(again, at) == lr(plan, at) < 3e-3
 
 
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
@@ -312,11 +313,11 @@ def test_plans_that_cannot_run_are_refused():
                          ([dict(name="a", steps=4, mix={"a": float("nan"), "b": 1.0})], "finite"),  # NaN passed w < 0
                          ([dict(name="a", steps=4, mix={})], "mix must be"),  # trained on --dataset silently
                          ([dict(name=1, steps=4)], "name must be a string")]:
-        with pytest.raises(train.TrainError, match=want):
-            train.build_plan(dict(g, stages=stages), per_step)
-    with pytest.raises(train.TrainError, match="warmup_iters=30"):
-        train.build_plan(dict(g, stages=[], max_iters=4, warmup_iters=30), per_step)
-    assert train.build_plan(dict(g, stages=[dict(name="a", tokens=2e3)]), per_step)[0]["tokens"] == 2000  # 2e3 is fine
+        with pytest.raises(schedule.PlanError, match=want):
+            schedule.build_plan(dict(g, stages=stages), per_step)
+    with pytest.raises(schedule.PlanError, match="warmup_iters=30"):
+        schedule.build_plan(dict(g, stages=[], max_iters=4, warmup_iters=30), per_step)
+    assert schedule.build_plan(dict(g, stages=[dict(name="a", tokens=2e3)]), per_step)[0]["tokens"] == 2000  # 2e3 is fine
 
 
 def test_a_mix_splits_every_micro_step_into_counts_of_zero_or_more_that_follow_the_weights():
@@ -332,7 +333,7 @@ def test_a_mix_splits_every_micro_step_into_counts_of_zero_or_more_that_follow_t
         rows = rng.randint(1, 9)
         got = dict.fromkeys(mix, 0)
         for micro in range(600):
-            counts = train.rows_per_stream(mix, rows, micro)
+            counts = schedule.rows_per_stream(mix, rows, micro)
             assert set(counts) == set(mix) and sum(counts.values()) == rows and min(counts.values()) >= 0, (mix, counts)
             for c, n in counts.items():
                 got[c] += n
@@ -344,7 +345,7 @@ def test_a_mix_splits_every_micro_step_into_counts_of_zero_or_more_that_follow_t
     for micro in range(50):
         share = 3 / 7
         first = math.floor((micro + 1) * 5 * share) - math.floor(micro * 5 * share)
-        assert train.rows_per_stream({"b": 4, "a": 3}, 5, micro) == {"a": first, "b": 5 - first}
+        assert schedule.rows_per_stream({"b": 4, "a": 3}, 5, micro) == {"a": first, "b": 5 - first}
 
 
 @pytest.mark.parametrize("path", sorted(f"config/{n}" for n in os.listdir(os.path.join(REPO, "config")) if n.endswith(".py")))
@@ -354,8 +355,8 @@ def test_every_config_file_is_valid(path):
     configurator.configure(g, [os.path.join(REPO, path)])  # unknown keys or wrong types raise
     cfg = train.model_config_from(g)
     assert cfg.vocab_size <= 65535
-    plan = train.build_plan(g, lambda T: g["batch_size"] * T * g["grad_accum"])
-    assert train.plan_tokens(plan) > 0
+    plan = schedule.build_plan(g, lambda T: g["batch_size"] * T * g["grad_accum"])
+    assert schedule.plan_tokens(plan) > 0
 
 
 def test_retention_skips_a_checkpoint_whose_state_is_unreadable(tmp_path):
