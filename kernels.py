@@ -22,9 +22,9 @@ CPU with its integer loops, else int4pack; triton on CUDA).
   packs 64-row blocks, so its weights are repacked once each (to_int4pack_layout), experts at every read.
 - reference: dequantize, then an fp32 matmul; the check every other kernel is tested against.
 - triton (CUDA): `triton_int4_matmul` (bottom of this file) reads the same bytes; Triton is imported only on that
-  path. int8 rows (the lm_head) are dequantized once at load there. Never run on a GPU yet: `bench/gpu_check.py`
-  is the one-run check for the first machine with one (its correctness part runs on CPU under TRITON_INTERPRET=1
-  in the tests).
+  path. int8 rows (the lm_head) are dequantized once at load there. Run on an H200 with `bench/gpu_check.py`
+  (README "On a GPU"; tiles from bench/triton_tune.py); its correctness part runs on CPU under TRITON_INTERPRET=1
+  in the tests.
 """
 
 import contextlib
@@ -313,7 +313,7 @@ def _triton_kernel():
 
     @triton.jit
     def int4_mm_kernel(x_ptr, p_ptr, sz_ptr, y_ptr, M, N, K, Np, stride_xm, stride_ym,
-                       GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TF32: tl.constexpr):
         # y[m, n] = sum_k x[m, k] * ((q[n, k] - 8) * scale[k // G, n] + zero[k // G, n]); q read from the
         # container layout: byte (n // 32) * 16 * Kp + k * 16 + n % 16, high nibble when n % 32 >= 16
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -321,37 +321,54 @@ def _triton_kernel():
         rn = pid_n * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         Kp = (K + GROUP - 1) // GROUP * GROUP
+        nmask = rn < Np
         for k0 in range(0, Kp, BK):
             rk = k0 + tl.arange(0, BK)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-            nmask = rn < Np
             byte = (rn[None, :] // 32) * 16 * Kp + rk[:, None] * 16 + rn[None, :] % 16
             b = tl.load(p_ptr + byte, mask=nmask[None, :] & (rk[:, None] < Kp), other=0).to(tl.int32)
-            q = (b >> ((rn[None, :] % 32) // 16 * 4)) & 15
-            sidx = ((rk[:, None] // GROUP) * Np + rn[None, :]) * 2
-            s = tl.load(sz_ptr + sidx, mask=nmask[None, :] & (rk[:, None] < Kp), other=0.0).to(tl.float32)
-            z = tl.load(sz_ptr + sidx + 1, mask=nmask[None, :] & (rk[:, None] < Kp), other=0.0).to(tl.float32)
-            w = (q.to(tl.float32) - 8.0) * s + z
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            q = ((b >> ((rn[None, :] % 32) // 16 * 4)) & 15).to(tl.float32) - 8.0
+            if GROUP % BK == 0:  # the chunk lies in one group: one row of scales and zeros (BN loads, not BK x BN)
+                sidx = ((k0 // GROUP) * Np + rn) * 2
+                s = tl.load(sz_ptr + sidx, mask=nmask, other=0.0).to(tl.float32)
+                z = tl.load(sz_ptr + sidx + 1, mask=nmask, other=0.0).to(tl.float32)
+                w = q * s[None, :] + z[None, :]
+            else:
+                sidx = ((rk[:, None] // GROUP) * Np + rn[None, :]) * 2
+                s = tl.load(sz_ptr + sidx, mask=nmask[None, :] & (rk[:, None] < Kp), other=0.0).to(tl.float32)
+                z = tl.load(sz_ptr + sidx + 1, mask=nmask[None, :] & (rk[:, None] < Kp), other=0.0).to(tl.float32)
+                w = q * s + z
+            if TF32:  # tensor cores (10-bit mantissa products, fp32 sums): prefill only, where the work is
+                acc += tl.dot(x.to(tl.float32), w, input_precision="tf32")
+            else:
+                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     _TRITON_KERNEL = (triton, int4_mm_kernel)
     return _TRITON_KERNEL
 
 
-def triton_int4_matmul(x, packed, sz, shape, group_size, BM=16, BN=32, BK=32):
+# (BM, BN, BK, num_warps, num_stages, tf32) by the rows M: decode (M <= 16) and prefill, the fastest fp32 configs of
+# bench/triton_tune.py on an H200 (README "On a GPU"; prefill 1.4x, decode 1.1x the first (16, 32, 32) tiles, whose
+# prefill was slower than dequantize-then-matmul). TF32 prefill was 2.5x faster again but put a micro engine's hidden
+# states 7.5e-2 off the fp32 reference. A BK that does not divide the group size takes the per-element scale path.
+TRITON_CONFIGS = {"decode": (16, 16, 32, 4, 3, False), "prefill": (64, 64, 32, 8, 3, False)}
+
+
+def triton_int4_matmul(x, packed, sz, shape, group_size, config=None):
     """x (M, K) fp32/bf16 -> (M, N) fp32 with the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
-    Decode (M = 1..16) uses one row block; prefill tiles M."""
+    config: (BM, BN, BK, num_warps, num_stages, tf32), else TRITON_CONFIGS' for decode (M <= 16) or prefill."""
     triton, kern = _triton_kernel()
     N, K = shape
     Np, Kp = C.int4_padded_shape(shape, group_size)
     x = x.float().contiguous()
     M = x.shape[0]
+    BM, BN, BK, warps, stages, tf32 = config or TRITON_CONFIGS["decode" if M <= 16 else "prefill"]
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current GPU
         kern[grid](x, packed, sz.view(-1), y, M, N, K, Np, x.stride(0), y.stride(0), GROUP=group_size, BM=BM, BN=BN,
-                   BK=BK)
+                   BK=BK, TF32=tf32, num_warps=warps, num_stages=stages)
     return y
 
 

@@ -62,8 +62,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
 - Cache policy `score` (default; `--cache-policy lru` for plain LRU): expert_cache.py's docstring.
 - CUDA: kernels.triton_int4_matmul; int8 rows (the lm_head) are dequantized once at load there. A missed
   expert is read into host memory as on CPU and copied to the GPU; the expert cache, which lives on the GPU, is
-  held to the GPU's free memory as well as to --ram-budget. Never run on a GPU yet: `bench/gpu_check.py` is the one-run check for the first machine with one
-  (its correctness part runs on CPU under TRITON_INTERPRET=1 in the tests).
+  held to the GPU's free memory as well as to --ram-budget. Run on an H200 with `bench/gpu_check.py` (README "On a
+  GPU": greedy tokens equal to the reference kernel's, streamed too); it runs on CPU under TRITON_INTERPRET=1 in the tests.
 - When every routed expert fits in the budget (or there is none) they are all read at load (`preload`, one
   sequential pass, like llama.cpp loading its weights), so decoding touches no disk; otherwise the cache is filled
   at load with as many as fit, the same number per layer (decoding then starts from a full cache, not an empty

@@ -1,5 +1,5 @@
 """
-stream_infer's CUDA path in one run, for the first machine with an NVIDIA GPU (no session has had one yet):
+stream_infer's CUDA path in one run, for a machine with an NVIDIA GPU (run on an H200: bench/h200/, README "On a GPU"):
 
 1. kernels: triton_int4_matmul against the reference (dequantize on the device, fp32 matmul) on decode (M = 1, 4,
    16) and prefill (M = 256) shapes of micro's projections and some odd ones: the largest relative error, then ms
@@ -38,7 +38,7 @@ TOLERANCE = 1e-3  # relative to the largest reference output: fp32 accumulation 
 
 def sync(device):
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # (cuda:N: that device, not the current one)
 
 
 def rel_err(ref, got):
@@ -127,6 +127,7 @@ def check_engine(path, device, n_new, prompt_tokens=16):
     print(f"  a quarter of the {n_experts} experts cached: greedy tokens {'equal' if got == want else 'DIFFER'} "
           f"({res['streamed_misses']} misses)")
     if device.startswith("cuda"):
+        small.cache.reset_counters()  # the timed decode's hit rate, not the check's generate before it
         res["quarter_cache_decode_tok_s"] = decode_tok_s(small, prompt, n_new)
         res["quarter_cache_hit_rate"] = small.cache.stats()["hit_rate"]
         print(f"  decode {res['resident_decode_tok_s']:.1f} tok/s fully resident, "
@@ -144,6 +145,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.tokens < 2 or a.prompt_tokens < 1 or a.reps < 1:  # (decode is timed from the second token on)
+        sys.exit("gpu_check: --tokens must be at least 2, --prompt-tokens and --reps at least 1")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here (torch.cuda.is_available() is False); on CPU run it as "
                  "TRITON_INTERPRET=1 python bench/gpu_check.py --container X --device cpu")
@@ -152,7 +155,7 @@ def main():
     if not os.path.exists(a.container):
         sys.exit(f"gpu_check: no such container {a.container}; build one with "
                  f"python container.py --random-config config/micro.py --out {a.container}")
-    name = torch.cuda.get_device_name() if a.device.startswith("cuda") else "CPU (Triton interpreter)"
+    name = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "CPU (Triton interpreter)"
     print(f"{name}, torch {torch.__version__}")
     print("kernels: triton_int4_matmul vs the reference")
     rows, worst = check_kernels(a.device, a.reps)
@@ -160,7 +163,7 @@ def main():
     print(f"engine: {a.container} on {a.device}, kernel triton vs kernel reference")
     try:
         eng = check_engine(a.container, a.device, a.tokens, a.prompt_tokens)
-    except S.StreamError as e:
+    except (S.StreamError, C.ContainerError, S.EC.CacheError) as e:
         sys.exit(f"gpu_check: {e}")
     ok = (worst < TOLERANCE and max(eng["hidden_rel_err"], eng["logits_rel_err"]) < TOLERANCE and eng["greedy_equal"]
           and eng["streamed_greedy_equal"])

@@ -1428,6 +1428,23 @@ def test_gpu_check_script_on_the_interpreter(tiny, tmp_path):
         assert p.returncode != 0 and msg in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_triton_tune_script_on_the_interpreter(tmp_path):
+    """bench/triton_tune.py (tile sizes for the Triton kernel, measured on a GPU) checks every config it times against
+    the reference; on the interpreter its quick grid (the config in use, the grid's first and last) is within
+    tolerance, and a TF32 config wins only when --tf32 allows it (an engine's hidden states drifted 7.5e-2 on it)."""
+    out = tmp_path / "tune.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "triton_tune.py"), "--device", "cpu", "--quick",
+                        "--json", str(out)], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"),
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    res = json.load(open(out))
+    for cls in ("decode", "prefill"):
+        c = res["classes"][cls]
+        assert len(c["rows"]) == 3 and all(row["ok"] and row["rel_err"] < 1e-4 for row in c["rows"])
+        assert c["in_use"]["config"] == list(kernels.TRITON_CONFIGS[cls]) and not c["best"]["config"][5]
+    assert any(row["config"][5] for row in res["classes"]["prefill"]["rows"])  # timed, not chosen
+
+
 def test_budget_strings():
     assert S.parse_size("4G") == 4 << 30 and S.parse_size("512M") == 512 << 20
     assert S.parse_size("1.5G") == int(1.5 * (1 << 30)) and S.parse_size("2GiB") == 2 << 30
