@@ -224,8 +224,8 @@ def save(out_dir, step, writers, extra_manifest=None):
         full = None
         if isinstance(e, Exception) and not (isinstance(e, OSError) and e.errno in DISK_ERRNOS):
             text = str(e)
-            full = ("No space left on device" if any(m in text for m in ("No space left", "os error 28",
-                                                                         "file write failed", "Disk quota"))
+            # (not miniz's "file write failed": any short write says that; the probe decides then)
+            full = ("No space left on device" if any(m in text for m in ("No space left", "os error 28", "Disk quota"))
                     else disk_full(out_dir))
         shutil.rmtree(tmp, ignore_errors=True)
         if full:

@@ -234,6 +234,8 @@ class Guardian:
                         self.first_step = train.read_json(os.path.join(ck, "state.json"), {}).get("step")
                     except (checkpoint.CheckpointError, train.TrainError, AttributeError):
                         self.first_step = None  # train.py names what is wrong with it, in one line, and stops
+                    if self.rollback() and self.first_step is not None:  # progress is past the step gone back to,
+                        before = self.first_step                          # not past the old timeline's newest
             else:
                 left = self.leg_left()
                 if any(v <= 0 for v in left.values()):  # the leg's steps or hours are used up: nothing to restart
@@ -270,7 +272,7 @@ class Guardian:
                 return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
                                      f"restarting cannot fix this")
             progressed = after is not None and (before is None or after > before)
-            fruitless += not progressed
+            fruitless += not progressed and rc != train.EXIT_UNREACHABLE  # (outages have their own retries, above)
             if progressed or rc != train.EXIT_UNREACHABLE:  # the retries are per outage: a run that trains between
                 unreachable_tries = 0                        # short outages hours apart is not stopped by the fourth
             if rc == train.EXIT_UNREACHABLE:

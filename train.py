@@ -136,6 +136,10 @@ class TrainError(Exception):
         self.code = code
 
 
+class RunLocked(TrainError):
+    """Another trainer holds the run dir: no crash report (it would land in that trainer's run dir, as its cause)."""
+
+
 def die(msg, code=EXIT_ERROR):
     print(f"train.py: error: {msg}", file=sys.stderr)
     sys.exit(code)
@@ -337,6 +341,98 @@ def retain(out_dir, keep):
     return removed
 
 
+def same_dir(a, b):
+    return os.path.realpath(str(a).rstrip("/") or "/") == os.path.realpath(str(b).rstrip("/") or "/")
+
+
+def prepare_run_dir(cfg, out, log):
+    """Rank 0, before anything is loaded: put back a step a dying re-save left aside, refuse a fresh start over a run's
+    checkpoints, and for a resume pick the checkpoint (resume_from, else the newest that verifies) and set aside every
+    later step, out_dir's and the mirror's: a rollback's old timeline, or newer steps that do not verify (left in
+    place, the newest, protected by retention, made it prune every step this start saved). A newer step that fails
+    here but verifies in the mirror is copied back and resumed. Returns the checkpoint to resume (None: no resume)."""
+    import checkpoint
+    for back in checkpoint.recover(out):  # a re-save that died between its renames: the step it had moved aside
+        log(f"WARNING: {back} was left aside by a save that died; put back")
+    existing = checkpoint.list_checkpoints(out)
+    if cfg["init_from"] != "resume":  # it would overwrite that run's steps (and retention the rest); corrupt ones: go on
+        newest_valid = next((p for _, p in reversed(existing) if checkpoint.is_valid(p)), None)
+        if newest_valid:
+            raise TrainError(f"{out} already holds a run's checkpoints (newest {os.path.basename(newest_valid)}); "
+                             f"continue it with --init_from=resume, or pass another --out_dir")
+        return None
+    mirror_dir = cfg["mirror_dir"]
+    # an explicit rollback; resume_from=out_dir itself is a plain resume (its LATEST may lag its newest valid step)
+    explicit = bool(cfg["resume_from"]) and not same_dir(cfg["resume_from"], out)
+    if explicit:
+        ck = checkpoint.resolve(cfg["resume_from"])  # a step dir, or a run dir (its newest) as grow_from takes
+        checkpoint.verify(ck)
+    else:
+        ck = checkpoint.latest_valid(out)
+        if ck is None:
+            raise TrainError(f"{out}: no valid checkpoint to resume from; start with --init_from=scratch"
+                             + (f" (found {len(existing)} invalid step_* dirs)" if existing else ""))
+        if existing[-1][1] != ck:
+            log(f"WARNING: newest checkpoint {existing[-1][1]} is invalid (it does not verify); resuming from {ck}")
+    step = read_json(os.path.join(ck, "state.json"))["step"]
+    tag = f"after_step_{step:07d}_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
+    good_copy = None
+    if not explicit and mirror_dir and any(s_ > step for s_, _ in existing):
+        try:  # the mirror keeps a copy of the newest step: one that verifies there is this timeline's, not another's
+            good_copy = checkpoint.latest_valid(mirror_dir)
+        except OSError:
+            good_copy = None
+        if good_copy and int(read_json(os.path.join(good_copy, "state.json"))["step"]) <= step:
+            good_copy = None
+    n_moved = set_aside_after(out, step, tag) if any(s_ > step for s_, _ in existing) else 0
+    if good_copy:
+        final = os.path.join(out, os.path.basename(good_copy))
+        tmp = os.path.join(out, ".tmp-restore-" + os.path.basename(good_copy))
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(good_copy, tmp)
+        checkpoint.verify(tmp)
+        os.replace(tmp, final)
+        log(f"WARNING: {final} did not verify; its copy in the mirror does: copied back ({n_moved} step(s) that did "
+            f"not verify moved to {os.path.join(out, 'abandoned', tag)})")
+        ck, step = final, int(read_json(os.path.join(final, "state.json"))["step"])
+        checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(final) + "\n")
+        return ck
+    m_moved = 0
+    if mirror_dir and explicit:  # (its later steps: whether or not out_dir had any, e.g. a rollback into a fresh out_dir)
+        try:
+            m_moved = set_aside_after(mirror_dir, step, tag)
+        except OSError as e:  # a read-only or unmounted mirror: out_dir's timeline is right; the mirror's is said
+            log(f"WARNING: could not set aside the mirror's steps after {step} ({e}); a resume from {mirror_dir} would "
+                f"take the old timeline's newest: move them to {os.path.join(mirror_dir, 'abandoned', tag)} by hand")
+    if not (n_moved or m_moved):
+        return ck
+    if checkpoint.in_run_dir(ck, out):
+        checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(os.path.normpath(ck)) + "\n")
+    state = read_json(os.path.join(ck, "state.json"))
+    best = os.path.join(out, "BEST")  # it may name a step just set aside: the resumed state's best, else none
+    if os.path.exists(best) and not os.path.isdir(os.path.join(out, open(best).read().strip())):
+        kept = state.get("best_step") is not None and os.path.join(out, checkpoint.step_dir_name(state["best_step"]))
+        if kept and os.path.isdir(kept):
+            checkpoint.write_atomic_text(best, os.path.basename(kept) + "\n")
+        else:
+            os.remove(best)
+    log(f"WARNING: resuming an earlier step: moved {n_moved} later checkpoint(s) of {out}"
+        + (f" and {m_moved} of {mirror_dir}" if m_moved else "") + f" to abandoned/{tag}, so they are neither resumed "
+        f"nor pruned")
+    try:  # a decay control.json asked for in the timeline set aside is not this one's
+        ctl = read_json(os.path.join(out, "control.json"), {})
+    except TrainError:
+        ctl = {}
+    taken = ctl.get("start_decay_taken_at_step") if isinstance(ctl, dict) else None
+    # taken at step N: checkpoint N was saved before it was read (each step saves, then reads control.json)
+    if explicit and isinstance(taken, int) and taken >= step and state.get("decay_started_at_tokens") is None:
+        os.makedirs(os.path.join(out, "abandoned", tag), exist_ok=True)
+        os.replace(os.path.join(out, "control.json"), os.path.join(out, "abandoned", tag, "control.json"))
+        log(f"control.json: its start_decay was taken at step {taken}, not before step {step}: moved to "
+            f"{os.path.join(out, 'abandoned', tag)}; this timeline trains without it")
+    return ck
+
+
 # -----------------------------------------------------------------------------------------------------------
 # durability: metrics file, hang watchdog, crash reports, mirror
 
@@ -348,6 +444,8 @@ def hold_run_lock(out_dir, wait_s, log):
     checkpoint temp dir mid-save. It waits up to wait_s for the first to exit (a relaunched guardian's trainer,
     while the killed guardian's finishes its SIGTERM checkpoint), then errors. Returns the open lock file."""
     import fcntl
+    if _RUN_INFO.get("lock") is not None:  # an earlier main() of this process (a test, a notebook) is over
+        os.close(_RUN_INFO.pop("lock"))
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, ".trainer.lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -360,8 +458,8 @@ def hold_run_lock(out_dir, wait_s, log):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             if time.monotonic() >= deadline:
                 os.close(fd)
-                raise TrainError(f"{out_dir}: another trainer (pid {holder}) is training this run ({path}); stop it "
-                                 f"or wait for it, or pass another --out_dir")
+                raise RunLocked(f"{out_dir}: another trainer (pid {holder}) is training this run ({path}); stop it "
+                                f"or wait for it, or pass another --out_dir")
             if not said:
                 log(f"waiting up to {wait_s:g} s for the trainer holding {path} (pid {holder}) to exit")
                 said = True
@@ -608,7 +706,9 @@ def main(argv):
         die("device=cuda but no CUDA GPU is visible; pass --device=cpu (and --dtype=float32) to train on the CPU")
     if ddp:
         rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-        dist.init_process_group(backend="nccl" if dev == "cuda" else "gloo")
+        import datetime  # the other ranks wait in their first collective while rank 0 waits for the run's lock
+        dist.init_process_group(backend="nccl" if dev == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=max(1800.0, cfg["lock_wait_s"] + 1200.0)))
         if dev == "cuda":
             torch.cuda.set_device(local_rank)
     device = f"cuda:{local_rank}" if dev == "cuda" else "cpu"
@@ -654,27 +754,27 @@ def main(argv):
     # --- state: scratch | resume | grow -------------------------------------------------------------------
     state, sd, opt_sd, layer_origin, ck = None, None, None, None, None
     mcfg = model_config_from(cfg)
-    for back in checkpoint.recover(out):  # a re-save that died between its renames: the step it had moved aside
-        log(f"WARNING: {back} was left aside by a save that died; put back")
-    existing = checkpoint.list_checkpoints(out)
-    # a start that is not a resume would overwrite that run's steps (and retention the rest); only corrupt ones: go on
-    newest_valid = next((p for _, p in reversed(existing) if checkpoint.is_valid(p)), None) \
-        if cfg["init_from"] != "resume" else None
-    if newest_valid:
-        raise TrainError(f"{out} already holds a run's checkpoints (newest {os.path.basename(newest_valid)}); "
-                         f"continue it with --init_from=resume, or pass another --out_dir")
+    # rank 0 alone sets the run dir right (put back, set aside) and picks the checkpoint; every rank resumes that one
+    # (each picking its own, a trainer's SIGTERM checkpoint landing meanwhile had ranks resume different steps)
+    ck, why = None, None
+    if master:
+        try:
+            ck = prepare_run_dir(cfg, out, log)
+        except (TrainError, checkpoint.CheckpointError) as e:
+            why = e
+    if ddp:  # as bytes in a tensor: broadcast_object_list unpickles what another machine sent
+        data = json.dumps([ck, None if why is None else str(why)]).encode() if master else b""
+        n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        dist.broadcast(n, 0)
+        buf = (torch.tensor(list(data), dtype=torch.uint8, device=device) if master
+               else torch.zeros(int(n.item()), dtype=torch.uint8, device=device))
+        dist.broadcast(buf, 0)
+        ck, msg = json.loads(bytes(buf.cpu().tolist()).decode())
+        if msg and not master:
+            raise TrainError(f"rank 0: {msg}")
+    if why is not None:
+        raise why
     if cfg["init_from"] == "resume":
-        if cfg["resume_from"]:
-            ck = checkpoint.resolve(cfg["resume_from"])  # a step dir, or a run dir (its newest) as grow_from takes
-            checkpoint.verify(ck)
-        else:
-            ck = checkpoint.latest_valid(out)
-            newest = checkpoint.list_checkpoints(out)
-            if ck is None:
-                raise TrainError(f"{out}: no valid checkpoint to resume from; start with --init_from=scratch"
-                                 + (f" (found {len(newest)} invalid step_* dirs)" if newest else ""))
-            if newest and newest[-1][1] != ck:
-                log(f"WARNING: newest checkpoint {newest[-1][1]} is invalid (it does not verify); resuming from {ck}")
         state = read_json(os.path.join(ck, "state.json"))
         mcfg = model_config_from({**cfg, **state["model_config"], **config_wins(state["model_config"], "resume")})
         sd = load_file(os.path.join(ck, "model.safetensors"))
@@ -682,34 +782,6 @@ def main(argv):
             opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
         layer_origin = state["layer_origin"]
         log(f"resuming from {ck} at step {state['step']}, {state['tokens']:,} tokens")
-        if master and any(s_ > state["step"] for s_, _ in existing):
-            # a rollback, or newer steps that do not verify: the later steps are another timeline, kept aside (the
-            # mirror's too, or a resume from it would take the old timeline's newest); left in place, the newest
-            # (protected by retention as the newest) made retention prune every step this start saved
-            tag = f"after_step_{state['step']:07d}_{time.strftime('%Y%m%d-%H%M%S')}"
-            n_moved = set_aside_after(out, state["step"], tag)
-            if cfg["mirror_dir"]:
-                set_aside_after(cfg["mirror_dir"], state["step"], tag)
-            if checkpoint.in_run_dir(ck, out):
-                checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(os.path.normpath(ck)) + "\n")
-            best = os.path.join(out, "BEST")  # it may name a step just set aside: the resumed state's best, else none
-            if os.path.exists(best) and not os.path.isdir(os.path.join(out, open(best).read().strip())):
-                kept = state.get("best_step") is not None and os.path.join(out, checkpoint.step_dir_name(state["best_step"]))
-                if kept and os.path.isdir(kept):
-                    checkpoint.write_atomic_text(best, os.path.basename(kept) + "\n")
-                else:
-                    os.remove(best)
-            log(f"WARNING: resuming an earlier step: moved {n_moved} later checkpoint(s) of {out} to "
-                f"{os.path.join(out, 'abandoned', tag)}, so they are neither resumed nor pruned")
-            try:  # a decay control.json started after this step belongs to the timeline set aside
-                ctl = read_json(os.path.join(out, "control.json"), {})
-            except TrainError:
-                ctl = {}
-            taken = ctl.get("start_decay_taken_at_step") if isinstance(ctl, dict) else None
-            if cfg["resume_from"] and isinstance(taken, int) and taken > state["step"]:  # a rollback asked for
-                os.replace(os.path.join(out, "control.json"), os.path.join(out, "abandoned", tag, "control.json"))
-                log(f"control.json: its start_decay was taken at step {taken}, after step {state['step']}: moved to "
-                    f"{os.path.join(out, 'abandoned', tag)}; this timeline trains without it")
     elif cfg["init_from"] == "grow":
         if not cfg["grow_from"] or cfg["grow_layers"] <= 0:
             raise TrainError("init_from=grow needs grow_from=CHECKPOINT and grow_layers > 0")
@@ -1159,6 +1231,8 @@ def main(argv):
     watchdog.stop()
     if metrics_f:
         metrics_f.close()
+    if _RUN_INFO.get("lock") is not None:
+        os.close(_RUN_INFO.pop("lock"))
     if ddp:
         dist.destroy_process_group()
 
@@ -1172,7 +1246,8 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except TrainError as e:
-        write_crash_report(CAUSES.get(e.code, "error"), e.code, str(e))
+        if not isinstance(e, RunLocked):
+            write_crash_report(CAUSES.get(e.code, "error"), e.code, str(e))
         die(str(e), e.code)
     except checkpoint.CheckpointError as e:
         die(str(e), EXIT_ERROR)

@@ -113,6 +113,10 @@ def test_torchrun_two_processes_gloo(data_root, tmp_path):
     st = json.load(open(os.path.join(out, "step_0000006", "state.json")))
     assert st["finished"] and st["tokens"] == 6 * 2 * 4 * 32  # two ranks' rows per step
     assert st["data_position"]["local"]["offset"] == st["tokens"]
+    # rank 0 alone picks the checkpoint; when it cannot, every rank stops with its message (none waits in a collective)
+    r = subprocess.run(base + ["--init_from=resume", f"--resume_from={tmp_path / 'nowhere'}"], cwd=REPO,
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "no such file or directory" in r.stderr and "rank 0:" in r.stderr, r.stderr[-3000:]
 
 
 def test_grow_starts_as_identity_and_groups_get_their_lr(data_root, tmp_path):
@@ -382,14 +386,21 @@ def test_a_rollback_before_an_on_demand_decay_trains_without_it(data_root, tmp_p
     json.dump({"start_decay": True}, open(os.path.join(out, "control.json"), "w"))
     run(base + ["--init_from=resume", "--stop_after_steps=2"])
     assert json.load(open(os.path.join(out, "control.json")))["start_decay_taken_at_step"] == 3
-    r = run(base + ["--init_from=resume", f"--resume_from={os.path.join(out, 'step_0000002')}", "--stop_after_steps=2"])
+    assert json.load(open(os.path.join(out, "step_0000004", "state.json")))["decay_started_at_tokens"] is not None
+    # back to step 3 itself: saved before control.json was read there, so from before the decay too
+    r = run(base + ["--init_from=resume", f"--resume_from={os.path.join(out, 'step_0000003')}", "--stop_after_steps=2"])
     st = json.load(open(os.path.join(out, "step_0000004", "state.json")))
     assert st.get("decay_started_at_tokens") is None and st["plan"][-1]["name"] != "decay-on-demand"
     assert not os.path.exists(os.path.join(out, "control.json")) and "trains without it" in r.stdout
     # a crash before the decay reached a checkpoint: no rollback, so the request stays and is taken again
     json.dump({"start_decay": True, "start_decay_taken_at_step": 9}, open(os.path.join(out, "control.json"), "w"))
     run(base + ["--init_from=resume", "--stop_after_steps=1"])
-    assert json.load(open(os.path.join(out, "step_0000005", "state.json")))["decay_started_at_tokens"] is not None
+    assert json.load(open(os.path.join(out, "step_0000006", "state.json")))["decay_started_at_tokens"] is not None
+    # --resume_from=OUT_DIR itself is a plain resume: a LATEST that lags (a kill between the rename and its write)
+    # made it a rollback that set the newest valid step aside
+    checkpoint.write_atomic_text(os.path.join(out, "LATEST"), "step_0000005\n")
+    r = run(base + ["--init_from=resume", f"--resume_from={out}", "--stop_after_steps=1"])
+    assert "step_0000006 at step 6" in r.stdout and "moved" not in r.stdout, r.stdout[-2000:]
 
 
 def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_root, tmp_path):
@@ -412,6 +423,8 @@ def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_r
                            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
         assert r.returncode == 1 and f"another trainer (pid {first.pid})" in r.stderr, r.stderr[-2000:]
         assert len(r.stderr.strip().splitlines()) == 1 and "waiting up to 1 s" in r.stdout
+        # no crash report: in the holder's run dir it would read as the holder's cause
+        assert not [n for n in os.listdir(out) if n.startswith("crash-")]
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
