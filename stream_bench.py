@@ -21,6 +21,7 @@ A sweep writes a table, the same rows as a markdown table beside its JSON (OUT.m
 bench/vs_llamacpp.py's JSON when there is one).
 """
 
+import itertools
 import json
 import os
 import resource
@@ -60,8 +61,8 @@ def measure_disk_bandwidth(cont, n_blobs=64, n_readers=4, exclude=(), picked=Non
     part = -(-n // n_readers // C.ALIGN) * C.ALIGN
     blobs = EC.BlobBuffers(n)  # as the cache's buffers (huge pages, which read faster)
     bufs = [blobs.take() for _ in range(2)]
+    ops = kernels.native_reader()  # (before the clock: its first load, ~0.1 s, read as slow disk)
     t0 = time.perf_counter()
-    ops = kernels.native_reader()
     if ops is not None:  # expert_reader.cpp's threads, as the cache reads (its pool 2: the bench's)
         for r in [EC.NativeRead(cont, k, bufs[i % 2], 2, n_readers, ops, verify=False) for i, k in enumerate(pick)]:
             r.result()
@@ -288,9 +289,13 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     }
 
 
+_CGROUP_SERIAL = itertools.count(1)
+
+
 def cgroup_memory_dir():
     """A fresh child memory cgroup (v2 memory.max or v1 memory.limit_in_bytes) or None; we must be root."""
-    name = f"picaflor-bench-{os.getpid()}"
+    name = f"picaflor-bench-{os.getpid()}-{next(_CGROUP_SERIAL)}"  # one per budget of a sweep (a leftover one's
+    # name, reused, made the next mkdir fail and that budget ran unlimited)
     try:
         with open(os.path.join(S.PROC_SELF, "cgroup")) as f:
             own = f.read().splitlines()  # this process's cgroups, v2 ("0::path") and v1 ("N:controllers:path")
@@ -359,10 +364,24 @@ def close_cgroup(cg):
             break
         except (OSError, ValueError):
             pass
-    try:
-        os.rmdir(cg)
-    except OSError:
-        pass
+    import signal
+    for _ in range(50):  # what the child left in it (a compiler it started, its grandchildren): ended, then removed
+        try:
+            pids = [int(p) for p in open(os.path.join(cg, "cgroup.procs")).read().split()]
+        except (OSError, ValueError):
+            pids = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.rmdir(cg)
+            return peak
+        except OSError:
+            time.sleep(0.1)
+    print(f"stream_bench: WARNING: could not remove the memory cgroup {cg}; remove it with rmdir when its processes "
+          f"have exited", file=sys.stderr)
     return peak
 
 
@@ -380,8 +399,15 @@ def bench_in_cgroup(args, argv):
         raise S.StreamError(str(e)) from None
     # before the cgroup exists: its failure leaves none behind
     mem_bw = memory_bandwidth_elsewhere(args.threads, per_token)
+    if args.device == "cpu":  # a first build compiles here, not inside the budget (the compiler was OOM-killed, or
+        kernels.native_int4()  # its ~20 s sat in the child's timed disk measurement)
+        kernels.native_reader()
     dropped = drop_page_cache(args.container)
     cg, ver = limited_cgroup(budget) if budget else (None, None)
+    if budget and not cg:
+        print(f"stream_bench: WARNING: no memory cgroup could be made (root and cgroup v1 or v2 with the memory "
+              f"controller are needed); --ram-budget {args.ram_budget} bounds the engine's own accounting only, not "
+              f"the page cache: the figures are not memory-limited", file=sys.stderr)
     with tempfile.TemporaryDirectory() as td:
         res_path = os.path.join(td, "result.json")
         argv = [sys.executable, os.path.abspath(S.__file__)] + list(argv)  # the child: stream_infer.py
@@ -394,9 +420,15 @@ def bench_in_cgroup(args, argv):
                     f.write(str(os.getpid()))
 
         cpu0 = time.process_time()
+
+        def on_sigterm(signum, frame):  # as Ctrl-C: kill left the child running, its cgroup and temp dir behind
+            raise S.StreamError(f"{args.container}: benchmark stopped by SIGTERM")
+        import signal
+        old = signal.signal(signal.SIGTERM, on_sigterm)
         try:  # Ctrl-C: subprocess.run ends the child, then the cgroup goes too (it was left behind)
             r = subprocess.run(argv, env=env, preexec_fn=enter_cgroup)
         finally:
+            signal.signal(signal.SIGTERM, old)
             cg_peak = close_cgroup(cg)
         parent_cpu_s = time.process_time() - cpu0  # this process while the child ran: ~0, or it stole the child's cores
         if r.returncode != 0 or not os.path.exists(res_path):
@@ -408,8 +440,33 @@ def bench_in_cgroup(args, argv):
     res["mem_probe_bytes"] = per_token  # the working set memory bandwidth was measured over
     res["cgroup_peak_bytes"] = cg_peak
     res["page_cache_dropped"] = dropped
-    res["page_cache_excluded"] = bool(dropped and (cg is not None or res.get("direct_io")))
+    fs = filesystem_type(args.container)
+    res["container_filesystem"] = fs
+    res["memory_limited"] = cg is not None
+    # tmpfs / ramfs: O_DIRECT and DONTNEED succeed, and every read is served from memory
+    res["page_cache_excluded"] = bool(dropped and (cg is not None or res.get("direct_io")) and fs not in RAM_FILESYSTEMS)
+    if fs in RAM_FILESYSTEMS:
+        print(f"stream_bench: WARNING: {args.container} is on {fs} (memory): its reads never reach a disk; the figures "
+              f"are not disk-bound", file=sys.stderr)
     return res
+
+
+RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs", "hugetlbfs")
+
+
+def filesystem_type(path):
+    """The type of the filesystem holding path (the longest mount point over it in /proc/self/mounts), or None."""
+    try:
+        mounts = [line.split() for line in open(os.path.join(S.PROC_SELF, "mounts"))]
+    except OSError:  # macOS
+        return None
+    real = os.path.realpath(path)
+    best, fs = "", None
+    for m in mounts:
+        point = m[1].replace("\\040", " ") if len(m) > 2 else None
+        if point and (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, fs = point, m[2]
+    return fs
 
 
 def disk_spread(res):
@@ -479,8 +536,10 @@ def print_bench(res):
               f"tok/s): a bandwidth measurement was disturbed (CPU steal or a cache below this machine), so the % of "
               f"the bound means nothing here; rerun", file=sys.stderr)
     if not res.get("page_cache_excluded"):
-        print("WARNING: the page cache could not be excluded (no memory cgroup and no O_DIRECT): misses may have been "
-              "served from RAM, so these figures are NOT disk-bound", file=sys.stderr)
+        why = (f"the container is on {res['container_filesystem']}" if res.get("container_filesystem") in RAM_FILESYSTEMS
+               else "no memory cgroup and no O_DIRECT")
+        print(f"WARNING: the page cache could not be excluded ({why}): misses may have been served from RAM, so these "
+              f"figures are NOT disk-bound", file=sys.stderr)
 
 
 def strip_args(argv, names_with_value, flags=()):

@@ -221,8 +221,19 @@ def main():
     import torch
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    tasks = args.tasks.split(",")
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in HARNESS_TASK_FILES]
+    if unknown or not tasks or args.n < 1:  # (a KeyError traceback after the model was made, its temp dir left)
+        ap.error(f"--tasks: {', '.join(unknown) or '(none)'} not among {', '.join(HARNESS_TASK_FILES)}" if unknown or not tasks
+                 else "--n: at least 1 example per task")
     tmp = tempfile.mkdtemp(prefix="eval_speed_")
+    try:
+        run(args, tasks, tmp, torch)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args, tasks, tmp, torch):
     os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(tmp, "hf_datasets"))
     d = 64 if args.quick else args.d_model
     model_dir = make_tiny_hf_model(os.path.join(tmp, "model"), vocab_size=args.vocab, d_model=d,
@@ -268,7 +279,6 @@ def main():
               f"{ours_t[i]:7.2f}s ({n_total / ours_t[i]:7.1f} examples/s)   ->  eval.py is {timed[i] / ours_t[i]:.2f}x")
     print(f"max |d loglikelihood| {worst:.2e}; identical metrics: "
           f"{all(abs(ref['results'][t][k] - ours[t][1][t][k.split(',')[0]]) < 1e-9 for t in tasks for k in ref['results'][t] if k.split(',')[0] in ('acc', 'acc_norm'))}")
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def main():
         eng = S.load(a.container, ram_budget=a.ram_budget, prefetch="off")  # each variant sets its own
     except S.StreamError as e:
         raise SystemExit(f"error: {e}") from None
-    S.compute_threads(eng, "auto")
+    torch.set_num_threads(S.compute_threads(eng, "auto"))  # (the call alone set nothing)
     lat, miss, wait, guessed = run(eng, variants, a.prompts, a.tokens)
     print(f"{a.container} at {a.ram_budget}: {a.prompts} prompts x {a.tokens - 1} tokens, the variant switched "
           f"every token; guesses from the recorded future")

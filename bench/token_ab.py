@@ -83,7 +83,7 @@ def main():
         eng = S.load(a.container, ram_budget=a.ram_budget, prefetch="off")  # each variant sets its own
     except S.StreamError as e:
         raise SystemExit(f"error: {e}") from None
-    S.compute_threads(eng, "auto")
+    torch.set_num_threads(S.compute_threads(eng, "auto"))  # (the call alone set nothing)
     cache = eng.cache
     if name == "native_reads" and cache.reader_ops is None:
         raise SystemExit("error: --set native_reads: expert_reader.cpp did not build here, so only Python readers exist")

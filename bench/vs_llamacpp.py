@@ -231,18 +231,24 @@ def run_llama(args, budget_bytes, setting, build_dir=None):
         env = dict(os.environ)
         if build_dir:
             env["PYTHONPATH"] = os.pathsep.join([build_dir] + [p for p in [env.get("PYTHONPATH")] if p])
-        p = subprocess.Popen(cmd, preexec_fn=enter, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             env=env)
-        try:
-            _, err = p.communicate(timeout=args.max_seconds * 2 + 300)
-            why = None if p.returncode == 0 else exit_reason(p.returncode, err, cg is not None)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            why = "timed out"
+        try:  # (Ctrl-C, an error: the child and its cgroup go too; they were left behind)
+            p = subprocess.Popen(cmd, preexec_fn=enter, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                 env=env)
+            try:
+                _, err = p.communicate(timeout=args.max_seconds * 2 + 300)
+                why = None if p.returncode == 0 else exit_reason(p.returncode, err, cg is not None)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+                why = "timed out"
+            except BaseException:
+                p.kill()
+                p.wait()
+                raise
+        finally:
+            cg_peak = stream_bench.close_cgroup(cg)
         res = json.load(open(out)) if os.path.exists(out) else {"setting": setting, "tokens": 0}
-        res.update(wall_s=time.time() - t0, page_cache_dropped=dropped, cgroup=ver,
-                   cgroup_peak_bytes=stream_bench.close_cgroup(cg))
+        res.update(wall_s=time.time() - t0, page_cache_dropped=dropped, cgroup=ver, cgroup_peak_bytes=cg_peak)
     if why:
         res["error"] = why
     if res.get("tokens", 0) < 2:
@@ -268,26 +274,33 @@ def make_gguf(args):
     if os.path.exists(args.gguf) and os.path.getmtime(args.gguf) >= os.path.getmtime(args.container):
         return
     tok = args.tokenizer
-    td = tempfile.mkdtemp()
-    if tok is None and not container.load_container(args.container).tokenizer_json:
-        import tokenizer as tokmod  # a byte-level tokenizer so llama.cpp can load the vocab; ids are what we feed
-        text = open(__file__).read() + open(os.path.join(ROOT, "README.md")).read()
-        tok = os.path.join(td, "tokenizer.json")
-        tokmod.train_tokenizer([text], 512).save(tok)
-    cmd = [sys.executable, os.path.join(ROOT, "export.py"), args.container, "--format", "gguf", "--gguf-type", "q4_0",
-           "--out", args.gguf] + (["--tokenizer", tok] if tok else [])
-    print("writing the GGUF:", " ".join(cmd), flush=True)
-    if subprocess.run(cmd).returncode != 0:
-        raise BenchError(f"{args.container}: GGUF export failed (see above)")
+    with tempfile.TemporaryDirectory() as td:
+        if tok is None and not container.load_container(args.container).tokenizer_json:
+            import tokenizer as tokmod  # a byte-level tokenizer so llama.cpp can load the vocab; ids are what we feed
+            text = open(__file__).read() + open(os.path.join(ROOT, "README.md")).read()
+            tok = os.path.join(td, "tokenizer.json")
+            tokmod.train_tokenizer([text], 512).save(tok)
+        cmd = [sys.executable, os.path.join(ROOT, "export.py"), args.container, "--format", "gguf", "--gguf-type",
+               "q4_0", "--out", args.gguf] + (["--tokenizer", tok] if tok else [])
+        print("writing the GGUF:", " ".join(cmd), flush=True)
+        if subprocess.run(cmd).returncode != 0:
+            raise BenchError(f"{args.container}: GGUF export failed (see above)")
 
 
 def budget_bytes_of(b, container_bytes):
+    """Bytes of one --budgets item (None: no limit); BenchError for one that is not none, N% or a size."""
     import stream_infer
     if b in ("none", ""):
         return None
-    if b.endswith("%"):
-        return int(container_bytes * float(b[:-1]) / 100)
-    return stream_infer.parse_size(b)
+    try:
+        pct = float(b[:-1]) if b.endswith("%") else None
+        n = (max(1, int(container_bytes * pct / 100)) if pct and pct > 0 else None) if b.endswith("%") \
+            else stream_infer.parse_size(b)
+    except (ValueError, stream_infer.StreamError):
+        n = None
+    if not n or n <= 0:  # (0% gave 0, which read as no limit)
+        raise BenchError(f"--budgets: {b!r} is not none, a positive N% of the container, or a size like 2G")
+    return n
 
 
 def fmt(x, nd=2):
@@ -328,6 +341,9 @@ def main(argv=None):
         if not args.container or not os.path.isfile(args.container):
             raise BenchError(f"{args.container}: no such container; make one with python container.py "
                              f"--random-config config/micro.py --out micro.pcf4")
+        budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+        for b in budgets:  # before the import and the GGUF export (minutes), not after them
+            budget_bytes_of(b, os.path.getsize(args.container))
         settings = [s for s in args.settings.split(",") if s]
         bad = [s for s in settings if s not in SETTINGS]
         if bad:
@@ -349,7 +365,6 @@ def main(argv=None):
         args.gguf = args.gguf or os.path.splitext(args.container)[0] + ".q4_0.gguf"
         make_gguf(args)
         cbytes = os.path.getsize(args.container)
-        budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
         rows = []
         for b in budgets:
             bb = budget_bytes_of(b, cbytes)
