@@ -120,6 +120,9 @@ def main():
         eng = S.load(args.container, ram_budget=None)
     except S.StreamError as e:
         sys.exit(str(e))
+    if args.prompt_tokens + args.new_tokens > eng.context:  # (the engine's error named stream_infer's flag)
+        sys.exit(f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} exceed the model's context "
+                 f"{eng.context}")
     one_pass = min(eng.cfg.n_experts, args.prompt_tokens * eng.cfg.top_k)  # the most a layer's prefill asks for
     if min(caps) < one_pass:
         sys.exit(f"--capacities {min(caps)}: below the {one_pass} experts one layer's prefill of {args.prompt_tokens} "

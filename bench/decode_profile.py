@@ -35,6 +35,8 @@ def main():
     ap.add_argument("--prefetch", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
+    if args.tokens < 2 or args.threads < 1:
+        sys.exit("decode_profile: --tokens at least 2, --threads at least 1")
     if not os.path.exists(args.container):
         sys.exit(f"decode_profile: no such container {args.container}; build one with "
                  f"python container.py --random-config config/micro.py --out {args.container}")

@@ -47,7 +47,12 @@ def main():
     a = ap.parse_args()
     place = ((lambda t: C.anon_tensor(list(t.shape), t.dtype).copy_(t)) if a.pages == "huge"  # noqa: E731
              else (lambda t: t))
-    N, K = (int(v) for v in a.shape.lower().split("x"))
+    try:
+        N, K = (int(v) for v in a.shape.lower().split("x"))
+    except ValueError:
+        sys.exit(f"error: --shape {a.shape!r}: N x K, e.g. 2048x2048")
+    if N < 1 or K < 1 or a.reps < 1 or a.group_size < 1 or a.mb < 1:
+        sys.exit("error: --shape sides, --reps, --group-size and --mb must be at least 1")
     g = a.group_size
     Np, Kp = C.int4_padded_shape((N, K), g)
     op = kernels.native_int4()

@@ -90,6 +90,12 @@ def main():
     ap.add_argument("--readers", type=int, default=4)
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.reps < 1 or args.tokens < 2 or args.threads < 1 or not 1 <= args.readers <= 64:
+        sys.exit("--reps at least 1, --tokens at least 2, --threads at least 1, --readers 1 to 64")
+    try:  # before the interference phase (a minute), not after it
+        S.parse_size(args.ram_budget)
+    except S.StreamError as e:
+        sys.exit(str(e))
     torch.set_num_threads(args.threads)
     if not os.path.exists(args.container):
         sys.exit(f"{args.container}: no such container (python container.py --random-config config/micro.py --out ...)")
@@ -100,7 +106,10 @@ def main():
     print(f"int4 GEMV ({args.threads} threads): {inter['gemv_alone_gb_s']:.2f} GB/s alone, "
           f"{inter['gemv_while_reading_gb_s']:.2f} GB/s while experts are read in the background "
           f"(the disk gave {inter['disk_while_computing_gb_s']:.2f} GB/s meanwhile)", flush=True)
-    eng = S.load(args.container, ram_budget=args.ram_budget, n_readers=args.readers, prefetch="off")  # set per run
+    try:
+        eng = S.load(args.container, ram_budget=args.ram_budget, n_readers=args.readers, prefetch="off")  # set per run
+    except S.StreamError as e:  # a budget below the resident part: one line
+        sys.exit(str(e))
     gen = torch.Generator().manual_seed(0)
     runs = {"off": [], "on": [], "auto": []}
     for rep in range(args.reps):

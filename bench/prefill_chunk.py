@@ -37,6 +37,8 @@ def main():
         assert chunks and min(chunks) >= 1
     except (ValueError, AssertionError):
         sys.exit(f"--chunks {args.chunks!r}: comma-separated positive token counts, e.g. 64,256")
+    if args.reps < 1 or args.prompt_tokens < 1 or args.threads < 1:
+        sys.exit("--reps, --prompt-tokens and --threads must be at least 1")
     if not os.path.exists(args.container):
         sys.exit(f"{args.container}: no such container (python container.py --random-config config/micro.py --out ...)")
     torch.set_num_threads(args.threads)

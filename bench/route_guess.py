@@ -134,12 +134,21 @@ def main():
     args = ap.parse_args()
     if not os.path.exists(args.source):
         raise SystemExit(f"route_guess: {args.source}: no such checkpoint or config")
+    if args.seq_len < 2 or args.tokens < args.seq_len or args.batch_size < 1:
+        raise SystemExit("route_guess: --seq-len at least 2, --tokens at least --seq-len, --batch-size at least 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise SystemExit(f"route_guess: --json {args.json}: its folder does not exist")
     try:
         models = load_models(args.source, args.seed, with_random=not args.no_random)
     except (checkpoint.CheckpointError, OSError, ValueError, KeyError, TypeError, SyntaxError) as e:  # corrupt, malformed
         raise SystemExit(f"route_guess: {e}" if args.source in str(e) else f"route_guess: {args.source}: {e}") from None
     cfg = models[0][1].cfg
-    windows = token_windows(args, cfg.vocab_size)
+    if args.seq_len > cfg.max_seq_len:
+        raise SystemExit(f"route_guess: --seq-len {args.seq_len}: the model's max_seq_len is {cfg.max_seq_len}")
+    try:
+        windows = token_windows(args, cfg.vocab_size)
+    except Exception as e:  # a missing or corrupt corpus (shards.DataError), one line
+        raise SystemExit(f"route_guess: {e}" if str(args.corpus) in str(e) else f"route_guess: {args.corpus}: {e}") from None
     k, E = cfg.top_k, cfg.n_experts
     print(f"{args.source}: {len(windows) * args.seq_len} tokens ({args.corpus or 'random ids'}), top_k {k} of {E} "
           f"experts (chance {k / E:.3f}); share of layer L+d's picks named d layers early")

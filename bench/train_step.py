@@ -225,6 +225,10 @@ def main():
     ap.add_argument("--omp-spin", action="store_true", help="keep OpenMP's default wait policy (default: PASSIVE)")
     ap.add_argument("--json", metavar="OUT", help="write {moe_layer_ratio, model_ratio, gflops, peak_gflops, ...}")
     args = ap.parse_args()
+    if args.rounds is not None and args.rounds < 1:  # (0 became 5, silently)
+        ap.error("--rounds: at least 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):  # (found after ~10 minutes)
+        ap.error(f"--json {args.json}: its folder does not exist")
     rounds = args.rounds or (2 if args.quick else 5)
     warmup = 1
     tokens = 512 if args.quick else args.tokens
