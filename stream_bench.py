@@ -347,6 +347,10 @@ def limited_cgroup(budget):
                     pass
             else:
                 open(os.path.join(cg, "memory.limit_in_bytes"), "w").write(str(budget))
+                try:  # memory + swap at the same limit: no swap (absent when the kernel does not account swap)
+                    open(os.path.join(cg, "memory.memsw.limit_in_bytes"), "w").write(str(budget))
+                except OSError:
+                    pass
         except OSError:
             os.rmdir(cg)
             return None, None
