@@ -24,6 +24,7 @@ bench/vs_llamacpp.py's JSON when there is one).
 import itertools
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -369,6 +370,12 @@ def close_cgroup(cg):
         except (OSError, ValueError):
             pass
     import signal
+    if not os.path.isdir(cg):
+        return peak
+    try:  # v2: the kernel ends them all (no pid read, then reused, then killed)
+        open(os.path.join(cg, "cgroup.kill"), "w").write("1")
+    except OSError:
+        pass
     for _ in range(50):  # what the child left in it (a compiler it started, its grandchildren): ended, then removed
         try:
             pids = [int(p) for p in open(os.path.join(cg, "cgroup.procs")).read().split()]
@@ -425,15 +432,15 @@ def bench_in_cgroup(args, argv):
 
         cpu0 = time.process_time()
 
-        def on_sigterm(signum, frame):  # as Ctrl-C: kill left the child running, its cgroup and temp dir behind
-            raise S.StreamError(f"{args.container}: benchmark stopped by SIGTERM")
+        def on_sigterm(signum, frame):  # as Ctrl-C (a sweep stops too): kill left the child running, its cgroup and
+            raise KeyboardInterrupt  # temp dir behind
         import signal
         old = signal.signal(signal.SIGTERM, on_sigterm)
         try:  # Ctrl-C: subprocess.run ends the child, then the cgroup goes too (it was left behind)
             r = subprocess.run(argv, env=env, preexec_fn=enter_cgroup)
         finally:
-            signal.signal(signal.SIGTERM, old)
             cg_peak = close_cgroup(cg)
+            signal.signal(signal.SIGTERM, old)  # (after: a second SIGTERM while cleaning up is the same request)
         parent_cpu_s = time.process_time() - cpu0  # this process while the child ran: ~0, or it stole the child's cores
         if r.returncode != 0 or not os.path.exists(res_path):
             why = "killed (out of memory inside the cgroup?)" if r.returncode < 0 else f"exit {r.returncode}"
@@ -467,7 +474,7 @@ def filesystem_type(path):
     real = os.path.realpath(path)
     best, fs = "", None
     for m in mounts:
-        point = m[1].replace("\\040", " ") if len(m) > 2 else None
+        point = re.sub(r"\\([0-7]{3})", lambda o: chr(int(o.group(1), 8)), m[1]) if len(m) > 2 else None  # \040 ...
         if point and (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
             best, fs = point, m[2]
     return fs

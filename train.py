@@ -345,6 +345,36 @@ def same_dir(a, b):
     return os.path.realpath(str(a).rstrip("/") or "/") == os.path.realpath(str(b).rstrip("/") or "/")
 
 
+def restore_from_mirror(out, mirror_dir, newer, log):
+    """For out_dir's newer steps that do not verify (newest first): the mirror's copy of the same step whose
+    MANIFEST.json is byte for byte out_dir's (the same checkpoint: not another timeline's step of that number, nor
+    another run's sharing the mirror), copied to a temp dir in out_dir, fsynced and verified. (temp dir, the step's
+    path) or None; a copy that fails is said and removed, and the resume goes on from the older step."""
+    import checkpoint
+    for _, p in reversed(newer):
+        name = os.path.basename(p)
+        cand = os.path.join(mirror_dir, name)
+        try:
+            same = open(os.path.join(p, "MANIFEST.json"), "rb").read() == open(os.path.join(cand, "MANIFEST.json"), "rb").read()
+        except OSError:  # no manifest here or there (a rotted manifest cannot say which checkpoint it was)
+            continue
+        if not same:
+            continue
+        tmp = os.path.join(out, ".tmp-restore-" + name)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(cand, tmp)
+            for f in os.listdir(tmp):
+                with open(os.path.join(tmp, f), "rb+") as fh:
+                    os.fsync(fh.fileno())
+            checkpoint.verify(tmp)
+            return tmp, p
+        except (OSError, shutil.Error, checkpoint.CheckpointError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log(f"WARNING: could not copy {cand} back ({str(e).splitlines()[0][:200]}); resuming an older step")
+    return None
+
+
 def prepare_run_dir(cfg, out, log):
     """Rank 0, before anything is loaded: put back a step a dying re-save left aside, refuse a fresh start over a run's
     checkpoints, and for a resume pick the checkpoint (resume_from, else the newest that verifies) and set aside every
@@ -354,6 +384,9 @@ def prepare_run_dir(cfg, out, log):
     import checkpoint
     for back in checkpoint.recover(out):  # a re-save that died between its renames: the step it had moved aside
         log(f"WARNING: {back} was left aside by a save that died; put back")
+    for name in os.listdir(out) if os.path.isdir(out) else []:  # a copy from the mirror cut short (this run's lock held)
+        if name.startswith(".tmp-restore-"):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     existing = checkpoint.list_checkpoints(out)
     if cfg["init_from"] != "resume":  # it would overwrite that run's steps (and retention the rest); corrupt ones: go on
         newest_valid = next((p for _, p in reversed(existing) if checkpoint.is_valid(p)), None)
@@ -376,27 +409,27 @@ def prepare_run_dir(cfg, out, log):
             log(f"WARNING: newest checkpoint {existing[-1][1]} is invalid (it does not verify); resuming from {ck}")
     step = read_json(os.path.join(ck, "state.json"))["step"]
     tag = f"after_step_{step:07d}_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
-    good_copy = None
-    if not explicit and mirror_dir and any(s_ > step for s_, _ in existing):
-        try:  # the mirror keeps a copy of the newest step: one that verifies there is this timeline's, not another's
-            good_copy = checkpoint.latest_valid(mirror_dir)
-        except OSError:
-            good_copy = None
-        if good_copy and int(read_json(os.path.join(good_copy, "state.json"))["step"]) <= step:
-            good_copy = None
-    n_moved = set_aside_after(out, step, tag) if any(s_ > step for s_, _ in existing) else 0
-    if good_copy:
-        final = os.path.join(out, os.path.basename(good_copy))
-        tmp = os.path.join(out, ".tmp-restore-" + os.path.basename(good_copy))
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(good_copy, tmp)
-        checkpoint.verify(tmp)
+    newer = [(s_, p) for s_, p in existing if s_ > step]  # none of them verifies (ck is the newest that does)
+    restored = restore_from_mirror(out, mirror_dir, newer, log) if newer and mirror_dir and not explicit else None
+    n_moved = set_aside_after(out, step, tag) if newer else 0
+
+    def fix_best(state):  # BEST may name a step just set aside: the resumed state's best, else none
+        best = os.path.join(out, "BEST")
+        if os.path.exists(best) and not os.path.isdir(os.path.join(out, open(best).read().strip())):
+            kept = state.get("best_step") is not None and os.path.join(out, checkpoint.step_dir_name(state["best_step"]))
+            if kept and os.path.isdir(kept):
+                checkpoint.write_atomic_text(best, os.path.basename(kept) + "\n")
+            else:
+                os.remove(best)
+    if restored:
+        tmp, final = restored
         os.replace(tmp, final)
-        log(f"WARNING: {final} did not verify; its copy in the mirror does: copied back ({n_moved} step(s) that did "
-            f"not verify moved to {os.path.join(out, 'abandoned', tag)})")
-        ck, step = final, int(read_json(os.path.join(final, "state.json"))["step"])
+        checkpoint.fsync_dir(out)
         checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(final) + "\n")
-        return ck
+        fix_best(read_json(os.path.join(final, "state.json")))
+        log(f"WARNING: {final} did not verify; its copy in the mirror (the same manifest) does: copied back and resumed "
+            f"({n_moved} step(s) that did not verify moved to {os.path.join(out, 'abandoned', tag)})")
+        return final
     m_moved = 0
     if mirror_dir and explicit:  # (its later steps: whether or not out_dir had any, e.g. a rollback into a fresh out_dir)
         try:
@@ -409,13 +442,7 @@ def prepare_run_dir(cfg, out, log):
     if checkpoint.in_run_dir(ck, out):
         checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(os.path.normpath(ck)) + "\n")
     state = read_json(os.path.join(ck, "state.json"))
-    best = os.path.join(out, "BEST")  # it may name a step just set aside: the resumed state's best, else none
-    if os.path.exists(best) and not os.path.isdir(os.path.join(out, open(best).read().strip())):
-        kept = state.get("best_step") is not None and os.path.join(out, checkpoint.step_dir_name(state["best_step"]))
-        if kept and os.path.isdir(kept):
-            checkpoint.write_atomic_text(best, os.path.basename(kept) + "\n")
-        else:
-            os.remove(best)
+    fix_best(state)
     log(f"WARNING: resuming an earlier step: moved {n_moved} later checkpoint(s) of {out}"
         + (f" and {m_moved} of {mirror_dir}" if m_moved else "") + f" to abandoned/{tag}, so they are neither resumed "
         f"nor pruned")
@@ -726,9 +753,18 @@ def main(argv):
     out = cfg["out_dir"]
     _RUN_INFO.update(out_dir=out, master=master)  # a fault before the loop gets its crash report too
     tokens_per_step = lambda T: cfg["batch_size"] * T * cfg["grad_accum"] * world
-    if master:
-        _RUN_INFO["lock"] = hold_run_lock(out, cfg["lock_wait_s"], log)
-    if master and cfg["mirror_dir"]:  # a mirror that cannot work is refused now, not found out hours in
+
+    def config_wins(stored, how):
+        """The checkpoint's architecture, but the training-only fields (a longer context, another balancing rate) from
+        the config where it sets them (a config file or --key=value), else the checkpoint's."""
+        wins = {k: cfg[k] for k in RESUME_CONFIG_WINS if k in given or k not in stored}
+        for k, v in wins.items():
+            if k in stored and stored[k] != v:
+                log(f"{how}: {k} {stored[k]} -> {v} (the config's)")
+        return wins
+
+    def check_mirror():
+        """A mirror that cannot work is refused now, not found out hours in (a resume: a warning)."""
         probe = os.path.join(cfg["mirror_dir"], f".probe-{os.getpid()}")
         try:
             os.makedirs(cfg["mirror_dir"], exist_ok=True)
@@ -742,38 +778,35 @@ def main(argv):
             log(f"WARNING: mirror_dir {cfg['mirror_dir']} is not writable now ({e.strerror}); training goes on, "
                 f"{out} holds every checkpoint")
 
-    def config_wins(stored, how):
-        """The checkpoint's architecture, but the training-only fields (a longer context, another balancing rate) from
-        the config where it sets them (a config file or --key=value), else the checkpoint's."""
-        wins = {k: cfg[k] for k in RESUME_CONFIG_WINS if k in given or k not in stored}
-        for k, v in wins.items():
-            if k in stored and stored[k] != v:
-                log(f"{how}: {k} {stored[k]} -> {v} (the config's)")
-        return wins
-
     # --- state: scratch | resume | grow -------------------------------------------------------------------
     state, sd, opt_sd, layer_origin, ck = None, None, None, None, None
     mcfg = model_config_from(cfg)
-    # rank 0 alone sets the run dir right (put back, set aside) and picks the checkpoint; every rank resumes that one
-    # (each picking its own, a trainer's SIGTERM checkpoint landing meanwhile had ranks resume different steps)
-    ck, why = None, None
+    # rank 0 alone takes the run's lock, sets the run dir right (put back, set aside) and picks the checkpoint; every
+    # rank resumes that one (each picking its own, a SIGTERM checkpoint landing meanwhile had ranks resume different
+    # steps), and every rank stops with rank 0's error, whatever it is (else they waited in their first collective)
+    failure = None
     if master:
         try:
+            _RUN_INFO["lock"] = hold_run_lock(out, cfg["lock_wait_s"], log)
+            if cfg["mirror_dir"]:
+                check_mirror()
             ck = prepare_run_dir(cfg, out, log)
-        except (TrainError, checkpoint.CheckpointError) as e:
-            why = e
+        except Exception as e:
+            failure = e
     if ddp:  # as bytes in a tensor: broadcast_object_list unpickles what another machine sent
-        data = json.dumps([ck, None if why is None else str(why)]).encode() if master else b""
+        code = failure.code if isinstance(failure, TrainError) else EXIT_ERROR if failure else 0
+        data = json.dumps([ck, None if failure is None else f"{type(failure).__name__}: {failure}" if not isinstance(
+            failure, (TrainError, checkpoint.CheckpointError)) else str(failure), code]).encode() if master else b""
         n = torch.tensor([len(data)], dtype=torch.int64, device=device)
         dist.broadcast(n, 0)
         buf = (torch.tensor(list(data), dtype=torch.uint8, device=device) if master
                else torch.zeros(int(n.item()), dtype=torch.uint8, device=device))
         dist.broadcast(buf, 0)
-        ck, msg = json.loads(bytes(buf.cpu().tolist()).decode())
+        ck, msg, code = json.loads(bytes(buf.cpu().tolist()).decode())
         if msg and not master:
-            raise TrainError(f"rank 0: {msg}")
-    if why is not None:
-        raise why
+            raise TrainError(f"rank 0: {msg}", code)
+    if failure is not None:
+        raise failure
     if cfg["init_from"] == "resume":
         state = read_json(os.path.join(ck, "state.json"))
         mcfg = model_config_from({**cfg, **state["model_config"], **config_wins(state["model_config"], "resume")})

@@ -28,9 +28,11 @@ repacked weights segfault (AMX) and a -DGGML_AMX_INT8=OFF build runs them: bench
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -296,7 +298,7 @@ def budget_bytes_of(b, container_bytes):
         pct = float(b[:-1]) if b.endswith("%") else None
         n = (max(1, int(container_bytes * pct / 100)) if pct and pct > 0 else None) if b.endswith("%") \
             else stream_infer.parse_size(b)
-    except (ValueError, stream_infer.StreamError):
+    except (ValueError, OverflowError, stream_infer.StreamError):  # (inf% overflowed)
         n = None
     if not n or n <= 0:  # (0% gave 0, which read as no limit)
         raise BenchError(f"--budgets: {b!r} is not none, a positive N% of the container, or a size like 2G")
@@ -332,6 +334,10 @@ def main(argv=None):
     ap.add_argument("--setting", default="mmap", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if not args.llama_child and threading.current_thread() is threading.main_thread():
+        def on_sigterm(signum, frame):  # as Ctrl-C: run_llama's cleanup ends the child and removes its cgroup
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, on_sigterm)
     if args.llama_child:
         return llama_child(args)
     try:
@@ -415,6 +421,9 @@ def main(argv=None):
         return summary
     except BenchError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run in flight and its cgroup are gone (run_llama's finally)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -742,6 +742,30 @@ def test_a_corrupt_newest_step_comes_back_from_the_mirror_and_a_rollback_sets_th
         json.load(open(os.path.join(fresh, "step_0000006", "state.json")))["tokens"]
 
 
+def test_only_the_same_checkpoint_comes_back_from_the_mirror(data_root, tmp_path):
+    """The mirror's newest valid step was copied back whatever it was: another run's sharing the mirror, or the old
+    timeline's after a rollback the mirror missed, was resumed as this run's. Only a copy with the very manifest of
+    the step that fails here comes back."""
+    import shutil
+    out, other, mirror = str(tmp_path / "run"), str(tmp_path / "other"), str(tmp_path / "mirror")
+    common = [f"--data_root={data_root}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000", "--keep_last=10",
+              "--ckpt_interval=5", "--stop_after_steps=10"]
+    assert train(common + [f"--out_dir={out}", f"--mirror_dir={mirror}"]).returncode == 0
+    assert train(common + [f"--out_dir={other}", "--seed=7"]).returncode == 0
+    shutil.rmtree(os.path.join(mirror, "step_0000010"))  # the mirror's step 10 is now another run's, valid there
+    shutil.copytree(os.path.join(other, "step_0000010"), os.path.join(mirror, "step_0000010"))
+    assert checkpoint.is_valid(os.path.join(mirror, "step_0000010"))
+    with open(os.path.join(out, "step_0000010", "model.safetensors"), "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    r = train([a for a in common if not a.startswith("--stop")] + [f"--out_dir={out}", f"--mirror_dir={mirror}",
+                                                                   "--init_from=resume", "--stop_after_steps=1"])
+    assert r.returncode == 0 and "copied back" not in r.stdout and "step_0000005 at step 5" in r.stdout, r.stdout[-2000:]
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp-restore-")]
+
+
 @pytest.mark.parametrize("blips, extra, code, said", [
     # three outages, each after new checkpoints, with max_restarts=2: restarts that made progress are not counted
     ("3,6,9", ["--ckpt_interval=1", "--max_restarts=2"], 0, None),

@@ -2136,6 +2136,23 @@ def test_ctrl_c_in_a_benchmark_removes_its_cgroup(tiny, monkeypatch, capsys):
     assert S.main([path, "--bench", "--ram-budget", "3G", "--max-new-tokens", "2", "--bench-prompt-tokens", "4"]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert made and all(cg is None or not os.path.exists(cg) for cg in made)
+    # SIGTERM (a supervisor's stop) in a sweep: as Ctrl-C, the sweep stops (it went on to the next budget) and no
+    # cgroup is left
+    import signal
+    children = []
+
+    def terminated(*a, **k):
+        if "preexec_fn" in k:
+            children.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # (the handler runs here)
+        return real_run(*a, **k)
+    monkeypatch.setattr(sp, "run", terminated)
+    made.clear()
+    before = signal.getsignal(signal.SIGTERM)
+    assert S.main([path, "--sweep", "3G,4G", "--max-new-tokens", "2", "--bench-prompt-tokens", "4"]) == 130
+    assert children == [1] and signal.getsignal(signal.SIGTERM) is before
+    assert made and all(cg is None or not os.path.exists(cg) for cg in made)
 
 
 def test_bench_cgroups_are_unique_and_removed_with_what_is_left_in_them(tmp_path):

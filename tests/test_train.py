@@ -117,6 +117,12 @@ def test_torchrun_two_processes_gloo(data_root, tmp_path):
     r = subprocess.run(base + ["--init_from=resume", f"--resume_from={tmp_path / 'nowhere'}"], cwd=REPO,
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0 and "no such file or directory" in r.stderr and "rank 0:" in r.stderr, r.stderr[-3000:]
+    import fcntl  # the run's lock held elsewhere: rank 0's refusal reaches rank 1 too (it died on a closed connection)
+    with open(os.path.join(out, ".trainer.lock"), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        r = subprocess.run(base + ["--init_from=resume", "--lock_wait_s=0.5"], cwd=REPO, capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert r.returncode != 0 and "rank 0:" in r.stderr and "another trainer" in r.stderr, r.stderr[-3000:]
 
 
 def test_grow_starts_as_identity_and_groups_get_their_lr(data_root, tmp_path):
