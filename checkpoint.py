@@ -1,5 +1,5 @@
 """
-Checkpoint directories on disk: atomic writes, manifests, LATEST (retention is train.py's `retain`). Format (DESIGN.md):
+Checkpoint directories on disk: atomic writes, manifests, LATEST (retention is rundir.py's `retain`). Format (DESIGN.md):
 
     out_dir/step_NNNNNNN/model.safetensors   weights (+ the router bias buffers)
                          optimizer.pt        tensors only, loads with torch.load(weights_only=True)

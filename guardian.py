@@ -33,6 +33,7 @@ import time
 
 import checkpoint
 import configurator
+import rundir
 import shards
 import train
 from relay import pdeathsig_setter  # the trainer gets SIGTERM when its parent (here the guardian) dies
@@ -90,7 +91,7 @@ class Guardian:
     def save(self):
         checkpoint.write_atomic_text(self.path, json.dumps(self.log, indent=1))
         if self.cfg["mirror_dir"]:
-            train.mirror(self.out, self.cfg["mirror_dir"], checkpoints=False)
+            rundir.mirror(self.out, self.cfg["mirror_dir"], checkpoints=False)
 
     def say(self, msg):
         print(f"guardian: {msg}", file=sys.stderr, flush=True)

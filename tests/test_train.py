@@ -12,6 +12,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import checkpoint  # noqa: E402
+import rundir  # noqa: E402
 import schedule  # noqa: E402
 import train  # noqa: E402
 from model import Picaflor, ModelConfig, load_checkpoint  # noqa: E402
@@ -377,7 +378,7 @@ def test_retention_skips_a_checkpoint_whose_state_is_unreadable(tmp_path):
         checkpoint.save(out, step, {"state.json": lambda p, s=step: open(p, "w").write(json.dumps({"kind": "periodic", "step": s}))})
     with open(os.path.join(out, "step_0000001", "state.json"), "r+") as f:
         f.write("X")
-    removed = train.retain(out, 2)
+    removed = rundir.retain(out, 2)
     assert sorted(removed) == ["step_0000002", "step_0000003"]
     assert [s for s, _ in checkpoint.list_checkpoints(out)] == [1, 4, 5]
 

@@ -1,0 +1,249 @@
+"""The run directory train.py writes (out_dir) and its mirror: one trainer at a time (an flock), what a resume starts
+from (a rollback's or a corrupt step's later steps set aside, a mirror copy of the very checkpoint brought back),
+which checkpoints are kept (retention), and the copy of logs and the newest checkpoint kept elsewhere (mirror_dir).
+Used by train.py (rank 0) and guardian.py; errors are RunDirError, one line each."""
+import json
+import os
+import shutil
+import sys
+import time
+
+import checkpoint
+
+
+class RunDirError(Exception):
+    """A run dir that cannot be used as asked (train.py: one line, exit 1)."""
+
+
+class RunLocked(RunDirError):
+    """Another trainer holds the run dir: no crash report (it would land in that trainer's run dir, as its cause)."""
+
+
+def read_json(path, default=None):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return default
+    except ValueError as e:
+        raise RunDirError(f"{path}: not valid JSON ({e}); fix or delete it")
+
+
+
+def set_aside_after(run_dir, step, tag):
+    """Move run_dir's checkpoints past `step` to run_dir/abandoned/TAG/ (a rollback's old timeline); how many."""
+    later = [p for s, p in checkpoint.list_checkpoints(run_dir) if s > step]
+    for p in later:
+        os.makedirs(os.path.join(run_dir, "abandoned", tag), exist_ok=True)
+        os.replace(p, os.path.join(run_dir, "abandoned", tag, os.path.basename(p)))
+    return len(later)
+
+
+def retain(out_dir, keep):
+    ckpts = checkpoint.list_checkpoints(out_dir)
+    valid = [(s, p) for s, p in ckpts if checkpoint.is_valid(p, check_hashes=False)]
+    if not valid:
+        return []
+    states = {}
+    for _, p in valid:
+        try:
+            with open(os.path.join(p, "state.json")) as f:
+                states[p] = json.load(f)
+        except (OSError, ValueError):  # a corrupt one (its hash fails on resume) is neither kept nor removed here
+            continue
+        if not isinstance(states[p], dict):
+            del states[p]
+    readable = [(s, p) for s, p in valid if p in states]
+    kinds = {p: states[p].get("kind", "periodic") for _, p in readable}
+    best = (open(os.path.join(out_dir, "BEST")).read().strip() if os.path.exists(os.path.join(out_dir, "BEST")) else None)
+    permanent = [p for _, p in readable if kinds[p] in ("periodic", "final", "preempt")]
+    # every stage's end stays, the end of a finished plan too (saved again as "final"; a --replan extends the plan)
+    protect = (set(permanent[-max(1, keep):]) | {valid[-1][1]}
+               | {p for _, p in readable if kinds[p] == "stage_final" or states[p].get("finished")})
+    if best:
+        protect.add(os.path.join(out_dir, best))
+    removed = []
+    for _, p in readable:
+        if p not in protect:
+            shutil.rmtree(p)
+            removed.append(os.path.basename(p))
+    return removed
+
+
+def same_dir(a, b):
+    return os.path.realpath(str(a).rstrip("/") or "/") == os.path.realpath(str(b).rstrip("/") or "/")
+
+
+def restore_from_mirror(out, mirror_dir, newer, log):
+    """For out_dir's newer steps that do not verify (newest first): the mirror's copy of the same step whose
+    MANIFEST.json is byte for byte out_dir's (the same checkpoint: not another timeline's step of that number, nor
+    another run's sharing the mirror), copied to a temp dir in out_dir, fsynced and verified. (temp dir, the step's
+    path) or None; a copy that fails is said and removed, and the resume goes on from the older step."""
+    for _, p in reversed(newer):
+        name = os.path.basename(p)
+        cand = os.path.join(mirror_dir, name)
+        try:
+            same = open(os.path.join(p, "MANIFEST.json"), "rb").read() == open(os.path.join(cand, "MANIFEST.json"), "rb").read()
+        except OSError:  # no manifest here or there (a rotted manifest cannot say which checkpoint it was)
+            continue
+        if not same:
+            continue
+        tmp = os.path.join(out, ".tmp-restore-" + name)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(cand, tmp)
+            for f in os.listdir(tmp):
+                with open(os.path.join(tmp, f), "rb+") as fh:
+                    os.fsync(fh.fileno())
+            checkpoint.verify(tmp)
+            return tmp, p
+        except (OSError, shutil.Error, checkpoint.CheckpointError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log(f"WARNING: could not copy {cand} back ({str(e).splitlines()[0][:200]}); resuming an older step")
+    return None
+
+
+def prepare_run_dir(cfg, out, log):
+    """Rank 0, before anything is loaded: put back a step a dying re-save left aside, refuse a fresh start over a run's
+    checkpoints, and for a resume pick the checkpoint (resume_from, else the newest that verifies) and set aside every
+    later step, out_dir's and the mirror's: a rollback's old timeline, or newer steps that do not verify (left in
+    place, the newest, protected by retention, made it prune every step this start saved). A newer step that fails
+    here but verifies in the mirror is copied back and resumed. Returns the checkpoint to resume (None: no resume)."""
+    for back in checkpoint.recover(out):  # a re-save that died between its renames: the step it had moved aside
+        log(f"WARNING: {back} was left aside by a save that died; put back")
+    for name in os.listdir(out) if os.path.isdir(out) else []:  # a copy from the mirror cut short (this run's lock held)
+        if name.startswith(".tmp-restore-"):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    existing = checkpoint.list_checkpoints(out)
+    if cfg["init_from"] != "resume":  # it would overwrite that run's steps (and retention the rest); corrupt ones: go on
+        newest_valid = next((p for _, p in reversed(existing) if checkpoint.is_valid(p)), None)
+        if newest_valid:
+            raise RunDirError(f"{out} already holds a run's checkpoints (newest {os.path.basename(newest_valid)}); "
+                             f"continue it with --init_from=resume, or pass another --out_dir")
+        return None
+    mirror_dir = cfg["mirror_dir"]
+    # an explicit rollback; resume_from=out_dir itself is a plain resume (its LATEST may lag its newest valid step)
+    explicit = bool(cfg["resume_from"]) and not same_dir(cfg["resume_from"], out)
+    if explicit:
+        ck = checkpoint.resolve(cfg["resume_from"])  # a step dir, or a run dir (its newest) as grow_from takes
+        checkpoint.verify(ck)
+    else:
+        ck = checkpoint.latest_valid(out)
+        if ck is None:
+            raise RunDirError(f"{out}: no valid checkpoint to resume from; start with --init_from=scratch"
+                             + (f" (found {len(existing)} invalid step_* dirs)" if existing else ""))
+        if existing[-1][1] != ck:
+            log(f"WARNING: newest checkpoint {existing[-1][1]} is invalid (it does not verify); resuming from {ck}")
+    step = read_json(os.path.join(ck, "state.json"))["step"]
+    tag = f"after_step_{step:07d}_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
+    newer = [(s_, p) for s_, p in existing if s_ > step]  # none of them verifies (ck is the newest that does)
+    restored = restore_from_mirror(out, mirror_dir, newer, log) if newer and mirror_dir and not explicit else None
+    n_moved = set_aside_after(out, step, tag) if newer else 0
+
+    def fix_best(state):  # BEST may name a step just set aside: the resumed state's best, else none
+        best = os.path.join(out, "BEST")
+        if os.path.exists(best) and not os.path.isdir(os.path.join(out, open(best).read().strip())):
+            kept = state.get("best_step") is not None and os.path.join(out, checkpoint.step_dir_name(state["best_step"]))
+            if kept and os.path.isdir(kept):
+                checkpoint.write_atomic_text(best, os.path.basename(kept) + "\n")
+            else:
+                os.remove(best)
+    if restored:
+        tmp, final = restored
+        os.replace(tmp, final)
+        checkpoint.fsync_dir(out)
+        checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(final) + "\n")
+        fix_best(read_json(os.path.join(final, "state.json")))
+        log(f"WARNING: {final} did not verify; its copy in the mirror (the same manifest) does: copied back and resumed "
+            f"({n_moved} step(s) that did not verify moved to {os.path.join(out, 'abandoned', tag)})")
+        return final
+    m_moved = 0
+    if mirror_dir and explicit:  # (its later steps: whether or not out_dir had any, e.g. a rollback into a fresh out_dir)
+        try:
+            m_moved = set_aside_after(mirror_dir, step, tag)
+        except OSError as e:  # a read-only or unmounted mirror: out_dir's timeline is right; the mirror's is said
+            log(f"WARNING: could not set aside the mirror's steps after {step} ({e}); a resume from {mirror_dir} would "
+                f"take the old timeline's newest: move them to {os.path.join(mirror_dir, 'abandoned', tag)} by hand")
+    if not (n_moved or m_moved):
+        return ck
+    if checkpoint.in_run_dir(ck, out):
+        checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(os.path.normpath(ck)) + "\n")
+    state = read_json(os.path.join(ck, "state.json"))
+    fix_best(state)
+    log(f"WARNING: resuming an earlier step: moved {n_moved} later checkpoint(s) of {out}"
+        + (f" and {m_moved} of {mirror_dir}" if m_moved else "") + f" to abandoned/{tag}, so they are neither resumed "
+        f"nor pruned")
+    try:  # a decay control.json asked for in the timeline set aside is not this one's
+        ctl = read_json(os.path.join(out, "control.json"), {})
+    except RunDirError:
+        ctl = {}
+    taken = ctl.get("start_decay_taken_at_step") if isinstance(ctl, dict) else None
+    # taken at step N: checkpoint N was saved before it was read (each step saves, then reads control.json)
+    if explicit and isinstance(taken, int) and taken >= step and state.get("decay_started_at_tokens") is None:
+        os.makedirs(os.path.join(out, "abandoned", tag), exist_ok=True)
+        os.replace(os.path.join(out, "control.json"), os.path.join(out, "abandoned", tag, "control.json"))
+        log(f"control.json: its start_decay was taken at step {taken}, not before step {step}: moved to "
+            f"{os.path.join(out, 'abandoned', tag)}; this timeline trains without it")
+    return ck
+
+
+
+def hold_run_lock(out_dir, wait_s, log):
+    """One trainer per out_dir (an flock on out_dir/.trainer.lock, held until exit): a second one deleted the first's
+    checkpoint temp dir mid-save. It waits up to wait_s for the first to exit (a relaunched guardian's trainer,
+    while the killed guardian's finishes its SIGTERM checkpoint), then errors. Returns the open lock file."""
+    import fcntl
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, ".trainer.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise RunLocked(f"{out_dir}: another trainer (pid {holder}) is training this run ({path}); stop it "
+                                f"or wait for it, or pass another --out_dir")
+            if not said:
+                log(f"waiting up to {wait_s:g} s for the trainer holding {path} (pid {holder}) to exit")
+                said = True
+            time.sleep(0.5)
+        except OSError as e:  # a filesystem without locks (some network mounts): as before, unguarded
+            log(f"WARNING: {path}: cannot lock ({e.strerror}); make sure only one trainer writes {out_dir}")
+            return fd
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+
+def mirror(out_dir, dest, checkpoints=True, keep=1):
+    """Copy logs (and the newest checkpoint, atomically) to dest, so they outlive the machine's disk; retention
+    as in out_dir (keep_last). A failure (a bucket mount's hiccup, a full mirror disk) warns and training goes on:
+    out_dir still holds everything. Returns whether it worked."""
+    try:
+        os.makedirs(dest, exist_ok=True)
+        for name in os.listdir(out_dir):
+            if name in ("metrics.jsonl", "metrics.abandoned.jsonl", "guardian.json", "LATEST", "BEST") or name.startswith(("crash-", "hang-")):
+                shutil.copyfile(os.path.join(out_dir, name), os.path.join(dest, name + ".tmp"))
+                os.replace(os.path.join(dest, name + ".tmp"), os.path.join(dest, name))
+        if checkpoints:
+            newest = checkpoint.latest_valid(out_dir)
+            there = newest and os.path.join(dest, os.path.basename(newest))
+            manifest = lambda d: open(os.path.join(d, "MANIFEST.json"), "rb").read()
+            # a step saved again (stage_final, then final) has another manifest: copied again
+            if newest and not (checkpoint.is_valid(there) and manifest(there) == manifest(newest)):
+                tmp = os.path.join(dest, ".tmp-" + os.path.basename(newest))
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.copytree(newest, tmp)
+                shutil.rmtree(there, ignore_errors=True)
+                os.replace(tmp, there)
+            retain(dest, keep)  # else every checkpoint ever made piles up there
+    except Exception as e:  # OSError mostly; a mirror must never end the run
+        print(f"WARNING: mirror to {dest} failed ({e}); training goes on, {out_dir} holds every checkpoint",
+              file=sys.stderr)
+        return False
+    return True
