@@ -402,6 +402,9 @@ def bench_in_cgroup(args, argv):
     import subprocess
     import tempfile
     budget = S.parse_size(args.ram_budget) if args.ram_budget else None
+    if budget and budget < S.rss_bytes():  # the child would be OOM-killed importing torch: "killed (OOM?)" said less
+        raise S.StreamError(f"--ram-budget {args.ram_budget}: below the {S.fmt_size(S.rss_bytes())} python and torch "
+                            f"alone take here, before any of the model; raise it")
     try:
         cont = C.load_container(args.container)
         per_token = weight_bytes_per_token(cont, args.experts_per_token)

@@ -2180,6 +2180,15 @@ def test_bench_cgroups_are_unique_and_removed_with_what_is_left_in_them(tmp_path
     assert B.filesystem_type(str(tmp_path)) == B.filesystem_type(os.path.join(str(tmp_path), "x"))
 
 
+def test_a_bench_budget_below_python_and_torch_is_one_line(tiny, capsys):
+    """Below what the interpreter and torch take, the benchmark child was OOM-killed importing torch inside its cgroup
+    and the run said only 'killed (out of memory inside the cgroup?)'."""
+    m, path = tiny
+    assert S.main([path, "--bench", "--ram-budget", "50M", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "below the" in err and "python and torch alone" in err and len(err.strip().splitlines()) == 1
+
+
 def test_fallback_kernels_hand_freed_heap_back_near_the_budget(tiny, monkeypatch):
     """int4pack's repack per expert read leaves freed temporaries in glibc's heap, memory the budget never counted
     (micro at 1.5G peaked 1.55G; 1.39G with this): near the budget each expert built on the fallback kernels hands
