@@ -1065,6 +1065,9 @@ def check_args(args, argv):
     idle = [f for f in ("--json", "--plot", "--llamacpp-json", "--bench-prompt-tokens") if given(argv, f)]
     if idle and not (args.bench or args.sweep):  # accepted and ignored (--json's folder made, left empty)
         raise StreamError(f"{', '.join(idle)}: for --bench or --sweep only")
+    idle = [f for f in ("--plot", "--llamacpp-json") if given(argv, f)]
+    if idle and not args.sweep:  # (--bench drew nothing, silently)
+        raise StreamError(f"{', '.join(idle)}: the plot of a --sweep; --bench draws none")
     if args.chat and given(argv, "--prompt"):
         raise StreamError("--chat does not take --prompt (type the first message at the prompt)")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):

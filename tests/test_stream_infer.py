@@ -1697,6 +1697,7 @@ def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
              # accepted and ignored without a benchmark (--json's folder made and left empty), --prompt under --chat
              (["--json", str(tmp_path / "j" / "out.json")], "for --bench or --sweep only"),
              (["--chat"], "--chat does not take --prompt"),
+             (["--bench", "--plot", str(tmp_path / "p.png")], "--bench draws none"),  # (drew nothing, silently)
              # a folder as --json / --plot failed only after the whole benchmark, with a traceback
              (["--bench", "--json", str(tmp_path)], "a folder"), (["--sweep", "3G", "--plot", str(tmp_path)], "a folder")]
     for flags, want in cases:
