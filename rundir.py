@@ -19,14 +19,15 @@ class RunLocked(RunDirError):
     """Another trainer holds the run dir: no crash report (it would land in that trainer's run dir, as its cause)."""
 
 
-def read_json(path, default=None):
+def read_json(path, default=None, error=RunDirError):
+    """The file's JSON; default if it does not exist; `error` (one line naming the file) if it is not JSON."""
     try:
         with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
         return default
     except ValueError as e:
-        raise RunDirError(f"{path}: not valid JSON ({e}); fix or delete it")
+        raise error(f"{path}: not valid JSON ({e}); fix or delete it")
 
 
 

@@ -46,6 +46,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, fields
 
 from checkpoint import DISK_ERRNOS  # a write refused for lack of space
+import rundir
 from rundir import RunDirError, RunLocked, hold_run_lock, mirror, prepare_run_dir, retain
 from schedule import (PLAN_SOURCE_KEYS, PlanError, build_plan, decay_now, lr_at, plan_tokens, rows_per_stream,
                       stage_at, stored_plan_differs)
@@ -235,13 +236,7 @@ def set_rng_state(st, device_type):
 
 
 def read_json(path, default=None):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return default
-    except ValueError as e:
-        raise TrainError(f"{path}: not valid JSON ({e}); fix or delete it")
+    return rundir.read_json(path, default, error=TrainError)
 
 
 def gpu_peak_flops(device_type):
