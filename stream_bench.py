@@ -585,7 +585,7 @@ def run_sweep(args, argv):
     budgets = [b.strip() for b in args.sweep.split(",") if b.strip()]
     for b in budgets:
         S.parse_size(b)
-    base = strip_args(argv, {"--sweep", "--ram-budget", "--json", "--plot", "--repeat"}, {"--bench"})
+    base = strip_args(argv, {"--sweep", "--ram-budget", "--json", "--plot", "--llamacpp-json", "--repeat"}, {"--bench"})
     results = {b: [] for b in budgets}
     for _ in range(max(1, args.repeat)):
         for b in budgets:
