@@ -261,8 +261,9 @@ def run_llama(args, budget_bytes, setting, build_dir=None):
 def run_picaflor(args, budget_str):
     with tempfile.TemporaryDirectory() as td:
         out = os.path.join(td, "p.json")
+        # --tokens decode steps each: stream_infer's first new token comes from the prefill, its decode is the rest
         cmd = [sys.executable, os.path.join(ROOT, "stream_infer.py"), args.container, "--bench", "--max-new-tokens",
-               str(args.tokens), "--bench-prompt-tokens", str(args.prompt_tokens), "--threads", str(args.picaflor_threads),
+               str(args.tokens + 1), "--bench-prompt-tokens", str(args.prompt_tokens), "--threads", str(args.picaflor_threads),
                "--json", out] + (["--ram-budget", budget_str] if budget_str else [])
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if r.returncode != 0 or not os.path.exists(out):
