@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 
@@ -124,16 +125,21 @@ def resolve(path):
     if os.path.isfile(os.path.join(path, "MANIFEST.json")) or STEP_RE.match(os.path.basename(os.path.normpath(path))):
         return path
     latest = os.path.join(path, "LATEST")
+    named = None
     if os.path.isfile(latest):
         try:
-            cand = os.path.join(path, open(latest).read().strip())
+            named = os.path.join(path, open(latest).read().strip())
         except (OSError, UnicodeDecodeError):  # overwritten by something else: the newest valid step decides
-            cand = None
-        if cand and is_valid(cand):
-            return cand
+            named = None
+        if named and is_valid(named):
+            return named
     cand = latest_valid(path)
     if cand is None:
         raise CheckpointError(f"{path}: holds no valid checkpoint (no step_* dir with an intact MANIFEST.json)")
+    steps = list_checkpoints(path)
+    skipped = named if named and os.path.isdir(named) else (steps[-1][1] if steps and steps[-1][1] != cand else None)
+    if skipped:  # an export or eval of "the run" said nothing of using an older step
+        print(f"warning: {skipped} does not verify; using {cand}, the newest step that does", file=sys.stderr)
     return cand
 
 

@@ -747,8 +747,9 @@ def load_container(path):
         with open(path, "rb") as f:
             prefix = f.read(PREFIX.size)
             if len(prefix) < PREFIX.size or prefix[:8] != MAGIC:
-                raise ContainerError(f"{path}: not a picaflor int4 container (wrong magic); "
-                                     f"make one with python export.py CKPT --format int4 --out {path}")
+                # (not --out {path}: that named the file given, a GGUF say, to be overwritten)
+                raise ContainerError(f"{path}: not a picaflor int4 container (wrong magic); make one with python "
+                                     f"export.py CKPT --format int4 --out MODEL.pcf4")
             _, version, header_crc, hlen = PREFIX.unpack(prefix)
             if version != VERSION:
                 raise ContainerError(f"{path}: container format version {version}, this code reads version {VERSION}; "
@@ -759,7 +760,8 @@ def load_container(path):
     except FileNotFoundError:
         raise ContainerError(f"{path}: no such file; check the path or export one with export.py --format int4") from None
     except IsADirectoryError:
-        raise ContainerError(f"{path}: is a directory, not a container file; pass the .pcf4 file") from None
+        raise ContainerError(f"{path}: is a directory, not a container file; pass the int4 container export.py "
+                             f"--format int4 wrote (a checkpoint dir: export it first)") from None
     except PermissionError:
         raise ContainerError(f"{path}: permission denied") from None
     if header_crc == 0:  # (zeroing the field switched the check off)

@@ -530,7 +530,10 @@ def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False)
         return lm
     if os.path.isfile(spec):
         return load_int4(spec, device, dtype, tokenizer_path, int4_engine)
-    if re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", spec) and not spec.startswith((".", "/")):
+    # owner/name is a Hub repo id, unless its owner is a folder here (out/nope: a mistyped local path, tried on
+    # the Hub for ~50 s of retries, then "cannot connect")
+    if (re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", spec) and not spec.startswith((".", "/"))
+            and not os.path.isdir(spec.split("/")[0])):
         return load_hf(spec, device, dtype)
     raise EvalError(f"{spec}: no such file or directory, and not a Hub repo id (owner/name); give a picaflor "
                     f"checkpoint or run dir, an int4 container or a transformers model dir")
@@ -918,6 +921,8 @@ def compare(paths):
             with open(p) as f:
                 sums.append(json.load(f))
             sums[-1]["results"].items()
+        except FileNotFoundError:
+            raise EvalError(f"{p}: no such file; pass summary.json files written by eval.py --out") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise EvalError(f"{p}: not an eval.py summary.json ({type(e).__name__}); pass files written by --out")
     for s, p in zip(sums, paths):  # values that are not numbers made a TypeError deep in the table

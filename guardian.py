@@ -273,6 +273,10 @@ class Guardian:
                 return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
                                      f"restarting cannot fix this")
             progressed = after is not None and (before is None or after > before)
+            # why it restarts, on the console too (it was in guardian.json only)
+            self.say(f"start {len(self.log['starts'])} ended: {cause}"
+                     + (f" ({(rep or {}).get('message')})" if (rep or {}).get("message") else "")
+                     + f"; newest checkpoint {after if after is not None else 'none'}; restarting")
             fruitless += not progressed and rc != train.EXIT_UNREACHABLE  # (outages have their own retries, above)
             if progressed or rc != train.EXIT_UNREACHABLE:  # the retries are per outage: a run that trains between
                 unreachable_tries = 0                        # short outages hours apart is not stopped by the fourth

@@ -133,12 +133,12 @@ def prepare_run_dir(cfg, out, log):
         if ck is None:
             raise RunDirError(f"{out}: no valid checkpoint to resume from; start with --init_from=scratch"
                              + (f" (found {len(existing)} invalid step_* dirs)" if existing else ""))
-        if existing[-1][1] != ck:
-            log(f"WARNING: newest checkpoint {existing[-1][1]} is invalid (it does not verify); resuming from {ck}")
     step = read_json(os.path.join(ck, "state.json"))["step"]
     tag = f"after_step_{step:07d}_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
     newer = [(s_, p) for s_, p in existing if s_ > step]  # none of them verifies (ck is the newest that does)
     restored = restore_from_mirror(out, mirror_dir, newer, log) if newer and mirror_dir and not explicit else None
+    if newer and not restored and not explicit:  # (said before the copy-back was tried, it contradicted it)
+        log(f"WARNING: newest checkpoint {newer[-1][1]} is invalid (it does not verify); resuming from {ck}")
     n_moved = set_aside_after(out, step, tag) if newer else 0
 
     def fix_best(state):  # BEST may name a step just set aside: the resumed state's best, else none

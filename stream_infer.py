@@ -1047,6 +1047,13 @@ def check_args(args, argv):
         raise StreamError(f"--seed {args.seed}: 0 to 2**63 - 1")
     if args.sweep is not None and not [b for b in args.sweep.split(",") if b.strip()]:
         raise StreamError(f"--sweep {args.sweep!r}: a comma-separated list of budgets, e.g. 4G,2G,1G")
+    for b in (args.sweep or "").split(","):  # each budget now, named as --sweep's (it said --ram-budget)
+        try:
+            if b.strip():
+                parse_size(b.strip())
+        except StreamError:
+            raise StreamError(f"--sweep {args.sweep!r}: {b.strip()!r} is not a size; use a number with K, M, G or T, "
+                              f"e.g. 4G,2G,1G") from None
     if args.max_new_tokens < (2 if args.bench or args.sweep else 0):
         raise StreamError(f"--max-new-tokens {args.max_new_tokens}: " + ("a benchmark times decode after the first "
                           "token, so at least 2" if args.bench or args.sweep else "0 or more"))

@@ -122,6 +122,7 @@ dtype = "bfloat16"           # autocast dtype on GPU; float32 everywhere on CPU
 compile = False
 seed = 1337
 gpu_hourly_usd = 0.0
+CONTROL_KEYS = ("start_decay", "start_decay_taken_at_step")  # what control.json may hold (the second is written here)
 _CONFIG_KEYS = sorted(k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool, list, dict)))
 # -----------------------------------------------------------------------------------------------------------
 
@@ -462,6 +463,9 @@ def main(argv):
             f"lr_phase) instead")
     globals().update(g)
     cfg = g
+    if cfg["resume_from"] and cfg["init_from"] != "resume":  # (it trained a fresh model, the flag unread)
+        die(f"--resume_from={cfg['resume_from']} is read only with --init_from=resume (init_from is "
+            f"{cfg['init_from']!r}); add --init_from=resume")
     for k in ("eval_interval", "log_interval", "ckpt_interval"):
         if cfg[k] < 1:
             die(f"--{k}={cfg[k]}: must be at least 1 (a large value means rarely)")
@@ -660,8 +664,8 @@ def main(argv):
         planned = sum(s["tokens"] * s["mix"].get(c, 0) / sum(s["mix"].values()) for s in plan)
         if planned > streams[c].total_tokens:
             log(f"WARNING: the plan trains ~{planned:,.0f} tokens of {c}, which holds {streams[c].total_tokens:,} "
-                f"train tokens: it is read ~{planned / streams[c].total_tokens:.1f} times; prepare more (--max-tokens) "
-                f"or plan fewer tokens if that is not meant")
+                f"train tokens: it is read ~{planned / streams[c].total_tokens:.1f} times; prepare more (python "
+                f"data/{c}/prepare.py --help) or plan fewer tokens if that is not meant")
     first = plan[0]["mix"]
     val_corpus = max(sorted(first), key=lambda c: first[c])
     try:  # quarantine holds for val shards too (the guardian names them as it names train ones)
@@ -770,6 +774,8 @@ def main(argv):
         dist.broadcast(t, 0)
         return tuple(bool(v) for v in t.tolist())
 
+    control_said = set()  # the complaints about control.json already logged (said once, not every check)
+
     def check_control():
         ctl = {}
         if master:
@@ -778,7 +784,15 @@ def main(argv):
             except TrainError as e:
                 log(f"WARNING: {e}; read again at the next check")
             ctl = ctl if isinstance(ctl, dict) else {}
-        want = bool(ctl.get("start_decay")) and st.get("decay_started_at_tokens") is None
+            # the run's one irreversible switch: only JSON true starts it ("false" was a non-empty string, so true)
+            bad = [f"unknown key {k!r}" for k in ctl if k not in CONTROL_KEYS]
+            if "start_decay" in ctl and not isinstance(ctl["start_decay"], bool):
+                bad.append(f"start_decay must be true or false (JSON), not {ctl['start_decay']!r}")
+            for why in bad:
+                if why not in control_said:
+                    control_said.add(why)
+                    log(f"WARNING: {control_path}: {why}; ignored (it takes {{\"start_decay\": true}})")
+        want = ctl.get("start_decay") is True and st.get("decay_started_at_tokens") is None
         if ddp:
             t = torch.tensor([int(want)], device=device)
             dist.broadcast(t, 0)

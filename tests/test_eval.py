@@ -302,7 +302,7 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
         ([model_dir, "--tasks", "piqa", "--data-dir", str(empty)], "no data file for task piqa"),
         ([str(empty), "--tasks", "piqa", "--data-dir", data_dir], "neither a Hugging Face model dir"),
         ([str(tmp_path / "nope"), "--tasks", "piqa"], "no such file or directory"),
-        (["--compare", str(tmp_path / "missing.json")], "not an eval.py summary.json"),
+        (["--compare", str(tmp_path / "missing.json")], "missing.json: no such file"),
     ]
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -344,6 +344,18 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and msg in errors[0] and err.endswith(errors[0]) and "Traceback" not in err, err
+
+
+def test_a_mistyped_local_path_is_not_tried_on_the_hub(tmp_path, monkeypatch, capsys):
+    """out/nope (owner/name in shape, its owner a folder here) was tried as a Hub repo: ~50 s of retries offline,
+    then 'cannot connect'. It is a local path that does not exist, said at once."""
+    import time
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    t0 = time.time()
+    assert ev.main(["out/nope", "--tasks", "piqa"]) == 2
+    err = capsys.readouterr().err
+    assert "out/nope: no such file or directory" in err and time.time() - t0 < 10 and "Retrying" not in err
 
 
 def test_finished_tasks_are_written_when_a_later_one_fails(hf_setup, tmp_path, capsys):

@@ -731,6 +731,7 @@ def test_a_corrupt_newest_step_comes_back_from_the_mirror_and_a_rollback_sets_th
     assert checkpoint.is_valid(os.path.join(mirror, "step_0000010"))
     r = train(common + [f"--out_dir={out}", "--init_from=resume", "--ckpt_interval=1", "--stop_after_steps=1"])
     assert r.returncode == 0 and "copied back" in r.stdout and "at step 10" in r.stdout, r.stdout[-2000:]
+    assert "is invalid" not in r.stdout  # (said before the copy-back, it named the older step as the one resumed)
     assert checkpoint.latest_valid(out).endswith("step_0000011") and checkpoint.is_valid(os.path.join(out, "step_0000010"))
     assert os.path.isdir(os.path.join(mirror, "step_0000010"))  # the mirror's copy stays where it was
     fresh = str(tmp_path / "fresh")
@@ -740,6 +741,20 @@ def test_a_corrupt_newest_step_comes_back_from_the_mirror_and_a_rollback_sets_th
     assert [s_ for s_, _ in checkpoint.list_checkpoints(mirror) if s_ >= 5] == [5, 6]
     assert json.load(open(os.path.join(mirror, "step_0000006", "state.json")))["tokens"] == \
         json.load(open(os.path.join(fresh, "step_0000006", "state.json")))["tokens"]
+
+
+def test_a_run_dir_resolved_past_a_corrupt_newest_step_says_so(tmp_path, capsys):
+    """export.py / eval.py of a run dir whose newest step (the one LATEST names) fails verification used an older
+    step without a word."""
+    old = checkpoint.save(str(tmp_path), 1, {"w.bin": lambda p: open(p, "wb").write(b"old")})
+    new = checkpoint.save(str(tmp_path), 2, {"w.bin": lambda p: open(p, "wb").write(b"new")})
+    assert checkpoint.resolve(str(tmp_path)) == new and capsys.readouterr().err == ""
+    open(os.path.join(new, "w.bin"), "wb").write(b"bad")
+    assert checkpoint.resolve(str(tmp_path)) == old
+    err = capsys.readouterr().err
+    assert "step_0000002 does not verify" in err and old in err and len(err.strip().splitlines()) == 1
+    os.remove(os.path.join(str(tmp_path), "LATEST"))  # no LATEST: the newest step dir is the one skipped
+    assert checkpoint.resolve(str(tmp_path)) == old and "step_0000002 does not verify" in capsys.readouterr().err
 
 
 def test_only_the_same_checkpoint_comes_back_from_the_mirror(data_root, tmp_path):
@@ -781,6 +796,7 @@ def test_the_guardians_restart_limits_count_what_they_say(data_root, tmp_path, b
                         *extra, "--supervise"], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=dict(ENV, PICAFLOR_INJECT_UNREACHABLE_AT_STEPS=blips))
     assert r.returncode == code, r.stderr[-3000:]
+    assert "start 1 ended: storage unreachable" in r.stderr  # why it restarts, on the console too
     g = json.load(open(os.path.join(out, "guardian.json")))
     if said:
         assert said in g["report"]["message"] and g["report"]["cause"] == "storage unreachable", g["report"]

@@ -410,6 +410,23 @@ def test_a_rollback_before_an_on_demand_decay_trains_without_it(data_root, tmp_p
     assert "step_0000006 at step 6" in r.stdout and "moved" not in r.stdout, r.stdout[-2000:]
 
 
+def test_control_json_takes_only_true_and_resume_from_needs_init_from_resume(data_root, tmp_path):
+    """{"start_decay": "false"} started the decay (a non-empty string is truthy) and a misspelt key was ignored
+    without a word; --resume_from without --init_from=resume trained a fresh model, the flag unread."""
+    out = str(tmp_path / "run")
+    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=100", "--warmup_iters=1",
+                   "--decay_frac=0.0", "--decay_tokens=512", "--eval_interval=1000", "--ckpt_interval=1"]
+    run(base + ["--stop_after_steps=2"])
+    json.dump({"start_decay": "false", "stat_decay": True}, open(os.path.join(out, "control.json"), "w"))
+    r = run(base + ["--init_from=resume", "--stop_after_steps=1"])
+    assert json.load(open(os.path.join(out, "step_0000003", "state.json"))).get("decay_started_at_tokens") is None
+    assert "start_decay must be true or false" in r.stdout and "unknown key 'stat_decay'" in r.stdout, r.stdout[-2000:]
+    r = run(TINY + [f"--data_root={data_root}", f"--out_dir={tmp_path / 'fresh'}",
+                    f"--resume_from={os.path.join(out, 'step_0000003')}", "--stop_after_steps=1"], check=False)
+    assert r.returncode == 1 and "--init_from=resume" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "fresh" / "step_0000001")
+
+
 def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_root, tmp_path):
     """Two trainers on one out_dir: the second's save() deleted the first's temp dir mid-save. And a mirror that was
     briefly unwritable when the guardian restarted the trainer ended the run (refused as a config error)."""
