@@ -30,7 +30,6 @@ def read_json(path, default=None, error=RunDirError):
         raise error(f"{path}: not valid JSON ({e}); fix or delete it")
 
 
-
 def set_aside_after(run_dir, step, tag):
     """Move run_dir's checkpoints past `step` to run_dir/abandoned/TAG/ (a rollback's old timeline); how many."""
     later = [p for s, p in checkpoint.list_checkpoints(run_dir) if s > step]
@@ -133,7 +132,8 @@ def prepare_run_dir(cfg, out, log):
         if ck is None:
             raise RunDirError(f"{out}: no valid checkpoint to resume from; start with --init_from=scratch"
                              + (f" (found {len(existing)} invalid step_* dirs)" if existing else ""))
-    step = read_json(os.path.join(ck, "state.json"))["step"]
+    state = read_json(os.path.join(ck, "state.json"))
+    step = state["step"]
     tag = f"after_step_{step:07d}_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
     newer = [(s_, p) for s_, p in existing if s_ > step]  # none of them verifies (ck is the newest that does)
     restored = restore_from_mirror(out, mirror_dir, newer, log) if newer and mirror_dir and not explicit else None
@@ -169,7 +169,6 @@ def prepare_run_dir(cfg, out, log):
         return ck
     if checkpoint.in_run_dir(ck, out):
         checkpoint.write_atomic_text(os.path.join(out, "LATEST"), os.path.basename(os.path.normpath(ck)) + "\n")
-    state = read_json(os.path.join(ck, "state.json"))
     fix_best(state)
     log(f"WARNING: resuming an earlier step: moved {n_moved} later checkpoint(s) of {out}"
         + (f" and {m_moved} of {mirror_dir}" if m_moved else "") + f" to abandoned/{tag}, so they are neither resumed "
@@ -186,7 +185,6 @@ def prepare_run_dir(cfg, out, log):
         log(f"control.json: its start_decay was taken at step {taken}, not before step {step}: moved to "
             f"{os.path.join(out, 'abandoned', tag)}; this timeline trains without it")
     return ck
-
 
 
 def hold_run_lock(out_dir, wait_s, log):

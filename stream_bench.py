@@ -402,8 +402,9 @@ def bench_in_cgroup(args, argv):
     import subprocess
     import tempfile
     budget = S.parse_size(args.ram_budget) if args.ram_budget else None
-    if budget and budget < S.rss_bytes():  # the child would be OOM-killed importing torch: "killed (OOM?)" said less
-        raise S.StreamError(f"--ram-budget {args.ram_budget}: below the {S.fmt_size(S.rss_bytes())} python and torch "
+    baseline = S.rss_bytes()  # python and torch: the child would be OOM-killed importing torch ("killed (OOM?)")
+    if budget and budget < baseline:
+        raise S.StreamError(f"--ram-budget {args.ram_budget}: below the {S.fmt_size(baseline)} python and torch "
                             f"alone take here, before any of the model; raise it")
     try:
         cont = C.load_container(args.container)
@@ -582,9 +583,7 @@ def run_sweep(args, argv):
     budget's row is its successful run with the median % of the bound (a real run, not a mix; of an even count the
     lower middle one; runs above 100%, whose bandwidth measurement was disturbed, only when all are), every
     successful run under "runs", failed ones' errors under "failed_runs"."""
-    budgets = [b.strip() for b in args.sweep.split(",") if b.strip()]
-    for b in budgets:
-        S.parse_size(b)
+    budgets = [b.strip() for b in args.sweep.split(",") if b.strip()]  # (each a size: check_args parsed them)
     base = strip_args(argv, {"--sweep", "--ram-budget", "--json", "--plot", "--llamacpp-json", "--repeat"}, {"--bench"})
     results = {b: [] for b in budgets}
     for _ in range(max(1, args.repeat)):

@@ -1045,14 +1045,14 @@ def check_args(args, argv):
         raise StreamError(f"--experts-per-token {args.experts_per_token}: at least 1 (leave it out for the model's)")
     if args.seed is not None and not 0 <= args.seed < 2 ** 63:
         raise StreamError(f"--seed {args.seed}: 0 to 2**63 - 1")
-    if args.sweep is not None and not [b for b in args.sweep.split(",") if b.strip()]:
+    budgets = [b.strip() for b in (args.sweep or "").split(",") if b.strip()]
+    if args.sweep is not None and not budgets:
         raise StreamError(f"--sweep {args.sweep!r}: a comma-separated list of budgets, e.g. 4G,2G,1G")
-    for b in (args.sweep or "").split(","):  # each budget now, named as --sweep's (it said --ram-budget)
+    for b in budgets:  # each budget now, named as --sweep's (it said --ram-budget)
         try:
-            if b.strip():
-                parse_size(b.strip())
+            parse_size(b)
         except StreamError:
-            raise StreamError(f"--sweep {args.sweep!r}: {b.strip()!r} is not a size; use a number with K, M, G or T, "
+            raise StreamError(f"--sweep {args.sweep!r}: {b!r} is not a size; use a number with K, M, G or T, "
                               f"e.g. 4G,2G,1G") from None
     if args.max_new_tokens < (2 if args.bench or args.sweep else 0):
         raise StreamError(f"--max-new-tokens {args.max_new_tokens}: " + ("a benchmark times decode after the first "

@@ -564,9 +564,12 @@ def main(argv):
         except Exception as e:
             failure = e
     if ddp:  # as bytes in a tensor: broadcast_object_list unpickles what another machine sent
-        code = failure.code if isinstance(failure, TrainError) else EXIT_ERROR if failure else 0
-        data = json.dumps([ck, None if failure is None else f"{type(failure).__name__}: {failure}" if not isinstance(
-            failure, (TrainError, RunDirError, checkpoint.CheckpointError)) else str(failure), code]).encode() if master else b""
+        code, msg = 0, None
+        if failure is not None:  # (ours say what is wrong in one line; anything else is named by its type too)
+            code = failure.code if isinstance(failure, TrainError) else EXIT_ERROR
+            ours = isinstance(failure, (TrainError, RunDirError, checkpoint.CheckpointError))
+            msg = str(failure) if ours else f"{type(failure).__name__}: {failure}"
+        data = json.dumps([ck, msg, code]).encode() if master else b""
         n = torch.tensor([len(data)], dtype=torch.int64, device=device)
         dist.broadcast(n, 0)
         buf = (torch.tensor(list(data), dtype=torch.uint8, device=device) if master

@@ -296,9 +296,11 @@ def budget_bytes_of(b, container_bytes):
     if b in ("none", ""):
         return None
     try:
-        pct = float(b[:-1]) if b.endswith("%") else None
-        n = (max(1, int(container_bytes * pct / 100)) if pct and pct > 0 else None) if b.endswith("%") \
-            else stream_infer.parse_size(b)
+        if b.endswith("%"):
+            pct = float(b[:-1])
+            n = max(1, int(container_bytes * pct / 100)) if pct > 0 else None  # (NaN: not > 0)
+        else:
+            n = stream_infer.parse_size(b)
     except (ValueError, OverflowError, stream_infer.StreamError):  # (inf% overflowed)
         n = None
     if not n or n <= 0:  # (0% gave 0, which read as no limit)
