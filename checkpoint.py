@@ -51,6 +51,14 @@ def fsync_dir(path):
         os.close(fd)
 
 
+def fsync_tree(path):
+    """Every file of a flat dir on disk, then the dir's own entries (before the dir is renamed into place)."""
+    for name in os.listdir(path):
+        with open(os.path.join(path, name), "rb+") as f:
+            os.fsync(f.fileno())
+    fsync_dir(path)
+
+
 def step_dir_name(step):
     return f"step_{step:07d}"
 

@@ -487,11 +487,7 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
             f.write(model_card(src, dtype_name, tok is not None))
         with open(os.path.join(tmp, HF_MARKER), "w", encoding="utf-8") as f:  # what a later --out may replace
             json.dump({"format": "hf", "source": os.path.abspath(src.dir), "dtype": dtype_name}, f, indent=1)
-        for name in os.listdir(tmp):  # on disk before the dir takes the name (the weights fsynced as written)
-            if not name.endswith(".safetensors"):
-                with open(os.path.join(tmp, name), "rb+") as f:
-                    os.fsync(f.fileno())
-        checkpoint.fsync_dir(tmp)
+        checkpoint.fsync_tree(tmp)  # on disk before the dir takes the name
         old = out.rstrip("/") + f".old-{os.getpid()}"  # an earlier export stays whole until the new one has its name
         if os.path.exists(out):
             os.replace(out, old)

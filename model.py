@@ -420,6 +420,12 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         w, idx = self.route(x)
+        routed = self._dispatch(x, w, idx)
+        out = routed + self.shared_experts(x).float()
+        return out.to(x.dtype).reshape(shape)
+
+    def _dispatch(self, x, w, idx):
+        """The k routed experts' outputs for each row of x, mixed by the routing weights w (fp32)."""
         N, k = idx.shape
         E = self.cfg.n_experts
         flat = idx.reshape(-1)
@@ -446,9 +452,17 @@ class MoE(nn.Module):
             y = expert_matmul(SwiGLUAct.apply(h), self.experts.down_proj.to(wdt), counts, offs)
         # back to (token, choice) order, then mix the k outputs with the routing weights, in fp32
         y = PermuteRows.apply(y, slot_of_choice, order).view(N, k, -1)
-        routed = (y.float() * w.unsqueeze(-1)).sum(dim=1)
-        out = routed + self.shared_experts(x).float()
-        return out.to(x.dtype).reshape(shape)
+        return (y.float() * w.unsqueeze(-1)).sum(dim=1)
+
+
+def compile_model(model, device_type):
+    """torch.compile; on CPU each MoE layer's dispatch stays eager: its data-dependent sizes (bincount, the padded
+    fallback's counts.max()) broke the graph and recompiled as the routing changed, and eager runs ExpertFFNCPU."""
+    if device_type == "cpu":
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m._dispatch = torch.compiler.disable(m._dispatch)
+    return torch.compile(model)
 
 
 def moe_reference(moe, x):

@@ -92,9 +92,7 @@ def restore_from_mirror(out, mirror_dir, newer, log):
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(cand, tmp)
-            for f in os.listdir(tmp):
-                with open(os.path.join(tmp, f), "rb+") as fh:
-                    os.fsync(fh.fileno())
+            checkpoint.fsync_tree(tmp)
             checkpoint.verify(tmp)
             return tmp, p
         except (OSError, shutil.Error, checkpoint.CheckpointError) as e:

@@ -464,14 +464,20 @@ PREFETCH_ON_RIGHT, PREFETCH_OFF_RIGHT = 0.80, 0.72
 PREFETCH_JUDGE_PICKS = 240  # picks per verdict (+-0.03 on the share right; ~8 tokens of micro with prefetch on)
 PREFETCH_PROBE_EVERY_MAX = 32  # while off, one token in 2 names guesses, one in 4 after the next verdict, ... 32
 PREFETCH_MODES = ("off", "on", "auto")
+MAX_READERS = 64  # expert reader threads; 100000 failed to make its threads, a traceback mid-load
+
+
+def check_readers(n_readers, name):
+    """The reader-thread count, checked early by the CLI (before a bench's cgroup) and by the API alike."""
+    if not (isinstance(n_readers, int) and 1 <= n_readers <= MAX_READERS):
+        raise StreamError(f"{name} {n_readers!r}: 1 to {MAX_READERS} expert reader threads")
 
 
 class Engine:
     def __init__(self, path, ram_budget=None, device="cpu", kernel="auto", n_readers=4, prefetch="auto",
                  context=None, cache_policy="score", preload="auto", prefill_chunk=PREFILL_CHUNK):
         self.cache_policy, self.n_readers = cache_policy, n_readers
-        if not (isinstance(n_readers, int) and 1 <= n_readers <= 64):  # (the API's check, as the CLI's --readers)
-            raise StreamError(f"n_readers {n_readers!r}: 1 to 64 expert reader threads")
+        check_readers(n_readers, "n_readers")
         if cache_policy not in EC.CACHE_POLICIES:  # before anything is loaded
             raise StreamError(f"cache policy {cache_policy!r}: use one of {', '.join(EC.CACHE_POLICIES)}")
         self.prefetch_mode = {False: "off", True: "on", None: "off"}.get(prefetch, prefetch)
@@ -1038,8 +1044,7 @@ def check_args(args, argv):
         raise StreamError(f"--threads {args.threads!r}: a positive integer or auto")
     if args.repeat < 1 or (args.repeat > 1 and not args.sweep):
         raise StreamError(f"--repeat {args.repeat}: a positive count of runs per budget, for --sweep")
-    if not 1 <= args.readers <= 64:  # 100000 failed to make its threads, a traceback mid-load
-        raise StreamError(f"--readers {args.readers}: 1 to 64 expert reader threads")
+    check_readers(args.readers, "--readers")
     check_sampling(args.temperature, args.top_p, "--")
     if args.experts_per_token is not None and args.experts_per_token < 1:  # 0 meant the default, silently
         raise StreamError(f"--experts-per-token {args.experts_per_token}: at least 1 (leave it out for the model's)")

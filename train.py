@@ -736,7 +736,8 @@ def main(argv):
         set_rng_state(state["rng"], device_type)
     raw_model = model
     if cfg["compile"]:
-        model = torch.compile(model)
+        from model import compile_model
+        model = compile_model(model, device_type)
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
