@@ -39,9 +39,10 @@ Speed (the scoring is exact, these only change what is computed together):
 bench/eval_speed.py measures this against lm-eval's HFLM on the same model and data, with identical metrics.
 
 Data: downloaded from the Hub with huggingface_hub (the dataset's auto-converted parquet branch
-`refs/convert/parquet`, else parquet/jsonl files on main) into --cache-dir; or --data-dir DIR with one file per
-task in the Hub dataset's own schema: DIR/<task>.jsonl (one JSON object per line), DIR/<task>.json (a list),
-DIR/<task>.parquet, or a folder DIR/<task>/ of such files (read in name order).
+`refs/convert/parquet`, else parquet/jsonl files on main) into --cache-dir, read from there when the Hub cannot be
+reached later (offline, with a warning); or --data-dir DIR with one file per task in the Hub dataset's own schema:
+DIR/<task>.jsonl (one JSON object per line), DIR/<task>.json (a list), DIR/<task>.parquet, or a folder DIR/<task>/
+of such files (read in name order).
 
 Generation never inherits sampling settings from a model: decoding is greedy with no repetition / presence /
 frequency penalty, by eval.py's own loop; if the model ships such settings they are printed as a loud warning
@@ -292,8 +293,11 @@ def local_task_rows(data_dir, task):
 
 
 def hub_task_rows(task, cache_dir):
-    """Download the task's split from the Hub (parquet) into cache_dir and read it."""
+    """Download the task's split from the Hub (parquet) into cache_dir and read it. The files downloaded are listed
+    in cache_dir/picaflor_tasks/TASK.json: offline (or the Hub down), a later run reads them from there with a
+    warning (hf_hub_download finds a cached file offline, but the file listing before it is never cached)."""
     repo, config, split = TASKS[task][1]
+    listing = os.path.join(cache_dir, "picaflor_tasks", f"{task}.json")
     try:
         from huggingface_hub import HfApi, hf_hub_download
         api = HfApi()
@@ -314,9 +318,35 @@ def hub_task_rows(task, cache_dir):
         raise
     except Exception as e:  # network, auth, missing repo: all mean "get the data another way"
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise EvalError(f"cannot download {repo} for task {task} ({msg}); check the network or use "
-                        f"--data-dir DIR with DIR/{task}.jsonl") from None
+        paths = cached_task_files(listing, repo)
+        if paths is None:
+            raise EvalError(f"cannot download {repo} for task {task} ({msg}); check the network or use "
+                            f"--data-dir DIR with DIR/{task}.jsonl") from None
+        print(f"warning: cannot reach {repo} ({msg[:120]}); task {task} reads the copy downloaded into "
+              f"{cache_dir} earlier", file=sys.stderr)
+        return [r for p in paths for r in read_rows(p)]
+    try:
+        os.makedirs(os.path.dirname(listing), exist_ok=True)
+        tmp = listing + f".tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"repo": repo, "revision": revision, "files": [os.path.abspath(p) for p in paths]}, f, indent=1)
+        os.replace(tmp, listing)
+    except OSError:  # a read-only cache: the download still serves this run
+        pass
     return [r for p in paths for r in read_rows(p)]
+
+
+def cached_task_files(listing, repo):
+    """The files an earlier download of repo listed in listing, if every one is still there; else None."""
+    try:
+        with open(listing, encoding="utf-8") as f:
+            rec = json.load(f)
+        paths = rec["files"]
+        if rec["repo"] == repo and paths and all(isinstance(p, str) and os.path.isfile(p) for p in paths):
+            return paths
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 def task_docs(task, lm, args):
@@ -523,6 +553,7 @@ def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False)
             raise EvalError(f"{tokenizer_path or os.path.join(ckpt_dir, 'tokenizer.json')}: tokenizer vocab "
                             f"{tok.vocab_size} > model vocab {m.cfg.vocab_size}; wrong tokenizer for this checkpoint")
         lm = PicaflorModel(m, tok, spec, device)
+        lm.source = os.path.abspath(ckpt_dir)  # a run dir's LATEST moves on: the step scored, not the run's name
         gc_path = os.path.join(ckpt_dir, "generation_config.json")
         if os.path.isfile(gc_path):
             with open(gc_path) as f:
@@ -549,7 +580,10 @@ def load_hf(spec, device, dtype):
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a truncated weights file; shapes
         raise EvalError(f"{spec}: cannot load as a transformers model ({(str(e).splitlines() or [''])[0]})") from None
-    return HFModel(model, tok, spec, device)
+    lm = HFModel(model, tok, spec, device)
+    commit = getattr(model.config, "_commit_hash", None)  # set by transformers for a model from the Hub
+    lm.source = os.path.abspath(spec) if os.path.isdir(spec) else f"{spec}@{commit}" if commit else spec
+    return lm
 
 
 def load_int4(path, device, dtype, tokenizer_path, use_engine=False):
@@ -583,7 +617,8 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False):
     cfg = c.config
     m = picaflor.meta_model(cfg)
     m.to_empty(device=device)
-    missing, unexpected = m.load_state_dict(c.dequantized_state_dict(), strict=False)
+    sd = c.dequantized_state_dict()
+    missing, unexpected = m.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("load_accum")]
     if missing or unexpected:
         raise EvalError(f"{path}: container tensors do not match its model_config (missing {missing[:3]}, "
@@ -592,10 +627,7 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False):
         m.lm_head.weight = m.embed_tokens.weight
     for moe in m.moe_layers():
         moe.load_accum.zero_()
-    m.to(dtype).eval()
-    for moe in m.moe_layers():  # the router and its bias stay fp32 (as model.load_checkpoint keeps them)
-        moe.gate.float()
-        moe.e_score_correction_bias.data = moe.e_score_correction_bias.data.float()
+    picaflor.to_dtype_keeping_router(m, dtype, sd).eval()
     lm = PicaflorModel(m, tok, path, device)
     lm.kind = "int4 (dequantized)"
     return lm
@@ -933,7 +965,9 @@ def compare(paths):
                    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
             if bad:
                 raise EvalError(f"{p}: results[{task!r}][{bad[0]!r}] is not a number; pass files written by --out")
-    names = [s.get("model", p) for s, p in zip(sums, paths)]
+    names = [str(s.get("model", p)) for s, p in zip(sums, paths)]
+    # two evaluations of one run dir (its LATEST moved on): columns told apart
+    names = [f"{n} [{i + 1}]" if names.count(n) > 1 else n for i, n in enumerate(names)]
     rows = []
     for s in sums:
         for task, res in s["results"].items():
@@ -951,14 +985,20 @@ def compare(paths):
                 continue
             cell = f"{fmt(v)} ± {fmt(se)}" if se is not None else fmt(v)
             if col == 0:  # the first column is the reference: a row it lacks is compared against nothing
-                ref = (v, se)
+                ref = (v, se, res.get("n"))
+            elif ref is not None and res.get("n") != ref[2]:  # other examples (--limit, other data): no verdict
+                cell += f" (n={res.get('n')} vs {ref[2]} !)"
             elif ref is not None and ref[1] is not None and se is not None:
                 noise = 2 * math.sqrt(ref[1] ** 2 + se ** 2)
                 cell += f" ({v - ref[0]:+.4f} {'~' if abs(v - ref[0]) <= noise else '*'})"
             cells.append(cell)
         lines.append(f"| {task} | {m} | " + " | ".join(cells) + " |")
     lines.append("\n~ = difference from the first column within noise (|diff| <= 2 * sqrt(se1^2 + se2^2)); "
-                 "* = outside it; a row without a first-column value is not compared")
+                 "* = outside it; ! = scored on another number of examples than the first column (--limit, other "
+                 "data): not compared; a row without a first-column value is not compared")
+    for name, s, p in zip(names, sums, paths):  # what each column scored (a run dir's name says neither step nor data)
+        lines.append(f"- {name}: {p}: {s.get('model_source', '?')}, data {s.get('data', '?')}, "
+                     f"dtype {s.get('dtype', '?')}, limit {s.get('limit')}")
     return "\n".join(lines)
 
 
@@ -1013,7 +1053,9 @@ def evaluate(args):
     lm = load_model(args.model, args.device, args.dtype, args.tokenizer, args.int4_engine)
     if any(TASKS[t][0] == "generate_until" for t in tasks):
         warn_shipped_settings(lm)
-    summary = {"results": {}, "model": args.model, "model_kind": lm.kind, "harness_version": HARNESS_VERSION,
+    summary = {"results": {}, "model": args.model, "model_kind": lm.kind,
+               "model_source": getattr(lm, "source", os.path.abspath(args.model)),
+               "data": os.path.abspath(args.data_dir) if args.data_dir else "hub", "harness_version": HARNESS_VERSION,
                "seed": args.seed, "dtype": lm.dtype, "device": str(args.device), "max_length": lm.max_length,
                "num_fewshot": 0, "limit": args.limit, "bootstrap_iters": args.bootstrap_iters,
                "max_gen_toks": args.max_gen_toks,

@@ -392,9 +392,19 @@ def test_compare_marks_noise(tmp_path, capsys):
     assert ev.main(["--compare", str(partial), b, c]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| arc_easy | acc |"))
     assert row.startswith("| arc_easy | acc | - | 0.6200") and "~" not in row and "*" not in row, row
+    # one run dir scored twice, the second with --limit 3: two columns told apart, and no "within noise" verdict
+    # between 100 examples and 3 (it printed "0.3333 ± 0.3333 (-0.1310 ~)" under two identical headers)
+    lim = tmp_path / "L.json"
+    lim.write_text(json.dumps({"model": "A", "limit": 3, "model_source": "/runs/a/step_0000300",
+                               "results": {"piqa": {"acc": 1 / 3, "acc_stderr": 1 / 3, "n": 3}}}))
+    assert ev.main(["--compare", a, str(lim)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| piqa | acc |"))
+    assert "| A [1] | A [2] |" in out and "(n=3 vs 100 !)" in row and "~" not in row and "*" not in row, row
+    assert f"- A [2]: {lim}: /runs/a/step_0000300" in out and "limit 3" in out
 
 
-def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch):
+def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch, capsys):
     """The Hub path: the dataset's refs/convert/parquet branch, CONFIG/SPLIT/*.parquet, through huggingface_hub."""
     import huggingface_hub
     import pyarrow as pa
@@ -417,6 +427,17 @@ def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch):
     assert got == rows
     assert ("allenai/ai2_arc", "ARC-Challenge/test/0000.parquet", "refs/convert/parquet",
             str(tmp_path / "cache")) in calls
+
+    def offline(self, *a, **k):  # HF_HUB_OFFLINE or no network: the listing is never cached by huggingface_hub
+        raise ConnectionError("offline mode is enabled")
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", offline)
+    assert ev.hub_task_rows("arc_challenge", str(tmp_path / "cache")) == rows  # the earlier download, read again
+    assert "reads the copy downloaded into" in capsys.readouterr().err
+    with pytest.raises(ev.EvalError, match="cannot download allenai/ai2_arc for task arc_easy"):
+        ev.hub_task_rows("arc_easy", str(tmp_path / "cache"))  # never downloaded: the error it always was
+    os.remove(tmp_path / "0000.parquet")  # a cache pruned since: not a half-read, the same error
+    with pytest.raises(ev.EvalError, match="cannot download allenai/ai2_arc for task arc_challenge"):
+        ev.hub_task_rows("arc_challenge", str(tmp_path / "cache"))
 
 
 def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):
@@ -446,6 +467,15 @@ def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):
     # stream_infer's Engine (int4 kernels, one request at a time) agrees up to its kernels' rounding; on AVX2 that
     # includes int8 activations into the lm_head (this random model's log-likelihoods reach -370: up to 0.18 off)
     assert all(abs(a - b) <= 2e-3 * abs(a) + 3e-2 for x, y in zip(got["int4"], got["engine"]) for a, b in zip(x, y))
+    # in bf16 (the default on CUDA) the routers and their biases stay the container's fp32 values, bit for bit (cast
+    # back after .to(bfloat16), they had lost their low bits: other experts for ~0.1-0.3% of tokens)
+    sd = c.dequantized_state_dict()
+    lm = ev.load_int4(path, "cpu", torch.bfloat16, None)
+    for name, mod in lm.model.named_modules():
+        if isinstance(mod, picaflor.MoE):
+            assert torch.equal(mod.gate.weight, sd[f"{name}.gate.weight"].float())
+            assert torch.equal(mod.e_score_correction_bias, sd[f"{name}.e_score_correction_bias"].float())
+            assert mod.shared_experts.gate_proj.weight.dtype == torch.bfloat16
     # an engine error during the run is one line, exit 2 (a traceback: main caught only its own error types)
     import stream_infer
 
