@@ -24,7 +24,8 @@ Files in the store (DESIGN.md, Relay):
 Safety (Kleppmann 2016, "How to do distributed locking"; see REFERENCES.md, Relay on the Hub): a lease alone
 cannot exclude a paused holder, so every write of a holder is a commit whose parent is the holder's own previous
 commit (`parent_commit=` on the Hub, a head check under flock for file://). Any other commit in between makes it
-fail (HTTP 412) and the holder stops training at once, keeping its local checkpoint. Timing decides only
+fail (HTTP 412) and the holder stops training at once, keeping its local checkpoint, unless that commit changed none
+of the run's files below (a model card edit): the holder then chains from it (adopt_foreign_head). Timing decides only
 liveness: a lease has expired when the store's clock (HTTP Date / the local clock for file://) is more than
 ttl_s past the head commit's time (every holder write is a commit, so the head commit is the last renewal).
 Every commit carries a fresh write_id in RELAY.json; after a 5xx or a timeout the client re-reads the head and
@@ -40,7 +41,9 @@ trainer that fails after checkpointing gets its newest checkpoint pushed (verifi
 
 Implementer's calls: the repo holds only the latest checkpoint (older ones stay in git history); each leg trains
 in its own local folder WORKDIR/leg-NNNN-genG/ (default WORKDIR ./relay-work/<store name>), so a fenced leg's
-checkpoint is never touched again (leg dirs are removed only once pushed); `decay` refuses while someone holds the
+checkpoint is never touched again (leg dirs are removed only once pushed, and only when nothing was trained there
+after the push: PUSHED records the step; LEG.json names the lease a leg dir is for, another lease's same-named dir is
+set aside, never resumed); `decay` refuses while someone holds the
 baton (its commit would fence them out); `claim` by the current holder renews; $ = wall hours x gpu_hourly_usd
 (the config's, or --gpu_hourly_usd=); defaults ttl 1200 s, heartbeat 300 s (Hub rate limits). One relay.py at a time
 works in a WORKDIR (flock on WORKDIR/.relay.lock). HTTP requests time out after RELAY_HTTP_TIMEOUT_S (60 s) without
@@ -103,10 +106,11 @@ def now_iso(t=None):
     return dt.datetime.fromtimestamp(time.time() if t is None else t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=None):
+def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=None, lease=None):
     """One fenced commit. `relay` (the new RELAY.json) gets a fresh write_id (or the one given); after a transient
-    failure the head is re-read and, if it holds our write_id, the commit landed (no retry, no duplicate). Returns
-    the new head sha."""
+    failure the head is re-read and, if it holds our write_id, the commit landed (no retry, no duplicate). A
+    holder's commit (lease given) refused by commits that touched none of the run's files chains from them instead
+    (adopt_foreign_head). Returns the new head sha."""
     relay = dict(relay, write_id=write_id or uuid.uuid4().hex)
     adds = dict(adds, **{"RELAY.json": (json.dumps(relay, indent=1) + "\n").encode()})
     delay = 0.2
@@ -114,14 +118,16 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
         try:
             return store.commit(parent, adds, deletes, message), relay
         except Conflict:
-            if attempt == 0 and write_id is None:
-                raise
-            # refused because the head moved: maybe by our own earlier attempt (this call's, or an earlier call's
-            # given the same write_id again), landed after we looked
-            head, _, _ = store.head()
-            landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
-            if landed and landed.get("write_id") == relay["write_id"]:
-                return head, relay
+            if not (attempt == 0 and write_id is None):
+                # refused because the head moved: maybe by our own earlier attempt (this call's, or an earlier
+                # call's given the same write_id again), landed after we looked
+                head, _, _ = store.head()
+                landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
+                if landed and landed.get("write_id") == relay["write_id"]:
+                    return head, relay
+            if lease is not None and attempt < tries - 1 and adopt_foreign_head(store, lease):
+                parent = lease.sha
+                continue
             raise
         except Transient as e:
             err = e
@@ -139,8 +145,33 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
         if landed and landed.get("write_id") == relay["write_id"]:
             return head, relay
         if head != parent:
+            if lease is not None and adopt_foreign_head(store, lease):
+                parent = lease.sha
+                continue
             raise Conflict(f"{store.url}: after a failed commit the head moved to {head[:10]}, not ours")
     raise Transient(f"{err} (gave up after {tries} tries)")
+
+
+RUN_FILES = ("RELAY.json", "training_state.json", "config.py", "LEDGER.md", CKPT_PREFIX + "/MANIFEST.json")
+RUN_FOLDERS = (CKPT_PREFIX + "/", "logs/")
+
+
+def adopt_foreign_head(store, lease):
+    """Commits after our last one that changed none of the run's files (a model card edited in the Hub's web
+    editor): the lease chains from the head instead (each such commit fenced the holder out for good, its leg lost).
+    Any change to the run's files (a claim, a push, a hand edit) is still a fence. Returns whether it chained."""
+    head, _, _ = store.head()
+    if head == lease.sha:
+        return False
+    if any(store.read(head, f) != store.read(lease.sha, f) for f in RUN_FILES):
+        return False
+    if any(sorted(store.list(head, d)) != sorted(store.list(lease.sha, d)) for d in RUN_FOLDERS):
+        return False
+    print(f"relay: {store.url}: commits after ours ({lease.sha[:10]} -> {head[:10]}) changed none of the run's "
+          f"files; the lease goes on from them", file=sys.stderr)
+    lease.sha = head
+    lease.save()
+    return True
 
 
 def parse_json(data, name, store, sha):
@@ -335,7 +366,7 @@ def renew(store, lease):
     new = dict(lease.relay, heartbeat_at=time.time())
     try:
         sha, new = commit_cas(store, lease.sha, {}, [], f"relay: heartbeat leg {lease.leg} by {lease.who}", new,
-                              write_id=wid)
+                              write_id=wid, lease=lease)
     except Conflict as e:
         lease.pending_renewal = None
         lease.save()
@@ -349,6 +380,8 @@ def adopt_own_head(store, lease, snap):
     that landed is the head we chain from. Returns whether the head is now our lease's."""
     if snap.sha != lease.sha and not adopt_landed_push(store, lease):
         adopt_landed_write(lease, snap.sha, snap.relay)
+    if snap.sha != lease.sha:
+        adopt_foreign_head(store, lease)
     return snap.sha == lease.sha
 
 
@@ -377,10 +410,17 @@ def adopt_own_renewal(store, lease):
 
 
 def release(store, lease):
+    """Its write_id is recorded first, as a renewal's: a retry after a release whose answer was lost finds it landed
+    (it said "lease already lost", exit 4, for a release that had worked)."""
     adopt_own_renewal(store, lease)
+    wid = getattr(lease, "pending_release", None)
+    if not wid:
+        lease.pending_release = wid = uuid.uuid4().hex
+        lease.save()
     new = dict(lease.relay, holder=None, nonce=None, released_at=time.time())
     try:
-        sha, _ = commit_cas(store, lease.sha, {}, [], f"relay: release by {lease.who} after leg {lease.leg}", new)
+        sha, _ = commit_cas(store, lease.sha, {}, [], f"relay: release by {lease.who} after leg {lease.leg}", new,
+                            write_id=wid, lease=lease)
     except Conflict as e:
         lease.drop()
         raise Fenced(f"release: lease already lost ({e}); nothing to hand back")
@@ -551,7 +591,7 @@ def commit_push(store, lease, plan, run_dir, note=None):
     try:
         sha, new_relay = commit_cas(store, lease.sha, plan["adds"], plan["stale"], f"relay: leg {lease.leg} by "
                                     f"{lease.who}: steps {base}-{step}" + (f" ({note})" if note else ""), new_relay,
-                                    write_id=lease.pending_push["write_id"])
+                                    write_id=lease.pending_push["write_id"], lease=lease)
     except Conflict as e:
         lease.pending_push = None  # someone else's commit: ours did not land (commit_cas checked)
         lease.save()
@@ -566,8 +606,8 @@ def chain_lease_to(lease, sha, new_relay, step, run_dir):
     lease.pulled_at = time.time()  # a second push in this lease bills from here, not from the pull again
     lease.pending_push, lease.leg_wall_s = None, None
     lease.save()
-    if run_dir and os.path.isdir(run_dir):
-        open(os.path.join(run_dir, "PUSHED"), "w").write(f"{sha}\n")
+    if run_dir and os.path.isdir(run_dir):  # the step too: steps trained here after this push are not in the store
+        write_atomic(os.path.join(run_dir, "PUSHED"), f"{sha} {step}\n")
 
 
 def adopt_landed_push(store, lease):
@@ -598,7 +638,8 @@ def push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0)
 
 class Heartbeat(threading.Thread):
     """Renews the lease every heartbeat_s. On a fenced renewal, or no successful renewal for ttl - margin seconds
-    (monotonic clock), sets `failed` and calls on_fail() (which stops the trainer). Its clock starts at the lease's
+    (monotonic clock), sets `failed` and calls on_fail() (which stops the trainer); overdue, it keeps renewing until
+    stopped (a store back after an outage renews the lease the leg's push needs; it stopped for good). Its clock starts at the lease's
     last renewal (heartbeat_at, written just before that commit), not at this thread's start: a second heartbeat
     (the trainer's, after the pull's) would otherwise grant itself up to heartbeat_s past the TTL."""
 
@@ -622,19 +663,29 @@ class Heartbeat(threading.Thread):
     def run(self):
         wait = max(0.0, self.lease.heartbeat_s - (time.monotonic() - self.last_ok))  # the next beat is due then
         while not self.stop.wait(wait):
-            if self.overdue():
-                return self.fail(f"lease not renewed for {time.monotonic() - self.last_ok:.0f}s (ttl {self.lease.ttl_s:.0f}s): "
-                                 f"stopped training before anyone else may take the baton")
+            if self.overdue():  # the trainer stops; renewals go on (once the store is back, the push still lands)
+                self.fail(f"lease not renewed for {time.monotonic() - self.last_ok:.0f}s (ttl {self.lease.ttl_s:.0f}s): "
+                          f"stopped training before anyone else may take the baton")
             sent = time.monotonic()  # the renewal counts from its request: its answer may come seconds later
             try:
                 renew(self.store, self.lease)
                 self.last_ok, wait = sent, max(0.0, self.lease.heartbeat_s - (time.monotonic() - sent))
             except Fenced as e:
                 self.fenced = True
-                return self.fail(str(e))
+                self.fail(str(e))
+                self.failed = str(e)  # (after an overdue stop: the fence is what the caller must say)
+                return
             except (StoreError, RelayError) as e:
                 print(f"relay: heartbeat failed, retrying: {e}", file=sys.stderr)
                 wait = max(self.lease.heartbeat_s / 4, 0.1)
+
+
+def stop_heartbeat(hb, kept_in):
+    """Stop a Heartbeat; Fenced if someone else's commit landed meanwhile (the local files stay in kept_in)."""
+    hb.stop.set()
+    hb.join()
+    if hb.fenced:
+        raise Fenced(f"{hb.failed}. Training stopped; nothing pushed; local checkpoints are kept in {kept_in}")
 
 
 def config_usd_per_hour(config_path, overrides):
@@ -667,11 +718,27 @@ def prepare_leg(store, lease, workdir):
     """Pull the run's checkpoint and config into a fresh leg dir. Leg dirs of earlier legs that were pushed are
     removed (their content is in the store); unpushed ones (fenced, crashed) are kept."""
     os.makedirs(workdir, exist_ok=True)
-    for name in os.listdir(workdir):
+    for name in sorted(os.listdir(workdir)):
         d = os.path.join(workdir, name)
         if name.startswith("leg-") and os.path.isfile(os.path.join(d, "PUSHED")):
-            shutil.rmtree(d, ignore_errors=True)
+            newer = unpushed_step(d)
+            if newer is None:
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                print(f"relay: warning: {d} holds step {newer}, trained after its push; kept (push it "
+                      f"with `relay.py push --run-dir {d}` while holding the baton, or delete it)", file=sys.stderr)
     run_dir = os.path.join(workdir, f"leg-{lease.leg:04d}-gen{lease.generation}")
+    leg_file = os.path.join(run_dir, "LEG.json")
+    if os.path.isdir(run_dir) and leg_owner(run_dir) != (store.url, lease.nonce):
+        # the same name from another run (a shared --workdir, a run re-made at this URL): resumed and pushed into
+        # this run, its steps were another model's
+        aside = f"{run_dir}.other-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(run_dir, aside)
+        print(f"relay: warning: {run_dir} was another lease's leg (another run, or one re-made at this URL); moved "
+              f"to {aside}, nothing deleted", file=sys.stderr)
+    if not os.path.isfile(leg_file):
+        os.makedirs(run_dir, exist_ok=True)
+        write_atomic(leg_file, json.dumps({"store": store.url, "nonce": lease.nonce, "wall_s": 0.0}))
     ck = pull(store, run_dir, lease.sha, keep_newer=True)
     cfg = store.read(lease.sha, "config.py")
     if cfg is None:
@@ -688,6 +755,49 @@ def prepare_leg(store, lease, workdir):
     lease.base_step = json.load(open(os.path.join(ck, "state.json"))).get("step", lease.base_step)
     lease.save()
     return run_dir
+
+
+def leg_owner(run_dir):
+    """(store url, lease nonce) of the lease a leg dir was made for (LEG.json), or None."""
+    try:
+        rec = json.load(open(os.path.join(run_dir, "LEG.json")))
+        return rec["store"], rec["nonce"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def leg_wall(run_dir, add_s=None):
+    """Seconds this leg's trainer has run, over every start (LEG.json; a leg resumed after a reboot billed only the
+    time after it); with add_s, stored as that total first."""
+    path = os.path.join(run_dir, "LEG.json")
+    try:
+        rec = json.load(open(path))
+        if add_s is not None:
+            write_atomic(path, json.dumps(dict(rec, wall_s=float(add_s))))
+            return float(add_s)
+        return float(rec.get("wall_s") or 0.0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0
+
+
+def unpushed_step(run_dir):
+    """The newest valid step of run_dir past what its PUSHED marker says was pushed (None: nothing unpushed). A marker
+    without a step (an older relay.py's) counts as nothing pushed."""
+    try:
+        parts = open(os.path.join(run_dir, "PUSHED")).read().split()
+        pushed = int(parts[1]) if len(parts) > 1 else -1
+    except (OSError, ValueError):
+        pushed = -1
+    newest = newest_valid_step(run_dir)
+    return newest if newest is not None and newest > pushed else None
+
+
+def newest_valid_step(run_dir):
+    """The step of run_dir's newest checkpoint whose manifest checks out (sizes, not hashes), or None."""
+    if not run_dir or not os.path.isdir(run_dir):
+        return None
+    return next((s_ for s_, p in reversed(checkpoint.list_checkpoints(run_dir))
+                 if checkpoint.is_valid(p, check_hashes=False)), None)
 
 
 def pdeathsig_setter():
@@ -740,28 +850,24 @@ def cmd_run(args):
                 raise RelayError("interrupted while waiting for the baton; nothing claimed") from None
     print(f"relay: claimed leg {lease.leg} (generation {lease.generation}) of {store.url}")
 
-    def stop_heartbeat(hb):
-        hb.stop.set()
-        hb.join()
-        if hb.fenced:
-            raise Fenced(f"{hb.failed}. Training stopped; nothing pushed; local checkpoints are kept in "
-                         f"{lease.run_dir or workdir}")
-
     hb = Heartbeat(store, lease, lambda: None)  # the download of a big checkpoint may outlast the TTL
     hb.start()
     try:
         run_dir = prepare_leg(store, lease, workdir)
     except (RelayError, OSError, KeyboardInterrupt) as e:  # OSError: this machine's disk: the baton goes back
-        stop_heartbeat(hb)
+        stop_heartbeat(hb, lease.run_dir or workdir)
         release(store, lease)
         if isinstance(e, RelayError):
             raise
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed: {e}"
         raise RelayError(f"pulling the run {why}; lease released") from None
-    stop_heartbeat(hb)
+    stop_heartbeat(hb, run_dir)
     if hb.failed:  # overdue during a long download, not fenced: one renewal now says whether the lease is still ours
         renew(store, lease)
-    print(f"relay: pulled step {lease.base_step} into {run_dir}")
+    resumed = newest_valid_step(run_dir)
+    print(f"relay: pulled step {lease.base_step} into {run_dir}" + (
+        f"; resuming this leg's own step {resumed} there (trained before a crash)"
+        if resumed is not None and resumed > (lease.base_step or 0) else ""))
     proc = None
     stop_reason = []
 
@@ -774,7 +880,8 @@ def cmd_run(args):
         stop_trainer()
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     cmd = train_command(args, os.path.join(run_dir, "relay_config.py"), run_dir)
-    t0 = time.time()
+    wall_before = leg_wall(run_dir)  # this leg's trainer time before a crash or a reboot (resumed here)
+    t0 = saved_at = time.time()
     try:
         # own session: a terminal's Ctrl-C reaches only relay, which ends the leg cleanly (SIGTERM -> checkpoint ->
         # push); PR_SET_PDEATHSIG: if relay itself is killed, the trainer gets SIGTERM instead of training on unleased
@@ -789,11 +896,14 @@ def cmd_run(args):
     try:
         while proc.poll() is None:
             time.sleep(0.05)
+            if time.time() - saved_at > 30:
+                saved_at = time.time()
+                leg_wall(run_dir, wall_before + saved_at - t0)
             if hb.overdue():  # also covers a heartbeat stuck in a hung request, or this process being paused
                 hb.fail(f"lease not renewed for {time.monotonic() - hb.last_ok:.0f}s (ttl {lease.ttl_s:.0f}s): "
                         f"stopped training before anyone else may take the baton")
         rc = proc.wait()
-        wall = time.time() - t0
+        wall = leg_wall(run_dir, wall_before + time.time() - t0)
         lease.leg_wall_s = wall  # what a retried `relay.py push` bills (not the hours until the retry)
         lease.save()
         if not hb.fenced:  # an overdue lease stopped the trainer; the push below is a compare-and-swap either way
@@ -807,7 +917,7 @@ def cmd_run(args):
     finally:
         for s, h in old_handlers.items():
             signal.signal(s, h)
-        stop_heartbeat(hb)
+        stop_heartbeat(hb, run_dir)
     crashed = f"trainer exited with status {rc} ({' '.join(cmd[:3])} ...)"
     if rc != 0 and plan is not None:
         # a trainer that failed after checkpointing (an OOM kill, a bad node at hour 5): its newest checkpoint,
@@ -998,7 +1108,13 @@ def cmd_pull(args):
     lease = None
     if os.path.exists(os.path.join(workdir, "LEASE.json")) and not args.out:
         lease = Lease.load(workdir, store)
-        run_dir = prepare_leg(store, lease, workdir)
+        hb = Heartbeat(store, lease, lambda: None)  # a big download may outlast the ttl (nothing renewed it)
+        hb.start()
+        try:
+            run_dir = prepare_leg(store, lease, workdir)
+        finally:
+            stop_heartbeat(hb, workdir)
+        renew(store, lease)  # Fenced (exit 4) if the baton went to someone else meanwhile, not "train with ..."
         print(f"relay: pulled step {lease.base_step} into {run_dir}; train with "
               f"`python train.py {run_dir}/relay_config.py --out_dir={run_dir} --init_from=resume`, then `relay.py push`")
         return 0
@@ -1015,15 +1131,20 @@ def cmd_push(args):
         raise RelayError("push: no leg dir recorded; pass --run-dir DIR (a train.py out_dir)")
     cfg = os.path.join(run_dir, "relay_config.py")
     earlier = adopt_landed_push(store, lease)
+    hb = Heartbeat(store, lease, lambda: None)  # the upload may outlast the ttl: renewed meanwhile, as `run` does
+    hb.start()
     try:  # a leg `run` trained bills its trainer's time, not the hours until this retry
-        sha, row = push(store, lease, run_dir, wall_s=getattr(lease, "leg_wall_s", None),
-                        usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
-                        else config_usd_per_hour(cfg, []))
+        plan = prepare_push(store, lease, run_dir, wall_s=getattr(lease, "leg_wall_s", None),
+                            usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
+                            else config_usd_per_hour(cfg, []))
     except NothingToPush:
         if earlier is None:
             raise
         print(f"relay: the earlier push had landed as {earlier[:10]}; nothing newer to push")
         return 0
+    finally:
+        stop_heartbeat(hb, run_dir)
+    sha, row = commit_push(store, lease, plan, run_dir)
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     return 0
 
@@ -1033,6 +1154,11 @@ def cmd_release(args):
     lease = Lease.load(workdir_for(args), store)
     if adopt_landed_push(store, lease):
         print(f"relay: the earlier push had landed as {lease.sha[:10]}")
+    run_dir = getattr(lease, "run_dir", None)
+    trained = newest_valid_step(run_dir)
+    if trained is not None and trained > (lease.base_step or 0) and not args.discard:  # (it said "released", exit 0)
+        raise RelayError(f"{run_dir} holds step {trained}, past the pulled step {lease.base_step}, never pushed: "
+                         f"`relay.py push {store.url}` first, or release with --discard to drop that work")
     release(store, lease)
     print("relay: released the baton")
     return 0
@@ -1108,7 +1234,8 @@ def build_parser():
     sp = add("push", "upload your leg (one commit) while you hold the lease")
     sp.add_argument("--run-dir", default=None, help="the train.py out_dir to push (default: the leg dir from pull)")
     sp.add_argument("--gpu-hourly-usd", type=float, default=None, help="$ per GPU hour for the ledger (default: the config's)")
-    add("release", "hand the baton back")
+    sp = add("release", "hand the baton back")
+    sp.add_argument("--discard", action="store_true", help="release even though the leg dir holds steps never pushed")
     add("decay", "start the WSD decay from the next leg on")
     sp = add("dashboard", "serve a read-only web page of the run", "store URL or a local train.py out_dir")
     sp.add_argument("--host", default="127.0.0.1")

@@ -1244,3 +1244,141 @@ def test_lost_answers_shared_workdirs_malformed_files_and_a_re_pulled_leg(tmp_pa
     relay.commit_cas(store, snap.sha, {}, [], "an edit", dict(snap.relay, default_ttl_s="20m"))
     with pytest.raises(relay.RelayError, match="default_ttl_s '20m' is not a number"):
         relay.claim(store, work, "alice")
+
+
+def test_review_round_leases_survive_outages_card_edits_and_manual_steps(tmp_path, rl, monkeypatch, capsys):
+    """Review findings, each a leg lost or misbilled:
+    - an outage longer than the lease's deadline stopped the heartbeat for good: the store came back, nothing renewed
+      the lease, and the finished leg was fenced by the next claimer;
+    - a commit that touched none of the run's files (the model card edited in the Hub's web editor) fenced the
+      holder for good, and its own claim was then "busy" against itself;
+    - steps trained after a manual push were deleted with the pushed leg dir at the next pull;
+    - `release` of a leg trained and never pushed said "released" and dropped the work;
+    - a leg dir of the same name from another lease (a shared --workdir, a run re-made at the URL) was resumed and
+      pushed into this run;
+    - a release whose answer was lost was retried into "lease already lost", exit 4."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = lost_answers_store(str(tmp_path / "store"))
+    work = str(tmp_path / "wa")
+
+    def steps(run_dir, *numbers):
+        for n in numbers:
+            checkpoint.save(run_dir, n, {"model.safetensors": lambda p, n=n: open(p, "w").write(f"w{n}"),
+                                         "state.json": lambda p, n=n: json.dump({"step": n, "tokens": 100 * n}, open(p, "w"))})
+    lease = relay.claim(store, work, "alice", ttl=3, heartbeat=1)
+    # an outage past the deadline (ttl 3 - 0.6 s): the trainer stops, and the renewals resume with the store
+    real, dark, stopped = relay.renew, [True], []
+
+    def flaky(store_, lease_):
+        if dark:
+            raise relay.Transient("HTTP 503 (a test)")
+        real(store_, lease_)
+    monkeypatch.setattr(relay, "renew", flaky)
+    hb = relay.Heartbeat(store, lease, lambda: stopped.append(1))
+    hb.start()
+    wait_for(lambda: hb.failed, 10, "the lease to be overdue")
+    sha0 = lease.sha
+    dark.clear()
+    wait_for(lambda: lease.sha != sha0, 10, "a renewal once the store is back")
+    relay.stop_heartbeat(hb, work)
+    monkeypatch.setattr(relay, "renew", real)
+    assert stopped == [1] and not hb.fenced and relay.Snapshot(store).relay["nonce"] == lease.nonce
+    # the model card edited twice while the leg trains: renewal, claim and push chain from those commits
+    run_dir = relay.prepare_leg(store, lease, work)
+    steps(run_dir, 5)
+    store.commit(store.head()[0], {"README.md": b"# a model card\n"}, [], "Update README.md")
+    relay.renew(store, lease)  # was: Fenced
+    store.commit(store.head()[0], {"README.md": b"# a model card, v2\n"}, [], "Update README.md")
+    assert relay.claim(store, work, "alice", ttl=3, heartbeat=1).nonce == lease.nonce  # was: Busy, against itself
+    lease = relay.Lease.load(work, store)
+    store.commit(store.head()[0], {"README.md": b"# a model card, v3\n"}, [], "Update README.md")
+    relay.commit_push(store, lease, relay.prepare_push(store, lease, run_dir, wall_s=1), run_dir)  # was: rejected
+    head = store.head()[0]
+    assert relay.Snapshot(store).state["step"] == 5 and store.read(head, "README.md") == b"# a model card, v3\n"
+    # trained on after the push, then released: refused until pushed (or --discard)
+    steps(run_dir, 10)
+    r = rl(["release", url, "--workdir", work])
+    assert r.returncode == 3 and "holds step 10, past the pulled step 5, never pushed" in r.stderr, r.stderr
+    assert relay.Snapshot(store).relay["nonce"] == lease.nonce  # still held
+    assert rl(["release", url, "--workdir", work, "--discard"]).returncode == 0
+    # the next lease's pull keeps that dir (step 10 is nowhere else), and sets aside a same-named dir of another lease
+    lease2 = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    foreign = os.path.join(work, f"leg-{lease2.leg:04d}-gen{lease2.generation}")
+    steps(foreign, 30)  # another run's leg 2, generation 2 (no LEG.json of this lease)
+    capsys.readouterr()
+    run2 = relay.prepare_leg(store, lease2, work)
+    err = capsys.readouterr().err
+    assert os.path.isdir(run_dir) and f"{run_dir} holds step 10, trained after its push; kept" in err, err
+    assert run2 == foreign and "was another lease's leg" in err
+    assert open(os.path.join(run2, "LATEST")).read().strip() == "step_0000005"  # the run's step, not 30
+    asides = [d for d in os.listdir(work) if d.startswith(os.path.basename(foreign) + ".other-")]
+    assert len(asides) == 1 and checkpoint.is_valid(os.path.join(work, asides[0], "step_0000030"))
+    # a release whose answer was lost: the retry finds it landed (was: "lease already lost", exit 4)
+    monkeypatch.setattr(relay.time, "sleep", lambda s: None)  # commit_cas's backoff while the store is dark
+    store.drop_answer_of = "release"
+    with pytest.raises(relay.Transient, match="unknown whether"):
+        relay.release(store, lease2)
+    store.dark_heads = 0
+    relay.release(store, relay.Lease.load(work, store))
+    assert relay.Snapshot(store).relay["holder"] is None
+    # a run's own file changed by someone else is still a fence
+    lease3 = relay.claim(store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=20)
+    snap = relay.Snapshot(store)
+    store.commit(snap.sha, {"training_state.json": (json.dumps(dict(snap.state, step=99)) + "\n").encode()}, [],
+                 "a hand edit")
+    with pytest.raises(relay.Fenced):
+        relay.renew(store, lease3)
+
+
+def test_manual_push_renews_during_its_upload_and_a_resumed_leg_bills_all_its_time(tmp_path, rl, monkeypatch):
+    """`relay.py push` (the retry `run` names when its upload fails) renewed nothing: an upload longer than the ttl
+    let another contributor claim, and the push was rejected. A leg resumed after a crash billed only the time after
+    the restart (and said it pulled step 0 while it resumed its own step 7)."""
+    import relay_store
+    url = store_url("file", tmp_path, None)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    work = str(tmp_path / "wa")
+    store = relay.open_store(url)
+    lease = relay.claim(store, work, "alice", ttl=3, heartbeat=1)
+    run_dir = relay.prepare_leg(store, lease, work)
+    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
+                        "--init_from=resume", "--stop_after_steps=7"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert t.returncode == 0, t.stderr
+    real_stage, claims = relay_store.FileStore.stage, []
+
+    def slow_stage(self, adds):  # an upload of 4 s against a 3 s lease, while bob tries to claim
+        time.sleep(4.0)
+        return real_stage(self, adds)
+    monkeypatch.setattr(relay_store.FileStore, "stage", slow_stage)
+
+    def bob():
+        time.sleep(3.5)
+        try:
+            relay.claim(relay.open_store(url), str(tmp_path / "wb"), "bob", ttl=3, heartbeat=1)
+            claims.append("claimed")
+        except relay.Busy:
+            claims.append("busy")
+    import threading
+    th = threading.Thread(target=bob)
+    th.start()
+    r = rl(["push", url, "--workdir", work])
+    th.join()
+    assert r.returncode == 0 and claims == ["busy"], (r.stderr, claims)
+    monkeypatch.setattr(relay_store.FileStore, "stage", real_stage)
+    assert relay.Snapshot(store).state["step"] == 7
+    # leg 2 crashes at step 12 after 100 s of trainer time (as LEG.json counts it); `run` resumes it and bills both
+    lease = relay.Lease.load(work, store)
+    run_dir = relay.prepare_leg(store, lease, work)
+    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
+                        "--init_from=resume", "--stop_after_steps=5"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert t.returncode == 0, t.stderr
+    relay.leg_wall(run_dir, 100.0)
+    r = rl(["run", url, "--steps", "3", "--train-script", fake, "--workdir", work])
+    assert r.returncode == 0, r.stderr
+    assert "pulled step 7" in r.stdout and "resuming this leg's own step 12" in r.stdout, r.stdout
+    rows, snap = ledger_rows(store)
+    assert [x["step_range"] for x in rows] == ["0-7", "7-15"] and rows[1]["wall"].startswith("0h01m4"), rows
