@@ -79,6 +79,7 @@ import configurator
 from relay_store import Conflict, RelayError, StoreError, Transient, open_store, write_atomic
 
 RELAY_FORMAT = "picaflor-relay"
+RELAY_VERSION = 1  # RELAY.json's "version": a run made by a later relay.py with other rules is refused, not joined
 STATE_FORMAT = "picaflor-relay-state"
 CKPT_PREFIX = "checkpoint"
 LEDGER_HEADER = ("| leg | who | gpu | steps | tokens | wall | $ | loss start | loss end | step range | generation | finished (UTC) |\n"
@@ -201,6 +202,10 @@ class Snapshot:
         if self.relay.get("format") != RELAY_FORMAT or not isinstance(self.relay.get("generation"), int):
             raise RelayError(f"{store.url}: RELAY.json at {self.sha[:10]} is not a {RELAY_FORMAT} lease file (format/generation "
                              f"missing); restore it from the previous commit; relay changed nothing")
+        version = self.relay.get("version", 1)
+        if not isinstance(version, int) or version > RELAY_VERSION:  # a later relay.py's run: its rules are not ours
+            raise RelayError(f"{store.url}: RELAY.json at {self.sha[:10]} is format version {version!r}, newer than "
+                             f"this relay.py's {RELAY_VERSION}; update picaflor (git pull) before joining this run")
         self.state = parse_json(store.read(self.sha, "training_state.json"), "training_state.json", store, self.sha)
         if self.state is None or self.state.get("format") != STATE_FORMAT:
             raise RelayError(f"{store.url}: training_state.json at {self.sha[:10]} missing or not {STATE_FORMAT}; "
@@ -1045,7 +1050,7 @@ def cmd_init(args):
         adds["config.py"] = cfg_text.encode()
         adds["training_state.json"] = (json.dumps(state, indent=1) + "\n").encode()
         adds["LEDGER.md"] = ("# Ledger\n\nOne row per leg pushed by `relay.py`.\n\n" + LEDGER_HEADER).encode()
-        relay = {"format": RELAY_FORMAT, "version": 1, "holder": None, "nonce": None, "generation": 0, "leg": 1,
+        relay = {"format": RELAY_FORMAT, "version": RELAY_VERSION, "holder": None, "nonce": None, "generation": 0, "leg": 1,
                  "ttl_s": ttl, "heartbeat_s": heartbeat, "default_ttl_s": ttl, "default_heartbeat_s": heartbeat,
                  "created_at": time.time()}
         sha, _ = commit_cas(store, sha, adds, [], f"relay: init at step {state['step']}", relay)
@@ -1262,6 +1267,11 @@ def main(argv=None):
     except (RelayError, checkpoint.CheckpointError) as e:
         print(f"relay.py {args.cmd}: error: {e}", file=sys.stderr)
         return 4 if isinstance(e, Fenced) else 3
+    except KeyboardInterrupt:  # (run ends its leg cleanly on Ctrl-C; here a claim, push or release was cut short)
+        print(f"relay.py {args.cmd}: interrupted; local files are kept. `relay.py status {args.store}` shows where the "
+              f"run stands; a push or release cut short is found by its write id when you run it again",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

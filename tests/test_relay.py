@@ -1382,3 +1382,24 @@ def test_manual_push_renews_during_its_upload_and_a_resumed_leg_bills_all_its_ti
     assert "pulled step 7" in r.stdout and "resuming this leg's own step 12" in r.stdout, r.stdout
     rows, snap = ledger_rows(store)
     assert [x["step_range"] for x in rows] == ["0-7", "7-15"] and rows[1]["wall"].startswith("0h01m4"), rows
+
+
+def test_a_newer_format_is_refused_and_ctrl_c_is_one_line(tmp_path, rl, monkeypatch):
+    """RELAY.json's version was never read: a run made by a later relay.py (other rules) would be joined. Ctrl-C in a
+    push or release (not `run`, which ends its leg cleanly) was a traceback."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env(), cli=rl)
+    store = relay.open_store(url)
+    snap = relay.Snapshot(store)
+    assert snap.relay["version"] == relay.RELAY_VERSION
+    relay.commit_cas(store, snap.sha, {}, [], "a later relay.py", dict(snap.relay, version=relay.RELAY_VERSION + 1))
+    r = rl(["claim", url, "--workdir", tmp_path / "wa"])
+    assert r.returncode == 3 and "newer than this relay.py's" in r.stderr and "update picaflor" in r.stderr, r.stderr
+    r = rl(["status", url])  # (the refusal is in reading it: status, pull, decay alike)
+    assert r.returncode == 3 and "newer than" in r.stderr
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(relay, "cmd_status", interrupted)
+    r = rl(["status", url])
+    assert r.returncode == 130 and "interrupted; local files are kept" in r.stderr and "Traceback" not in r.stderr
