@@ -254,6 +254,9 @@ TASKS = {
     "passkey": ("generate_until", None, None, ["acc"]),
 }
 SCORERS = {"gsm8k": gsm8k_scores, "counting": counting_scores, "passkey": passkey_scores}
+# rows of each Hub split (the datasets' cards; lm-eval scores all of them): another count is a partial or other copy
+SPLIT_ROWS = {"lambada_openai": 5153, "piqa": 1838, "winogrande": 1267, "arc_easy": 2376, "arc_challenge": 1172,
+              "openbookqa": 500, "hellaswag": 10042, "gsm8k": 1319}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -357,6 +360,10 @@ def task_docs(task, lm, args):
     if task == "passkey":
         return passkey_docs(lm, passkey_lengths(lm, args.passkey_lengths), limit or args.passkey_n, args.seed)
     rows = local_task_rows(args.data_dir, task) if args.data_dir else hub_task_rows(task, args.cache_dir)
+    if len(rows) != SPLIT_ROWS.get(task, len(rows)):  # (a copy cut at a line boundary read as a smaller split)
+        repo, _, split = TASKS[task][1]
+        print(f"warning: task {task}: {len(rows)} examples, but {repo}'s {split} split has {SPLIT_ROWS[task]}: a "
+              f"partial or other copy; its scores are not comparable with published ones", file=sys.stderr)
     rows = rows[:limit] if limit else rows
     build = TASKS[task][2]
     docs = []
