@@ -87,6 +87,7 @@ LEDGER_HEADER = ("| leg | who | gpu | steps | tokens | wall | $ | loss start | l
 STATE_KEYS = ("stage", "plan", "decay", "decay_started_at_tokens", "finished", "best_val_loss", "best_step")  # from state.json
 DEFAULT_TTL = 1200.0  # 20 min: TTL >= 3x the heartbeat interval (REFERENCES.md), heartbeats every few minutes (429s)
 DEFAULT_HEARTBEAT = 300.0
+MAX_TTL_S = 86400.0  # a day: a ttl of 1e9 s let one crashed holder stall the run for good
 MIN_HEARTBEAT_S = 0.1  # each beat is a commit: 0 renewed in a loop (1,449 commits in a 2 s leg); tests beat at 0.5 s
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -303,9 +304,10 @@ class Lease:
 
 
 def check_lease_times(ttl, heartbeat):
-    if not (heartbeat >= MIN_HEARTBEAT_S and ttl >= 3 * heartbeat and math.isfinite(ttl)):
+    if not (heartbeat >= MIN_HEARTBEAT_S and 3 * heartbeat <= ttl <= MAX_TTL_S):
         raise RelayError(f"--ttl {ttl} / --heartbeat {heartbeat}: the heartbeat must be at least {MIN_HEARTBEAT_S}s "
-                         f"(each beat is a commit) and the ttl at least 3x it (a lease needs missed beats to expire)")
+                         f"(each beat is a commit) and the ttl at least 3x it (a lease needs missed beats to expire) "
+                         f"and at most {MAX_TTL_S:.0f}s (a crashed holder blocks the run for a whole ttl)")
 
 
 def claim(store, workdir, who, ttl=None, heartbeat=None):

@@ -207,6 +207,9 @@ def use_http_timeouts():
     _TIMEOUTS_SET.append(True)
 
 
+READ_CACHE_ENTRIES = 64  # small files kept per store, enough for a few heads' RELAY.json / state / ledger / manifest
+
+
 class HfStore:
     """A Hugging Face Hub model repo through huggingface_hub (endpoint and token from HF_ENDPOINT / HF_TOKEN)."""
 
@@ -293,6 +296,8 @@ class HfStore:
         except EntryNotFoundError:
             data = None
         self.cache[(sha, path)] = data
+        while len(self.cache) > READ_CACHE_ENTRIES:  # oldest first: a dashboard left running for months kept every head's
+            self.cache.pop(next(iter(self.cache)))
         return data
 
     def list(self, sha, prefix=""):

@@ -362,6 +362,7 @@ def test_hf_checkpoint_travels_through_git_lfs(tmp_path, hub, hf_env):
     them by sha256, and downloads follow the 302 to the CDN. What comes back is bit-identical to the manifest."""
     import hashlib
     import numpy as np
+    import relay_store
     from safetensors.numpy import save_file
     url = "hf://alice/run"
     init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
@@ -397,6 +398,11 @@ def test_hf_checkpoint_travels_through_git_lfs(tmp_path, hub, hf_env):
                    for m, p in hub.requests[n0:])
     d = relay_dashboard.dashboard_data(url)  # relay's small-file reads follow the redirect too (the log is an LFS file now)
     assert [m["step"] for m in d["metrics"]] == list(range(1, 10))
+    # the small-file cache is bounded (a dashboard left running kept every head's files for months)
+    head = store.head()[0]
+    for i in range(relay_store.READ_CACHE_ENTRIES + 10):
+        store.read(head, f"no-such-file-{i}.json")
+    assert len(store.cache) == relay_store.READ_CACHE_ENTRIES and store.read(head, "RELAY.json") is not None
 
 
 def test_hf_lfs_upload_with_wrong_bytes_is_refused(tmp_path, hub, hf_env):
@@ -674,6 +680,8 @@ def test_bad_lease_flags_and_workdir_are_refused_before_any_commit(tmp_path, hub
     for argv, want in [(["claim", url, "--workdir", str(afile)], "--workdir"),
                        (["run", url, "--steps", "2", "--heartbeat", "0", "--train-script", fake], "--heartbeat 0"),
                        (["run", url, "--steps", "-5", "--train-script", fake], "--steps -5"),
+                       (["claim", url, "--ttl", "1e9", "--heartbeat", "100", "--workdir", tmp_path / "wt"],
+                        "at most 86400s"),
                        (["run", url, "--hours", "1", "--wait", "--poll", "-1", "--train-script", fake], "--poll -1")]:
         r = rl(argv, env)
         assert r.returncode == 3 and want in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
