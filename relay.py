@@ -62,7 +62,6 @@ import contextlib
 import datetime as dt
 import getpass
 import json
-import math
 import os
 import re
 import shutil
