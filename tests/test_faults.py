@@ -418,7 +418,10 @@ def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
                           "--max_iters=100000", "--warmup_iters=2", "--eval_interval=100000", "--ckpt_interval=1000",
                           "--supervise"], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while not os.path.exists(os.path.join(out, "metrics.jsonl")):  # the trainer is training
+    metrics = os.path.join(out, "metrics.jsonl")
+    # the trainer has logged a step (the file is opened before the first step: on a loaded machine the SIGTERM came
+    # before any step, and the checkpoint it took was step 0)
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
         assert time.time() < deadline and p.poll() is None
         time.sleep(0.05)
     trainer = int(open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()[0])
