@@ -516,7 +516,7 @@ def main(argv=None):
                             f"top_k)")
         import stream_infer  # its sampling checks: a negative temperature sampled the least likely tokens
         try:
-            stream_infer.check_sampling(a.temperature, a.top_p, "--")
+            stream_infer.check_sampling(a.temperature, a.top_p, "--", a.seed)
         except stream_infer.StreamError as e:
             raise ChatError(str(e)) from None
         import torch

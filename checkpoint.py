@@ -43,6 +43,20 @@ def sha256_file(path, bufsize=1 << 20):
     return h.hexdigest()
 
 
+def os_error_line(e, path):
+    """'FILE: cause' for an OSError of an export or other writer (a library's short write carries no strerror: it
+    printed 'FILE: None'), with the free space when the disk holding FILE is (nearly) full."""
+    where = e.filename or path
+    why = e.strerror or str(e) or type(e).__name__
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(where))).free
+        if e.errno in DISK_ERRNOS or free < 64 << 20:
+            why += f" ({free / 1e6:.0f} MB free on its disk: free space, or write elsewhere)"
+    except OSError:
+        pass
+    return f"{where}: {why}"
+
+
 def fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
     try:

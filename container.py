@@ -859,6 +859,8 @@ def main(argv=None):
     ap.add_argument("--check", metavar="CONTAINER", help="validate a container and every checksum")
     ap.add_argument("--measure", metavar="CKPT_OR_CONFIG", help="print int4 error per group size, sym vs asym")
     args = ap.parse_args(argv)
+    if args.out:
+        args.out = args.out.rstrip("/") or "/"  # x.pcf4/: the temp file went inside a folder that does not exist
     try:
         if args.check:
             c = load_container(args.check)
@@ -891,7 +893,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"error: {e.filename or args.out}: {e.strerror}", file=sys.stderr)
+        print(f"error: {checkpoint.os_error_line(e, args.out)}", file=sys.stderr)
         return 1
 
 

@@ -236,6 +236,9 @@ def write_safetensors(path, entries, fetch, metadata=None, progress=None):
         f.write(hb)
         for i, (name, shape, dt) in enumerate(entries):
             t = fetch(i).to(dt).contiguous()
+            if dt == torch.float16 and not torch.isfinite(t).all():  # the source was checked finite: float16 overflowed
+                raise ExportError(f"{name}: values beyond float16's range (+-65504) became Inf; export with "
+                                  f"--dtype bfloat16 (or float32)")
             if list(t.shape) != list(shape):
                 raise ExportError(f"{name}: shape {list(t.shape)} but planned {list(shape)}")
             f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -436,6 +439,7 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
     total = sum(nbytes(p) for p in plan)
 
     tmp = out.rstrip("/") + f".tmp-{os.getpid()}"
+    old = out.rstrip("/") + f".old-{os.getpid()}"  # an earlier export stays whole until the new one has its name
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -488,7 +492,6 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
         with open(os.path.join(tmp, HF_MARKER), "w", encoding="utf-8") as f:  # what a later --out may replace
             json.dump({"format": "hf", "source": os.path.abspath(src.dir), "dtype": dtype_name}, f, indent=1)
         checkpoint.fsync_tree(tmp)  # on disk before the dir takes the name
-        old = out.rstrip("/") + f".old-{os.getpid()}"  # an earlier export stays whole until the new one has its name
         if os.path.exists(out):
             os.replace(out, old)
         os.replace(tmp, out)
@@ -496,6 +499,8 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.exists(old) and not os.path.exists(out):  # (a Ctrl-C between the renames: it was left hidden)
+            os.replace(old, out)
         raise
     return {"format": "hf", "out": out, "shards": len(shards), "bytes": total, "tensors": len(plan)}
 
@@ -647,6 +652,9 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
             if part:
                 half = t.shape[1] // 2
                 t = t[:, :half] if part == "gate" else t[:, half:]
+            if qtype == gguf.GGMLQuantizationType.F16 and t.numel() and t.float().abs().max() > 65504:
+                raise ExportError(f"{sname}: values beyond float16's range (+-65504) would be Inf in the GGUF; export "
+                                  f"with --gguf-type bf16 (or q8_0)")
             data = gguf.quants.quantize(t.float().contiguous().numpy(), qtype)
             data = np.ascontiguousarray(data).view(np.uint8)
             w.write_tensor_data(data)
@@ -682,6 +690,9 @@ def export_int4(src, out, group_size=None, embed_bits=8, progress=True):
         src.tokenizer()  # checks it fits the model
         # the tokenizer the container embeds: --tokenizer when given (it was ignored), else the checkpoint's
         source.tokenizer_json = open(src.tokenizer_path, encoding="utf-8").read() if src.tokenizer_path else None
+        if source.tokenizer_json is None:  # (as the HF export warns; stream_infer then takes prompts as token ids)
+            print(f"warning: {src.dir} has no tokenizer.json; the container has no tokenizer (pass --tokenizer FILE)",
+                  file=sys.stderr)
         report = container.write_container(src.dir, out, embed_bits=embed_bits, progress=progress, source=source, **kw)
     except container.ContainerError as e:
         raise ExportError(str(e))
@@ -721,9 +732,42 @@ def is_gguf_export(path):
         return False
 
 
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def clean_stale_outputs(out):
+    """What a killed export of out left beside it (OUT.tmp-PID, OUT.tmpPID, OUT.old-PID whose process is gone): temp
+    output is removed (GBs at nano size, silently), and an earlier export set aside just before the kill is put back
+    when out is missing."""
+    parent, base = os.path.dirname(os.path.abspath(out)), os.path.basename(os.path.abspath(out))
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return
+    for name in names:
+        m = re.fullmatch(re.escape(base) + r"\.(tmp-?|old-)(\d+)", name)
+        if not m or pid_alive(int(m.group(2))):
+            continue
+        path = os.path.join(parent, name)
+        if m.group(1) == "old-" and not os.path.exists(out):
+            os.replace(path, out)
+            print(f"warning: {path}: an earlier export set aside by a killed export; put back as {out}", file=sys.stderr)
+        else:
+            (shutil.rmtree if os.path.isdir(path) else os.remove)(path)
+            print(f"warning: {path}: left by a killed export; removed", file=sys.stderr)
+
+
 def check_out(src_dir, out, fmt):
     """--out never overwrites the source or anything but an earlier export of the same format: `--format hf
     --out RUN_DIR` used to delete the run, checkpoints and all (a folder is replaced whole)."""
+    clean_stale_outputs(out)
     o, s = os.path.realpath(out), os.path.realpath(src_dir)
     if o == s or s.startswith(o.rstrip(os.sep) + os.sep) or o.startswith(s + os.sep):
         raise ExportError(f"{out}: is, holds or lies inside the source {src_dir}; pass an --out elsewhere")
@@ -759,6 +803,7 @@ def main(argv=None):
     ap.add_argument("--tokenizer", default=None, help="tokenizer file, if not the checkpoint's tokenizer.json")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
+    args.out = args.out.rstrip("/") or "/"  # x.pcf/: the temp file went inside a folder that does not exist
     progress = not args.no_progress
     try:
         parent = os.path.dirname(os.path.abspath(args.out))
@@ -784,7 +829,9 @@ def main(argv=None):
     except ImportError as e:
         sys.exit(f"error: {e}; --format {args.format} needs it (pip install -r requirements.txt)")
     except OSError as e:
-        sys.exit(f"error: {e.filename or args.out}: {e.strerror}")
+        sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}")
+    except KeyboardInterrupt:  # the temp output is removed by each writer; --out is as it was
+        sys.exit(f"interrupted; {args.out} is as it was before this export")
     print(json.dumps(rep, default=str))
 
 

@@ -414,15 +414,23 @@ class StreamedMoE(nn.Module):
         return out.reshape(shape)
 
 
-def check_sampling(temperature, top_p, flag=""):
+def check_sampling(temperature, top_p, flag="", seed=None):
     """model.sample_next's arguments: NaN or a top_p <= 0 made torch.multinomial raise, a negative temperature
-    sampled the least likely tokens. flag "--": named as the command line's flags."""
+    sampled the least likely tokens. flag "--": named as the command line's flags, and --top-p / --seed without a
+    temperature are refused (greedy decoding ignored them: the same text for every seed, silently)."""
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise StreamError(f"{flag}temperature {temperature}: 0 (greedy) or more")
     if 0 < temperature < 1e-4:  # logits / 1e-39 overflow to inf: a NaN error deep in sampling
         raise StreamError(f"{flag}temperature {temperature}: 0 for greedy, else at least 1e-4")
     if top_p is not None and not 0 < top_p <= 1:
         raise StreamError(f"{flag}{'top-p' if flag else 'top_p'} {top_p}: in (0, 1]")
+    if seed is not None and not 0 <= seed < 2 ** 63:  # (torch's manual_seed: an overflow traceback)
+        raise StreamError(f"{flag}seed {seed}: 0 to 2**63 - 1")
+    if flag and temperature == 0:
+        for name, v in (("--top-p", top_p), ("--seed", seed)):
+            if v is not None:
+                raise StreamError(f"{name} {v}: decoding is greedy (--temperature 0), which it does not change; "
+                                  f"sample with --temperature T > 0, or leave {name} out")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -902,7 +910,8 @@ class Engine:
     @torch.no_grad()
     def stream(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=None, experts_per_token=None, seed=None,
                eos_id=None, timings=None):
-        """Yield new token ids one by one (prefill the prompt in one pass, then one token per step)."""
+        """New token ids one by one, as a generator (prefill the prompt in one pass, then one token per step). The
+        request is checked here, when called, not at the first next(): the CLI printed the prompt, then the error."""
         try:  # whole numbers only: a float id was truncated, text raised a bare ValueError
             if isinstance(prompt_ids, (str, bytes)):
                 raise TypeError
@@ -922,6 +931,9 @@ class Engine:
         # the request's own, else the engine's (set_experts_per_token): set for each of its steps (routing)
         k = self.checked_k(experts_per_token if experts_per_token is not None else self.experts_per_token)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        return self._stream_reserved(prompt_ids, max_new_tokens, temperature, top_p, k, gen, eos_id, timings, total)
+
+    def _stream_reserved(self, prompt_ids, max_new_tokens, temperature, top_p, k, gen, eos_id, timings, total):
         with self.kv_reserve(max(total, 1)):
             yield from self._stream(prompt_ids, max_new_tokens, temperature, top_p, k, gen, eos_id, timings, total)
 
@@ -1045,11 +1057,9 @@ def check_args(args, argv):
     if args.repeat < 1 or (args.repeat > 1 and not args.sweep):
         raise StreamError(f"--repeat {args.repeat}: a positive count of runs per budget, for --sweep")
     check_readers(args.readers, "--readers")
-    check_sampling(args.temperature, args.top_p, "--")
+    check_sampling(args.temperature, args.top_p, "--", args.seed)
     if args.experts_per_token is not None and args.experts_per_token < 1:  # 0 meant the default, silently
         raise StreamError(f"--experts-per-token {args.experts_per_token}: at least 1 (leave it out for the model's)")
-    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
-        raise StreamError(f"--seed {args.seed}: 0 to 2**63 - 1")
     budgets = [b.strip() for b in (args.sweep or "").split(",") if b.strip()]
     if args.sweep is not None and not budgets:
         raise StreamError(f"--sweep {args.sweep!r}: a comma-separated list of budgets, e.g. 4G,2G,1G")
@@ -1166,14 +1176,19 @@ def main(argv=None):
             try:
                 ids = [int(t) for t in args.prompt.split(",")]
             except ValueError:
+                if not eng.container.header.get("random_weights"):  # a trained model fed bytes as ids: noise
+                    raise StreamError(f"{args.container} has no tokenizer (its checkpoint had no tokenizer.json); give "
+                                      f"--prompt as token ids (1,2,3), or export again with --tokenizer FILE")
                 ids = [b % (eng.cfg.vocab_size - 1) + 1 for b in args.prompt.encode()]
-                print(f"note: {args.container} has no tokenizer; prompt bytes used as token ids", file=sys.stderr)
+                print(f"note: {args.container} has no tokenizer (random weights); prompt bytes used as token ids",
+                      file=sys.stderr)
             eos = None
         out, shown = [], ""
+        tokens = eng.stream(ids, args.max_new_tokens, args.temperature, args.top_p, args.experts_per_token, args.seed,
+                            eos)  # (checked before the prompt is shown)
         sys.stdout.write(args.prompt if tok is not None else "")
         t0 = time.perf_counter()
-        for t in eng.stream(ids, args.max_new_tokens, args.temperature, args.top_p, args.experts_per_token,
-                            args.seed, eos):
+        for t in tokens:
             out.append(t)
             if tok is not None:
                 # as chat.py and eval.py: specials (the <|bos|> that ends a document) not printed by name, and an id

@@ -530,6 +530,8 @@ def test_chat_cli_with_checkpoint(sft_run, monkeypatch, capsys):
                         (["--max-new-tokens", "-3"], "--max-new-tokens -3"),  # reserved negative room
                         (["--temperature", "-1"], "--temperature -1.0"),  # sampled the least likely tokens
                         (["--temperature", "0.7", "--top-p", "1.5"], "--top-p 1.5"),
+                        (["--temperature", "0.7", "--seed", str(10 ** 23)], "--seed 1"),  # a traceback
+                        (["--seed", "3"], "decoding is greedy"),  # ignored, silently
                         (["--ram-budget", "1K"], "not a checkpoint's"),  # ignored: the fp32 model loaded
                         (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device")):
         assert chat.main([sft_run, *flags]) == 1

@@ -5,6 +5,7 @@ hy_v3 loader needs and dequantizes back to the weights; bad checkpoints give one
 import json
 import os
 import random
+import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import checkpoint  # noqa: E402
 import export  # noqa: E402
 import model as M  # noqa: E402
 import tokenizer as T  # noqa: E402
@@ -558,3 +560,74 @@ def test_shard_sizes_and_a_locale_without_utf8(ckpt, tmp_path):
                         str(tmp_path / "hf"), "--no-progress"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.load(open(tmp_path / "hf" / "tokenizer.json", encoding="utf-8"))["model"]["vocab"]
+
+
+def test_review_round_export_faults(ckpt, tmp_path, capsys, monkeypatch):
+    """Review findings: a weight past float16's range became Inf in an fp16 HF or GGUF export (the source was checked,
+    the output not); a library's short write on a full disk printed 'FILE: None'; a Ctrl-C between an HF export's
+    two renames left no --out (the earlier export hidden as OUT.old-PID); a killed export's OUT.tmp-PID stayed for
+    good (GBs at nano size); an int4 export without a tokenizer was silent, and stream_infer fed a trained model
+    the prompt's bytes as token ids; --out x.pcf4/ failed on a temp file inside a folder that does not exist."""
+    torch.manual_seed(0)
+    m = M.Picaflor(M.ModelConfig(**CFG))
+    with torch.no_grad():
+        m.moe_layers()[0].shared_experts.down_proj.weight[1, 2] = 1e5
+    run = M.save_checkpoint(m, str(tmp_path / "big"), 1, tokenizer_file=str(ckpt["dir"] / "tok.json"))
+    for args, want in ((["--format", "hf", "--dtype", "float16", "--out", str(tmp_path / "f16")], "--dtype bfloat16"),
+                       (["--format", "gguf", "--out", str(tmp_path / "f16.gguf")], "--gguf-type bf16")):
+        with pytest.raises(SystemExit) as e:
+            run_export([run] + args)
+        msg = str(e.value.code)
+        assert "down_proj" in msg and "float16's range" in msg and want in msg, msg
+        assert not os.path.exists(args[-1]) and not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+    # a short write (no strerror), as gguf's writer raises it on a full disk
+    line = checkpoint.os_error_line(OSError("139264 requested and 46880 written"), str(tmp_path / "g.gguf"))
+    assert line.startswith(str(tmp_path / "g.gguf") + ": 139264 requested") and "None" not in line
+    full = OSError(28, "No space left on device")
+    assert "MB free on its disk" in checkpoint.os_error_line(full, str(tmp_path / "g.gguf"))
+    # an HF export interrupted between its renames: the earlier export is put back
+    out = str(tmp_path / "hf")
+    run_export([ckpt["path"], "--format", "hf", "--out", out])
+    first = sorted(os.listdir(out))
+    real_replace, calls = os.replace, []
+
+    def ctrl_c_on_second(a, b):
+        calls.append((a, b))
+        if len(calls) == 2 and b == out:
+            raise KeyboardInterrupt
+        return real_replace(a, b)
+    monkeypatch.setattr(export.os, "replace", ctrl_c_on_second)
+    with pytest.raises(SystemExit) as e:
+        run_export([ckpt["path"], "--format", "hf", "--out", out])
+    monkeypatch.setattr(export.os, "replace", real_replace)
+    assert "interrupted" in str(e.value.code) and sorted(os.listdir(out)) == first
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("hf.")]
+    # what a killed export left: temp output removed, a set-aside earlier export put back
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    os.makedirs(tmp_path / f"hf.tmp-{dead.pid}")
+    (tmp_path / f"x.pcf4.tmp{dead.pid}").write_bytes(b"half")
+    os.replace(out, tmp_path / f"hf.old-{dead.pid}")
+    capsys.readouterr()
+    export.clean_stale_outputs(out)
+    export.clean_stale_outputs(str(tmp_path / "x.pcf4"))
+    err = capsys.readouterr().err
+    assert sorted(os.listdir(out)) == first and "put back" in err and err.count("left by a killed export") == 2
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n in os.listdir(tmp_path) if ".tmp" not in n and ".old-" not in n)
+    os.makedirs(tmp_path / f"hf.tmp-{os.getpid()}")  # a live export's temp dir is left alone
+    export.clean_stale_outputs(out)
+    assert os.path.isdir(tmp_path / f"hf.tmp-{os.getpid()}")
+    # no tokenizer: the int4 export says so, stream_infer refuses a text prompt for trained weights; --out x/ works
+    notok = M.save_checkpoint(M.Picaflor(M.ModelConfig(**CFG)), str(tmp_path / "notok"), 1)
+    rep = run_export([notok, "--format", "int4", "--out", str(tmp_path / "notok.pcf4") + "/"])
+    assert rep["out"] == str(tmp_path / "notok.pcf4") and "has no tokenizer.json" in capsys.readouterr().err
+    import stream_infer
+    assert stream_infer.main([str(tmp_path / "notok.pcf4"), "--prompt", "hello", "--max-new-tokens", "2"]) == 1
+    assert "has no tokenizer" in capsys.readouterr().err
+    assert stream_infer.main([str(tmp_path / "notok.pcf4"), "--prompt", "5,6,7", "--max-new-tokens", "2"]) == 0
+    # a request the engine refuses is refused before the prompt is echoed (it printed "hello" then the error)
+    run_export([ckpt["path"], "--format", "int4", "--out", str(tmp_path / "tok.pcf4")])
+    capsys.readouterr()
+    assert stream_infer.main([str(tmp_path / "tok.pcf4"), "--prompt", "hello", "--experts-per-token", "99"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "99" in err, (out, err)

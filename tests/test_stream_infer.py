@@ -1691,7 +1691,9 @@ def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
              (["--device", "cuda"], "--device cuda"), (["--bench", "--max-new-tokens", "1"], "at least 2"),
              (["--bench", "--bench-prompt-tokens", "0"], "--bench-prompt-tokens 0"),
              (["--chat", "--kernel", "native", "--no-preload"], "--kernel, --no-preload"),
-             (["--temperature", "1e-39"], "at least 1e-4"), (["--seed", str(2 ** 64)], "--seed"),
+             (["--temperature", "1e-39"], "at least 1e-4"), (["--temperature", "1", "--seed", str(2 ** 64)], "--seed"),
+             # ignored by greedy decoding (the same text for every seed, silently)
+             (["--seed", "2"], "--seed 2: decoding is greedy"), (["--top-p", "0.9"], "--top-p 0.9: decoding is greedy"),
              (["--readers", "100000"], "1 to 64"), (["--experts-per-token", "0"], "at least 1"),
              (["--sweep", ","], "--sweep"),
              # accepted and ignored without a benchmark (--json's folder made and left empty), --prompt under --chat
