@@ -85,6 +85,14 @@ class Tokenizer:
                              f"data/<corpus>/prepare.py or copy tokenizer.json from the checkpoint") from None
         try:
             doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and "model" in doc and "added_tokens" in doc and "format" not in doc:
+            # a Hugging Face tokenizers file (an HF export's tokenizer.json): picaflor's own sits beside it
+            raise ValueError(f"{path}: a Hugging Face tokenizers file, not picaflor's; pass the "
+                             f"picaflor_tokenizer.json beside it (an HF export), or a checkpoint's tokenizer.json")
+        try:
+            doc = json.loads(raw)
             if doc.get("format") != FORMAT or doc.get("version") != VERSION:
                 raise ValueError(f"not a {FORMAT} v{VERSION} file")
             token_bytes = [base64.b64decode(s, validate=True) for s in doc["tokens"]]

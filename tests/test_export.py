@@ -159,6 +159,8 @@ def test_hf_tokenizer_encodes_identically(ckpt, hf_fp32):
                    + tok.encode("Hi") + [sp["<|end|>"], sp["<|assistant|>"]])
     # the tiktoken file travels with the export
     assert T.Tokenizer.load(os.path.join(hf_fp32[0], "picaflor_tokenizer.json")).hash == tok.hash
+    with pytest.raises(ValueError, match="a Hugging Face tokenizers file, not picaflor's; pass the picaflor_tokenizer"):
+        T.Tokenizer.load(os.path.join(hf_fp32[0], "tokenizer.json"))  # (was: "corrupt tokenizer file")
 
 
 def expected_gguf_tensors(c):
