@@ -1,0 +1,392 @@
+"""
+relay_lease.py: the baton of a relay run (relay.py): who holds it, and every write of the holder as a compare-and-swap
+commit on the store (relay_store.py), so a paused or partitioned holder can never overwrite another's work.
+
+Safety (Kleppmann 2016, "How to do distributed locking"; see REFERENCES.md, Relay on the Hub): a lease alone
+cannot exclude a paused holder, so every write of a holder is a commit whose parent is the holder's own previous
+commit (`parent_commit=` on the Hub, a head check under flock for file://). Any other commit in between makes it
+fail (HTTP 412) and the holder stops training at once, keeping its local checkpoint, unless that commit changed none
+of the run's files (RUN_FILES; a model card edit): the holder then chains from it (adopt_foreign_head). Timing decides only
+liveness: a lease has expired when the store's clock (HTTP Date / the local clock for file://) is more than
+ttl_s past the head commit's time (every holder write is a commit, so the head commit is the last renewal).
+Every commit carries a fresh write_id in RELAY.json; after a 5xx or a timeout the client re-reads the head and
+looks for its own write_id before retrying, so a commit that landed is never made twice.
+
+Files it owns in the store: RELAY.json (holder, nonce, generation, leg, claimed/heartbeat times, ttl, write_id) and,
+locally, WORKDIR/LEASE.json (which commit the holder chains from, and the write_ids of writes whose answers may be
+lost). relay.py builds the legs (pull, train, push, heartbeat) and the commands on top.
+"""
+
+import contextlib
+import datetime as dt
+import json
+import os
+import sys
+import time
+import uuid
+
+from relay_store import Conflict, RelayError, Transient, write_atomic
+
+RELAY_FORMAT = "picaflor-relay"
+RELAY_VERSION = 1  # RELAY.json's "version": a run made by a later relay.py with other rules is refused, not joined
+STATE_FORMAT = "picaflor-relay-state"
+CKPT_PREFIX = "checkpoint"
+
+DEFAULT_TTL = 1200.0  # 20 min: TTL >= 3x the heartbeat interval (REFERENCES.md), heartbeats every few minutes (429s)
+DEFAULT_HEARTBEAT = 300.0
+MAX_TTL_S = 86400.0  # a day: a ttl of 1e9 s let one crashed holder stall the run for good
+MIN_HEARTBEAT_S = 0.1  # each beat is a commit: 0 renewed in a loop (1,449 commits in a 2 s leg); tests beat at 0.5 s
+
+
+class Busy(RelayError):
+    """Someone else holds a live lease."""
+
+
+class Fenced(RelayError):
+    """Our lease is gone: another commit landed after our last one."""
+
+
+def now_iso(t=None):
+    return dt.datetime.fromtimestamp(time.time() if t is None else t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=None, lease=None):
+    """One fenced commit. `relay` (the new RELAY.json) gets a fresh write_id (or the one given); after a transient
+    failure the head is re-read and, if it holds our write_id, the commit landed (no retry, no duplicate). A
+    holder's commit (lease given) refused by commits that touched none of the run's files chains from them instead
+    (adopt_foreign_head). Returns the new head sha."""
+    relay = dict(relay, write_id=write_id or uuid.uuid4().hex)
+    adds = dict(adds, **{"RELAY.json": (json.dumps(relay, indent=1) + "\n").encode()})
+    delay = 0.2
+    for attempt in range(tries):
+        try:
+            return store.commit(parent, adds, deletes, message), relay
+        except Conflict:
+            if not (attempt == 0 and write_id is None):
+                # refused because the head moved: maybe by our own earlier attempt (this call's, or an earlier
+                # call's given the same write_id again), landed after we looked
+                head, _, _ = store.head()
+                landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
+                if landed and landed.get("write_id") == relay["write_id"]:
+                    return head, relay
+            if lease is not None and attempt < tries - 1 and adopt_foreign_head(store, lease):
+                parent = lease.sha
+                continue
+            raise
+        except Transient as e:
+            err = e
+        for _ in range(tries):  # find out whether it landed
+            time.sleep(delay)
+            delay = min(delay * 2, 10)
+            try:
+                head, _, _ = store.head()
+                landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
+                break
+            except Transient:
+                continue
+        else:
+            raise Transient(f"{err}; the store stayed unreachable, so it is unknown whether the commit landed")
+        if landed and landed.get("write_id") == relay["write_id"]:
+            return head, relay
+        if head != parent:
+            if lease is not None and adopt_foreign_head(store, lease):
+                parent = lease.sha
+                continue
+            raise Conflict(f"{store.url}: after a failed commit the head moved to {head[:10]}, not ours")
+    raise Transient(f"{err} (gave up after {tries} tries)")
+
+
+RUN_FILES = ("RELAY.json", "training_state.json", "config.py", "LEDGER.md", CKPT_PREFIX + "/MANIFEST.json")
+RUN_FOLDERS = (CKPT_PREFIX + "/", "logs/")
+
+
+def adopt_foreign_head(store, lease):
+    """Commits after our last one that changed none of the run's files (a model card edited in the Hub's web
+    editor): the lease chains from the head instead (each such commit fenced the holder out for good, its leg lost).
+    Any change to the run's files (a claim, a push, a hand edit) is still a fence. Returns whether it chained."""
+    head, _, _ = store.head()
+    if head == lease.sha:
+        return False
+    if any(store.read(head, f) != store.read(lease.sha, f) for f in RUN_FILES):
+        return False
+    if any(sorted(store.list(head, d)) != sorted(store.list(lease.sha, d)) for d in RUN_FOLDERS):
+        return False
+    print(f"relay: {store.url}: commits after ours ({lease.sha[:10]} -> {head[:10]}) changed none of the run's "
+          f"files; the lease goes on from them", file=sys.stderr)
+    lease.sha = head
+    lease.save()
+    return True
+
+
+def parse_json(data, name, store, sha):
+    if data is None:
+        return None
+    try:
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError("not a JSON object")
+        return obj
+    except ValueError as e:
+        raise RelayError(f"{store.url}: {name} at {sha[:10]} is malformed ({e}); restore it from the previous commit "
+                         f"(git revert on the repo); relay changed nothing")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run: RELAY.json (lease) + training_state.json, read at one head
+
+
+class Snapshot:
+    def __init__(self, store):
+        self.store = store
+        self.sha, self.commit_time, self.server_now = store.head()
+        self.relay = parse_json(store.read(self.sha, "RELAY.json"), "RELAY.json", store, self.sha)
+        if self.relay is None:
+            raise RelayError(f"{store.url}: not a relay run (no RELAY.json); create one with `relay.py init {store.url} CONFIG`")
+        if self.relay.get("format") != RELAY_FORMAT or not isinstance(self.relay.get("generation"), int):
+            raise RelayError(f"{store.url}: RELAY.json at {self.sha[:10]} is not a {RELAY_FORMAT} lease file (format/generation "
+                             f"missing); restore it from the previous commit; relay changed nothing")
+        version = self.relay.get("version", 1)
+        if not isinstance(version, int) or version > RELAY_VERSION:  # a later relay.py's run: its rules are not ours
+            raise RelayError(f"{store.url}: RELAY.json at {self.sha[:10]} is format version {version!r}, newer than "
+                             f"this relay.py's {RELAY_VERSION}; update picaflor (git pull) before joining this run")
+        self.state = parse_json(store.read(self.sha, "training_state.json"), "training_state.json", store, self.sha)
+        if self.state is None or self.state.get("format") != STATE_FORMAT:
+            raise RelayError(f"{store.url}: training_state.json at {self.sha[:10]} missing or not {STATE_FORMAT}; "
+                             f"restore it from the previous commit; relay changed nothing")
+        # the numbers relay computes with (a hand edit once failed after a whole leg had trained, the baton held)
+        for name, d, key, may_be_null in (("RELAY.json", self.relay, "ttl_s", False),
+                                          ("RELAY.json", self.relay, "heartbeat_s", False),
+                                          ("RELAY.json", self.relay, "default_ttl_s", False),
+                                          ("RELAY.json", self.relay, "default_heartbeat_s", False),
+                                          ("RELAY.json", self.relay, "claimed_at", True),
+                                          ("training_state.json", self.state, "legs", False),
+                                          ("training_state.json", self.state, "step", True),
+                                          ("training_state.json", self.state, "tokens", True),
+                                          ("training_state.json", self.state, "usd_total", True)):
+            v = d.get(key)
+            if key in d and not (v is None and may_be_null) and (
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0
+                    or (key in ("legs", "step", "tokens") and v != int(v))):
+                raise RelayError(f"{store.url}: {name} at {self.sha[:10]}: {key} {v!r} is not a number >= 0; restore "
+                                 f"it from the previous commit; relay changed nothing")
+
+    @property
+    def lease_age(self):  # seconds since the last holder write, on the store's clock
+        return self.server_now - self.commit_time
+
+    @property
+    def held(self):
+        return bool(self.relay.get("holder")) and self.lease_age <= float(self.relay.get("ttl_s", DEFAULT_TTL))
+
+    def ledger(self):
+        return (self.store.read(self.sha, "LEDGER.md") or b"").decode()
+
+
+@contextlib.contextmanager
+def workdir_locked(workdir):
+    """One relay.py at a time in a workdir: a second `run` there renewed the first one's lease as its own and trained
+    in its leg dir (flock: released when this process ends, however it ends)."""
+    import fcntl
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        f = open(os.path.join(workdir, ".relay.lock"), "a+")
+    except OSError as e:
+        raise RelayError(f"--workdir {workdir}: {e.strerror}; pass a directory this user can write") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RelayError(f"another relay.py is working in {workdir}; wait for it to end, or pass another "
+                             f"--workdir") from None
+        yield
+
+
+class Lease:
+    """The holder's local record (WORKDIR/LEASE.json): which commit it chains from and what it holds."""
+
+    def __init__(self, path, **kw):
+        self.path = path
+        self.__dict__.update(kw)
+
+    @classmethod
+    def load(cls, workdir, store):
+        path = os.path.join(workdir, "LEASE.json")
+        try:
+            d = json.load(open(path))
+        except FileNotFoundError:
+            raise RelayError(f"{path}: no lease held from this workdir; run `relay.py claim {store.url}` first")
+        except (ValueError, OSError) as e:  # OSError: e.g. --workdir is a file
+            raise RelayError(f"{path}: unreadable ({e}); check --workdir, or delete it and claim again")
+        need = ("store", "nonce", "sha", "relay", "leg", "generation", "ttl_s", "heartbeat_s")
+        if not isinstance(d, dict) or any(k not in d for k in need) or not isinstance(d["relay"], dict):
+            raise RelayError(f"{path}: malformed (not a lease relay.py wrote); delete it and claim again")
+        if d.get("store") != store.url:
+            raise RelayError(f"{path}: lease is for {d.get('store')}, not {store.url}; pass another --workdir")
+        return cls(path, **d)
+
+    def save(self):
+        d = {k: v for k, v in self.__dict__.items() if k != "path"}
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        write_atomic(self.path, json.dumps(d, indent=1))
+
+    def drop(self):
+        if os.path.exists(self.path):
+            os.remove(self.path)
+
+
+def check_lease_times(ttl, heartbeat):
+    if not (heartbeat >= MIN_HEARTBEAT_S and 3 * heartbeat <= ttl <= MAX_TTL_S):
+        raise RelayError(f"--ttl {ttl} / --heartbeat {heartbeat}: the heartbeat must be at least {MIN_HEARTBEAT_S}s "
+                         f"(each beat is a commit) and the ttl at least 3x it (a lease needs missed beats to expire) "
+                         f"and at most {MAX_TTL_S:.0f}s (a crashed holder blocks the run for a whole ttl)")
+
+
+def claim(store, workdir, who, ttl=None, heartbeat=None):
+    """ttl / heartbeat None: the run's (relay.py init --ttl / --heartbeat), else DEFAULT_TTL / DEFAULT_HEARTBEAT."""
+    if ttl is not None and heartbeat is not None:  # (one of them alone: checked against the run's other below)
+        check_lease_times(ttl, heartbeat)
+    try:  # before anything is committed: a claim whose LEASE.json cannot be written is a baton nobody can release
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise RelayError(f"--workdir {workdir}: cannot use it ({e.strerror}); pass a folder") from None
+    snap = Snapshot(store)
+    r = snap.relay
+    ttl = float(r.get("default_ttl_s", DEFAULT_TTL)) if ttl is None else ttl
+    heartbeat = float(r.get("default_heartbeat_s", DEFAULT_HEARTBEAT)) if heartbeat is None else heartbeat
+    check_lease_times(ttl, heartbeat)
+    lease_path = os.path.join(workdir, "LEASE.json")
+    # another store's live lease (a shared --workdir) or a malformed file: refused, not overwritten (that lease
+    # could then never be pushed or released)
+    mine = Lease.load(workdir, store) if os.path.exists(lease_path) else None
+    if mine and r.get("nonce") == mine.nonce and adopt_own_head(store, mine, snap):
+        # the head is our own commit: `claim` again is a heartbeat (same generation, same leg), also past the ttl
+        # when nobody took the baton meanwhile (the compare-and-swap decides), so a crashed leg's work resumes
+        try:
+            renew(store, mine)
+            return mine
+        except Fenced:
+            snap = Snapshot(store)  # someone claimed it in between
+            r = snap.relay
+    if snap.held:
+        until = snap.commit_time + float(r.get("ttl_s", DEFAULT_TTL))
+        raise Busy(f"{store.url}: {r['holder']} holds the baton (leg {r.get('leg')}, generation {r['generation']}, "
+                   f"last renewed {snap.lease_age:.0f}s ago); it expires at {now_iso(until)} UTC unless renewed")
+    legs = int(snap.state.get("legs", 0))
+    new = dict(r, holder=who, nonce=uuid.uuid4().hex, generation=r["generation"] + 1, leg=legs + 1,
+               claimed_at=time.time(), heartbeat_at=time.time(), ttl_s=float(ttl), heartbeat_s=float(heartbeat),
+               taken_from=r.get("holder") if r.get("holder") else None)
+    msg = f"relay: claim leg {legs + 1} (generation {new['generation']}) by {who}"
+    # recorded before the commit: a claim that lands while its answer is lost is found again by its write_id (the
+    # next `claim` adopts it) instead of locking its own claimer out for a whole ttl
+    lease = Lease(lease_path, store=store.url, who=who, nonce=new["nonce"], generation=new["generation"], leg=new["leg"],
+                  sha=snap.sha, relay=r, base_step=snap.state.get("step"), ttl_s=float(ttl), heartbeat_s=float(heartbeat),
+                  run_dir=None, pulled_at=None, pending_claim=uuid.uuid4().hex)
+    lease.save()
+    try:
+        sha, new = commit_cas(store, snap.sha, {}, [], msg, new, write_id=lease.pending_claim)
+    except Conflict:
+        lease.drop()
+        raise Busy(f"{store.url}: someone else committed first (claim of generation {new['generation']} lost the race); "
+                   f"try again later")
+    lease.sha, lease.relay, lease.pending_claim = sha, new, None
+    lease.save()
+    return lease
+
+
+def renew(store, lease):
+    """Heartbeat: a commit of RELAY.json chained from our last commit. Raises Fenced if anything else landed. Its
+    write_id is recorded first and reused until one lands: a renewal whose answer was lost (the store unreachable
+    after it landed) is then found at the head by the next try, not taken for someone else's commit."""
+    wid = getattr(lease, "pending_renewal", None)
+    if not wid:
+        lease.pending_renewal = wid = uuid.uuid4().hex
+        lease.save()
+    new = dict(lease.relay, heartbeat_at=time.time())
+    try:
+        sha, new = commit_cas(store, lease.sha, {}, [], f"relay: heartbeat leg {lease.leg} by {lease.who}", new,
+                              write_id=wid, lease=lease)
+    except Conflict as e:
+        lease.pending_renewal = None
+        lease.save()
+        raise Fenced(f"lease lost: {e}; another contributor took the baton (our lease had expired or was released)")
+    lease.sha, lease.relay, lease.pending_renewal = sha, new, None
+    lease.save()
+
+
+def adopt_own_head(store, lease, snap):
+    """Our own commits whose answers were lost: a push that landed moves the lease on (adopt_landed_push), a renewal
+    that landed is the head we chain from. Returns whether the head is now our lease's."""
+    if snap.sha != lease.sha and not adopt_landed_push(store, lease):
+        adopt_landed_write(lease, snap.sha, snap.relay)
+    if snap.sha != lease.sha:
+        adopt_foreign_head(store, lease)
+    return snap.sha == lease.sha
+
+
+def adopt_landed_write(lease, head, landed):
+    """A renewal or claim of ours whose answer was lost, found at the head by its write_id: the lease chains from it."""
+    for key in ("pending_renewal", "pending_claim"):
+        wid = getattr(lease, key, None)
+        if wid and landed and landed.get("write_id") == wid:
+            lease.sha, lease.relay = head, landed
+            setattr(lease, key, None)
+            lease.save()
+            return
+
+
+def adopt_own_renewal(store, lease):
+    """A heartbeat that landed while its answer was lost, then stopped before its retry (the leg ended): the head is
+    ours, and a push or release chained from the commit before it was fenced by our own renewal."""
+    if not getattr(lease, "pending_renewal", None):
+        return
+    try:
+        head, _, _ = store.head()
+        landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
+    except Transient:
+        return  # still unknown: the commit below fails or conflicts as it would have
+    adopt_landed_write(lease, head, landed)
+
+
+def release(store, lease):
+    """Its write_id is recorded first, as a renewal's: a retry after a release whose answer was lost finds it landed
+    (it said "lease already lost", exit 4, for a release that had worked)."""
+    adopt_own_renewal(store, lease)
+    wid = getattr(lease, "pending_release", None)
+    if not wid:
+        lease.pending_release = wid = uuid.uuid4().hex
+        lease.save()
+    new = dict(lease.relay, holder=None, nonce=None, released_at=time.time())
+    try:
+        sha, _ = commit_cas(store, lease.sha, {}, [], f"relay: release by {lease.who} after leg {lease.leg}", new,
+                            write_id=wid, lease=lease)
+    except Conflict as e:
+        lease.drop()
+        raise Fenced(f"release: lease already lost ({e}); nothing to hand back")
+    lease.drop()
+    return sha
+
+
+def chain_lease_to(lease, sha, new_relay, step, run_dir):
+    """Our push is the head: the lease chains from it."""
+    lease.sha, lease.relay, lease.leg, lease.base_step = sha, new_relay, lease.leg + 1, step
+    lease.pulled_at = time.time()  # a second push in this lease bills from here, not from the pull again
+    lease.pending_push, lease.leg_wall_s = None, None
+    lease.save()
+    if run_dir and os.path.isdir(run_dir):  # the step too: steps trained here after this push are not in the store
+        write_atomic(os.path.join(run_dir, "PUSHED"), f"{sha} {step}\n")
+
+
+def adopt_landed_push(store, lease):
+    """A push left unknown (the store failed mid-commit): if the head carries its write_id it landed, and the lease
+    moves on to it (returns the head sha); otherwise it did not land, and the lease is as it was (None)."""
+    pending = getattr(lease, "pending_push", None)
+    if not pending:
+        return None
+    head, _, _ = store.head()
+    relay = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head) if head != lease.sha else None
+    if relay and relay.get("write_id") == pending["write_id"]:
+        chain_lease_to(lease, head, relay, pending["step"], getattr(lease, "run_dir", None))
+        return head
+    lease.pending_push = None
+    lease.save()
+    return None
