@@ -285,7 +285,7 @@ class Guardian:
                 if unreachable_tries > UNREACHABLE_RETRIES:
                     return self.stop(rc, f"storage unreachable {UNREACHABLE_RETRIES + 1} times: {(rep or {}).get('message')}")
                 time.sleep(self.backoff(unreachable_tries))
-            if rc == train.EXIT_DATA and rep and rep.get("kind") == "index":  # the corpus's index.json: no shard to fix
+            if rc == train.EXIT_DATA and rep and rep.get("kind") in ("index", "tokenizer"):  # no shard to fix
                 return self.stop(rc, f"{cause}: {rep.get('message')}; restarting cannot fix this")
             if rc == train.EXIT_DATA and rep and rep.get("path"):
                 fault = (rep["path"], rep.get("offset"))

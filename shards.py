@@ -233,17 +233,32 @@ def staging(out_dir):
     """A prepare run builds its tokenizer and shards in OUT/.staging-PID, and install_corpus swaps them in at the
     end: a run that fails (no train split left, a bad --column, a full disk, Ctrl-C) leaves the corpus it found as it
     was (the old corpus used to be deleted first, and hours of tokenizing with it)."""
+    import fcntl
     import shutil
     os.makedirs(out_dir, exist_ok=True)
-    for name in os.listdir(out_dir):  # a killed run's
-        if name.startswith(".staging-"):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-    stage = os.path.join(out_dir, f".staging-{os.getpid()}")
-    os.makedirs(stage)
+    # one prepare run per --out: a second one deleted the first's staging dir as a killed run's (hours of FineWeb
+    # tokenizing lost) and their installs could interleave one's tokenizer.json with the other's index.json
+    lock = open(os.path.join(out_dir, ".prepare.lock"), "a+")
     try:
-        yield stage
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise DataError(f"{out_dir}: another prepare.py is writing this corpus ({out_dir}/.prepare.lock); wait for it "
+                        f"to end, or pass another --out", out_dir, None, "busy") from None
+    except OSError:  # a filesystem without locks: as before, unguarded
+        pass
+    try:
+        for name in os.listdir(out_dir):  # a killed run's (the lock says no other run is alive)
+            if name.startswith(".staging-"):
+                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+        stage = os.path.join(out_dir, f".staging-{os.getpid()}")
+        os.makedirs(stage)
+        try:
+            yield stage
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        lock.close()
 
 
 def install_corpus(out_dir, stage, index):

@@ -678,6 +678,13 @@ def main(argv):
         val_stream = None  # a corpus without a val split: no val loss, said once below
     index = indexes[val_corpus]
     tokenizer_file = os.path.join(cfg["data_root"], val_corpus, index.get("tokenizer", "tokenizer.json"))
+    if index.get("tokenizer_sha256") and os.path.isfile(tokenizer_file):  # (copied into every checkpoint below)
+        had = checkpoint.sha256_file(tokenizer_file)
+        if had != index["tokenizer_sha256"]:  # another corpus's tokenizer.json: export, eval, chat decoded with it
+            raise shards.DataError(f"{tokenizer_file}: sha256 {had[:12]} differs from its index.json's "
+                                   f"{index['tokenizer_sha256'][:12]} (the shards were made with another tokenizer); "
+                                   f"prepare the corpus again (python data/{val_corpus}/prepare.py --help)",
+                                   tokenizer_file, None, "tokenizer")
     # one tokenizer for every corpus of the plan and for the weights: token ids mean nothing across tokenizers, and a
     # corpus prepared again (a new tokenizer by default) silently retrained a resumed run on other meanings
     tok_of = {c: indexes[c].get("tokenizer_sha256") for c in corpora}
@@ -1042,7 +1049,7 @@ def main(argv):
             gen = torch.Generator(device=device).manual_seed(cfg["seed"])
             outp = raw_model.generate(prompt, min(cfg["sample_tokens"], mcfg.max_seq_len - 1), temperature=0.8, top_k=50,
                                       generator=gen)
-            print("sample:", tok.decode([t for t in outp[0, 1:].tolist()]))
+            print("sample:", tok.decode_generated(outp[0, 1:].tolist()))  # an id no merge was learned for: U+FFFD, not an error
         except Exception as e:  # a sample is a courtesy; never fail a finished run on it
             print(f"(no sample: {e})")
     watchdog.stop()

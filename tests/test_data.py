@@ -414,6 +414,31 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr and "missing" in r.stderr
 
 
+def test_one_prepare_per_out_and_a_tiny_folders_val_takes_every_copy(tmp_path):
+    """A second prepare.py on the same --out deleted the first's staging dir as a killed run's (hours of tokenizing
+    lost, and the first then blamed the disk); a tiny folder's fallback val document left its identical copies in
+    train (the val text trained on)."""
+    out = str(tmp_path / "corpus")
+    with shards.staging(out) as first:
+        with pytest.raises(shards.DataError, match="another prepare.py is writing this corpus"):
+            with shards.staging(out):
+                pass
+        assert os.path.isdir(first)
+    os.makedirs(os.path.join(out, ".staging-999999999"))  # a killed run's: removed once nobody holds the lock
+    with shards.staging(out) as again:
+        assert sorted(os.listdir(out)) == sorted([".prepare.lock", os.path.basename(again)])
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, text in (("a.txt", "alpha beta " * 20), ("b.txt", "gamma delta " * 20), ("c.txt", "the same text " * 20),
+                       ("d.txt", "epsilon " * 30), ("e.txt", "the same text " * 20)):
+        (src / name).write_text(text)
+    _run(["data/local/prepare.py", "--src", str(src), "--out", out, "--vocab-size", "300", "--val-percent", "0"])
+    tok = tokmod.Tokenizer.load(os.path.join(out, "tokenizer.json"))
+    where = {f: split for split in ("train", "val") for entry, _ in read_split_docs(tmp_path / "corpus", tok, split)
+             for f in entry["source"]["files"]}
+    assert where["c.txt"] == where["e.txt"] and "val" in where.values() and "train" in where.values(), where
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # data/fineweb_edu/prepare.py against a local fake Hub (tests/hub_server.py), the real huggingface_hub client
 

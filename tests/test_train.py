@@ -236,7 +236,7 @@ def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr(
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
                                   "too_big", "zero_interval", "scratch_over_a_run", "status_of_a_damaged_step",
                                   "zero_batch_size", "zero_grad_accum", "seq_len_over_max", "lr_mult_typo", "cuda_index",
-                                  "float16", "max_iters_with_stages", "zero_heads", "shard_list"])
+                                  "float16", "max_iters_with_stages", "zero_heads", "shard_list", "swapped_tokenizer"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -266,6 +266,12 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         args = args + ["--device=cuda", "--dtype=float16"]
     elif case == "shard_list":  # a TypeError traceback when the quarantine was applied (exit 10: restarted)
         args = args + ["--quarantine_shards=[3]"]
+    elif case == "swapped_tokenizer":  # another corpus's tokenizer.json: trained, and copied into every checkpoint
+        import shutil
+        shutil.copytree(os.path.join(data_root, "local"), tmp_path / "data" / "local")
+        tok_file = tmp_path / "data" / "local" / "tokenizer.json"
+        tok_file.write_text(json.dumps(json.loads(tok_file.read_text()), indent=2))  # other bytes, still a tokenizer
+        args = args + [f"--data_root={tmp_path / 'data'}"]
     elif case == "zero_heads":  # a ZeroDivisionError traceback
         args = args + ["--n_head=0"]
     elif case == "max_iters_with_stages":  # the stages make the plan; the override did nothing
@@ -294,7 +300,8 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
     assert len(err) == 1 and "error" in err[0] and "Traceback" not in r.stderr, r.stderr
     fix = {"seq_len_over_max": "--max_seq_len", "lr_mult_typo": "embedding, old and new", "cuda_index": "cpu or cuda",
            "float16": "bfloat16", "max_iters_with_stages": "stages", "zero_batch_size": "at least 1",
-           "zero_heads": "n_head=0 must be at least 1", "shard_list": "corpus/file"}
+           "zero_heads": "n_head=0 must be at least 1", "shard_list": "corpus/file",
+           "swapped_tokenizer": "differs from its index.json's"}
     assert fix.get(case, "") in err[0], err[0]
     if case == "corrupt_checkpoint":
         assert os.path.isdir(os.path.join(out, "step_0000002"))  # nothing deleted

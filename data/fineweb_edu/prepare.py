@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the first ones up to this many characters per val token, generous (English web text runs ~4.5)
 VAL_CHARS_PER_TOKEN = 8
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py
+import checkpoint  # noqa: E402
 import shards  # noqa: E402
 from tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
@@ -73,7 +74,7 @@ def main():
     except (shards.StorageError, shards.DataError, ValueError) as e:
         sys.exit(f"error: {e}")
     except OSError as e:  # a full disk, an --out that cannot be written: the corpus there is as it was
-        sys.exit(f"error: {e.filename or args.out}: {e.strerror}; free space in --out (or pass another), then run again")
+        sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}; the corpus in --out is as it was")
 
 
 def run(args):

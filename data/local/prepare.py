@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py
+import checkpoint  # noqa: E402
 import shards  # noqa: E402
 from tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
@@ -91,7 +92,8 @@ def main():
         docs.append((rel, text, split))
         total_bytes += len(text.encode("utf-8"))
     if sum(s == "val" for _, _, s in docs) == 0 and len(docs) > 1:  # tiny folders still get a val document
-        docs[-1] = (docs[-1][0], docs[-1][1], "val")
+        held = docs[-1][1]  # with every identical copy (one left in train leaked val into training)
+        docs = [(rel, text, "val" if text == held else split) for rel, text, split in docs]
     n_train = sum(s == "train" for _, _, s in docs)
     if n_train == 0:
         sys.exit(f"error: {args.src}: found no non-empty {'/'.join(exts)} files for training; pass --src DIR")
@@ -102,8 +104,10 @@ def main():
     try:
         with shards.staging(args.out) as stage:  # a run that fails leaves the corpus in --out as it was
             build(args, docs, exts, total_bytes, stage, t0)
-    except OSError as e:
-        sys.exit(f"error: {e.filename or args.out}: {e.strerror}; free space in --out (or pass another), then run again")
+    except shards.DataError as e:  # (another prepare.py writing --out)
+        sys.exit(f"error: {e}")
+    except OSError as e:  # a full disk, an --out that cannot be written: the corpus there is as it was
+        sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}; the corpus in --out is as it was")
 
 
 def build(args, docs, exts, total_bytes, stage, t0):
