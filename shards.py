@@ -469,8 +469,9 @@ def _check_tokens(tokens, start, stop, vocab_size, path, corpus_dir, file):
                         f"{vocab_size} (corrupt data); {_fix_hint(corpus_dir, file)}", path, off, "vocab")
 
 
-def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
-    """Memory-map one shard after checking existence, size and (once per process) sha256."""
+def _check_shard_size(corpus_dir, entry):
+    """A shard's stat, after checking it exists with the size index.json records (a cheap check of every shard when
+    a stream opens: a truncated one was found only when reached, hours into a run)."""
     file = entry["file"]
     path = os.path.join(str(corpus_dir), file)
     try:
@@ -482,6 +483,15 @@ def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
         what = "truncated" if st.st_size < want else "longer than recorded"
         raise DataError(f"{path} offset {st.st_size // 2}: {what} ({st.st_size} bytes, index.json says {want}); "
                         f"{_fix_hint(corpus_dir, file)}", path, min(st.st_size, want) // 2, "truncated")
+    return st
+
+
+def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
+    """Memory-map one shard after checking existence, size and (once per process) sha256."""
+    file = entry["file"]
+    path = os.path.join(str(corpus_dir), file)
+    st = _check_shard_size(corpus_dir, entry)
+    want = st.st_size
     tokens = np.memmap(path, dtype=SHARD_DTYPE, mode="r") if want else np.zeros(0, SHARD_DTYPE)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["sha256"])
     if verify_hash and key not in _VERIFIED:
@@ -611,6 +621,9 @@ class TokenStream:
         for f in skip:
             print(f"WARNING: shard {os.path.join(self.corpus_dir, f)} is quarantined: skipped", file=sys.stderr)
         self.lengths = [0 if e["file"] in skip else int(e["tokens"]) for e in self.entries]
+        for e in self.entries:
+            if e["file"] not in skip:
+                _check_shard_size(self.corpus_dir, e)
         if sum(self.lengths) < 2:
             raise DataError(f"{index_path}: split {split!r} has no tokens to read; {_fix_hint(self.corpus_dir)}",
                             index_path, None, "index")
