@@ -118,6 +118,13 @@ def prepare_run_dir(cfg, out, log):
         if newest_valid:
             raise RunDirError(f"{out} already holds a run's checkpoints (newest {os.path.basename(newest_valid)}); "
                              f"continue it with --init_from=resume, or pass another --out_dir")
+        stale = os.path.join(out, "control.json")
+        if os.path.exists(stale):  # an earlier run's: a fresh run read it at step 0 and trained only a decay
+            aside = os.path.join(out, "abandoned", f"before_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}")
+            os.makedirs(aside, exist_ok=True)
+            os.replace(stale, os.path.join(aside, "control.json"))
+            log(f"WARNING: {stale} is from before this start (--init_from={cfg['init_from']}): moved to {aside}; "
+                f"write it again to start this run's decay")
         return None
     mirror_dir = cfg["mirror_dir"]
     # an explicit rollback; resume_from=out_dir itself is a plain resume (its LATEST may lag its newest valid step)

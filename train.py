@@ -410,7 +410,8 @@ def print_status(run_dir):
         print(f"  stage {i} {s['name']:<16} {s['lr_phase']:<7} seq {s['seq_len']:<6} mix {s['mix']}  "
               f"{done:,}/{s['tokens']:,} tokens  [{mark}]")
         start += s["tokens"]
-    lr_now = lr_at(plan, seen, c["learning_rate"], c["min_lr"])
+    step_tokens = seen // st["step"] if st.get("step") else 0  # the next step's LR, as the trainer computes it
+    lr_now = lr_at(plan, seen, c["learning_rate"], c["min_lr"], step_tokens)
     ahead = [lr_at(plan, min(total - 1, seen + int(f * (total - seen))), c["learning_rate"], c["min_lr"]) for f in (0.25, 0.5, 0.75, 1.0)]
     print(f"  lr now {lr_now:.3e}; at 25/50/75/100% of what remains: " + ", ".join(f"{x:.2e}" for x in ahead))
     el = st.get("elapsed_seconds", 0.0)
@@ -786,6 +787,7 @@ def main(argv):
         return tuple(bool(v) for v in t.tolist())
 
     control_said = set()  # the complaints about control.json already logged (said once, not every check)
+    control_due = [-1]  # the step a decay taken before a crash is taken again at (-1: none), known to every rank
 
     def check_control():
         ctl = {}
@@ -804,21 +806,30 @@ def main(argv):
                     control_said.add(why)
                     log(f"WARNING: {control_path}: {why}; ignored (it takes {{\"start_decay\": true}})")
         want = ctl.get("start_decay") is True and st.get("decay_started_at_tokens") is None
+        # taken at a later step than this resume's (a crash restart from an earlier checkpoint): taken again at that
+        # very step, not now (the restarted run decayed up to ckpt_interval steps early and lost when it was asked)
+        taken = ctl.get("start_decay_taken_at_step")
+        due = taken if want and isinstance(taken, int) and not isinstance(taken, bool) and taken > st["step"] else -1
+        want = want and due < 0
         if ddp:
-            t = torch.tensor([int(want)], device=device)
+            t = torch.tensor([int(want), due], device=device)
             dist.broadcast(t, 0)
-            want = bool(t.item())
+            want, due = bool(t[0].item()), int(t[1].item())
+        if due >= 0 and due != control_due[0]:
+            log(f"control.json: its decay was taken at step {due}; this resume from step {st['step']} takes it there")
+        control_due[0] = due
         if want:
             nonlocal_plan = st["plan"]
             length = cfg["decay_tokens"] or next((s["tokens"] for s in nonlocal_plan if s["lr_phase"] == "decay"),
                                                  int(cfg["decay_frac"] * plan_tokens(nonlocal_plan)))
-            already = stage_at(nonlocal_plan, st["tokens"])[1]
-            already = already is None or already["lr_phase"] == "decay"
+            cur = stage_at(nonlocal_plan, st["tokens"])[1]
+            already = cur is None or cur["lr_phase"] == "decay"
             st["plan"] = decay_now(nonlocal_plan, st["tokens"], max(length, tokens_per_step(nonlocal_plan[-1]["seq_len"])))
             st["decay_started_at_tokens"] = st["tokens"]
             st.setdefault("replans", []).append({"step": st["step"], "reason": "start_decay", "at": time.time()})
             log("control.json: start_decay: already decaying (or done); the run ends with this decay" if already else
-                f"control.json: starting the decay now, over {st['plan'][-1]['tokens']:,} tokens")
+                f"control.json: starting the decay {'after the warmup' if cur['lr_phase'] == 'warmup' else 'now'}, "
+                f"over {st['plan'][-1]['tokens']:,} tokens")
             if master:  # the step it was taken at: a rollback to a step before it drops the request (see resume)
                 ctl["start_decay_taken_at_step"] = st["step"]
                 checkpoint.write_atomic_text(control_path, json.dumps(ctl) + "\n")
@@ -1024,7 +1035,7 @@ def main(argv):
         elif cfg["checkpoint_minutes"] > 0 and on_rank0(time.time() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60)[0]:
             save("temporary")
             last_saved_step, t_last_ckpt = st["step"], time.time()
-        if st["step"] % cfg["log_interval"] == 0 and (ddp or os.path.exists(control_path)):
+        if (st["step"] % cfg["log_interval"] == 0 and (ddp or os.path.exists(control_path))) or st["step"] == control_due[0]:
             check_control()  # under DDP every rank joins its broadcast
 
     # --- end of this invocation ---------------------------------------------------------------------------

@@ -172,7 +172,8 @@ def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, 
     m = metrics(out)
     assert sorted(m) == list(range(1, 12))
     step_tokens = 4 * 32
-    expect = [1e-3 * 1 / 3, 1e-3 * 2 / 3, 1e-3] + [1e-3] * 4 + [1e-4 + 9e-4 * (1 - (i / 4) ** 0.5) for i in range(4)]
+    # the decay's last step runs at min_lr, as warmup's last runs at the peak (it ended at 1e-4 + 9e-4 * (1 - 0.87))
+    expect = [1e-3 * 1 / 3, 1e-3 * 2 / 3, 1e-3] + [1e-3] * 4 + [1e-4 + 9e-4 * (1 - ((i + 1) / 4) ** 0.5) for i in range(4)]
     for s in range(1, 12):
         assert abs(m[s]["lr"] - expect[s - 1]) < 1e-12, (s, m[s]["lr"], expect[s - 1])
         assert m[s]["tokens"] == s * step_tokens
@@ -231,6 +232,12 @@ def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr(
     for at in (90, 100, 130):  # inside the plan's own decay, at its end, after it
         again = schedule.decay_now(plan, at, 30)
         assert schedule.plan_tokens(again) == 100 and lr(again, at) == lr(plan, at) < 3e-3
+    # asked during the warmup: the warmup ends first (the decay began at the peak LR: an unwarmed 5x jump)
+    early = schedule.decay_now(plan, 4, 30)
+    assert schedule.plan_tokens(early) == 40 and lr(early, 4) == lr(plan, 4) < 3e-3 and lr(early, 10) == 3e-3
+    # the decay's last step runs at min_lr (counted from the step's start, it ran above it, and min_lr never trained)
+    assert schedule.lr_at(early, 38, 3e-3, 3e-4, step_tokens=2) == 3e-4
+    assert 3e-4 < schedule.lr_at(early, 36, 3e-3, 3e-4, step_tokens=2) < schedule.lr_at(early, 10, 3e-3, 3e-4, 2) < 3e-3
 
 
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
@@ -406,15 +413,20 @@ def test_a_rollback_before_an_on_demand_decay_trains_without_it(data_root, tmp_p
     st = json.load(open(os.path.join(out, "step_0000004", "state.json")))
     assert st.get("decay_started_at_tokens") is None and st["plan"][-1]["name"] != "decay-on-demand"
     assert not os.path.exists(os.path.join(out, "control.json")) and "trains without it" in r.stdout
-    # a crash before the decay reached a checkpoint: no rollback, so the request stays and is taken again
+    # a crash after the decay was taken at step 9, before a checkpoint held it: no rollback, so the request stays and
+    # is taken again at step 9 itself (it was taken at once, at the resumed step 5: the run decayed 4 steps early)
     json.dump({"start_decay": True, "start_decay_taken_at_step": 9}, open(os.path.join(out, "control.json"), "w"))
-    run(base + ["--init_from=resume", "--stop_after_steps=1"])
-    assert json.load(open(os.path.join(out, "step_0000006", "state.json")))["decay_started_at_tokens"] is not None
+    r = run(base + ["--init_from=resume", "--stop_after_steps=5"])
+    assert "taken at step 9; this resume from step 5 takes it there" in r.stdout, r.stdout
+    started = {s: json.load(open(os.path.join(out, f"step_{s:07d}", "state.json"))).get("decay_started_at_tokens")
+               for s in (6, 9, 10)}
+    assert started == {6: None, 9: None, 10: 9 * 128}, started
+    assert json.load(open(os.path.join(out, "control.json")))["start_decay_taken_at_step"] == 9
     # --resume_from=OUT_DIR itself is a plain resume: a LATEST that lags (a kill between the rename and its write)
     # made it a rollback that set the newest valid step aside
     checkpoint.write_atomic_text(os.path.join(out, "LATEST"), "step_0000005\n")
     r = run(base + ["--init_from=resume", f"--resume_from={out}", "--stop_after_steps=1"])
-    assert "step_0000006 at step 6" in r.stdout and "moved" not in r.stdout, r.stdout[-2000:]
+    assert "step_0000010 at step 10" in r.stdout and "moved" not in r.stdout, r.stdout[-2000:]
 
 
 def test_control_json_takes_only_true_and_resume_from_needs_init_from_resume(data_root, tmp_path):
@@ -432,6 +444,16 @@ def test_control_json_takes_only_true_and_resume_from_needs_init_from_resume(dat
                     f"--resume_from={os.path.join(out, 'step_0000003')}", "--stop_after_steps=1"], check=False)
     assert r.returncode == 1 and "--init_from=resume" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not os.path.exists(tmp_path / "fresh" / "step_0000001")
+    # an earlier run's control.json in a fresh out_dir: set aside (read at step 0, the run skipped warmup and trained
+    # only a decay)
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    json.dump({"start_decay": True, "start_decay_taken_at_step": 15}, open(stale / "control.json", "w"))
+    r = run(TINY + [f"--data_root={data_root}", f"--out_dir={stale}", "--max_iters=6", "--warmup_iters=2",
+                    "--eval_interval=1000"])
+    st = json.load(open(os.path.join(checkpoint.latest_valid(str(stale)), "state.json")))
+    assert st["step"] == 6 and st.get("decay_started_at_tokens") is None and "is from before this start" in r.stdout
+    assert not (stale / "control.json").exists()
 
 
 def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_root, tmp_path):
