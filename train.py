@@ -898,6 +898,7 @@ def main(argv):
     window_load, window_loss, window_t, window_tokens = None, [], time.time(), 0
     elapsed_base = st["elapsed_seconds"]
     last_saved_step = st["step"] if state is not None else None
+    last_saved_kind = (state or {}).get("kind")
     if state is None and cfg["stop_after_steps"] == 0:
         save("periodic")
         last_saved_step = 0
@@ -1018,29 +1019,34 @@ def main(argv):
                 + f" | load cv {rec['load_cv'] if rec['load_cv'] is None else round(rec['load_cv'], 3)}"
                 + f" | ETA {fmt_time(eta)} | ${st['usd_spent']:.2f}")
             window_load, window_loss, window_t, window_tokens = None, [], time.time(), 0
-        if val_loss is not None and (st["best_val_loss"] is None or val_loss < st["best_val_loss"]):
+        best = val_loss is not None and (st["best_val_loss"] is None or val_loss < st["best_val_loss"])
+        if best:
             st["best_val_loss"], st["best_step"] = val_loss, st["step"]
-            path = save("best")
-            last_saved_step, t_last_ckpt = st["step"], time.time()
-            if master:
-                checkpoint.write_atomic_text(os.path.join(out, "BEST"), os.path.basename(path) + "\n")
         if master and os.environ.get("PICAFLOR_INJECT_RANK0_LAG_S"):  # a slow rank 0 (fsync, mirror): the DDP test
             time.sleep(float(os.environ["PICAFLOR_INJECT_RANK0_LAG_S"]))
+        # one save a step, under its strongest kind (the last step of a plan was written three times: best, stage
+        # final, final; ~31 GB each at nano size)
+        kind = None
         if finished_stage:
-            save("stage_final")
-            last_saved_step, t_last_ckpt = st["step"], time.time()
+            st["finished"] = stage_at(st["plan"], st["tokens"])[1] is None  # (the plan's end: in its state.json)
+            kind = "final" if st["finished"] else "stage_final"
         elif st["step"] % cfg["ckpt_interval"] == 0:
-            save("periodic")
-            last_saved_step, t_last_ckpt = st["step"], time.time()
+            kind = "periodic"
+        elif best:
+            kind = "best"
         elif cfg["checkpoint_minutes"] > 0 and on_rank0(time.time() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60)[0]:
-            save("temporary")
-            last_saved_step, t_last_ckpt = st["step"], time.time()
+            kind = "temporary"
+        if kind:
+            path = save(kind)
+            last_saved_step, last_saved_kind, t_last_ckpt = st["step"], kind, time.time()
+            if best and master:
+                checkpoint.write_atomic_text(os.path.join(out, "BEST"), os.path.basename(path) + "\n")
         if (st["step"] % cfg["log_interval"] == 0 and (ddp or os.path.exists(control_path))) or st["step"] == control_due[0]:
             check_control()  # under DDP every rank joins its broadcast
 
     # --- end of this invocation ---------------------------------------------------------------------------
     st["finished"] = stage_at(st["plan"], st["tokens"])[1] is None
-    if last_saved_step != st["step"] or st["finished"]:
+    if last_saved_step != st["step"] or (st["finished"] and last_saved_kind != "final"):
         kind = "preempt" if stop["signal"] is not None else "final"
         save(kind)
     if stop["signal"] is not None:

@@ -489,3 +489,28 @@ def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_r
     run(other + ["--stop_after_steps=2"])
     r = run(other + ["--init_from=resume", "--stop_after_steps=1", f"--mirror_dir={blocked}"])
     assert "is not writable now" in r.stdout and "training goes on" in r.stdout
+
+
+def test_the_last_step_of_a_plan_is_written_once(data_root, tmp_path):
+    """A plan's last step was saved three times (best, stage final, final: ~31 GB each at nano size); one save under
+    its strongest kind keeps what the three did: finished, protected, and BEST."""
+    out = str(tmp_path / "run")
+    wrapper = ("import atexit, runpy, sys, model\n"
+               "saved, real = [], model.save_checkpoint\n"
+               "def counting(m, out_dir, step, **kw):\n"
+               "    saved.append(step)\n"
+               "    return real(m, out_dir, step, **kw)\n"
+               "model.save_checkpoint = counting\n"
+               "atexit.register(lambda: print('SAVED', saved))\n"
+               "sys.argv = ['train.py'] + sys.argv[1:]\n"
+               "runpy.run_path('train.py', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", wrapper, *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                        "--max_iters=4", "--warmup_iters=1", "--eval_interval=4"], cwd=REPO, capture_output=True,
+                       text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "SAVED [1, 4]" in r.stdout, r.stdout[-1500:]  # the warmup stage's end, then the plan's (was [1, 4, 4, 4])
+    st = json.load(open(os.path.join(out, "step_0000004", "state.json")))
+    assert st["finished"] and st["kind"] == "final" and st["best_step"] == 4
+    assert open(os.path.join(out, "BEST")).read().strip() == "step_0000004"
+    r = run(["--status", out])
+    assert "FINISHED" in r.stdout
