@@ -933,23 +933,42 @@ def main(argv):
             raise shards.StorageError("injected outage", kind="unreachable")
         loss_acc = torch.zeros((), device=device)
         stage_start_tokens = sum(s["tokens"] for s in st["plan"][:idx_stage])
+        batches = []
         for micro in range(cfg["grad_accum"]):
             micro_index = (st["tokens"] - stage_start_tokens) // (cfg["batch_size"] * T * world) + micro
             parts_xy = []
             for c, rows in sorted(rows_per_stream(stage["mix"], cfg["batch_size"], micro_index).items()):
                 if rows:
                     parts_xy.append(streams[c].next_batch(rows, T, rank, world))
-            x = torch.cat([p[0] for p in parts_xy]).to(device)
-            y = torch.cat([p[1] for p in parts_xy]).to(device)
+            batches.append((torch.cat([p[0] for p in parts_xy]).to(device), torch.cat([p[1] for p in parts_xy]).to(device)))
+        # loss-masked data (SFT): every target token of the step weighs the same, whatever micro-step or rank it is in
+        # (each micro-step's mean weighed equally made the gradient depend on batch_size x grad_accum x world: the
+        # gradient-accumulation bug of transformers' Trainer, 2024); unmasked data keeps the plain mean, bit for bit
+        targets = None
+        if any(streams[c].has_mask for c in stage["mix"]):
+            counts = [(y != -1).sum() for _, y in batches]
+            targets = torch.stack(counts).sum().to(torch.float32)
+            if ddp:
+                dist.all_reduce(targets)
+            targets = targets.clamp(min=1.0)
+        for micro, (x, y) in enumerate(batches):
             sync = (not ddp) or micro == cfg["grad_accum"] - 1
             with (model.no_sync() if ddp and not sync else nullcontext()):
                 with autocast:
                     _, loss = model(x, y)
-                (loss / cfg["grad_accum"]).backward()
-            loss_acc += loss.detach()
-        loss_mean = loss_acc / cfg["grad_accum"]
-        if ddp:
-            dist.all_reduce(loss_mean, op=dist.ReduceOp.AVG)
+                if targets is None:
+                    (loss / cfg["grad_accum"]).backward()
+                else:  # the model's loss is its own rows' mean: back to their sum, over the step's targets (DDP averages)
+                    (loss * (counts[micro] * world / targets)).backward()
+            loss_acc += loss.detach() if targets is None else loss.detach() * counts[micro]
+        if targets is None:
+            loss_mean = loss_acc / cfg["grad_accum"]
+            if ddp:
+                dist.all_reduce(loss_mean, op=dist.ReduceOp.AVG)
+        else:
+            if ddp:
+                dist.all_reduce(loss_acc)
+            loss_mean = loss_acc / targets
         loss_val = loss_mean.item()
         if not math.isfinite(loss_val) or os.environ.get("PICAFLOR_INJECT_NAN_AT_STEP") == str(st["step"]):
             raise TrainError(f"non-finite loss ({loss_val}) at step {st['step']} (tokens {st['tokens']:,}, stage "

@@ -564,3 +564,38 @@ def test_an_undecodable_sampled_id_keeps_the_reply_and_the_history(tok, sft_run)
     with pytest.raises(chat.ChatError, match="system prompt"):
         chat.Conversation(tok, backend, system="be brief " * 100, context=64)
     chat.Conversation(tok, backend, context=16)  # the smallest --context, without a system prompt, is fine
+
+
+def test_sft_gradient_weighs_every_target_token_alike_however_the_batch_is_split(tok, tmp_path):
+    """Loss-masked rows hold different numbers of target tokens: each micro-step's mean weighed equally made the
+    gradient depend on how batch_size x grad_accum split the step (transformers' 2024 gradient-accumulation bug).
+    8 rows in one micro-step and the same 8 rows in two of 4 now train the same weights."""
+    from safetensors.torch import load_file
+    rng = random.Random(5)  # replies of 1 to 12 words: rows with few and with many target tokens
+    lines = [json.dumps([{"role": "user", "content": f"ping {i % 10}"},
+                         {"role": "assistant", "content": " ".join(["pong"] * rng.randrange(1, 13))}]) for i in range(300)]
+    (tmp_path / "varied.jsonl").write_text("\n".join(lines) + "\n")
+    r = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", tok.path, "--jsonl",
+                        str(tmp_path / "varied.jsonl"), "--max-len", str(ROW), "--val-conversations", "20",
+                        "--out", str(tmp_path / "data" / "varied")], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stream = shards.TokenStream(tmp_path / "data" / "varied")
+    counts = [int((stream.next_batch(4, ROW)[1] != -1).sum()) for _ in range(6)]
+    assert len(set(counts)) > 1, counts  # (the ping-pong corpus had 32 targets in every 4 rows: nothing to see)
+    torch.manual_seed(0)
+    save_checkpoint(Picaflor(ModelConfig(**MODEL)), str(tmp_path / "pre"), 0, tokenizer_file=tok.path)
+    stages = [{"name": "flat", "steps": 3, "lr_phase": "stable"}]
+    weights, losses = [], []
+    for bs, ga in ((8, 1), (4, 2)):
+        out = tmp_path / f"sft_{bs}x{ga}"
+        r = subprocess.run([sys.executable, "train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
+                            f"--data_root={tmp_path / 'data'}", "--dataset=varied", f"--out_dir={out}", f"--seq_len={ROW}",
+                            f"--batch_size={bs}", f"--grad_accum={ga}", "--learning_rate=5e-3", f"--stages={json.dumps(stages)}",
+                            "--eval_interval=100", "--log_interval=1", "--sample_tokens=0"], cwd=REPO, capture_output=True,
+                           text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        weights.append(load_file(str(out / "step_0000003" / "model.safetensors")))
+        losses.append([json.loads(l)["loss"] for l in open(out / "metrics.jsonl")])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5), losses
+    diff = max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0])
+    assert diff < 2e-5, diff
