@@ -8,7 +8,8 @@ commit (`parent_commit=` on the Hub, a head check under flock for file://). Any 
 fail (HTTP 412) and the holder stops training at once, keeping its local checkpoint, unless that commit changed none
 of the run's files (RUN_FILES; a model card edit): the holder then chains from it (adopt_foreign_head). Timing decides only
 liveness: a lease has expired when the store's clock (HTTP Date / the local clock for file://) is more than
-ttl_s past the head commit's time (every holder write is a commit, so the head commit is the last renewal).
+ttl_s past the newest relay commit's time (every holder write is a commit, so that is the last renewal; a commit
+of someone else's that changed no run file does not count).
 Every commit carries a fresh write_id in RELAY.json; after a 5xx or a timeout the client re-reads the head and
 looks for its own write_id before retrying, so a commit that landed is never made twice.
 

@@ -8,6 +8,9 @@ relay_store.py: where a relay run lives, behind one small interface (relay.py ho
     store.list(sha, prefix) -> [path]                  store.download(sha, paths, dest)
     store.commit(parent, adds {path: bytes | local file path}, deletes, message) -> sha
 
+head's commit_time is the newest relay commit's ("relay: ..."), the lease's clock: a model card edited on the Hub
+after a holder died kept its lease alive for another ttl.
+
 commit is a compare-and-swap: it fails with Conflict unless `parent` is still the head (`parent_commit=` on the
 Hub, HTTP 412; a head check under flock for file://). Errors: StoreError for good, Transient (5xx, 429, timeout)
 when the request may or may not have taken effect (relay.commit_cas finds out which).
@@ -115,7 +118,14 @@ class FileStore:
 
     def head(self):
         cid = self._head_id()
-        return cid, self._load_commit(cid)["time"], time.time()
+        c = self._load_commit(cid)
+        t, back = c["time"], c
+        for _ in range(LEASE_CLOCK_LOOKBACK):  # the lease's clock: the newest relay commit, not a card edit after it
+            if back["message"].startswith(RELAY_COMMIT_PREFIX) or not back.get("parent"):
+                t = back["time"]
+                break
+            back = self._load_commit(back["parent"])
+        return cid, t, time.time()
 
     def read(self, sha, path):
         obj = self._load_commit(sha)["tree"].get(path)  # commits are immutable: no cache needed, a local read is cheap
@@ -207,6 +217,8 @@ def use_http_timeouts():
     _TIMEOUTS_SET.append(True)
 
 
+RELAY_COMMIT_PREFIX = "relay: "  # every commit relay.py makes; head()'s time is the newest one's (the lease's clock)
+LEASE_CLOCK_LOOKBACK = 50  # commits looked back through for it (about one page of the Hub's commit list)
 READ_CACHE_ENTRIES = 64  # small files kept per store, enough for a few heads' RELAY.json / state / ledger / manifest
 
 
@@ -272,7 +284,9 @@ class HfStore:
         def commit_time():  # one page of the commit list: the head's date and the server's Date header
             r = get_session().get(f"{self.api.endpoint}/api/models/{self.repo_id}/commits/{sha}", headers=build_hf_headers())
             hf_raise_for_status(r)
-            date = r.json()[0]["date"]
+            page = r.json()  # newest first: the lease's clock is the newest relay commit's (not a card edit after it)
+            date = next((c["date"] for c in page if str(c.get("title", "")).startswith(RELAY_COMMIT_PREFIX)),
+                        page[0]["date"])
             server_now = email.utils.parsedate_to_datetime(r.headers["Date"]).timestamp() if "Date" in r.headers else time.time()
             return dt.datetime.fromisoformat(date.replace("Z", "+00:00")).timestamp(), server_now
         t, server_now = self._call("read head commit", commit_time)

@@ -398,6 +398,12 @@ def test_hf_checkpoint_travels_through_git_lfs(tmp_path, hub, hf_env):
                    for m, p in hub.requests[n0:])
     d = relay_dashboard.dashboard_data(url)  # relay's small-file reads follow the redirect too (the log is an LFS file now)
     assert [m["step"] for m in d["metrics"]] == list(range(1, 10))
+    # the lease's clock is the newest relay commit's, not a card edit's after it (the Hub's commit list, by title)
+    relay_time = store.head()[1]
+    time.sleep(1.1)  # (the commit list's dates have whole seconds)
+    edit = store.commit(store.head()[0], {"notes.txt": b"a note\n"}, [], "Upload notes.txt")
+    assert store.head()[0] == edit and store.head()[1] == relay_time
+    assert hub.vrepos[("models", "alice/run")]["commits"][edit]["time"] > relay_time + 1
     # the small-file cache is bounded (a dashboard left running kept every head's files for months)
     head = store.head()[0]
     for i in range(relay_store.READ_CACHE_ENTRIES + 10):
@@ -1323,6 +1329,7 @@ def test_review_round_leases_survive_outages_card_edits_and_manual_steps(tmp_pat
     asides = [d for d in os.listdir(work) if d.startswith(os.path.basename(foreign) + ".other-")]
     assert len(asides) == 1 and checkpoint.is_valid(os.path.join(work, asides[0], "step_0000030"))
     # a release whose answer was lost: the retry finds it landed (was: "lease already lost", exit 4)
+    real_sleep = time.sleep
     monkeypatch.setattr(relay.time, "sleep", lambda s: None)  # commit_cas's backoff while the store is dark
     store.drop_answer_of = "release"
     with pytest.raises(relay.Transient, match="unknown whether"):
@@ -1330,6 +1337,13 @@ def test_review_round_leases_survive_outages_card_edits_and_manual_steps(tmp_pat
     store.dark_heads = 0
     relay.release(store, relay.Lease.load(work, store))
     assert relay.Snapshot(store).relay["holder"] is None
+    # a card edit after a holder's last renewal does not keep a dead lease alive (the age counted from the head)
+    dead = relay.claim(store, str(tmp_path / "wd"), "dora", ttl=1.0, heartbeat=0.25)
+    real_sleep(0.7)
+    store.commit(store.head()[0], {"README.md": b"# edited while dora's lease ran out\n"}, [], "Update README.md")
+    real_sleep(0.5)
+    assert not relay.Snapshot(store).held  # 1.2 s after dora's claim, 0.5 s after the edit
+    relay.release(store, dead)
     # a run's own file changed by someone else is still a fence
     lease3 = relay.claim(store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=20)
     snap = relay.Snapshot(store)
