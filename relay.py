@@ -726,7 +726,8 @@ def cmd_status(args):
         who = "free"
     print(f"{d['store']} @ {d['head'][:10]}\n  baton: {who}\n  step {d['step']}, tokens {d['tokens']}, stage "
           f"{d['stage']}, legs {d['legs']}, ${d['usd_total']:.2f} so far"
-          f"{', decay requested' if d['decay_requested'] else ''}")
+          f"{', decay requested' if d['decay_requested'] else ''}"
+          f"{', FINISHED' if d['finished'] else ', decaying' if d['decay'] is not None and d['decay'] is not False else ''}")
     for row in d["ledger"][-5:]:
         print(f"  leg {row['leg']}: {row['who']} on {row['gpu']}, steps {row['step_range']}, {row['wall']}, "
               f"loss {row['loss_start']} -> {row['loss_end']}, ${row['usd']}")

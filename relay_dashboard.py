@@ -143,6 +143,7 @@ function render(D) {
   if (s.legs !== undefined) h.push("<span>legs <b>" + esc(s.legs) + "</b></span>");
   h.push("<span>spent <b id='usd'>$" + Number(s.usd_total || 0).toFixed(2) + "</b></span>");
   if (s.decay_requested) h.push("<span><b>decay requested</b></span>");
+  else if (s.decay !== undefined && s.decay !== null && s.decay !== false) h.push("<span><b>decaying</b></span>");
   document.getElementById("baton").innerHTML = h.join("");
   lineChart("loss", [{name: "loss", pts: pts(ms, "loss")}, {name: "val loss", pts: pts(ms, "val_loss")}], "tokens");
   lineChart("tps", [{name: "tok/s", pts: pts(ms, "tok_per_s")}], "tokens");

@@ -580,6 +580,8 @@ def test_decay_flag_travels_to_the_next_leg(tmp_path, hub, rl):
     assert r.returncode == 0, r.stderr
     st = relay.Snapshot(store).state
     assert st["decay_requested"] is False and st["decay_started_at_tokens"] == 0 and st["step"] == 2
+    r = relay_cli(["status", url], env)  # once taken, neither status nor the page said the run was decaying
+    assert r.returncode == 0 and ", decaying" in r.stdout, r.stdout
 
 
 def test_decay_after_a_holder_expired_does_not_revive_its_lease(tmp_path, hub, rl):

@@ -1,6 +1,7 @@
 """relay.py dashboard: served read-only on 127.0.0.1, rendered by headless Chromium (Debian `chromium`, installed
 by .ci/run) against a fixture run; the checks read the DOM after the page's own JavaScript drew it."""
 
+import json
 import os
 import re
 import shutil
@@ -61,7 +62,9 @@ def test_dashboard_renders_run_in_chromium(fixture_run, tmp_path):
     snap = relay.Snapshot(store)
     # (and a tokens cell that is not a number: the table's number format threw, and the table stayed empty)
     row = "| 3 | mallory | x | <b>9</b> | n/a | 1s | 0.00 | 1 | 1 | 0-9 | <i>3</i> | now |\n"
-    relay.commit_cas(store, snap.sha, {"LEDGER.md": (snap.ledger() + row).encode()}, [], "a test", snap.relay)
+    decaying = json.dumps(dict(snap.state, decay_started_at_tokens=1024)).encode()  # the trainer took the decay flag
+    relay.commit_cas(store, snap.sha, {"LEDGER.md": (snap.ledger() + row).encode(), "training_state.json": decaying}, [],
+                     "a test", snap.relay)
     p, url = serve(fixture_run, base_env())
     try:
         page = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -76,6 +79,7 @@ def test_dashboard_renders_run_in_chromium(fixture_run, tmp_path):
     assert re.search(r'id="holder">carol &lt;!--&lt;script&gt;</b> since \d{4}-\d\d-\d\d', dom)
     assert "mallory" in dom and "&lt;b&gt;9&lt;/b&gt;" in dom  # the hand-edited row, as text
     assert "(leg 3, generation 3" in dom and "legs <b>2</b>" in dom and "step <b>16</b>" in dom
+    assert "<b>decaying</b>" in dom  # (once the trainer took the flag, nothing said the run was decaying)
     # the charts drew one series each (loss, val loss, tok/s, lr, dead frac) and the per-layer heatmap 3 x 16
     for name in ("loss", "val loss", "tok/s", "lr", "dead frac"):
         assert f'data-name="{name}"' in dom, name
