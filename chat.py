@@ -492,6 +492,9 @@ def main(argv=None):
             ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                             help="weights dtype (default: as saved; bfloat16 halves memory on a GPU)")
             a = ap.parse_args(argv[1:])
+            for flag, v in (("--max-new-tokens", a.max_new_tokens), ("--max-rows", a.max_rows)):
+                if v < 1:  # (-5 wrote a report of one-token answers and a loss over no rows, looking like a score)
+                    raise ChatError(f"{flag} {v}: at least 1")
             import torch
             check_device(a.device)
             pick(a.run_dir, a.data, a.prompt, a.max_new_tokens, a.max_rows, a.device,

@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import sys
 import time
 
@@ -86,6 +87,7 @@ class Guardian:
         self.log["status"] = "running"
         self.child = None
         self.stopping = False
+        self.woken = threading.Event()  # set by a signal: cuts a backoff or a re-fetch wait short
         self.n_started, self.first_step, self.t_first = 0, None, None  # this invocation's first start
 
     def save(self):
@@ -131,7 +133,8 @@ class Guardian:
                                                 "wait_s": wait, "at": time.time()})
                     self.save()
                     self.say(f"storage unreachable while re-fetching {path}; retrying in {wait:g} s")
-                    time.sleep(wait)
+                    if self.wait(wait):
+                        return train.EXIT_OK, f"stopped by {self.stopping} while re-fetching {path}"
                     continue
                 code = {"denied": train.EXIT_DENIED, "disk": train.EXIT_DISK}.get(e.kind, train.EXIT_UNREACHABLE)
                 tries = f" ({attempt + 1} tries)" if e.kind == "unreachable" else ""
@@ -143,16 +146,25 @@ class Guardian:
             self.quarantine(path, offset, "the crash repeated at the same place though the file verifies")
         return None
 
+    def wait(self, seconds):
+        """Sleep, cut short by SIGTERM / Ctrl-C (a plain sleep resumed after the handler: the signal waited out the
+        backoff, or every re-fetch try). Whether a signal came."""
+        self.woken.wait(seconds)
+        return bool(self.stopping)
+
     def backoff(self, tries):
         """Seconds to wait before retry number `tries` (1, 2, 3) of unreachable storage."""
         return min(60.0, float(self.cfg["unreachable_backoff_s"]) * 2 ** tries)
 
     def on_stuck(self, causes):
-        cmd = self.cfg["on_stuck"]
+        cmd, helped = self.cfg["on_stuck"], False
         if cmd:
             self.say(f"no new checkpoint in {len(causes)} starts; running on_stuck: {cmd}")
             r = subprocess.run(cmd, shell=True)
             self.log["repairs"].append({"action": "on_stuck", "command": cmd, "exit_code": r.returncode, "at": time.time()})
+            helped = r.returncode == 0  # a failing command fixed nothing (it counted as a fix: ~10 GPU-hours of hangs)
+            if not helped:
+                self.say(f"on_stuck exited {r.returncode}: not counted as a fix")
         fixed = 0
         for name, cdir in self.corpora().items():
             for problem in shards.verify_corpus(cdir):
@@ -162,7 +174,7 @@ class Guardian:
                     return False
                 # a shard quarantined before is still corrupt on disk: not a fix (else every restart is burnt on it)
                 fixed += len(self.log["repairs"]) + len(self.log["quarantined"]) > acted
-        return bool(cmd) or fixed > 0
+        return helped or fixed > 0
 
     def leg_left(self):
         """What is left of stop_after_steps / stop_after_hours, counted from this invocation's first start: train.py
@@ -204,12 +216,16 @@ class Guardian:
     def on_signal(self, signum, frame):
         """SIGTERM, or SIGINT (Ctrl-C, which the trainer got too): the trainer checkpoints and exits; so does this."""
         self.stopping = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            train.detach_from_lost_terminal()
+        self.woken.set()
         if self.child and self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)
 
     def run(self):
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGHUP, self.on_signal)  # an ssh drop: the trainer checkpoints (it died with none)
         no_progress, unreachable_tries, last_data_fault, fruitless = [], 0, None, 0
         while True:
             if self.stopping:  # a SIGTERM while no trainer ran (a backoff, a repair): start none
@@ -267,16 +283,19 @@ class Guardian:
                 self.log["status"] = f"stopped ({self.stopping})" if self.stopping else "done"
                 self.save()
                 return 0
-            if self.stopping:
-                return self.stop(rc, f"stopped by {self.stopping}")
+            if self.stopping:  # (a trainer killed by the signal before its handler was set: rc -15, was exit 241)
+                self.log["status"] = f"stopped ({self.stopping})"
+                self.save()
+                self.say(f"stopped by {self.stopping} (the trainer's {cause})")
+                return 0
             if rc in NO_RESTART:
                 return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
                                      f"restarting cannot fix this")
             progressed = after is not None and (before is None or after > before)
-            # why it restarts, on the console too (it was in guardian.json only)
+            # why it ended, on the console too (it was in guardian.json only); "restarting" only once it is decided
             self.say(f"start {len(self.log['starts'])} ended: {cause}"
                      + (f" ({(rep or {}).get('message')})" if (rep or {}).get("message") else "")
-                     + f"; newest checkpoint {after if after is not None else 'none'}; restarting")
+                     + f"; newest checkpoint {after if after is not None else 'none'}")
             fruitless += not progressed and rc != train.EXIT_UNREACHABLE  # (outages have their own retries, above)
             if progressed or rc != train.EXIT_UNREACHABLE:  # the retries are per outage: a run that trains between
                 unreachable_tries = 0                        # short outages hours apart is not stopped by the fourth
@@ -284,7 +303,10 @@ class Guardian:
                 unreachable_tries += 1
                 if unreachable_tries > UNREACHABLE_RETRIES:
                     return self.stop(rc, f"storage unreachable {UNREACHABLE_RETRIES + 1} times: {(rep or {}).get('message')}")
-                time.sleep(self.backoff(unreachable_tries))
+                wait = self.backoff(unreachable_tries)
+                self.say(f"storage unreachable: restarting in {wait:g} s")
+                if self.wait(wait):
+                    continue  # (the loop's top says it stopped, and starts none)
             if rc == train.EXIT_DATA and rep and rep.get("kind") in ("index", "tokenizer"):  # no shard to fix
                 return self.stop(rc, f"{cause}: {rep.get('message')}; restarting cannot fix this")
             if rc == train.EXIT_DATA and rep and rep.get("path"):
@@ -292,6 +314,8 @@ class Guardian:
                 verdict = self.repair_shard(rep["path"], rep.get("offset"), repeated=fault == last_data_fault)
                 last_data_fault = fault
                 self.save()
+                if verdict is not None and self.stopping:
+                    continue  # (stopped by a signal while re-fetching: the loop's top says so)
                 if verdict is not None:
                     return self.stop(*verdict)
             # unreachable storage has its own retries above (counted as stuck, its 4th try never came)
@@ -303,6 +327,8 @@ class Guardian:
                                                  f"set on_stuck or look at {self.out}/crash-*.json")
                 no_progress = []
                 self.save()
+            if not self.stopping:
+                self.say("restarting")
 
     def stop(self, code, message):
         self.log["status"] = "stopped"

@@ -7,6 +7,7 @@ the store is escaped before it reaches the HTML.
 
 import html
 import json
+import math
 import os
 import threading
 import time
@@ -37,8 +38,25 @@ def dashboard_data(target, log_cache=None):
         usd = [m["usd"] for m in d["metrics"] if isinstance(m.get("usd"), (int, float))]
         d["state"] = {"step": d["metrics"][-1].get("step") if d["metrics"] else None,
                       "tokens": d["metrics"][-1].get("tokens") if d["metrics"] else None, "usd_total": usd[-1] if usd else 0.0}
+    d["metrics"] = [c for c in map(clean_metric, d["metrics"]) if c is not None]
     d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))
     return d
+
+
+def clean_metric(m):
+    """A metrics row the page can show: step and tokens numbers (a string there crashed the sort, so the server),
+    NaN / Infinity as null (json.dumps wrote NaN, which the page's refresh could not parse: it froze, silently)."""
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, list):
+            return [finite(x) for x in v]
+        return v
+    for key in ("step", "tokens"):
+        v = m.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            return None
+    return {k: finite(v) for k, v in m.items()}
 
 
 def safe_json(line):
@@ -158,7 +176,7 @@ function render(D) {
 }
 function esc(x) { return String(x).replace(/[&<>"']/g, function (c) { return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]; }); }
 render(DATA);
-setInterval(function () { fetch("data.json").then(function (r) { return r.json(); }).then(render).catch(function () {}); }, 30000);
+setInterval(function () { fetch("data.json").then(function (r) { return r.json(); }).then(render).catch(function () { var e = document.getElementById("updated"); if (e) e.textContent = "refresh failed at " + new Date().toISOString().slice(11, 19) + " UTC; showing older data"; }); }, 30000);
 </script></body></html>
 """
 

@@ -625,6 +625,12 @@ class TokenStream:
             if e["file"] not in skip:
                 _check_shard_size(self.corpus_dir, e)
         if sum(self.lengths) < 2:
+            held = sorted(f"{os.path.basename(self.corpus_dir)}/{e['file']}" for e in self.entries
+                          if e["file"] in skip and int(e["tokens"]))
+            if held:  # (it said to run prepare.py, after which the quarantine still held: the same error again)
+                raise DataError(f"{index_path}: split {split!r} has no tokens left: its shards are quarantined "
+                                f"({', '.join(held)}); once they verify (python shards.py verify {self.corpus_dir}), "
+                                f"train with --release_shards=\"{held!r}\"", index_path, None, "index")
             raise DataError(f"{index_path}: split {split!r} has no tokens to read; {_fix_hint(self.corpus_dir)}",
                             index_path, None, "index")
         self.total_tokens = sum(self.lengths)

@@ -368,6 +368,19 @@ def crashed(e):
         f"crash report); checkpoints are intact: resume with --init_from=resume", EXIT_CRASH)
 
 
+def detach_from_lost_terminal():
+    """After SIGHUP: stdout / stderr on the terminal that hung up fail every write (EIO), which would end the
+    checkpoint the hangup asks for; they go to /dev/null (out_dir keeps metrics.jsonl and the crash reports)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                os.dup2(null, fd)
+        except OSError:
+            pass
+    os.close(null)
+
+
 def write_crash_report(cause, code, message, **extra):
     """crash-<time>.json in the run dir: what the guardian and a person read first."""
     out = _RUN_INFO.get("out_dir")
@@ -675,7 +688,9 @@ def main(argv):
     try:  # quarantine holds for val shards too (the guardian names them as it names train ones)
         val_stream = shards.TokenStream(os.path.join(cfg["data_root"], val_corpus), "val", vocab_size=mcfg.vocab_size,
                                         skip_shards=skip_of[val_corpus])
-    except shards.DataError:
+    except shards.DataError as e:
+        if e.kind != "index":  # a missing or truncated val shard: the guardian's repair, not "no val split", silently
+            raise
         val_stream = None  # a corpus without a val split: no val loss, said once below
     index = indexes[val_corpus]
     tokenizer_file = os.path.join(cfg["data_root"], val_corpus, index.get("tokenizer", "tokenizer.json"))
@@ -767,8 +782,11 @@ def main(argv):
     stop = {"signal": None}
 
     def on_sigterm(signum, frame):
+        if signum == signal.SIGHUP:  # an ssh drop (no nohup): it killed the trainer with no checkpoint
+            detach_from_lost_terminal()
         stop["signal"] = stop["signal"] or signum  # Ctrl-C under the guardian: SIGINT first, then its SIGTERM
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGHUP, on_sigterm)
 
     def on_sigint(signum, frame):  # Ctrl-C: as SIGTERM (a checkpoint at the end of this step); a second one quits now
         if stop["signal"] is not None:
@@ -1038,7 +1056,8 @@ def main(argv):
                 + f" | load cv {rec['load_cv'] if rec['load_cv'] is None else round(rec['load_cv'], 3)}"
                 + f" | ETA {fmt_time(eta)} | ${st['usd_spent']:.2f}")
             window_load, window_loss, window_t, window_tokens = None, [], time.time(), 0
-        best = val_loss is not None and (st["best_val_loss"] is None or val_loss < st["best_val_loss"])
+        best = (val_loss is not None and math.isfinite(val_loss)  # (a NaN first val loss stuck as the best)
+                and (st["best_val_loss"] is None or val_loss < st["best_val_loss"]))
         if best:
             st["best_val_loss"], st["best_step"] = val_loss, st["step"]
         if master and os.environ.get("PICAFLOR_INJECT_RANK0_LAG_S"):  # a slow rank 0 (fsync, mirror): the DDP test

@@ -315,6 +315,9 @@ def test_pick_keeps_what_it_scored_names_what_it_skipped_and_refuses_a_long_prom
     assert chat.main(["pick", str(run), "--data", str(corpus[0]), "--prompt", "ping " * 400]) == 1
     err = capsys.readouterr().err
     assert "--prompt 'ping ping" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for flag in ("--max-new-tokens", "--max-rows"):  # (-5 wrote a report that looked like a score)
+        assert chat.main(["pick", str(run), "--data", str(corpus[0]), flag, "-5"]) == 1
+        assert f"{flag} -5: at least 1" in capsys.readouterr().err
 
 
 def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path, capsys):

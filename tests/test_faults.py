@@ -438,6 +438,38 @@ def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
     assert step > 0  # it took the SIGTERM: checkpointed where it was, then exited
 
 
+def test_a_hangup_checkpoints_and_a_signal_at_startup_is_a_clean_stop(data_root, tmp_path):
+    """An ssh drop (SIGHUP to the session, no nohup) killed the guardian and the trainer with no checkpoint and left
+    guardian.json "running"; a SIGTERM while the trainer started (before its handler) made the guardian exit 241."""
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                          "--max_iters=100000", "--warmup_iters=2", "--eval_interval=100000", "--ckpt_interval=1000",
+                          "--supervise"], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    deadline = time.time() + 120
+    metrics = os.path.join(out, "metrics.jsonl")
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGHUP)  # what the terminal's hangup sends: the whole session
+    assert p.wait(timeout=120) == 0
+    assert json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"] > 0
+    assert json.load(open(os.path.join(out, "guardian.json")))["status"] == "stopped (SIGHUP)"
+    n_starts = len(json.load(open(os.path.join(out, "guardian.json")))["starts"])
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                          "--max_iters=100000", "--warmup_iters=2", "--eval_interval=100000", "--ckpt_interval=1000",
+                          "--init_from=resume", "--supervise"], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len(json.load(open(os.path.join(out, "guardian.json")))["starts"]) == n_starts:  # (written before the fork)
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.01)
+    time.sleep(0.2)  # the trainer is importing torch: SIGTERM kills it before its handler exists
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 0
+    assert json.load(open(os.path.join(out, "guardian.json")))["status"] == "stopped (SIGTERM)"
+
+
 def test_a_restart_of_a_run_begun_from_resume_from_resumes_its_own_newest(data_root, tmp_path):
     """A supervised run started with --resume_from (a checkpoint elsewhere): a restart resumes the run's own newest
     checkpoint, not that first one again, and the leg's steps count from the step it began at."""
@@ -674,6 +706,35 @@ def test_guardian_quarantines_a_mask_by_its_shard_and_counts_no_old_quarantine_a
     zero_page(shard)  # corrupt on disk, no source to re-fetch from: quarantined by the first on_stuck
     assert g.on_stuck(["corrupt data"] * 3) is True and "local/train_000001.bin" in [q["shard"] for q in g.log["quarantined"]]
     assert g.on_stuck(["corrupt data"] * 3) is False  # the same shard again: nothing was fixed
+
+
+def test_review_round_guardian_on_stuck_signals_and_quarantined_splits(tmp_path):
+    """A failing on_stuck command counted as a fix (a hang burnt max_restarts starts, ~10 GPU-hours, then exit 1
+    instead of 9); a signal during a backoff waited it out (PEP 475 resumed the sleep); a split whose every shard is
+    quarantined said to run prepare.py, after which the quarantine still held; a truncated val shard was taken for
+    "no val split" (no val loss, never repaired)."""
+    import guardian
+    import threading
+    root = make_corpus(tmp_path / "data")
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}", "--on_stuck=exit 3"])
+    assert g.on_stuck(["hang"] * 3) is False and g.log["repairs"][-1]["exit_code"] == 3
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}", "--on_stuck=true"])
+    assert g.on_stuck(["hang"] * 3) is True
+    # a signal cuts a wait short
+    threading.Timer(0.3, lambda: g.on_signal(signal.SIGTERM, None)).start()
+    t0 = time.time()
+    assert g.wait(30) is True and time.time() - t0 < 5
+    # every train shard quarantined: the fix named is --release_shards, not prepare.py
+    files = [e["file"] for e in shards.load_index(os.path.join(root, "local"))["splits"]["train"]]
+    with pytest.raises(shards.DataError) as e:
+        shards.TokenStream(os.path.join(root, "local"), skip_shards=files)
+    assert "--release_shards" in str(e.value) and "local/" + files[0] in str(e.value), str(e.value)
+    # a truncated val shard: exit 3 naming it (the guardian's repair), not a run without val loss
+    val = os.path.join(root, "local", "val_000000.bin")
+    with open(val, "r+b") as f:
+        f.truncate(100)
+    r = train([f"--data_root={root}", f"--out_dir={tmp_path / 'run2'}", "--max_iters=4", "--warmup_iters=1"])
+    assert r.returncode == 3 and "val_000000.bin" in r.stderr and "truncated" in r.stderr, r.stderr[-2000:]
 
 
 def test_a_full_disk_while_refetching_stops_as_out_of_disk_not_a_traceback(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import pytest
 from relay_fixtures import ROOT, base_env, write_config, write_fake_train
 
 import relay  # noqa: E402
+import relay_dashboard  # noqa: E402
 
 
 def serve(target, env):
@@ -110,3 +111,12 @@ def test_dashboard_local_run_dir_and_bad_target(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "relay.py"), "dashboard", str(tmp_path / "nope")],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1 and "not a store URL" in r.stderr
+    # a NaN in a row froze the page (json.dumps wrote NaN; the refresh could not parse it, silently) and a string
+    # step crashed the server's sort; both rows as the page can show them, or left out
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "tokens": 36864, "loss": NaN, "load_cv_layers": [Infinity, 0.5]}\n')
+        f.write('{"step": "10", "tokens": "40960", "loss": 7.0}\n')
+    d = relay_dashboard.dashboard_data(str(out))
+    json.dumps(d, allow_nan=False)  # (raised ValueError: a NaN the browser's JSON.parse refuses)
+    last = d["metrics"][-1]
+    assert last["step"] == 9 and last["loss"] is None and last["load_cv_layers"] == [None, 0.5] and len(d["metrics"]) == 9
