@@ -571,14 +571,15 @@ def cmd_run(args):
         release(store, lease)
         raise RelayError(f"{crashed}; its newest checkpoint (step {plan['step']}) was pushed as {sha[:10]} and the "
                          f"lease released; local files kept in {run_dir}")
-    def kept_for_retry(e, ck):  # the leg exists only here: the baton stays ours for `push`, not handed to a redo
-        maybe = " (it may have landed: the push below finds out)" if isinstance(e, Transient) else ""
+    def kept_for_retry(e, ck, committing):  # the leg exists only here: the baton stays ours for `push`, not a redo
+        # (an upload that failed before any commit cannot have landed)
+        maybe = " (it may have landed: the push below finds out)" if committing and isinstance(e, Transient) else ""
         wd = os.path.dirname(lease.path)
         return RelayError(f"push failed: {e}{maybe}; the checkpoint is kept at {ck} and the lease stays yours until "
                           f"{lease.ttl_s:.0f}s after its last renewal: retry with `python relay.py push {store.url} "
                           f"--workdir {wd}`, then `python relay.py release {store.url} --workdir {wd}`")
     if rc == 0 and isinstance(failure, StoreError):  # the upload failed (the store, not the checkpoint)
-        raise kept_for_retry(failure, run_dir)
+        raise kept_for_retry(failure, run_dir, committing=False)
     if rc != 0 or failure:
         release(store, lease)
         why = (f"no checkpoint past the pulled step {lease.base_step}" if isinstance(failure, NothingToPush)
@@ -590,7 +591,7 @@ def cmd_run(args):
     except Fenced:
         raise
     except (RelayError, OSError) as e:  # the store failed the commit (unreachable, refused, its disk full)
-        raise kept_for_retry(e, plan["ck"]) from None
+        raise kept_for_retry(e, plan["ck"], committing=True) from None
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     release(store, lease)
     print(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")

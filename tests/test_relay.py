@@ -761,6 +761,7 @@ def test_leg_whose_upload_fails_keeps_the_lease_for_a_retry(fault, tmp_path, hub
     monkeypatch.setattr(relay_store.FileStore, "stage", failing)
     r = rl(["run", url, "--steps", "4", "--train-script", fake, "--workdir", tmp_path / "wa"], env)
     assert r.returncode == 3 and fault in r.stderr and "lease stays yours" in r.stderr, r.stderr
+    assert "may have landed" not in r.stderr  # nothing was committed: an upload that failed cannot have landed
     store = relay.open_store(url)
     rows, snap = ledger_rows(store)
     assert rows == [] and snap.relay["holder"] and snap.state["step"] == 0
