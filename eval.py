@@ -330,10 +330,8 @@ def hub_task_rows(task, cache_dir):
         return [r for p in paths for r in read_rows(p)]
     try:
         os.makedirs(os.path.dirname(listing), exist_ok=True)
-        tmp = listing + f".tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"repo": repo, "revision": revision, "files": [os.path.abspath(p) for p in paths]}, f, indent=1)
-        os.replace(tmp, listing)
+        checkpoint.write_atomic_text(listing, json.dumps(
+            {"repo": repo, "revision": revision, "files": [os.path.abspath(p) for p in paths]}, indent=1))
     except OSError:  # a read-only cache: the download still serves this run
         pass
     return [r for p in paths for r in read_rows(p)]

@@ -695,12 +695,8 @@ def main(argv):
     index = indexes[val_corpus]
     tokenizer_file = os.path.join(cfg["data_root"], val_corpus, index.get("tokenizer", "tokenizer.json"))
     if index.get("tokenizer_sha256") and os.path.isfile(tokenizer_file):  # (copied into every checkpoint below)
-        had = checkpoint.sha256_file(tokenizer_file)
-        if had != index["tokenizer_sha256"]:  # another corpus's tokenizer.json: export, eval, chat decoded with it
-            raise shards.DataError(f"{tokenizer_file}: sha256 {had[:12]} differs from its index.json's "
-                                   f"{index['tokenizer_sha256'][:12]} (the shards were made with another tokenizer); "
-                                   f"prepare the corpus again (python data/{val_corpus}/prepare.py --help)",
-                                   tokenizer_file, None, "tokenizer")
+        # another corpus's tokenizer.json: export, eval and chat decoded with it (DataError, kind "tokenizer")
+        shards.load_corpus_tokenizer(os.path.join(cfg["data_root"], val_corpus), index)
     # one tokenizer for every corpus of the plan and for the weights: token ids mean nothing across tokenizers, and a
     # corpus prepared again (a new tokenizer by default) silently retrained a resumed run on other meanings
     tok_of = {c: indexes[c].get("tokenizer_sha256") for c in corpora}
@@ -962,31 +958,31 @@ def main(argv):
         # loss-masked data (SFT): every target token of the step weighs the same, whatever micro-step or rank it is in
         # (each micro-step's mean weighed equally made the gradient depend on batch_size x grad_accum x world: the
         # gradient-accumulation bug of transformers' Trainer, 2024); unmasked data keeps the plain mean, bit for bit
-        targets = None
+        n_targets = None  # the step's target tokens, over every micro-step and rank
         if any(streams[c].has_mask for c in stage["mix"]):
             counts = [(y != -1).sum() for _, y in batches]
-            targets = torch.stack(counts).sum().to(torch.float32)
+            n_targets = torch.stack(counts).sum().to(torch.float32)
             if ddp:
-                dist.all_reduce(targets)
-            targets = targets.clamp(min=1.0)
+                dist.all_reduce(n_targets)
+            n_targets = n_targets.clamp(min=1.0)
         for micro, (x, y) in enumerate(batches):
             sync = (not ddp) or micro == cfg["grad_accum"] - 1
             with (model.no_sync() if ddp and not sync else nullcontext()):
                 with autocast:
                     _, loss = model(x, y)
-                if targets is None:
+                if n_targets is None:
                     (loss / cfg["grad_accum"]).backward()
                 else:  # the model's loss is its own rows' mean: back to their sum, over the step's targets (DDP averages)
-                    (loss * (counts[micro] * world / targets)).backward()
-            loss_acc += loss.detach() if targets is None else loss.detach() * counts[micro]
-        if targets is None:
+                    (loss * (counts[micro] * world / n_targets)).backward()
+            loss_acc += loss.detach() if n_targets is None else loss.detach() * counts[micro]
+        if n_targets is None:
             loss_mean = loss_acc / cfg["grad_accum"]
             if ddp:
                 dist.all_reduce(loss_mean, op=dist.ReduceOp.AVG)
         else:
             if ddp:
                 dist.all_reduce(loss_acc)
-            loss_mean = loss_acc / targets
+            loss_mean = loss_acc / n_targets
         loss_val = loss_mean.item()
         if not math.isfinite(loss_val) or os.environ.get("PICAFLOR_INJECT_NAN_AT_STEP") == str(st["step"]):
             raise TrainError(f"non-finite loss ({loss_val}) at step {st['step']} (tokens {st['tokens']:,}, stage "

@@ -308,7 +308,7 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
     fix = {"seq_len_over_max": "--max_seq_len", "lr_mult_typo": "embedding, old and new", "cuda_index": "cpu or cuda",
            "float16": "bfloat16", "max_iters_with_stages": "stages", "zero_batch_size": "at least 1",
            "zero_heads": "n_head=0 must be at least 1", "shard_list": "corpus/file",
-           "swapped_tokenizer": "differs from its index.json's"}
+           "swapped_tokenizer": "differs from index.json's"}
     assert fix.get(case, "") in err[0], err[0]
     if case == "corrupt_checkpoint":
         assert os.path.isdir(os.path.join(out, "step_0000002"))  # nothing deleted
