@@ -51,6 +51,7 @@ the head is still our last commit (nobody claimed), so a crashed contributor's l
 
 import argparse
 import ast
+import contextlib
 import getpass
 import json
 import os
@@ -325,6 +326,17 @@ def stop_heartbeat(hb, kept_in):
     hb.join()
     if hb.fenced:
         raise Fenced(f"{hb.failed}. Training stopped; nothing pushed; local checkpoints are kept in {kept_in}")
+
+
+@contextlib.contextmanager
+def renewing(store, lease, kept_in):
+    """The lease renewed in the background while a long download or upload runs (nothing else renews it then)."""
+    hb = Heartbeat(store, lease, lambda: None)
+    hb.start()
+    try:
+        yield hb
+    finally:
+        stop_heartbeat(hb, kept_in)
 
 
 def config_usd_per_hour(config_path, overrides):
@@ -749,12 +761,8 @@ def cmd_pull(args):
     lease = None
     if os.path.exists(os.path.join(workdir, "LEASE.json")) and not args.out:
         lease = Lease.load(workdir, store)
-        hb = Heartbeat(store, lease, lambda: None)  # a big download may outlast the ttl (nothing renewed it)
-        hb.start()
-        try:
+        with renewing(store, lease, workdir):  # a big download may outlast the ttl
             run_dir = prepare_leg(store, lease, workdir)
-        finally:
-            stop_heartbeat(hb, workdir)
         renew(store, lease)  # Fenced (exit 4) if the baton went to someone else meanwhile, not "train with ..."
         print(f"relay: pulled step {lease.base_step} into {run_dir}; train with "
               f"`python train.py {run_dir}/relay_config.py --out_dir={run_dir} --init_from=resume`, then `relay.py push`")
@@ -772,19 +780,17 @@ def cmd_push(args):
         raise RelayError("push: no leg dir recorded; pass --run-dir DIR (a train.py out_dir)")
     cfg = os.path.join(run_dir, "relay_config.py")
     earlier = adopt_landed_push(store, lease)
-    hb = Heartbeat(store, lease, lambda: None)  # the upload may outlast the ttl: renewed meanwhile, as `run` does
-    hb.start()
-    try:  # a leg `run` trained bills its trainer's time, not the hours until this retry
-        plan = prepare_push(store, lease, run_dir, wall_s=getattr(lease, "leg_wall_s", None),
-                            usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
-                            else config_usd_per_hour(cfg, []))
+    try:
+        with renewing(store, lease, run_dir):  # the upload may outlast the ttl: renewed meanwhile, as `run` does
+            # a leg `run` trained bills its trainer's time, not the hours until this retry
+            plan = prepare_push(store, lease, run_dir, wall_s=getattr(lease, "leg_wall_s", None),
+                                usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
+                                else config_usd_per_hour(cfg, []))
     except NothingToPush:
         if earlier is None:
             raise
         print(f"relay: the earlier push had landed as {earlier[:10]}; nothing newer to push")
         return 0
-    finally:
-        stop_heartbeat(hb, run_dir)
     sha, row = commit_push(store, lease, plan, run_dir)
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     return 0
