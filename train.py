@@ -710,11 +710,15 @@ def main(argv):
             raise TrainError(f"{cfg['data_root']}/{val_corpus} was tokenized with tokenizer {tok_of[val_corpus][:12]}, "
                              f"but {ck} was trained with {had[:12]} (its tokenizer.json); prepare the corpus again "
                              f"with --tokenizer {src_tok}, or start a new run")
+    idle_positions = {}  # a corpus a --replan dropped keeps its place: a later plan that brings it back goes on from there
     if state is not None:
         saved_splits = state.get("data_split_sha") or {}
         for c, pos in state.get("data_position", {}).items():
             if c in streams:
                 streams[c].set_position(pos, saved_splits.get(c))
+            else:
+                idle_positions[c] = (pos, saved_splits.get(c))
+                log(f"corpus {c} is not in this plan; its position is kept for a plan that trains on it again")
 
     # --- model and optimizer ------------------------------------------------------------------------------
     if device_type == "cpu":
@@ -854,8 +858,10 @@ def main(argv):
         watchdog.tick()
         if master:
             st["kind"] = kind
-            st["data_position"] = {c: s.position for c, s in streams.items()}
-            st["data_split_sha"] = {c: s.split_sha for c, s in streams.items()}  # what the positions index
+            st["data_position"] = {**{c: p for c, (p, _) in idle_positions.items()},
+                                   **{c: s.position for c, s in streams.items()}}
+            st["data_split_sha"] = {**{c: h for c, (_, h) in idle_positions.items() if h},  # what the positions index
+                                    **{c: s.split_sha for c, s in streams.items()}}
             st["rng"] = rng_state(device_type)
             st["config"] = cfg
             path = model_save(raw_model, out, st, opt, tokenizer_file)

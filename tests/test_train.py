@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -514,3 +515,29 @@ def test_the_last_step_of_a_plan_is_written_once(data_root, tmp_path):
     assert open(os.path.join(out, "BEST")).read().strip() == "step_0000004"
     r = run(["--status", out])
     assert "FINISHED" in r.stdout
+
+
+def test_a_corpus_a_replan_drops_keeps_its_position_for_a_plan_that_brings_it_back(data_root, tmp_path):
+    """A --replan without corpus b saved no position for it, so a later plan with b again started b from its first
+    token: the same documents trained twice, silently."""
+    root = tmp_path / "data"
+    root.mkdir()
+    for c in ("a", "b"):
+        shutil.copytree(os.path.join(data_root, "local"), root / c)
+    out = str(tmp_path / "run")
+    plan = lambda name, mix: str(tmp_path / name) if (tmp_path / name).write_text(  # noqa: E731
+        f"stages = [dict(name='warm', steps=2, lr_phase='warmup', mix={mix}), "
+        f"dict(name='flat', steps=20, lr_phase='stable', mix={mix})]\n") else None
+    base = TINY + [f"--data_root={root}", f"--out_dir={out}", "--eval_interval=1000"]
+    both, only_a = plan("both.py", {"a": 1.0, "b": 1.0}), plan("a.py", {"a": 1.0})
+    latest = lambda: json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))  # noqa: E731
+    run(base + [both, "--stop_after_steps=3"])
+    b_before = latest()["data_position"]["b"]
+    r = run(base + [only_a, "--init_from=resume", "--replan", "--stop_after_steps=2"])
+    assert "corpus b is not in this plan" in r.stdout + r.stderr
+    st = latest()
+    assert st["step"] == 5 and st["data_position"]["b"] == b_before and "b" in st["data_split_sha"]
+    run(base + [both, "--init_from=resume", "--replan", "--stop_after_steps=1"])
+    lengths = [int(e["tokens"]) for e in json.load(open(root / "b" / "index.json"))["splits"]["train"]]
+    at = lambda p: p["epoch"] * sum(lengths) + sum(lengths[:p["shard"]]) + p["offset"]  # noqa: E731
+    assert at(latest()["data_position"]["b"]) > at(b_before) > 0  # it went on from there, not from the start
