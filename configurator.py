@@ -11,6 +11,7 @@ typo never silently trains with a default. Errors are one line: `configure_or_ex
 """
 
 import ast
+import copy
 import difflib
 import operator
 import os
@@ -85,7 +86,8 @@ def exec_config_file(path, g):
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} not found; pass a file under config/ or --key=value overrides")
     before = config_keys(g)
-    scope = dict(g)
+    defaults = {k: copy.deepcopy(g[k]) for k in before}  # lr_mult["old"] = x must not edit the script's own default
+    scope = {**g, **defaults}
     try:
         src = open(path).read()
         exec(compile(src, path, "exec"), scope)
@@ -96,12 +98,15 @@ def exec_config_file(path, g):
     for k in config_keys(scope) - before:
         if k not in g and k != "__builtins__":
             raise ConfigError(f"{path}: unknown config key '{k}'{closest(k, before)}")
-    for k in before:
-        if scope.get(k) is not g[k]:
+    set_keys = []
+    for k in sorted(before):  # assigned (even to the default's value) or changed in place: both checked, both given
+        if scope.get(k) is not defaults[k] or scope[k] != g[k]:
             try:
                 g[k] = coerce(k, scope[k], g[k])
             except ConfigError as e:
                 raise ConfigError(f"{path}: {e}")
+            set_keys.append(k)
+    return set_keys
 
 
 DATA_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -189,13 +194,13 @@ def not_data(text):
 
 
 def configure(g, argv):
-    """Apply config files and --key=value overrides from argv to the globals dict g; returns the keys set."""
+    """Apply config files and --key=value overrides from argv to the globals dict g; returns what set which key,
+    in order: (key, config file path), or (key, None) for a --key=value override."""
     keys = config_keys(g)
     changed = []
     for arg in argv:
         if not arg.startswith("--"):
-            exec_config_file(arg, g)
-            changed.append(arg)
+            changed += [(k, arg) for k in exec_config_file(arg, g)]
             continue
         if "=" not in arg:
             raise ConfigError(f"{arg}: overrides are written --key=value")
@@ -203,7 +208,7 @@ def configure(g, argv):
         if key not in keys:
             raise ConfigError(f"unknown config key '{key}'{closest(key, keys)}")
         g[key] = coerce(key, parse_value(key, text, g[key]), g[key])
-        changed.append(key)
+        changed.append((key, None))
     return changed
 
 

@@ -86,6 +86,11 @@ class ModelConfig:
             problems.append(f"n_dense_layers={self.n_dense_layers} must be in [0, n_layer={self.n_layer}]")
         if self.n_dense_layers < self.n_layer and not 1 <= self.top_k <= self.n_experts:
             problems.append(f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+        for k in ("rope_theta", "norm_eps", "route_scale"):  # (a negative rope_theta surfaced as a NaN loss at step 0)
+            if not (math.isfinite(getattr(self, k)) and getattr(self, k) > 0):
+                problems.append(f"{k}={getattr(self, k)} must be a finite number > 0")
+        if not (math.isfinite(self.bias_update_rate) and self.bias_update_rate >= 0):
+            problems.append(f"bias_update_rate={self.bias_update_rate} must be a finite number >= 0")
         if problems:
             raise ValueError("bad model config: " + "; ".join(problems))
         return self

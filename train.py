@@ -471,16 +471,40 @@ def main(argv):
             die("usage: python train.py --status RUN_DIR")
         return print_status(run_dir)
     given = configurator.configure_or_exit(g, rest, "train.py")
-    ignored = [k for k in ("max_iters", "warmup_iters", "decay_frac") if k in given and g["stages"]]
-    if ignored:  # the stages make the plan: these would silently do nothing
-        die(f"--{ignored[0]} has no effect when the config sets stages; change the stages' steps or tokens (and "
-            f"lr_phase) instead")
+    stages_at = max((i for i, (k, _) in enumerate(given) if k == "stages"), default=-1)
+    ignored = [(k, src) for i, (k, src) in enumerate(given) if k in ("max_iters", "warmup_iters", "decay_frac")
+               and g["stages"] and (src is None or i > stages_at or src == given[stages_at][1])]
+    if ignored:  # the stages make the plan: these would silently do nothing (set before the stages' file, overridden)
+        k, src = ignored[0]
+        die(f"{'--' + k if src is None else f'{k} (in {src})'} has no effect when the config sets stages; change the "
+            f"stages' steps or tokens (and lr_phase) instead")
+    given = {k for k, _ in given}
     globals().update(g)
     cfg = g
     if cfg["resume_from"] and cfg["init_from"] != "resume":  # (it trained a fresh model, the flag unread)
         die(f"--resume_from={cfg['resume_from']} is read only with --init_from=resume (init_from is "
             f"{cfg['init_from']!r}); add --init_from=resume")
-    for k in ("eval_interval", "log_interval", "ckpt_interval"):
+    for k, fix in (("out_dir", "a run directory"), ("dataset", "a corpus folder under data_root")):
+        if not cfg[k].strip():  # (an empty out_dir was a traceback; an empty dataset read data/index.json)
+            die(f"--{k} is empty; pass {fix}")
+    if cfg["init_from"] not in ("scratch", "resume", "grow", "finetune"):  # before the run dir is touched
+        die(f"--init_from={cfg['init_from']}: must be scratch, resume, grow or finetune")
+    if cfg["grow_where"] not in ("interleave", "top"):
+        die(f"--grow_where={cfg['grow_where']}: must be interleave or top")
+    # optimiser values torch refuses only at step 0 (a traceback the guardian took for a crash and restarted)
+    if not (math.isfinite(cfg["learning_rate"]) and cfg["learning_rate"] > 0):
+        die(f"--learning_rate={cfg['learning_rate']}: must be a finite number > 0")
+    if not 0 <= cfg["min_lr"] <= cfg["learning_rate"]:
+        die(f"--min_lr={cfg['min_lr']}: must be in [0, learning_rate={cfg['learning_rate']}]")
+    for k in ("beta1", "beta2"):
+        if not 0 <= cfg[k] < 1:
+            die(f"--{k}={cfg[k]}: must be in [0, 1)")
+    for k in ("weight_decay", "grad_clip", "warmup_iters", "decay_tokens"):
+        if not cfg[k] >= 0:  # (a negative warmup or decay trained a longer plan without one)
+            die(f"--{k}={cfg[k]}: must be >= 0")
+    if not 0 <= cfg["decay_frac"] <= 1:
+        die(f"--decay_frac={cfg['decay_frac']}: must be in [0, 1]")
+    for k in ("eval_interval", "log_interval", "ckpt_interval", "max_iters"):
         if cfg[k] < 1:
             die(f"--{k}={cfg[k]}: must be at least 1 (a large value means rarely)")
     for k in ("batch_size", "grad_accum", "eval_iters"):

@@ -244,7 +244,9 @@ def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr(
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
                                   "too_big", "zero_interval", "scratch_over_a_run", "status_of_a_damaged_step",
                                   "zero_batch_size", "zero_grad_accum", "seq_len_over_max", "lr_mult_typo", "cuda_index",
-                                  "float16", "max_iters_with_stages", "zero_heads", "shard_list", "swapped_tokenizer"])
+                                  "float16", "max_iters_with_stages", "zero_heads", "shard_list", "swapped_tokenizer",
+                                  "beta_out_of_range", "negative_warmup", "empty_out_dir", "negative_rope_theta",
+                                  "init_from_typo", "max_iters_in_the_stages_file", "file_edits_a_default_in_place"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -280,6 +282,26 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         tok_file = tmp_path / "data" / "local" / "tokenizer.json"
         tok_file.write_text(json.dumps(json.loads(tok_file.read_text()), indent=2))  # other bytes, still a tokenizer
         args = args + [f"--data_root={tmp_path / 'data'}"]
+    elif case == "beta_out_of_range":  # torch's ValueError at step 0: exit 10, which the guardian restarted
+        args = args + ["--beta1=1.5"]
+    elif case == "negative_warmup":  # trained a longer plan without a warmup
+        args = args + ["--warmup_iters=-5"]
+    elif case == "empty_out_dir":  # a FileNotFoundError traceback
+        args = args + ["--out_dir="]
+    elif case == "negative_rope_theta":  # a NaN loss at step 0, blamed on the LR
+        args = args + ["--rope_theta=-10000.0"]
+    elif case == "init_from_typo":  # refused only after the run dir's control.json was set aside
+        os.makedirs(out)
+        open(os.path.join(out, "control.json"), "w").write("{}")
+        args = args + ["--init_from=resum"]
+    elif case == "max_iters_in_the_stages_file":  # the file's own max_iters did nothing, silently
+        stage_file = tmp_path / "stages.py"
+        stage_file.write_text("stages = [dict(name='all', steps=4, lr_phase='stable')]\nmax_iters = 500\n")
+        args = TINY + [str(stage_file), f"--data_root={data_root}", f"--out_dir={out}"]
+    elif case == "file_edits_a_default_in_place":  # edited train.py's own dict, unchecked: a TypeError, exit 10
+        edit = tmp_path / "edit.py"
+        edit.write_text("lr_mult['old'] = 'fast'\n")
+        args = args + [str(edit)]
     elif case == "zero_heads":  # a ZeroDivisionError traceback
         args = args + ["--n_head=0"]
     elif case == "max_iters_with_stages":  # the stages make the plan; the override did nothing
@@ -309,8 +331,15 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
     fix = {"seq_len_over_max": "--max_seq_len", "lr_mult_typo": "embedding, old and new", "cuda_index": "cpu or cuda",
            "float16": "bfloat16", "max_iters_with_stages": "stages", "zero_batch_size": "at least 1",
            "zero_heads": "n_head=0 must be at least 1", "shard_list": "corpus/file",
-           "swapped_tokenizer": "differs from index.json's"}
+           "swapped_tokenizer": "differs from index.json's", "beta_out_of_range": "[0, 1)",
+           "negative_warmup": "warmup_iters=-5: must be >= 0", "empty_out_dir": "--out_dir is empty",
+           "negative_rope_theta": "rope_theta=-10000.0 must be", "init_from_typo": "scratch, resume, grow or finetune",
+           "max_iters_in_the_stages_file": "max_iters (in ", "file_edits_a_default_in_place": "lr_mult['old'] must be"}
     assert fix.get(case, "") in err[0], err[0]
+    if case == "init_from_typo":
+        assert os.listdir(out) == ["control.json"]  # nothing moved, nothing written
+    if case == "file_edits_a_default_in_place":
+        assert train.lr_mult["old"] == 1.0
     if case == "corrupt_checkpoint":
         assert os.path.isdir(os.path.join(out, "step_0000002"))  # nothing deleted
         assert "no valid checkpoint" in err[0] and "--init_from=scratch" in err[0]
@@ -541,3 +570,17 @@ def test_a_corpus_a_replan_drops_keeps_its_position_for_a_plan_that_brings_it_ba
     lengths = [int(e["tokens"]) for e in json.load(open(root / "b" / "index.json"))["splits"]["train"]]
     at = lambda p: p["epoch"] * sum(lengths) + sum(lengths[:p["shard"]]) + p["offset"]  # noqa: E731
     assert at(latest()["data_position"]["b"]) > at(b_before) > 0  # it went on from there, not from the start
+
+
+def test_a_config_file_on_resume_wins_as_its_flags_do(data_root, tmp_path):
+    """max_seq_len set in a config file lost to the checkpoint's (only flags counted as given), and the longer
+    seq_len was then refused, asking to raise the max_seq_len the file had raised."""
+    out = str(tmp_path / "run")
+    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=40", "--warmup_iters=1",
+                   "--eval_interval=1000"]
+    run(base + ["--stop_after_steps=1"])
+    longer = tmp_path / "longer.py"
+    longer.write_text("max_seq_len = 128\nseq_len = 128\n")
+    run(base + [str(longer), "--init_from=resume", "--stop_after_steps=1"])
+    st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+    assert st["step"] == 2 and st["model_config"]["max_seq_len"] == 128
