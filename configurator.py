@@ -79,7 +79,8 @@ def parse_value(key, text, old):
     except (ValueError, SyntaxError):
         if isinstance(old, str) or old is None:
             return text  # --device=cuda: a bare word is a string
-        raise ConfigError(f"--{key}={text}: not a valid Python literal for a {type(old).__name__}")
+        shown = text if text.isprintable() else repr(text)  # one line, whatever was pasted
+        raise ConfigError(f"--{key}={shown}: not a valid Python literal for {kind(old)}")
 
 
 def exec_config_file(path, g):
@@ -206,7 +207,7 @@ def configure(g, argv):
             raise ConfigError(f"{arg}: overrides are written --key=value")
         key, text = arg[2:].split("=", 1)
         if key not in keys:
-            raise ConfigError(f"unknown config key '{key}'{closest(key, keys)}")
+            raise ConfigError(f"unknown config key {key!r}{closest(key, keys)}")
         g[key] = coerce(key, parse_value(key, text, g[key]), g[key])
         changed.append((key, None))
     return changed

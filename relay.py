@@ -53,6 +53,7 @@ import argparse
 import ast
 import contextlib
 import getpass
+import importlib.util
 import json
 import os
 import re
@@ -670,10 +671,12 @@ def cmd_init(args):
     tmp = os.path.join(workdir_for(args), f"init-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        run_level = [a for a in args.overrides if a.startswith("--") and "=" in a]
+        run_level = getattr(args, "override_values", {})
         if run_level:
-            cfg_text += "\n# relay.py init overrides\n" + "".join(
-                f"{a[2:].split('=', 1)[0]} = {literal(a.split('=', 1)[1])}\n" for a in run_level)
+            cfg_text += "\n# relay.py init overrides\n" + "".join(f"{k} = {v!r}\n" for k, v in run_level.items())
+            bad = configurator.not_data(cfg_text)
+            if bad:
+                raise RelayError(f"init refused: the overrides, line {bad[0]}: `{bad[1]}` is not plain data")
         cfg_path = os.path.join(tmp, "relay_config.py")
         open(cfg_path, "w").write(cfg_text)
         if not args.from_checkpoint:
@@ -707,11 +710,24 @@ def cmd_init(args):
     return 0
 
 
-def literal(text):
+def train_overrides(train_script, overrides):
+    """{key: value} of --key=value overrides, parsed as train.py parses them (by the type of its default), so a
+    relay_config.py line holds what train.py would have taken (--mirror_dir=2024 is the string '2024')."""
     try:
-        return repr(ast.literal_eval(text))
-    except (ValueError, SyntaxError):
-        return repr(text)
+        spec = importlib.util.spec_from_file_location("_relay_train_defaults", train_script)
+        mod = importlib.util.module_from_spec(spec)
+        here = os.path.dirname(os.path.abspath(train_script))
+        if here not in sys.path:  # its own modules (checkpoint, schedule) beside it
+            sys.path.insert(0, here)
+        spec.loader.exec_module(mod)  # train.py's globals; it imports torch only when it runs
+    except (OSError, SyntaxError, ImportError) as e:
+        raise RelayError(f"{train_script}: cannot read train.py's config keys ({e}); pass --train-script PATH")
+    g = {k: getattr(mod, k) for k in configurator.config_keys(vars(mod))}
+    try:
+        given = configurator.configure(g, overrides)
+    except configurator.ConfigError as e:
+        raise RelayError(f"override refused: {e}") from None
+    return {k: g[k] for k, _ in given}
 
 
 def status_dict(store):
@@ -900,7 +916,16 @@ def main(argv=None):
               f"--key=value, for run and init)", file=sys.stderr)
         return 2
     args.overrides = extra
+    own = INVOCATION_KEYS - ({"mirror_dir"} if args.cmd == "run" else set())  # relay sets these for each leg
+    clash = [a for a in extra if a[2:].split("=", 1)[0] in own]
+    if clash:  # (--stop_after_steps=4 after relay's own pushed a 4-step leg for --steps 1)
+        print(f"relay.py {args.cmd}: error: {clash[0].split('=', 1)[0]} is a leg's setting, not the run's: `relay.py "
+              f"run` sets the leg's run dir and resume, --steps / --hours its length (and takes --mirror_dir)",
+              file=sys.stderr)
+        return 2
     try:
+        if extra:  # a typo or a wrong type is refused here, before a lease is claimed or a run created
+            args.override_values = train_overrides(args.train_script, extra)
         # the commands that use a workdir's lease (pull --out only reads the store)
         if args.cmd in ("run", "claim", "push", "release") or (args.cmd == "pull" and not args.out):
             with workdir_locked(workdir_for(args)):

@@ -1428,3 +1428,38 @@ def test_a_newer_format_is_refused_and_ctrl_c_is_one_line(tmp_path, rl, monkeypa
     monkeypatch.setattr(relay, "cmd_status", interrupted)
     r = rl(["status", url])
     assert r.returncode == 130 and "interrupted; local files are kept" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_overrides_are_parsed_as_train_py_parses_them_and_refused_before_anything_is_claimed(tmp_path, rl, monkeypatch):
+    """init wrote --dataset=2024 as the int 2024 (every later leg refused the config), wrote a key with a newline
+    and code after it into config.py, and run let --stop_after_steps=4 override the leg's own --steps 1."""
+    env = base_env()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    fake = write_fake_train(tmp_path)
+    out = tmp_path / "solo"
+    t = subprocess.run([sys.executable, fake, "cfg.py", f"--out_dir={out}", "--init_from=scratch", "--stop_after_steps=2"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert t.returncode == 0, t.stderr
+    st_path = out / "step_0000002" / "state.json"
+    st = dict(json.load(open(st_path)), config={"n_layer": 3, "learning_rate": 0.003})
+    blobs = {n: open(out / "step_0000002" / n, "rb").read() for n in ("model.safetensors", "optimizer.pt", "tokenizer.json")}
+    blobs["state.json"] = json.dumps(st).encode()
+    ck = checkpoint.save(str(out), 2, {n: (lambda p, b=b: open(p, "wb").write(b)) for n, b in blobs.items()})
+    url = f"file://{tmp_path}/store"
+    for bad, rc, words in ((["--seed=7\nimport os"], 3, "not a valid Python literal"),
+                           (["--se\ned=7"], 3, "unknown config key"), (["--out_dir=elsewhere"], 2, "a leg's setting"),
+                           (["--learning_rate=fast"], 3, "learning_rate")):
+        r = rl(["init", url, "--from-checkpoint", ck, "--workdir", tmp_path / "w0", *bad])
+        assert r.returncode == rc and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not os.path.exists(tmp_path / "store")
+    r = rl(["init", url, "--from-checkpoint", ck, "--workdir", tmp_path / "w0", "--dataset=2024", "--learning_rate=1e-2"])
+    assert r.returncode == 0, r.stderr
+    store = relay.open_store(url)
+    cfg = store.read(relay.Snapshot(store).sha, "config.py").decode()
+    assert "dataset = '2024'" in cfg and "learning_rate = 0.01" in cfg and relay.configurator.not_data(cfg) is None
+    head = store.head()[0]
+    for bad, rc, words in ((["--stop_after_steps=4"], 2, "--steps"), (["--max_itres=4"], 3, "did you mean 'max_iters'")):
+        r = rl(["run", url, "--steps", "1", "--workdir", tmp_path / "wa", *bad])
+        assert r.returncode == rc and words in r.stderr, r.stderr
+        assert store.head()[0] == head  # no lease claimed, nothing pulled
