@@ -1041,6 +1041,8 @@ def parse_args(argv):
 
 def evaluate(args):
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:  # (an empty table, exit 0)
+        raise EvalError(f"--tasks {args.tasks!r}: no task named; known: {', '.join(TASKS)}")
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise EvalError(f"unknown task {unknown[0]!r}; known: {', '.join(TASKS)}")
@@ -1050,6 +1052,10 @@ def evaluate(args):
         raise EvalError(f"--limit {args.limit}: a positive number of examples per task (leave it out for all)")
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise EvalError(f"{args.out}: exists and is not a folder; pass --out DIR")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):  # (a safetensors traceback)
+        raise EvalError(f"--device {args.device}: cpu, cuda or cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():  # (a pin_memory traceback)
+        raise EvalError(f"--device {args.device}: no CUDA device here; use --device cpu")
     if args.passkey_lengths is not None:
         try:
             [int(x) for x in args.passkey_lengths.split(",")]  # as passkey_lengths() parses it
@@ -1069,7 +1075,12 @@ def evaluate(args):
                             "ignored_model_settings": lm.generation_settings},
                "seconds": {}}
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            checkpoint.write_atomic_text(os.path.join(args.out, ".writable"), "")  # before hours of scoring, not after
+            os.remove(os.path.join(args.out, ".writable"))
+        except OSError as e:
+            raise EvalError(f"--out {args.out}: cannot write there ({e.strerror}); pass a folder you can write")
     for task in tasks:
         docs, results, seconds = run_task(lm, task, args)
         summary["results"].update(results)
@@ -1079,12 +1090,16 @@ def evaluate(args):
             print(f"{name}: {shown} (n={res['n']}, {seconds:.1f}s)", flush=True)
         if args.out:  # after every task: a later task's failure (its data, a download, Ctrl-C) loses none of these
             # each file whole or not at all (a crash mid-rewrite truncated summary.json, losing the finished tasks)
-            checkpoint.write_atomic_text(os.path.join(args.out, f"{task}.jsonl"),
-                                         "".join(json.dumps(example_record(i, d)) + "\n" for i, d in enumerate(docs)))
-            summary["tasks_done"] = list(summary["seconds"])
-            checkpoint.write_atomic_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1))
-            checkpoint.write_atomic_text(os.path.join(args.out, "results.md"),
-                                         f"# {args.model}\n\n" + markdown_table(summary))
+            try:
+                checkpoint.write_atomic_text(os.path.join(args.out, f"{task}.jsonl"),
+                                             "".join(json.dumps(example_record(i, d)) + "\n" for i, d in enumerate(docs)))
+                summary["tasks_done"] = list(summary["seconds"])
+                checkpoint.write_atomic_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1))
+                checkpoint.write_atomic_text(os.path.join(args.out, "results.md"),
+                                             f"# {args.model}\n\n" + markdown_table(summary))
+            except OSError as e:  # a full disk: the scores above are printed; the files of earlier tasks stay whole
+                raise EvalError(f"--out {args.out}: writing {task}'s results failed ({e.strerror}); its scores are "
+                                f"printed above; free space and rerun with --tasks {task}")
     print(markdown_table(summary))
     return summary
 
