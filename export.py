@@ -795,14 +795,20 @@ def main(argv=None):
                                  "also an int4 container (its dequantized weights)")
     ap.add_argument("--format", required=True, choices=["int4", "hf", "gguf"])
     ap.add_argument("--out", required=True, help="output file (int4, gguf) or directory (hf)")
-    ap.add_argument("--dtype", default="bfloat16", choices=list(TORCH_DTYPES), help="hf: weight dtype")
-    ap.add_argument("--max-shard-size", default="5GB", help="hf: split model.safetensors above this size")
-    ap.add_argument("--gguf-type", default="f16", choices=["f16", "bf16", "q8_0", "q4_0"], help="gguf: weight type")
+    ap.add_argument("--dtype", default=None, choices=list(TORCH_DTYPES), help="hf: weight dtype (bfloat16)")
+    ap.add_argument("--max-shard-size", default=None, help="hf: split model.safetensors above this size (5GB)")
+    ap.add_argument("--gguf-type", default=None, choices=["f16", "bf16", "q8_0", "q4_0"], help="gguf: weight type (f16)")
     ap.add_argument("--group-size", type=int, default=None, help="int4: quantization group size (container default)")
-    ap.add_argument("--embed-bits", type=int, default=8, choices=[4, 8], help="int4: embeddings / lm_head bits")
+    ap.add_argument("--embed-bits", type=int, default=None, choices=[4, 8], help="int4: embeddings / lm_head bits (8)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer file, if not the checkpoint's tokenizer.json")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
+    for flag, fmt in (("dtype", "hf"), ("max_shard_size", "hf"), ("gguf_type", "gguf"), ("group_size", "int4"),
+                      ("embed_bits", "int4")):  # (ignored without a word: --format hf --gguf-type q4_0 wrote bf16)
+        if getattr(args, flag) is not None and args.format != fmt:
+            ap.error(f"--{flag.replace('_', '-')} is for --format {fmt}, not {args.format}")
+    args.dtype, args.max_shard_size = args.dtype or "bfloat16", args.max_shard_size or "5GB"
+    args.gguf_type, args.embed_bits = args.gguf_type or "f16", args.embed_bits or 8
     args.out = args.out.rstrip("/") or "/"  # x.pcf/: the temp file went inside a folder that does not exist
     progress = not args.no_progress
     try:

@@ -633,3 +633,15 @@ def test_review_round_export_faults(ckpt, tmp_path, capsys, monkeypatch):
     assert stream_infer.main([str(tmp_path / "tok.pcf4"), "--prompt", "hello", "--experts-per-token", "99"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and "99" in err, (out, err)
+
+
+def test_an_option_for_another_format_is_refused(ckpt, tmp_path, capsys):
+    """--format hf --gguf-type q4_0 wrote bf16 safetensors, --format int4 --dtype float32 an int4 container, silently."""
+    for args in (["--format", "hf", "--gguf-type", "q4_0"], ["--format", "int4", "--dtype", "float32"],
+                 ["--format", "gguf", "--group-size", "32"], ["--format", "hf", "--embed-bits", "4"],
+                 ["--format", "int4", "--max-shard-size", "1GB"]):
+        with pytest.raises(SystemExit) as e:
+            run_export([ckpt["path"], *args, "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and f"not {args[1]}" in err[-1] and args[2] in err[-1], err
+        assert not os.listdir(tmp_path)
