@@ -81,6 +81,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
 import argparse
 import contextlib
 import math
+import numbers
 import operator
 import os
 import platform
@@ -418,7 +419,10 @@ def check_sampling(temperature, top_p, flag="", seed=None):
     """model.sample_next's arguments: NaN or a top_p <= 0 made torch.multinomial raise, a negative temperature
     sampled the least likely tokens. flag "--": named as the command line's flags, and --top-p / --seed without a
     temperature are refused (greedy decoding ignored them: the same text for every seed, silently)."""
-    if not (temperature >= 0 and math.isfinite(temperature)):
+    for name, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):  # (a bare TypeError)
+            raise StreamError(f"{flag}{name.replace('_', '-') if flag else name} {v!r}: a number")
+    if temperature is None or not (temperature >= 0 and math.isfinite(temperature)):
         raise StreamError(f"{flag}temperature {temperature}: 0 (greedy) or more")
     if 0 < temperature < 1e-4:  # logits / 1e-39 overflow to inf: a NaN error deep in sampling
         raise StreamError(f"{flag}temperature {temperature}: 0 for greedy, else at least 1e-4")
@@ -511,6 +515,7 @@ class Engine:
         # one request step at a time: the expert cache and the MoE layers' top_k are shared (threads sharing an
         # engine got wrong tokens, KeyErrors and an over-budget cache); requests interleave between steps
         self.lock = threading.RLock()
+        self.finalizing = sys.is_finalizing  # kept here: at exit this module's globals (sys too) may be None already
         # the budget reserves KV for `context` positions: requests (each with its own KV cache) take their length
         # from it and wait while others hold it (four threads' caches once sat in a budget that counted one)
         self.kv_free, self.kv_held = self.context, {}  # positions not taken; thread id -> positions it holds
@@ -800,8 +805,8 @@ class Engine:
             moe.shadow_guess, moe.guessed = False, None
 
     def checked_k(self, k):
-        k = k or self.cfg.top_k
-        if not 1 <= k <= self.cfg.n_experts:
+        k = self.cfg.top_k if k is None else k  # (0 meant the container's top_k here while the command line refused it)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.cfg.n_experts:
             raise StreamError(f"--experts-per-token {k}: must be in 1..{self.cfg.n_experts}")
         return k
 
@@ -922,6 +927,17 @@ class Engine:
             raise StreamError("empty prompt: give at least one token")
         self._check_ids(prompt_ids, "prompt")
         check_sampling(temperature, top_p)
+        try:  # (a negative count gave [] silently, a float a torch TypeError)
+            max_new_tokens = operator.index(max_new_tokens)
+        except TypeError:
+            max_new_tokens = -1
+        if max_new_tokens < 0:
+            raise StreamError("max_new_tokens: a whole number, 0 or more")
+        try:  # one id or several (a chat template's end markers); a list compared to a token never stopped
+            stop_ids = set() if eos_id is None else {operator.index(eos_id)} if not hasattr(eos_id, "__iter__") \
+                else {operator.index(i) for i in eos_id}
+        except TypeError:
+            raise StreamError(f"eos_id {eos_id!r}: a token id or a collection of them") from None
         total = len(prompt_ids) + max_new_tokens - 1  # the last new token is never fed back
         if total > self.context:
             fix = ("shorten the prompt or --max-new-tokens (the model's max_seq_len)" if self.context >= self.cfg.max_seq_len
@@ -931,13 +947,13 @@ class Engine:
         # the request's own, else the engine's (set_experts_per_token): set for each of its steps (routing)
         k = self.checked_k(experts_per_token if experts_per_token is not None else self.experts_per_token)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        return self._stream_reserved(prompt_ids, max_new_tokens, temperature, top_p, k, gen, eos_id, timings, total)
+        return self._stream_reserved(prompt_ids, max_new_tokens, temperature, top_p, k, gen, stop_ids, timings, total)
 
-    def _stream_reserved(self, prompt_ids, max_new_tokens, temperature, top_p, k, gen, eos_id, timings, total):
+    def _stream_reserved(self, prompt_ids, max_new_tokens, temperature, top_p, k, gen, stop_ids, timings, total):
         with self.kv_reserve(max(total, 1)):
-            yield from self._stream(prompt_ids, max_new_tokens, temperature, top_p, k, gen, eos_id, timings, total)
+            yield from self._stream(prompt_ids, max_new_tokens, temperature, top_p, k, gen, stop_ids, timings, total)
 
-    def _stream(self, prompt_ids, max_new_tokens, temperature, top_p, k, gen, eos_id, timings, total):
+    def _stream(self, prompt_ids, max_new_tokens, temperature, top_p, k, gen, stop_ids, timings, total):
         kv = KVCache(self.cfg, 1, max(total, 1), self.device, torch.float32)
         ids = torch.tensor([prompt_ids], device=self.device)
         try:
@@ -951,13 +967,14 @@ class Engine:
                 if timings is not None:
                     timings.append(time.perf_counter() - t0)
                 yield tok
-                if eos_id is not None and tok == eos_id:
+                if tok in stop_ids:
                     break
                 ids = nxt.view(1, 1)
         finally:
-            with self.lock:
-                self.stop_probes()  # a probe is for decode tokens only
-                self.cache.settle()
+            if not self.finalizing():  # a stream left unfinished until exit: torch is torn down, nothing to tidy
+                with self.lock:
+                    self.stop_probes()  # a probe is for decode tokens only
+                    self.cache.settle()
 
     def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=None, experts_per_token=None, seed=None,
                  eos_id=None):
@@ -992,17 +1009,19 @@ class Engine:
         run = ids[:-1]  # position p predicts ids[p + 1]; the continuation's targets start at position len(ctx) - 1
         kv = KVCache(self.cfg, 1, len(run), self.device, torch.float32)
         total, greedy, n = 0.0, True, self.prefill_chunk
-        for c0 in range(0, len(run), n):  # a prefill chunk at a time, scored as it comes (no T x D output kept)
-            h = self.forward(torch.tensor([run[c0:c0 + n]], device=self.device), kv)[0]
-            first = max(c0, len(ctx) - 1)  # the chunk's first position whose target is a continuation token
-            for i in range(first, c0 + h.shape[0], LOGIT_CHUNK):  # logit rows a chunk at a time (the budget: one)
-                j = min(i + LOGIT_CHUNK, c0 + h.shape[0])
-                logits = self.logits(h[i - c0:j - c0])
-                t = torch.tensor(ids[i + 1:j + 1], device=h.device)
-                total += float(torch.log_softmax(logits, dim=-1).gather(1, t[:, None]).sum())
-                greedy = greedy and bool((logits.argmax(dim=-1) == t).all())
-            del h
-        self.cache.settle()
+        try:
+            for c0 in range(0, len(run), n):  # a prefill chunk at a time, scored as it comes (no T x D output kept)
+                h = self.forward(torch.tensor([run[c0:c0 + n]], device=self.device), kv)[0]
+                first = max(c0, len(ctx) - 1)  # the chunk's first position whose target is a continuation token
+                for i in range(first, c0 + h.shape[0], LOGIT_CHUNK):  # logit rows a chunk at a time (the budget: one)
+                    j = min(i + LOGIT_CHUNK, c0 + h.shape[0])
+                    logits = self.logits(h[i - c0:j - c0])
+                    t = torch.tensor(ids[i + 1:j + 1], device=h.device)
+                    total += float(torch.log_softmax(logits, dim=-1).gather(1, t[:, None]).sum())
+                    greedy = greedy and bool((logits.argmax(dim=-1) == t).all())
+                del h
+        finally:  # reads in flight end with the request, whatever ended it
+            self.cache.settle()
         return total, greedy
 
     def loglikelihood_batch(self, requests):

@@ -1576,6 +1576,20 @@ def test_api_requests_keep_their_own_settings_and_bad_arguments_are_stream_error
     for prompt in ("hello", [5.7, 6], torch.tensor([[5, 6], [7, 8]])):
         with pytest.raises(S.StreamError, match="token ids"):
             eng.generate(prompt, 2)
+    # 0 experts meant the container's top_k (the command line refused it); a negative or float max_new_tokens gave []
+    # or a torch TypeError; a None temperature a bare TypeError
+    for kw, words in ((dict(experts_per_token=0), "experts-per-token 0"), (dict(experts_per_token=1.0), "1.0"),
+                      (dict(max_new_tokens=-3), "max_new_tokens"), (dict(max_new_tokens=2.0), "max_new_tokens"),
+                      (dict(temperature=None), "temperature"), (dict(temperature="1", top_p=0.5), "a number"),
+                      (dict(eos_id="x"), "eos_id")):
+        with pytest.raises(S.StreamError, match=words):
+            eng.generate(p, **{"max_new_tokens": 3, **kw})
+    with pytest.raises(S.StreamError, match="experts-per-token 0"):
+        eng.set_experts_per_token(0)
+    # eos_id takes several ids (a list never equalled a token: generation never stopped)
+    first = want[:3]
+    assert eng.generate(p, 8, experts_per_token=1, eos_id=[first[2], 10 ** 6]) == first
+    assert eng.generate(p, 8, experts_per_token=1, eos_id=first[2]) == first
     with pytest.raises(S.StreamError, match="context -5"):
         S.load(path, context=-5)
     with pytest.raises(S.StreamError, match="use cpu or cuda"):
@@ -1596,6 +1610,10 @@ def test_api_requests_keep_their_own_settings_and_bad_arguments_are_stream_error
     before = eng.logits(eng.forward(ids))
     eng.generate(p, 2, experts_per_token=1)
     assert torch.equal(eng.logits(eng.forward(ids)), before)
+    # a stream left unfinished until the interpreter exits: no "Exception ignored" traceback at exit
+    r = subprocess.run([sys.executable, "-c", f"import stream_infer as S; g = S.load({path!r}).stream([5, 6, 7], 8); "
+                        f"print(next(g))"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().isdigit() and "Exception" not in r.stderr, r.stderr
 
 
 def test_one_engine_shared_by_threads_gives_each_its_own_tokens(tiny):
