@@ -112,7 +112,7 @@ def quantize_int4(w, group_size, symmetric=False):
         scale = torch.where(scale == 0, torch.full_like(scale, 1e-8), scale).to(torch.bfloat16).float()
         zero = torch.zeros_like(scale)
     else:  # min/max asymmetric: q = round((w - min) / scale), expressed in the kernel's (q - 8) form
-        mn, mx = wg.amin(dim=-1), wg.amax(dim=-1)
+        mn, mx = wg.amin(dim=-1).double(), wg.amax(dim=-1).double()  # float64: mx - mn overflowed fp32 above 1.7e38
         scale = ((mx - mn) / 15.0).clamp_min(1e-8).to(torch.bfloat16).float()
         zero = (mn + 8.0 * scale).to(torch.bfloat16).float()  # rounded first, so q is chosen against it
     q = torch.round((wg - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8.0).clamp_(0, 15).to(torch.uint8)
@@ -203,16 +203,21 @@ def resident_parts(kind, shape, group_size):
     return {"packed": [0, pk], "sz": [off, szb]}, off + szb
 
 
-def encode_blob(kind, w, group_size, symmetric=False):
+def encode_blob(kind, w, group_size, symmetric=False, what="a tensor"):
     """Quantize one tensor -> (list of (part offset, bytes)), dequantized tensor for the error report."""
     if kind == "f32":
         t = w.float().contiguous()
         return {"data": t.view(-1).view(torch.uint8)}, t
     if kind == "int8":
         q, s = quantize_int8(w)
-        return {"q": q.view(torch.uint8), "scale": s.view(torch.uint8)}, dequantize_int8(q, s, w.shape)
-    packed, sz = quantize_int4(w, group_size, symmetric)
-    return {"packed": packed, "sz": sz.view(-1).view(torch.uint8)}, dequantize_int4(packed, sz, w.shape, group_size)
+        parts, wq = {"q": q.view(torch.uint8), "scale": s.view(torch.uint8)}, dequantize_int8(q, s, w.shape)
+    else:
+        packed, sz = quantize_int4(w, group_size, symmetric)
+        parts, wq = {"packed": packed, "sz": sz.view(-1).view(torch.uint8)}, dequantize_int4(packed, sz, w.shape, group_size)
+    if not torch.isfinite(wq).all():  # finite weights near fp32's limit: scales past bf16's (NaN that --check passed)
+        raise ContainerError(f"{what} holds a weight of magnitude {float(w.float().abs().max()):.3g}, beyond what {kind} "
+                             f"scales hold (the run diverged by this step); export an earlier step_* dir")
+    return parts, wq
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -409,7 +414,7 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
                 if direct:
                     pb = source.random_blob(t["kind"], name, t["shape"], group_size)
                 else:
-                    pb, wq = encode_blob(t["kind"], w, group_size, symmetric)
+                    pb, wq = encode_blob(t["kind"], w, group_size, symmetric, f"{ckpt_dir}: {name}")
                     account(tensor_class(name), w, wq)
                 t["crc32"] = write_blob(f, t["offset"], t["nbytes"], t["parts"], pb)
                 bar.update(1)
@@ -424,7 +429,7 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
                                 pb = source.random_blob("int4", pname, p["shape"], group_size, e)
                             else:
                                 w = source.get_expert(pname, e)
-                                pb, wq = encode_blob("int4", w, group_size, symmetric)
+                                pb, wq = encode_blob("int4", w, group_size, symmetric, f"{ckpt_dir}: {pname}[{e}]")
                                 account("experts", w, wq)
                             pbs[p["name"] + ".packed"], pbs[p["name"] + ".sz"] = pb["packed"], pb["sz"]
                             spec[p["name"] + ".packed"], spec[p["name"] + ".sz"] = p["packed"], p["sz"]
@@ -779,8 +784,19 @@ def load_container(path):
         group = header["quant"]["group_size"]
         if not (type(group) is int and group > 0 and group % 2 == 0):
             raise ValueError(f"group_size {group!r}: a positive even count")
-        if type(header.get("file_bytes", 0)) is not int:
+        if type(header.get("file_bytes", 0)) is not int or header.get("file_bytes", 0) < 0:
             raise ValueError(f"file_bytes {header['file_bytes']!r}: a byte count")
+        # the layout the writer derives from the config, kinds and group size, field for field: a header edited
+        # with its crc32 recomputed (or a writer's bug) passed --check, then decoded wrong or raised a traceback
+        if layout != expert_layout(cfg, group):
+            raise ValueError("expert_layout is not the one its model config and group size give")
+        for name, t in tensors.items():
+            if t["kind"] not in ("f32", "int8", "int4"):
+                raise ValueError(f"{name}: kind {t['kind']!r}")
+            parts, nb = resident_parts(t["kind"], list(t["shape"]), group)
+            if t["parts"] != parts or int(t["nbytes"]) < nb or (t["kind"] == "int4") != ("group_size" in t) or \
+                    t.get("group_size", group) != group:
+                raise ValueError(f"{name}: its parts or group size are not the ones its kind and shape give")
         spans = [(int(t["offset"]), int(t["nbytes"]), name) for name, t in tensors.items()]
         spans += [(int(ent["offset"]), int(layout["nbytes"]), f"layer {l} expert {e}") for l, ents in experts.items()
                   for e, ent in enumerate(ents)]
@@ -799,6 +815,9 @@ def load_container(path):
         if off % ALIGN or n % ALIGN or off < data_start:
             raise ContainerError(f"{path}: {what} is not 4096-byte aligned (offset {off}, {n} bytes); corrupt header")
     end = max((off + n for off, n, _ in spans), default=data_start)
+    if header.get("file_bytes", end) < end:
+        raise ContainerError(f"{path}: corrupt container header (file_bytes {header['file_bytes']} is short of its index's "
+                             f"{end}); re-export it")
     if end > size or header.get("file_bytes", end) > size:
         raise ContainerError(f"{path}: truncated (index needs {max(end, header.get('file_bytes', end))} bytes, "
                              f"file has {size}); re-export or re-copy it")

@@ -226,6 +226,42 @@ def test_header_edits_are_caught(built, tmp_path):
                            ("group.pcf4", group, b'"group_size":' + b" " * (len(group) - len(b'"group_size":') - 1) + b"0")]:
         msg = _one_line_error(lambda: C.load_container(edited(name, old, new, "fit")))
         assert "corrupt container header" in msg and ("group_size 0" in msg or name != "group.pcf4"), (name, msg)
+    # fields the reader trusted, edited with the crc made to fit: --check said ok, then stream_infer decoded an
+    # "int3" tensor as int4, or raised a ValueError / ZeroDivisionError / RuntimeError traceback
+    first = next(n for n, t in C.json.loads(raw)["tensors"].items() if t["kind"] == "int8")
+
+    def rewritten(name, edit):
+        h = C.json.loads(raw)
+        edit(h)
+        new = C.json.dumps(h, separators=(",", ":")).encode()
+        assert len(new) <= hlen
+        new += b" " * (hlen - len(new))
+        f = tmp_path / name
+        f.write_bytes(C.PREFIX.pack(C.MAGIC, C.VERSION, C.zlib.crc32(new), hlen) + new + bytes(data[C.PREFIX.size + hlen:]))
+        return str(f)
+    edits = {"kind": lambda h: h["tensors"][first].update(kind="int3"),
+             "kind_f32": lambda h: h["tensors"][first].update(kind="f32"),
+             "part_size": lambda h: h["expert_layout"]["parts"][0]["packed"].__setitem__(1, 10 ** 8),
+             "part_group": lambda h: h["expert_layout"]["parts"][0].update(group_size=0),
+             "part_shape": lambda h: h["expert_layout"]["parts"][0].update(shape=[64, 64]),
+             "tensor_part": lambda h: h["tensors"][first]["parts"]["q"].__setitem__(1, 10 ** 7),
+             "file_bytes": lambda h: h.update(file_bytes=-1)}
+    for name, edit in edits.items():
+        path = rewritten(name + ".pcf4", edit)
+        msg = _one_line_error(lambda: C.load_container(path))
+        assert "corrupt container header" in msg and path in msg, (name, msg)
+    assert C.load_container(rewritten("same.pcf4", lambda h: None)).header["tensors"][first]["kind"] == "int8"
+
+
+def test_weights_near_fp32s_limit_quantize_or_are_refused():
+    """mx - mn overflowed fp32 above 1.7e38: an inf scale, a NaN zero, and a container --check passed."""
+    w = torch.randn(64, 64)
+    w[0, 0], w[0, 1] = 3e38, -3e38
+    _, wq = C.encode_blob("int4", w, 32)
+    assert torch.isfinite(wq).all() and abs(float(wq[0, 0]) / 3e38 - 1) < 0.01
+    w[0, 0] = 3.4e38  # past bf16's largest scale: refused, naming the tensor
+    with pytest.raises(C.ContainerError, match="layers.1.x.*beyond what int4"):
+        C.encode_blob("int4", w, 32, what="ckpt: layers.1.x")
 
 
 def m_group(raw):
