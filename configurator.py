@@ -221,8 +221,11 @@ def configure_or_exit(g, argv, prog=None):
         sys.exit(2)
 
 
-def help_text(g, doc, prog):
-    lines = [doc.strip(), "", f"usage: python {prog} [config/FILE.py ...] [--key=value ...]", "", "config keys (defaults):"]
+def help_text(g, doc, prog, applied=()):
+    """The script's docstring and its config keys with their values: the defaults, or with `applied` (config
+    files and overrides given beside --help) applied to them."""
+    title = f"config keys (with {' '.join(applied)} applied):" if applied else "config keys (defaults):"
+    lines = [doc.strip(), "", f"usage: python {prog} [config/FILE.py ...] [--key=value ...]", "", title]
     for k in sorted(config_keys(g)):
         lines.append(f"  --{k}={g[k]!r}")
     return "\n".join(lines)

@@ -341,7 +341,7 @@ def renewing(store, lease, kept_in):
 
 
 def config_usd_per_hour(config_path, overrides):
-    for a in overrides:
+    for a in reversed(overrides):  # the last one, as train.py's configurator keeps it
         if a.startswith("--gpu_hourly_usd="):
             try:
                 return float(a.split("=", 1)[1])

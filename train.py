@@ -461,8 +461,10 @@ def main(argv):
     import checkpoint
 
     g = {k: globals()[k] for k in _CONFIG_KEYS}
-    if any(a in ("-h", "--help") for a in argv):
-        print(configurator.help_text(g, __doc__, "train.py"))
+    if any(a in ("-h", "--help") for a in argv):  # with the config files and overrides given applied (their values)
+        applied = split_flags([a for a in argv if a not in ("-h", "--help")])[1]
+        configurator.configure_or_exit(g, applied, "train.py")
+        print(configurator.help_text(g, __doc__, "train.py", applied))
         return
     flags, rest = split_flags(argv)
     if rest[:1] == ["--status"] or (rest and rest[0].startswith("--status")):

@@ -1168,6 +1168,7 @@ def test_hand_edited_state_and_small_relay_faults_are_one_line(tmp_path, rl, mon
     assert r.returncode == 3 and "another --port" in r.stderr and "Traceback" not in r.stderr, r.stderr
     cfg = write_config(tmp_path, "gpu_hourly_usd = 2.0\n# relay.py init overrides\ngpu_hourly_usd = 10\n")
     assert relay.config_usd_per_hour(cfg, []) == 10.0
+    assert relay.config_usd_per_hour(cfg, ["--gpu_hourly_usd=1", "--gpu_hourly_usd=2.5"]) == 2.5  # the last, as train.py
 
 
 def test_ctrl_c_while_waiting_or_pulling_is_one_line_and_releases(tmp_path, rl, monkeypatch):

@@ -584,3 +584,13 @@ def test_a_config_file_on_resume_wins_as_its_flags_do(data_root, tmp_path):
     run(base + [str(longer), "--init_from=resume", "--stop_after_steps=1"])
     st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
     assert st["step"] == 2 and st["model_config"]["max_seq_len"] == 128
+
+
+def test_help_shows_the_values_of_the_config_files_given_beside_it():
+    """`train.py config/nano.py --help` printed train.py's own defaults, not the ones the config file sets."""
+    plain = run(["--help"]).stdout
+    tiny = run(["config/tiny.py", "--batch_size=3", "--help"]).stdout
+    assert "--max_iters=1000" in plain and "--max_iters=300" in tiny and "--batch_size=3" in tiny
+    assert "config/tiny.py --batch_size=3 applied" in tiny
+    r = run(["--help", "--nope=1"], check=False)
+    assert r.returncode == 2 and "unknown config key 'nope'" in r.stderr
