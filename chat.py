@@ -514,6 +514,8 @@ def main(argv=None):
             raise ChatError(f"--context {a.context}: at least 16 positions (a turn's own tokens need room)")
         if a.max_new_tokens < 1:
             raise ChatError(f"--max-new-tokens {a.max_new_tokens}: at least 1")
+        if a.threads < 1:  # (0 ran on one thread, silently)
+            raise ChatError(f"--threads {a.threads}: at least 1")
         if a.experts_per_token is not None and a.experts_per_token < 1:  # 0 meant the default, silently
             raise ChatError(f"--experts-per-token {a.experts_per_token}: at least 1 (leave it out for the model's "
                             f"top_k)")

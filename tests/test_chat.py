@@ -531,6 +531,7 @@ def test_chat_cli_with_checkpoint(sft_run, monkeypatch, capsys):
     for flags, want in ((["--experts-per-token", "99"], "--experts-per-token 99"),  # a traceback
                         (["--experts-per-token", "0"], "at least 1"),  # silently the default
                         (["--max-new-tokens", "-3"], "--max-new-tokens -3"),  # reserved negative room
+                        (["--threads", "0"], "--threads 0: at least 1"),  # one thread, silently
                         (["--temperature", "-1"], "--temperature -1.0"),  # sampled the least likely tokens
                         (["--temperature", "0.7", "--top-p", "1.5"], "--top-p 1.5"),
                         (["--temperature", "0.7", "--seed", str(10 ** 23)], "--seed 1"),  # a traceback
