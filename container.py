@@ -376,6 +376,14 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
     cfg = source.cfg
     header, data_start = layout_header(cfg, source, group_size, embed_bits, dense_bits, symmetric)
     layout = header["expert_layout"]
+    shapes = [t["shape"] for t in header["tensors"].values() if t["kind"] == "int4"] + [p["shape"] for p in layout["parts"]]
+    widths = sorted({k for _, k in shapes if k % group_size})
+    if widths:  # an input width that is no multiple of the group is padded to one (--group-size 4096: 5x the file)
+        true = sum(n * k for n, k in shapes)
+        padded = sum(math.prod(int4_padded_shape((n, k), group_size)) for n, k in shapes)
+        print(f"WARNING: group size {group_size} does not divide input widths {widths}: they are padded, "
+              f"{(padded / true - 1) * 100:.0f}% more int4 weights; a group size dividing "
+              f"{math.gcd(*[k for _, k in shapes])} avoids it", file=sys.stderr)
     err = {}  # class -> [sum sq error, sum sq weight, count]
 
     def account(cls, w, wq):

@@ -314,3 +314,14 @@ def test_cli_check_and_errors(built, tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1 and "not a picaflor int4 container" in err
     assert C.main(["--random-config", str(tmp_path / "nope.py"), "--out", str(tmp_path / "o.pcf4")]) == 1
     assert "cannot read config file" in capsys.readouterr().err
+
+
+def test_a_group_size_that_pads_the_widths_is_said(built, tmp_path, capsys):
+    """--group-size 4096 on a 128-wide model made the file 5x larger without a word (widths pad to the group)."""
+    m, ck, out, rep = built
+    C.write_container(ck, str(tmp_path / "g16.pcf4"), group_size=16, progress=False)
+    assert "WARNING" not in capsys.readouterr().err  # 16 divides every width of this model
+    C.write_container(ck, str(tmp_path / "g.pcf4"), group_size=96, progress=False)
+    err = capsys.readouterr().err
+    assert "group size 96 does not divide input widths" in err and "more int4 weights" in err
+    assert os.path.getsize(tmp_path / "g.pcf4") > os.path.getsize(out)
