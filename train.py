@@ -592,6 +592,9 @@ def main(argv):
     # rank 0 alone takes the run's lock, sets the run dir right (put back, set aside) and picks the checkpoint; every
     # rank resumes that one (each picking its own, a SIGTERM checkpoint landing meanwhile had ranks resume different
     # steps), and every rank stops with rank 0's error, whatever it is (else they waited in their first collective)
+    # from here on a hang is caught (3x hang_timeout before the first step): a checkpoint or index read from a
+    # stalled mount, or a compile that never returned, left the guardian waiting for ever
+    watchdog = Watchdog(cfg["hang_timeout"], out, master)
     failure = None
     if master:
         try:
@@ -804,7 +807,6 @@ def main(argv):
     if master:
         os.makedirs(out, exist_ok=True)
     metrics_f = open_metrics(os.path.join(out, "metrics.jsonl"), st["step"]) if master else None
-    watchdog = Watchdog(cfg["hang_timeout"], out, master)
     stop = {"signal": None}
 
     def on_sigterm(signum, frame):

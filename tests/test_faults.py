@@ -888,3 +888,22 @@ def test_a_leg_resumed_from_a_run_dir_counts_its_steps_from_that_runs_newest(dat
                         f"--resume_from={bad}", "--supervise"], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=ENV)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "state.json" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_hang_before_the_first_step_is_caught(data_root, tmp_path):
+    """The watchdog started just before the loop: a corpus index on a stalled mount (here a FIFO nobody writes)
+    blocked the trainer at startup for ever, and the guardian waited with it."""
+    import shutil
+    root = tmp_path / "data"
+    shutil.copytree(os.path.join(data_root, "local"), root / "local")
+    os.remove(root / "local" / "index.json")
+    os.mkfifo(root / "local" / "index.json")
+    out = str(tmp_path / "run")
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={root}", f"--out_dir={out}", "--max_iters=10",
+                        "--warmup_iters=1", "--hang_timeout=2"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 8 and "hang" in r.stderr, r.stderr[-2000:]
+    assert time.time() - t0 < 60
+    text = open(os.path.join(out, [n for n in os.listdir(out) if n.startswith("hang-")][0])).read()
+    assert "load_index" in text  # where it hung
