@@ -457,6 +457,7 @@ def split_flags(argv):
 
 
 def main(argv):
+    t_invoked = time.time()  # stop_after_hours counts the start-up too (a leg's rented hours: loading a checkpoint)
     import configurator
     import checkpoint
 
@@ -957,7 +958,7 @@ def main(argv):
         if cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]:
             break
         hours = cfg["stop_after_hours"]
-        hours_up, signalled = on_rank0(hours >= 0 and time.time() - t_start >= hours * 3600, stop["signal"] is not None)
+        hours_up, signalled = on_rank0(hours >= 0 and time.time() - t_invoked >= hours * 3600, stop["signal"] is not None)
         if signalled:
             stop["signal"] = stop["signal"] or signal.SIGTERM  # a rank torchrun did not signal stops with rank 0
             break

@@ -907,3 +907,23 @@ def test_a_hang_before_the_first_step_is_caught(data_root, tmp_path):
     assert time.time() - t0 < 60
     text = open(os.path.join(out, [n for n in os.listdir(out) if n.startswith("hang-")][0])).read()
     assert "load_index" in text  # where it hung
+
+
+def test_stop_after_hours_counts_the_start_up(data_root, tmp_path):
+    """A leg's hours were counted from the first step: a slow start-up (a big checkpoint, a slow mount; here 3 s
+    waiting for the run's lock) ran that much past them."""
+    import fcntl
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = open(out / ".trainer.lock", "a+")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another trainer's, for the first 3 s
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                          "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000", "--lock_wait_s=60",
+                          f"--stop_after_hours={2 / 3600}"], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    lock.close()
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
+    assert not steps, steps  # the 2 s were up before the first step
