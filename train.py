@@ -115,7 +115,7 @@ lock_wait_s = 600.0         # a second trainer on this out_dir waits this long f
 sample_tokens = 64           # sample printed at the end (0: none)
 # this invocation
 stop_after_steps = -1        # >=0: stop after this many optimizer steps (a relay leg; 0 writes a checkpoint)
-stop_after_hours = -1.0
+stop_after_hours = -1.0     # stop (checkpointed) this many hours after the trainer started, start-up included (-1: off)
 # system
 device = "cuda"
 dtype = "bfloat16"           # autocast dtype on GPU; float32 everywhere on CPU
