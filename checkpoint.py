@@ -154,6 +154,14 @@ def resolve(path):
         except (OSError, UnicodeDecodeError):  # overwritten by something else: the newest valid step decides
             named = None
         if named and is_valid(named):
+            # a save killed between its step's rename and LATEST's write: the newer step is whole, and the run's
+            m = STEP_RE.match(os.path.basename(named))
+            newer = [p for s, p in list_checkpoints(path) if m and s > int(m.group(1))]
+            for p in reversed(newer):
+                if is_valid(p):
+                    print(f"warning: {latest} names {os.path.basename(named)}, but the newer {os.path.basename(p)} "
+                          f"verifies (a save died before updating LATEST); using it", file=sys.stderr)
+                    return p
             return named
     cand = latest_valid(path)
     if cand is None:

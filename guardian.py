@@ -65,6 +65,9 @@ def newest_crash_report(out_dir, since):
         return name, None
 
 
+_LOCKS = {}  # out_dir -> this process's guardian lock
+
+
 class Guardian:
     def __init__(self, argv):
         self.argv = argv
@@ -74,6 +77,12 @@ class Guardian:
         self.out = g["out_dir"]
         self.path = os.path.join(self.out, "guardian.json")
         os.makedirs(self.out, exist_ok=True)
+        # one guardian per run, before guardian.json is touched (a second one rewrote the first's as stopped)
+        held = _LOCKS.pop(os.path.realpath(self.out), None)
+        if held is not None:  # an earlier Guardian of this process (a test, a notebook) is over
+            os.close(held)
+        self.lock = _LOCKS[os.path.realpath(self.out)] = rundir.hold_run_lock(
+            self.out, self.cfg["lock_wait_s"], self.say, who="guardian")
         try:
             self.log = train.read_json(self.path, None) or {"starts": [], "quarantined": [], "repairs": []}
         except train.TrainError as e:  # a torn guardian.json (a full disk): kept aside, a fresh log begins
@@ -348,6 +357,9 @@ def supervise(argv):
     except configurator.ConfigError as e:
         print(f"guardian: error: {e}", file=sys.stderr)
         return 2
+    except rundir.RunLocked as e:
+        print(f"guardian: error: {e}", file=sys.stderr)
+        return train.EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -797,7 +797,7 @@ def from_hf_config(hf):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# checkpoints (format: DESIGN.md; writing, manifests and retention live in checkpoint.py)
+# checkpoints (format, writing and manifests: checkpoint.py; retention: rundir.py)
 
 def save_checkpoint(model, out_dir, step, state=None, extra_writers=None, tokenizer_file=None):
     """Write out_dir/step_NNNNNNN/ atomically: model.safetensors, state.json (state + model_config), a copy

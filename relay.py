@@ -12,7 +12,7 @@ directory with the same compare-and-swap semantics, safe across processes; for o
 
 Files in the store (DESIGN.md, Relay):
     RELAY.json           the lease: holder, nonce, generation, leg, claimed/heartbeat times, ttl, write_id
-    training_state.json  step, tokens, stage, plan, decay fields (copied from the checkpoint's state.json),
+    training_state.json  step, tokens, plan, decay fields (copied from the checkpoint's state.json),
                          decay_requested, legs (legs pushed so far), checkpoint (folder name)
     config.py            the run's train.py config (init writes it; every leg trains with it); data only:
                          literal assignments (configurator.not_data), since train.py execs it on every
@@ -68,6 +68,7 @@ import uuid
 
 import checkpoint
 import configurator
+import schedule
 from relay_store import Conflict, RelayError, StoreError, Transient, open_store, write_atomic
 from relay_lease import (CKPT_PREFIX, DEFAULT_HEARTBEAT, DEFAULT_TTL, RELAY_FORMAT, RELAY_VERSION,
                          STATE_FORMAT, Busy, Fenced, Lease, Snapshot, adopt_landed_push, adopt_own_renewal,
@@ -76,7 +77,7 @@ from relay_lease import (CKPT_PREFIX, DEFAULT_HEARTBEAT, DEFAULT_TTL, RELAY_FORM
 
 LEDGER_HEADER = ("| leg | who | gpu | steps | tokens | wall | $ | loss start | loss end | step range | generation | finished (UTC) |\n"
                  "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-STATE_KEYS = ("stage", "plan", "decay", "decay_started_at_tokens", "finished", "best_val_loss", "best_step")  # from state.json
+STATE_KEYS = ("plan", "decay", "decay_started_at_tokens", "finished", "best_val_loss", "best_step")  # from state.json
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -730,6 +731,16 @@ def train_overrides(train_script, overrides):
     return {k: g[k] for k, _ in given}
 
 
+def stage_name(state):
+    """The plan's stage that trains the run's next token (state.json keeps the plan and the tokens, not this)."""
+    plan, tokens = state.get("plan"), state.get("tokens")
+    try:
+        _, stage, _ = schedule.stage_at(plan, int(tokens))
+    except (TypeError, KeyError, ValueError):  # no plan (an older run), or a malformed one: nothing to name
+        return None
+    return "finished" if stage is None else stage.get("name")
+
+
 def status_dict(store):
     snap = Snapshot(store)
     r, s = snap.relay, snap.state
@@ -737,7 +748,7 @@ def status_dict(store):
             "expired_holder": r.get("holder") if r.get("holder") and not snap.held else None,
             "generation": r["generation"], "leg": r.get("leg"), "claimed_at": r.get("claimed_at"),
             "lease_age_s": snap.lease_age, "ttl_s": r.get("ttl_s"), "step": s.get("step"), "tokens": s.get("tokens"),
-            "stage": s.get("stage"), "legs": s.get("legs"), "decay_requested": s.get("decay_requested"),
+            "stage": stage_name(s), "legs": s.get("legs"), "decay_requested": s.get("decay_requested"),
             "decay": s.get("decay") or s.get("decay_started_at_tokens"), "finished": s.get("finished"), "usd_total": s.get("usd_total", 0.0), "ledger": parse_ledger(snap.ledger())}
 
 

@@ -4,6 +4,7 @@ which checkpoints are kept (retention), and the copy of logs and the newest chec
 Used by train.py (rank 0) and guardian.py; errors are RunDirError, one line each."""
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -39,8 +40,37 @@ def set_aside_after(run_dir, step, tag):
     return len(later)
 
 
-def retain(out_dir, keep):
+def remove_step(p):
+    """Delete a step dir as one rename then a delete: a kill mid-delete leaves a .trash-* dir (cleared at the next
+    start, clear_leftovers) instead of a half-deleted step that no retention ever looks at again."""
+    trash = os.path.join(os.path.dirname(p), f".trash-{os.path.basename(p)}-{os.getpid()}")
+    os.replace(p, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clear_leftovers(out_dir, log=None):
+    """Under the run's lock: what a killed process left in out_dir (a delete's .trash-*, a pointer file's
+    NAME.tmp-PID-TID; checkpoint.save clears its own .tmp-step_*)."""
+    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+        path = os.path.join(out_dir, name)
+        if name.startswith(".trash-step_"):
+            shutil.rmtree(path, ignore_errors=True)
+        elif re.match(r"^[A-Za-z_.]+\.tmp-\d+-\d+$", name) and os.path.isfile(path):
+            os.remove(path)
+        else:
+            continue
+        if log:
+            log(f"removed {path}, left by a process that was killed")
+
+
+def retain(out_dir, keep, saved=None):
+    """Prune out_dir's checkpoints to keep_last permanent ones, every stage final and finished plan, the best (BEST,
+    and the newest state's best_step) and `saved`, the step just written (the newest otherwise). Steps newer than
+    `saved` are not this run's (a corrupt leftover of an earlier one): never protected on its behalf."""
     ckpts = checkpoint.list_checkpoints(out_dir)
+    if saved is not None:
+        limit = int(re.match(r"step_(\d+)", os.path.basename(str(saved).rstrip("/"))).group(1))
+        ckpts = [(s, p) for s, p in ckpts if s <= limit]
     valid = [(s, p) for s, p in ckpts if checkpoint.is_valid(p, check_hashes=False)]
     if not valid:
         return []
@@ -62,10 +92,14 @@ def retain(out_dir, keep):
                | {p for _, p in readable if kinds[p] == "stage_final" or states[p].get("finished")})
     if best:
         protect.add(os.path.join(out_dir, best))
+    if readable:  # the newest state names its best: BEST may lag it (a kill between a save and BEST's write)
+        best_step = states[readable[-1][1]].get("best_step")
+        if isinstance(best_step, int):
+            protect.add(os.path.join(out_dir, checkpoint.step_dir_name(best_step)))
     removed = []
     for _, p in readable:
         if p not in protect:
-            shutil.rmtree(p)
+            remove_step(p)
             removed.append(os.path.basename(p))
     return removed
 
@@ -112,12 +146,20 @@ def prepare_run_dir(cfg, out, log):
     for name in os.listdir(out) if os.path.isdir(out) else []:  # a copy from the mirror cut short (this run's lock held)
         if name.startswith(".tmp-restore-"):
             shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    clear_leftovers(out, log)
     existing = checkpoint.list_checkpoints(out)
     if cfg["init_from"] != "resume":  # it would overwrite that run's steps (and retention the rest); corrupt ones: go on
         newest_valid = next((p for _, p in reversed(existing) if checkpoint.is_valid(p)), None)
         if newest_valid:
             raise RunDirError(f"{out} already holds a run's checkpoints (newest {os.path.basename(newest_valid)}); "
                              f"continue it with --init_from=resume, or pass another --out_dir")
+        if existing:  # every one corrupt: set aside, not left to be taken for this run's newest (or overwritten)
+            aside = os.path.join(out, "abandoned", f"corrupt_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}")
+            os.makedirs(aside, exist_ok=True)
+            for _, p in existing:
+                os.replace(p, os.path.join(aside, os.path.basename(p)))
+            log(f"WARNING: {len(existing)} checkpoint(s) in {out} do not verify; moved to {aside} "
+                f"(--init_from={cfg['init_from']} starts a new run here)")
         stale = os.path.join(out, "control.json")
         if os.path.exists(stale):  # an earlier run's: a fresh run read it at step 0 and trained only a decay
             aside = os.path.join(out, "abandoned", f"before_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}")
@@ -138,6 +180,9 @@ def prepare_run_dir(cfg, out, log):
             raise RunDirError(f"{out}: no valid checkpoint to resume from; start with --init_from=scratch"
                              + (f" (found {len(existing)} invalid step_* dirs)" if existing else ""))
     state = read_json(os.path.join(ck, "state.json"))
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):  # (a TypeError traceback, exit 10)
+        raise RunDirError(f"{ck}: verifies but holds no training state.json (its manifest lacks one, or it has no "
+                          f"step); resume an earlier step with --resume_from=STEP_DIR, or move {ck} aside")
     step = state["step"]
     tag = f"after_step_{step:07d}_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
     newer = [(s_, p) for s_, p in existing if s_ > step]  # none of them verifies (ck is the newest that does)
@@ -192,13 +237,14 @@ def prepare_run_dir(cfg, out, log):
     return ck
 
 
-def hold_run_lock(out_dir, wait_s, log):
+def hold_run_lock(out_dir, wait_s, log, who="trainer"):
     """One trainer per out_dir (an flock on out_dir/.trainer.lock, held until exit): a second one deleted the first's
     checkpoint temp dir mid-save. It waits up to wait_s for the first to exit (a relaunched guardian's trainer,
-    while the killed guardian's finishes its SIGTERM checkpoint), then errors. Returns the open lock file."""
+    while the killed guardian's finishes its SIGTERM checkpoint), then errors. Returns the open lock file.
+    who="guardian": the same for guardians (.guardian.lock; a second one rewrote the first's guardian.json)."""
     import fcntl
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, ".trainer.lock")
+    path = os.path.join(out_dir, f".{who}.lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     deadline, said = time.monotonic() + wait_s, False
     while True:
@@ -209,10 +255,11 @@ def hold_run_lock(out_dir, wait_s, log):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             if time.monotonic() >= deadline:
                 os.close(fd)
-                raise RunLocked(f"{out_dir}: another trainer (pid {holder}) is training this run ({path}); stop it "
+                doing = "is training" if who == "trainer" else "supervises"
+                raise RunLocked(f"{out_dir}: another {who} (pid {holder}) {doing} this run ({path}); stop it "
                                 f"or wait for it, or pass another --out_dir")
             if not said:
-                log(f"waiting up to {wait_s:g} s for the trainer holding {path} (pid {holder}) to exit")
+                log(f"waiting up to {wait_s:g} s for the {who} holding {path} (pid {holder}) to exit")
                 said = True
             time.sleep(0.5)
         except OSError as e:  # a filesystem without locks (some network mounts): as before, unguarded
@@ -239,15 +286,23 @@ def mirror(out_dir, dest, checkpoints=True, keep=1):
             there = newest and os.path.join(dest, os.path.basename(newest))
             manifest = lambda d: open(os.path.join(d, "MANIFEST.json"), "rb").read()
             # a step saved again (stage_final, then final) has another manifest: copied again
+            for name in os.listdir(dest):  # copies a kill or a failure left: each one a checkpoint's space
+                if name.startswith((".tmp-step_", ".trash-step_")):
+                    shutil.rmtree(os.path.join(dest, name), ignore_errors=True)
             if newest and not (checkpoint.is_valid(there) and manifest(there) == manifest(newest)):
                 tmp = os.path.join(dest, ".tmp-" + os.path.basename(newest))
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.copytree(newest, tmp)
-                shutil.rmtree(there, ignore_errors=True)
-                os.replace(tmp, there)
+                try:
+                    shutil.copytree(newest, tmp)
+                    if os.path.exists(there):  # the old copy goes only once the new one is in place
+                        os.replace(there, os.path.join(dest, f".trash-{os.path.basename(there)}"))
+                    os.replace(tmp, there)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    shutil.rmtree(os.path.join(dest, f".trash-{os.path.basename(there)}"), ignore_errors=True)
             retain(dest, keep)  # else every checkpoint ever made piles up there
     except Exception as e:  # OSError mostly; a mirror must never end the run
-        print(f"WARNING: mirror to {dest} failed ({e}); training goes on, {out_dir} holds every checkpoint",
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        print(f"WARNING: mirror to {dest} failed ({why}); training goes on, {out_dir} holds every checkpoint",
               file=sys.stderr)
         return False
     return True

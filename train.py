@@ -3,7 +3,7 @@ Train a picaflor MoE model. One process:            python train.py config/tiny.
                             torchrun DDP:           torchrun --standalone --nproc_per_node=8 train.py config/nano.py
                             progress of a run:      python train.py --status out/nano
                             supervised (guardian):  python train.py config/nano.py --supervise   (guardian.py)
-Any config global can be overridden: --key=value (configurator.py). Formats: ../shared/DESIGN.md.
+Any config global can be overridden: --key=value (configurator.py). Formats: checkpoint.py (run and step dirs), shards.py (corpora), container.py (int4).
 
 The run's plan is data: `stages`, a list of dicts {name, mix {corpus: weight}, tokens | steps, seq_len,
 lr_phase in warmup|stable|decay}. Progress through the plan is counted in tokens, so changing batch_size or
@@ -793,7 +793,8 @@ def main(argv):
         model = compile_model(model, device_type)
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+        # no buffer broadcast: load_accum is each rank's own count (all-reduced at the step); the bias the same update
+        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None, broadcast_buffers=False)
 
     # --- bookkeeping --------------------------------------------------------------------------------------
     st = state or {"step": 0, "tokens": 0, "best_val_loss": None, "elapsed_seconds": 0.0, "usd_spent": 0.0,
@@ -881,8 +882,9 @@ def main(argv):
                 ctl["start_decay_taken_at_step"] = st["step"]
                 checkpoint.write_atomic_text(control_path, json.dumps(ctl) + "\n")
 
-    def save(kind):
-        """Checkpoint on rank 0 (all ranks wait); returns its path."""
+    def save(kind, best=False):
+        """Checkpoint on rank 0 (all ranks wait); returns its path. best: it is the new best (BEST names it before
+        retention runs: a kill between them left BEST on the old one, and the next save's retention deleted this)."""
         path = None
         watchdog.tick()
         if master:
@@ -894,7 +896,9 @@ def main(argv):
             st["rng"] = rng_state(device_type)
             st["config"] = cfg
             path = model_save(raw_model, out, st, opt, tokenizer_file)
-            retain(out, cfg["keep_last"])
+            if best:
+                checkpoint.write_atomic_text(os.path.join(out, "BEST"), os.path.basename(path) + "\n")
+            retain(out, cfg["keep_last"], saved=path)
             if cfg["mirror_dir"]:
                 mirror(out, cfg["mirror_dir"], keep=cfg["keep_last"])
         watchdog.tick()
@@ -921,17 +925,25 @@ def main(argv):
         model.eval()
         val_stream.set_position({"shard": 0, "offset": 0, "epoch": 0})
         T = st["plan"][min(stage_at(st["plan"], st["tokens"])[0], len(st["plan"]) - 1)]["seq_len"]
-        losses = []
+        # token-weighted, as training's loss (n_targets): a mean of batch means weighed a masked (SFT) batch of 4
+        # targets as one of 59; plain data has the same count in every batch, so nothing changes there
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # sum of loss x targets, targets
         for _ in range(cfg["eval_iters"]):
+            if stop["signal"] is not None and not ddp:  # a preemption's grace period goes to the checkpoint
+                log("evaluation cut short by a stop signal; no val loss this step")
+                model.train()
+                return None
             x, y = val_stream.next_batch(cfg["batch_size"], T, rank, world)
+            y = y.to(device)
             with autocast:
-                _, loss = model(x.to(device), y.to(device))
-            losses.append(loss.float())
-        v = torch.stack(losses).mean()
+                _, loss = model(x.to(device), y)
+            n = (y != -1).sum()
+            if n > 0:  # a batch with no target has a NaN mean and no weight
+                sums += torch.stack([loss.double() * n, n.double()])
         if ddp:
-            dist.all_reduce(v, op=dist.ReduceOp.AVG)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         model.train()
-        return v.item()
+        return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan")
 
     if val_stream is None:
         log(f"note: corpus {val_corpus} has no val split; no val loss will be logged")
@@ -1106,10 +1118,8 @@ def main(argv):
         elif cfg["checkpoint_minutes"] > 0 and on_rank0(time.time() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60)[0]:
             kind = "temporary"
         if kind:
-            path = save(kind)
+            save(kind, best=best)
             last_saved_step, last_saved_kind, t_last_ckpt = st["step"], kind, time.time()
-            if best and master:
-                checkpoint.write_atomic_text(os.path.join(out, "BEST"), os.path.basename(path) + "\n")
         if (st["step"] % cfg["log_interval"] == 0 and (ddp or os.path.exists(control_path))) or st["step"] == control_due[0]:
             check_control()  # under DDP every rank joins its broadcast
 

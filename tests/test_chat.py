@@ -603,3 +603,46 @@ def test_sft_gradient_weighs_every_target_token_alike_however_the_batch_is_split
     assert losses[0] == pytest.approx(losses[1], rel=1e-5), losses
     diff = max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0])
     assert diff < 2e-5, diff
+
+
+def test_the_val_loss_of_masked_data_is_token_weighted(tok, tmp_path):
+    """train.py's val loss was the mean of its batches' means: a batch with 4 target tokens weighed as one with 59
+    (the BEST checkpoint and retention follow that number). Val here: 8 rows of long questions with one-word
+    answers, then 8 of short questions with long answers, so its two batches hold very different target counts."""
+    few = [[{"role": "user", "content": "hello world " * 6}, {"role": "assistant", "content": "pong"}]] * 8
+    many = [[{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong world the " * 4}]] * 8
+    rest = [[{"role": "user", "content": f"ping {n % 10}"}, {"role": "assistant", "content": f"pong {n % 10}"}]
+            for n in range(200)]
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in few + many + rest))
+    data = tmp_path / "data" / "qa"
+    r = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", tok.path, "--jsonl", str(src),
+                        "--max-len", str(ROW), "--val-conversations", "16", "--out", str(data)],
+                       cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    torch.manual_seed(0)
+    save_checkpoint(Picaflor(ModelConfig(**MODEL)), str(tmp_path / "pre"), 0, tokenizer_file=tok.path)
+    out = tmp_path / "run"
+    stages = [{"name": "all", "steps": 2, "lr_phase": "stable"}]
+    r = subprocess.run([sys.executable, "train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
+                        f"--data_root={data.parent}", "--dataset=qa", f"--out_dir={out}", f"--seq_len={ROW}",
+                        "--batch_size=8", f"--stages={json.dumps(stages)}", "--eval_interval=2", "--eval_iters=2"],
+                       cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    logged = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    logged = [rec["val_loss"] for rec in logged if rec.get("step") == 2 and rec.get("val_loss") is not None][-1]
+    m = load_checkpoint(str(out / "step_0000002"))
+    m.eval()
+    val = shards.TokenStream(str(data), "val")
+    total, n_all, means, counts = 0.0, 0, [], []
+    with torch.no_grad():
+        for _ in range(2):  # the run's eval_iters, batch_size and seq_len
+            x, y = val.next_batch(8, ROW)
+            _, loss = m(x, y)
+            n = int((y != -1).sum())
+            total, n_all = total + float(loss) * n, n_all + n
+            means.append(float(loss))
+            counts.append(n)
+    assert max(counts) > 2 * min(counts)  # the data does what it is for
+    assert abs(sum(means) / 2 - total / n_all) > 1e-3  # so the two averages differ
+    assert abs(logged - total / n_all) < 1e-4, (logged, total / n_all, sum(means) / 2, counts)

@@ -927,3 +927,43 @@ def test_stop_after_hours_counts_the_start_up(data_root, tmp_path):
     assert p.returncode == 0, stderr[-2000:]
     steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
     assert not steps, steps  # the 2 s were up before the first step
+
+
+def test_a_second_guardian_on_a_run_is_refused_before_it_writes(data_root, tmp_path):
+    """A second guardian rewrote the first's guardian.json (as stopped, while the first trained on), and said only
+    'see the trainer output'."""
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = os.open(out / ".guardian.lock", os.O_RDWR | os.O_CREAT)
+    import fcntl
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.pwrite(lock, b"4242", 0)
+    open(out / "guardian.json", "w").write('{"starts": [], "quarantined": [], "repairs": [], "status": "running"}')
+    before = (out / "guardian.json").read_text()
+    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                        "--supervise", "--lock_wait_s=1"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    os.close(lock)
+    assert r.returncode == 1 and "another guardian (pid 4242)" in r.stderr, r.stderr
+    assert (out / "guardian.json").read_text() == before
+
+
+def test_a_stop_signal_cuts_a_long_evaluation_short(data_root, tmp_path):
+    """A SIGTERM during evaluation waited for every eval batch: with a large eval_iters the checkpoint came after
+    a cloud's grace period."""
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                          "--max_iters=40", "--warmup_iters=1", "--eval_interval=2", "--eval_iters=1000000"],
+                         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    mpath = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 120
+    while not (os.path.exists(mpath) and any(l.strip() for l in open(mpath))):  # step 1 logged: step 2 evaluates
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.02)
+    time.sleep(1.0)
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    so, se = p.communicate(timeout=60)
+    assert p.returncode == 0 and time.time() - t0 < 30, se
+    assert "evaluation cut short" in so + se
+    st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+    assert st["kind"] == "preempt" and st["step"] == 2

@@ -932,6 +932,9 @@ def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
     assert snap.state["step"] == 3 and snap.state["decay_requested"] is False
     assert snap.state["decay_started_at_tokens"] is not None  # the trainer took the flag from control.json
     assert snap.state["plan"][-1]["lr_phase"] == "decay"
+    # status names the stage (state.json holds no "stage": it always said None)
+    assert relay.status_dict(store)["stage"] == relay.schedule.stage_at(snap.state["plan"], 3 * 4 * 32)[1]["name"]
+    assert relay.stage_name({"plan": snap.state["plan"], "tokens": 10 ** 12}) == "finished"
     ck = relay.pull(store, str(tmp_path / "pulled"))
     man = checkpoint.verify(ck)
     assert {"model.safetensors", "state.json", "tokenizer.json"} <= set(man["files"])

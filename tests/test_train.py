@@ -246,7 +246,8 @@ def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr(
                                   "zero_batch_size", "zero_grad_accum", "seq_len_over_max", "lr_mult_typo", "cuda_index",
                                   "float16", "max_iters_with_stages", "zero_heads", "shard_list", "swapped_tokenizer",
                                   "beta_out_of_range", "negative_warmup", "empty_out_dir", "negative_rope_theta",
-                                  "init_from_typo", "max_iters_in_the_stages_file", "file_edits_a_default_in_place"])
+                                  "init_from_typo", "max_iters_in_the_stages_file", "file_edits_a_default_in_place",
+                                  "resume_a_step_without_state"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -312,6 +313,9 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         for step in (1, 2):  # a run's checkpoints (their content does not matter to the refusal)
             checkpoint.save(out, step, {"state.json": lambda p, s=step: json.dump({"step": s}, open(p, "w"))})
         before = {n: open(os.path.join(out, n, "state.json")).read() for n in os.listdir(out) if n.startswith("step_")}
+    elif case == "resume_a_step_without_state":  # its manifest verifies without one: a TypeError traceback, exit 10
+        checkpoint.save(out, 2, {"model.safetensors": lambda p: open(p, "w").write("x")})
+        args = args + ["--init_from=resume"]
     elif case == "status_of_a_damaged_step":  # a step dir whose state.json is gone
         checkpoint.save(out, 2, {"model.safetensors": lambda p: open(p, "w").write("x")})
         args = ["--status", os.path.join(out, "step_0000002")]
@@ -334,7 +338,7 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
            "swapped_tokenizer": "differs from index.json's", "beta_out_of_range": "[0, 1)",
            "negative_warmup": "warmup_iters=-5: must be >= 0", "empty_out_dir": "--out_dir is empty",
            "negative_rope_theta": "rope_theta=-10000.0 must be", "init_from_typo": "scratch, resume, grow or finetune",
-           "max_iters_in_the_stages_file": "max_iters (in ", "file_edits_a_default_in_place": "lr_mult['old'] must be"}
+           "max_iters_in_the_stages_file": "max_iters (in ", "resume_a_step_without_state": "holds no training state.json", "file_edits_a_default_in_place": "lr_mult['old'] must be"}
     assert fix.get(case, "") in err[0], err[0]
     if case == "init_from_typo":
         assert os.listdir(out) == ["control.json"]  # nothing moved, nothing written
@@ -594,3 +598,57 @@ def test_help_shows_the_values_of_the_config_files_given_beside_it():
     assert "config/tiny.py --batch_size=3 applied" in tiny
     r = run(["--help", "--nope=1"], check=False)
     assert r.returncode == 2 and "unknown config key 'nope'" in r.stderr
+
+
+def test_retention_and_the_mirror_after_kills(tmp_path):
+    """Review findings (kill -9 at chosen moments): retention protected the newest size-valid step even when it was
+    an earlier run's corrupt leftover, newer than anything this run saved, and deleted each step this run wrote; a
+    kill between a best save and BEST's write let the next save delete the best step; a kill mid-delete left a
+    half-deleted step for good, a killed mirror copy a .tmp-step_* dir that filled the mirror disk."""
+    out = str(tmp_path / "run")
+    save = lambda d, step, **st: checkpoint.save(d, step, {  # noqa: E731
+        "state.json": lambda p: open(p, "w").write(json.dumps({"kind": "periodic", "step": step, **st}))})
+    save(out, 20)
+    with open(os.path.join(out, "step_0000020", "state.json"), "r+") as f:
+        f.write("X")  # same size, bad hash: an earlier run's step, left corrupt
+    for step in (4, 8):  # this run's saves, keep_last=1
+        rundir.retain(out, 1, saved=save(out, step))
+    assert [s for s, _ in checkpoint.list_checkpoints(out)] == [8, 20]  # 8 kept, not deleted as soon as it was saved
+    # the newest state's best_step is kept even when BEST still names an older step (or is missing)
+    save(out, 9, kind="best", best_step=9)
+    rundir.retain(out, 1, saved=save(out, 12, best_step=9))
+    assert [s for s, _ in checkpoint.list_checkpoints(out)] == [9, 12, 20]
+    # a kill mid-delete leaves a .trash-* dir; a kill mid-write a pointer's temp file: the next start clears both
+    os.makedirs(os.path.join(out, ".trash-step_0000003-77"))
+    open(os.path.join(out, "BEST.tmp-77-1234"), "w").write("step_0000009\n")
+    said = []
+    rundir.clear_leftovers(out, said.append)
+    assert not [n for n in os.listdir(out) if n.startswith(".trash") or ".tmp-" in n] and len(said) == 2
+    # a fresh start over only corrupt steps sets them aside (they were left in place, the newest protected)
+    bad = str(tmp_path / "bad")
+    save(bad, 5)
+    open(os.path.join(bad, "step_0000005", "state.json"), "a").write(" ")
+    cfg = {"init_from": "scratch", "mirror_dir": "", "resume_from": ""}
+    assert rundir.prepare_run_dir(cfg, bad, said.append) is None
+    assert checkpoint.list_checkpoints(bad) == [] and "do not verify" in said[-1]
+    # the mirror clears what killed copies left, and keeps the newest valid step
+    mirror = str(tmp_path / "mirror")
+    os.makedirs(os.path.join(mirror, ".tmp-step_0000004"))
+    open(os.path.join(mirror, ".tmp-step_0000004", "model.safetensors"), "w").write("x" * 1000)
+    assert rundir.mirror(out, mirror, keep=1)
+    assert sorted(n for n in os.listdir(mirror) if n.startswith(("step_", ".tmp", ".trash"))) == ["step_0000012"]
+
+
+def test_a_run_dir_resolves_to_a_newer_whole_step_than_its_lagging_latest(tmp_path, capsys):
+    """A save killed between its step's rename and LATEST's write: export, eval and chat of the run dir silently
+    used the older step."""
+    out = str(tmp_path)
+    for step in (4, 8):
+        checkpoint.save(out, step, {"state.json": lambda p, s=step: open(p, "w").write(json.dumps({"step": s}))})
+    checkpoint.write_atomic_text(os.path.join(out, "LATEST"), "step_0000004\n")
+    capsys.readouterr()
+    assert checkpoint.resolve(out) == os.path.join(out, "step_0000008")
+    assert "a save died before updating LATEST" in capsys.readouterr().err
+    open(os.path.join(out, "step_0000008", "state.json"), "a").write(" ")  # the newer one corrupt: LATEST's, quietly
+    assert checkpoint.resolve(out) == os.path.join(out, "step_0000004")
+    assert "LATEST" not in capsys.readouterr().err
