@@ -800,7 +800,7 @@ def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768):
 @torch.inference_mode()
 def greedy_generate(lm, prompt, until, max_gen_toks):
     """Greedy continuation of prompt, cut at the first stop string (the harness's `until`) or a stop token."""
-    max_gen_toks = min(max_gen_toks, lm.max_length - 1)
+    max_gen_toks = min(max_gen_toks, lm.max_length - 1)  # (run_task refuses a cap that leaves the prompt no room)
     ids = lm.encode(prompt)[-(lm.max_length - max_gen_toks):]  # the harness's left truncation
 
     def batched_greedy():  # eval.py's own loop on the batched path's model
@@ -898,9 +898,13 @@ def run_task(lm, task, args):
         raise EvalError(f"task {task}: no examples (empty data file or --limit 0)")
     t0 = time.time()
     if kind == "generate_until":
-        for d in docs:
+        caps = [min(args.max_gen_toks, d["max_gen_toks"]) if args.max_gen_toks else d["max_gen_toks"] for d in docs]
+        if max(caps) >= lm.max_length:  # (the prompt was cut to its last token: scores of nothing; the harness asserts)
+            raise EvalError(f"task {task}: generates up to {max(caps)} tokens, but the model's context is "
+                            f"{lm.max_length}, which leaves no room for the prompt; pass --max-gen-toks below "
+                            f"{lm.max_length} (e.g. {lm.max_length // 4})")
+        for d, cap in zip(docs, caps):
             # a cap, not a replacement: a larger one raised passkey's 10 and its left truncation cut the needle out
-            cap = min(args.max_gen_toks, d["max_gen_toks"]) if args.max_gen_toks else d["max_gen_toks"]
             d["generation"] = greedy_generate(lm, d["prompt"], d["until"], cap)
             d["scores"] = SCORERS[task](d["generation"], d["target"])
     else:
@@ -1069,6 +1073,7 @@ def evaluate(args):
                "data": os.path.abspath(args.data_dir) if args.data_dir else "hub", "harness_version": HARNESS_VERSION,
                "seed": args.seed, "dtype": lm.dtype, "device": str(args.device), "max_length": lm.max_length,
                "num_fewshot": 0, "limit": args.limit, "bootstrap_iters": args.bootstrap_iters,
+               "logprob_dtype": "float32",  # log-softmax and sums in fp32 whatever the model's dtype (the harness: its)
                "max_gen_toks": args.max_gen_toks,
                "sampling": {"method": "greedy", "temperature": 0.0, "repetition_penalty": 1.0,
                             "presence_penalty": 0.0, "frequency_penalty": 0.0,

@@ -340,6 +340,8 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
               ([model_dir, "--tasks", "gsm8k", "--max-gen-toks", "0"], "--max-gen-toks 0: at least 1"),
               ([str(broken), "--tasks", "piqa", "--data-dir", data_dir], "cannot load as a transformers model"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--device", "gpu"], "--device gpu: cpu, cuda"),
+              # the prompt was cut to its last token to make room for 256 new ones: scores of nothing
+              ([model_dir, "--tasks", "gsm8k", "--data-dir", data_dir, "--max-gen-toks", "100000"], "leaves no room"),
               ([model_dir, "--tasks", ",", "--data-dir", data_dir], "no task named"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(afile / "sub")], "cannot write")]
     if not torch.cuda.is_available():  # a pin_memory traceback
