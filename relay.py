@@ -12,7 +12,7 @@ directory with the same compare-and-swap semantics, safe across processes; for o
 
 Files in the store (DESIGN.md, Relay):
     RELAY.json           the lease: holder, nonce, generation, leg, claimed/heartbeat times, ttl, write_id
-    training_state.json  step, tokens, plan, decay fields (copied from the checkpoint's state.json),
+    training_state.json  step, tokens, stage, plan, decay fields (copied from the checkpoint's state.json),
                          decay_requested, legs (legs pushed so far), checkpoint (folder name)
     config.py            the run's train.py config (init writes it; every leg trains with it); data only:
                          literal assignments (configurator.not_data), since train.py execs it on every
@@ -236,6 +236,7 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
             state[k] = st[k]
     if state.get("decay_requested") and (st.get("decay") or st.get("decay_started_at_tokens") is not None):
         state["decay_requested"] = False  # the trainer took the flag (state.json carries the decay fields now)
+    state["stage"] = stage_name(state)  # the stage the next leg trains (state.json names none)
     row = ledger_row(lease.leg, lease.who, gpu_name(metrics), step - base, tokens1 - tokens0, wall_s, usd,
                      losses[0] if losses else None, losses[-1] if losses else None, base, step, lease.generation)
     adds = {f"{CKPT_PREFIX}/{name}": os.path.join(ck, name) for name in list(manifest["files"]) + ["MANIFEST.json"]}
@@ -697,6 +698,7 @@ def cmd_init(args):
         for k in STATE_KEYS:
             if k in st:
                 state[k] = st[k]
+        state["stage"] = stage_name(state)
         adds = {f"{CKPT_PREFIX}/{n}": os.path.join(ck, n) for n in list(manifest["files"]) + ["MANIFEST.json"]}
         adds["config.py"] = cfg_text.encode()
         adds["training_state.json"] = (json.dumps(state, indent=1) + "\n").encode()

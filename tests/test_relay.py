@@ -935,6 +935,7 @@ def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
     # status names the stage (state.json holds no "stage": it always said None)
     assert relay.status_dict(store)["stage"] == relay.schedule.stage_at(snap.state["plan"], 3 * 4 * 32)[1]["name"]
     assert relay.stage_name({"plan": snap.state["plan"], "tokens": 10 ** 12}) == "finished"
+    assert snap.state["stage"] == relay.status_dict(store)["stage"]  # training_state.json names it too (DESIGN.md)
     ck = relay.pull(store, str(tmp_path / "pulled"))
     man = checkpoint.verify(ck)
     assert {"model.safetensors", "state.json", "tokenizer.json"} <= set(man["files"])
