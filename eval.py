@@ -1028,7 +1028,9 @@ def parse_args(argv):
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json for picaflor/int4 models (default: beside it)")
     ap.add_argument("--int4-engine", action="store_true",
                     help="int4 containers: score through stream_infer's Engine (served kernels, one request at a "
-                    "time) instead of the dequantised weights in the batched path")
+                    "time) instead of the dequantised weights in the batched path; the served kernels round "
+                    "activations to int8 per group, so a request's log-likelihood differs by up to ~0.1 nats: "
+                    "compare models scored the same way")
     ap.add_argument("--batch-size", type=int, default=32,
                     help="max sequences per forward; for choices sharing a context: max questions per batch "
                     "(all their choices run on the shared context's cache, bounded by --max-batch-tokens)")
