@@ -121,8 +121,8 @@ at::Tensor int8_mm_impl(const at::Tensor& x_in, const at::Tensor& q, const at::T
   const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, N = q.size(0);
   TORCH_CHECK(q.size(1) == K, "int8_mm: q has ", q.size(1), " columns, x has ", K);
   TORCH_CHECK(scale.numel() == N, "int8_mm: scale has ", scale.numel(), " values, expected ", N);
+  if (M == 0) return at::zeros(out_shape(x, N), x.options());  // K = 0: a sum of nothing (empty() was garbage)
   at::Tensor y = at::empty(out_shape(x, N), x.options());
-  if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();

@@ -374,7 +374,7 @@ float quantize_q8(const float* x, int64_t n, int8_t* xq, int32_t* total) {
     finite = finite && std::isfinite(x[k]);
   }
   *total = 0;
-  if (finite && amax >= FLT_MIN) {
+  if (finite && amax >= 127.0f / FLT_MAX) {  // below it 127 / amax is inf (FLT_MIN let 1e-37 through: UB casts)
     const float inv = 127.0f / amax;
     for (int64_t k = 0; k < n; k++) {
       const int32_t v = int32_t(std::nearbyint(x[k] * inv));

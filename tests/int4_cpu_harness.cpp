@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
     Int4X X[2];
     for (int i = 0; i < 2; i++) int4_prepare_x(x.data(), M, K, G, loops[i] != LOOP_FP32, X[i]);
     int4_blocks(loops[1], X[1], x.data(), packed.data(), sz.data(), M, N, K, G, 0, Np / ROWS, generic.data());
-    run_best = [&, packed, sz, loop = loops[0], X = X[0]](float* y) {  // copies: the block's locals end
+    run_best = [&, packed, sz, Np, loop = loops[0], X = X[0]](float* y) {  // copies: the block's locals end
       parallel_chunks(threads, Np / ROWS, [&](int64_t b0, int64_t b1) {
         note();
         int4_blocks(loop, X, x.data(), packed.data(), sz.data(), M, N, K, G, b0, b1, y);

@@ -1021,7 +1021,8 @@ def q8_activations(x, g):
     Kp = -(-K // g) * g
     xg = torch.nn.functional.pad(x, (0, Kp - K)).view(M, Kp // g, g)
     amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax in one rounding as the kernel's 127.0f / amax (127.0 / t is 127 * (1 / t): a .5 tie rounded apart)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
     return (torch.round(xg * inv) * (amax / 127.0)).view(M, Kp)[:, :K]
 
 
@@ -1053,6 +1054,18 @@ def test_native_int8_kernel_equals_reference():
     nan_in = torch.randn(1, 64, generator=gen)
     nan_in[0, 40] = float("nan")
     assert torch.isnan(op.int8_mm(nan_in, torch.ones(3, 64, dtype=torch.int8), torch.ones(3))).all()
+    # K = 0 is a sum of nothing (it returned uninitialised memory)
+    assert torch.equal(op.int8_mm(torch.randn(2, 0), torch.zeros(3, 0, dtype=torch.int8), torch.ones(3)),
+                       torch.zeros(2, 3))
+    # a group whose largest value is below 127 / FLT_MAX: 127 / amax was inf (an undefined float-to-int cast; the
+    # int4 result came out 1e7 times too large, sign flipped): such a group is read as zeros
+    x = torch.zeros(1, 5)
+    x[0, 4] = 1e-37
+    w = torch.randn(32, 5, generator=gen)
+    p, sz = C.quantize_int4(w, 4)
+    ref = x @ C.dequantize_int4(p, sz, w.shape, 4).t()
+    got = op.int4_mm(x, p, sz, 32, 4)
+    assert got.abs().max() <= ref.abs().max() * 1.01 + 1e-45, (got, ref)
 
 
 def test_native_kernels_same_on_any_thread_count():
