@@ -271,10 +271,27 @@ def hold_run_lock(out_dir, wait_s, log, who="trainer"):
 
 
 
-def mirror(out_dir, dest, checkpoints=True, keep=1):
+def copy_ticking(tick):
+    """shutil.copytree's copy_function that calls tick() every 64 MB: a 31 GB checkpoint copied to a slow bucket
+    outlasted hang_timeout, and the watchdog took the copy for a hang at every checkpoint (a stalled write still
+    stops the ticks)."""
+    def copy(src, dst):
+        with open(src, "rb") as f, open(dst, "wb") as g:
+            while True:
+                chunk = f.read(64 << 20)
+                if not chunk:
+                    break
+                g.write(chunk)
+                tick()
+        shutil.copystat(src, dst)
+        return dst
+    return copy
+
+
+def mirror(out_dir, dest, checkpoints=True, keep=1, tick=None):
     """Copy logs (and the newest checkpoint, atomically) to dest, so they outlive the machine's disk; retention
     as in out_dir (keep_last). A failure (a bucket mount's hiccup, a full mirror disk) warns and training goes on:
-    out_dir still holds everything. Returns whether it worked."""
+    out_dir still holds everything. Returns whether it worked. tick: called as the copy goes (the hang watchdog)."""
     try:
         os.makedirs(dest, exist_ok=True)
         for name in os.listdir(out_dir):
@@ -292,7 +309,7 @@ def mirror(out_dir, dest, checkpoints=True, keep=1):
             if newest and not (checkpoint.is_valid(there) and manifest(there) == manifest(newest)):
                 tmp = os.path.join(dest, ".tmp-" + os.path.basename(newest))
                 try:
-                    shutil.copytree(newest, tmp)
+                    shutil.copytree(newest, tmp, copy_function=copy_ticking(tick) if tick else shutil.copy2)
                     if os.path.exists(there):  # the old copy goes only once the new one is in place
                         os.replace(there, os.path.join(dest, f".trash-{os.path.basename(there)}"))
                     os.replace(tmp, there)

@@ -900,7 +900,7 @@ def main(argv):
                 checkpoint.write_atomic_text(os.path.join(out, "BEST"), os.path.basename(path) + "\n")
             retain(out, cfg["keep_last"], saved=path)
             if cfg["mirror_dir"]:
-                mirror(out, cfg["mirror_dir"], keep=cfg["keep_last"])
+                mirror(out, cfg["mirror_dir"], keep=cfg["keep_last"], tick=watchdog.tick)
         watchdog.tick()
         if ddp:
             dist.barrier()

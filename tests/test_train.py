@@ -635,8 +635,11 @@ def test_retention_and_the_mirror_after_kills(tmp_path):
     mirror = str(tmp_path / "mirror")
     os.makedirs(os.path.join(mirror, ".tmp-step_0000004"))
     open(os.path.join(mirror, ".tmp-step_0000004", "model.safetensors"), "w").write("x" * 1000)
-    assert rundir.mirror(out, mirror, keep=1)
+    ticks = []
+    assert rundir.mirror(out, mirror, keep=1, tick=lambda: ticks.append(1))
     assert sorted(n for n in os.listdir(mirror) if n.startswith(("step_", ".tmp", ".trash"))) == ["step_0000012"]
+    assert len(ticks) >= 1  # the copy keeps the hang watchdog fed (a long copy was taken for a hang)
+    assert checkpoint.is_valid(os.path.join(mirror, "step_0000012"))
 
 
 def test_a_run_dir_resolves_to_a_newer_whole_step_than_its_lagging_latest(tmp_path, capsys):
