@@ -319,7 +319,15 @@ def mirror(out_dir, dest, checkpoints=True, keep=1, tick=None):
             retain(dest, keep)  # else every checkpoint ever made piles up there
     except Exception as e:  # OSError mostly; a mirror must never end the run
         why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        print(f"WARNING: mirror to {dest} failed ({why}); training goes on, {out_dir} holds every checkpoint",
-              file=sys.stderr)
+        said = _MIRROR_SAID.get(dest)
+        if said is None or said[0] != why or time.time() - said[1] > 600:  # (it was said at every log step)
+            print(f"WARNING: mirror to {dest} failed ({why}); training goes on, {out_dir} holds every checkpoint"
+                  + (" (said again in 10 min if it goes on failing so)" if said is None else ""), file=sys.stderr)
+            _MIRROR_SAID[dest] = (why, time.time())
         return False
+    if _MIRROR_SAID.pop(dest, None) is not None:
+        print(f"mirror to {dest} works again", file=sys.stderr)
     return True
+
+
+_MIRROR_SAID = {}  # mirror dest -> (its last failure's message, when it was said)

@@ -642,6 +642,22 @@ def test_retention_and_the_mirror_after_kills(tmp_path):
     assert checkpoint.is_valid(os.path.join(mirror, "step_0000012"))
 
 
+def test_a_failing_mirror_is_said_once_not_at_every_log_step(tmp_path, capsys):
+    """A mirror that failed printed its warning at every log step (143 times in one run), a copy error's as a
+    multi-line list."""
+    out, dest = str(tmp_path / "run"), str(tmp_path / "blocked")
+    os.makedirs(out)
+    open(os.path.join(out, "metrics.jsonl"), "w").write("{}\n")
+    open(dest, "w").write("a file where the mirror dir should be")
+    for _ in range(5):
+        assert not rundir.mirror(out, dest, checkpoints=False)
+    err = capsys.readouterr().err
+    assert err.count("WARNING: mirror") == 1 and len(err.strip().splitlines()) == 1, err
+    os.remove(dest)
+    assert rundir.mirror(out, dest, checkpoints=False)
+    assert "works again" in capsys.readouterr().err
+
+
 def test_a_run_dir_resolves_to_a_newer_whole_step_than_its_lagging_latest(tmp_path, capsys):
     """A save killed between its step's rename and LATEST's write: export, eval and chat of the run dir silently
     used the older step."""
