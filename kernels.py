@@ -361,6 +361,9 @@ def triton_int4_matmul(x, packed, sz, shape, group_size, config=None):
     triton, kern = _triton_kernel()
     N, K = shape
     Np, Kp = C.int4_padded_shape(shape, group_size)
+    if Np * Kp // 2 >= 2 ** 31 or x.shape[0] * max(Kp, N) >= 2 ** 31:  # the kernel's offsets are 32-bit ints
+        raise ValueError(f"triton_int4_matmul: a {N} x {K} matrix (or {x.shape[0]} rows of it) is past the kernel's "
+                         f"32-bit offsets; split it")
     x = x.float().contiguous()
     M = x.shape[0]
     BM, BN, BK, warps, stages, tf32 = config or TRITON_CONFIGS["decode" if M <= 16 else "prefill"]

@@ -1406,6 +1406,11 @@ for xs, ws, g in {ODD_SHAPES!r}:
     got = kernels.triton_int4_matmul(x, p, sz, ws, g)
     err = float((got - ref).abs().max() / ref.abs().max())
     assert got.shape == ref.shape and err < 1e-4, (xs, ws, g, err)
+try:  # a matrix past the kernel's 32-bit byte offsets is refused, not read out of bounds
+    kernels.triton_int4_matmul(torch.zeros(1, 8), torch.empty(0, dtype=torch.uint8), torch.empty(0), (65536, 65536), 64)
+    raise SystemExit("a 65536 x 65536 int4 matrix was launched")
+except ValueError as e:
+    assert "32-bit" in str(e)
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
