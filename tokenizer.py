@@ -23,6 +23,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import sys
 
 import tiktoken
@@ -113,11 +114,23 @@ class Tokenizer:
     # ---- encode / decode ----
     def encode(self, text):
         """Ordinary text -> ids (never id 0, never a special id, even if text contains '<|bos|>')."""
-        return self.enc.encode_ordinary(text)
+        pieces = split_long_spaces(text)
+        if len(pieces) == 1:
+            return self.enc.encode_ordinary(text)
+        return [i for p in pieces for i in self.enc.encode_ordinary(p)]
 
     def encode_batch(self, texts, num_threads=8):
         """Many texts at once, encoded on num_threads threads (tiktoken releases the GIL)."""
-        return self.enc.encode_ordinary_batch(list(texts), num_threads=num_threads)
+        texts = list(texts)
+        pieces = [split_long_spaces(t) for t in texts]
+        if all(len(p) == 1 for p in pieces):
+            return self.enc.encode_ordinary_batch(texts, num_threads=num_threads)
+        flat = self.enc.encode_ordinary_batch([q for p in pieces for q in p], num_threads=num_threads)
+        out, at = [], 0
+        for p in pieces:
+            out.append([i for ids in flat[at:at + len(p)] for i in ids])
+            at += len(p)
+        return out
 
     def decode(self, ids):
         """ids -> text; invalid UTF-8 (a sequence cut mid-character) becomes U+FFFD."""
@@ -149,6 +162,28 @@ class Tokenizer:
         return self.token_bytes[i - 1]
 
 
+LONG_SPACE_RUN = 65536  # tiktoken's and rustbpe's pre-split regex overflow their stack on ~1M whitespace in a row
+_SPACE_RUNS = re.compile(r"\s{1024,}")  # (a lower floor than the run's: a failed match costs its run length squared)
+
+
+def split_long_spaces(text):
+    """text as pieces with no whitespace run longer than LONG_SPACE_RUN, to be encoded one by one (their ids
+    joined decode to text exactly); [text] for any text that has none. Such a run panicked in Rust, a
+    BaseException no handler caught: one document ended a whole prepare run with a backtrace."""
+    if len(text) <= LONG_SPACE_RUN:
+        return [text]
+    pieces, pos = [], 0
+    for m in _SPACE_RUNS.finditer(text):
+        if m.end() - m.start() > LONG_SPACE_RUN:
+            pieces.append(text[pos:m.start()])
+            pieces += [text[i:min(i + LONG_SPACE_RUN, m.end())] for i in range(m.start(), m.end(), LONG_SPACE_RUN)]
+            pos = m.end()
+    if not pieces:
+        return [text]
+    pieces.append(text[pos:])
+    return [p for p in pieces if p]
+
+
 def train_tokenizer(texts, vocab_size):
     """Train byte-level BPE on an iterable of strings with rustbpe (GPT-4 style split pattern, rustbpe's
     default). vocab_size counts the reserved id 0, the 256 bytes, the merges and the specials."""
@@ -158,7 +193,7 @@ def train_tokenizer(texts, vocab_size):
     if not 256 <= n_bpe or vocab_size > MAX_VOCAB:
         raise ValueError(f"vocab_size {vocab_size} must be in [{256 + 1 + len(SPECIAL_TOKENS)}, {MAX_VOCAB}]")
     bpe = rustbpe.Tokenizer()
-    bpe.train_from_iterator(iter(texts), n_bpe)
+    bpe.train_from_iterator((p for t in texts for p in split_long_spaces(t)), n_bpe)
     ranks = sorted(bpe.get_mergeable_ranks(), key=lambda kv: kv[1])
     assert [r for _, r in ranks] == list(range(len(ranks))), "rustbpe ranks are not dense"
     return Tokenizer(bpe.get_pattern(), [bytes(b) for b, _ in ranks], vocab_size)

@@ -57,6 +57,19 @@ def test_tokenizer_roundtrip_unicode_and_id0_never_emitted(tok):
     assert tok.encode("\x00") == [1]  # the NUL byte is id 1: ranks are shifted by one
 
 
+def test_a_million_spaces_in_a_row_encode_and_train(tok):
+    """~1M whitespace characters in one document overflowed the Rust pre-split regex's stack: a PanicException
+    (a BaseException no handler caught) ended a whole prepare run, and tokenizer training, with a backtrace."""
+    texts = ["a" + " " * 1_100_000 + "b", "x" + "\t\xa0" * 600_000 + "y z", "short"]
+    for t in texts:
+        ids = tok.encode(t)
+        assert tok.decode(ids) == t and 0 not in ids
+    assert [tok.decode(ids) for ids in tok.encode_batch(texts)] == texts
+    ordinary = "some text " * 10_000  # no long run: one piece, the same ids as before
+    assert tokmod.split_long_spaces(ordinary) == [ordinary] and tok.encode(ordinary) == tok.enc.encode_ordinary(ordinary)
+    assert tokmod.train_tokenizer(["hello world " * 50, texts[0]], 300).vocab_size == 300
+
+
 def test_tokenizer_specials_not_produced_from_text(tok):
     text = "<|bos|><|system|><|user|><|assistant|><|end|>"
     ids = tok.encode(text)
