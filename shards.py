@@ -483,6 +483,15 @@ def _check_shard_size(corpus_dir, entry):
         what = "truncated" if st.st_size < want else "longer than recorded"
         raise DataError(f"{path} offset {st.st_size // 2}: {what} ({st.st_size} bytes, index.json says {want}); "
                         f"{_fix_hint(corpus_dir, file)}", path, min(st.st_size, want) // 2, "truncated")
+    if entry.get("mask"):  # its loss mask too (one byte per token): a missing one surfaced hours into an SFT run
+        mpath = os.path.join(str(corpus_dir), entry["mask"])
+        try:
+            msize = os.stat(mpath).st_size
+        except OSError:
+            raise DataError(f"{mpath}: loss mask missing; {_fix_hint(corpus_dir)}", mpath, None, "missing") from None
+        if msize != entry["tokens"]:
+            raise DataError(f"{mpath}: {msize} bytes, index.json says {entry['tokens']} (one per token of {file}); "
+                            f"{_fix_hint(corpus_dir)}", mpath, min(msize, entry["tokens"]), "truncated")
     return st
 
 

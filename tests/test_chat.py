@@ -646,3 +646,20 @@ def test_the_val_loss_of_masked_data_is_token_weighted(tok, tmp_path):
     assert max(counts) > 2 * min(counts)  # the data does what it is for
     assert abs(sum(means) / 2 - total / n_all) > 1e-3  # so the two averages differ
     assert abs(logged - total / n_all) < 1e-4, (logged, total / n_all, sum(means) / 2, counts)
+
+
+def test_a_missing_or_short_loss_mask_is_found_when_the_stream_opens(corpus, tmp_path):
+    """A shard's .bin sizes were checked when a stream opened, its loss mask only when its shard was first read:
+    hours into an SFT run."""
+    import shutil
+    d = tmp_path / "pp"
+    shutil.copytree(corpus[0], d)
+    entries = json.load(open(d / "index.json"))["splits"]["train"]
+    last = d / entries[-1]["mask"]
+    assert len(entries) > 1 and entries[-1]["tokens"] > 0
+    last.write_bytes(last.read_bytes()[:-1])
+    with pytest.raises(shards.DataError, match="one per token"):
+        shards.TokenStream(str(d), "train")
+    os.remove(last)
+    with pytest.raises(shards.DataError, match="loss mask missing"):
+        shards.TokenStream(str(d), "train")
