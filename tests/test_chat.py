@@ -202,6 +202,7 @@ def test_bad_rows_counted_and_long_conversations_split(corpus):
     assert rep["conversations_split"] == 3 and rep["split_pieces"] == 3
     assert rep["bad_malformed_json"] == 1 and rep["rows_read"] == 608  # the BOM line was read too
     assert rep["pieces_without_system_prompt"] == 1 and "without their system prompt" in r.stdout
+    assert f"pieces with no assistant turn (nothing to train on: dropped): {rep.get('pieces_without_assistant', 0)}" in r.stdout
     assert rep["exchanges_dropped_too_long"] == 1 and rep["tokens_dropped_too_long"] > ROW
     assert "split at exchange boundaries" in r.stdout and "dropped" in r.stdout
     # nothing usable: a one-line error, no traceback

@@ -317,7 +317,8 @@ def report_build(args, stats, splits, t0):
     print(f"split at exchange boundaries (longer than --max-len {args.max_len}): {stats['conversations_split']} "
           f"conversations -> {stats['split_pieces']} pieces; exchanges dropped (alone longer than a row): "
           f"{stats['exchanges_dropped_too_long']} ({stats['tokens_dropped_too_long']:,} tokens); pieces without "
-          f"their system prompt (it did not fit beside them): {stats['pieces_without_system_prompt']}")
+          f"their system prompt (it did not fit beside them): {stats['pieces_without_system_prompt']}; pieces with no "
+          f"assistant turn (nothing to train on: dropped): {stats['pieces_without_assistant']}")
     for s in ("train", "val"):
         total = stats[f"{s}_rows"] * args.max_len
         print(f"{s}: {stats[f'{s}_conversations']:,} conversations, {stats[f'{s}_rows']:,} rows of {args.max_len} "
