@@ -293,6 +293,21 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
 _CGROUP_SERIAL = itertools.count(1)
 
 
+def remove_stale_cgroups(parent):
+    """Empty picaflor-bench-PID-N cgroups in parent whose PID is dead (a bench killed with SIGKILL left them)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        m = re.match(r"^picaflor-bench-(\d+)-\d+$", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            try:
+                os.rmdir(os.path.join(parent, name))  # refused while a process is still inside: left alone
+            except OSError:
+                pass
+
+
 def cgroup_memory_dir():
     """A fresh child memory cgroup (v2 memory.max or v1 memory.limit_in_bytes) or None; we must be root."""
     name = f"picaflor-bench-{os.getpid()}-{next(_CGROUP_SERIAL)}"  # one per budget of a sweep (a leftover one's
@@ -307,6 +322,7 @@ def cgroup_memory_dir():
         if os.path.exists(ctl) and "memory" in open(ctl).read().split():
             rel = next((l.split(":", 2)[2].strip() for l in own if l.startswith("0::")), "/")
             d = os.path.join(root, rel.lstrip("/"), name)
+            remove_stale_cgroups(os.path.dirname(d))
             try:
                 os.mkdir(d)
                 return d, "v2"
@@ -315,6 +331,7 @@ def cgroup_memory_dir():
     rel = next((l.split(":", 2)[2].strip() for l in own if ":memory:" in l), None)
     if rel is not None and os.path.isdir("/sys/fs/cgroup/memory"):
         d = os.path.join("/sys/fs/cgroup/memory", rel.lstrip("/"), name)
+        remove_stale_cgroups(os.path.dirname(d))
         try:
             os.mkdir(d)
             return d, "v1"
@@ -323,12 +340,26 @@ def cgroup_memory_dir():
     return None, None
 
 
+def die_with_parent():
+    """In a child (preexec_fn): SIGKILL it when the parent dies (a SIGKILLed bench left its child running in its
+    cgroup); Linux's prctl(PR_SET_PDEATHSIG), nothing elsewhere."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def drop_page_cache(path):
     """posix_fadvise(DONTNEED) over a whole file, so the next reads come from the disk; True if it was done."""
     try:
         fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+        try:
+            os.fsync(fd)  # dirty pages (a container just written) survive DONTNEED: 84 of 300 MB stayed cached
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
         return True
     except (OSError, AttributeError):
         return False
@@ -430,6 +461,7 @@ def bench_in_cgroup(args, argv):
         procs = os.path.join(cg, "cgroup.procs") if cg else None
 
         def enter_cgroup():
+            die_with_parent()
             if procs:
                 with open(procs, "w") as f:
                     f.write(str(os.getpid()))
@@ -439,12 +471,13 @@ def bench_in_cgroup(args, argv):
         def on_sigterm(signum, frame):  # as Ctrl-C (a sweep stops too): kill left the child running, its cgroup and
             raise KeyboardInterrupt  # temp dir behind
         import signal
-        old = signal.signal(signal.SIGTERM, on_sigterm)
+        old = {sig: signal.signal(sig, on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}  # (a hangup left both)
         try:  # Ctrl-C: subprocess.run ends the child, then the cgroup goes too (it was left behind)
             r = subprocess.run(argv, env=env, preexec_fn=enter_cgroup)
         finally:
             cg_peak = close_cgroup(cg)
-            signal.signal(signal.SIGTERM, old)  # (after: a second SIGTERM while cleaning up is the same request)
+            for sig, handler in old.items():  # (after: a second signal while cleaning up is the same request)
+                signal.signal(sig, handler)
         parent_cpu_s = time.process_time() - cpu0  # this process while the child ran: ~0, or it stole the child's cores
         if r.returncode != 0 or not os.path.exists(res_path):
             why = "killed (out of memory inside the cgroup?)" if r.returncode < 0 else f"exit {r.returncode}"
@@ -588,8 +621,8 @@ def run_sweep(args, argv):
     results = {b: [] for b in budgets}
     for _ in range(max(1, args.repeat)):
         for b in budgets:
-            if results[b] and "error" in results[b][0]:
-                continue  # refused once (e.g. below the resident size): it would be refused again
+            if results[b] and "error" in results[b][0] and "benchmark child failed" not in results[b][0]["error"]:
+                continue  # refused once (e.g. below the resident size): it would be refused again; a crash may not
             args.ram_budget = b
             try:
                 res = bench_in_cgroup(args, base + ["--bench", "--ram-budget", b])
@@ -631,8 +664,13 @@ def run_sweep(args, argv):
               f"{r['disk_bytes_per_token'] / 1e6:11.1f} {S.fmt_size(r['peak_rss_bytes']):>9} {r['bound_tok_s']:11.2f} "
               f"{pct:>10} {str(r['page_cache_excluded']):>11} {fmt_steal(r):>9}")
     if args.repeat > 1:
-        print(f"each row: the median of {args.repeat} runs by % of the bound (range in brackets; of an even count, "
-              f"the lower middle run)")
+        print(f"each row: the run with the median % of the bound of {args.repeat} (range in brackets; of an even "
+              f"count, the lower middle run); its tok/s are that run's, not a median of tok/s:")
+        for r in rows:
+            if "runs" in r and len(r["runs"]) > 1:
+                toks = [x["decode_tok_s"] for x in r["runs"]]
+                print(f"  {r['budget_str']}: decode tok/s over its runs {min(toks):.2f}-{max(toks):.2f} "
+                      f"(median {sorted(toks)[(len(toks) - 1) // 2]:.2f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -666,7 +704,7 @@ def sweep_markdown(rows):
         disk = " / ".join(opt(r.get(k), gb) for k in ("disk_bw_before_bytes_s", "disk_bw_after_bytes_s",
                                                       "disk_bw_decode_bytes_s"))
         lines.append("| " + " | ".join([
-            r["budget_str"], f"{r['decode_tok_s']:.2f}", f"{r['prefill_tok_s']:.2f}",
+            r["budget_str"], f"{r['decode_tok_s']:.2f}{ranged(r, 'decode_tok_s', 1)}", f"{r['prefill_tok_s']:.2f}",
             f"{r['p50_token_latency_s'] * 1e3:.0f} / {r['p99_token_latency_s'] * 1e3:.0f}", f"{r['hit_rate']:.3f}",
             str(r["cache_capacity_experts"]), f"{r['disk_bytes_per_token'] / 1e6:.1f}",
             f"{r['read_wait_s_per_token'] * 1e3:.0f}", gb(r["peak_rss_bytes"]) + " GB",

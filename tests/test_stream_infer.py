@@ -1785,7 +1785,7 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     pcts = sorted(run["pct_of_bound"] for run in got[1]["runs"])
     assert len(pcts) == 2 and "runs" not in got[0] and got[1]["pct_of_bound"] == pcts[0]
     assert got[1]["pct_of_bound"] == pytest.approx(got[1]["decode_tok_s"] / got[1]["bound_tok_s"])
-    assert "median of 2 runs" in r.stdout
+    assert "the median % of the bound of 2" in r.stdout and "decode tok/s over its runs" in r.stdout
     # (both refusals at once: two single-threaded children, two cores) --repeat without --sweep; and an error raised
     # in stream_bench (which imports stream_infer) is one line when stream_infer.py is the script: its StreamError
     # was a second copy of the class, which main() did not catch
@@ -1803,12 +1803,16 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     count; runs above 100% only when all are); a round that fails later is listed, not fatal; a budget that only
     fails is its error row."""
     import types
-    decode = {"2G": iter([5.0, None, 3.0, 4.0]), "1G": iter([None, None])}  # None: that round's child failed
+    # None: that round's child failed (tried again next round: a one-off OOM); "refused": below the resident size,
+    # tried once (a second try would be refused again; the iterator has no second item)
+    decode = {"2G": iter([5.0, None, 3.0, 4.0]), "1G": iter([None] * 4), "1K": iter(["refused"])}
 
     def fake_bench(args, argv):
         tok = next(decode[args.ram_budget])
         if tok is None:
             raise S.StreamError(f"x.pcf4: benchmark child failed (exit 1) at --ram-budget {args.ram_budget}")
+        if tok == "refused":
+            raise S.StreamError(f"--ram-budget {args.ram_budget}: below the resident part's size")
         return {"decode_tok_s": tok, "bound_tok_s": 10.0, "prefill_tok_s": 1.0, "hit_rate": 0.5,
                 "disk_bytes_per_token": 1e6, "read_wait_s_per_token": 0.01, "bound_tok_s_serial": 5.0,
                 "disk_bw_bytes_s": 1e9, "mem_bw_bytes_s": 1e10, "peak_rss_bytes": 1 << 30, "page_cache_excluded": True,
@@ -1819,19 +1823,21 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(B, "bench_in_cgroup", fake_bench)
     monkeypatch.setattr(B, "print_bench", lambda res: None)
     monkeypatch.setattr(B, "plot_sweep", lambda *a: None)
-    args = types.SimpleNamespace(sweep="2G,1G", repeat=4, json=str(tmp_path / "s.json"), plot=None,
+    args = types.SimpleNamespace(sweep="2G,1G,1K", repeat=4, json=str(tmp_path / "s.json"), plot=None,
                                  llamacpp_json=None, container="x.pcf4", ram_budget=None)
     rows = B.run_sweep(args, [])
     assert rows[0]["decode_tok_s"] == 4.0  # of 3, 4, 5 tok/s (one round failed): the median
     assert [r["decode_tok_s"] for r in rows[0]["runs"]] == [5.0, 3.0, 4.0] and len(rows[0]["failed_runs"]) == 1
-    assert "error" in rows[1] and "runs" not in rows[1]  # refused once: not tried again
+    assert "error" in rows[1] and "runs" not in rows[1] and next(decode["1G"], "spent") == "spent"  # 4 tries
+    assert "below the resident" in rows[2]["error"]  # refused once: not tried again (no StopIteration)
     out = capsys.readouterr().out
     assert "1 failed" in out and "4% (3-5)" in out  # the CPU steal column: the median run's, and the range
+    assert "2G: decode tok/s over its runs 3.00-5.00 (median 4.00)" in out
     # README's table, written next to the JSON: the median run's figures, the runs' ranges, the refused budget's error
     md = (tmp_path / "s.md").read_text().splitlines()
-    assert len(md) == 4 and md[1].count("---") == md[0].count("|") - 1
+    assert len(md) == 5 and md[1].count("---") == md[0].count("|") - 1
     cells = [c.strip() for c in md[2].strip("|").split("|")]
-    assert cells[:5] == ["2G", "4.00", "1.00", "250 / 500", "0.500"] and cells[6:8] == ["1.0", "10"]
+    assert cells[:5] == ["2G", "4.00 (3-5)", "1.00", "250 / 500", "0.500"] and cells[6:8] == ["1.0", "10"]
     assert cells[10] == "n/a / n/a / 1.50" and cells[13:] == ["**40%** (30-50)", "80%", "4% (3-5)", "2%"]
     assert md[3].startswith("| 1G | x.pcf4: benchmark child failed") and md[3].count("|") == md[0].count("|")
     decode["2G"] = iter([5.0, 3.0])
@@ -2213,6 +2219,24 @@ def test_bench_cgroups_are_unique_and_removed_with_what_is_left_in_them(tmp_path
         for cg in (a[0], b[0]):
             if cg and os.path.exists(cg):
                 B.close_cgroup(cg)
+    # a SIGKILLed bench's empty cgroup (its pid dead) is removed by the next one; a live bench's is left alone
+    parent = tmp_path / "cg"
+    for name in ("picaflor-bench-999999999-1", f"picaflor-bench-{os.getpid()}-7", "other-999999999-1"):
+        (parent / name).mkdir(parents=True)
+    B.remove_stale_cgroups(str(parent))
+    assert sorted(os.listdir(parent)) == ["other-999999999-1", f"picaflor-bench-{os.getpid()}-7"]
+    # and the bench's child dies with its parent (it ran on in the cgroup after a SIGKILL of the bench)
+    code = ("import os, subprocess, sys, time; sys.path.insert(0, sys.argv[1]); import stream_bench as B; "
+            "p = subprocess.Popen(['sleep', '60'], preexec_fn=B.die_with_parent); print(p.pid, flush=True); "
+            "time.sleep(60)")
+    parent_proc = sp.Popen([sys.executable, "-c", code, ROOT], stdout=sp.PIPE, text=True)
+    child = int(parent_proc.stdout.readline())
+    parent_proc.kill()
+    parent_proc.wait()
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{child}") and open(f"/proc/{child}/stat").read().split()[2] != "Z":
+        assert time.time() < deadline, "the child outlived its killed parent"
+        time.sleep(0.05)
     shm = "/dev/shm"
     if B.filesystem_type(shm) == "tmpfs":  # Linux: /dev/shm is memory
         assert B.filesystem_type(os.path.join(shm, "no", "such", "file")) in B.RAM_FILESYSTEMS
