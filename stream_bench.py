@@ -502,18 +502,23 @@ def bench_in_cgroup(args, argv):
 RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs", "hugetlbfs")
 
 
-def filesystem_type(path):
+def filesystem_type(path, _depth=0):
     """The type of the filesystem holding path (the longest mount point over it in /proc/self/mounts), or None."""
     try:
         mounts = [line.split() for line in open(os.path.join(S.PROC_SELF, "mounts"))]
     except OSError:  # macOS
         return None
     real = os.path.realpath(path)
-    best, fs = "", None
+    best, fs, opts = "", None, ""
     for m in mounts:
         point = re.sub(r"\\([0-7]{3})", lambda o: chr(int(o.group(1), 8)), m[1]) if len(m) > 2 else None  # \040 ...
         if point and (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, fs = point, m[2]
+            best, fs, opts = point, m[2], (m[3] if len(m) > 3 else "")
+    if fs == "overlay" and _depth < 4:  # what its layers sit on: an overlay over tmpfs was reported as disk-bound
+        dirs = [d for o in opts.split(",") if o.startswith(("lowerdir=", "upperdir="))
+                for d in o.split("=", 1)[1].split(":") if d]
+        under = [filesystem_type(d, _depth + 1) for d in dirs]
+        return next((u for u in under if u in RAM_FILESYSTEMS), fs)
     return fs
 
 

@@ -2237,6 +2237,18 @@ def test_bench_cgroups_are_unique_and_removed_with_what_is_left_in_them(tmp_path
     while os.path.exists(f"/proc/{child}") and open(f"/proc/{child}/stat").read().split()[2] != "Z":
         assert time.time() < deadline, "the child outlived its killed parent"
         time.sleep(0.05)
+    # an overlay is what its layers sit on: over tmpfs it was reported as disk-bound (O_DIRECT works there)
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "mounts").write_text("/dev/vda / ext4 rw 0 0\ntmpfs /mem tmpfs rw 0 0\n"
+                                 "overlay /ovl overlay rw,lowerdir=/mem/lower,upperdir=/mem/upper,workdir=/mem/w 0 0\n"
+                                 "overlay /disk-ovl overlay rw,lowerdir=/a:/b,upperdir=/c,workdir=/d 0 0\n")
+    real_proc = S.PROC_SELF
+    try:
+        S.PROC_SELF = str(proc)
+        assert B.filesystem_type("/ovl/model.pcf4") == "tmpfs" and B.filesystem_type("/disk-ovl/m.pcf4") == "overlay"
+    finally:
+        S.PROC_SELF = real_proc
     shm = "/dev/shm"
     if B.filesystem_type(shm) == "tmpfs":  # Linux: /dev/shm is memory
         assert B.filesystem_type(os.path.join(shm, "no", "such", "file")) in B.RAM_FILESYSTEMS
