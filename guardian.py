@@ -78,11 +78,10 @@ class Guardian:
         self.path = os.path.join(self.out, "guardian.json")
         os.makedirs(self.out, exist_ok=True)
         # one guardian per run, before guardian.json is touched (a second one rewrote the first's as stopped)
-        held = _LOCKS.pop(os.path.realpath(self.out), None)
-        if held is not None:  # an earlier Guardian of this process (a test, a notebook) is over
-            os.close(held)
-        self.lock = _LOCKS[os.path.realpath(self.out)] = rundir.hold_run_lock(
-            self.out, self.cfg["lock_wait_s"], self.say, who="guardian")
+        key = os.path.realpath(self.out)
+        if key in _LOCKS:  # an earlier Guardian of this process (a test, a notebook) is over
+            os.close(_LOCKS.pop(key))
+        self.lock = _LOCKS[key] = rundir.hold_run_lock(self.out, self.cfg["lock_wait_s"], self.say, who="guardian")
         try:
             self.log = train.read_json(self.path, None) or {"starts": [], "quarantined": [], "repairs": []}
         except train.TrainError as e:  # a torn guardian.json (a full disk): kept aside, a fresh log begins

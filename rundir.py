@@ -69,7 +69,7 @@ def retain(out_dir, keep, saved=None):
     `saved` are not this run's (a corrupt leftover of an earlier one): never protected on its behalf."""
     ckpts = checkpoint.list_checkpoints(out_dir)
     if saved is not None:
-        limit = int(re.match(r"step_(\d+)", os.path.basename(str(saved).rstrip("/"))).group(1))
+        limit = int(checkpoint.STEP_RE.match(os.path.basename(str(saved).rstrip("/"))).group(1))
         ckpts = [(s, p) for s, p in ckpts if s <= limit]
     valid = [(s, p) for s, p in ckpts if checkpoint.is_valid(p, check_hashes=False)]
     if not valid:

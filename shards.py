@@ -483,15 +483,21 @@ def _check_shard_size(corpus_dir, entry):
         what = "truncated" if st.st_size < want else "longer than recorded"
         raise DataError(f"{path} offset {st.st_size // 2}: {what} ({st.st_size} bytes, index.json says {want}); "
                         f"{_fix_hint(corpus_dir, file)}", path, min(st.st_size, want) // 2, "truncated")
-    if entry.get("mask"):  # its loss mask too (one byte per token): a missing one surfaced hours into an SFT run
-        mpath = os.path.join(str(corpus_dir), entry["mask"])
-        try:
-            msize = os.stat(mpath).st_size
-        except OSError:
-            raise DataError(f"{mpath}: loss mask missing; {_fix_hint(corpus_dir)}", mpath, None, "missing") from None
-        if msize != entry["tokens"]:
-            raise DataError(f"{mpath}: {msize} bytes, index.json says {entry['tokens']} (one per token of {file}); "
-                            f"{_fix_hint(corpus_dir)}", mpath, min(msize, entry["tokens"]), "truncated")
+    if entry.get("mask"):  # its loss mask too: a missing one surfaced hours into an SFT run
+        _check_mask_size(corpus_dir, entry)
+    return st
+
+
+def _check_mask_size(corpus_dir, entry):
+    """A shard's loss mask's stat, after checking it exists with one byte per token of its shard."""
+    path = os.path.join(str(corpus_dir), entry["mask"])
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise DataError(f"{path}: loss mask missing; {_fix_hint(corpus_dir)}", path, None, "missing") from None
+    if st.st_size != entry["tokens"]:
+        raise DataError(f"{path}: {st.st_size} bytes, index.json says {entry['tokens']} (one per token of "
+                        f"{entry['file']}); {_fix_hint(corpus_dir)}", path, min(st.st_size, entry["tokens"]), "truncated")
     return st
 
 
@@ -520,15 +526,8 @@ def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
 
 def _open_mask(corpus_dir, entry):
     """Memory-map one shard's loss mask (uint8, one byte per token) after checking size and (once) sha256."""
-    file = entry["mask"]
-    path = os.path.join(str(corpus_dir), file)
-    try:
-        st = os.stat(path)
-    except OSError:
-        raise DataError(f"{path}: loss mask missing; {_fix_hint(corpus_dir)}", path, None, "missing") from None
-    if st.st_size != entry["tokens"]:
-        raise DataError(f"{path}: {st.st_size} bytes, index.json says {entry['tokens']} (one per token of "
-                        f"{entry['file']}); {_fix_hint(corpus_dir)}", path, min(st.st_size, entry["tokens"]), "truncated")
+    path = os.path.join(str(corpus_dir), entry["mask"])
+    st = _check_mask_size(corpus_dir, entry)
     mask = np.memmap(path, dtype=np.uint8, mode="r") if entry["tokens"] else np.zeros(0, np.uint8)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["mask_sha256"])
     if key not in _VERIFIED:

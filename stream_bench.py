@@ -293,6 +293,10 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
 _CGROUP_SERIAL = itertools.count(1)
 
 
+class ChildFailed(S.StreamError):
+    """The measuring child died (an OOM kill, say): unlike a refusal, the next try may not."""
+
+
 def remove_stale_cgroups(parent):
     """Empty picaflor-bench-PID-N cgroups in parent whose PID is dead (a bench killed with SIGKILL left them)."""
     try:
@@ -481,7 +485,7 @@ def bench_in_cgroup(args, argv):
         parent_cpu_s = time.process_time() - cpu0  # this process while the child ran: ~0, or it stole the child's cores
         if r.returncode != 0 or not os.path.exists(res_path):
             why = "killed (out of memory inside the cgroup?)" if r.returncode < 0 else f"exit {r.returncode}"
-            raise S.StreamError(f"{args.container}: benchmark child failed ({why}) at --ram-budget {args.ram_budget}")
+            raise ChildFailed(f"{args.container}: benchmark child failed ({why}) at --ram-budget {args.ram_budget}")
         res = json.load(open(res_path))
     res["cgroup"] = ver if cg else None
     res["parent_cpu_s"] = parent_cpu_s
@@ -626,7 +630,7 @@ def run_sweep(args, argv):
     results = {b: [] for b in budgets}
     for _ in range(max(1, args.repeat)):
         for b in budgets:
-            if results[b] and "error" in results[b][0] and "benchmark child failed" not in results[b][0]["error"]:
+            if results[b] and results[b][0].get("refused"):
                 continue  # refused once (e.g. below the resident size): it would be refused again; a crash may not
             args.ram_budget = b
             try:
@@ -634,7 +638,7 @@ def run_sweep(args, argv):
                 res["pct_of_bound"] = res["decode_tok_s"] / res["bound_tok_s"]
             except S.StreamError as e:  # e.g. below the resident size: a point with no figures, the sweep goes on
                 print(f"budget {b}: {e}", file=sys.stderr)
-                res = {"ram_budget": S.parse_size(b), "error": str(e)}
+                res = {"ram_budget": S.parse_size(b), "error": str(e), "refused": not isinstance(e, ChildFailed)}
             res["budget_str"] = b
             results[b].append(res)
             if "error" not in res:

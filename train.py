@@ -937,9 +937,9 @@ def main(argv):
             y = y.to(device)
             with autocast:
                 _, loss = model(x.to(device), y)
-            n = (y != -1).sum()
-            if n > 0:  # a batch with no target has a NaN mean and no weight
-                sums += torch.stack([loss.double() * n, n.double()])
+            n = (y != -1).sum().double()
+            # a batch with no target has a NaN mean and no weight (where, not an if: no host sync per batch)
+            sums += torch.stack([torch.where(n > 0, loss.double() * n, torch.zeros_like(n)), n])
         if ddp:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         model.train()

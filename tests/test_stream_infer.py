@@ -1810,7 +1810,7 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     def fake_bench(args, argv):
         tok = next(decode[args.ram_budget])
         if tok is None:
-            raise S.StreamError(f"x.pcf4: benchmark child failed (exit 1) at --ram-budget {args.ram_budget}")
+            raise B.ChildFailed(f"x.pcf4: benchmark child failed (exit 1) at --ram-budget {args.ram_budget}")
         if tok == "refused":
             raise S.StreamError(f"--ram-budget {args.ram_budget}: below the resident part's size")
         return {"decode_tok_s": tok, "bound_tok_s": 10.0, "prefill_tok_s": 1.0, "hit_rate": 0.5,
