@@ -973,24 +973,34 @@ def test_manual_claim_pull_train_push_release(tmp_path, hub, rl):
     assert snap.relay["holder"] is None and snap.relay["leg"] == 2 and snap.state["step"] == 6
 
 
+def solo_run(tmp_path, env, steps):
+    """The stand-in trainer's own run (no relay) of `steps` steps in tmp_path/solo: (fake trainer, run dir)."""
+    fake = write_fake_train(tmp_path)
+    out = tmp_path / "solo"
+    t = subprocess.run([sys.executable, fake, "cfg.py", f"--out_dir={out}", "--init_from=scratch",
+                        f"--stop_after_steps={steps}"], env=env, capture_output=True, text=True, timeout=60)
+    assert t.returncode == 0, t.stderr
+    return fake, out
+
+
+def saved_with_config(out, step, config):
+    """Step `step` of run dir `out` saved again with `config` as its state.json's "config"; its path."""
+    d = out / checkpoint.step_dir_name(step)
+    st = dict(json.load(open(d / "state.json")), config=config)
+    blobs = {n: open(d / n, "rb").read() for n in ("model.safetensors", "optimizer.pt", "tokenizer.json")}
+    blobs["state.json"] = json.dumps(st).encode()
+    return checkpoint.save(str(out), step, {n: (lambda p, b=b: open(p, "wb").write(b)) for n, b in blobs.items()})
+
+
 def test_init_from_existing_checkpoint(tmp_path, hub, rl, monkeypatch):
     env = base_env()
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    fake = write_fake_train(tmp_path)
-    out = tmp_path / "solo"
-    t = subprocess.run([sys.executable, fake, "cfg.py", f"--out_dir={out}", "--init_from=scratch", "--stop_after_steps=5"],
-                       env=env, capture_output=True, text=True, timeout=60)
-    assert t.returncode == 0, t.stderr
+    fake, out = solo_run(tmp_path, env, 5)
     url = f"file://{tmp_path}/store"
     r = rl(["init", url, "--from-checkpoint", out, "--workdir", tmp_path / "w0"])
     assert r.returncode == 3 and "has no \"config\"" in r.stderr and not os.path.exists(tmp_path / "store")
-    st_path = out / "step_0000005" / "state.json"
-    st = json.load(open(st_path))
-    st["config"] = {"n_layer": 3, "out_dir": "elsewhere", "learning_rate": 0.003, "stages": []}
-    blobs = {n: open(out / "step_0000005" / n, "rb").read() for n in ("model.safetensors", "optimizer.pt", "tokenizer.json")}
-    blobs["state.json"] = json.dumps(st).encode()
-    ck = checkpoint.save(str(out), 5, {n: (lambda p, b=b: open(p, "wb").write(b)) for n, b in blobs.items()})
+    ck = saved_with_config(out, 5, {"n_layer": 3, "out_dir": "elsewhere", "learning_rate": 0.003, "stages": []})
     r = rl(["init", url, "--from-checkpoint", ck, "--workdir", tmp_path / "w0"])
     assert r.returncode == 0, r.stderr
     store = relay.open_store(url)
@@ -1441,16 +1451,8 @@ def test_overrides_are_parsed_as_train_py_parses_them_and_refused_before_anythin
     env = base_env()
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    fake = write_fake_train(tmp_path)
-    out = tmp_path / "solo"
-    t = subprocess.run([sys.executable, fake, "cfg.py", f"--out_dir={out}", "--init_from=scratch", "--stop_after_steps=2"],
-                       env=env, capture_output=True, text=True, timeout=60)
-    assert t.returncode == 0, t.stderr
-    st_path = out / "step_0000002" / "state.json"
-    st = dict(json.load(open(st_path)), config={"n_layer": 3, "learning_rate": 0.003})
-    blobs = {n: open(out / "step_0000002" / n, "rb").read() for n in ("model.safetensors", "optimizer.pt", "tokenizer.json")}
-    blobs["state.json"] = json.dumps(st).encode()
-    ck = checkpoint.save(str(out), 2, {n: (lambda p, b=b: open(p, "wb").write(b)) for n, b in blobs.items()})
+    _, out = solo_run(tmp_path, env, 2)
+    ck = saved_with_config(out, 2, {"n_layer": 3, "learning_rate": 0.003})
     url = f"file://{tmp_path}/store"
     for bad, rc, words in ((["--seed=7\nimport os"], 3, "not a valid Python literal"),
                            (["--se\ned=7"], 3, "unknown config key"), (["--out_dir=elsewhere"], 2, "a leg's setting"),
