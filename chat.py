@@ -459,11 +459,9 @@ def write_pick_report(run_dir, data_dir, prompts, max_new_tokens, results, skipp
 # command line
 
 def check_device(device):
-    import torch
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ChatError(f"--device {device}: cpu or cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():  # a pin_memory traceback
-        raise ChatError(f"--device {device}: no CUDA device here; use --device cpu")
+    from model import device_problem
+    if problem := device_problem(device):
+        raise ChatError(f"--device {device}: {problem}")
 
 
 def add_sampling_args(ap):

@@ -1058,10 +1058,8 @@ def evaluate(args):
         raise EvalError(f"--limit {args.limit}: a positive number of examples per task (leave it out for all)")
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise EvalError(f"{args.out}: exists and is not a folder; pass --out DIR")
-    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):  # (a safetensors traceback)
-        raise EvalError(f"--device {args.device}: cpu, cuda or cuda:N")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():  # (a pin_memory traceback)
-        raise EvalError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    if problem := picaflor.device_problem(args.device):
+        raise EvalError(f"--device {args.device}: {problem}")
     if args.passkey_lengths is not None:
         try:
             [int(x) for x in args.passkey_lengths.split(",")]  # as passkey_lengths() parses it

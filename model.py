@@ -36,6 +36,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, asdict, fields
 
@@ -819,6 +820,20 @@ def save_checkpoint(model, out_dir, step, state=None, extra_writers=None, tokeni
         writers["tokenizer.json"] = lambda p: shutil.copyfile(tokenizer_file, p)
     writers.update(extra_writers or {})
     return checkpoint.save(out_dir, step, writers)
+
+
+def device_problem(device):
+    """Why `device` cannot run a model here, in a few words, or None (chat, eval, stream_infer share the check)."""
+    device = str(device)
+    if device != "cpu" and device != "cuda" and not re.fullmatch(r"cuda:\d+", device):
+        return "use cpu, cuda or cuda:N"  # mps/xla/typos failed deep inside a load with a traceback
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():  # pin_memory/safetensors tracebacks otherwise
+            return f"no CUDA GPU is visible to this torch ({torch.__version__}); use cpu"
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            return f"this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+    return None
 
 
 def load_checkpoint(path, device="cpu", dtype=None):

@@ -106,7 +106,7 @@ import torch.nn.functional as F
 import container as C
 import expert_cache as EC
 import kernels
-from model import KVCache, meta_model, rope_cos_sin, sample_next
+from model import KVCache, device_problem, meta_model, rope_cos_sin, sample_next
 
 
 class StreamError(Exception):
@@ -498,10 +498,8 @@ class Engine:
         self.prefill_chunk = int(prefill_chunk)
         if self.prefill_chunk < 1:
             raise StreamError(f"prefill_chunk {prefill_chunk}: must be at least 1 token")
-        if device != "cpu" and not str(device).startswith("cuda"):
-            raise StreamError(f"device {device!r}: use cpu or cuda")
-        if str(device).startswith("cuda") and not torch.cuda.is_available():
-            raise StreamError(f"device {device!r}: no CUDA device here (torch.cuda.is_available() is False); use cpu")
+        if problem := device_problem(device):
+            raise StreamError(f"device {device!r}: {problem}")
         try:
             self.container = c = C.load_container(path)
         except C.ContainerError as e:
@@ -1093,9 +1091,8 @@ def check_args(args, argv):
                           "token, so at least 2" if args.bench or args.sweep else "0 or more"))
     if args.bench_prompt_tokens < 1:
         raise StreamError(f"--bench-prompt-tokens {args.bench_prompt_tokens}: at least 1")
-    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
-        raise StreamError(f"--device {args.device}: no CUDA GPU is visible to this torch ({torch.__version__}); "
-                          f"use --device cpu")
+    if problem := device_problem(args.device):
+        raise StreamError(f"--device {args.device}: {problem}")
     if args.kernel == "triton" and not str(args.device).startswith("cuda"):
         raise StreamError("--kernel triton: Triton kernels run on CUDA (--device cuda); on the CPU use --kernel auto")
     if args.chat:

@@ -339,13 +339,13 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
               ([model_dir, "--tasks", "gsm8k", "--data-dir", str(numeric)], "does not have the dataset's schema"),
               ([model_dir, "--tasks", "gsm8k", "--max-gen-toks", "0"], "--max-gen-toks 0: at least 1"),
               ([str(broken), "--tasks", "piqa", "--data-dir", data_dir], "cannot load as a transformers model"),
-              ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--device", "gpu"], "--device gpu: cpu, cuda"),
+              ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--device", "gpu"], "--device gpu: use cpu, cuda or cuda:N"),
               # the prompt was cut to its last token to make room for 256 new ones: scores of nothing
               ([model_dir, "--tasks", "gsm8k", "--data-dir", data_dir, "--max-gen-toks", "100000"], "leaves no room"),
               ([model_dir, "--tasks", ",", "--data-dir", data_dir], "no task named"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(afile / "sub")], "cannot write")]
     if not torch.cuda.is_available():  # a pin_memory traceback
-        cases.append(([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--device", "cuda"], "no CUDA device"))
+        cases.append(([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--device", "cuda"], "no CUDA GPU is visible"))
     for argv, msg in cases:
         assert ev.main(argv) == 2, argv
         err = capsys.readouterr().err.strip()

@@ -557,3 +557,18 @@ def test_model_cli_and_config_checks(tmp_path):
                         (bad, "not divisible by n_head=5")]:
         r = subprocess.run([sys.executable, os.path.join(repo, "model.py"), str(path)], capture_output=True, text=True)
         assert r.returncode != 0 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_device_problem_names_what_cannot_run_here(monkeypatch):
+    """chat, eval and stream_infer refuse a device with this one check: a typo, a device kind torch would take but the
+    scripts never run on, and a CUDA index past the machine's GPUs all get a reason; cpu and a present GPU get None."""
+    from model import device_problem
+    assert device_problem("cpu") is None
+    for bad in ("gpu", "mps", "cuda:x", "cuda:", "CPU"):
+        assert "use cpu, cuda or cuda:N" in device_problem(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no CUDA GPU is visible" in device_problem("cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert device_problem("cuda") is None and device_problem("cuda:1") is None
+    assert "2 CUDA device(s)" in device_problem("cuda:2")
