@@ -318,8 +318,8 @@ class Heartbeat(threading.Thread):
                 self.fail(str(e))
                 self.failed = str(e)  # (after an overdue stop: the fence is what the caller must say)
                 return
-            except (StoreError, RelayError) as e:
-                print(f"relay: heartbeat failed, retrying: {e}", file=sys.stderr)
+            except Exception as e:  # anything else too: a dead thread renewed nothing and told no one
+                print(f"relay: heartbeat failed, retrying: {type(e).__name__}: {e}", file=sys.stderr)
                 wait = max(self.lease.heartbeat_s / 4, 0.1)
 
 

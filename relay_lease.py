@@ -62,11 +62,16 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
     for attempt in range(tries):
         try:
             return store.commit(parent, adds, deletes, message), relay
-        except Conflict:
+        except Conflict as e:
+            head, _, _ = store.head()
+            if head == parent:  # a 412 from a request before the commit (an upload's): nothing moved, so try again
+                err = e
+                time.sleep(delay)
+                delay = min(delay * 2, 10)
+                continue
             if not (attempt == 0 and write_id is None):
                 # refused because the head moved: maybe by our own earlier attempt (this call's, or an earlier
                 # call's given the same write_id again), landed after we looked
-                head, _, _ = store.head()
                 landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
                 if landed and landed.get("write_id") == relay["write_id"]:
                     return head, relay
@@ -110,7 +115,7 @@ def adopt_foreign_head(store, lease):
         return False
     if any(store.read(head, f) != store.read(lease.sha, f) for f in RUN_FILES):
         return False
-    if any(sorted(store.list(head, d)) != sorted(store.list(lease.sha, d)) for d in RUN_FOLDERS):
+    if any(store.file_ids(head, d) != store.file_ids(lease.sha, d) for d in RUN_FOLDERS):  # contents, not just names
         return False
     print(f"relay: {store.url}: commits after ours ({lease.sha[:10]} -> {head[:10]}) changed none of the run's "
           f"files; the lease goes on from them", file=sys.stderr)

@@ -137,6 +137,10 @@ class FileStore:
     def list(self, sha, prefix=""):
         return sorted(p for p in self._load_commit(sha)["tree"] if p.startswith(prefix))
 
+    def file_ids(self, sha, prefix=""):
+        """{path: sha256 of its bytes} under prefix at a commit."""
+        return {p: oid for p, oid in self._load_commit(sha)["tree"].items() if p.startswith(prefix)}
+
     def download(self, sha, paths, dest):
         tree = self._load_commit(sha)["tree"]
         for p in paths:
@@ -185,7 +189,9 @@ class FileStore:
                 raise Conflict(f"{self.url}: head moved to {head[:10]} (expected {str(parent)[:10]})")
             tree = dict(self._load_commit(head)["tree"])
             for p in deletes:
-                tree.pop(p, None)
+                if p not in tree:  # as the Hub refuses it (404): a delete list computed at another commit
+                    raise StoreError(f"{self.url}: commit deletes {p}, which is not in the store at {head[:10]}")
+                tree.pop(p)
             tree.update(oids)
             cid = self._write_commit(parent, tree, message)
             if os.environ.get("RELAY_TEST_FAULT") == "file-commit-then-fail":  # tests: a commit that landed, then an error
@@ -232,16 +238,21 @@ class HfStore:
         self.url = "hf://" + repo_id
         self.api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now, not at import time
         self.cache = {}  # (commit sha, path) -> bytes | None
+        self.cache_lock = threading.Lock()  # the heartbeat thread reads through the same store as the main thread
 
     def _call(self, what, fn, *a, **kw):
         from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError,
                                             RepositoryNotFoundError, RevisionNotFoundError)
         try:
             return fn(*a, **kw)
-        except LocalEntryNotFoundError as e:  # a download that failed (5xx, connection) and had no local copy
+        except LocalEntryNotFoundError as e:  # a download that failed and had no local copy
+            if isinstance(e.__cause__, HfHubHTTPError):  # it wraps a 403 as it wraps a 503: judge the HTTP error
+                return self._call(what, reraise, e.__cause__)
             raise Transient(f"{self.url}: {what}: {one_line(e)}")
-        except EntryNotFoundError:
-            raise  # a missing file: the caller decides
+        except EntryNotFoundError as e:
+            if what.startswith("read "):
+                raise  # a missing file: read() answers None
+            raise StoreError(f"{self.url}: {what}: a file it names is not in the repo ({one_line(e)})")
         except (RepositoryNotFoundError, RevisionNotFoundError) as e:
             raise NotFound(f"{self.url}: {what}: repository or revision not found ({one_line(e)}); check the name and HF_TOKEN")
         except HfHubHTTPError as e:
@@ -253,6 +264,8 @@ class HfStore:
             raise StoreError(f"{self.url}: {what}: HTTP {code} ({one_line(e)})")
         except (OSError, TimeoutError) as e:  # connection errors and timeouts of the HTTP client
             raise Transient(f"{self.url}: {what}: {type(e).__name__}: {one_line(e)}")
+        except json.JSONDecodeError as e:  # a proxy's or load balancer's HTML page where the Hub answers JSON
+            raise Transient(f"{self.url}: {what}: the reply was not the Hub's JSON ({one_line(e)})")
         except RuntimeError as e:
             if e.__cause__ is None:
                 raise
@@ -297,8 +310,9 @@ class HfStore:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.errors import EntryNotFoundError
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-        if (sha, path) in self.cache:
-            return self.cache[(sha, path)]
+        with self.cache_lock:
+            if (sha, path) in self.cache:
+                return self.cache[(sha, path)]
 
         def get():
             r = get_session().get(hf_hub_url(self.repo_id, path, revision=sha, endpoint=self.api.endpoint),
@@ -309,14 +323,22 @@ class HfStore:
             data = self._call(f"read {path}", get)
         except EntryNotFoundError:
             data = None
-        self.cache[(sha, path)] = data
-        while len(self.cache) > READ_CACHE_ENTRIES:  # oldest first: a dashboard left running for months kept every head's
-            self.cache.pop(next(iter(self.cache)))
+        with self.cache_lock:
+            self.cache[(sha, path)] = data
+            while len(self.cache) > READ_CACHE_ENTRIES:  # oldest first: a dashboard left running for months kept every head's
+                self.cache.pop(next(iter(self.cache)))
         return data
 
     def list(self, sha, prefix=""):
         files = self._call("list files", self.api.list_repo_files, self.repo_id, revision=sha)
         return sorted(p for p in files if p.startswith(prefix))
+
+    def file_ids(self, sha, prefix=""):
+        """{path: content id} under prefix at a commit: the LFS sha256, else git's blob id (equal ids, equal bytes)."""
+        from huggingface_hub.hf_api import RepoFile
+        entries = self._call("list files", lambda: list(self.api.list_repo_tree(self.repo_id, revision=sha, recursive=True)))
+        return {e.path: (e.lfs.sha256 if e.lfs else e.blob_id) for e in entries
+                if isinstance(e, RepoFile) and e.path.startswith(prefix)}
 
     def download(self, sha, paths, dest):
         from huggingface_hub import hf_hub_download

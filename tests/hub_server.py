@@ -551,7 +551,10 @@ class RelayHub(FakeHub):
                     self.lfs_pointers[pointer] = (v["oid"], len(stored))
                     tree[v["path"]] = pointer
                 elif l["key"] == "deletedFile":
-                    tree.pop(v["path"], None)
+                    if v["path"] not in tree:  # the Hub refuses a delete of a missing file
+                        return self.send_error_code(req, 404, "EntryNotFound", f"A file with this name doesn't exist: "
+                                                    f"{v['path']}")
+                    del tree[v["path"]]
                 elif l["key"] == "deletedFolder":
                     for p in [p for p in tree if p.startswith(v["path"].rstrip("/") + "/")]:
                         del tree[p]

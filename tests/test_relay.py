@@ -1470,3 +1470,61 @@ def test_overrides_are_parsed_as_train_py_parses_them_and_refused_before_anythin
         r = rl(["run", url, "--steps", "1", "--workdir", tmp_path / "wa", *bad])
         assert r.returncode == rc and words in r.stderr, r.stderr
         assert store.head()[0] == head  # no lease claimed, nothing pulled
+
+
+def test_hub_errors_are_judged_by_what_happened(tmp_path, hub, hf_env, monkeypatch, capsys):
+    """Review findings against the Hub's semantics:
+    - a 412 before the commit (on the upload check) with the head where the lease left it fenced the holder; only a
+      moved head is a fence, so the renewal is retried;
+    - a 403 on a download was called a connection problem (Transient) and retried as one;
+    - a commit deleting a file the repo lacks: the Hub answers 404, which escaped as a raw huggingface_hub error (the
+      fake Hub and the file store took it silently);
+    - an error the heartbeat did not expect (a proxy's HTML page) killed its thread: nothing renewed, no one told;
+    - a foreign commit that replaced a checkpoint file's bytes under the same name was adopted as harmless."""
+    url = "hf://alice/run"
+    init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=10)
+    before = lease.sha
+    hub.status_override, hub.fail_left = 412, 1
+    relay.renew(store, lease)  # was: Fenced
+    assert lease.sha != before and relay.Snapshot(store).relay["nonce"] == lease.nonce
+    sha = store.head()[0]
+    hub.status_override, hub.fail_left = 403, 1
+    with pytest.raises(relay.StoreError, match="HTTP 403") as e:
+        store.download(sha, ["checkpoint/MANIFEST.json"], str(tmp_path / "dl"))
+    assert not isinstance(e.value, relay.Transient)
+    with pytest.raises(relay.StoreError, match="not in the repo") as e:
+        store.commit(sha, {}, ["no/such/file.txt"], "a test")
+    assert not isinstance(e.value, relay.Transient) and store.head()[0] == sha
+    # the heartbeat outlives an unexpected error and renews once the store answers again
+    real, calls = relay.renew, []
+
+    def html_once(store_, lease_):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("Expecting value: line 1 column 1 (char 0)")
+        real(store_, lease_)
+    monkeypatch.setattr(relay, "renew", html_once)
+    lease.heartbeat_s = 0.2
+    hb = relay.Heartbeat(store, lease, lambda: None)
+    hb.start()
+    wait_for(lambda: len(calls) >= 2 and lease.sha != sha, 20, "a renewal after the unexpected error")
+    relay.stop_heartbeat(hb, "wa")
+    assert hb.failed is None and "heartbeat failed, retrying: ValueError" in capsys.readouterr().err
+    monkeypatch.setattr(relay, "renew", real)
+    # a checkpoint file replaced under its own name is someone else's write: a fence, not a card edit
+    store.commit(store.head()[0], {"checkpoint/model.safetensors": b"someone else's weights"}, [], "Upload file")
+    with pytest.raises(relay.Fenced):
+        relay.renew(store, lease)
+
+
+def test_a_file_store_refuses_to_delete_what_it_lacks(tmp_path):
+    """As the Hub does (404): a delete list computed at another commit is an error, not a silent no-op."""
+    import relay_store
+    store = relay_store.FileStore(str(tmp_path / "store"))
+    store.create()
+    head = store.commit(store.head()[0], {"a.txt": b"1"}, [], "a test")
+    with pytest.raises(relay.StoreError, match="deletes b.txt, which is not in the store"):
+        store.commit(head, {}, ["b.txt"], "a test")
+    assert store.head()[0] == head and store.file_ids(head) == {"a.txt": store.file_ids(head)["a.txt"]}
