@@ -151,8 +151,10 @@ class Conversation:
 
     def _fit(self, user_ids, max_new_tokens):
         """Make room for this turn: drop the oldest exchanges and prefill what is left once. Returns a note or None.
-        Room is kept for min(max_new_tokens, half the context) new tokens; the answer may use all that is left."""
-        max_new_tokens = min(max_new_tokens, self.max_len // 2)
+        Room is kept for min(max_new_tokens, half the context the system prompt leaves) new tokens; the answer may
+        use all that is left. (Half the whole context refused every message after a long --system.)"""
+        system_len = 1 + (len(render_turn(self.tok, "system", self.system)[0]) if self.system else 0)
+        max_new_tokens = min(max_new_tokens, (self.max_len - system_len) // 2)
         if len(self.ids) + len(user_ids) + max_new_tokens <= self.max_len:
             return None
         system = self.messages[:1] if self.system else []
@@ -210,6 +212,8 @@ class Conversation:
         finally:  # also on Ctrl-C: close the turn as render_conversation would, keep the cache consistent
             self.ids.append(self.tok.special_ids["<|end|>"])
             answer = self.tok.decode_generated(out)
+            if on_text and answer[len(shown):]:  # a multi-byte character cut short: show what the history keeps
+                on_text(answer[len(shown):])
             self.last_tokens = len(out)
             self.messages.append({"role": "assistant", "content": answer})
             if self.b["after_reply"]:
@@ -223,6 +227,8 @@ def chat_loop(tok, backend, system=None, max_new_tokens=256, temperature=0.0, to
     import torch
 
     out = out or sys.stdout
+    if input_fn is None and hasattr(sys.stdin, "reconfigure"):  # a Latin-1 byte in a UTF-8 locale: a traceback
+        sys.stdin.reconfigure(errors="replace")
     input_fn = input_fn or input
     try:
         import readline  # noqa: F401  (line editing and history for input(), where available)
@@ -275,6 +281,19 @@ class ChatError(Exception):
     """Bad input; a one-line message naming the file and the fix."""
 
 
+def warn_if_not_chat_tuned(ck):
+    """One line on stderr for a checkpoint that train.py did not fine-tune (a base model answers with noise)."""
+    try:
+        with open(os.path.join(ck, "state.json")) as f:
+            cfg = json.load(f)["config"]
+        tuned = cfg["init_from"] == "finetune" or bool(cfg["finetune_from"])  # (a resumed SFT run keeps finetune_from)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no verdict without the saved config
+    if not tuned:
+        print(f"chat.py: note: {ck} is a base model (trained from {cfg['init_from']!r}, never fine-tuned on chats); "
+              f"its answers will not follow the chat template (fine-tune it with config/sft.py)", file=sys.stderr)
+
+
 def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, context=None):
     """(tokenizer, backend) for a checkpoint dir or an int4 container file."""
     import checkpoint
@@ -303,6 +322,7 @@ def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, cont
         if tok.vocab_size > model.cfg.vocab_size:  # its top ids index past the embedding: an IndexError mid-chat
             raise ChatError(f"{tok_path}: tokenizer vocab {tok.vocab_size} > model vocab {model.cfg.vocab_size}; "
                             f"wrong tokenizer for this checkpoint (copy the one of the corpus it trained on)")
+        warn_if_not_chat_tuned(ck)
         if experts_per_token:
             try:
                 model.set_top_k(experts_per_token)
@@ -312,12 +332,13 @@ def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, cont
     import container
     import stream_infer
     try:
+        if not container.load_container(path).tokenizer_json:  # before the engine's seconds of loading
+            raise ChatError(f"{path}: the container carries no tokenizer; re-export it from a checkpoint with "
+                            f"tokenizer.json")
         eng = stream_infer.load(path, ram_budget, device, context=context)
     except (stream_infer.StreamError, container.ContainerError) as e:
         raise ChatError(str(e)) from None
     tok = eng.tokenizer
-    if tok is None:
-        raise ChatError(f"{path}: the container carries no tokenizer; re-export it from a checkpoint with tokenizer.json")
     try:
         return tok, engine_backend(eng, experts_per_token)
     except stream_infer.StreamError as e:
@@ -531,8 +552,12 @@ def main(argv=None):
         print(f"chat.py: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # (chat_loop handles its own; this is pick or loading)
-        print("chat.py: interrupted (pick: sft_pick.md holds the checkpoints scored so far)", file=sys.stderr)
+        print("chat.py: interrupted" + (" (sft_pick.md holds the checkpoints scored so far)" if argv[:1] == ["pick"]
+                                        else ""), file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `| head`: the reader left; Python's flush at exit would print a second error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:  # data and checkpoint faults of the files given: one line, no traceback
         import checkpoint
         import shards

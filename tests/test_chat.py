@@ -664,3 +664,85 @@ def test_a_missing_or_short_loss_mask_is_found_when_the_stream_opens(corpus, tmp
     os.remove(last)
     with pytest.raises(shards.DataError, match="loss mask missing"):
         shards.TokenStream(str(d), "train")
+
+
+def test_review_round_a_long_system_prompt_a_cut_character_and_a_base_model(tok, sft_run, tmp_path, monkeypatch,
+                                                                              capsys):
+    """Review findings:
+    - a system prompt of half the context passed the start-up check, then every message was refused: the answer's
+      room was half the whole context, not half what the system prompt leaves;
+    - an answer ending in a cut multi-byte character kept U+FFFD in the history but never showed it;
+    - a base checkpoint (never fine-tuned) chatted without a word: noise, and no hint why;
+    - a container without a tokenizer was refused only after the engine had loaded (seconds, a minute cold);
+    - Ctrl-C while a model loads spoke of `pick`'s report."""
+    import torch
+    model = load_checkpoint(sft_run)
+    backend = chat.picaflor_backend(model)
+    system = "be brief " * 8
+    system_len = 1 + len(chat.render_turn(tok, "system", system)[0])
+    context = 2 * system_len + 8  # room for the turn and an answer, but not for half the whole context
+    conv = chat.Conversation(tok, backend, system=system, context=context)
+    assert len(chat.render_turn(tok, "user", "ping 3")[0]) + 1 + context // 2 + system_len > context
+    assert conv.reply("ping 3", 256) is not None and conv.last_stop in ("end", "max_new_tokens")  # was: refused
+    steps = {"n": 0}
+
+    def forward(ids, cache):  # the second (last) answer token is forced to an id with no text
+        logits = backend["forward"](ids, cache)
+        steps["n"] += 1
+        if steps["n"] == 2:
+            logits = torch.full_like(logits, -1e9)
+            logits[..., 0] = 0.0
+        return logits
+    shown = []
+    answer = chat.Conversation(tok, dict(backend, forward=forward)).reply("ping 3", 2, on_text=shown.append)
+    assert answer.endswith("\ufffd") and "".join(shown) == answer
+    # a base checkpoint: one note on stderr; a fine-tuned one (also resumed): none
+    for cfg, noted in (({"init_from": "scratch", "finetune_from": ""}, True),
+                       ({"init_from": "resume", "finetune_from": ""}, True),
+                       ({"init_from": "resume", "finetune_from": "out/base"}, False),
+                       ({"init_from": "finetune", "finetune_from": "out/base"}, False)):
+        (tmp_path / "state.json").write_text(json.dumps({"config": cfg}))
+        chat.warn_if_not_chat_tuned(str(tmp_path))
+        err = capsys.readouterr().err
+        assert ("is a base model" in err) == noted, (cfg, err)
+    chat.warn_if_not_chat_tuned(sft_run + "/nope")  # no state.json: no verdict, no error
+    # a container without a tokenizer: refused before the engine loads
+    import container
+    import stream_infer
+    cfg_file = tmp_path / "m.py"
+    cfg_file.write_text("".join(f"{k} = {v!r}\n" for k, v in MODEL.items()))
+    assert container.main(["--random-config", str(cfg_file), "--out", str(tmp_path / "m.pcf4")]) == 0
+
+    def no_load(*a, **kw):
+        raise AssertionError("the engine loaded before the tokenizer was checked")
+    monkeypatch.setattr(stream_infer, "load", no_load)
+    with pytest.raises(chat.ChatError, match="carries no tokenizer"):
+        chat.load_model(str(tmp_path / "m.pcf4"))
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(chat, "load_model", interrupted)
+    capsys.readouterr()
+    assert chat.main([sft_run]) == 130
+    assert capsys.readouterr().err == "chat.py: interrupted\n"
+
+
+def test_piped_chat_survives_bad_bytes_and_a_closed_reader(sft_run):
+    """`printf 'caf\\xe9\\n' | chat.py` under a strict UTF-8 locale and `chat.py ... | head -1` gave tracebacks."""
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "chat.py", sft_run, "--max-new-tokens", "8", "--threads", "1"]
+    bad = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    closed = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    closed.stdout.read(1)
+    closed.stdout.close()  # the reader leaves after the first byte
+    out, err = bad.communicate(b"caf\xe9\nping 1\n", timeout=120)
+    assert bad.returncode == 0 and b"Traceback" not in err and b"pong 1" in out, err.decode()[-2000:]
+    try:
+        closed.stdin.write(b"ping 1\n" * 200)
+        closed.stdin.close()
+    except BrokenPipeError:  # it may have left already, at its first prompt
+        pass
+    closed.wait(timeout=120)
+    err = closed.stderr.read()
+    assert closed.returncode == 141 and b"Traceback" not in err and b"Error" not in err, err.decode()[-2000:]
