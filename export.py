@@ -47,7 +47,8 @@ Implementer's calls (DESIGN.md asks to record them here):
   permute either). The selection bias is `blk.N.exp_probs_b` (the loader's name, no ".bias" suffix).
   Norms, router and bias stay F32; q8_0/q4_0 need rows divisible by 32 (others fall back to F16); with
   q4_0 the token embedding and output matrices are Q8_0 (they are the most sensitive). Pre-tokenizer name
-  "llama-bpe": its regex splits text the same way as our rustbpe (GPT-4 style) pattern (tested).
+  "llama-bpe": its regex splits text the same way as our rustbpe (GPT-4 style) pattern (tested), with one known
+  exception: our (?i:'s) also matches the long s (U+017F, Unicode case folding), llama.cpp's '[sS] does not.
 """
 
 import argparse
@@ -588,6 +589,9 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
             sh = [shape[0], shape[1] // 2, shape[2]] if part else shape
             plan.append((gname, name, part, gguf_tensor_type(gname, sh, gguf_type), sh))
 
+    if not 1 <= cfg.n_experts <= 512 or cfg.top_k > cfg.n_experts:  # llama.cpp's loader asserts these, and aborts
+        raise ExportError(f"{src.dir}: n_experts={cfg.n_experts}, top_k={cfg.top_k}: llama.cpp's hy_v3 loads 1-512 "
+                          f"experts with top_k <= n_experts; export --format hf for this model")
     tmp = f"{out}.tmp-{os.getpid()}"
     w = gguf.GGUFWriter(tmp, arch="hy_v3")
     try:
@@ -735,7 +739,7 @@ def is_gguf_export(path):
 def pid_alive(pid):
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (a number past any pid: OUT.tmp-99999999999999999999)
         return False
     except PermissionError:  # another user's process
         pass

@@ -645,3 +645,18 @@ def test_an_option_for_another_format_is_refused(ckpt, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and f"not {args[1]}" in err[-1] and args[2] in err[-1], err
         assert not os.listdir(tmp_path)
+
+
+def test_gguf_refuses_what_llama_cpp_aborts_on_and_a_huge_stale_number_is_not_a_pid(ckpt, tmp_path):
+    """An all-dense model with n_experts=0 wrote a GGUF (expert_count 0, expert_used_count 2) that llama.cpp's loader
+    asserts on; OUT.tmp-<20 digits> beside --out crashed the stale-output cleanup with an OverflowError traceback."""
+    dense = M.save_checkpoint(M.Picaflor(M.ModelConfig(**dict(CFG, n_dense_layers=3, n_experts=0))),
+                              str(tmp_path / "dense"), 1, tokenizer_file=str(ckpt["dir"] / "tok.json"))
+    with pytest.raises(SystemExit) as e:
+        run_export([dense, "--format", "gguf", "--out", str(tmp_path / "d.gguf")])
+    assert "n_experts=0" in str(e.value.code) and "--format hf" in str(e.value.code)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("d.gguf")]
+    stray = tmp_path / ("g.gguf.tmp-" + "9" * 20)
+    stray.write_bytes(b"half")
+    export.clean_stale_outputs(str(tmp_path / "g.gguf"))
+    assert not stray.exists()
