@@ -175,8 +175,8 @@ class Conversation:
         if len(ids) + len(user_ids) + max_new_tokens > self.max_len:
             raise ValueError(f"this message ({len(user_ids)} tokens) + {max_new_tokens} new tokens does not fit the "
                              f"context of {self.max_len} tokens; shorten it or lower --max-new-tokens")
-        self.messages, self.ids = system + turns, ids
-        self.cache = self.b["new_cache"](self.max_len)
+        cache = self.b["new_cache"](self.max_len)  # first: a Ctrl-C here leaves ids and cache as they were
+        self.messages, self.ids, self.cache = system + turns, ids, cache
         return f"[context full: dropped the {dropped} oldest exchange(s)]"
 
     def reply(self, text, max_new_tokens=256, temperature=0.0, top_p=None, generator=None, on_text=None):
@@ -558,10 +558,13 @@ def main(argv=None):
     except BrokenPipeError:  # `| head`: the reader left; Python's flush at exit would print a second error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except Exception as e:  # data and checkpoint faults of the files given: one line, no traceback
+    except Exception as e:  # data, checkpoint and container faults of the files given: one line, no traceback
         import checkpoint
+        import container
         import shards
-        if not isinstance(e, (shards.DataError, checkpoint.CheckpointError)):
+        import stream_infer
+        if not isinstance(e, (shards.DataError, checkpoint.CheckpointError, container.ContainerError,
+                              stream_infer.StreamError)):  # (a corrupt expert found mid-answer: a traceback)
             raise
         print(f"chat.py: error: {e}", file=sys.stderr)
         return 1

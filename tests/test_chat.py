@@ -746,3 +746,19 @@ def test_piped_chat_survives_bad_bytes_and_a_closed_reader(sft_run):
     closed.wait(timeout=120)
     err = closed.stderr.read()
     assert closed.returncode == 141 and b"Traceback" not in err and b"Error" not in err, err.decode()[-2000:]
+
+
+def test_a_corrupt_expert_found_mid_answer_is_one_line(tok, sft_run, monkeypatch, capsys):
+    """An int4 container's expert that fails its checksum when first streamed, mid-answer, gave a traceback."""
+    import container
+    model = load_checkpoint(sft_run)
+    backend = chat.picaflor_backend(model)
+
+    def corrupt(ids, cache):
+        raise container.ContainerError("m.pcf4: checksum mismatch in layer 1 expert 3 (offset 4096); the file is "
+                                       "corrupt, re-export it")
+    monkeypatch.setattr(chat, "load_model", lambda *a, **kw: (tok, dict(backend, forward=corrupt)))
+    monkeypatch.setattr("builtins.input", lambda prompt: "ping 1")
+    assert chat.main([sft_run]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("chat.py: error: m.pcf4: checksum mismatch") and len(err.strip().splitlines()) == 1
