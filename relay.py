@@ -53,7 +53,6 @@ import argparse
 import ast
 import contextlib
 import getpass
-import importlib.util
 import json
 import os
 import re
@@ -713,19 +712,36 @@ def cmd_init(args):
     return 0
 
 
+def train_defaults(train_script):
+    """train.py's config globals {key: default}, read from its source, not run (a fork without a __main__ guard
+    would train on import): the literal assignments above its _CONFIG_KEYS line, of the types train.py counts."""
+    try:
+        with open(train_script) as f:
+            tree = ast.parse(f.read(), train_script)
+    except (OSError, SyntaxError, ValueError) as e:
+        raise RelayError(f"{train_script}: cannot read train.py's config keys ({e}); pass --train-script PATH")
+    defaults = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        name = node.targets[0].id
+        if name == "_CONFIG_KEYS":  # train.py's config ends here (constants after it are not keys)
+            break
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            continue  # computed at run time: not a key train.py's configurator could type-check here either
+        if not name.startswith("_") and isinstance(value, (int, float, str, bool, list, dict)):
+            defaults[name] = value
+    if not defaults:
+        raise RelayError(f"{train_script}: holds no config globals (is it train.py?); pass --train-script PATH")
+    return defaults
+
+
 def train_overrides(train_script, overrides):
     """{key: value} of --key=value overrides, parsed as train.py parses them (by the type of its default), so a
     relay_config.py line holds what train.py would have taken (--mirror_dir=2024 is the string '2024')."""
-    try:
-        spec = importlib.util.spec_from_file_location("_relay_train_defaults", train_script)
-        mod = importlib.util.module_from_spec(spec)
-        here = os.path.dirname(os.path.abspath(train_script))
-        if here not in sys.path:  # its own modules (checkpoint, schedule) beside it
-            sys.path.insert(0, here)
-        spec.loader.exec_module(mod)  # train.py's globals; it imports torch only when it runs
-    except (OSError, SyntaxError, ImportError) as e:
-        raise RelayError(f"{train_script}: cannot read train.py's config keys ({e}); pass --train-script PATH")
-    g = {k: getattr(mod, k) for k in configurator.config_keys(vars(mod))}
+    g = train_defaults(train_script)
     try:
         given = configurator.configure(g, overrides)
     except configurator.ConfigError as e:

@@ -1528,3 +1528,24 @@ def test_a_file_store_refuses_to_delete_what_it_lacks(tmp_path):
     with pytest.raises(relay.StoreError, match="deletes b.txt, which is not in the store"):
         store.commit(head, {}, ["b.txt"], "a test")
     assert store.head()[0] == head and store.file_ids(head) == {"a.txt": store.file_ids(head)["a.txt"]}
+
+
+def test_train_defaults_are_read_not_run(tmp_path):
+    """relay imported --train-script to learn its keys: a fork without a __main__ guard trained on import. The keys
+    are now read from the source, exactly train.py's (its exit codes after _CONFIG_KEYS were taken as keys)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_train_keys", os.path.join(ROOT, "train.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert sorted(relay.train_defaults(os.path.join(ROOT, "train.py"))) == mod._CONFIG_KEYS
+    with pytest.raises(relay.RelayError, match="unknown config key"):
+        relay.train_overrides(os.path.join(ROOT, "train.py"), ["--EXIT_OK=3"])
+    fork = tmp_path / "train.py"
+    ran = tmp_path / "ran"
+    fork.write_text(f"learning_rate = 3e-4\ndataset = 'local'\nstem = 'x' * 2\nopen({str(ran)!r}, 'w').write('trained')\n")
+    assert relay.train_overrides(str(fork), ["--dataset=2024"]) == {"dataset": "2024"} and not ran.exists()
+    with pytest.raises(relay.RelayError, match="unknown config key"):  # computed at run time: not a key here
+        relay.train_overrides(str(fork), ["--stem=y"])
+    fork.write_text("def broken(:\n")
+    with pytest.raises(relay.RelayError, match="pass --train-script"):
+        relay.train_defaults(str(fork))
