@@ -18,10 +18,14 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   what is left of them (from this invocation's first start), and none is made once they are used up.
 - Field report this answers: systemd restarted onto the same bad page 13 times while the log looked healthy;
   the only true signal was that the newest checkpoint stopped advancing. So: when max_stuck_starts (3)
-  consecutive starts produced no new checkpoint, run `on_stuck` (e.g. remount / re-sync the data), re-verify
-  every shard, repair what it finds and go on, or stop with exit 9 and a report.
+  consecutive starts produced no new checkpoint, run `on_stuck` (e.g. remount / re-sync the data; killed after
+  an hour or at a stop signal), re-verify every shard, repair what it finds and go on, or stop with exit 9 and a
+  report. More than max_restarts starts with no new checkpoint in one invocation also stop with 9 and their causes.
 SIGTERM or Ctrl-C to the guardian is passed to the trainer (which checkpoints and exits 0) and ends supervision; if the
-guardian itself is killed, Linux sends the trainer SIGTERM (PR_SET_PDEATHSIG).
+trainer dies instead (a hang while saving), the guardian exits with its code and says which steps are lost; if the
+guardian itself is killed, Linux sends the trainer SIGTERM (PR_SET_PDEATHSIG). guardian.json says "done" only when
+the plan is finished or the leg's limit reached (a trainer stopped by a signal to it alone is not restarted).
+A guardian.json that cannot be written (a full disk) warns once; supervision goes on.
 """
 
 import json
@@ -40,6 +44,7 @@ import train
 from relay import pdeathsig_setter  # the trainer gets SIGTERM when its parent (here the guardian) dies
 
 EXIT_STUCK = 9
+ON_STUCK_TIMEOUT_S = 3600.0  # an on_stuck command (a remount, a re-sync) running longer is killed: not a fix
 UNREACHABLE_RETRIES = 3
 NO_RESTART = {1: "error", 2: "config error", train.EXIT_DENIED: "storage denied", train.EXIT_DISK: "out of disk",
               train.EXIT_NONFINITE: "non-finite loss"}
@@ -95,11 +100,24 @@ class Guardian:
         self.log["status"] = "running"
         self.child = None
         self.stopping = False
+        self.save_failed = False
         self.woken = threading.Event()  # set by a signal: cuts a backoff or a re-fetch wait short
         self.n_started, self.first_step, self.t_first = 0, None, None  # this invocation's first start
 
     def save(self):
-        checkpoint.write_atomic_text(self.path, json.dumps(self.log, indent=1))
+        """A log that cannot be written (a full disk) warns and supervision goes on: the trainer meets the same disk
+        and exits with its own cause (the guardian's traceback left the trainer unsupervised)."""
+        try:
+            checkpoint.write_atomic_text(self.path, json.dumps(self.log, indent=1))
+        except OSError as e:
+            if not self.save_failed:
+                self.say(f"warning: cannot write {self.path} ({e.strerror or e}); supervising on, the log is kept in "
+                         f"memory and written when it can be")
+            self.save_failed = True
+            return
+        if self.save_failed:
+            self.say(f"{self.path} written again")
+        self.save_failed = False
         if self.cfg["mirror_dir"]:
             rundir.mirror(self.out, self.cfg["mirror_dir"], checkpoints=False)
 
@@ -168,11 +186,13 @@ class Guardian:
         cmd, helped = self.cfg["on_stuck"], False
         if cmd:
             self.say(f"no new checkpoint in {len(causes)} starts; running on_stuck: {cmd}")
-            r = subprocess.run(cmd, shell=True)
-            self.log["repairs"].append({"action": "on_stuck", "command": cmd, "exit_code": r.returncode, "at": time.time()})
-            helped = r.returncode == 0  # a failing command fixed nothing (it counted as a fix: ~10 GPU-hours of hangs)
+            rc, why = self.run_on_stuck(cmd)
+            self.log["repairs"].append({"action": "on_stuck", "command": cmd, "exit_code": rc, "at": time.time()})
+            helped = rc == 0  # a failing command fixed nothing (it counted as a fix: ~10 GPU-hours of hangs)
+            if self.stopping:
+                return False
             if not helped:
-                self.say(f"on_stuck exited {r.returncode}: not counted as a fix")
+                self.say(f"on_stuck {why}: not counted as a fix")
         fixed = 0
         for name, cdir in self.corpora().items():
             for problem in shards.verify_corpus(cdir):
@@ -183,6 +203,28 @@ class Guardian:
                 # a shard quarantined before is still corrupt on disk: not a fix (else every restart is burnt on it)
                 fixed += len(self.log["repairs"]) + len(self.log["quarantined"]) > acted
         return helped or fixed > 0
+
+    def run_on_stuck(self, cmd):
+        """(exit code, what happened). In its own session, so a remount hung on a dead mount is killed, group and all,
+        after ON_STUCK_TIMEOUT_S or at a stop signal (the guardian waited on it forever, deaf to SIGTERM)."""
+        proc = subprocess.Popen(cmd, shell=True, start_new_session=True)
+        deadline = time.monotonic() + ON_STUCK_TIMEOUT_S
+        while proc.poll() is None:
+            if self.stopping or time.monotonic() > deadline:
+                why = f"stopped by {self.stopping}" if self.stopping else f"ran past {ON_STUCK_TIMEOUT_S:g} s and was killed"
+                for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+                    try:
+                        os.killpg(proc.pid, sig)
+                        proc.wait(grace)
+                        break
+                    except ProcessLookupError:
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+                proc.wait()
+                return proc.returncode, why
+            self.woken.wait(0.2)
+        return proc.returncode, f"exited {proc.returncode}"
 
     def leg_left(self):
         """What is left of stop_after_steps / stop_after_hours, counted from this invocation's first start: train.py
@@ -234,18 +276,13 @@ class Guardian:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGHUP, self.on_signal)  # an ssh drop: the trainer checkpoints (it died with none)
-        no_progress, unreachable_tries, last_data_fault, fruitless = [], 0, None, 0
+        no_progress, unreachable_tries, last_data_fault, fruitless, fruitless_causes = [], 0, None, 0, []
         while True:
             if self.stopping:  # a SIGTERM while no trainer ran (a backoff, a repair): start none
                 self.log["status"] = f"stopped ({self.stopping})"
                 self.save()
                 self.say(f"stopped by {self.stopping} between starts")
                 return 0
-            # restarts after starts that made no new checkpoint, in this invocation (guardian.json keeps every one):
-            # a week-long run with a fault a day is not ended by its 21st
-            if fruitless > self.cfg["max_restarts"]:
-                return self.stop(train.EXIT_ERROR, f"gave up after {self.cfg['max_restarts']} restarts that made no "
-                                                   f"new checkpoint")
             before = latest_step(self.out)
             t0 = time.time()
             left = None
@@ -288,14 +325,22 @@ class Guardian:
                          crash_report=rep_name, message=(rep or {}).get("message"))
             self.save()
             if rc == 0:
-                self.log["status"] = f"stopped ({self.stopping})" if self.stopping else "done"
+                self.log["status"] = f"stopped ({self.stopping})" if self.stopping else self.why_done(after)
                 self.save()
+                if not self.stopping and self.log["status"] != "done":
+                    self.say(self.log["status"])
                 return 0
-            if self.stopping:  # (a trainer killed by the signal before its handler was set: rc -15, was exit 241)
+            # a trainer killed by the signal before its handler was set (rc -15, was exit 241) had trained nothing
+            if self.stopping and rc in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP) and after == before:
                 self.log["status"] = f"stopped ({self.stopping})"
                 self.save()
-                self.say(f"stopped by {self.stopping} (the trainer's {cause})")
+                self.say(f"stopped by {self.stopping} (the trainer's {cause}, before it trained)")
                 return 0
+            if self.stopping:  # it died instead of saving (a hang while stopping, a crash in the save): not a clean stop
+                return self.stop(rc if rc > 0 else 128 - rc,
+                                 f"stopped by {self.stopping}, but the trainer ended with {cause}, not a checkpoint: "
+                                 f"the newest is step {after if after is not None else 'none'} and the steps after it "
+                                 f"are lost", status=f"stopped ({self.stopping}), trainer {cause}")
             if rc in NO_RESTART:
                 return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
                                      f"restarting cannot fix this")
@@ -304,7 +349,15 @@ class Guardian:
             self.say(f"start {len(self.log['starts'])} ended: {cause}"
                      + (f" ({(rep or {}).get('message')})" if (rep or {}).get("message") else "")
                      + f"; newest checkpoint {after if after is not None else 'none'}")
-            fruitless += not progressed and rc != train.EXIT_UNREACHABLE  # (outages have their own retries, above)
+            if not progressed and rc != train.EXIT_UNREACHABLE:  # (outages have their own retries, below)
+                fruitless += 1
+                fruitless_causes.append(cause)
+            # restarts after starts that made no new checkpoint, in this invocation (guardian.json keeps every one):
+            # a week-long run with a fault a day is not ended by its 21st; decided before "restarting" is said
+            if fruitless > self.cfg["max_restarts"]:
+                return self.stop(EXIT_STUCK, f"gave up: {fruitless} starts made no new checkpoint, more than "
+                                             f"max_restarts={self.cfg['max_restarts']} (causes: "
+                                             f"{summarize(fruitless_causes)}); look at {self.out}/crash-*.json")
             if progressed or rc != train.EXIT_UNREACHABLE:  # the retries are per outage: a run that trains between
                 unreachable_tries = 0                        # short outages hours apart is not stopped by the fourth
             if rc == train.EXIT_UNREACHABLE:
@@ -329,7 +382,10 @@ class Guardian:
             # unreachable storage has its own retries above (counted as stuck, its 4th try never came)
             no_progress = [] if progressed else no_progress if rc == train.EXIT_UNREACHABLE else no_progress + [cause]
             if len(no_progress) >= self.cfg["max_stuck_starts"]:
-                if not self.on_stuck(no_progress):
+                helped = self.on_stuck(no_progress)
+                if self.stopping:
+                    continue  # (the loop's top says it stopped, and starts none)
+                if not helped:
                     return self.stop(EXIT_STUCK, f"stuck: {len(no_progress)} consecutive starts produced no new "
                                                  f"checkpoint (causes: {', '.join(no_progress)}); data verifies; "
                                                  f"set on_stuck or look at {self.out}/crash-*.json")
@@ -338,13 +394,34 @@ class Guardian:
             if not self.stopping:
                 self.say("restarting")
 
-    def stop(self, code, message):
-        self.log["status"] = "stopped"
+    def why_done(self, step):
+        """guardian.json's status after a trainer's exit 0 with no signal to the guardian: "done" only when the plan is
+        finished or the leg's limit reached (a SIGTERM to the trainer alone also ends it with 0 and a checkpoint)."""
+        ck = checkpoint.latest_valid(self.out)
+        try:
+            finished = bool(ck and train.read_json(os.path.join(ck, "state.json"), {}).get("finished"))
+        except train.TrainError:
+            finished = False
+        if finished:
+            return "done"
+        left = self.leg_left()
+        if any(v <= 0 for v in left.values()):  # (the guardian's hours began before the trainer's: reached here too)
+            return "done (the leg's limit)"
+        return (f"stopped: the trainer alone was stopped (a signal to it, not to the guardian) at step {step}; "
+                f"the plan is not finished, not restarting")
+
+    def stop(self, code, message, status="stopped"):
+        self.log["status"] = status
         self.log["report"] = {"exit_code": code, "cause": train.CAUSES.get(code) or NO_RESTART.get(code) or
                               ("stuck" if code == EXIT_STUCK else "error"), "message": message, "at": time.time()}
         self.save()
         self.say(f"stopped: {message}")
         return code
+
+
+def summarize(causes):
+    """'hang x3, crash x1' in the order first seen."""
+    return ", ".join(f"{c} x{causes.count(c)}" for c in dict.fromkeys(causes))
 
 
 def supervise(argv):

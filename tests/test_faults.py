@@ -967,3 +967,84 @@ def test_a_stop_signal_cuts_a_long_evaluation_short(data_root, tmp_path):
     assert "evaluation cut short" in so + se
     st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
     assert st["kind"] == "preempt" and st["step"] == 2
+
+
+def stand_in_trainers(g, *scripts):
+    """Replace the guardian's trainer with tiny Python programs, one per start (the last one repeats)."""
+    started = []
+
+    def child_argv(left=None, first=False):
+        started.append(1)
+        return [sys.executable, "-c", scripts[min(len(started), len(scripts)) - 1]]
+    g.child_argv = child_argv
+    return started
+
+
+def run_guardian(g, signal_after=None):
+    import threading
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    timer = threading.Timer(signal_after, lambda: os.kill(os.getpid(), signal.SIGTERM)) if signal_after else None
+    try:
+        if timer:
+            timer.start()
+        return g.run()
+    finally:
+        if timer:
+            timer.cancel()
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def test_review_round_guardian_ends_say_what_happened(tmp_path, capsys, monkeypatch):
+    """Helper-55's review: a stop whose trainer died instead of checkpointing (a hang while stopping) exited 0 as a
+    clean stop; max_restarts said "restarting" and then exited 1 "error"; an on_stuck command hung on a dead mount
+    held the guardian forever, deaf to SIGTERM; a full disk under guardian.json was a traceback that left the
+    trainer unsupervised; a trainer stopped on its own (a SIGTERM to it alone) was recorded as "done"."""
+    import guardian
+    run = tmp_path / "run"
+    log = lambda: json.load(open(run / "guardian.json"))  # noqa: E731
+    # the guardian's SIGTERM reaches a trainer that dies with exit 8 (its watchdog) instead of saving
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"])
+    stand_in_trainers(g, "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(8)); time.sleep(30)")
+    assert run_guardian(g, signal_after=1.0) == 8
+    assert log()["status"] == "stopped (SIGTERM), trainer hang" and "steps after it are lost" in log()["report"]["message"]
+    # every start crashes with no checkpoint: max_restarts=1 gives up after two starts with exit 9 and the causes,
+    # having said "restarting" once (the restart it made)
+    capsys.readouterr()
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--max_restarts=1", "--max_stuck_starts=100"])
+    started = stand_in_trainers(g, "raise SystemExit(10)")
+    assert run_guardian(g) == guardian.EXIT_STUCK and len(started) == 2
+    err = capsys.readouterr().err
+    assert err.count("restarting") == 1 and "crash x2" in err and log()["report"]["cause"] == "stuck", err
+    # on_stuck that does not end is killed after ON_STUCK_TIMEOUT_S (not a fix), or at once by a SIGTERM
+    monkeypatch.setattr(guardian, "ON_STUCK_TIMEOUT_S", 0.5)
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--max_stuck_starts=1", "--on_stuck=sleep 30"])
+    stand_in_trainers(g, "raise SystemExit(10)")
+    t0 = time.time()
+    assert run_guardian(g) == guardian.EXIT_STUCK and time.time() - t0 < 20
+    assert log()["repairs"][-1]["action"] == "on_stuck" and log()["repairs"][-1]["exit_code"] != 0
+    assert "ran past 0.5 s and was killed" in capsys.readouterr().err
+    monkeypatch.setattr(guardian, "ON_STUCK_TIMEOUT_S", 3600.0)
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--max_stuck_starts=1", "--on_stuck=sleep 30"])
+    started = stand_in_trainers(g, "raise SystemExit(10)")
+    t0 = time.time()
+    assert run_guardian(g, signal_after=1.5) == 0 and time.time() - t0 < 20 and len(started) == 1
+    assert log()["status"] == "stopped (SIGTERM)"
+    # guardian.json cannot be written: one warning, supervision goes on to the trainer's own end
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"])
+    stand_in_trainers(g, "raise SystemExit(0)")
+
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device", path)
+    monkeypatch.setattr(guardian.checkpoint, "write_atomic_text", full_disk)
+    assert run_guardian(g) == 0
+    assert capsys.readouterr().err.count("warning: cannot write") == 1
+    monkeypatch.undo()
+    # a trainer that exits 0 with the plan unfinished and no signal to the guardian: not "done"
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"])
+    stand_in_trainers(g, "raise SystemExit(0)")
+    assert run_guardian(g) == 0 and log()["status"].startswith("stopped: the trainer alone was stopped")
+    checkpoint.save(str(run), 5, {"state.json": lambda p: json.dump({"step": 5, "finished": True}, open(p, "w"))})
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"])
+    stand_in_trainers(g, "raise SystemExit(0)")
+    assert run_guardian(g) == 0 and log()["status"] == "done"

@@ -924,7 +924,7 @@ def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
     r = rl(["run", url, "--steps", "3", "--workdir", tmp_path / "wa", "--device=cpu", "--supervise"])
     assert r.returncode == 0, r.stderr
     g = json.load(open(tmp_path / "wa" / "leg-0001-gen1" / "guardian.json"))  # the leg ran under the guardian
-    assert g["status"] == "done" and len(g["starts"]) == 1 and g["starts"][0]["checkpoint_step_at_end"] == 3
+    assert g["status"] == "done (the leg's limit)" and len(g["starts"]) == 1 and g["starts"][0]["checkpoint_step_at_end"] == 3
     store = relay.open_store(url)
     rows, snap = ledger_rows(store)
     assert [(x["leg"], x["step_range"], x["steps"], x["tokens"]) for x in rows] == [(1, "0-3", 3, 3 * 4 * 32)]
