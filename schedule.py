@@ -9,15 +9,23 @@ class PlanError(ValueError):
 
 
 
+def decay_length(decay_frac, n):
+    """floor(decay_frac x n), past float error: int(0.35 * 180) is 62 (0.35 * 180 = 62.99999999999999)."""
+    return int(decay_frac * n + 1e-9)
+
+
 def build_plan(cfg, tokens_per_step):
-    """Normalise the config's stages into [{name, mix, tokens, seq_len, lr_phase}] with token lengths."""
-    if not cfg["stages"] and cfg["warmup_iters"] + int(cfg["decay_frac"] * cfg["max_iters"]) > cfg["max_iters"]:
+    """Normalise the config's stages into [{name, mix, tokens, seq_len, lr_phase}] with token lengths. A stage given
+    in tokens is rounded to whole steps of its seq_len: a step trains its first stage's mix for all its tokens, so a
+    stage that began mid-step lost that part to its neighbour, and one shorter than a step was never trained."""
+    if not cfg["stages"] and cfg["warmup_iters"] + decay_length(cfg["decay_frac"], cfg["max_iters"]) > cfg["max_iters"]:
         raise PlanError(f"max_iters={cfg['max_iters']} is shorter than warmup_iters={cfg['warmup_iters']} plus the "
                          f"decay ({cfg['decay_frac']} x max_iters); lower --warmup_iters or raise --max_iters")
     raw = cfg["stages"] or [
         dict(name="warmup", steps=cfg["warmup_iters"], lr_phase="warmup"),
-        dict(name="stable", steps=cfg["max_iters"] - cfg["warmup_iters"] - int(cfg["decay_frac"] * cfg["max_iters"]), lr_phase="stable"),
-        dict(name="decay", steps=int(cfg["decay_frac"] * cfg["max_iters"]), lr_phase="decay"),
+        dict(name="stable", steps=cfg["max_iters"] - cfg["warmup_iters"] - decay_length(cfg["decay_frac"], cfg["max_iters"]),
+             lr_phase="stable"),
+        dict(name="decay", steps=decay_length(cfg["decay_frac"], cfg["max_iters"]), lr_phase="decay"),
     ]
     plan = []
     for i, s in enumerate(raw):
@@ -45,7 +53,16 @@ def build_plan(cfg, tokens_per_step):
                              else f"--seq_len={T}: must be at least 1")
         if ("tokens" in s) == ("steps" in s):
             raise PlanError(f"stages[{i}]: give exactly one of tokens or steps")
-        tokens = int(s["tokens"]) if "tokens" in s else int(s["steps"]) * tokens_per_step(T)
+        step_tokens = tokens_per_step(T)
+        if "tokens" in s and int(s["tokens"]) > 0:
+            steps = (int(s["tokens"]) + step_tokens // 2) // step_tokens  # the nearest whole number of steps
+            if steps == 0:
+                raise PlanError(f"stages[{i}] ({s.get('name', f'stage{i}')}): tokens={int(s['tokens']):,} is less than "
+                                f"half a step ({step_tokens:,} tokens at seq_len {T}): it would never be trained; give "
+                                f"at least {step_tokens:,} tokens, or steps=1")
+            tokens = steps * step_tokens
+        else:
+            tokens = int(s.get("tokens", 0)) if "tokens" in s else int(s["steps"]) * step_tokens
         if tokens <= 0:
             continue  # e.g. warmup_iters = 0
         mix = s["mix"] if "mix" in s else {cfg["dataset"]: 1.0}
@@ -104,7 +121,9 @@ def decay_now(plan, tokens_seen, length):
         out.append(dict(s, tokens=keep))
         start += s["tokens"]
     last = out[-1] if out else plan[0]
-    out.append(dict(name="decay-on-demand", mix=dict(last["mix"]), tokens=int(length), seq_len=last["seq_len"], lr_phase="decay"))
+    # seq_len_from_config as the stage it follows: a resume with another --seq_len moves both (it kept the old one)
+    out.append(dict(name="decay-on-demand", mix=dict(last["mix"]), tokens=int(length), seq_len=last["seq_len"],
+                    lr_phase="decay", seq_len_from_config=bool(last.get("seq_len_from_config"))))
     return out
 
 

@@ -625,8 +625,8 @@ class TokenStream:
             raise DataError(f"{index_path}: corpus vocab_size {self.vocab_size} > model vocab_size {vocab_size}; set "
                             f"vocab_size = {self.vocab_size} in the config or re-prepare with --vocab-size {vocab_size}",
                             index_path, None, "index")
-        skip = set(skip_shards)
-        for f in skip:
+        skip = set(skip_shards) & {e["file"] for e in self.entries}  # the other split's files: not said here
+        for f in sorted(skip):
             print(f"WARNING: shard {os.path.join(self.corpus_dir, f)} is quarantined: skipped", file=sys.stderr)
         self.lengths = [0 if e["file"] in skip else int(e["tokens"]) for e in self.entries]
         for e in self.entries:

@@ -6,7 +6,8 @@ Train a picaflor MoE model. One process:            python train.py config/tiny.
 Any config global can be overridden: --key=value (configurator.py). Formats: checkpoint.py (run and step dirs), shards.py (corpora), container.py (int4).
 
 The run's plan is data: `stages`, a list of dicts {name, mix {corpus: weight}, tokens | steps, seq_len,
-lr_phase in warmup|stable|decay}. Progress through the plan is counted in tokens, so changing batch_size or
+lr_phase in warmup|stable|decay}; tokens are rounded to whole steps (a step trains one stage's mix, so a stage under
+half a step is refused, not skipped). Progress through the plan is counted in tokens, so changing batch_size or
 seq_len on resume keeps both the schedule and the data position (per corpus: shard, token offset). The plan is
 stored in state.json at the first start; a resume whose config plans differently is refused unless --replan.
 A run is finished only when the last planned token is trained. `control.json` in out_dir ({"start_decay":
@@ -48,7 +49,7 @@ from dataclasses import asdict, fields
 from checkpoint import DISK_ERRNOS  # a write refused for lack of space
 import rundir
 from rundir import RunDirError, RunLocked, hold_run_lock, mirror, prepare_run_dir, retain
-from schedule import (PLAN_SOURCE_KEYS, PlanError, build_plan, decay_now, lr_at, plan_tokens, rows_per_stream,
+from schedule import (PLAN_SOURCE_KEYS, PlanError, build_plan, decay_now, decay_length, lr_at, plan_tokens, rows_per_stream,
                       stage_at, stored_plan_differs)
 
 # -----------------------------------------------------------------------------------------------------------
@@ -700,6 +701,15 @@ def main(argv):
         if indexes[c].get("vocab_size", 0) > mcfg.vocab_size:  # a config mistake, not corrupt data (no restart)
             raise TrainError(f"corpus {c} has vocab_size {indexes[c]['vocab_size']} > model vocab_size "
                              f"{mcfg.vocab_size}; set --vocab_size={indexes[c]['vocab_size']}")
+    for q in quarantined:  # a mistyped name quarantined nothing while the log said it was skipped
+        c, _, f = q.partition("/")
+        if not f:
+            raise TrainError(f"quarantine_shards: {q!r} is not corpus/file, e.g. '{corpora[0]}/train_000000.bin'")
+        listed = sorted(e["file"] for sp in indexes[c]["splits"].values() for e in sp) if c in indexes else None
+        if listed is not None and f not in listed:  # (a corpus outside this plan: kept for when it comes back)
+            raise TrainError(f"quarantine_shards: {q!r} is not a shard of {c} (its index.json lists "
+                             f"{listed[0] + ' .. ' + listed[-1] if listed else 'none'}); fix the name, or drop it "
+                             f"with --release_shards=\"['{q}']\"")
     skip_of = {c: [q.split("/", 1)[1] for q in quarantined if q.startswith(c + "/")] for c in corpora}
     for c in corpora:
         if skip_of[c]:
@@ -869,10 +879,13 @@ def main(argv):
         if want:
             nonlocal_plan = st["plan"]
             length = cfg["decay_tokens"] or next((s["tokens"] for s in nonlocal_plan if s["lr_phase"] == "decay"),
-                                                 int(cfg["decay_frac"] * plan_tokens(nonlocal_plan)))
+                                                 decay_length(cfg["decay_frac"], plan_tokens(nonlocal_plan)))
             cur = stage_at(nonlocal_plan, st["tokens"])[1]
             already = cur is None or cur["lr_phase"] == "decay"
-            st["plan"] = decay_now(nonlocal_plan, st["tokens"], max(length, tokens_per_step(nonlocal_plan[-1]["seq_len"])))
+            st["plan"] = decay_now(nonlocal_plan, st["tokens"], length)
+            if not already:  # whole steps (its last step ran past the plan's end), at least one
+                tps = tokens_per_step(st["plan"][-1]["seq_len"])
+                st["plan"][-1]["tokens"] = max(1, (st["plan"][-1]["tokens"] + tps // 2) // tps) * tps
             st["decay_started_at_tokens"] = st["tokens"]
             st.setdefault("replans", []).append({"step": st["step"], "reason": "start_decay", "at": time.time()})
             log("control.json: start_decay: already decaying (or done); the run ends with this decay" if already else

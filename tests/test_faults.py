@@ -653,6 +653,7 @@ def test_quarantine_holds_for_val_shards_release_brings_one_back_and_a_torn_cont
     r = train(base + ["--stop_after_steps=3", "--quarantine_shards=['local/val_000000.bin']"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--release_shards" in r.stdout + r.stderr
+    assert (r.stdout + r.stderr).count("val_000000.bin is quarantined") == 1  # by the val stream only, not the train's
     assert "WARNING: the plan trains" in r.stdout  # 400 steps of 128 tokens: more than the corpus holds, said
     st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
     assert st["quarantined_shards"] == ["local/val_000000.bin"]

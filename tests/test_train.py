@@ -247,7 +247,7 @@ def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr(
                                   "float16", "max_iters_with_stages", "zero_heads", "shard_list", "swapped_tokenizer",
                                   "beta_out_of_range", "negative_warmup", "empty_out_dir", "negative_rope_theta",
                                   "init_from_typo", "max_iters_in_the_stages_file", "file_edits_a_default_in_place",
-                                  "resume_a_step_without_state"])
+                                  "resume_a_step_without_state", "quarantine_typo"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -275,6 +275,8 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         args = args + ["--device=cuda:0"]
     elif case == "float16":
         args = args + ["--device=cuda", "--dtype=float16"]
+    elif case == "quarantine_typo":  # quarantined nothing, while the log said the shard was skipped
+        args = args + ["--quarantine_shards=['local/train_00001.bin']"]
     elif case == "shard_list":  # a TypeError traceback when the quarantine was applied (exit 10: restarted)
         args = args + ["--quarantine_shards=[3]"]
     elif case == "swapped_tokenizer":  # another corpus's tokenizer.json: trained, and copied into every checkpoint
@@ -335,6 +337,7 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
     fix = {"seq_len_over_max": "--max_seq_len", "lr_mult_typo": "embedding, old and new", "cuda_index": "cpu or cuda",
            "float16": "bfloat16", "max_iters_with_stages": "stages", "zero_batch_size": "at least 1",
            "zero_heads": "n_head=0 must be at least 1", "shard_list": "corpus/file",
+           "quarantine_typo": "'local/train_00001.bin' is not a shard of local (its index.json lists",
            "swapped_tokenizer": "differs from index.json's", "beta_out_of_range": "[0, 1)",
            "negative_warmup": "warmup_iters=-5: must be >= 0", "empty_out_dir": "--out_dir is empty",
            "negative_rope_theta": "rope_theta=-10000.0 must be", "init_from_typo": "scratch, resume, grow or finetune",
@@ -376,7 +379,26 @@ def test_plans_that_cannot_run_are_refused():
             schedule.build_plan(dict(g, stages=stages), per_step)
     with pytest.raises(schedule.PlanError, match="warmup_iters=30"):
         schedule.build_plan(dict(g, stages=[], max_iters=4, warmup_iters=30), per_step)
-    assert schedule.build_plan(dict(g, stages=[dict(name="a", tokens=2e3)]), per_step)[0]["tokens"] == 2000  # 2e3 is fine
+    assert schedule.build_plan(dict(g, stages=[dict(name="a", tokens=2e3)]), per_step)[0]["tokens"] == 2048  # 2e3 is fine
+
+
+def test_review_round_plans_are_whole_steps_and_keep_what_they_say():
+    """Helper-54's review: a tokens stage shorter than a step was never trained (the step that crossed it trained its
+    neighbour's mix), silently; decay_frac x max_iters lost a step to float error (0.35 x 180 = 62.99..., 62 steps);
+    an on-demand decay pinned the seq_len of a stage that follows the config's."""
+    g = {k: getattr(train, k) for k in train._CONFIG_KEYS}
+    per_step = lambda T: 4 * T  # noqa: E731
+    stages = [dict(name="main", tokens=2000, mix={"a": 1.0}, seq_len=64), dict(name="anneal", tokens=40, mix={"b": 1.0}),
+              dict(name="decay", steps=2, lr_phase="decay")]
+    with pytest.raises(schedule.PlanError, match=r"stages\[1\] \(anneal\): tokens=40 is less than half a step"):
+        schedule.build_plan(dict(g, stages=stages, seq_len=64), per_step)
+    stages[1]["tokens"] = 200  # 0.78 of a step: one step
+    plan = schedule.build_plan(dict(g, stages=stages, seq_len=64), per_step)
+    assert [s["tokens"] for s in plan] == [2048, 256, 512]  # whole steps: each stage trains its own mix
+    plan = schedule.build_plan(dict(g, stages=[], max_iters=180, warmup_iters=10, decay_frac=0.35), per_step)
+    assert [s["tokens"] // per_step(g["seq_len"]) for s in plan] == [10, 107, 63]
+    cut = schedule.decay_now(plan, 50 * per_step(g["seq_len"]), 20 * per_step(g["seq_len"]))
+    assert cut[-1]["name"] == "decay-on-demand" and cut[-1]["seq_len_from_config"] is True
 
 
 def test_a_mix_splits_every_micro_step_into_counts_of_zero_or_more_that_follow_the_weights():
