@@ -50,6 +50,7 @@ time), quantized and written at their precomputed offsets; peak RAM is about one
 """
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -570,9 +571,15 @@ class Container:
                 got = os.preadv(direct_fd, [buf], offset)
                 if got == nbytes:
                     return buf
-            except OSError:
-                self.stop_direct_reads()  # e.g. EINVAL on a filesystem that opened but cannot do O_DIRECT
-        got = os.preadv(self.fd, [buf], offset)
+            except OSError as e:  # a filesystem that opened O_DIRECT but cannot do it: buffered from now on
+                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):  # EIO is the read's error: O_DIRECT
+                    raise ContainerError(f"{self.path}: read error at offset {offset}: {e.strerror}; check the "
+                                         f"disk") from None  # stays (off for good, the page cache broke --ram-budget)
+                self.stop_direct_reads()
+        try:
+            got = os.preadv(self.fd, [buf], offset)
+        except OSError as e:
+            raise ContainerError(f"{self.path}: read error at offset {offset}: {e.strerror}; check the disk") from None
         if got != nbytes:
             raise self.short_read_error(offset, got, nbytes)
         return buf

@@ -477,8 +477,12 @@ class ExpertCache:
         buf = self.free_bufs.pop() if self.free_bufs else self.blob_buffers.take()
         try:
             self.inflight[key] = (self._read(key, buf), False, buf)
-        except BaseException:  # nothing was queued (a read that could not start): the buffer stays the cache's
+        except Exception:  # a read that could not start (_read raises only once nothing of it is queued)
             self.free_bufs.append(buf)
+            raise
+        except BaseException:  # Ctrl-C, maybe after the read was queued (it may still land in buf): not a free buffer
+            self.views_of_buf.pop(id(buf), None)  # (the next read went into it too), but one BlobBuffers gives out
+            self.orphans.add(id(buf))             # once nothing holds it, as a failed read's (_finish)
             raise
 
     def _finish(self, key):
@@ -535,8 +539,12 @@ class ExpertCache:
             buf = self.slot_bufs.pop()
             try:
                 self.guesses[key] = (self._read(key, buf, guess=True), buf)
-            except BaseException:  # (as _submit)
+            except Exception:  # (as _submit)
                 self.slot_bufs.append(buf)
+                raise
+            except BaseException:
+                self.views_of_buf.pop(id(buf), None)
+                self.orphans.add(id(buf))
                 raise
             self.prefetch_reads += 1
 
@@ -610,11 +618,19 @@ class ExpertCache:
         return self.entries[key]
 
     def settle(self):
-        """Wait for every in-flight read (end of a request) so counters and memory are final."""
+        """Wait for every in-flight read (end of a request) so counters and memory are final. A failed read does not
+        stop the others' (left in flight, one raised its stale error later, from an unrelated request's eviction):
+        all are finished, then the first error is raised."""
+        first = None
         for key in list(self.inflight):
-            self._finish(key)
+            try:
+                self._finish(key)
+            except Exception as e:  # (a Ctrl-C is not held back)
+                first = first or e
         for fut, _ in self.guesses.values():
             wait_quietly(fut)
+        if first is not None:
+            raise first
 
     def stats(self):
         return {"lookups": self.lookups, "hits": self.hits, "prefetch_hits": self.prefetch_hits,

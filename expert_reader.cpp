@@ -203,6 +203,7 @@ struct State {
   std::chrono::steady_clock::time_point busy_since;
   int64_t busy_ns = 0;
   std::atomic<int> delay_us[3] = {{0}, {0}, {0}};  // tests only: a pool's parts sleep this long first (a slow disk)
+  std::atomic<int> fail_direct_errno{0};  // tests only: the next O_DIRECT read fails with this errno
 };
 State* state = new State;
 
@@ -216,10 +217,14 @@ void read_part(Part& part) {
   int fd = b.direct_fd >= 0 ? b.direct_fd : b.fd;
   int64_t got = 0;
   while (got < part.n) {
-    ssize_t r = pread(fd, b.dst + part.start + got, size_t(part.n - got), off_t(b.offset + part.start + got));
+    int injected = fd == b.direct_fd ? state->fail_direct_errno.exchange(0) : 0;
+    ssize_t r = injected ? (errno = injected, -1)
+                         : pread(fd, b.dst + part.start + got, size_t(part.n - got), off_t(b.offset + part.start + got));
     if (r < 0) {
       if (errno == EINTR) continue;
-      if (fd == b.direct_fd && b.fd >= 0) {  // e.g. EINVAL: a filesystem that opened O_DIRECT but cannot do it
+      // a filesystem that opened O_DIRECT but cannot do it: buffered from now on; any other error (EIO: a bad
+      // sector) is the read's, and O_DIRECT stays (it turned off for good, and the page cache broke --ram-budget)
+      if (fd == b.direct_fd && b.fd >= 0 && (errno == EINVAL || errno == EOPNOTSUPP || errno == ENOTSUP)) {
         fd = b.fd;
         b.buffered = true;
         continue;
@@ -329,6 +334,10 @@ std::vector<int64_t> reader_stats() {
   return {state->busy_ns, state->active_parts};
 }
 
+void reader_fail_direct(int64_t err) {
+  state->fail_direct_errno = int(err);
+}
+
 void reader_delay_us(int64_t pool, int64_t us) {
   TORCH_CHECK(pool >= 0 && pool < 3, "reader_delay_us: pool 0, 1 or 2");
   state->delay_us[pool] = int(us);
@@ -352,6 +361,7 @@ TORCH_LIBRARY_FRAGMENT(picaflor_int4, m) {
   m.def("blob_wait(int ticket) -> int[]", &blob_wait);
   m.def("reader_stats() -> int[]", &reader_stats);
   m.def("reader_delay_us(int pool, int us) -> ()", &reader_delay_us);
+  m.def("reader_fail_direct(int err) -> ()", &reader_fail_direct);
   m.def("crc32(Tensor buf, int crc) -> int", &crc32);
 }
 

@@ -870,17 +870,43 @@ def test_native_reads_land_checked_bytes_and_fail_loudly(tiny, tmp_path):
         assert not EC._READS_IN_FLIGHT and bytes(buf) == bytes(cont.read_expert_blob(1, 8))
     finally:
         ops.reader_delay_us(0, 0)
-    # O_DIRECT refused (a descriptor that cannot read: a directory): the part is read buffered, and from then on
-    # every read is (as Container._pread does)
-    direct = cont.direct_fd = os.open(tmp_path, os.O_RDONLY)
+    # an O_DIRECT read failing with EIO (a bad sector) is that read's error, and O_DIRECT stays on (it went off for
+    # good on any error: the page cache then held what was read, outside --ram-budget)
+    import errno
+    direct = cont.direct_fd = os.open(path, os.O_RDONLY)  # (stands in for an O_DIRECT descriptor)
     buf = mmap.mmap(-1, cont.expert_nbytes)
-    EC.NativeRead(cont, (3, 3), buf, 0, 4, ops).result()
+    ops.reader_fail_direct(errno.EIO)
+    with pytest.raises(C.ContainerError, match="read error at offset .*Input/output error; check the disk"):
+        EC.NativeRead(cont, (3, 3), buf, 0, 1, ops).result()
+    assert cont.direct_fd == direct
+    # O_DIRECT refused (EINVAL: a filesystem that opens it but cannot do it): the part is read buffered, and from
+    # then on every read is (as Container._pread does)
+    ops.reader_fail_direct(errno.EINVAL)
+    EC.NativeRead(cont, (3, 3), buf, 0, 1, ops).result()
     assert cont.direct_fd is None and bytes(buf) == bytes(cont.read_expert_blob(3, 3))
     assert cont.retired_fds[-1] == direct  # kept open (a reader may still use it), closed with the container
     os.fstat(direct)
     cont.close()
     with pytest.raises(OSError):
         os.fstat(direct)
+    cont = C.load_container(path)
+    real_preadv, fail = os.preadv, []  # the same two rules on the Python readers' path
+
+    def preadv(fd, bufs, offset):
+        if fail and fd == cont.direct_fd:
+            raise OSError(fail.pop(), os.strerror(errno.EIO))
+        return real_preadv(fd, bufs, offset)
+    C.os.preadv = preadv
+    try:
+        cont.direct_fd = direct = os.open(path, os.O_RDONLY)
+        fail.append(errno.EIO)
+        with pytest.raises(C.ContainerError, match="read error at offset"):
+            cont.read_expert_blob(3, 3)
+        assert cont.direct_fd == direct
+        fail.append(errno.EINVAL)
+        assert bytes(cont.read_expert_blob(3, 3)) == bytes(buf) and cont.direct_fd is None
+    finally:
+        C.os.preadv = real_preadv
     cont = C.load_container(path)
     # cut short after opening: the last expert's read comes back short
     cut = tmp_path / "cut.pcf4"
@@ -2280,3 +2306,48 @@ def test_fallback_kernels_hand_freed_heap_back_near_the_budget(tiny, monkeypatch
         near.setattr(S, "rss_bytes", lambda: budget)  # at the budget: every expert built hands memory back
         assert eng.generate([5, 6, 7, 8], 2) == far
     assert calls and len(calls) == eng.cache.stats()["misses"]
+
+
+def test_review_round_a_failed_read_and_ctrl_c_leave_no_stale_read_behind(tiny):
+    """Helper-53's review: settle stopped at the first failed read, leaving the others in flight (one raised its
+    error later, from an unrelated request's eviction); Ctrl-C landing after a read was queued put its buffer back
+    as free while the read still ran, so the next miss read another expert into it and kept the wrong bytes."""
+    import time
+    m, path = tiny
+    eng = S.load(path, prefetch=False, preload=False)
+    c = eng.cache
+    c.native_reads = False  # the Python readers, which this test can slow down and break per expert
+    c.budget = 6 * c.nbytes
+    read = c.c.read_expert_part
+
+    def slow_or_broken(layer, e, *a):
+        if (layer, e) == (1, 0):
+            raise C.ContainerError("injected read error")
+        if (layer, e) == (2, 0):
+            time.sleep(0.5)
+        return read(layer, e, *a)
+    c.c.read_expert_part = slow_or_broken
+    c.request([(1, 0), (1, 1), (1, 2)], set())
+    assert list(c.inflight) == [(1, 0), (1, 1), (1, 2)]
+    with pytest.raises(C.ContainerError, match="injected read error"):
+        c.settle()
+    assert not c.inflight and set(c.entries) == {(1, 1), (1, 2)} and c.used <= c.budget
+    x = torch.randn(1, eng.cfg.d_model)
+    cont = C.load_container(path)
+    want = lambda key: S.Expert(cont, cont.read_expert_blob(*key), eng.kernel)(x)  # noqa: E731
+
+    class CtrlCAfterQueueing(set):  # the signal handler runs at the bytecode after the read was queued
+        armed = True
+
+        def add(self, key):
+            if self.armed and key == (2, 0):
+                CtrlCAfterQueueing.armed = False
+                raise KeyboardInterrupt
+            super().add(key)
+    c.read_keys = CtrlCAfterQueueing(c.read_keys)
+    with pytest.raises(KeyboardInterrupt):
+        c.get((2, 0), {(2, 0)})
+    got = c.get((2, 1), {(2, 1)})
+    time.sleep(1.0)  # (2, 0)'s slow read has landed by now, wherever it went
+    assert torch.equal(got(x), want((2, 1))) and c.used <= c.budget
+    assert torch.equal(c.get((2, 0), {(2, 0)})(x), want((2, 0)))
