@@ -334,6 +334,10 @@ class Watchdog:
     def tick(self):
         self.last, self.ticks = time.monotonic(), self.ticks + 1
 
+    def alive(self):
+        """Progress that is not a step (an evaluation batch): a long evaluation is not a hang, one stuck batch is."""
+        self.last = time.monotonic()
+
     def stop(self):
         self.done.set()
 
@@ -946,6 +950,9 @@ def main(argv):
                 log("evaluation cut short by a stop signal; no val loss this step")
                 model.train()
                 return None
+            watchdog.alive()  # (eval_iters x a big model's batch outlasted hang_timeout: exit 8 at every eval)
+            if os.environ.get("PICAFLOR_INJECT_EVAL_BATCH_S"):  # a slow evaluation batch: the watchdog's test
+                time.sleep(float(os.environ["PICAFLOR_INJECT_EVAL_BATCH_S"]))
             x, y = val_stream.next_batch(cfg["batch_size"], T, rank, world)
             y = y.to(device)
             with autocast:

@@ -157,6 +157,16 @@ def test_hang_dumps_stacks_and_exits(data_root, tmp_path):
     assert "hang" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_long_evaluation_is_not_a_hang(data_root, tmp_path):
+    """Helper-55's review: the watchdog heard nothing during an evaluation, so eval_iters batches of a big model
+    that together outlasted hang_timeout ended the run with exit 8 at its first evaluation, and at every restart."""
+    r = train([f"--data_root={data_root}", f"--out_dir={tmp_path / 'run'}", "--max_iters=3", "--warmup_iters=1",
+               "--eval_interval=2", "--eval_iters=4", "--hang_timeout=2"], env=dict(ENV, PICAFLOR_INJECT_EVAL_BATCH_S="0.9"),
+              timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [m["val_loss"] for m in metrics(str(tmp_path / "run")).values() if m.get("val_loss") is not None]
+
+
 def test_sigterm_checkpoints_and_resume_is_bitwise(data_root, tmp_path):
     common = [f"--data_root={data_root}", "--max_iters=10", "--warmup_iters=2", "--eval_interval=100", "--ckpt_interval=100"]
     straight = str(tmp_path / "straight")
