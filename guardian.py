@@ -50,8 +50,33 @@ NO_RESTART = {1: "error", 2: "config error", train.EXIT_DENIED: "storage denied"
               train.EXIT_NONFINITE: "non-finite loss"}
 
 
+_VERIFIED = {}  # step dir -> its files' (name, size, mtime, inode) when its hashes last verified
+
+
+def files_signature(path):
+    try:
+        return tuple(sorted((os.path.relpath(os.path.join(d, n), path), st.st_size, st.st_mtime_ns, st.st_ino)
+                            for d, _, names in os.walk(path) for n in names
+                            for st in [os.stat(os.path.join(d, n))]))
+    except OSError:
+        return None
+
+
+def latest_valid(out_dir):
+    """checkpoint.latest_valid, re-hashing a step only when its files changed: it hashed the newest checkpoint (tens
+    of GB for nano) 4-5 times per restart while the GPU stood idle (the trainer verifies what it resumes anyway)."""
+    for _, path in reversed(checkpoint.list_checkpoints(out_dir)):
+        sig = files_signature(path)
+        if sig is not None and _VERIFIED.get(path) == sig:
+            return path
+        if checkpoint.is_valid(path):
+            _VERIFIED[path] = sig
+            return path
+    return None
+
+
 def latest_step(out_dir):
-    p = checkpoint.latest_valid(out_dir)
+    p = latest_valid(out_dir)
     return int(os.path.basename(p).split("_")[1]) if p else None
 
 
@@ -397,7 +422,7 @@ class Guardian:
     def why_done(self, step):
         """guardian.json's status after a trainer's exit 0 with no signal to the guardian: "done" only when the plan is
         finished or the leg's limit reached (a SIGTERM to the trainer alone also ends it with 0 and a checkpoint)."""
-        ck = checkpoint.latest_valid(self.out)
+        ck = latest_valid(self.out)
         try:
             finished = bool(ck and train.read_json(os.path.join(ck, "state.json"), {}).get("finished"))
         except train.TrainError:

@@ -1059,3 +1059,23 @@ def test_review_round_guardian_ends_say_what_happened(tmp_path, capsys, monkeypa
     g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"])
     stand_in_trainers(g, "raise SystemExit(0)")
     assert run_guardian(g) == 0 and log()["status"] == "done"
+
+
+def test_the_guardian_hashes_a_checkpoint_again_only_when_its_files_changed(tmp_path, monkeypatch):
+    """Helper-55's review: latest_step hashed the newest checkpoint (tens of GB for nano) 4-5 times per restart while
+    the GPU stood idle; a step's files unchanged since they verified are not hashed again, a changed one is."""
+    import guardian
+    out = str(tmp_path / "run")
+    for step in (2, 4):
+        checkpoint.save(out, step, {"state.json": lambda p, s=step: json.dump({"step": s}, open(p, "w"))})
+    hashed, verify = [], checkpoint.verify
+    monkeypatch.setattr(checkpoint, "verify", lambda d, check_hashes=True: (hashed.append(os.path.basename(d)),
+                                                                              verify(d, check_hashes))[1])
+    assert [guardian.latest_step(out) for _ in range(4)] == [4] * 4 and hashed == ["step_0000004"]
+    state = os.path.join(out, "step_0000004", "state.json")
+    with open(state, "r+b") as f:  # a flipped byte: another mtime, hashed again, and found corrupt
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(state, ns=(time.time_ns(), time.time_ns() + 10**9))  # (a later write: mtime is coarser than this test)
+    assert guardian.latest_step(out) == 2 and hashed[1:] == ["step_0000004", "step_0000002"]
