@@ -345,7 +345,7 @@ class Guardian:
             after = latest_step(self.out)
             rep_name, rep = newest_crash_report(self.out, t0)
             cause = "ok" if rc == 0 else (train.CAUSES.get(rc) or NO_RESTART.get(rc) or
-                                          (f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"))
+                                          (killed_by(-rc) if rc < 0 else f"exit {rc}"))
             start.update(ended_at=time.time(), exit_code=rc, cause=cause, checkpoint_step_at_end=after,
                          crash_report=rep_name, message=(rep or {}).get("message"))
             self.save()
@@ -442,6 +442,17 @@ class Guardian:
         self.save()
         self.say(f"stopped: {message}")
         return code
+
+
+def killed_by(signum):
+    """'killed by signal 9 (SIGKILL: the kernel's OOM killer? dmesg | grep -i oom)': the field report's most common
+    silent death, a host RAM spike (a dataloader, a checkpoint copy), said where the operator looks."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        return f"killed by signal {signum}"
+    hint = ": the kernel's OOM killer? dmesg | grep -i oom" if signum == signal.SIGKILL else ""
+    return f"killed by signal {signum} ({name}{hint})"
 
 
 def summarize(causes):

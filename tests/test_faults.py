@@ -371,7 +371,8 @@ def test_a_restart_keeps_what_is_left_of_the_legs_steps(data_root, tmp_path):
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
     g = json.load(open(os.path.join(out, "guardian.json")))
-    assert [s_["cause"] for s_ in g["starts"]] == ["killed by signal 9", "ok"]
+    assert [s_["cause"] for s_ in g["starts"]] == ["killed by signal 9 (SIGKILL: the kernel's OOM killer? dmesg | grep -i "
+                                                   "oom)", "ok"]
     at_restart = g["starts"][1]["checkpoint_step_at_start"]
     assert 4 <= at_restart < 40 and g["starts"][1]["leg_left"] == {"stop_after_steps": 40 - at_restart}
     assert json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"] == 40
