@@ -25,7 +25,8 @@ SIGTERM or Ctrl-C to the guardian is passed to the trainer (which checkpoints an
 trainer dies instead (a hang while saving), the guardian exits with its code and says which steps are lost; if the
 guardian itself is killed, Linux sends the trainer SIGTERM (PR_SET_PDEATHSIG). guardian.json says "done" only when
 the plan is finished or the leg's limit reached (a trainer stopped by a signal to it alone is not restarted).
-A guardian.json that cannot be written (a full disk) warns once; supervision goes on.
+A guardian.json that cannot be written (a full disk) warns once; supervision goes on. It ends with one summary line:
+this invocation's starts and their causes, the newest checkpoint step at the first start and at the last, the exit.
 """
 
 import json
@@ -298,6 +299,17 @@ class Guardian:
             self.child.send_signal(signal.SIGTERM)
 
     def run(self):
+        code = self.supervise_starts()
+        mine = self.log["starts"][len(self.log["starts"]) - self.n_started:] if self.n_started else []
+        steps = (f"; newest checkpoint step {mine[0]['checkpoint_step_at_start']} -> "
+                 f"{mine[-1].get('checkpoint_step_at_end')}" if mine else "")
+        # one line a field report can quote (the starts were scattered through hours of trainer output)
+        self.say(f"summary: {len(mine)} start{'s' * (len(mine) != 1)}"
+                 f"{' (' + summarize([m.get('cause', 'unknown') for m in mine]) + ')' if mine else ''}{steps}; "
+                 f"exit {code} ({self.log['status']})")
+        return code
+
+    def supervise_starts(self):
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGHUP, self.on_signal)  # an ssh drop: the trainer checkpoints (it died with none)
