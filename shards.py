@@ -282,14 +282,39 @@ def remove_old_shards(out_dir):
 
 # sources: how each document is read back, shared by prepare scripts and refetch_shard
 
+def corrupt_parquet(path, name, e):
+    """A parquet file pyarrow cannot read (a download cut short, a bad page): a DataError naming the file in the
+    Hugging Face cache to delete (the error named no file, or blamed --out, over three lines)."""
+    said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    real = os.path.realpath(path)
+    return DataError(f"{name}: corrupt or unreadable parquet file ({said}); delete {real} from the Hugging Face "
+                     f"cache and run again (it is downloaded anew)", real, None, "source")
+
+
 def parquet_file(path, name, column):
     """pyarrow's ParquetFile of a downloaded file that has `column` (else DataError naming --column: pyarrow
     itself reads a missing column as no columns at all, and the failure came later, as an IndexError)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
-    pf = pq.ParquetFile(path)
-    if column not in pf.schema_arrow.names:
+    try:
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+    except (OSError, pa.ArrowException) as e:
+        raise corrupt_parquet(path, name, e) from None
+    if column not in names:
         raise DataError(f"{name}: no column {column!r} (it has {', '.join(pf.schema_arrow.names)}); pass --column NAME")
     return pf
+
+
+def parquet_column(path, name, column, batch_rows=1024):
+    """Every value of one column of a downloaded parquet file, in row order, read batch by batch."""
+    import pyarrow as pa
+    pf = parquet_file(path, name, column)
+    try:
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=[column]):
+            yield from batch.column(0).to_pylist()
+    except (OSError, pa.ArrowException) as e:
+        raise corrupt_parquet(path, name, e) from None
 
 
 def text_column(pf, name, column):

@@ -76,7 +76,8 @@ def corpus(tok, tmp_path_factory):
     src.write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")  # a BOM (Windows): cost the first row
     out = d / "pp"
     r = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", tok.path, "--jsonl", str(src),
-                        "--max-len", str(ROW), "--val-conversations", "40", "--shard-tokens", "4000", "--out", str(out)],
+                        "--max-len", str(ROW), "--val-conversations", "40", "--shard-tokens", "4000", "--out", str(out),
+                        "--keep-val-copies"],  # (ten distinct conversations: every one is also in val)
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     return out, r
@@ -449,7 +450,10 @@ def test_prepare_from_fake_hub(tok, tmp_path):
         index = shards.load_index(out)
         assert index["row_tokens"] == MODEL["max_seq_len"] and index["tokenizer_sha256"] == tok.hash
         rep = index["source"]["report"]
-        assert rep["val_conversations"] == 6 and rep["train_conversations"] == 29 and rep["bad_empty_assistant"] == 1
+        assert rep["val_conversations"] == 6 and rep["bad_empty_assistant"] == 1
+        # a train conversation identical to a val one is left out (ping 0-5 are val's): val loss measured recall
+        assert rep["train_conversations"] == 12 and rep["train_copies_of_val_left_out"] == 17
+        assert "train copies of val conversations left out: 17" in r.stdout
         assert index["source"]["val_files"] == ["data/test-00000-of-00001.parquet"]
         assert len(index["source"]["revision"]) == 40 and shards.verify_corpus(out) == []
         hub.status_override = 403

@@ -561,6 +561,32 @@ def test_fineweb_prepare_from_fake_hub(tok, tmp_path):
                 used += len(t)
                 yield t
         assert tokmod.train_tokenizer(after_val(), 300).hash == tok3.hash
+        # a page the crawl holds twice, once among val's first documents: its later copy is not trained on
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        dup_dir = tmp_path / "hub" / "datasets" / "me" / "dups" / "sample" / "10BT"
+        dup_dir.mkdir(parents=True)
+        page = "the cell energy photosynthesis learning."
+        docs = [page] + [f"document {i} about the cell" for i in range(30)] + [page, "the end"]
+        pq.write_table(pa.table({"text": docs}), dup_dir / "000_00000.parquet")
+        r = _run(["data/fineweb_edu/prepare.py", "--repo", "me/dups", "--tokenizer", str(tok_file), "--val-tokens",
+                  "5", "--out", str(tmp_path / "dups")], env=env)
+        val = [d for _, ds in read_split_docs(tmp_path / "dups", tok, "val") for d in ds]
+        train = [d for _, ds in read_split_docs(tmp_path / "dups", tok, "train") for d in ds]
+        assert val == [page] and page not in train and train == docs[1:31] + ["the end"], (val, train)
+        assert "1 train copies of val documents left out" in r.stdout
+        # a corrupt parquet file in the HF cache: one line naming it, the corpus in --out as it was
+        cached = [os.path.realpath(os.path.join(d, n)) for d, _, ns in os.walk(tmp_path / "hf_home") for n in ns
+                  if n == "000_00000.parquet" and "dups" in d]
+        assert len(cached) == 1
+        raw = bytearray(open(cached[0], "rb").read())
+        for cut in (raw[:len(raw) // 2], raw[:4] + bytes(b ^ 0x5A for b in raw[4:len(raw) - 200]) + raw[len(raw) - 200:]):
+            open(cached[0], "wb").write(bytes(cut))
+            r = _run(["data/fineweb_edu/prepare.py", "--repo", "me/dups", "--tokenizer", str(tok_file), "--out",
+                      str(tmp_path / "dups")], env=env, check=False)
+            err = r.stderr.strip().splitlines()
+            assert r.returncode != 0 and len(err) == 1 and f"delete {cached[0]}" in err[0], r.stderr[-2000:]
+            assert shards.verify_corpus(tmp_path / "dups") == []
 
 
 def test_hub_errors_name_the_cause():
@@ -594,3 +620,24 @@ def test_hub_errors_name_the_cause():
     with pytest.raises(PermissionError):  # a local file, not the wire: as it is
         with shards.hub_errors("o/d"):
             raise PermissionError(errno.EACCES, "Permission denied", "/root/.cache/huggingface")
+
+
+def test_an_input_that_cannot_be_read_is_one_line_naming_it(tok, tmp_path):
+    """Helper-57's review: a source file whose read fails (EIO; a symlink to /proc/self/mem stands in for a failing
+    disk: os.access passes it) was a traceback naming no file in data/local/prepare.py, and "error: [Errno 5]
+    Input/output error" with no file in data/smoltalk/prepare.py --jsonl."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("alpha beta gamma\n" * 20)
+    (src / "b.txt").write_text("def f(x): return x\n" * 20)
+    os.symlink("/proc/self/mem", src / "bad.txt")
+    r = _run(["data/local/prepare.py", "--src", str(src), "--out", str(tmp_path / "c"), "--vocab-size", "300"],
+             check=False)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(err) == 1 and f"{src / 'bad.txt'}: cannot be read" in err[0], r.stderr[-2000:]
+    tok.save(tmp_path / "tok.json")
+    os.symlink("/proc/self/mem", tmp_path / "chats.jsonl")
+    r = _run(["data/smoltalk/prepare.py", "--tokenizer", str(tmp_path / "tok.json"), "--jsonl",
+              str(tmp_path / "chats.jsonl"), "--max-len", "64", "--out", str(tmp_path / "st")], check=False)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(err) == 1 and f"{tmp_path / 'chats.jsonl'}: cannot be read" in err[0], err

@@ -23,6 +23,7 @@ Calls recorded here:
 """
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -43,12 +44,9 @@ def documents(repo, revision, files, column, batch_rows=1024):
     """(parquet file, row number, text) of every non-empty row, file by file, downloading each when reached."""
     for file in files:
         path = shards.hub_download(repo, file, "dataset", revision)
-        row = 0
-        for batch in shards.parquet_file(path, file, column).iter_batches(batch_size=batch_rows, columns=[column]):
-            for text in batch.column(0).to_pylist():
-                if text:
-                    yield file, row, text
-                row += 1
+        for row, text in enumerate(shards.parquet_column(path, file, column, batch_rows)):
+            if text:
+                yield file, row, text
 
 
 def main():
@@ -125,6 +123,7 @@ def build(args, revision, files, stage, t0):
     writers = {s: shards.ShardWriter(stage, s, args.shard_tokens, make_source) for s in ("val", "train")}
     counts = {"val": 0, "train": 0}
     used_files, n_docs, stop_reason = [], 0, "source exhausted"
+    val_texts, n_val_copies = set(), 0  # sha1 of each val document: a later copy of one is not trained on
     batch_docs = 512 * max(1, args.threads)
     bar = tqdm(total=args.max_tokens, desc="tokenizing", unit="tok", unit_scale=True)
     doc_iter = documents(args.repo, revision, files, args.column)
@@ -133,13 +132,19 @@ def build(args, revision, files, stage, t0):
         batch = [d for _, d in zip(range(batch_docs), doc_iter)]
         if not batch:
             break
-        for (file, row, _), toks in zip(batch, shards.documents_to_tokens(tok, [t for _, _, t in batch], args.threads)):
+        for (file, row, text), toks in zip(batch, shards.documents_to_tokens(tok, [t for _, _, t in batch], args.threads)):
             total = counts["val"] + counts["train"]
             if total + len(toks) > args.max_tokens:  # whole documents only: the cap ends the corpus here
                 stop_reason = f"--max-tokens {args.max_tokens:,} reached (next document: {len(toks):,} tokens)"
                 done = True
                 break
             split = "val" if n_docs < val_docs[0] and (counts["val"] < val_target or counts["val"] == 0) else "train"
+            digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).digest()
+            if split == "val":
+                val_texts.add(digest)
+            elif digest in val_texts:  # (web crawls repeat pages: the copy made val loss a training loss)
+                n_val_copies += 1
+                continue
             writers[split].add(toks, (file, row))
             counts[split] += len(toks)
             n_docs += 1
@@ -164,7 +169,8 @@ def build(args, revision, files, stage, t0):
         "splits": splits,
     }
     shards.install_corpus(args.out, stage, index)
-    print(f"{n_docs:,} documents from {len(used_files)} parquet file(s); stopped: {stop_reason}")
+    print(f"{n_docs:,} documents from {len(used_files)} parquet file(s); stopped: {stop_reason}"
+          + (f"; {n_val_copies:,} train copies of val documents left out" if n_val_copies else ""))
     for s, entries in splits.items():
         print(f"{s}: {len(entries)} shards, {counts[s]:,} tokens")
     print(f"wrote {os.path.join(args.out, 'index.json')} in {time.time() - t0:.0f}s")

@@ -84,7 +84,11 @@ def main():
         if args.max_files and len(docs) >= args.max_files or args.max_bytes and total_bytes >= args.max_bytes:
             capped = (len(rels) - k, "--max-files" if args.max_files and len(docs) >= args.max_files else "--max-bytes")
             break
-        text = shards.read_document(os.path.join(args.src, rel))
+        try:
+            text = shards.read_document(os.path.join(args.src, rel))
+        except OSError as e:  # (a traceback naming no file; find_files' os.access passes anything for root)
+            sys.exit(f"error: {os.path.join(args.src, rel)}: cannot be read ({e.strerror or e}); fix or remove it, or "
+                     f"leave it out with --exts / another --src")
         if not text.strip():
             continue
         # by the text, not the name: identical files (the stdlib has 11 groups) once landed in both train and val

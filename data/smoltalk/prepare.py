@@ -30,6 +30,7 @@ Calls recorded here:
 """
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -70,31 +71,37 @@ def load_tokenizer_arg(path):
 # ----------------------------------------------------------------------------------------------------------
 # sources: (reference, messages) or (reference, ChatFormatError) per conversation
 
+def jsonl_lines(path):
+    """(line number, line) of a JSONL file; a read error names the file (an EIO said only "Input/output error")."""
+    try:
+        with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a BOM (Windows) cost the first row
+            yield from enumerate(f, 1)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e}); copy it to a readable disk and pass that "
+                         f"--jsonl") from None
+
+
 def jsonl_conversations(path):
-    with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a BOM (Windows) cost the first row
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                yield (path, n), ChatFormatError("not valid JSON", "malformed_json")
-                continue
-            yield (path, n), row.get("messages") if isinstance(row, dict) else row
+    for n, line in jsonl_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            yield (path, n), ChatFormatError("not valid JSON", "malformed_json")
+            continue
+        yield (path, n), row.get("messages") if isinstance(row, dict) else row
 
 
 def hub_conversations(repo, revision, files, column, limit=None):
     n = 0
     for file in files:
         path = shards.hub_download(repo, file, "dataset", revision)
-        row = 0
-        for batch in shards.parquet_file(path, file, column).iter_batches(batch_size=1024, columns=[column]):
-            for messages in batch.column(0).to_pylist():
-                if limit is not None and n >= limit:
-                    return
-                yield (file, row), messages
-                row += 1
-                n += 1
+        for row, messages in enumerate(shards.parquet_column(path, file, column)):
+            if limit is not None and n >= limit:
+                return
+            yield (file, row), messages
+            n += 1
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -183,14 +190,14 @@ class RowPacker:
         return self.writer.close()
 
 
-def build(tok, split_sources, max_len, out_dir, shard_tokens, stats):
+def build(tok, split_sources, max_len, out_dir, shard_tokens, stats, keep_val_copies=False):
     """split_sources: {split: iterator of (ref, messages)} -> {split: shard entries}."""
     shard_tokens = max(max_len, shard_tokens // max_len * max_len)  # shards hold whole rows
     def make_source(refs):  # refs: per row, the (file, line or row) of each piece packed into it
         pieces = [ref for row in refs for ref in row]
         return {"kind": "chat", "pieces": len(pieces), "conversations": len(set(pieces)),
                 "files": sorted({str(ref[0]) for ref in pieces})}
-    out = {}
+    out, val_keys = {}, set()  # val conversations by content: a train copy of one is left out
     for split, source in split_sources.items():
         packer = RowPacker(shards.ShardWriter(out_dir, split, shard_tokens, make_source, with_mask=True), max_len,
                            tok.bos_id)
@@ -219,6 +226,12 @@ def build(tok, split_sources, max_len, out_dir, shard_tokens, stats):
                 if stats[f"bad_{e.kind}"] <= 3:  # a few examples, then only the count
                     print(f"skipped {ref[0]}:{ref[1]}: {e}", file=sys.stderr)
                 continue
+            key = hashlib.sha1(json.dumps(msgs, sort_keys=True).encode("utf-8", "surrogatepass")).digest()
+            if split == "val":  # (split_sources gives val first)
+                val_keys.add(key)
+            elif key in val_keys and not keep_val_copies:  # (chat sets repeat conversations: val loss measured recall)
+                stats["train_copies_of_val_left_out"] += 1
+                continue
             batch.append((ref, msgs))
             if len(batch) >= 512:
                 flush(batch)
@@ -244,6 +257,8 @@ def main():
     ap.add_argument("--max-conversations", type=int, default=None, help="cap on train conversations (default: all)")
     ap.add_argument("--val-conversations", type=int, default=1000, help="val conversations held out")
     ap.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (whole rows)")
+    ap.add_argument("--keep-val-copies", action="store_true", help="keep train conversations identical to a val one "
+                    "(left out by default: val loss would measure memorised text)")
     ap.add_argument("--out", default=HERE, help="corpus dir to write (default: this script's folder)")
     args = ap.parse_args()
     try:
@@ -265,7 +280,7 @@ def run(args):
     if args.jsonl:
         if not os.path.isfile(args.jsonl):
             raise ValueError(f"{args.jsonl}: no such file; --jsonl takes one JSON list of {{role, content}} per line")
-        n_lines = sum(1 for line in open(args.jsonl, encoding="utf-8-sig", errors="replace") if line.strip())
+        n_lines = sum(1 for _, line in jsonl_lines(args.jsonl) if line.strip())
         n_val = min(args.val_conversations, max(1, n_lines // 10))
         it = jsonl_conversations(args.jsonl)
         val = [c for _, c in zip(range(n_val), it)]
@@ -290,7 +305,8 @@ def run(args):
 
     with shards.staging(args.out) as stage:  # a run that fails leaves the corpus in --out as it was
         tok.save(os.path.join(stage, "tokenizer.json"))
-        splits = build(tok, {"val": iter(val), "train": train}, args.max_len, stage, args.shard_tokens, stats)
+        splits = build(tok, {"val": iter(val), "train": train}, args.max_len, stage, args.shard_tokens, stats,
+                       args.keep_val_copies)
         for s in ("train", "val"):
             if not splits[s]:
                 raise ValueError(f"{args.jsonl or args.repo}: no usable conversation for the {s} split "
@@ -313,7 +329,8 @@ def finish(args, tok, tok_src, source, splits, stats):
 
 def report_build(args, stats, splits, t0):
     bad = {k[4:]: v for k, v in stats.items() if k.startswith("bad_")}
-    print(f"read {stats['rows_read']:,} conversations; bad rows skipped: {sum(bad.values())} {bad or ''}")
+    print(f"read {stats['rows_read']:,} conversations; bad rows skipped: {sum(bad.values())} {bad or ''}; train "
+          f"copies of val conversations left out: {stats['train_copies_of_val_left_out']}")
     print(f"split at exchange boundaries (longer than --max-len {args.max_len}): {stats['conversations_split']} "
           f"conversations -> {stats['split_pieces']} pieces; exchanges dropped (alone longer than a row): "
           f"{stats['exchanges_dropped_too_long']} ({stats['tokens_dropped_too_long']:,} tokens); pieces without "
