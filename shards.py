@@ -349,18 +349,22 @@ def hub_source(repo, repo_type, revision, column, doc_rows):
 
 def parquet_texts(path, column, start=0, stop=None):
     """Rows [start, stop) of one text column of a local parquet file, reading only the row groups needed."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
-    stop = pf.metadata.num_rows if stop is None else stop
-    texts, first = [], 0  # first: row number of the current row group's first row
-    for g in range(pf.metadata.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
-        if first < stop and first + n > start:
-            col = pf.read_row_group(g, columns=[column]).column(column)
-            lo, hi = max(start, first) - first, min(stop, first + n) - first
-            texts.extend(col.slice(lo, hi - lo).to_pylist())
-        first += n
+    try:
+        pf = pq.ParquetFile(path)
+        stop = pf.metadata.num_rows if stop is None else stop
+        texts, first = [], 0  # first: row number of the current row group's first row
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if first < stop and first + n > start:
+                col = pf.read_row_group(g, columns=[column]).column(column)
+                lo, hi = max(start, first) - first, min(stop, first + n) - first
+                texts.extend(col.slice(lo, hi - lo).to_pylist())
+            first += n
+    except (OSError, pa.ArrowException) as e:  # (a refetch's ArrowInvalid was a traceback in the guardian)
+        raise corrupt_parquet(path, os.path.basename(path), e) from None
     return texts
 
 

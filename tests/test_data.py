@@ -587,6 +587,8 @@ def test_fineweb_prepare_from_fake_hub(tok, tmp_path):
             err = r.stderr.strip().splitlines()
             assert r.returncode != 0 and len(err) == 1 and f"delete {cached[0]}" in err[0], r.stderr[-2000:]
             assert shards.verify_corpus(tmp_path / "dups") == []
+            with pytest.raises(shards.DataError, match=f"delete {cached[0]}"):  # a refetch's read (the guardian's)
+                shards.parquet_texts(cached[0], "text")
 
 
 def test_hub_errors_name_the_cause():
