@@ -262,11 +262,13 @@ def staging(out_dir):
 
 
 def install_corpus(out_dir, stage, index):
-    """The staged build replaces the previous corpus; the index comes last (a crash in between: no index.json)."""
+    """The staged build replaces the previous corpus; the index comes last (a crash in between: no index.json). The
+    index is written in the stage first: a full disk then fails before the old corpus is touched (it failed after
+    the old one was deleted, with "the corpus in --out is as it was"); what follows is renames."""
+    write_index(stage, index)
     remove_old_shards(out_dir)
-    for name in os.listdir(stage):
+    for name in sorted(os.listdir(stage), key=lambda n: n == "index.json"):
         os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
-    write_index(out_dir, index)
 
 
 def remove_old_shards(out_dir):

@@ -1,6 +1,7 @@
 """Tokenizer, shards (reader + integrity), data/local/prepare.py and data/fineweb_edu/prepare.py (against a local
 fake Hub). Tiny tokenizers (vocab a few hundred) so the whole file runs in seconds on CPU."""
 
+import json
 import os
 import random
 import sys
@@ -643,3 +644,27 @@ def test_an_input_that_cannot_be_read_is_one_line_naming_it(tok, tmp_path):
               str(tmp_path / "chats.jsonl"), "--max-len", "64", "--out", str(tmp_path / "st")], check=False)
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1 and f"{tmp_path / 'chats.jsonl'}: cannot be read" in err[0], err
+
+
+def test_a_full_disk_at_install_leaves_the_old_corpus(tok, tmp_path, monkeypatch):
+    """Helper-57's review: install_corpus deleted the old corpus and then wrote index.json; a full disk there left
+    neither, while prepare.py said "the corpus in --out is as it was"."""
+    out = tmp_path / "c"
+    os.makedirs(out)
+    old = {"version": shards.INDEX_VERSION, "splits": {}}
+    shards.write_index(out, old)
+    (out / "train_000000.bin").write_bytes(b"old!")
+    stage = out / ".staging-1"
+    os.makedirs(stage)
+    (stage / "train_000000.bin").write_bytes(b"new!")
+    real = shards._atomic_write
+
+    def full_disk(path, data):
+        raise OSError(28, "No space left on device", path)
+    monkeypatch.setattr(shards, "_atomic_write", full_disk)
+    with pytest.raises(OSError):
+        shards.install_corpus(str(out), str(stage), {"version": shards.INDEX_VERSION, "splits": {"train": []}})
+    assert (out / "train_000000.bin").read_bytes() == b"old!" and json.load(open(out / "index.json")) == old
+    monkeypatch.setattr(shards, "_atomic_write", real)
+    shards.install_corpus(str(out), str(stage), {"version": shards.INDEX_VERSION, "splits": {"train": []}})
+    assert (out / "train_000000.bin").read_bytes() == b"new!" and json.load(open(out / "index.json"))["splits"] == {"train": []}
