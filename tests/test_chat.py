@@ -440,6 +440,7 @@ def test_prepare_from_fake_hub(tok, tmp_path):
     pq.write_table(pa.table({"messages": train, "source": ["x"] * 30}), repo / "train-00000-of-00001.parquet",
                    row_group_size=8)
     pq.write_table(pa.table({"messages": [conv(i) for i in range(6)]}), repo / "test-00000-of-00001.parquet")
+    pq.write_table(pa.table({"messages": [conv(8), conv(9)]}), repo / "contest-00000.parquet")  # train: "test" inside
     out = tmp_path / "st"
     save_checkpoint(Picaflor(ModelConfig(**MODEL)), str(tmp_path / "pre"), 0, tokenizer_file=tok.path)
     with FakeHub(tmp_path / "hub") as hub:
@@ -452,7 +453,7 @@ def test_prepare_from_fake_hub(tok, tmp_path):
         rep = index["source"]["report"]
         assert rep["val_conversations"] == 6 and rep["bad_empty_assistant"] == 1
         # a train conversation identical to a val one is left out (ping 0-5 are val's): val loss measured recall
-        assert rep["train_conversations"] == 12 and rep["train_copies_of_val_left_out"] == 17
+        assert rep["train_conversations"] == 14 and rep["train_copies_of_val_left_out"] == 17
         assert "train copies of val conversations left out: 17" in r.stdout
         assert index["source"]["val_files"] == ["data/test-00000-of-00001.parquet"]
         assert len(index["source"]["revision"]) == 40 and shards.verify_corpus(out) == []

@@ -34,6 +34,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -250,7 +251,7 @@ def main():
     ap.add_argument("--jsonl", default=None, help="local conversations instead of the Hub (one JSON list per line)")
     ap.add_argument("--repo", default="HuggingFaceTB/smol-smoltalk", help="Hub dataset repo")
     ap.add_argument("--revision", default="main", help="branch or commit (the commit sha is recorded)")
-    ap.add_argument("--pattern", default="data/*.parquet", help="parquet files to use (glob); names with 'test' = val")
+    ap.add_argument("--pattern", default="data/*.parquet", help="parquet files to use (glob); names with the word 'test' = val")
     ap.add_argument("--column", default="messages", help="conversation column (a list of {role, content})")
     ap.add_argument("--max-len", type=int, default=None, help="row length in tokens = train seq_len (default: the "
                     "--tokenizer checkpoint's max_seq_len, at most 2048; 2048 for a tokenizer file)")
@@ -288,7 +289,8 @@ def run(args):
         source = {"kind": "jsonl", "file": os.path.abspath(args.jsonl), "lines": n_lines}
     else:
         revision, files = shards.hub_dataset_files(args.repo, args.revision, args.pattern)
-        test_files = [f for f in files if "test" in os.path.basename(f)]
+        # "test" as a word of the name (test-00000-of-00001.parquet), not inside one (latest, contest_01)
+        test_files = [f for f in files if re.search(r"(^|[^a-z])test([^a-z]|$)", os.path.basename(f).lower())]
         train_files = [f for f in files if f not in test_files]
         print(f"{args.repo}@{revision[:12]}: train {train_files}, val {test_files or '(held out from train)'}")
         for f in (train_files + test_files)[:1]:  # --column, before the old corpus is removed below
