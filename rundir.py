@@ -183,6 +183,14 @@ def prepare_run_dir(cfg, out, log):
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):  # (a TypeError traceback, exit 10)
         raise RunDirError(f"{ck}: verifies but holds no training state.json (its manifest lacks one, or it has no "
                           f"step); resume an earlier step with --resume_from=STEP_DIR, or move {ck} aside")
+    if explicit and not checkpoint.in_run_dir(ck, out):  # another dir's step: a branch, unless out_dir holds a run
+        own = next((p for _, p in reversed(existing) if checkpoint.is_valid(p)), None)
+        own_state = read_json(os.path.join(own, "state.json"), None) if own else None
+        if own and (not isinstance(own_state, dict) or own_state.get("created_at") != state.get("created_at")):
+            # (it set that run's later steps aside and resumed another run, maybe another model, in its place)
+            raise RunDirError(f"{ck} is a checkpoint of another run than the one in {out} (newest "
+                              f"{os.path.basename(own)}); resume {out}'s own with --resume_from= (empty), or pass an "
+                              f"empty --out_dir to continue {ck}'s run there")
     step = state["step"]
     tag = f"after_step_{step:07d}_{time.strftime('%Y%m%d-%H%M%S')}_{os.getpid()}"
     newer = [(s_, p) for s_, p in existing if s_ > step]  # none of them verifies (ck is the newest that does)

@@ -492,6 +492,10 @@ def main(argv):
     if cfg["resume_from"] and cfg["init_from"] != "resume":  # (it trained a fresh model, the flag unread)
         die(f"--resume_from={cfg['resume_from']} is read only with --init_from=resume (init_from is "
             f"{cfg['init_from']!r}); add --init_from=resume")
+    for k, mode in (("finetune_from", "finetune"), ("grow_from", "grow"), ("grow_layers", "grow")):
+        if cfg["init_from"] == "scratch" and cfg[k]:  # (as resume_from: a fresh model trained, the flag unread;
+            die(f"--{k}={cfg[k]} is read only with --init_from={mode} (init_from is 'scratch'); add "  # a resume
+                f"--init_from={mode}")  # keeps them: config/sft.py and config/grow.py are reused to resume)
     for k, fix in (("out_dir", "a run directory"), ("dataset", "a corpus folder under data_root")):
         if not cfg[k].strip():  # (an empty out_dir was a traceback; an empty dataset read data/index.json)
             die(f"--{k} is empty; pass {fix}")

@@ -247,7 +247,8 @@ def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr(
                                   "float16", "max_iters_with_stages", "zero_heads", "shard_list", "swapped_tokenizer",
                                   "beta_out_of_range", "negative_warmup", "empty_out_dir", "negative_rope_theta",
                                   "init_from_typo", "max_iters_in_the_stages_file", "file_edits_a_default_in_place",
-                                  "resume_a_step_without_state", "quarantine_typo"])
+                                  "resume_a_step_without_state", "quarantine_typo", "finetune_from_unread",
+                                  "grow_from_unread", "resume_another_runs_step"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -275,6 +276,16 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         args = args + ["--device=cuda:0"]
     elif case == "float16":
         args = args + ["--device=cuda", "--dtype=float16"]
+    elif case == "finetune_from_unread":  # a fresh model trained, the checkpoint unread
+        args = args + [f"--finetune_from={tmp_path}"]
+    elif case == "grow_from_unread":
+        args = args + [f"--grow_from={tmp_path}", "--grow_layers=2"]
+    elif case == "resume_another_runs_step":  # another run's step resumed in out_dir: out_dir's steps set aside
+        other = str(tmp_path / "other")
+        run(args + ["--stop_after_steps=1", f"--out_dir={other}"])
+        run(args + ["--stop_after_steps=2"])
+        before = sorted(n for n in os.listdir(out) if n.startswith("step_"))
+        args = args + ["--init_from=resume", f"--resume_from={checkpoint.latest_valid(other)}"]
     elif case == "quarantine_typo":  # quarantined nothing, while the log said the shard was skipped
         args = args + ["--quarantine_shards=['local/train_00001.bin']"]
     elif case == "shard_list":  # a TypeError traceback when the quarantine was applied (exit 10: restarted)
@@ -338,11 +349,15 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
            "float16": "bfloat16", "max_iters_with_stages": "stages", "zero_batch_size": "at least 1",
            "zero_heads": "n_head=0 must be at least 1", "shard_list": "corpus/file",
            "quarantine_typo": "'local/train_00001.bin' is not a shard of local (its index.json lists",
+           "finetune_from_unread": "is read only with --init_from=finetune", "grow_from_unread": "--init_from=grow",
+           "resume_another_runs_step": "is a checkpoint of another run than the one in",
            "swapped_tokenizer": "differs from index.json's", "beta_out_of_range": "[0, 1)",
            "negative_warmup": "warmup_iters=-5: must be >= 0", "empty_out_dir": "--out_dir is empty",
            "negative_rope_theta": "rope_theta=-10000.0 must be", "init_from_typo": "scratch, resume, grow or finetune",
            "max_iters_in_the_stages_file": "max_iters (in ", "resume_a_step_without_state": "holds no training state.json", "file_edits_a_default_in_place": "lr_mult['old'] must be"}
     assert fix.get(case, "") in err[0], err[0]
+    if case == "resume_another_runs_step":
+        assert sorted(n for n in os.listdir(out) if n.startswith("step_")) == before  # nothing set aside
     if case == "init_from_typo":
         assert os.listdir(out) == ["control.json"]  # nothing moved, nothing written
     if case == "file_edits_a_default_in_place":
