@@ -51,7 +51,9 @@ and recorded in summary.json as ignored.
 Outputs (--out DIR): <task>.jsonl per example (requests, per-choice log-likelihoods, prediction, gold, scores),
 summary.json {"results": {task: {metric, metric_stderr, "n"}}, "model", "harness_version", "seed", "dtype",
 "sampling", "tasks_done", ...} and results.md (a markdown table), both rewritten after every task so a failure
-later keeps the finished ones. --compare prints several summaries side by side and marks
+later keeps the finished ones. An --out that already holds a summary of the same model scored the same way keeps its
+other tasks' results (rerun a failed task alone); one of another model or settings is refused. A diverged model's
+perplexity is inf, not an overflow. --compare prints several summaries side by side and marks
 each difference from the first column as within noise (~, |diff| <= 2 * sqrt(se_a^2 + se_b^2)) or not (*).
 """
 
@@ -541,6 +543,13 @@ def load_picaflor_tokenizer(path, fallback_dir):
         raise EvalError(str(e)) from None
 
 
+def check_vocab(tok, model_vocab, where):
+    """Its top ids would index past the embedding: an IndexError traceback (int4), or an error mid-scoring."""
+    if tok.vocab_size > model_vocab:
+        raise EvalError(f"{where}: tokenizer vocab {tok.vocab_size} > model vocab {model_vocab}; wrong tokenizer for "
+                        f"this model (pass the one it was trained with: --tokenizer)")
+
+
 def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False):
     """MODEL string -> one of the LM kinds above. One-line EvalError when it is none of them."""
     dtype = resolve_dtype(dtype_name, device)
@@ -554,9 +563,7 @@ def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False)
                             f"({e})") from None
         tok = load_picaflor_tokenizer(tokenizer_path, ckpt_dir)
         m = picaflor.load_checkpoint(ckpt_dir, device=device, dtype=dtype)
-        if tok.vocab_size > m.cfg.vocab_size:  # its top ids would index past the embedding (an IndexError later)
-            raise EvalError(f"{tokenizer_path or os.path.join(ckpt_dir, 'tokenizer.json')}: tokenizer vocab "
-                            f"{tok.vocab_size} > model vocab {m.cfg.vocab_size}; wrong tokenizer for this checkpoint")
+        check_vocab(tok, m.cfg.vocab_size, tokenizer_path or os.path.join(ckpt_dir, "tokenizer.json"))
         lm = PicaflorModel(m, tok, spec, device)
         lm.source = os.path.abspath(ckpt_dir)  # a run dir's LATEST moves on: the step scored, not the run's name
         gc_path = os.path.join(ckpt_dir, "generation_config.json")
@@ -612,6 +619,7 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False):
             with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
                 f.write(c.tokenizer_json)
             tok = load_picaflor_tokenizer(None, d)
+    check_vocab(tok, c.config.vocab_size, tokenizer_path or f"{path}'s tokenizer")  # (a traceback, or a late error)
     if use_engine:
         import stream_infer
         try:
@@ -879,8 +887,9 @@ def aggregate(task, docs, bootstrap_iters):
     for m in metrics:
         xs = [d["scores"][m] for d in docs]
         if m == "perplexity":
-            res[m] = math.exp(-sum(xs) / len(xs))
-            res[m + "_stderr"] = bootstrap_perplexity_stderr(xs, bootstrap_iters)
+            mean_ll = sum(xs) / len(xs)  # below -709.8 (a diverged model) exp overflowed: the whole run died
+            res[m] = math.exp(-mean_ll) if -mean_ll < 709.0 else float("inf")
+            res[m + "_stderr"] = bootstrap_perplexity_stderr(xs, bootstrap_iters) if math.isfinite(res[m]) else None
         else:
             res[m] = sum(xs) / len(xs)
             res[m + "_stderr"] = mean_stderr(xs)
@@ -1045,6 +1054,35 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
+SAME_EVALUATION = ("model_source", "data", "dtype", "limit", "max_gen_toks", "harness_version", "num_fewshot")
+
+
+def keep_earlier_results(out, summary, tasks):
+    """An --out that holds a summary.json: its other tasks' results are kept when it scored the same model the same
+    way (a rerun of a failed task, as its error says, left a summary of that task alone), and another model's are
+    refused (its per-task files would have sat beside this model's summary)."""
+    path = os.path.join(out, "summary.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+        assert isinstance(earlier, dict)
+    except (OSError, ValueError, AssertionError) as e:
+        raise EvalError(f"{path}: not a summary this script wrote ({e or 'not a JSON object'}); move it aside or pass "
+                        f"another --out") from None
+    for key in SAME_EVALUATION:
+        if earlier.get(key) != summary[key]:
+            raise EvalError(f"--out {out} holds results of another evaluation ({key} {earlier.get(key)!r}, now "
+                            f"{summary[key]!r}); pass another --out, or delete {path} to start over")
+    kept = [t for t in earlier.get("tasks_done", []) if t not in tasks and t in TASKS]
+    summary["results"] = {n: r for n, r in (earlier.get("results") or {}).items()
+                          if any(n == t or n.startswith(t + "@") for t in kept)}
+    summary["seconds"] = {t: (earlier.get("seconds") or {}).get(t) for t in kept}
+    if kept:
+        print(f"--out {out}: keeping the earlier results of {', '.join(kept)} (the same model, scored the same way)")
+
+
 def evaluate(args):
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:  # (an empty table, exit 0)
@@ -1086,6 +1124,7 @@ def evaluate(args):
             os.remove(os.path.join(args.out, ".writable"))
         except OSError as e:
             raise EvalError(f"--out {args.out}: cannot write there ({e.strerror}); pass a folder you can write")
+        keep_earlier_results(args.out, summary, tasks)
     for task in tasks:
         docs, results, seconds = run_task(lm, task, args)
         summary["results"].update(results)

@@ -526,3 +526,47 @@ def test_encode_pair_as_harness(hf_setup):
         want = ref._encode_pair(ctx, cont) if ctx else ([ref.prefix_token_id], ref.tok_encode(cont, add_special_tokens=False))
         assert (list(got[0]), list(got[1])) == (list(want[0]), list(want[1])), (ctx, cont)
     assert ev.encode_pair(lm, "", " the dog runs", {})[0] == [lm.prefix_id]
+
+
+def test_review_round_reruns_keep_results_wrong_tokenizers_and_diverged_models(hf_setup, tmp_path, capsys):
+    """Helper-56's review: a rerun of a failed task (as its error advises) left a summary.json of that task alone,
+    and another model's run into the same --out wrote its summary beside the first model's per-task files; an int4
+    container with a larger-vocab --tokenizer was an IndexError traceback; a diverged model's lambada perplexity
+    (mean log-likelihood under -709.8) overflowed math.exp and ended the run."""
+    import checkpoint
+    import container
+    import tokenizer
+    _, model_dir, data_dir, _ = hf_setup
+    only_piqa = tmp_path / "only_piqa"
+    only_piqa.mkdir()
+    (only_piqa / "piqa.jsonl").write_text(open(os.path.join(data_dir, "piqa.jsonl")).read())
+    out = tmp_path / "res"
+    assert ev.main([model_dir, "--tasks", "piqa,arc_easy", "--data-dir", str(only_piqa), "--out", str(out),
+                    "--limit", "3"]) == 2
+    (only_piqa / "arc_easy.jsonl").write_text(open(os.path.join(data_dir, "arc_easy.jsonl")).read())
+    assert ev.main([model_dir, "--tasks", "arc_easy", "--data-dir", str(only_piqa), "--out", str(out),
+                    "--limit", "3"]) == 0
+    summary = json.load(open(out / "summary.json"))
+    assert sorted(summary["results"]) == ["arc_easy", "piqa"] and sorted(summary["tasks_done"]) == ["arc_easy", "piqa"]
+    assert "keeping the earlier results of piqa" in capsys.readouterr().out
+    run_dir, _ = make_picaflor_ckpt(tmp_path)
+    assert ev.main([run_dir, "--tasks", "piqa", "--data-dir", str(only_piqa), "--out", str(out), "--limit", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds results of another evaluation (model_source" in err[0], err
+    assert json.load(open(out / "summary.json")) == summary
+    # an int4 container with another, larger tokenizer: one line naming it
+    path = str(tmp_path / "m.int4")
+    container.write_container(checkpoint.resolve(run_dir), path, group_size=16, progress=False)
+    capsys.readouterr()
+    big = tokenizer.train_tokenizer([" ".join(f"w{i}x{j}" for j in range(40)) for i in range(200)] + list(es.corpus()), 1000)
+    assert big.vocab_size > 320
+    big_path = big.save(str(tmp_path / "big.json"))
+    for extra in ([], ["--int4-engine"]):
+        assert ev.main([path, "--tokenizer", big_path, "--tasks", "piqa", "--data-dir", data_dir, "--limit", "2",
+                        *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{big_path}: tokenizer vocab {big.vocab_size} > model vocab" in err[0], err
+    # a diverged model: perplexity inf (no stderr), the run goes on
+    docs = [{"scores": {"perplexity": -800.0 - i, "acc": 0.0}} for i in range(4)]
+    res = ev.aggregate("lambada_openai", docs, 100)
+    assert res["perplexity"] == float("inf") and res["perplexity_stderr"] is None and res["acc"] == 0.0
