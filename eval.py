@@ -1125,6 +1125,7 @@ def evaluate(args):
         except OSError as e:
             raise EvalError(f"--out {args.out}: cannot write there ({e.strerror}); pass a folder you can write")
         keep_earlier_results(args.out, summary, tasks)
+    args.tasks_left = list(tasks)
     for task in tasks:
         docs, results, seconds = run_task(lm, task, args)
         summary["results"].update(results)
@@ -1144,6 +1145,7 @@ def evaluate(args):
             except OSError as e:  # a full disk: the scores above are printed; the files of earlier tasks stay whole
                 raise EvalError(f"--out {args.out}: writing {task}'s results failed ({e.strerror}); its scores are "
                                 f"printed above; free space and rerun with --tasks {task}")
+        args.tasks_left.remove(task)
     print(markdown_table(summary))
     return summary
 
@@ -1164,6 +1166,11 @@ def main(argv=None):
     except (EvalError, checkpoint.CheckpointError, C.ContainerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (a traceback) the tasks finished before it are in --out: a rerun there keeps them
+        left = getattr(args, "tasks_left", None)
+        print("interrupted" + (f"; the finished tasks are in {args.out}: go on with --tasks {','.join(left)} --out "
+                               f"{args.out} (it keeps them)" if args.out and left else ""), file=sys.stderr)
+        return 130
     except Exception as e:  # stream_infer's errors (imported only for --int4-engine): one line too
         si = sys.modules.get("stream_infer")
         if si is None or not isinstance(e, si.StreamError):

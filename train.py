@@ -295,6 +295,16 @@ def device_memory(device_type):
 _RUN_INFO = {}  # what a crash report needs: out_dir, state, streams
 
 
+def source_state(ck, flag):
+    """A grow / finetune source's state.json, which must say its model_config (without one: a TypeError traceback,
+    exit 10, which the guardian restarted)."""
+    st = read_json(os.path.join(ck, "state.json"), None)
+    if not isinstance(st, dict) or not isinstance(st.get("model_config"), dict):
+        raise TrainError(f"{ck}: no state.json with a model_config (not a checkpoint train.py wrote); pass another "
+                         f"--{flag}")
+    return st
+
+
 def open_metrics(path, resumed_step):
     """Append mode. Rows past the step this start resumes (logged after the last checkpoint by a start that crashed,
     or by a timeline a rollback left) move to metrics.abandoned.jsonl: the steps are logged again, once each."""
@@ -639,6 +649,8 @@ def main(argv):
         sd = load_file(os.path.join(ck, "model.safetensors"))
         if os.path.exists(os.path.join(ck, "optimizer.pt")):
             opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
+        else:  # (train.py always writes one: a checkpoint made by hand, or by another tool)
+            log(f"WARNING: {ck} has no optimizer.pt: AdamW starts fresh (its moments at zero), not an exact resume")
         layer_origin = state["layer_origin"]
         log(f"resuming from {ck} at step {state['step']}, {state['tokens']:,} tokens")
     elif cfg["init_from"] == "grow":
@@ -646,7 +658,7 @@ def main(argv):
             raise TrainError("init_from=grow needs grow_from=CHECKPOINT and grow_layers > 0")
         ck = checkpoint.resolve(cfg["grow_from"])
         checkpoint.verify(ck)
-        src_state = read_json(os.path.join(ck, "state.json"))
+        src_state = source_state(ck, "grow_from")
         from model import ModelConfig
         old = ModelConfig.from_dict(src_state["model_config"])
         sd, layer_origin = grow_state_dict(load_file(os.path.join(ck, "model.safetensors")), old,
@@ -659,7 +671,7 @@ def main(argv):
             raise TrainError("init_from=finetune needs finetune_from=CHECKPOINT (a run dir or step_* dir)")
         ck = checkpoint.resolve(cfg["finetune_from"])
         checkpoint.verify(ck)
-        src_state = read_json(os.path.join(ck, "state.json"))
+        src_state = source_state(ck, "finetune_from")
         mcfg = model_config_from({**cfg, **src_state["model_config"], **config_wins(src_state["model_config"], "finetune")})
         sd = load_file(os.path.join(ck, "model.safetensors"))
         layer_origin = src_state.get("layer_origin") or ["new"] * mcfg.n_layer

@@ -570,3 +570,22 @@ def test_review_round_reruns_keep_results_wrong_tokenizers_and_diverged_models(h
     docs = [{"scores": {"perplexity": -800.0 - i, "acc": 0.0}} for i in range(4)]
     res = ev.aggregate("lambada_openai", docs, 100)
     assert res["perplexity"] == float("inf") and res["perplexity_stderr"] is None and res["acc"] == 0.0
+
+
+def test_ctrl_c_is_one_line_naming_the_tasks_left(hf_setup, tmp_path, capsys, monkeypatch):
+    """Ctrl-C was a traceback; now one line, exit 130, naming the tasks to go on with (the finished ones are kept)."""
+    _, model_dir, data_dir, _ = hf_setup
+    out = tmp_path / "res"
+    real = ev.run_task
+
+    def interrupted_on_arc(lm, task, args):
+        if task == "arc_easy":
+            raise KeyboardInterrupt
+        return real(lm, task, args)
+    monkeypatch.setattr(ev, "run_task", interrupted_on_arc)
+    assert ev.main([model_dir, "--tasks", "piqa,arc_easy,winogrande", "--data-dir", data_dir, "--out", str(out),
+                    "--limit", "2"]) == 130
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning: task")]
+    assert err == [f"interrupted; the finished tasks are in {out}: go on with --tasks arc_easy,winogrande --out {out} "
+                   f"(it keeps them)"], err
+    assert json.load(open(out / "summary.json"))["tasks_done"] == ["piqa"]

@@ -248,7 +248,7 @@ def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr(
                                   "beta_out_of_range", "negative_warmup", "empty_out_dir", "negative_rope_theta",
                                   "init_from_typo", "max_iters_in_the_stages_file", "file_edits_a_default_in_place",
                                   "resume_a_step_without_state", "quarantine_typo", "finetune_from_unread",
-                                  "grow_from_unread", "resume_another_runs_step"])
+                                  "grow_from_unread", "resume_another_runs_step", "finetune_from_stateless"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -278,6 +278,9 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         args = args + ["--device=cuda", "--dtype=float16"]
     elif case == "finetune_from_unread":  # a fresh model trained, the checkpoint unread
         args = args + [f"--finetune_from={tmp_path}"]
+    elif case == "finetune_from_stateless":  # a TypeError traceback, exit 10 (which the guardian restarted)
+        checkpoint.save(str(tmp_path / "src"), 2, {"model.safetensors": lambda p: open(p, "w").write("x")})
+        args = args + ["--init_from=finetune", f"--finetune_from={tmp_path / 'src'}"]
     elif case == "grow_from_unread":
         args = args + [f"--grow_from={tmp_path}", "--grow_layers=2"]
     elif case == "resume_another_runs_step":  # another run's step resumed in out_dir: out_dir's steps set aside
@@ -351,6 +354,7 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
            "quarantine_typo": "'local/train_00001.bin' is not a shard of local (its index.json lists",
            "finetune_from_unread": "is read only with --init_from=finetune", "grow_from_unread": "--init_from=grow",
            "resume_another_runs_step": "is a checkpoint of another run than the one in",
+           "finetune_from_stateless": "no state.json with a model_config",
            "swapped_tokenizer": "differs from index.json's", "beta_out_of_range": "[0, 1)",
            "negative_warmup": "warmup_iters=-5: must be >= 0", "empty_out_dir": "--out_dir is empty",
            "negative_rope_theta": "rope_theta=-10000.0 must be", "init_from_typo": "scratch, resume, grow or finetune",
