@@ -1125,7 +1125,7 @@ def evaluate(args):
         except OSError as e:
             raise EvalError(f"--out {args.out}: cannot write there ({e.strerror}); pass a folder you can write")
         keep_earlier_results(args.out, summary, tasks)
-    args.tasks_left = list(tasks)
+    args.tasks_left, args.tasks_asked = list(tasks), list(tasks)
     for task in tasks:
         docs, results, seconds = run_task(lm, task, args)
         summary["results"].update(results)
@@ -1168,8 +1168,9 @@ def main(argv=None):
         return 2
     except KeyboardInterrupt:  # (a traceback) the tasks finished before it are in --out: a rerun there keeps them
         left = getattr(args, "tasks_left", None)
+        done = args.out and left and len(left) < len(getattr(args, "tasks_asked", left))
         print("interrupted" + (f"; the finished tasks are in {args.out}: go on with --tasks {','.join(left)} --out "
-                               f"{args.out} (it keeps them)" if args.out and left else ""), file=sys.stderr)
+                               f"{args.out} (it keeps them)" if done else ""), file=sys.stderr)
         return 130
     except Exception as e:  # stream_infer's errors (imported only for --int4-engine): one line too
         si = sys.modules.get("stream_infer")

@@ -368,7 +368,7 @@ class Guardian:
                     self.say(self.log["status"])
                 return 0
             # a trainer killed by the signal before its handler was set (rc -15, was exit 241) had trained nothing
-            if self.stopping and rc in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP) and after == before:
+            if self.stopping and rc in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP, 130) and after == before:
                 self.log["status"] = f"stopped ({self.stopping})"
                 self.save()
                 self.say(f"stopped by {self.stopping} (the trainer's {cause}, before it trained)")

@@ -14,7 +14,7 @@ def decay_length(decay_frac, n):
     return int(decay_frac * n + 1e-9)
 
 
-def build_plan(cfg, tokens_per_step):
+def build_plan(cfg, tokens_per_step, refuse_short=True):
     """Normalise the config's stages into [{name, mix, tokens, seq_len, lr_phase}] with token lengths. A stage given
     in tokens is rounded to whole steps of its seq_len: a step trains its first stage's mix for all its tokens, so a
     stage that began mid-step lost that part to its neighbour, and one shorter than a step was never trained."""
@@ -56,6 +56,8 @@ def build_plan(cfg, tokens_per_step):
         step_tokens = tokens_per_step(T)
         if "tokens" in s and int(s["tokens"]) > 0:
             steps = (int(s["tokens"]) + step_tokens // 2) // step_tokens  # the nearest whole number of steps
+            if steps == 0 and not refuse_short:  # a resume keeps its stored plan: this one is only compared
+                steps = 1
             if steps == 0:
                 raise PlanError(f"stages[{i}] ({s.get('name', f'stage{i}')}): tokens={int(s['tokens']):,} is less than "
                                 f"half a step ({step_tokens:,} tokens at seq_len {T}): it would never be trained; give "

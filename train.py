@@ -681,7 +681,7 @@ def main(argv):
 
     # --- data ----------------------------------------------------------------------------------------------
     try:
-        plan = build_plan(cfg, tokens_per_step)
+        plan = build_plan(cfg, tokens_per_step, refuse_short=state is None or flags["--replan"])
     except PlanError as e:
         raise TrainError(str(e)) from None
     if state is not None:

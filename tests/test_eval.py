@@ -589,3 +589,7 @@ def test_ctrl_c_is_one_line_naming_the_tasks_left(hf_setup, tmp_path, capsys, mo
     assert err == [f"interrupted; the finished tasks are in {out}: go on with --tasks arc_easy,winogrande --out {out} "
                    f"(it keeps them)"], err
     assert json.load(open(out / "summary.json"))["tasks_done"] == ["piqa"]
+    assert ev.main([model_dir, "--tasks", "arc_easy,winogrande", "--data-dir", data_dir, "--out", str(tmp_path / "r2"),
+                    "--limit", "2"]) == 130  # none finished: nothing to go on from
+    assert [line for line in capsys.readouterr().err.strip().splitlines()
+            if not line.startswith("warning: task")] == ["interrupted"]

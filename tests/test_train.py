@@ -411,6 +411,8 @@ def test_review_round_plans_are_whole_steps_and_keep_what_they_say():
               dict(name="decay", steps=2, lr_phase="decay")]
     with pytest.raises(schedule.PlanError, match=r"stages\[1\] \(anneal\): tokens=40 is less than half a step"):
         schedule.build_plan(dict(g, stages=stages, seq_len=64), per_step)
+    # a resume keeps its stored plan: the config's is only compared, never refused for it (a larger --batch_size)
+    assert schedule.build_plan(dict(g, stages=stages, seq_len=64), per_step, refuse_short=False)[1]["tokens"] == 256
     stages[1]["tokens"] = 200  # 0.78 of a step: one step
     plan = schedule.build_plan(dict(g, stages=stages, seq_len=64), per_step)
     assert [s["tokens"] for s in plan] == [2048, 256, 512]  # whole steps: each stage trains its own mix
