@@ -573,16 +573,18 @@ class Container:
                     return buf
             except OSError as e:  # a filesystem that opened O_DIRECT but cannot do it: buffered from now on
                 if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):  # EIO is the read's error: O_DIRECT
-                    raise ContainerError(f"{self.path}: read error at offset {offset}: {e.strerror}; check the "
-                                         f"disk") from None  # stays (off for good, the page cache broke --ram-budget)
+                    raise self.read_error(offset, e) from None  # stays (off for good, the page cache broke --ram-budget)
                 self.stop_direct_reads()
         try:
             got = os.preadv(self.fd, [buf], offset)
         except OSError as e:
-            raise ContainerError(f"{self.path}: read error at offset {offset}: {e.strerror}; check the disk") from None
+            raise self.read_error(offset, e) from None
         if got != nbytes:
             raise self.short_read_error(offset, got, nbytes)
         return buf
+
+    def read_error(self, offset, e):
+        return ContainerError(f"{self.path}: read error at offset {offset}: {e.strerror}; check the disk")
 
     def expert_entry(self, layer, expert):
         try:

@@ -149,7 +149,7 @@ def prepare_run_dir(cfg, out, log):
     clear_leftovers(out, log)
     existing = checkpoint.list_checkpoints(out)
     if cfg["init_from"] != "resume":  # it would overwrite that run's steps (and retention the rest); corrupt ones: go on
-        newest_valid = next((p for _, p in reversed(existing) if checkpoint.is_valid(p)), None)
+        newest_valid = checkpoint.latest_valid(out)
         if newest_valid:
             raise RunDirError(f"{out} already holds a run's checkpoints (newest {os.path.basename(newest_valid)}); "
                              f"continue it with --init_from=resume, or pass another --out_dir")
@@ -184,7 +184,7 @@ def prepare_run_dir(cfg, out, log):
         raise RunDirError(f"{ck}: verifies but holds no training state.json (its manifest lacks one, or it has no "
                           f"step); resume an earlier step with --resume_from=STEP_DIR, or move {ck} aside")
     if explicit and not checkpoint.in_run_dir(ck, out):  # another dir's step: a branch, unless out_dir holds a run
-        own = next((p for _, p in reversed(existing) if checkpoint.is_valid(p)), None)
+        own = checkpoint.latest_valid(out)
         own_state = read_json(os.path.join(own, "state.json"), None) if own else None
         if own and (not isinstance(own_state, dict) or own_state.get("created_at") != state.get("created_at")):
             # (it set that run's later steps aside and resumed another run, maybe another model, in its place)

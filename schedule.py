@@ -64,7 +64,7 @@ def build_plan(cfg, tokens_per_step, refuse_short=True):
                                 f"at least {step_tokens:,} tokens, or steps=1")
             tokens = steps * step_tokens
         else:
-            tokens = int(s.get("tokens", 0)) if "tokens" in s else int(s["steps"]) * step_tokens
+            tokens = int(s["tokens"]) if "tokens" in s else int(s["steps"]) * step_tokens
         if tokens <= 0:
             continue  # e.g. warmup_iters = 0
         mix = s["mix"] if "mix" in s else {cfg["dataset"]: 1.0}
