@@ -62,7 +62,7 @@ resume_from = ""             # with init_from=resume: a specific step_* dir (def
 grow_from = ""               # with init_from=grow: the checkpoint (dir) to grow
 grow_layers = 0              # new layers added by growth
 finetune_from = ""           # with init_from=finetune: start from these weights (fresh optimizer, plan and data)
-grow_where = "interleave"    # interleave (LLaMA Pro: one new block after every k old ones) | top
+grow_where = "interleave"    # interleave (LLaMA Pro: new blocks evenly spaced, the last after the top block) | top
 # model (ModelConfig fields)
 vocab_size = 32768
 n_layer = 24
@@ -192,9 +192,8 @@ def grow_state_dict(sd, old_cfg, n_new, where):
         raise TrainError("growth copies MoE blocks, and this model has none (n_dense_layers == n_layer)")
     if where == "top":
         after = [L - 1] * n_new
-    elif where == "interleave":  # spread over the MoE layers so the dense prefix stays as it is
-        every = max(1, (L - nd) // n_new) if n_new else 1
-        after = [min(L - 1, nd + (i + 1) * every - 1) for i in range(n_new)]
+    elif where == "interleave":  # evenly over the MoE layers, the last one after the top block (LLaMA Pro)
+        after = [nd - 1 - (-(i + 1) * (L - nd) // n_new) for i in range(n_new)]  # ceil: never after a dense layer
     else:
         raise TrainError(f"grow_where must be interleave or top, got {where!r}")
     order, origin = [], []

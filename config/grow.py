@@ -7,7 +7,7 @@
 init_from = "grow"
 grow_from = "out/tiny"
 grow_layers = 2
-grow_where = "interleave"       # one new block after every k MoE blocks ("top": all at the end)
+grow_where = "interleave"       # new blocks spread evenly over the MoE blocks, the last after the top one ("top": all at the end)
 out_dir = "out/tiny-grown"
 lr_mult = {"embedding": 0.3, "old": 0.1, "new": 1.0}
 max_iters = 200

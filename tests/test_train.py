@@ -714,3 +714,16 @@ def test_a_run_dir_resolves_to_a_newer_whole_step_than_its_lagging_latest(tmp_pa
     open(os.path.join(out, "step_0000008", "state.json"), "a").write(" ")  # the newer one corrupt: LATEST's, quietly
     assert checkpoint.resolve(out) == os.path.join(out, "step_0000004")
     assert "LATEST" not in capsys.readouterr().err
+
+
+def test_grow_interleave_spreads_new_blocks_up_to_the_top_layer():
+    # 3 MoE layers, 2 new: the old rule put both below layer 3 and none after the top block
+    cfg = ModelConfig(vocab_size=64, n_layer=4, n_dense_layers=1, d_model=16, n_head=2, n_kv_head=1, dense_ffn=32,
+                      n_experts=4, expert_ffn=8, n_shared=1, max_seq_len=16, tie_embeddings=True)
+    sd = Picaflor(cfg).state_dict()
+    for n_new, want in [(2, ["old", "old", "old", "new", "old", "new"]),
+                        (3, ["old", "old", "new", "old", "new", "old", "new"]),
+                        (1, ["old", "old", "old", "old", "new"]),
+                        (5, ["old", "old", "new", "old", "new", "new", "old", "new", "new"])]:
+        _, origin = train.grow_state_dict(sd, cfg, n_new, "interleave")
+        assert origin == want, (n_new, origin)
