@@ -182,6 +182,25 @@ def param_groups(model, layer_origin, cfg):
     return [groups[k] for k in sorted(groups)]
 
 
+def source_checkpoint(cfg):
+    """The checkpoint dir a grow / finetune starts from, verified (None otherwise). Rank 0 picks it for every rank:
+    a source run still training could otherwise hand ranks different steps (a new LATEST between their reads)."""
+    import checkpoint
+    if cfg["init_from"] == "grow":
+        if not cfg["grow_from"] or cfg["grow_layers"] <= 0:
+            raise TrainError("init_from=grow needs grow_from=CHECKPOINT and grow_layers > 0")
+        path = cfg["grow_from"]
+    elif cfg["init_from"] == "finetune":
+        if not cfg["finetune_from"]:
+            raise TrainError("init_from=finetune needs finetune_from=CHECKPOINT (a run dir or step_* dir)")
+        path = cfg["finetune_from"]
+    else:
+        return None
+    ck = checkpoint.resolve(path)
+    checkpoint.verify(ck)
+    return ck
+
+
 def grow_state_dict(sd, old_cfg, n_new, where):
     """Insert n_new identity blocks into a state dict (LLaMA Pro, arXiv 2401.02415): each copies the block
     before it, with the attention output and every FFN down projection zeroed so the block adds nothing.
@@ -614,7 +633,7 @@ def main(argv):
     # from here on a hang is caught (3x hang_timeout before the first step): a checkpoint or index read from a
     # stalled mount, or a compile that never returned, left the guardian waiting for ever
     watchdog = Watchdog(cfg["hang_timeout"], out, master)
-    failure = None
+    failure, source = None, None
     if master:
         try:
             if _RUN_INFO.get("lock") is not None:  # an earlier main() of this process (a test, a notebook) is over
@@ -623,6 +642,7 @@ def main(argv):
             if cfg["mirror_dir"]:
                 check_mirror()
             ck = prepare_run_dir(cfg, out, log)
+            source = source_checkpoint(cfg)
         except Exception as e:
             failure = e
     if ddp:  # as bytes in a tensor: broadcast_object_list unpickles what another machine sent
@@ -631,13 +651,13 @@ def main(argv):
             code = failure.code if isinstance(failure, TrainError) else EXIT_ERROR
             ours = isinstance(failure, (TrainError, RunDirError, checkpoint.CheckpointError))
             msg = str(failure) if ours else f"{type(failure).__name__}: {failure}"
-        data = json.dumps([ck, msg, code]).encode() if master else b""
+        data = json.dumps([ck, source, msg, code]).encode() if master else b""
         n = torch.tensor([len(data)], dtype=torch.int64, device=device)
         dist.broadcast(n, 0)
         buf = (torch.tensor(list(data), dtype=torch.uint8, device=device) if master
                else torch.zeros(int(n.item()), dtype=torch.uint8, device=device))
         dist.broadcast(buf, 0)
-        ck, msg, code = json.loads(bytes(buf.cpu().tolist()).decode())
+        ck, source, msg, code = json.loads(bytes(buf.cpu().tolist()).decode())
         if msg and not master:
             raise TrainError(f"rank 0: {msg}", code)
     if failure is not None:
@@ -653,10 +673,7 @@ def main(argv):
         layer_origin = state["layer_origin"]
         log(f"resuming from {ck} at step {state['step']}, {state['tokens']:,} tokens")
     elif cfg["init_from"] == "grow":
-        if not cfg["grow_from"] or cfg["grow_layers"] <= 0:
-            raise TrainError("init_from=grow needs grow_from=CHECKPOINT and grow_layers > 0")
-        ck = checkpoint.resolve(cfg["grow_from"])
-        checkpoint.verify(ck)
+        ck = source  # resolved by rank 0 for every rank
         src_state = source_state(ck, "grow_from")
         from model import ModelConfig
         old = ModelConfig.from_dict(src_state["model_config"])
@@ -666,10 +683,7 @@ def main(argv):
                                       **config_wins(src_state["model_config"], "grow")})
         log(f"growing {ck}: {old.n_layer} -> {mcfg.n_layer} layers (new blocks start as identity)")
     elif cfg["init_from"] == "finetune":
-        if not cfg["finetune_from"]:
-            raise TrainError("init_from=finetune needs finetune_from=CHECKPOINT (a run dir or step_* dir)")
-        ck = checkpoint.resolve(cfg["finetune_from"])
-        checkpoint.verify(ck)
+        ck = source
         src_state = source_state(ck, "finetune_from")
         mcfg = model_config_from({**cfg, **src_state["model_config"], **config_wins(src_state["model_config"], "finetune")})
         sd = load_file(os.path.join(ck, "model.safetensors"))

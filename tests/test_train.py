@@ -119,6 +119,16 @@ def test_torchrun_two_processes_gloo(data_root, tmp_path):
     r = subprocess.run(base + ["--init_from=resume", f"--resume_from={tmp_path / 'nowhere'}"], cwd=REPO,
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0 and "no such file or directory" in r.stderr and "rank 0:" in r.stderr, r.stderr[-3000:]
+    # a grow source is picked by rank 0 for every rank (a source still training could hand ranks different steps)
+    grown = str(tmp_path / "ddp-grown")
+    gbase = base[:base.index(f"--out_dir={out}")] + [f"--out_dir={grown}", "--init_from=grow", "--grow_layers=1"]
+    r = subprocess.run(gbase + [f"--grow_from={tmp_path / 'nowhere'}"], cwd=REPO, capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode != 0 and "rank 0:" in r.stderr and "no such file or directory" in r.stderr, r.stderr[-3000:]
+    r = subprocess.run(gbase + [f"--grow_from={out}", "--stop_after_steps=0"], cwd=REPO, capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert load_checkpoint(grown).cfg.n_layer == load_checkpoint(out).cfg.n_layer + 1
     import fcntl  # the run's lock held elsewhere: rank 0's refusal reaches rank 1 too (it died on a closed connection)
     with open(os.path.join(out, ".trainer.lock"), "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
