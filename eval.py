@@ -42,7 +42,8 @@ Data: downloaded from the Hub with huggingface_hub (the dataset's auto-converted
 `refs/convert/parquet`, else parquet/jsonl files on main) into --cache-dir, read from there when the Hub cannot be
 reached later (offline, with a warning); or --data-dir DIR with one file per task in the Hub dataset's own schema:
 DIR/<task>.jsonl (one JSON object per line), DIR/<task>.json (a list), DIR/<task>.parquet, or a folder DIR/<task>/
-of such files (read in name order).
+of such files (read in name order; where their names name splits, as a Hub snapshot's train-*, validation-*,
+test-* do, only the files of the split the task scores on the Hub).
 
 Generation never inherits sampling settings from a model: decoding is greedy with no repetition / presence /
 frequency penalty, by eval.py's own loop; if the model ships such settings they are printed as a loud warning
@@ -283,6 +284,14 @@ def read_rows(path):
 DATA_EXTS = (".parquet", ".jsonl", ".json")
 
 
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def names_split(path, split):
+    """Whether a data file's path names the split as a word: test-00000-of-00001.parquet, main/test/0000.parquet."""
+    return re.search(rf"(^|[/_\-.]){split}([/_\-.]|$)", path) is not None
+
+
 def local_task_rows(data_dir, task):
     for ext in DATA_EXTS:
         p = os.path.join(data_dir, task + ext)
@@ -291,6 +300,15 @@ def local_task_rows(data_dir, task):
     folder = os.path.join(data_dir, task)
     if os.path.isdir(folder):
         files = sorted(f for f in os.listdir(folder) if f.endswith(DATA_EXTS))
+        # a Hub snapshot holds every split (train-*, validation-*, test-*): only the task's split is scored
+        named = [s for s in SPLIT_NAMES if any(names_split(f, s) for f in files)]
+        if named:
+            split = TASKS[task][1][2]
+            if split not in named:
+                raise EvalError(f"{folder}: holds {'/'.join(named)} split files ({', '.join(files[:6])}"
+                                f"{', ...' if len(files) > 6 else ''}) but no {split} split, the one task {task} "
+                                f"scores; add its {split} file(s) (a name with '{split}' in it) to that folder")
+            files = [f for f in files if names_split(f, split)]
         if files:
             return [r for f in files for r in read_rows(os.path.join(folder, f))]
     raise EvalError(f"{data_dir}: no data file for task {task}; expected {task}.jsonl, {task}.json, "
@@ -313,7 +331,7 @@ def hub_task_rows(task, cache_dir):
         if not files:  # else the files on main whose path names the config (if any) and the split
             revision = None
             names = api.list_repo_files(repo, repo_type="dataset")
-            files = [f for f in names if f.endswith(DATA_EXTS) and re.search(rf"(^|[/_\-.]){split}([/_\-.]|$)", f)
+            files = [f for f in names if f.endswith(DATA_EXTS) and names_split(f, split)
                      and (config in (None, "default") or config in f.split("/")[0])]
         if not files:
             raise EvalError(f"{repo}: no {split} split file found on the Hub; use --data-dir with {task}.jsonl")
@@ -550,6 +568,15 @@ def check_vocab(tok, model_vocab, where):
                         f"this model (pass the one it was trained with: --tokenizer)")
 
 
+def damaged_checkpoint(ckpt_dir):
+    """What checkpoint.verify finds wrong with ckpt_dir, without its "use an earlier step_* dir" (none verifies)."""
+    try:
+        checkpoint.verify(ckpt_dir)
+    except checkpoint.CheckpointError as e:
+        return str(e).removesuffix("; use an earlier step_* dir")
+    return f"{ckpt_dir} verifies"
+
+
 def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False):
     """MODEL string -> one of the LM kinds above. One-line EvalError when it is none of them."""
     dtype = resolve_dtype(dtype_name, device)
@@ -559,6 +586,11 @@ def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False)
         try:
             ckpt_dir = checkpoint.resolve(spec)
         except checkpoint.CheckpointError as e:
+            steps = checkpoint.list_checkpoints(spec)
+            if steps:  # a run dir whose every step is damaged: "neither ... nor" named no file
+                why = damaged_checkpoint(steps[-1][1])
+                raise EvalError(f"{spec}: none of its step_* checkpoints verifies (the newest: {why}); "
+                                f"re-copy it from where it was saved, or point at another checkpoint") from None
             raise EvalError(f"{spec}: neither a Hugging Face model dir (no config.json) nor a picaflor checkpoint "
                             f"({e})") from None
         tok = load_picaflor_tokenizer(tokenizer_path, ckpt_dir)
@@ -591,7 +623,8 @@ def load_hf(spec, device, dtype):
         tok = AutoTokenizer.from_pretrained(spec)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a truncated weights file; shapes
-        raise EvalError(f"{spec}: cannot load as a transformers model ({(str(e).splitlines() or [''])[0]})") from None
+        raise EvalError(f"{spec}: cannot load as a transformers model ({(str(e).splitlines() or [''])[0]}); if its "
+                        f"files are damaged, download or export it again, or point at another model") from None
     lm = HFModel(model, tok, spec, device)
     commit = getattr(model.config, "_commit_hash", None)  # set by transformers for a model from the Hub
     lm.source = os.path.abspath(spec) if os.path.isdir(spec) else f"{spec}@{commit}" if commit else spec
@@ -1027,7 +1060,8 @@ def parse_args(argv):
     ap.add_argument("--tasks", default="lambada_openai,piqa,winogrande,arc_easy,arc_challenge,openbookqa,hellaswag",
                     help=f"comma-separated, from: {', '.join(TASKS)}")
     ap.add_argument("--limit", type=int, default=None, help="first N examples per task (synthetic: N per length)")
-    ap.add_argument("--data-dir", default=None, help="local task files DIR/<task>.jsonl|.json|.parquet")
+    ap.add_argument("--data-dir", default=None, help="local task files DIR/<task>.jsonl|.json|.parquet or a folder "
+                    "DIR/<task>/ of them (of a Hub snapshot's several splits, the task's split's files)")
     ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/picaflor/eval"),
                     help="where Hub downloads are kept")
     ap.add_argument("--out", default=None, help="write <task>.jsonl, summary.json and results.md here")

@@ -850,7 +850,13 @@ def load_checkpoint(path, device="cpu", dtype=None):
         raise checkpoint.CheckpointError(f"{ckpt_dir}/state.json: no model config this picaflor can build "
                                          f"({type(e).__name__}: {str(e)[:160]}); use the picaflor that wrote it")
     model = meta_model(cfg)
-    sd = load_file(os.path.join(ckpt_dir, "model.safetensors"), device=str(device))
+    from safetensors import SafetensorError
+    try:
+        sd = load_file(os.path.join(ckpt_dir, "model.safetensors"), device=str(device))
+    except SafetensorError as e:  # damaged before its manifest was written, or the manifest rewritten: a traceback
+        raise checkpoint.CheckpointError(f"{ckpt_dir}/model.safetensors: not a readable safetensors file "
+                                         f"({(str(e).splitlines() or [''])[0]}); re-copy the checkpoint from where "
+                                         f"it was saved, or point at another checkpoint (an earlier step_* dir)")
     model.to_empty(device=device)
     try:
         missing, unexpected = model.load_state_dict(sd, strict=False)

@@ -646,6 +646,34 @@ def test_an_input_that_cannot_be_read_is_one_line_naming_it(tok, tmp_path):
     assert r.returncode != 0 and len(err) == 1 and f"{tmp_path / 'chats.jsonl'}: cannot be read" in err[0], err
 
 
+def test_prepare_refuses_negative_caps_and_a_vocab_size_its_tokenizer_lacks(tok, tmp_path):
+    """--max-files/--max-bytes -1 were a cap reached at once ("found no non-empty files"); fineweb's negative caps
+    were found only after a download, or gave val a document anyway; --vocab-size beside --tokenizer was silently
+    ignored (a corpus of another vocab than asked for). Each is refused before anything is read or written."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("alpha beta gamma\n" * 20)
+    (src / "b.txt").write_text("def f(x): return x\n" * 20)
+    tok_file = str(tmp_path / "tok.json")
+    tok.save(tok_file)
+    local = ["data/local/prepare.py", "--src", str(src), "--out", str(tmp_path / "c")]
+    fw = ["data/fineweb_edu/prepare.py", "--out", str(tmp_path / "fw")]
+    for argv, want in ((local + ["--max-files", "-1"], "--max-files -1: 0 (no cap) or more"),
+                       (local + ["--max-bytes", "-5"], "--max-bytes -5: 0 (no cap) or more"),
+                       (fw + ["--max-tokens", "-1"], "--max-tokens -1: at least 1"),
+                       (fw + ["--val-tokens", "-2"], "--val-tokens -2: at least 0"),
+                       (local + ["--tokenizer", tok_file, "--vocab-size", "300"], f"{tok_file} has vocab 400"),
+                       (fw + ["--tokenizer", tok_file, "--vocab-size", "300"], f"{tok_file} has vocab 400")):
+        r = _run(argv, env={"HF_HUB_OFFLINE": "1"}, check=False)  # (offline: the old code failed at the Hub instead)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and want in err[-1] and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert "usage:" in r.stderr or len(err) == 1, r.stderr  # argparse's usage, or one line
+        assert not (tmp_path / "c").exists() and not (tmp_path / "fw").exists()
+    # the tokenizer's own vocab, said or not: accepted
+    _run(local + ["--tokenizer", tok_file, "--vocab-size", "400", "--threads", "1"])
+    assert shards.load_index(tmp_path / "c")["vocab_size"] == 400
+
+
 def test_a_full_disk_at_install_leaves_the_old_corpus(tok, tmp_path, monkeypatch):
     """Helper-57's review: install_corpus deleted the old corpus and then wrote index.json; a full disk there left
     neither, while prepare.py said "the corpus in --out is as it was"."""

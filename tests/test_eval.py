@@ -447,6 +447,78 @@ def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch, capsys):
         ev.hub_task_rows("arc_challenge", str(tmp_path / "cache"))
 
 
+def test_data_dir_folder_of_a_hub_snapshot_reads_the_tasks_split(tmp_path):
+    """A folder DIR/<task>/ holding a Hub snapshot's train-*, validation-*, test-* files was read whole: the train
+    rows were scored too. Only the split the task scores on the Hub is read; unnamed files are read whole as before."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    sizes = (("train", 5), ("validation", 3), ("test", 2))
+    rows = {s: es.task_rows("piqa", n, seed=i) for i, (s, n) in enumerate(sizes)}
+    snap = tmp_path / "snap" / "piqa"
+    snap.mkdir(parents=True)
+    for s, r in rows.items():
+        pq.write_table(pa.Table.from_pylist(r), snap / f"{s}-00000-of-00001.parquet")
+    (snap / "dataset_info.json").write_text('{"splits": {}}')  # a snapshot's metadata: not rows of the split
+    assert ev.local_task_rows(str(tmp_path / "snap"), "piqa") == rows["validation"]
+    arc = tmp_path / "snap" / "arc_easy"  # arc_easy scores test; its shards in name order
+    arc.mkdir()
+    parts = [es.task_rows("arc_easy", 2, seed=s) for s in (1, 2)]
+    for i, r in enumerate(parts):
+        pq.write_table(pa.Table.from_pylist(r), arc / f"test-0000{i}-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(es.task_rows("arc_easy", 4, seed=3)), arc / "train-00000-of-00001.parquet")
+    assert ev.local_task_rows(str(tmp_path / "snap"), "arc_easy") == parts[0] + parts[1]
+    plain = tmp_path / "plain" / "piqa"  # no split in the names: every file, in name order, as before
+    plain.mkdir(parents=True)
+    for name, r in (("a.jsonl", rows["train"]), ("b.jsonl", rows["test"])):
+        (plain / name).write_text("".join(json.dumps(x) + "\n" for x in r))
+    assert ev.local_task_rows(str(tmp_path / "plain"), "piqa") == rows["train"] + rows["test"]
+    os.remove(snap / "validation-00000-of-00001.parquet")  # the task's split missing, others there: refused
+    with pytest.raises(ev.EvalError) as e:
+        ev.local_task_rows(str(tmp_path / "snap"), "piqa")
+    msg = str(e.value)
+    assert msg.startswith(f"{snap}: holds train/test split files") and "no validation split" in msg, msg
+    assert "train-00000-of-00001.parquet" in msg and "\n" not in msg
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
+    """A truncated or random-bytes model.safetensors: a run dir said only "neither a Hugging Face model dir nor a
+    picaflor checkpoint"; one whose MANIFEST.json matched the damage was a SafetensorError traceback."""
+    import shutil
+    import checkpoint
+    run_dir, _ = make_picaflor_ckpt(tmp_path)
+    step = os.path.basename(checkpoint.resolve(run_dir))
+
+    def damaged(name, damage, remanifest):
+        d = tmp_path / name
+        shutil.copytree(run_dir, d)
+        w = d / step / "model.safetensors"
+        w.write_bytes(damage(w.read_bytes()))
+        if remanifest:  # the damage happened before the manifest was written (or it was rewritten)
+            man = json.loads((d / step / "MANIFEST.json").read_text())
+            man["files"]["model.safetensors"] = {"sha256": checkpoint.sha256_file(str(w)), "bytes": w.stat().st_size}
+            (d / step / "MANIFEST.json").write_text(json.dumps(man))
+        return d, str(w)
+
+    def cut(b):
+        return b[:100]
+
+    def garbage(b):
+        return os.urandom(len(b))
+    cases = []
+    for name, damage, remanifest, msg in (("cut", cut, False, "(truncated?)"), ("garbage", garbage, False, "sha256"),
+                                          ("cut_man", cut, True, "not a readable safetensors file"),
+                                          ("garbage_man", garbage, True, "not a readable safetensors file")):
+        d, weights = damaged(name, damage, remanifest)
+        cases += [(str(d), weights, msg), (str(d / step), weights, msg)]
+    for spec, weights, msg in cases:
+        assert ev.main([spec, "--tasks", "piqa", "--device", "cpu"]) == 2, spec
+        err = capsys.readouterr().err.strip()
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and err.endswith(errors[0]) and "Traceback" not in err, err
+        assert weights in errors[0] and msg in errors[0], errors[0]
+        assert "another checkpoint" in errors[0] or "earlier step_* dir" in errors[0], errors[0]
+
+
 def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):
     """An int4 container (container.py) evaluates exactly as a checkpoint holding its dequantised weights."""
     import checkpoint

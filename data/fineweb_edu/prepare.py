@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--column", default="text", help="text column of the parquet files")
     ap.add_argument("--max-tokens", type=int, default=100_000_000, help="corpus size cap (whole documents only)")
     ap.add_argument("--val-tokens", type=int, default=None, help="tokens of val documents (default 0.5%% of max, <=10M)")
-    ap.add_argument("--vocab-size", type=int, default=32768, help="vocab when training a tokenizer")
+    ap.add_argument("--vocab-size", type=int, default=None, help="vocab when training a tokenizer (default 32768)")
     ap.add_argument("--tokenizer", default=None, help="reuse this tokenizer file instead of training one")
     ap.add_argument("--tokenizer-chars", type=int, default=1_000_000_000, help="characters of text to train it on")
     ap.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard (whole documents, so about)")
@@ -67,6 +67,20 @@ def main():
     args = ap.parse_args()
     if args.threads < 1:
         ap.error(f"--threads {args.threads}: at least 1")
+    # a negative cap was found only after the download ("no train split left"), or gave val one document anyway
+    for flag, least in (("max_tokens", 1), ("tokenizer_chars", 1), ("val_tokens", 0)):
+        if getattr(args, flag) is not None and getattr(args, flag) < least:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: at least {least}")
+    if args.tokenizer:  # a reused tokenizer keeps its own vocab: an explicit other --vocab-size was silently ignored
+        try:
+            vocab = Tokenizer.load(args.tokenizer).vocab_size
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        if args.vocab_size is not None and args.vocab_size != vocab:
+            sys.exit(f"error: --vocab-size {args.vocab_size}, but --tokenizer {args.tokenizer} has vocab {vocab} "
+                     f"(it is reused as is); drop --vocab-size, or drop --tokenizer to train one")
+    if args.vocab_size is None:
+        args.vocab_size = 32768
     try:
         run(args)
     except (shards.StorageError, shards.DataError, ValueError) as e:

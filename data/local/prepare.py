@@ -63,7 +63,8 @@ def main():
     ap.add_argument("--exts", default=".py,.txt,.md", help="comma-separated file endings to take")
     ap.add_argument("--max-files", type=int, default=0, help="take at most this many files (0: no cap)")
     ap.add_argument("--max-bytes", type=int, default=64_000_000, help="stop adding files past this many bytes (0: no cap)")
-    ap.add_argument("--vocab-size", type=int, default=8192, help="tokenizer vocab incl. id 0 and specials (nano: 32768)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="tokenizer vocab incl. id 0 and specials (default 8192; nano: 32768)")
     ap.add_argument("--tokenizer", default=None, help="reuse this tokenizer file instead of training one")
     ap.add_argument("--shard-tokens", type=int, default=1 << 22, help="tokens per shard (whole documents, so about)")
     ap.add_argument("--val-percent", type=float, default=2.0, help="percent of documents held out for val")
@@ -72,6 +73,19 @@ def main():
     t0 = time.time()
     if args.threads < 1:  # checked before anything is written: the old corpus is removed further down
         ap.error(f"--threads {args.threads}: at least 1")
+    for flag in ("max_files", "max_bytes"):  # a negative cap was "reached" at once: "found no files for training"
+        if getattr(args, flag) < 0:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: 0 (no cap) or more")
+    if args.tokenizer:  # a reused tokenizer keeps its own vocab: an explicit other --vocab-size was silently ignored
+        try:
+            vocab = Tokenizer.load(args.tokenizer).vocab_size
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        if args.vocab_size is not None and args.vocab_size != vocab:
+            sys.exit(f"error: --vocab-size {args.vocab_size}, but --tokenizer {args.tokenizer} has vocab {vocab} "
+                     f"(it is reused as is); drop --vocab-size, or drop --tokenizer to train one")
+    if args.vocab_size is None:
+        args.vocab_size = 8192
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         sys.exit(f"error: {args.out}: exists and is not a folder; pass --out DIR")
 
