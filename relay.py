@@ -7,6 +7,12 @@ or a local directory), fenced by compare-and-swap commits.
     python relay.py status|claim|pull|push|release|decay STORE
     python relay.py dashboard STORE_OR_RUN_DIR                             # read-only web page on 127.0.0.1
 
+`init` writes the step-0 checkpoint with train.py as the config's init_from says: scratch (the default), grow
+(grow_from=CHECKPOINT, grow_layers=N: config/grow.py) or finetune (finetune_from=CHECKPOINT: config/sft.py), the source
+a local run or step dir, relative to train.py's folder (`relay.py pull STORE --out DIR` fetches a relay run's latest);
+set in the config or as --key=value, e.g. `relay.py init STORE config/sft.py --finetune_from=out/nano`. Or
+`init STORE --from-checkpoint DIR` starts the run from a checkpoint as it is (the config's init_from unread).
+
 STORE is `hf://owner/name` (huggingface_hub; HF_ENDPOINT and HF_TOKEN as usual) or `file:///abs/path` (a local
 directory with the same compare-and-swap semantics, safe across processes; for offline use and tests): relay_store.py.
 
@@ -620,6 +626,8 @@ def cmd_run(args):
 
 INVOCATION_KEYS = {"out_dir", "init_from", "resume_from", "grow_from", "grow_layers", "stop_after_steps",
                    "stop_after_hours", "mirror_dir"}  # per-run-of-train.py keys, not part of the run's config
+START_KEYS = {"init_from", "grow_from", "grow_layers"}  # how the run's first checkpoint is made: init takes them
+SOURCE_KEY = {"grow": "grow_from", "finetune": "finetune_from"}  # init_from -> the key naming its source checkpoint
 
 
 def config_from_checkpoint(ck):
@@ -632,6 +640,40 @@ def config_from_checkpoint(ck):
         raise RelayError(f"{ck}/state.json has no \"config\"; pass the train.py CONFIG it was trained with")
     return "# from the checkpoint's state.json\n" + "".join(
         f"{k} = {v!r}\n" for k, v in sorted(cfg.items()) if k not in INVOCATION_KEYS)
+
+
+def config_values(text):
+    """{key: value} a config's text sets; text has passed configurator.not_data (literal assignments only)."""
+    scope = {"__builtins__": {}, "dict": dict}
+    try:
+        exec(compile(text, "config.py", "exec"), scope)
+    except Exception as e:  # ({[1]}: data to not_data, a TypeError here, as in train.py)
+        raise RelayError(f"init refused: the config raised {type(e).__name__}: {e}")
+    return scope
+
+
+def start_command(args, cfg_text, cfg_path, out_dir, cwd):
+    """train.py's command that writes the run's step-0 checkpoint: as the config's init_from says (scratch, or grow /
+    finetune from a local checkpoint, resolved and verified here, before the store is touched)."""
+    vals = config_values(cfg_text)
+    mode = vals.get("init_from", "scratch")
+    if mode not in ("scratch", "grow", "finetune"):
+        raise RelayError(f"init refused: init_from={mode!r}: a relay run starts from scratch, grow (grow_from=) or "
+                         f"finetune (finetune_from=); to start from a run's own checkpoint use --from-checkpoint DIR")
+    cmd = [args.python, args.train_script, cfg_path, f"--out_dir={out_dir}", f"--init_from={mode}"]
+    key = SOURCE_KEY.get(mode)
+    if key:
+        src = vals.get(key)
+        if not src or not isinstance(src, str):
+            raise RelayError(f"init refused: init_from={mode!r} needs {key}=CHECKPOINT (a local run or step dir): set "
+                             f"it in the config or pass --{key}=DIR")
+        try:  # relative to train.py's folder, where the trainer reads it; the step verified here is the one used
+            ck = checkpoint.resolve(os.path.join(cwd, src))
+            checkpoint.verify(ck)
+        except checkpoint.CheckpointError as e:
+            raise RelayError(f"init refused: {key}={src}: {e}")
+        cmd.append(f"--{key}={os.path.abspath(ck)}")
+    return cmd + ["--stop_after_steps=0"]
 
 
 def cmd_init(args):
@@ -661,6 +703,20 @@ def cmd_init(args):
         raise RelayError(f"init refused: {args.config or 'the config'}, line {bad[0]}: `{bad[1]}` is not plain data; a "
                          f"relay run's config runs on every contributor's machine, so it holds only literal "
                          f"assignments (x = 1, stages = [dict(...)])")
+    run_level = getattr(args, "override_values", {})
+    if run_level:
+        cfg_text += "\n# relay.py init overrides\n" + "".join(f"{k} = {v!r}\n" for k, v in run_level.items())
+        bad = configurator.not_data(cfg_text)
+        if bad:
+            raise RelayError(f"init refused: the overrides, line {bad[0]}: `{bad[1]}` is not plain data")
+    train_cwd = os.path.dirname(os.path.abspath(args.train_script))
+    tmp = os.path.join(workdir_for(args), f"init-{uuid.uuid4().hex[:8]}")
+    cfg_path = os.path.join(tmp, "relay_config.py")
+    start = sorted(k for k in run_level if k in START_KEYS | {"finetune_from"})
+    if args.from_checkpoint and start:  # (the run would start from DIR as it is, the growth silently not done)
+        raise RelayError(f"init refused: --{start[0]} with --from-checkpoint, which starts the run from that checkpoint "
+                         f"as it is; drop one")
+    cmd = None if args.from_checkpoint else start_command(args, cfg_text, cfg_path, tmp, train_cwd)
     if not store.exists():
         store.create()
     sha, _, _ = store.head()  # checked after a create too: the repo may have been there all along
@@ -669,20 +725,11 @@ def cmd_init(args):
         raise RelayError(f"{store.url}: already a relay run; nothing overwritten (use `relay.py status`)")
     if [f for f in files if f not in (".gitattributes", "README.md")]:
         raise RelayError(f"{store.url}: repo is not empty and not a relay run ({len(files)} files); use a new repo")
-    tmp = os.path.join(workdir_for(args), f"init-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
-        run_level = getattr(args, "override_values", {})
-        if run_level:
-            cfg_text += "\n# relay.py init overrides\n" + "".join(f"{k} = {v!r}\n" for k, v in run_level.items())
-            bad = configurator.not_data(cfg_text)
-            if bad:
-                raise RelayError(f"init refused: the overrides, line {bad[0]}: `{bad[1]}` is not plain data")
-        cfg_path = os.path.join(tmp, "relay_config.py")
         open(cfg_path, "w").write(cfg_text)
-        if not args.from_checkpoint:
-            cmd = [args.python, args.train_script, cfg_path, f"--out_dir={tmp}", "--init_from=scratch", "--stop_after_steps=0"]
-            r = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(args.train_script)))
+        if cmd:
+            r = subprocess.run(cmd, cwd=train_cwd)
             if r.returncode != 0:
                 raise RelayError(f"init: {' '.join(cmd[:3])} ... exited {r.returncode}; nothing committed")
             try:
@@ -901,7 +948,9 @@ def build_parser():
         return sp
 
     for name, help_ in [("claim", "take the baton (or renew it if you hold it)"), ("run", "claim, pull, train a leg, push, release"),
-                        ("init", "create a run: a train.py config (+ --key=value) or --from-checkpoint DIR")]:
+                        ("init", "create a run: a train.py config (+ --key=value; its init_from: scratch, grow with "
+                         "grow_from= and grow_layers=, or finetune with finetune_from=, a local checkpoint) or "
+                         "--from-checkpoint DIR")]:
         sp = add(name, help_)
         sp.add_argument("--ttl", type=float, default=None, help="lease time-to-live in seconds (>= 3x --heartbeat; "
                         f"default: the run's, set by init, else {DEFAULT_TTL:.0f})")
@@ -919,7 +968,8 @@ def build_parser():
             sp.add_argument("--poll", type=float, default=60.0, help="seconds between tries with --wait")
         if name == "init":
             sp.add_argument("config", nargs="?", default=None, help="train.py config file (config/*.py)")
-            sp.add_argument("--from-checkpoint", default=None, help="start from this checkpoint (run dir or step dir)")
+            sp.add_argument("--from-checkpoint", default=None, help="start from this checkpoint as it is (run dir or "
+                            "step dir; the config's init_from is not read)")
     add("status", "who holds the baton, lease age, step, tokens, stage, last legs").add_argument("--json", action="store_true")
     sp = add("pull", "download and verify the latest checkpoint (into the leg dir when you hold the lease)")
     sp.add_argument("--out", default=None, help="download into this dir instead (no lease needed)")
@@ -945,11 +995,13 @@ def main(argv=None):
               f"--key=value, for run and init)", file=sys.stderr)
         return 2
     args.overrides = extra
-    own = INVOCATION_KEYS - ({"mirror_dir"} if args.cmd == "run" else set())  # relay sets these for each leg
+    own = INVOCATION_KEYS - {"run": {"mirror_dir"}, "init": START_KEYS}.get(args.cmd, set())  # relay sets the rest
     clash = [a for a in extra if a[2:].split("=", 1)[0] in own]
     if clash:  # (--stop_after_steps=4 after relay's own pushed a 4-step leg for --steps 1)
-        print(f"relay.py {args.cmd}: error: {clash[0].split('=', 1)[0]} is a leg's setting, not the run's: `relay.py "
-              f"run` sets the leg's run dir and resume, --steps / --hours its length (and takes --mirror_dir)",
+        key = clash[0][2:].split("=", 1)[0]
+        print(f"relay.py {args.cmd}: error: --{key} is a leg's setting, not the run's: `relay.py run` sets the leg's "
+              f"run dir and resume, --steps / --hours its length (and takes --mirror_dir)" + (
+                  f"; how a run starts (--{key}) is given to `relay.py init` only" if key in START_KEYS else ""),
               file=sys.stderr)
         return 2
     try:

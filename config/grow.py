@@ -3,6 +3,7 @@
 # 2.80 for thousands of steps with one LR; none with old layers low, new layers high, embeddings between).
 #   python train.py config/tiny.py            # first, the model to grow (out/tiny)
 #   python train.py config/tiny.py config/grow.py
+# On the relay (init takes one config file; give tiny.py's keys as --key=value): relay.py init STORE config/grow.py ...
 # The model fields come from the grown checkpoint (n_layer + grow_layers); data and optimiser settings from here.
 init_from = "grow"
 grow_from = "out/tiny"

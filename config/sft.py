@@ -19,6 +19,8 @@
 #   python relay.py init hf://owner/nano-sft --from-checkpoint out/nano_sft     # legs then resume this plan
 #   python relay.py run hf://owner/nano-sft --hours 1                           # (each leg needs data/smoltalk)
 # (tried with file:// stores: a leg resumed the SFT plan and pushed.)
+# Or in one step: relay.py init runs train.py with this config's init_from=finetune (tried with the tiny model):
+#   python relay.py init hf://owner/nano-sft config/sft.py --finetune_from=out/nano [nano keys]
 #
 # The model's shape comes from the checkpoint (init_from=finetune ignores the model fields here); the optimizer,
 # the plan and the data position start fresh. Masks: shards.py sets the targets of non-assistant tokens to -1,

@@ -1014,6 +1014,78 @@ def test_init_from_existing_checkpoint(tmp_path, hub, rl, monkeypatch):
     assert [x["step_range"] for x in rows] == ["5-7"]
 
 
+TINY_RELAY = ["--device=cpu", "--dtype=float32", "--compile=False", "--vocab_size=320", "--n_layer=3", "--d_model=32",
+              "--n_head=4", "--n_kv_head=1", "--dense_ffn=64", "--n_experts=8", "--expert_ffn=16", "--n_shared=1",
+              "--max_seq_len=64", "--batch_size=4", "--seq_len=32", "--sample_tokens=0", "--log_interval=1",
+              "--eval_iters=2"]
+
+
+@pytest.fixture(scope="module")
+def local_corpus(tmp_path_factory):
+    """data_root of a tiny offline corpus (the stdlib's json package, vocab 320) for the real train.py."""
+    import sysconfig
+    root = tmp_path_factory.mktemp("data")
+    r = subprocess.run([sys.executable, "data/local/prepare.py", "--src", os.path.join(sysconfig.get_paths()["stdlib"], "json"),
+                        "--out", str(root / "local"), "--vocab-size", "320", "--val-percent", "20"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+@pytest.mark.parametrize("mode", ["grow", "finetune"])
+def test_init_grows_or_finetunes_the_configs_source(mode, tmp_path, rl, local_corpus, monkeypatch):
+    """`relay init` with config/grow.py or config/sft.py: the run's first checkpoint is the grown / fine-tuned source
+    (init always ran train.py --init_from=scratch, which refused grow_from with advice init could not take), and a leg
+    resumes it."""
+    import torch
+    from model import ModelConfig, Picaflor, load_checkpoint, save_checkpoint
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("RELAY_WHO", "tester")
+    torch.manual_seed(0)
+    src = Picaflor(ModelConfig(vocab_size=320, n_layer=3, n_dense_layers=1, d_model=32, n_head=4, n_kv_head=1,
+                               dense_ffn=64, n_experts=8, expert_ffn=16, n_shared=1, max_seq_len=64, tie_embeddings=True))
+    save_checkpoint(src, str(tmp_path / "src"), 10)
+    url = f"file://{tmp_path}/store"
+    cfg, flags = (("grow.py", ["--init_from=grow", f"--grow_from={tmp_path / 'src'}", "--grow_layers=2"]) if mode == "grow" else
+                  ("sft.py", [f"--finetune_from={tmp_path / 'src'}", "--dataset=local"]))
+    r = rl(["init", url, os.path.join(ROOT, "config", cfg), *TINY_RELAY, f"--data_root={local_corpus}", *flags,
+            "--workdir", tmp_path / "w0"])
+    assert r.returncode == 0, r.stderr
+    store = relay.open_store(url)
+    got = load_checkpoint(relay.pull(store, str(tmp_path / "pulled")))
+    assert got.cfg.n_layer == (5 if mode == "grow" else 3)
+    idx = torch.randint(1, 320, (2, 16))
+    with torch.no_grad():  # grown blocks start as identity; a fine-tune starts from the source's weights
+        assert torch.equal(src.eval()(idx), got.eval()(idx))
+    assert relay.Snapshot(store).state["step"] == 0
+    r = rl(["run", url, "--steps", "1", "--workdir", tmp_path / "wa"])
+    assert r.returncode == 0, r.stderr
+    assert load_checkpoint(relay.pull(store, str(tmp_path / "pulled2"))).cfg.n_layer == got.cfg.n_layer
+
+
+def test_init_start_refusals_are_followable(tmp_path, rl):
+    """A grow / finetune source is checked before the store is touched; init_from=resume names --from-checkpoint;
+    a leg's run refuses the start keys and names init, which takes them (train.py's advice: add --init_from=grow)."""
+    env = base_env()
+    fake = write_fake_train(tmp_path)
+    url = f"file://{tmp_path}/store"
+    cases = [("init_from = 'grow'\ngrow_from = 'nowhere'\ngrow_layers = 2\n", "grow_from=nowhere: "),
+             ("init_from = 'finetune'\n", "needs finetune_from=CHECKPOINT"),
+             ("init_from = 'resume'\n", "use --from-checkpoint DIR")]
+    for text, said in cases:
+        r = rl(["init", url, write_config(tmp_path, text), "--train-script", fake, "--workdir", tmp_path / "w0"], env)
+        assert r.returncode == 3 and said in r.stderr and not os.path.exists(tmp_path / "store"), r.stderr
+    _, out = solo_run(tmp_path, env, 0)  # a source to grow (the stand-in trainer: only the source's check is real)
+    r = rl(["init", url, write_config(tmp_path), "--from-checkpoint", out, "--workdir", tmp_path / "w0",
+            f"--grow_from={out}"], env)
+    assert r.returncode == 3 and "--grow_from with --from-checkpoint" in r.stderr, r.stderr
+    r = rl(["init", url, write_config(tmp_path, f"init_from = 'grow'\ngrow_from = '{out}'\ngrow_layers = 1\n"),
+            "--train-script", fake, "--workdir", tmp_path / "w0"], env)
+    assert r.returncode == 0, r.stderr
+    r = rl(["run", url, "--steps", "1", "--train-script", fake, "--workdir", tmp_path / "wa", "--grow_from=x"], env)
+    assert r.returncode == 2 and "given to `relay.py init` only" in r.stderr
+
+
 def test_ctrl_c_ends_the_leg_cleanly(tmp_path, hub):
     """SIGINT to `relay run` (a volunteer's Ctrl-C): the trainer checkpoints, the leg is pushed, the baton released."""
     url = store_url("file", tmp_path, hub)
