@@ -166,7 +166,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.norm_eps)
         self.qkv_proj = None  # optional fused q|k|v (stream_infer's int4 engine: one GEMV); checkpoints keep three
 
-    def forward(self, x, cos, sin, cache=None):
+    def forward(self, x, cos, sin, cache=None, attn_mask=None):
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         if self.qkv_proj is not None:
@@ -182,7 +182,13 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache.pos
             k, v = cache.update(self.layer_idx, k, v)
-        if past == 0:
+        if attn_mask is not None:  # (B, 1, T, T): causal within each packed document (training only)
+            # k, v repeated per query head: CUDA's masked kernel (memory-efficient) may not take enable_gqa, and its
+            # fallback (math) holds B x H x T x T scores per layer
+            rep = q.shape[1] // k.shape[1]
+            y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                               attn_mask=attn_mask)
+        elif past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif T == 1:
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -497,8 +503,10 @@ class Block(nn.Module):
         self.is_moe = layer_idx >= cfg.n_dense_layers
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.d_model, cfg.dense_ffn)
 
-    def forward(self, x, cos, sin, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache=None, attn_mask=None):
+        h = self.input_layernorm(x)  # (attn_mask only when set: stream_infer swaps in attention modules without it)
+        x = x + (self.self_attn(h, cos, sin, cache) if attn_mask is None
+                 else self.self_attn(h, cos, sin, attn_mask=attn_mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -541,10 +549,18 @@ class Picaflor(nn.Module):
         for m in self.moe_layers():
             m.top_k = k
 
-    def forward(self, idx, targets=None, cache=None, return_load=False, loss_mask=None):
+    def forward(self, idx, targets=None, cache=None, return_load=False, loss_mask=None, doc_ids=None):
         """idx (B, T) -> logits (B, T, V); with targets returns (logits, loss) where loss ignores -1 targets
-        (and positions where loss_mask is 0). With return_load also returns per-MoE-layer token counts (L, E)."""
+        (and positions where loss_mask is 0). With return_load also returns per-MoE-layer token counts (L, E).
+        doc_ids (B, T), non-decreasing along T: a token attends only to earlier tokens of its own document (packed
+        SFT rows: one conversation never sees another; RoPE is relative, so positions need no reset)."""
         B, T = idx.shape
+        attn_mask = None
+        if doc_ids is not None:
+            if cache is not None:
+                raise ValueError("doc_ids is for training windows, not with a KV cache")
+            same = doc_ids[:, :, None] == doc_ids[:, None, :]
+            attn_mask = (same & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()).unsqueeze(1)
         start = cache.pos if cache is not None else 0
         if start + T > self.cfg.max_seq_len and cache is None:
             raise ValueError(f"sequence of {T} tokens is longer than max_seq_len={self.cfg.max_seq_len}")
@@ -552,7 +568,7 @@ class Picaflor(nn.Module):
         positions = torch.arange(start, start + T, device=idx.device)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for block in self.layers:
-            x = block(x, cos, sin, cache)
+            x = block(x, cos, sin, cache, attn_mask)
         if cache is not None:
             cache.pos += T
         x = self.norm(x)

@@ -90,6 +90,7 @@ decay_tokens = 0             # length of an on-demand decay (0: the plan's decay
 batch_size = 16              # sequences per micro-step per process
 seq_len = 1024               # default for stages that do not set one
 grad_accum = 1
+doc_mask = True              # loss-masked (SFT) data: each packed conversation attends only to itself
 learning_rate = 3e-4
 min_lr = 3e-5
 weight_decay = 0.1
@@ -783,6 +784,12 @@ def main(argv):
             raise TrainError(f"{cfg['data_root']}/{val_corpus} was tokenized with tokenizer {tok_of[val_corpus][:12]}, "
                              f"but {ck} was trained with {had[:12]} (its tokenizer.json); prepare the corpus again "
                              f"with --tokenizer {src_tok}, or start a new run")
+    # packed SFT rows hold several conversations, each starting with <|bos|>: without a mask one attended to the
+    # conversations packed before it in its row, which it never sees when served
+    doc_bos = None
+    masked = sorted(c for c in corpora if indexes[c].get("loss_mask"))
+    if cfg["doc_mask"] and masked:
+        doc_bos = shards.load_corpus_tokenizer(os.path.join(cfg["data_root"], masked[0]), indexes[masked[0]]).bos_id
     idle_positions = {}  # a corpus a --replan dropped keeps its place: a later plan that brings it back goes on from there
     if state is not None:
         saved_splits = state.get("data_split_sha") or {}
@@ -984,8 +991,10 @@ def main(argv):
                 time.sleep(float(os.environ["PICAFLOR_INJECT_EVAL_BATCH_S"]))
             x, y = val_stream.next_batch(cfg["batch_size"], T, rank, world)
             y = y.to(device)
+            x = x.to(device)
             with autocast:
-                _, loss = model(x.to(device), y)
+                _, loss = model(x, y, doc_ids=(x == doc_bos).cumsum(1) if doc_bos is not None and val_stream.has_mask
+                                else None)
             n = (y != -1).sum().double()
             # a batch with no target has a NaN mean and no weight (where, not an if: no host sync per batch)
             sums += torch.stack([torch.where(n > 0, loss.double() * n, torch.zeros_like(n)), n])
@@ -1061,11 +1070,12 @@ def main(argv):
             if ddp:
                 dist.all_reduce(n_targets)
             n_targets = n_targets.clamp(min=1.0)
+        docs_masked = doc_bos is not None and any(streams[c].has_mask for c in stage["mix"])
         for micro, (x, y) in enumerate(batches):
             sync = (not ddp) or micro == cfg["grad_accum"] - 1
             with (model.no_sync() if ddp and not sync else nullcontext()):
                 with autocast:
-                    _, loss = model(x, y)
+                    _, loss = model(x, y, doc_ids=(x == doc_bos).cumsum(1) if docs_masked else None)
                 if n_targets is None:
                     (loss / cfg["grad_accum"]).backward()
                 else:  # the model's loss is its own rows' mean: back to their sum, over the step's targets (DDP averages)

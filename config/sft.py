@@ -24,7 +24,8 @@
 #
 # The model's shape comes from the checkpoint (init_from=finetune ignores the model fields here); the optimizer,
 # the plan and the data position start fresh. Masks: shards.py sets the targets of non-assistant tokens to -1,
-# so train.py's loss and its val loss are over assistant tokens only.
+# so train.py's loss and its val loss are over assistant tokens only; doc_mask (on by default) keeps each packed
+# conversation's attention to itself (a row holds several; served, a conversation never sees another).
 init_from = "finetune"
 finetune_from = "out/tiny"
 out_dir = "out/sft"

@@ -58,7 +58,11 @@ def corpus(tok, tmp_path_factory):
     lines = []
     for i in range(600):
         n = rng.randrange(10)
-        lines.append(json.dumps([{"role": "user", "content": f"ping {n}"}, {"role": "assistant", "content": f"pong {n}"}]))
+        conv = [{"role": "user", "content": f"ping {n}"}, {"role": "assistant", "content": f"pong {n}"}]
+        if i % 3 == 0:  # two exchanges: the only multi-turn history a model sees (packed rows attend within one)
+            m = (n + 3) % 10
+            conv += [{"role": "user", "content": f"ping {m}"}, {"role": "assistant", "content": f"pong {m}"}]
+        lines.append(json.dumps(conv))
     long_conv = [{"role": "system", "content": "be brief"}]
     for n in range(4):  # 4 exchanges of ~10 tokens: longer than a row of 32, split into pieces
         long_conv += [{"role": "user", "content": f"ping {n}"}, {"role": "assistant", "content": f"pong {n}"}]
@@ -644,7 +648,8 @@ def test_the_val_loss_of_masked_data_is_token_weighted(tok, tmp_path):
     with torch.no_grad():
         for _ in range(2):  # the run's eval_iters, batch_size and seq_len
             x, y = val.next_batch(8, ROW)
-            _, loss = m(x, y)
+            # each packed conversation attends only to itself (train.py's doc_mask): documents start at <|bos|>
+            _, loss = m(x, y, doc_ids=(x == tok.bos_id).cumsum(1))
             n = int((y != -1).sum())
             total, n_all = total + float(loss) * n, n_all + n
             means.append(float(loss))
@@ -652,6 +657,29 @@ def test_the_val_loss_of_masked_data_is_token_weighted(tok, tmp_path):
     assert max(counts) > 2 * min(counts)  # the data does what it is for
     assert abs(sum(means) / 2 - total / n_all) > 1e-3  # so the two averages differ
     assert abs(logged - total / n_all) < 1e-4, (logged, total / n_all, sum(means) / 2, counts)
+
+
+def test_packed_conversations_attend_only_to_themselves(tok, corpus, tmp_path):
+    """Packed SFT rows hold several conversations; each attended to those packed before it in its row, which it never
+    sees when served. The first step's loss is the source model's on the first batch, with and without doc_mask."""
+    torch.manual_seed(0)
+    save_checkpoint(Picaflor(ModelConfig(**MODEL)), str(tmp_path / "pre"), 0, tokenizer_file=tok.path)
+    m = load_checkpoint(str(tmp_path / "pre")).eval()
+    x, y = shards.TokenStream(str(corpus[0]), "train").next_batch(8, ROW)
+    assert ((x == tok.bos_id).sum(1) > 1).all()  # several conversations in every row
+    with torch.no_grad():
+        want = {True: float(m(x, y, doc_ids=(x == tok.bos_id).cumsum(1))[1]), False: float(m(x, y)[1])}
+    assert abs(want[True] - want[False]) > 1e-3
+    for doc_mask in (True, False):
+        out = tmp_path / f"run_{doc_mask}"
+        r = subprocess.run([sys.executable, "train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
+                            f"--data_root={corpus[0].parent}", "--dataset=pp", f"--out_dir={out}", f"--seq_len={ROW}",
+                            "--batch_size=8", f"--doc_mask={doc_mask}", "--max_iters=1", "--warmup_iters=0",
+                            "--stages=[]", "--eval_interval=100", "--log_interval=1", "--sample_tokens=0"], cwd=REPO,
+                           capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        logged = [json.loads(line) for line in open(out / "metrics.jsonl") if '"loss"' in line][0]["loss"]
+        assert abs(logged - want[doc_mask]) < 1e-4, (doc_mask, logged, want)
 
 
 def test_a_missing_or_short_loss_mask_is_found_when_the_stream_opens(corpus, tmp_path):

@@ -572,3 +572,21 @@ def test_device_problem_names_what_cannot_run_here(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert device_problem("cuda") is None and device_problem("cuda:1") is None
     assert "2 CUDA device(s)" in device_problem("cuda:2")
+
+
+def test_doc_ids_keep_each_packed_document_to_itself():
+    # a row packing two documents: with doc_ids the second one's logits are those of it alone (RoPE is relative)
+    torch.manual_seed(0)
+    cfg = M.ModelConfig(vocab_size=64, n_layer=2, n_dense_layers=1, d_model=32, n_head=4, n_kv_head=1, dense_ffn=64,
+                        n_experts=4, expert_ffn=16, n_shared=1, max_seq_len=32, tie_embeddings=True)
+    m = M.Picaflor(cfg).eval()
+    a, b = torch.randint(1, 64, (1, 7)), torch.randint(1, 64, (1, 9))
+    row = torch.cat([a, b], 1)
+    docs = torch.tensor([[0] * 7 + [1] * 9])
+    with torch.no_grad():
+        packed = m(row, doc_ids=docs)
+        alone_a, alone_b = m(a), m(b)
+        plain = m(row)
+        assert torch.allclose(packed[:, :7], alone_a, atol=1e-5) and torch.allclose(packed[:, 7:], alone_b, atol=1e-5)
+        assert not torch.allclose(plain[:, 7:], alone_b, atol=1e-3)  # without them b attends to a
+        assert torch.allclose(m(row, doc_ids=torch.zeros_like(docs)), plain, atol=1e-5)  # one document: causal as ever
