@@ -10,7 +10,8 @@ from the container on a miss by expert_reader.cpp's C++ threads (Python threads 
   blob's last part checks its crc32 (the first read of it in this process; a re-read checks that the file was not
   rewritten). Evicted experts' buffers are read into again (ExpertCache). A read's buffer stays alive until its
   readers are done with it, whatever happens to the request (an exception, Ctrl-C, exit): _READS_IN_FLIGHT and an
-  atexit hook.
+  atexit hook. Ctrl-C is raised within WAIT_SLICE_MS of a native wait, and the request drops the reads its readers
+  have not started (ExpertCache.cancel) rather than wait for every one queued (seconds under a small budget).
 - Policy "score" (default; "lru" for plain LRU): evict the cached expert whose router scored it lowest lately, an
   average of its selection score (sigmoid + bias) that decays by SCORE_DECAY = 0.85 a token (a prefill chunk
   counts as one step, averaged over its rows). Each token the router scores all 64 experts of a layer, not just
@@ -67,6 +68,7 @@ def partial_preload_keys(layers, n_experts, capacity):
 # stays alive (and cannot be closed: pin is an export of it) until then, and atexit waits for what is left
 _READS_IN_FLIGHT = {}
 _NEXT_TICKET = itertools.count(1)
+WAIT_SLICE_MS = 50  # a native wait returns to Python this often, so a Ctrl-C is raised within it
 
 
 @atexit.register
@@ -112,6 +114,12 @@ class NativeRead:
     def done(self):
         return self.waited or self.ops.blob_done(self.ticket)
 
+    def cancel(self):
+        """Drop the parts the readers have not started (nobody will use this read); the buffer stays held until
+        the parts being read land, as ever."""
+        if not self.waited:
+            self.ops.blob_cancel(self.ticket)
+
     def wait(self):
         """Until the read landed, without raising (result() raises its error, each time it is called)."""
         try:
@@ -125,11 +133,18 @@ class NativeRead:
             self.error = C.ContainerError(f"{self.c.path}: the read of layer {self.key[0]} expert {self.key[1]} was "
                                           f"ended at interpreter exit")
         if not self.waited:
+            # in slices, without the GIL: a Ctrl-C is raised between them (one wait took every read queued ahead of
+            # this one), leaving the read in flight and its buffer held
             try:
-                status, err, landed, buffered = self.ops.blob_wait(self.ticket)  # without the GIL
-            finally:
+                status = -1
+                while status == -1:
+                    status, err, landed, buffered = self.ops.blob_wait(self.ticket, WAIT_SLICE_MS)
+            except Exception:  # (a forked child's copy of a parent's read: an unknown ticket)
                 self.waited = True
                 _READS_IN_FLIGHT.pop(self.ticket, None)
+                raise
+            self.waited = True
+            _READS_IN_FLIGHT.pop(self.ticket, None)
             (layer, e), c = self.key, self.c
             if buffered:  # O_DIRECT failed on this filesystem: buffered reads from now on (as Container._pread)
                 c.stop_direct_reads()
@@ -146,6 +161,8 @@ class NativeRead:
             elif status == 2:
                 self.error = C.ContainerError(f"{c.short_read_error(self.offset, landed, c.expert_nbytes)} "
                                               f"(layer {layer} expert {e})")
+            elif status == 4:
+                self.error = C.ContainerError(f"{c.path}: the read of layer {layer} expert {e} was cancelled")
             else:
                 self.error = C.ContainerError(f"{c.path}: read error at offset {self.offset} (layer {layer} expert "
                                               f"{e}): {os.strerror(err)}; check the disk")
@@ -492,6 +509,8 @@ class ExpertCache:
             for f in fut:
                 f.result()
         except BaseException:  # a failed read (or Ctrl-C while waiting): the buffer leaves the cache, its views too
+            for f in fut:  # (and its parts not started are dropped)
+                f.cancel()
             self.views_of_buf.pop(id(buf), None)
             self.orphans.add(id(buf))
             raise
@@ -631,6 +650,18 @@ class ExpertCache:
             wait_quietly(fut)
         if first is not None:
             raise first
+
+    def cancel(self):
+        """Ctrl-C: drop every read in flight (demand and guesses) instead of waiting for it (settle took every read
+        queued, seconds under a small budget): parts not started never run, a part being read lands; the buffers leave
+        the cache as a failed read's (orphans, given back once the readers let go), so the cache stays usable."""
+        reads = [(fut, buf) for fut, _, buf in self.inflight.values()] + list(self.guesses.values())
+        for fut, buf in reads:  # all first: a dropped NativeRead waits for its parts being read
+            for f in fut:
+                f.cancel()
+            self.views_of_buf.pop(id(buf), None)
+            self.orphans.add(id(buf))
+        self.inflight, self.guesses = {}, OrderedDict()
 
     def stats(self):
         return {"lookups": self.lookups, "hits": self.hits, "prefetch_hits": self.prefetch_hits,

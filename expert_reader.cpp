@@ -168,7 +168,7 @@ uint32_t crc32_zlib(uint32_t crc, const uint8_t* p, size_t n) { return ~crc_upda
 #ifndef PICAFLOR_NO_TORCH
 // ---- the reader pools ----
 
-enum Status { PENDING = -1, OK = 0, CRC_MISMATCH = 1, SHORT_READ = 2, OS_ERROR = 3 };
+enum Status { PENDING = -1, OK = 0, CRC_MISMATCH = 1, SHORT_READ = 2, OS_ERROR = 3, CANCELLED = 4 };
 
 struct Blob {
   int pool, direct_fd, fd;
@@ -177,6 +177,7 @@ struct Blob {
   std::atomic<int> parts_left{0}, first_errno{0};
   std::atomic<int64_t> landed{0};  // bytes read, all parts
   std::atomic<bool> short_read{false}, buffered{false};  // buffered: O_DIRECT failed, the part was reread buffered
+  std::atomic<bool> cancelled{false};  // blob_cancel dropped parts of it that had not started
   int status = PENDING;  // set under done_mu once every part is back
 };
 
@@ -265,6 +266,7 @@ void reader_loop(Pool* pool) {
     Blob& b = *part.blob;
     if (--b.parts_left > 0) continue;
     int status = b.first_errno ? OS_ERROR : b.short_read || b.landed != b.nbytes ? SHORT_READ : OK;
+    if (b.cancelled) status = CANCELLED;  // parts were dropped: the blob is not all there
     if (status == OK && b.expected_crc >= 0 && crc32_zlib(0, b.dst, size_t(b.nbytes)) != uint32_t(b.expected_crc))
       status = CRC_MISMATCH;
     {
@@ -318,14 +320,53 @@ bool blob_done(int64_t ticket) {
 }
 
 // Wait for a read (torch.ops calls run without the GIL) and forget its ticket: [status, errno, bytes landed,
-// buffered], status 0 ok, 1 crc mismatch, 2 short read (end of file), 3 an OS error (errno); buffered 1 when
-// O_DIRECT failed and a part was read through the page cache instead.
-std::vector<int64_t> blob_wait(int64_t ticket) {
+// buffered], status 0 ok, 1 crc mismatch, 2 short read (end of file), 3 an OS error (errno), 4 cancelled (blob_cancel);
+// buffered 1 when O_DIRECT failed and a part was read through the page cache instead. With timeout_ms >= 0, at most
+// that long: [-1, 0, 0, 0] (the ticket kept) if it has not landed, so the caller sees a Ctrl-C between waits (one
+// wait for a read queued behind many took them all).
+std::vector<int64_t> blob_wait(int64_t ticket, int64_t timeout_ms) {
   std::unique_lock<std::mutex> lock(state->done_mu);
   auto b = ticket_blob(ticket);
-  state->done_cv.wait(lock, [&] { return b->status != PENDING; });
+  auto landed = [&] { return b->status != PENDING; };
+  if (timeout_ms < 0)
+    state->done_cv.wait(lock, landed);
+  else if (!state->done_cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), landed))
+    return {PENDING, 0, 0, 0};
   state->tickets.erase(ticket);
   return {b->status, b->first_errno.load(), b->landed.load(), b->buffered.load() ? 1 : 0};
+}
+
+// Drop a read's parts the readers have not started (Ctrl-C: nobody will use it): its blob_wait then returns once the
+// parts being read land, status 4 if any part was dropped. An unknown (waited-for) ticket is no error.
+void blob_cancel(int64_t ticket) {
+  std::shared_ptr<Blob> b;
+  {
+    std::lock_guard<std::mutex> lock(state->done_mu);
+    auto it = state->tickets.find(ticket);
+    if (it == state->tickets.end()) return;
+    b = it->second;
+  }
+  Pool* p = &state->pools[b->pool];
+  int dropped = 0;
+  {
+    std::lock_guard<std::mutex> lock(p->mu);
+    for (auto it = p->queue.begin(); it != p->queue.end();) {
+      if (it->blob == b) {
+        it = p->queue.erase(it);
+        dropped++;
+      } else {
+        ++it;
+      }
+    }
+  }
+  if (!dropped) return;
+  b->cancelled = true;  // before parts_left: the reader that lands the last started part sees it
+  if ((b->parts_left -= dropped) > 0) return;
+  {
+    std::lock_guard<std::mutex> lock(state->done_mu);
+    b->status = CANCELLED;
+  }
+  state->done_cv.notify_all();
 }
 
 // [ns the disk was busy (at least one part being read) since load, parts being read now]
@@ -358,7 +399,8 @@ TORCH_LIBRARY_FRAGMENT(picaflor_int4, m) {
   m.def("blob_read(int ticket, int pool, int direct_fd, int fd, int offset, int addr, int nbytes, int n_parts, "
         "int align, int expected_crc, int n_threads) -> ()", &blob_read);
   m.def("blob_done(int ticket) -> bool", &blob_done);
-  m.def("blob_wait(int ticket) -> int[]", &blob_wait);
+  m.def("blob_wait(int ticket, int timeout_ms=-1) -> int[]", &blob_wait);
+  m.def("blob_cancel(int ticket) -> ()", &blob_cancel);
   m.def("reader_stats() -> int[]", &reader_stats);
   m.def("reader_delay_us(int pool, int us) -> ()", &reader_delay_us);
   m.def("reader_fail_direct(int err) -> ()", &reader_fail_direct);

@@ -20,7 +20,8 @@ CPU with its integer loops, else int4pack; triton on CUDA).
   int8 rows part of bench/int4_gemv.py, where torch's _weight_int8pack_mm gives 8.2-10.3).
 - int4pack (CPU): torch's `_weight_int4pack_mm_for_cpu`, for machines without a compiler; on AVX-512 CPUs torch
   packs 64-row blocks, so its weights are repacked once each (to_int4pack_layout), experts at every read.
-- reference: dequantize, then an fp32 matmul; the check every other kernel is tested against.
+- reference: dequantize, then an fp32 matmul; the check every other kernel is tested against. A chunk of rows at a
+  time (REFERENCE_CHUNK), so its temporaries are a few MB that --ram-budget counts, whatever the matrix.
 - triton (CUDA): `triton_int4_matmul` (bottom of this file) reads the same bytes; Triton is imported only on that
   path. int8 rows (the lm_head) are dequantized once at load there. Run on an H200 with `bench/gpu_check.py`
   (README "On a GPU"; tiles from bench/triton_tune.py); its correctness part runs on CPU under TRITON_INTERPRET=1
@@ -103,9 +104,50 @@ def release_freed_heap():
         _LIBC.malloc_trim(0)
 
 
+# weights the reference path dequantizes at a time (fp32 elements): whole, an int4 lm_head of nano's shape was three
+# fp32 copies at once (384 MiB), more than --ram-budget counted, on top of what glibc's heap kept from the forward's
+REFERENCE_CHUNK = 1 << 20
+
+
+def reference_rows(K):
+    """Rows of a (padded) width K the reference path dequantizes at a time: whole 32-row blocks (int4's packing),
+    about REFERENCE_CHUNK weights."""
+    return max(1, REFERENCE_CHUNK // (C.ROW_BLOCK * K)) * C.ROW_BLOCK
+
+
+def reference_scratch_bytes(K):
+    """The reference path's temporaries for weights at most K wide (padded): one chunk's three fp32 copies and its
+    uint8 codes for int4 (the codes as floats, minus 8, times the scales: measured 3.06 copies), two for int8."""
+    return (3 * 4 + 1) * reference_rows(K) * K
+
+
 def int4_matmul_reference(x, packed, sz, shape, group_size):
-    """The reference every int4 path must equal: dequantize to fp32, then x @ W^T."""
-    return x.float() @ C.dequantize_int4(packed, sz, shape, group_size).t()
+    """The reference every int4 path must equal: dequantize to fp32, then x @ W^T; reference_rows rows at a time
+    (their packed bytes and scales are contiguous slices), so its temporaries stay reference_scratch_bytes."""
+    N, K = shape
+    Kp = C.int4_padded_shape(shape, group_size)[1]
+    x, rows = x.float(), reference_rows(Kp)
+    if rows >= N:
+        return x @ C.dequantize_int4(packed, sz, shape, group_size).t()
+    y = torch.empty(*x.shape[:-1], N, device=x.device)
+    for r in range(0, N, rows):
+        n = min(rows, N - r)
+        w = C.dequantize_int4(packed[r * Kp // 2:(r + rows) * Kp // 2], sz[:, r:r + rows], (n, K), group_size)
+        y[..., r:r + n] = x @ w.t()
+    return y
+
+
+def int8_matmul_reference(x, q, scale, shape):
+    """x @ W^T over int8 rows, dequantized reference_rows rows at a time (as int4_matmul_reference)."""
+    N, K = shape
+    x, q, rows = x.float(), q.view(shape), reference_rows(K)
+    if rows >= N:
+        return x @ C.dequantize_int8(q, scale, shape).t()
+    y = torch.empty(*x.shape[:-1], N, device=x.device)
+    for r in range(0, N, rows):
+        n = min(rows, N - r)
+        y[..., r:r + n] = x @ C.dequantize_int8(q[r:r + n], scale[r:r + n], (n, K)).t()
+    return y
 
 
 def int4_matmul_cpu(x, packed, sz, shape, group_size):
@@ -260,7 +302,7 @@ class QLinear(nn.Module):
                   and (x2.shape[0] == 1 or self.shape[1] % 16 == 0)):
                 y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), r["q"], self.scale_bf16).float()
             else:
-                y = x2.float() @ C.dequantize_int8(r["q"], r["scale"], self.shape).t()
+                y = int8_matmul_reference(x2, r["q"], r["scale"], self.shape)
         elif self.kernel == "int4pack":
             y = int4_matmul_cpu(x2, r["packed"], r["sz"], self.shape, r["group_size"])
         elif self.kernel == "triton":

@@ -47,8 +47,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status; without /proc, as on
   macOS, getrusage's peak, which reserves more) - the KV cache for
   `context` positions - working memory (one prefill chunk of 256 tokens' activations and its attention scores
-  against the context, 64 logit rows, slack; `working_bytes`). If less than 2 x top_k experts would fit, it
-  refuses before loading, saying how much is needed.
+  against the context, 64 logit rows, --kernel reference's chunk of dequantized rows, slack; `working_bytes`). If
+  less than 2 x top_k experts would fit, it refuses before loading, saying how much is needed.
 - int4 kernels (`--kernel`: native on CPU, the default where it builds; int4pack; reference; triton on CUDA):
   kernels.py, whose docstring says how each works and what it measured.
 - Decode-time fusions: q|k|v and the shared / dense gate|up are concatenated at load into one int4 matrix each
@@ -535,16 +535,19 @@ class Engine:
         self.kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * self.context * 4
         # allocator slack, LOGIT_CHUNK logit rows (+ log-softmax), one prefill chunk's activations (fp32 temporaries
         # as wide as the widest fused gate|up: four on the torch paths, two with the native one-call FFNs, which
-        # measured ~one on micro), and for --kernel reference one dequantized fp32 copy of the largest matrix
+        # measured ~one on micro), and for --kernel reference the temporaries of one chunk of dequantized rows
         widest = max(cfg.d_model, 2 * cfg.dense_ffn, 2 * cfg.n_shared * cfg.expert_ffn, 2 * cfg.expert_ffn)
         temporaries = 2 if self.kernel == "native" else 4
+        # the widest (padded) row of any matrix: the reference kernel's chunk of rows is sized by it
+        widest_k = max([C.int4_padded_shape(v["shape"], v["group_size"])[1] if v["kind"] == "int4" else v["shape"][-1]
+                        for v in list(c.header["tensors"].values()) + c.layout["parts"] if v["kind"] in ("int4", "int8")]
+                       + [1])
         # + a prefill chunk's attention scores against the whole context (measured: about one copy), growing with
         # --context: a 4000-token prompt at context 4096 went 62 MiB over the budget without them
         self.working_bytes = ((32 << 20) + 2 * 4 * LOGIT_CHUNK * cfg.vocab_size
                               + temporaries * 4 * self.prefill_chunk * widest
                               + 4 * cfg.n_head * min(self.prefill_chunk, self.context) * self.context
-                              + (2 * 4 * max(widest, cfg.vocab_size) * cfg.d_model if self.kernel == "reference"
-                                 else 0))  # (the int8 lm_head, dequantized whole, and its fp32 cast)
+                              + (kernels.reference_scratch_bytes(widest_k) if self.kernel == "reference" else 0))
         n_moe = cfg.n_layer - cfg.n_dense_layers
         self.min_cache = 2 * cfg.top_k * c.expert_nbytes if n_moe else 0
         needed = self.baseline_rss + self.resident_bytes + self.kv_bytes + self.working_bytes + self.min_cache
@@ -611,11 +614,15 @@ class Engine:
             return
         t0 = time.perf_counter()
         bar = tqdm(total=len(keys), desc="preload experts", unit="expert", disable=not sys.stderr.isatty())
-        for i in range(0, len(keys), 64):
-            chunk = keys[i:i + 64]
-            self.cache.request(chunk, set(chunk))
-            self.cache.settle()
-            bar.update(len(chunk))
+        try:
+            for i in range(0, len(keys), 64):
+                chunk = keys[i:i + 64]
+                self.cache.request(chunk, set(chunk))
+                self.cache.settle()
+                bar.update(len(chunk))
+        except KeyboardInterrupt:  # the chunk's reads still queued are dropped, not waited for
+            self.cache.cancel()
+            raise
         bar.close()
         self.cache.reset_counters()
         self.preloaded, self.preloaded_experts = not partial, len(keys)
@@ -968,6 +975,10 @@ class Engine:
                 if tok in stop_ids:
                     break
                 ids = nxt.view(1, 1)
+        except KeyboardInterrupt:  # Ctrl-C: the reads still queued are dropped (settle below waited for every one)
+            with self.lock:
+                self.cache.cancel()
+            raise
         finally:
             if not self.finalizing():  # a stream left unfinished until exit: torch is torn down, nothing to tidy
                 with self.lock:
@@ -1018,6 +1029,9 @@ class Engine:
                     total += float(torch.log_softmax(logits, dim=-1).gather(1, t[:, None]).sum())
                     greedy = greedy and bool((logits.argmax(dim=-1) == t).all())
                 del h
+        except KeyboardInterrupt:  # Ctrl-C: the reads still queued are dropped, not waited for
+            self.cache.cancel()
+            raise
         finally:  # reads in flight end with the request, whatever ended it
             self.cache.settle()
         return total, greedy

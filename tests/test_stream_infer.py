@@ -2351,3 +2351,105 @@ def test_review_round_a_failed_read_and_ctrl_c_leave_no_stale_read_behind(tiny):
     time.sleep(1.0)  # (2, 0)'s slow read has landed by now, wherever it went
     assert torch.equal(got(x), want((2, 1))) and c.used <= c.budget
     assert torch.equal(c.get((2, 0), {(2, 0)})(x), want((2, 0)))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_ctrl_c_mid_generation_drops_the_queued_reads(tiny, monkeypatch, capsys, native):
+    """Ctrl-C while a prompt's expert reads sat queued on a slow disk waited for every one of them (the stream's
+    settle; and a native wait, uninterruptible, until the read it waited for landed): seconds under a small budget.
+    Now it is raised within a wait slice (on Python's readers once the read waited for lands), the reads not started
+    never run, the CLI exits 130 with one line and no traceback, and the engine still gives the right tokens."""
+    import _thread
+    import threading
+    m, path = tiny
+    ops = kernels.native_reader()
+    assert ops is not None, "expert_reader.cpp did not build: install g++ and ninja"
+    delay = [0.5 if native else 0.3]  # seconds per read (native: up to 4 reader threads at once)
+    engines, started, fired = [], [], []
+    real_load, read, submit = S.load, C.Container.read_expert_part, EC.ExpertCache._submit
+
+    def load(*a, **kw):
+        eng = real_load(*a, **kw)
+        eng.cache.native_reads = native
+        engines.append(eng)
+        return eng
+
+    def slow(self, layer, e, *a):  # the Python readers' slow disk
+        started.append((layer, e))
+        time.sleep(delay[0])
+        return read(self, layer, e, *a)
+
+    def ctrl_c():
+        fired.append(time.perf_counter())
+        _thread.interrupt_main()
+
+    def submit_then_ctrl_c(self, key):  # Ctrl-C 0.1 s after the first read is queued
+        submit(self, key)
+        if len(self.inflight) == 1 and not fired:
+            threading.Timer(0.1, ctrl_c).start()
+    monkeypatch.setattr(S, "load", load)
+    monkeypatch.setattr(C.Container, "read_expert_part", slow)
+    monkeypatch.setattr(EC.ExpertCache, "_submit", submit_then_ctrl_c)
+    prompt = list(range(1, 25))
+    capsys.readouterr()
+    ops.reader_delay_us(0, int(delay[0] * 1e6))
+    try:
+        rc = S.main([path, "--no-preload", "--prefetch", "off", "--readers", "1", "--threads", "1",
+                     "--max-new-tokens", "4", "--prompt", ",".join(map(str, prompt))])
+        c = engines[0].cache
+        EC._wait_reads_in_flight()  # what exit waits for (atexit; Python's pool joins its threads): those being read
+        while c.active_reads:
+            time.sleep(0.01)
+        stopped = time.perf_counter() - fired[0]
+        time.sleep(delay[0] + 0.1)
+    finally:
+        ops.reader_delay_us(0, 0)
+    err = capsys.readouterr().err
+    assert rc == 130 and err.strip() == "stream_infer: interrupted" and "Traceback" not in err, err
+    assert c.reads >= 8 and stopped < delay[0] + 0.6, (c.reads, stopped)  # all of them: 2-8 s
+    assert not c.inflight and not c.guesses
+    if not native:
+        assert len(started) <= 3, started  # the one waited for, the one being read; the queued ones never ran
+    delay[0] = 0
+    assert engines[0].generate(prompt, 4) == real_load(path).generate(prompt, 4)
+
+
+def test_reference_kernel_stays_under_the_budget_it_accounts_for(tiny, tmp_path, monkeypatch):
+    """--kernel reference dequantized a whole matrix per call: a tied int4 lm_head was three fp32 copies at once (the
+    codes as floats, minus 8, times the scales), which the budget counted as two, and glibc's heap kept the
+    forward's copies under them: 160 MiB over a budget the engine accepted. Now a chunk of rows at a time, counted:
+    with a budget of exactly what the engine accounts for (+ 2 MiB), in a subprocess, generation stays under it;
+    the chunks (ragged last one, padded rows) give the whole matrix's product."""
+    m, tiny_path = tiny
+    monkeypatch.setattr(kernels, "REFERENCE_CHUNK", 4096)  # 32-row chunks here
+    torch.manual_seed(0)
+    w, x = torch.randn(100, 90), torch.randn(3, 90)
+    p, sz = C.quantize_int4(w, 30)
+    q, scale = C.quantize_int8(w)
+    want4, want8 = x @ C.dequantize_int4(p, sz, w.shape, 30).t(), x @ C.dequantize_int8(q, scale, w.shape).t()
+    for got, want in ((kernels.int4_matmul_reference(x, p, sz, w.shape, 30), want4),
+                      (kernels.int8_matmul_reference(x, q, scale, w.shape), want8)):
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max()
+    monkeypatch.undo()
+    cfg = ModelConfig(vocab_size=16384, n_layer=2, n_dense_layers=1, d_model=2048, n_head=16, n_kv_head=4,
+                      dense_ffn=64, n_experts=4, expert_ffn=64, n_shared=1, top_k=2, max_seq_len=64,
+                      tie_embeddings=True)
+    path = str(tmp_path / "tied4.pcf4")
+    C.write_container(None, path, group_size=32, embed_bits=4, progress=False, source=C.RandomSource(cfg, direct=True))
+    code = f"""
+import sys, json, torch
+sys.path.insert(0, {ROOT!r})
+torch.set_num_threads(1)
+import stream_infer as S
+S.load({tiny_path!r}, kernel="reference").generate([1, 2], 2)  # pages in torch's kernels (a small model)
+e = S.load({path!r}, ram_budget="3G", kernel="reference", context=64)
+budget = e.resident_rss + e.kv_bytes + e.working_bytes + e.every_expert_bytes + (2 << 20)
+del e
+eng = S.load({path!r}, ram_budget=budget, kernel="reference", context=64)
+eng.generate([1, 2, 3], 2)
+print(json.dumps(dict(budget=budget, peak=S.peak_rss_bytes())))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.splitlines()[-1])
+    assert res["peak"] <= res["budget"], (res["peak"] - res["budget"]) / 2**20
