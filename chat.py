@@ -116,13 +116,16 @@ def engine_backend(eng, experts_per_token=None):
 
     eng.set_experts_per_token(experts_per_token)
 
-    def after_reply():
+    def after_reply(interrupted=False):
         eng.stop_probes()  # --prefetch auto probes decode tokens only (Engine.forward judges each)
-        eng.cache.settle()
+        if interrupted:  # Ctrl-C: the reads still queued are dropped (settle waited for every one: seconds)
+            eng.cache.cancel()
+        else:
+            eng.cache.settle()
 
     return dict(forward=lambda ids, cache: eng.logits(eng.forward(ids, cache)[:, -1]),
                 new_cache=lambda n: KVCache(eng.cfg, 1, n, eng.device, torch.float32),
-                max_len=eng.context, device=eng.device, after_reply=after_reply)
+                max_len=eng.context, device=eng.device, after_reply=after_reply, engine=eng)
 
 
 class Conversation:
@@ -217,7 +220,7 @@ class Conversation:
             self.last_tokens = len(out)
             self.messages.append({"role": "assistant", "content": answer})
             if self.b["after_reply"]:
-                self.b["after_reply"]()
+                self.b["after_reply"](self.last_stop == "interrupted")
         return answer
 
 

@@ -481,6 +481,22 @@ def test_chat_with_int4_container(tok, sft_run, tmp_path):
     n = len(conv.fed_tokens)
     assert conv.reply("ping 6", 8).startswith("pong")
     assert conv.fed_tokens[n] == 1 + len(chat.render_turn(tok, "user", "ping 6")[0]) + 1
+    # Ctrl-C mid-answer drops the expert reads still queued (settle waited for every one); a finished answer settles
+    import stream_infer
+    backend = chat.engine_backend(stream_infer.load(path))
+    cache, calls, seen, real_forward = backend["engine"].cache, {"n": 0}, [], backend["forward"]
+    for name in ("cancel", "settle"):
+        setattr(cache, name, (lambda f, n: lambda: (seen.append(n), f())[1])(getattr(cache, name), name))
+
+    def flaky_forward(ids, kv):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real_forward(ids, kv)
+    conv = chat.Conversation(tok2, dict(backend, forward=flaky_forward))
+    with pytest.raises(KeyboardInterrupt):
+        conv.reply("ping 3", 8)
+    assert seen == ["cancel"] and conv.reply("ping 4", 8) == "pong 4" and seen == ["cancel", "settle"], seen
     with pytest.raises(chat.ChatError):
         chat.load_model(str(tmp_path / "missing.pcf4"))
     with pytest.raises(chat.ChatError, match="--experts-per-token 99"):
