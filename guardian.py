@@ -12,7 +12,12 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   repeats at the same place; then restart.
 - storage denied (4), out of disk (6), non-finite loss (7), config or checkpoint errors (1, 2): restarting cannot
   help; stop with a report naming the cause. storage unreachable (5), from the trainer or while re-fetching a
-  shard: retry with backoff (unreachable_backoff_s x 2, 4, 8, at most 60 s), then stop.
+  shard: retry with backoff (unreachable_backoff_s x 2, 4, 8, ..., at most 60 s apart, each try said) until one
+  outage's waits would pass unreachable_give_up_s (30 min), then stop.
+- a quarantined shard whose files changed since (replaced, or the corpus prepared again) and now verify against
+  index.json, or that index.json no longer lists, is released before the next start, in one loud line.
+- a trainer that ends other than 0 leaves the tail of its stdout / stderr in out_dir/guardian/crash-NNNN.log (the
+  newest CRASH_LOGS_KEPT are kept; guardian.json names each start's).
 - hang (8), a signal (OOM kill), anything else: restart.
 - stop_after_steps / stop_after_hours (a relay leg, a rented GPU's hours) hold across restarts: a restart gets
   what is left of them (from this invocation's first start), and none is made once they are used up.
@@ -22,7 +27,8 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   an hour or at a stop signal), re-verify every shard, repair what it finds and go on, or stop with exit 9 and a
   report. More than max_restarts starts with no new checkpoint in one invocation also stop with 9 and their causes.
 SIGTERM or Ctrl-C to the guardian is passed to the trainer (which checkpoints and exits 0) and ends supervision; if the
-trainer dies instead (a hang while saving), the guardian exits with its code and says which steps are lost; if the
+trainer dies instead (a hang while saving), the guardian exits with its code and says which steps are lost (one not out
+stop_grace_s after the signal is SIGKILLed: stuck where not even its watchdog runs, it held the guardian forever); if the
 guardian itself is killed, Linux sends the trainer SIGTERM (PR_SET_PDEATHSIG). guardian.json says "done" only when
 the plan is finished or the leg's limit reached (a trainer stopped by a signal to it alone is not restarted).
 A guardian.json that cannot be written (a full disk) warns once; supervision goes on. It ends with one summary line:
@@ -46,7 +52,8 @@ from relay import pdeathsig_setter  # the trainer gets SIGTERM when its parent (
 
 EXIT_STUCK = 9
 ON_STUCK_TIMEOUT_S = 3600.0  # an on_stuck command (a remount, a re-sync) running longer is killed: not a fix
-UNREACHABLE_RETRIES = 3
+CRASH_LOGS_KEPT = 20  # out_dir/guardian/crash-*.log: the newest are kept
+TAIL_BYTES = 64 << 10  # of each of the trainer's stdout and stderr, kept for its crash log
 NO_RESTART = {1: "error", 2: "config error", train.EXIT_DENIED: "storage denied", train.EXIT_DISK: "out of disk",
               train.EXIT_NONFINITE: "non-finite loss"}
 
@@ -126,6 +133,8 @@ class Guardian:
         self.log["status"] = "running"
         self.child = None
         self.stopping = False
+        self.t_stop = None  # when the first stop signal came (the trainer's stop_grace_s counts from it)
+        self.released = set()  # shards release_fixed brought back: the checkpoint's quarantine holds them too
         self.save_failed = False
         self.woken = threading.Event()  # set by a signal: cuts a backoff or a re-fetch wait short
         self.n_started, self.first_step, self.t_first = 0, None, None  # this invocation's first start
@@ -163,28 +172,64 @@ class Guardian:
         key = f"{corpus}/{name}"
         if key in [q["shard"] for q in self.log["quarantined"]]:
             return False
-        self.log["quarantined"].append({"shard": key, "offset": offset, "reason": reason, "at": time.time()})
+        self.log["quarantined"].append({"shard": key, "offset": offset, "reason": reason, "at": time.time(),
+                                        "fingerprint": shard_fingerprint(os.path.dirname(os.path.abspath(shard_path)),
+                                                                         name)})
         self.say(f"QUARANTINED {key} ({reason}); training goes on without it")
         return True
+
+    def release_fixed(self):
+        """Release quarantined shards the operator fixed: their files changed since (by the fingerprint kept at
+        quarantine) and verify against index.json, or index.json no longer lists them (the corpus prepared again).
+        They stayed skipped forever, and a vanished name refused every resume."""
+        corpora = self.corpora()
+        for q in list(self.log["quarantined"]):
+            c, _, f = q["shard"].partition("/")
+            if c not in corpora:  # a corpus outside this plan: kept for when it comes back
+                continue
+            try:
+                index = shards.load_index(corpora[c])
+            except shards.DataError:  # the trainer names what is wrong with the index, in one line
+                continue
+            entry = next((e for es in index["splits"].values() for e in es if e["file"] == f), None)
+            if entry is None:
+                why = f"{c}'s index.json no longer lists it (the corpus was prepared again)"
+            else:
+                now = shard_fingerprint(corpora[c], f, index)
+                if now == q.get("fingerprint"):  # unchanged: not hashed again
+                    continue
+                # a log from before fingerprints: only a shard that was corrupt on disk is known to have changed
+                known = q.get("fingerprint") is not None or q.get("reason", "").startswith("corrupt on disk")
+                if not known or shards.verify_shard(corpora[c], entry, index["vocab_size"]):
+                    q["fingerprint"] = now  # still corrupt (or verified when quarantined): hashed again when it changes
+                    continue
+                why = "its files changed since it was quarantined and verify against index.json"
+            self.log["quarantined"].remove(q)
+            self.released.add(q["shard"])
+            self.log["repairs"].append({"shard": q["shard"], "action": f"released: {why}", "at": time.time()})
+            self.say(f"RELEASED {q['shard']} from quarantine: {why}; it is read again")
 
     def repair_shard(self, path, offset, repeated):
         """A shard named by a corrupt-data exit: refetch if corrupt on disk, else quarantine on a repeat.
         Returns None to go on, or (exit code, message) to stop."""
         corpus_dir, file = os.path.dirname(path), os.path.basename(path)
         entry_bad = any(file in p for p in shards.verify_corpus(corpus_dir))
-        for attempt in range(UNREACHABLE_RETRIES + 1) if entry_bad else ():
+        attempt, waited = 0, 0.0
+        while entry_bad:
             try:
                 shards.refetch_shard(corpus_dir, file)
                 self.log["repairs"].append({"shard": path, "action": "refetched", "at": time.time()})
                 self.say(f"re-fetched {path} from its source; it verifies again")
                 return None
             except shards.StorageError as e:
-                if e.kind == "unreachable" and attempt < UNREACHABLE_RETRIES:  # a Hub blip must not end the run
-                    wait = self.backoff(attempt + 1)
+                wait = self.retry_wait(attempt + 1, waited) if e.kind == "unreachable" else None
+                if wait is not None:  # a Hub blip or an hour's outage must not end the run
+                    attempt, waited = attempt + 1, waited + wait
                     self.log["repairs"].append({"shard": path, "action": "re-fetch retry", "error": str(e),
                                                 "wait_s": wait, "at": time.time()})
                     self.save()
-                    self.say(f"storage unreachable while re-fetching {path}; retrying in {wait:g} s")
+                    self.say(f"storage unreachable while re-fetching {path}; retrying in {wait:g} s "
+                             f"({self.retry_said(attempt, waited)})")
                     if self.wait(wait):
                         return train.EXIT_OK, f"stopped by {self.stopping} while re-fetching {path}"
                     continue
@@ -205,8 +250,17 @@ class Guardian:
         return bool(self.stopping)
 
     def backoff(self, tries):
-        """Seconds to wait before retry number `tries` (1, 2, 3) of unreachable storage."""
-        return min(60.0, float(self.cfg["unreachable_backoff_s"]) * 2 ** tries)
+        """Seconds to wait before retry number `tries` (1, 2, 3, ...) of unreachable storage."""
+        return min(60.0, float(self.cfg["unreachable_backoff_s"]) * 2 ** min(tries, 30))
+
+    def retry_wait(self, tries, waited):
+        """The wait before retry `tries` of one outage that has waited `waited` s, or None once it would pass
+        unreachable_give_up_s (3 retries, ~70 s, gave up on outages a network blip outlasts)."""
+        wait = self.backoff(tries)
+        return None if waited + wait > float(self.cfg["unreachable_give_up_s"]) else wait
+
+    def retry_said(self, tries, waited):
+        return f"retry {tries}; {waited:g} s of unreachable_give_up_s={float(self.cfg['unreachable_give_up_s']):g} waited"
 
     def on_stuck(self, causes):
         cmd, helped = self.cfg["on_stuck"], False
@@ -285,13 +339,15 @@ class Guardian:
         q = sorted(set(self.cfg["quarantine_shards"]) | mine)
         if q:
             args.append(f"--quarantine_shards={q!r}")
-        if self.cfg["release_shards"]:  # not one quarantined again since (a fix that did not hold)
-            args.append(f"--release_shards={sorted(set(self.cfg['release_shards']) - mine)!r}")
+        released = set(self.cfg["release_shards"]) | self.released
+        if released:  # not one quarantined again since (a fix that did not hold)
+            args.append(f"--release_shards={sorted(released - mine)!r}")
         return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), *args]
 
     def on_signal(self, signum, frame):
         """SIGTERM, or SIGINT (Ctrl-C, which the trainer got too): the trainer checkpoints and exits; so does this."""
         self.stopping = signal.Signals(signum).name
+        self.t_stop = self.t_stop or time.monotonic()
         if signum == signal.SIGHUP:
             train.detach_from_lost_terminal()
         self.woken.set()
@@ -313,7 +369,8 @@ class Guardian:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGHUP, self.on_signal)  # an ssh drop: the trainer checkpoints (it died with none)
-        no_progress, unreachable_tries, last_data_fault, fruitless, fruitless_causes = [], 0, None, 0, []
+        no_progress, last_data_fault, fruitless, fruitless_causes = [], None, 0, []
+        unreachable_tries, unreachable_waited = 0, 0.0
         while True:
             if self.stopping:  # a SIGTERM while no trainer ran (a backoff, a repair): start none
                 self.log["status"] = f"stopped ({self.stopping})"
@@ -342,6 +399,7 @@ class Guardian:
                     self.save()
                     self.say(f"the leg's {' / '.join(left)} are used up; not restarting")
                     return 0
+            self.release_fixed()
             start = {"started_at": t0, "checkpoint_step_at_start": before}
             if left:
                 start["leg_left"] = left
@@ -350,16 +408,27 @@ class Guardian:
             self.say(f"start {len(self.log['starts'])} (checkpoint step {before})")
             argv = self.child_argv(left, first=self.n_started == 0)
             self.n_started += 1
-            self.child = subprocess.Popen(argv, preexec_fn=pdeathsig_setter())
+            # its output through pipes, passed on as it comes, the tail kept for a crash log (unbuffered: live)
+            self.child = subprocess.Popen(argv, preexec_fn=pdeathsig_setter(), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            tails = {"stdout": bytearray(), "stderr": bytearray()}
+            pumps = [threading.Thread(target=pump, args=(getattr(self.child, n), n, tails[n]), daemon=True)
+                     for n in tails]
+            for t in pumps:
+                t.start()
             if self.stopping:  # the SIGTERM came while it started (on_sigterm saw the previous child)
                 self.child.send_signal(signal.SIGTERM)
-            rc = self.child.wait()
+            rc, killed = self.wait_child()
+            for t in pumps:  # (a grandchild holding a pipe open does not hold the guardian)
+                t.join(5)
             after = latest_step(self.out)
             rep_name, rep = newest_crash_report(self.out, t0)
-            cause = "ok" if rc == 0 else (train.CAUSES.get(rc) or NO_RESTART.get(rc) or
-                                          (killed_by(-rc) if rc < 0 else f"exit {rc}"))
+            cause = "ok" if rc == 0 else killed or (train.CAUSES.get(rc) or NO_RESTART.get(rc) or
+                                                    (killed_by(-rc) if rc < 0 else f"exit {rc}"))
             start.update(ended_at=time.time(), exit_code=rc, cause=cause, checkpoint_step_at_end=after,
                          crash_report=rep_name, message=(rep or {}).get("message"))
+            if rc != 0:
+                start["output_tail"] = self.keep_crash_log(len(self.log["starts"]), rc, cause, tails)
             self.save()
             if rc == 0:
                 self.log["status"] = f"stopped ({self.stopping})" if self.stopping else self.why_done(after)
@@ -396,13 +465,16 @@ class Guardian:
                                              f"max_restarts={self.cfg['max_restarts']} (causes: "
                                              f"{summarize(fruitless_causes)}); look at {self.out}/crash-*.json")
             if progressed or rc != train.EXIT_UNREACHABLE:  # the retries are per outage: a run that trains between
-                unreachable_tries = 0                        # short outages hours apart is not stopped by the fourth
+                unreachable_tries, unreachable_waited = 0, 0.0  # short outages hours apart is not stopped by them
             if rc == train.EXIT_UNREACHABLE:
-                unreachable_tries += 1
-                if unreachable_tries > UNREACHABLE_RETRIES:
-                    return self.stop(rc, f"storage unreachable {UNREACHABLE_RETRIES + 1} times: {(rep or {}).get('message')}")
-                wait = self.backoff(unreachable_tries)
-                self.say(f"storage unreachable: restarting in {wait:g} s")
+                wait = self.retry_wait(unreachable_tries + 1, unreachable_waited)
+                if wait is None:
+                    return self.stop(rc, f"storage unreachable {unreachable_tries + 1} times, {unreachable_waited:g} s "
+                                         f"of waits (unreachable_give_up_s="
+                                         f"{float(self.cfg['unreachable_give_up_s']):g}): {(rep or {}).get('message')}")
+                unreachable_tries, unreachable_waited = unreachable_tries + 1, unreachable_waited + wait
+                self.say(f"storage unreachable: restarting in {wait:g} s "
+                         f"({self.retry_said(unreachable_tries, unreachable_waited)})")
                 if self.wait(wait):
                     continue  # (the loop's top says it stopped, and starts none)
             if rc == train.EXIT_DATA and rep and rep.get("kind") in ("index", "tokenizer"):  # no shard to fix
@@ -431,6 +503,41 @@ class Guardian:
             if not self.stopping:
                 self.say("restarting")
 
+    def wait_child(self):
+        """(exit code, cause if the guardian killed it). After a stop signal the trainer has stop_grace_s to save and
+        exit, then SIGKILL: one stuck where not even its watchdog runs ignored the SIGTERM and held the guardian."""
+        while True:
+            try:
+                return self.child.wait(0.5), None
+            except subprocess.TimeoutExpired:
+                pass
+            grace = float(self.cfg["stop_grace_s"])
+            self.t_stop = self.t_stop or (time.monotonic() if self.stopping else None)
+            if self.stopping and time.monotonic() - self.t_stop > grace:
+                self.say(f"the trainer (pid {self.child.pid}) is not out {grace:g} s after the {self.stopping} "
+                         f"(stop_grace_s); killing it (SIGKILL)")
+                self.child.kill()
+                return self.child.wait(), f"killed by the guardian (SIGKILL) {grace:g} s after the {self.stopping}"
+
+    def keep_crash_log(self, n, rc, cause, tails):
+        """out_dir/guardian/crash-NNNN.log: the tail of start n's stdout and stderr (they were only on a console that
+        may be gone), the newest CRASH_LOGS_KEPT kept. Its name relative to out_dir, or None if it cannot be written."""
+        d = os.path.join(self.out, "guardian")
+        name = os.path.join("guardian", f"crash-{n:04d}.log")
+        try:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(self.out, name), "wb") as f:
+                f.write(f"start {n}: exit {rc} ({cause}) at {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+                for stream, tail in tails.items():
+                    f.write(f"--- {stream}, its last {len(tail)} bytes ---\n".encode() + bytes(tail) + b"\n")
+            old = sorted(x for x in os.listdir(d) if x.startswith("crash-") and x.endswith(".log"))
+            for x in old[:-CRASH_LOGS_KEPT]:
+                os.remove(os.path.join(d, x))
+        except OSError as e:  # (a full disk: the trainer's own crash report says the cause)
+            self.say(f"warning: cannot write {os.path.join(self.out, name)} ({e.strerror or e})")
+            return None
+        return name
+
     def why_done(self, step):
         """guardian.json's status after a trainer's exit 0 with no signal to the guardian: "done" only when the plan is
         finished or the leg's limit reached (a SIGTERM to the trainer alone also ends it with 0 and a checkpoint)."""
@@ -454,6 +561,45 @@ class Guardian:
         self.save()
         self.say(f"stopped: {message}")
         return code
+
+
+def shard_fingerprint(corpus_dir, file, index=None):
+    """What a shard is on disk and in index.json: a quarantined one whose fingerprint changed was replaced or prepared
+    again, and is verified again (one that did not is not hashed again). None without an index."""
+    try:
+        index = index or shards.load_index(corpus_dir)
+    except shards.DataError:
+        return None
+    entry = next((e for es in index["splits"].values() for e in es if e["file"] == file), {})
+    fp = {"sha256": entry.get("sha256"), "mask_sha256": entry.get("mask_sha256"), "files": []}
+    for name in (file, entry.get("mask")):
+        try:
+            st = os.stat(os.path.join(corpus_dir, name)) if name else None
+        except OSError:
+            st = None
+        fp["files"].append([st.st_size, st.st_mtime_ns, st.st_ino] if st else None)
+    return fp
+
+
+def pump(src, stream, tail):
+    """Pass the trainer's output to ours as it comes, keeping its last TAIL_BYTES. It reads on whatever happens to
+    the writes (a terminal gone): a full pipe would block the trainer."""
+    while True:
+        chunk = os.read(src.fileno(), 1 << 16)
+        if not chunk:
+            break
+        tail += chunk
+        del tail[:-TAIL_BYTES]
+        out = getattr(sys, stream)  # (looked up each time: a test, or detach_from_lost_terminal, may swap it)
+        try:
+            if hasattr(out, "buffer"):
+                out.buffer.write(chunk)
+            else:
+                out.write(chunk.decode(errors="replace"))
+            out.flush()
+        except (OSError, ValueError):
+            pass
+    src.close()
 
 
 def killed_by(signum):

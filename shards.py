@@ -577,28 +577,32 @@ def verify_corpus(corpus_dir):
         load_corpus_tokenizer(corpus_dir, index)
     except DataError as e:
         return [str(e)]
+    return [p for entries in index["splits"].values() for entry in entries
+            for p in verify_shard(corpus_dir, entry, index["vocab_size"])]
+
+
+def verify_shard(corpus_dir, entry, vocab_size):
+    """Re-hash one shard of index.json and its loss mask (ignoring the per-process cache). Returns one-line problems."""
     problems = []
-    for split, entries in index["splits"].items():
-        for entry in entries:
-            path = os.path.join(str(corpus_dir), entry["file"])
-            try:
-                st = os.stat(path)
-                _VERIFIED.discard((os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["sha256"]))
-            except OSError:
-                pass
-            try:
-                _open_shard(corpus_dir, entry, index["vocab_size"])
-            except DataError as e:
-                problems.append(str(e))
-            if "mask" in entry:
-                mpath = os.path.join(str(corpus_dir), entry["mask"])
-                with contextlib.suppress(OSError):
-                    st = os.stat(mpath)
-                    _VERIFIED.discard((os.path.realpath(mpath), st.st_size, st.st_mtime_ns, entry["mask_sha256"]))
-                try:
-                    _open_mask(corpus_dir, entry)
-                except DataError as e:
-                    problems.append(str(e))
+    path = os.path.join(str(corpus_dir), entry["file"])
+    try:
+        st = os.stat(path)
+        _VERIFIED.discard((os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["sha256"]))
+    except OSError:
+        pass
+    try:
+        _open_shard(corpus_dir, entry, vocab_size)
+    except DataError as e:
+        problems.append(str(e))
+    if "mask" in entry:
+        mpath = os.path.join(str(corpus_dir), entry["mask"])
+        with contextlib.suppress(OSError):
+            st = os.stat(mpath)
+            _VERIFIED.discard((os.path.realpath(mpath), st.st_size, st.st_mtime_ns, entry["mask_sha256"]))
+        try:
+            _open_mask(corpus_dir, entry)
+        except DataError as e:
+            problems.append(str(e))
     return problems
 
 

@@ -111,7 +111,9 @@ quarantine_shards = []       # "corpus/file" shards to skip (the guardian adds t
 release_shards = []          # "corpus/file" quarantined shards to read again (fixed by hand; checkpoints untouched)
 on_stuck = ""                # guardian: shell command run when max_stuck_starts starts made no new checkpoint
 max_stuck_starts = 3
-unreachable_backoff_s = 5.0  # guardian: storage unreachable -> wait 2x, 4x, 8x this (<= 60 s) between 3 retries
+unreachable_backoff_s = 5.0  # guardian: storage unreachable -> wait 2x, 4x, 8x ... this (<= 60 s) between retries
+unreachable_give_up_s = 1800.0  # guardian: ... until one outage's waits would pass this, then stop with exit 5
+stop_grace_s = 300.0         # guardian: a trainer not out this long after a stop signal is SIGKILLed (its save too)
 max_restarts = 20           # guardian: restarts after starts that made no new checkpoint, per invocation
 lock_wait_s = 600.0         # a second trainer on this out_dir waits this long for the first to exit, then errors
 sample_tokens = 64           # sample printed at the end (0: none)
@@ -402,13 +404,22 @@ def crashed(e):
         f"crash report); checkpoints are intact: resume with --init_from=resume", EXIT_CRASH)
 
 
-def detach_from_lost_terminal():
+def detach_from_lost_terminal(tty=True):
     """After SIGHUP: stdout / stderr on the terminal that hung up fail every write (EIO), which would end the
-    checkpoint the hangup asks for; they go to /dev/null (out_dir keeps metrics.jsonl and the crash reports)."""
+    checkpoint the hangup asks for; they go to /dev/null (out_dir keeps metrics.jsonl and the crash reports). So do
+    pipes nobody reads any more (the guardian's, when it was killed: its death's SIGTERM asks for a checkpoint that
+    the first print would end with EPIPE); tty=False: those only (a SIGTERM leaves a live terminal as it is)."""
+    import select
+    import stat
     null = os.open(os.devnull, os.O_WRONLY)
     for fd in (1, 2):
         try:
-            if os.isatty(fd):
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                p = select.poll()
+                p.register(fd, select.POLLOUT)
+                if any(ev & select.POLLERR for _, ev in p.poll(0)):  # (Linux: its reading end is closed)
+                    os.dup2(null, fd)
+            elif tty and os.isatty(fd):
                 os.dup2(null, fd)
         except OSError:
             pass
@@ -735,12 +746,18 @@ def main(argv):
         if indexes[c].get("vocab_size", 0) > mcfg.vocab_size:  # a config mistake, not corrupt data (no restart)
             raise TrainError(f"corpus {c} has vocab_size {indexes[c]['vocab_size']} > model vocab_size "
                              f"{mcfg.vocab_size}; set --vocab_size={indexes[c]['vocab_size']}")
-    for q in quarantined:  # a mistyped name quarantined nothing while the log said it was skipped
+    for q in list(quarantined):  # a mistyped name quarantined nothing while the log said it was skipped
         c, _, f = q.partition("/")
         if not f:
             raise TrainError(f"quarantine_shards: {q!r} is not corpus/file, e.g. '{corpora[0]}/train_000000.bin'")
         listed = sorted(e["file"] for sp in indexes[c]["splits"].values() for e in sp) if c in indexes else None
-        if listed is not None and f not in listed:  # (a corpus outside this plan: kept for when it comes back)
+        if listed is not None and f not in listed and q not in cfg["quarantine_shards"]:
+            # the checkpoint's, a shard when it was saved: the corpus was prepared again without it (this refused the
+            # resume, naming a quarantine, before the position check could say what changed)
+            log(f"WARNING: {q} was quarantined by the checkpoint but {c}'s index.json no longer lists it (the corpus "
+                f"was prepared again); dropped from the quarantine")
+            quarantined.remove(q)
+        elif listed is not None and f not in listed:  # (a corpus outside this plan: kept for when it comes back)
             raise TrainError(f"quarantine_shards: {q!r} is not a shard of {c} (its index.json lists "
                              f"{listed[0] + ' .. ' + listed[-1] if listed else 'none'}); fix the name, or drop it "
                              f"with --release_shards=\"['{q}']\"")
@@ -862,8 +879,8 @@ def main(argv):
     stop = {"signal": None}
 
     def on_sigterm(signum, frame):
-        if signum == signal.SIGHUP:  # an ssh drop (no nohup): it killed the trainer with no checkpoint
-            detach_from_lost_terminal()
+        # an ssh drop (SIGHUP, no nohup) killed the trainer with no checkpoint; so did a killed guardian's pipes
+        detach_from_lost_terminal(tty=signum == signal.SIGHUP)
         stop["signal"] = stop["signal"] or signum  # Ctrl-C under the guardian: SIGINT first, then its SIGTERM
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGHUP, on_sigterm)

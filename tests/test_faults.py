@@ -116,7 +116,8 @@ def test_storage_fault_is_not_corrupt_data(data_root, tmp_path, status, fails, c
         shutil.rmtree(tmp_path / "hf_home")  # a fresh machine: nothing cached
         out = str(tmp_path / "run")
         r = train([f"--data_root={tmp_path / 'data'}", "--dataset=fineweb_edu", f"--out_dir={out}", "--max_iters=3",
-                   "--warmup_iters=1", "--eval_interval=100", "--unreachable_backoff_s=0.05", "--supervise"], env=env)
+                   "--warmup_iters=1", "--eval_interval=100", "--unreachable_backoff_s=0.05",
+                   "--unreachable_give_up_s=0.75", "--supervise"], env=env)
     assert r.returncode == code, r.stderr[-3000:]
     g = json.load(open(os.path.join(out, "guardian.json")))
     retries = [x for x in g["repairs"] if x["action"] == "re-fetch retry"]
@@ -436,6 +437,7 @@ def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
         assert time.time() < deadline and p.poll() is None
         time.sleep(0.05)
     trainer = int(open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()[0])
+    time.sleep(0.5)  # (past its first step, and training on)
     p.send_signal(signal.SIGKILL)
     p.wait()
     try:
@@ -446,7 +448,8 @@ def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
         os.kill(trainer, signal.SIGKILL)  # no orphan left behind by a failing test
         raise
     step = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"]
-    assert step > 0  # it took the SIGTERM: checkpointed where it was, then exited
+    # it took the SIGTERM: checkpointed where it was, then exited (printing into the dead guardian's pipe ended it)
+    assert step > 0 and step == max(json.loads(l)["step"] for l in open(metrics) if l.strip())
 
 
 def test_a_hangup_checkpoints_and_a_signal_at_startup_is_a_clean_stop(data_root, tmp_path):
@@ -869,7 +872,7 @@ def test_the_guardians_restart_limits_count_what_they_say(data_root, tmp_path, b
     out = str(tmp_path / "run")
     r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
                         "--max_iters=10", "--warmup_iters=1", "--eval_interval=1000", "--unreachable_backoff_s=0.01",
-                        *extra, "--supervise"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                        "--unreachable_give_up_s=0.15", *extra, "--supervise"], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=dict(ENV, PICAFLOR_INJECT_UNREACHABLE_AT_STEPS=blips))
     assert r.returncode == code, r.stderr[-3000:]
     assert "start 1 ended: storage unreachable" in r.stderr  # why it restarts, on the console too
@@ -1081,3 +1084,111 @@ def test_the_guardian_hashes_a_checkpoint_again_only_when_its_files_changed(tmp_
         f.write(bytes([b[0] ^ 1]))
     os.utime(state, ns=(time.time_ns(), time.time_ns() + 10**9))  # (a later write: mtime is coarser than this test)
     assert guardian.latest_step(out) == 2 and hashed[1:] == ["step_0000004", "step_0000002"]
+
+
+def test_a_quarantined_shard_fixed_or_gone_after_a_re_prepare_is_released(tmp_path, capsys):
+    """A shard stayed quarantined after the operator replaced it with a good copy (skipped forever), and a name the
+    corpus, prepared again, no longer lists refused every resume (train.py: 'is not a shard of'). Released now, in one
+    loud line, when its files changed since the quarantine and verify, or when index.json no longer lists it."""
+    import guardian
+    root = make_corpus(tmp_path / "data")
+    cdir = os.path.join(root, "local")
+    shard, other = os.path.join(cdir, "train_000000.bin"), os.path.join(cdir, "train_000001.bin")
+    good = open(shard, "rb").read()
+    zero_page(shard)
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}"])
+    g.quarantine(shard, 0, "corrupt on disk and not re-fetchable: test")
+    g.quarantine(other, 0, "the crash repeated at the same place though the file verifies")
+    g.release_fixed()  # one still corrupt, one unchanged since it verified: both held
+    assert [q["shard"] for q in g.log["quarantined"]] == ["local/train_000000.bin", "local/train_000001.bin"]
+    with open(shard + ".new", "wb") as f:  # the operator puts a good copy in its place
+        f.write(good)
+    os.replace(shard + ".new", shard)
+    g.release_fixed()
+    assert [q["shard"] for q in g.log["quarantined"]] == ["local/train_000001.bin"]
+    err = capsys.readouterr().err
+    assert "RELEASED local/train_000000.bin from quarantine: its files changed" in err, err
+    argv = g.child_argv()
+    assert "--release_shards=['local/train_000000.bin']" in argv  # the checkpoint's quarantine holds it too
+    assert "--quarantine_shards=['local/train_000001.bin']" in argv
+    # prepared again without train_000001.bin: released, not passed on to be refused
+    index = json.load(open(os.path.join(cdir, "index.json")))
+    index["splits"]["train"] = [e for e in index["splits"]["train"] if e["file"] != "train_000001.bin"]
+    json.dump(index, open(os.path.join(cdir, "index.json"), "w"))
+    g.release_fixed()
+    assert not g.log["quarantined"] and "no longer lists it" in capsys.readouterr().err
+    assert not [a for a in g.child_argv() if a.startswith("--quarantine_shards")]
+    assert [r["action"].split(":")[0] for r in g.log["repairs"]] == ["released", "released"]
+
+
+def test_a_quarantined_name_a_re_prepared_corpus_no_longer_lists_is_dropped_with_a_warning(tmp_path):
+    """A checkpoint's quarantined shard that the corpus, prepared again, no longer lists refused the resume ('fix the
+    name'); it is dropped with a warning. A name typed on the command line is still refused (a typo)."""
+    root = make_corpus(tmp_path / "data")
+    out = str(tmp_path / "run")
+    base = [f"--data_root={root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1", "--eval_interval=100"]
+    r = train(base + ["--stop_after_steps=0", "--quarantine_shards=['local/val_000001.bin']"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    ipath = os.path.join(root, "local", "index.json")
+    index = json.load(open(ipath))
+    index["splits"]["val"] = [e for e in index["splits"]["val"] if e["file"] != "val_000001.bin"]
+    json.dump(index, open(ipath, "w"))
+    r = train(base + ["--stop_after_steps=1", "--init_from=resume"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "local/val_000001.bin was quarantined by the checkpoint but local's index.json no longer lists it" in r.stdout
+    st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+    assert st["step"] == 1 and st["quarantined_shards"] == []
+
+
+def test_a_trainer_deaf_to_the_stop_signal_is_killed_after_stop_grace_s(tmp_path):
+    """The guardian passed SIGTERM on and waited forever for a trainer stuck where not even its watchdog runs."""
+    import guardian
+    run = tmp_path / "run"
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--stop_grace_s=0.5"])
+    stand_in_trainers(g, "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(20)")
+    t0 = time.time()
+    assert run_guardian(g, signal_after=1.0) == 128 + signal.SIGKILL
+    assert time.time() - t0 < 10
+    log = json.load(open(run / "guardian.json"))
+    assert log["starts"][0]["cause"] == "killed by the guardian (SIGKILL) 0.5 s after the SIGTERM", log["starts"]
+    assert "steps after it are lost" in log["report"]["message"]
+
+
+def test_unreachable_storage_is_retried_up_to_unreachable_give_up_s(tmp_path, capsys):
+    """3 retries (~70 s of waits by default) gave up on outages a network blip outlasts; now capped exponential waits
+    until one outage's waits would pass unreachable_give_up_s (30 min), each try said."""
+    import guardian
+    run = tmp_path / "run"
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--unreachable_backoff_s=0.01",
+                           "--unreachable_give_up_s=0.35", "--max_stuck_starts=100"])
+    started = stand_in_trainers(g, f"raise SystemExit({train_py.EXIT_UNREACHABLE})")
+    assert run_guardian(g) == train_py.EXIT_UNREACHABLE and len(started) == 5  # waits 0.02 + 0.04 + 0.08 + 0.16
+    err = capsys.readouterr().err
+    assert "restarting in 0.16 s (retry 4; 0.3 s of unreachable_give_up_s=0.35 waited)" in err, err
+    assert "storage unreachable 5 times" in json.load(open(run / "guardian.json"))["report"]["message"]
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run2'}"])  # the defaults
+    waits = []
+    while (w := g.retry_wait(len(waits) + 1, sum(waits))) is not None:
+        waits.append(w)
+    assert max(waits) == 60 and 1700 < sum(waits) <= 1800 and len(waits) > 25
+
+
+def test_a_failed_trainers_output_tail_is_kept_in_the_run_dir(tmp_path, capsys, monkeypatch):
+    """A crashed or hung trainer's stdout / stderr were on a console that may be gone: their tails go to
+    out_dir/guardian/crash-NNNN.log (the newest CRASH_LOGS_KEPT), and are still passed on as they come."""
+    import guardian
+    monkeypatch.setattr(guardian, "CRASH_LOGS_KEPT", 2)
+    monkeypatch.setattr(guardian, "TAIL_BYTES", 200)
+    run = tmp_path / "run"
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--max_stuck_starts=100"])
+    crash = "import sys; [print('line', i) for i in range(100)]; print('boom', file=sys.stderr); raise SystemExit(10)"
+    stand_in_trainers(g, crash, crash, crash, "raise SystemExit(0)")
+    assert run_guardian(g) == 0
+    assert sorted(os.listdir(run / "guardian")) == ["crash-0002.log", "crash-0003.log"]
+    text = (run / "guardian" / "crash-0003.log").read_text()
+    assert text.startswith("start 3: exit 10 (crash)") and "line 99" in text and "line 1\n" not in text
+    assert "boom" in text
+    log = json.load(open(run / "guardian.json"))
+    assert [s_.get("output_tail") for s_ in log["starts"]] == [f"guardian/crash-000{i}.log" for i in (1, 2, 3)] + [None]
+    out = capsys.readouterr()
+    assert out.out.count("line 99") == 3 and out.err.count("boom") == 3  # passed on as before
