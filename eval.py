@@ -1,9 +1,11 @@
 """
-Zero-shot evaluation with lm-evaluation-harness's task definitions, one scoring path for every model kind.
+Evaluation with lm-evaluation-harness's task definitions and default shots (gsm8k 5-shot, the others zero-shot), one
+scoring path for every model kind.
 
     python eval.py MODEL --tasks lambada_openai,piqa,winogrande,arc_easy,arc_challenge,openbookqa,hellaswag
     python eval.py MODEL --tasks piqa --limit 200 --out results/mymodel
-    python eval.py MODEL --tasks counting,gsm8k,passkey            # generation tasks (greedy)
+    python eval.py MODEL --tasks counting,gsm8k,passkey            # generation tasks (greedy; gsm8k 5-shot)
+    python eval.py MODEL --tasks gsm8k --num-fewshot 0             # gsm8k zero-shot (eval.py before --num-fewshot)
     python eval.py --compare results/a/summary.json results/b/summary.json
 
 MODEL is one of
@@ -19,7 +21,7 @@ MODEL is one of
 
 Tasks (lm-evaluation-harness v0.4.x definitions, checked against the installed lm-eval 0.4.13 task YAMLs):
   lambada_openai (acc = greedy match, perplexity), piqa, winogrande (acc), arc_easy, arc_challenge, openbookqa,
-  hellaswag (acc, acc_norm); generation (greedy): gsm8k (zero-shot, strict-match and flexible-extract
+  hellaswag (acc, acc_norm); generation (greedy): gsm8k (5-shot, strict-match and flexible-extract
   exact_match), counting (synthetic, seeded), passkey (synthetic retrieval at 4K, 8K, ... up to the model's
   context, reported per length as task "passkey@LEN").
 Scoring as the harness: request (context, " " + choice); continuation tokens = enc(ctx + cont)[len(enc(ctx)):],
@@ -27,6 +29,11 @@ with the context's trailing spaces moved into the continuation; inputs longer th
 on the left; acc = argmax of summed log-likelihood (first index on ties), acc_norm = argmax of log-likelihood /
 len(choice in characters); stderr of a mean = sample std / sqrt(n); lambada perplexity = exp(-mean ll) with the
 harness's bootstrap stderr (100000 resamples, chunk i drawn by random.Random(i), reproduced here with numpy).
+Shots (--num-fewshot N, default the harness's per task: its gsm8k YAML's 5, 0 for every other task here): the prompt
+strings the harness builds for the same split, seed and N. Its default sampler draws, for each scored example in order,
+random.Random(--seed, the harness's fewshot_random_seed 1234).sample(the train split, N); each shot is
+"Question: ...\nAnswer:" + " " + its answer + "\n\n" (target and fewshot delimiters), then the example's own prompt
+(gsm8k has no description). N > 0 is refused for the other tasks (eval.py builds only their zero-shot prompts).
 
 Speed (the scoring is exact, these only change what is computed together):
 - requests sorted by length and batched under a token budget, right-padded (causal models: padding after a
@@ -43,7 +50,8 @@ Data: downloaded from the Hub with huggingface_hub (the dataset's auto-converted
 reached later (offline, with a warning); or --data-dir DIR with one file per task in the Hub dataset's own schema:
 DIR/<task>.jsonl (one JSON object per line), DIR/<task>.json (a list), DIR/<task>.parquet, or a folder DIR/<task>/
 of such files (read in name order; where their names name splits, as a Hub snapshot's train-*, validation-*,
-test-* do, only the files of the split the task scores on the Hub).
+test-* do, only the files of the split the task scores on the Hub). Few-shot examples come from the train split:
+downloaded likewise, or DIR/<task>/ files whose names name it (DIR/gsm8k/train.jsonl; the Hub's 7473 rows).
 
 Generation never inherits sampling settings from a model: decoding is greedy with no repetition / presence /
 frequency penalty, by eval.py's own loop; if the model ships such settings they are printed as a loud warning
@@ -51,11 +59,12 @@ and recorded in summary.json as ignored.
 
 Outputs (--out DIR): <task>.jsonl per example (requests, per-choice log-likelihoods, prediction, gold, scores),
 summary.json {"results": {task: {metric, metric_stderr, "n"}}, "model", "harness_version", "seed", "dtype",
-"sampling", "tasks_done", ...} and results.md (a markdown table), both rewritten after every task so a failure
-later keeps the finished ones. An --out that already holds a summary of the same model scored the same way keeps its
-other tasks' results (rerun a failed task alone); one of another model or settings is refused. A diverged model's
-perplexity is inf, not an overflow. --compare prints several summaries side by side and marks
-each difference from the first column as within noise (~, |diff| <= 2 * sqrt(se_a^2 + se_b^2)) or not (*).
+"num_fewshot": {task: N}, "sampling", "tasks_done", ...} and results.md (a markdown table), both rewritten after every
+task so a failure later keeps the finished ones. An --out that already holds a summary of the same model scored the
+same way keeps its other tasks' results (rerun a failed task alone); one of another model or settings is refused.
+A diverged model's perplexity is inf, not an overflow. --compare prints several summaries side by side and marks
+each difference from the first column as within noise (~, |diff| <= 2 * sqrt(se_a^2 + se_b^2)) or not (*), and not
+at all (!) between other numbers of examples or of shots.
 """
 
 import argparse
@@ -260,6 +269,15 @@ SCORERS = {"gsm8k": gsm8k_scores, "counting": counting_scores, "passkey": passke
 # rows of each Hub split (the datasets' cards; lm-eval scores all of them): another count is a partial or other copy
 SPLIT_ROWS = {"lambada_openai": 5153, "piqa": 1838, "winogrande": 1267, "arc_easy": 2376, "arc_challenge": 1172,
               "openbookqa": 500, "hellaswag": 10042, "gsm8k": 1319}
+# tasks given few-shot prompts as the harness builds them: (its YAML's num_fewshot, its fewshot_split, that split's rows
+# on the Hub); every other task's YAML leaves num_fewshot unset (0 shots), the only count eval.py scores them with
+FEWSHOT = {"gsm8k": (5, "train", 7473)}
+TARGET_DELIMITER, FEWSHOT_DELIMITER = " ", "\n\n"  # the harness's TaskConfig defaults (gsm8k's YAML keeps them)
+
+
+def num_fewshot(task, args):
+    """--num-fewshot if given, else the harness's default for the task."""
+    return args.num_fewshot if args.num_fewshot is not None else FEWSHOT.get(task, (0,))[0]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -292,7 +310,17 @@ def names_split(path, split):
     return re.search(rf"(^|[/_\-.]){split}([/_\-.]|$)", path) is not None
 
 
-def local_task_rows(data_dir, task):
+def local_task_rows(data_dir, task, split=None):
+    """Rows of the split the task scores; another split (few-shot examples) only from the folder DIR/<task>/'s
+    files whose names name it (DIR/<task>.jsonl and unnamed files are the scored split)."""
+    if split not in (None, TASKS[task][1][2]):
+        folder = os.path.join(data_dir, task)
+        files = sorted(f for f in os.listdir(folder) if f.endswith(DATA_EXTS) and names_split(f, split)) \
+            if os.path.isdir(folder) else []
+        if not files:
+            raise EvalError(f"{data_dir}: no {split} split file for task {task}'s few-shot examples; add "
+                            f"{task}/{split}.jsonl there (the Hub dataset's {split} rows), or pass --num-fewshot 0")
+        return [r for f in files for r in read_rows(os.path.join(folder, f))]
     for ext in DATA_EXTS:
         p = os.path.join(data_dir, task + ext)
         if os.path.isfile(p):
@@ -315,12 +343,16 @@ def local_task_rows(data_dir, task):
                     f"{task}.parquet or a folder {task}/ of those there (or drop --data-dir to download)")
 
 
-def hub_task_rows(task, cache_dir):
-    """Download the task's split from the Hub (parquet) into cache_dir and read it. The files downloaded are listed
-    in cache_dir/picaflor_tasks/TASK.json: offline (or the Hub down), a later run reads them from there with a
-    warning (hf_hub_download finds a cached file offline, but the file listing before it is never cached)."""
-    repo, config, split = TASKS[task][1]
-    listing = os.path.join(cache_dir, "picaflor_tasks", f"{task}.json")
+def hub_task_rows(task, cache_dir, split=None):
+    """Download the task's split (or another: split) from the Hub (parquet) into cache_dir and read it. The files
+    downloaded are listed in cache_dir/picaflor_tasks/TASK[-SPLIT].json: offline (or the Hub down), a later run reads
+    them from there with a warning (hf_hub_download finds a cached file offline, but the file listing before it is
+    never cached)."""
+    repo, config, scored = TASKS[task][1]
+    split = split or scored
+    name = task if split == scored else f"{task}-{split}"
+    local = f"{task}.jsonl" if split == scored else f"{task}/{split}.jsonl"  # (the --data-dir file to write instead)
+    listing = os.path.join(cache_dir, "picaflor_tasks", f"{name}.json")
     try:
         from huggingface_hub import HfApi, hf_hub_download
         api = HfApi()
@@ -334,7 +366,7 @@ def hub_task_rows(task, cache_dir):
             files = [f for f in names if f.endswith(DATA_EXTS) and names_split(f, split)
                      and (config in (None, "default") or config in f.split("/")[0])]
         if not files:
-            raise EvalError(f"{repo}: no {split} split file found on the Hub; use --data-dir with {task}.jsonl")
+            raise EvalError(f"{repo}: no {split} split file found on the Hub; use --data-dir with {local}")
         paths = [hf_hub_download(repo, f, repo_type="dataset", revision=revision, cache_dir=cache_dir)
                  for f in sorted(files)]
     except EvalError:
@@ -344,7 +376,7 @@ def hub_task_rows(task, cache_dir):
         paths = cached_task_files(listing, repo)
         if paths is None:
             raise EvalError(f"cannot download {repo} for task {task} ({msg}); check the network or use "
-                            f"--data-dir DIR with DIR/{task}.jsonl") from None
+                            f"--data-dir DIR with DIR/{local}") from None
         print(f"warning: cannot reach {repo} ({msg[:120]}); task {task} reads the copy downloaded into "
               f"{cache_dir} earlier", file=sys.stderr)
         return [r for p in paths for r in read_rows(p)]
@@ -382,18 +414,45 @@ def task_docs(task, lm, args):
         repo, _, split = TASKS[task][1]
         print(f"warning: task {task}: {len(rows)} examples, but {repo}'s {split} split has {SPLIT_ROWS[task]}: a "
               f"partial or other copy; its scores are not comparable with published ones", file=sys.stderr)
-    rows = rows[:limit] if limit else rows
+    docs = build_docs(task, rows[:limit] if limit else rows, "example")
+    if num_fewshot(task, args):
+        add_fewshot(task, docs, num_fewshot(task, args), args)
+    return docs
+
+
+def build_docs(task, rows, what):
     build = TASKS[task][2]
     docs = []
     for i, row in enumerate(rows):
         try:
             docs.append(build(row))
         except EvalError as e:
-            raise EvalError(f"task {task}: example {i}: {e}") from None
+            raise EvalError(f"task {task}: {what} {i}: {e}") from None
         except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
-            raise EvalError(f"task {task}: example {i} does not have the dataset's schema ({type(e).__name__}: "
+            raise EvalError(f"task {task}: {what} {i} does not have the dataset's schema ({type(e).__name__}: "
                             f"{e}); the data file must hold the Hub dataset's own fields") from None
     return docs
+
+
+def add_fewshot(task, docs, n, args):
+    """The harness's few-shot prompts (ConfigurableTask.fewshot_context with the default ContextSampler): one
+    random.Random(fewshot seed) per task draws rnd.sample(fewshot split rows, n) for each example in order; each shot
+    is its prompt + target_delimiter + its target + fewshot_delimiter, before the example's own prompt (no
+    description; the eval doc is excluded only when the fewshot split is the scored one, never here)."""
+    _, split, hub_rows = FEWSHOT[task]
+    rows = local_task_rows(args.data_dir, task, split) if args.data_dir else hub_task_rows(task, args.cache_dir, split)
+    if len(rows) != hub_rows:  # other rows to draw from: other shots than the harness's
+        print(f"warning: task {task}: {len(rows)} {split} examples for the few-shot prompts, but the Hub's {split} "
+              f"split has {hub_rows}: other shots than the harness's; scores not comparable with published ones",
+              file=sys.stderr)
+    if len(rows) < n:  # (random.sample's ValueError)
+        raise EvalError(f"task {task}: --num-fewshot {n}, but its {split} split has only {len(rows)} examples; "
+                        f"pass --num-fewshot {len(rows)} or fewer, or the full {split} split")
+    shots = build_docs(task, rows, f"{split} example")
+    rnd = random.Random(args.seed)
+    for d in docs:
+        d["prompt"] = "".join(s["prompt"] + TARGET_DELIMITER + s["target"] + FEWSHOT_DELIMITER
+                              for s in rnd.sample(shots, n)) + d["prompt"]
 
 
 def passkey_lengths(lm, spec):
@@ -1036,9 +1095,11 @@ def compare(paths):
                 continue
             cell = f"{fmt(v)} ± {fmt(se)}" if se is not None else fmt(v)
             if col == 0:  # the first column is the reference: a row it lacks is compared against nothing
-                ref = (v, se, res.get("n"))
+                ref = (v, se, res.get("n"), summary_fewshot(s, task))
             elif ref is not None and res.get("n") != ref[2]:  # other examples (--limit, other data): no verdict
                 cell += f" (n={res.get('n')} vs {ref[2]} !)"
+            elif ref is not None and summary_fewshot(s, task) != ref[3]:  # other prompts (0- vs 5-shot gsm8k): none
+                cell += f" ({summary_fewshot(s, task)}-shot vs {ref[3]}-shot !)"
             elif ref is not None and ref[1] is not None and se is not None:
                 noise = 2 * math.sqrt(ref[1] ** 2 + se ** 2)
                 cell += f" ({v - ref[0]:+.4f} {'~' if abs(v - ref[0]) <= noise else '*'})"
@@ -1046,16 +1107,18 @@ def compare(paths):
         lines.append(f"| {task} | {m} | " + " | ".join(cells) + " |")
     lines.append("\n~ = difference from the first column within noise (|diff| <= 2 * sqrt(se1^2 + se2^2)); "
                  "* = outside it; ! = scored on another number of examples than the first column (--limit, other "
-                 "data): not compared; a row without a first-column value is not compared")
+                 "data) or with other few-shot prompts: not compared; a row without a first-column value is not "
+                 "compared")
     for name, s, p in zip(names, sums, paths):  # what each column scored (a run dir's name says neither step nor data)
+        shots = ", ".join(f"{t} {summary_fewshot(s, t)}" for t in s["results"])
         lines.append(f"- {name}: {p}: {s.get('model_source', '?')}, data {s.get('data', '?')}, "
-                     f"dtype {s.get('dtype', '?')}, limit {s.get('limit')}")
+                     f"dtype {s.get('dtype', '?')}, limit {s.get('limit')}, shots: {shots}")
     return "\n".join(lines)
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description="Zero-shot evaluation with lm-evaluation-harness task definitions "
-                                 "(see the header of eval.py).")
+    ap = argparse.ArgumentParser(description="Evaluation with lm-evaluation-harness task definitions and its default "
+                                 "shots (gsm8k 5-shot, the others zero-shot; see the header of eval.py).")
     ap.add_argument("model", nargs="?", help="picaflor checkpoint/run dir, int4 container, HF model dir or repo id")
     ap.add_argument("--tasks", default="lambada_openai,piqa,winogrande,arc_easy,arc_challenge,openbookqa,hellaswag",
                     help=f"comma-separated, from: {', '.join(TASKS)}")
@@ -1078,7 +1141,13 @@ def parse_args(argv):
                     help="max sequences per forward; for choices sharing a context: max questions per batch "
                     "(all their choices run on the shared context's cache, bounded by --max-batch-tokens)")
     ap.add_argument("--max-batch-tokens", type=int, default=32768, help="token budget per batched forward")
-    ap.add_argument("--seed", type=int, default=1234, help="for the synthetic tasks (counting, passkey)")
+    ap.add_argument("--seed", type=int, default=1234, help="for the synthetic tasks (counting, passkey) and the "
+                    "few-shot sampler (the harness's fewshot_random_seed, default 1234)")
+    ap.add_argument("--num-fewshot", type=int, default=None,
+                    help=f"few-shot examples per prompt (default: the harness's per task: "
+                    f"{', '.join(f'{t} {v[0]}' for t, v in FEWSHOT.items())}, the others 0); N > 0 only for "
+                    f"{', '.join(FEWSHOT)}, drawn from its {'/'.join(sorted({v[1] for v in FEWSHOT.values()}))} split "
+                    f"(--data-dir: DIR/<task>/train.jsonl)")
     ap.add_argument("--passkey-lengths", default=None, help="e.g. 4096,8192 (default: 4K doubling to the context)")
     ap.add_argument("--passkey-n", type=int, default=10, help="passkey examples per length")
     ap.add_argument("--max-gen-toks", type=int, default=None,
@@ -1088,7 +1157,8 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-SAME_EVALUATION = ("model_source", "data", "dtype", "limit", "max_gen_toks", "harness_version", "num_fewshot")
+# (num_fewshot is per task: a task rerun with other shots replaces its own results only)
+SAME_EVALUATION = ("model_source", "data", "dtype", "limit", "max_gen_toks", "harness_version")
 
 
 def keep_earlier_results(out, summary, tasks):
@@ -1113,8 +1183,15 @@ def keep_earlier_results(out, summary, tasks):
     summary["results"] = {n: r for n, r in (earlier.get("results") or {}).items()
                           if any(n == t or n.startswith(t + "@") for t in kept)}
     summary["seconds"] = {t: (earlier.get("seconds") or {}).get(t) for t in kept}
+    summary["num_fewshot"] = {t: summary_fewshot(earlier, t) for t in kept}
     if kept:
         print(f"--out {out}: keeping the earlier results of {', '.join(kept)} (the same model, scored the same way)")
+
+
+def summary_fewshot(summary, task):
+    """A task's shots in a summary: {task: N} (an earlier eval.py wrote one 0 for every task, or nothing)."""
+    v = summary.get("num_fewshot", 0)
+    return v.get(task.split("@")[0], 0) if isinstance(v, dict) else v
 
 
 def evaluate(args):
@@ -1132,6 +1209,13 @@ def evaluate(args):
         raise EvalError(f"{args.out}: exists and is not a folder; pass --out DIR")
     if problem := picaflor.device_problem(args.device):
         raise EvalError(f"--device {args.device}: {problem}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise EvalError(f"--num-fewshot {args.num_fewshot}: 0 or more (leave it out for each task's harness default)")
+    zero_only = [t for t in tasks if t not in FEWSHOT]
+    if args.num_fewshot and zero_only:
+        raise EvalError(f"--num-fewshot {args.num_fewshot}: task {zero_only[0]} is scored zero-shot only (the "
+                        f"harness's default for it); few-shot prompts are built for {', '.join(FEWSHOT)}: run "
+                        f"{zero_only[0]} in a call without --num-fewshot")
     if args.passkey_lengths is not None:
         try:
             [int(x) for x in args.passkey_lengths.split(",")]  # as passkey_lengths() parses it
@@ -1144,7 +1228,7 @@ def evaluate(args):
                "model_source": getattr(lm, "source", os.path.abspath(args.model)),
                "data": os.path.abspath(args.data_dir) if args.data_dir else "hub", "harness_version": HARNESS_VERSION,
                "seed": args.seed, "dtype": lm.dtype, "device": str(args.device), "max_length": lm.max_length,
-               "num_fewshot": 0, "limit": args.limit, "bootstrap_iters": args.bootstrap_iters,
+               "num_fewshot": {}, "limit": args.limit, "bootstrap_iters": args.bootstrap_iters,
                "logprob_dtype": "float32",  # log-softmax and sums in fp32 whatever the model's dtype (the harness: its)
                "max_gen_toks": args.max_gen_toks,
                "sampling": {"method": "greedy", "temperature": 0.0, "repetition_penalty": 1.0,
@@ -1164,9 +1248,10 @@ def evaluate(args):
         docs, results, seconds = run_task(lm, task, args)
         summary["results"].update(results)
         summary["seconds"][task] = round(seconds, 3)
+        summary["num_fewshot"][task] = num_fewshot(task, args)
         for name, res in results.items():
             shown = ", ".join(f"{m} {fmt(v)}" for m, v in res.items() if not m.endswith("_stderr") and m != "n")
-            print(f"{name}: {shown} (n={res['n']}, {seconds:.1f}s)", flush=True)
+            print(f"{name}: {shown} (n={res['n']}, {num_fewshot(task, args)}-shot, {seconds:.1f}s)", flush=True)
         if args.out:  # after every task: a later task's failure (its data, a download, Ctrl-C) loses none of these
             # each file whole or not at all (a crash mid-rewrite truncated summary.json, losing the finished tasks)
             try:

@@ -139,12 +139,13 @@ def write_task_data(data_dir, tasks, n, seed=0):
 HARNESS_TASK_FILES = {"lambada_openai": "lambada/lambada_openai.yaml", "piqa": "piqa/piqa.yaml",
                       "winogrande": "winogrande/default.yaml", "arc_easy": "arc/arc_easy.yaml",
                       "arc_challenge": "arc/arc_easy.yaml", "openbookqa": "openbookqa/openbookqa.yaml",
-                      "hellaswag": "hellaswag/hellaswag.yaml"}
+                      "hellaswag": "hellaswag/hellaswag.yaml", "gsm8k": "gsm8k/gsm8k.yaml"}
 
 
-def write_lm_eval_tasks(yaml_dir, data_dir, tasks):
+def write_lm_eval_tasks(yaml_dir, data_dir, tasks, split_files=None):
     """lm-eval task YAMLs, include-free: the installed harness's own YAML text for each task with the dataset
-    source replaced by DATA_DIR/<task>.jsonl (and its helper .py files copied beside, for `!function`)."""
+    source replaced by DATA_DIR/<task>.jsonl, or by split_files {split: path} (few-shot: a train split of its own),
+    and its helper .py files copied beside, for `!function`."""
     import lm_eval
     root = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
     os.makedirs(yaml_dir, exist_ok=True)
@@ -168,8 +169,8 @@ def write_lm_eval_tasks(yaml_dir, data_dir, tasks):
             lines.append(line)
         path = os.path.abspath(os.path.join(data_dir, f"{t}.jsonl"))
         # every split the YAML names points at the one file (the evaluated split is then our data whichever it is)
-        lines += ["dataset_path: json", "dataset_kwargs:", "  data_files:"] + [f"    {s}: {path}" for s in
-                                                                                ("train", "validation", "test")]
+        files = split_files or {s: path for s in ("train", "validation", "test")}
+        lines += ["dataset_path: json", "dataset_kwargs:", "  data_files:"] + [f"    {s}: {p}" for s, p in files.items()]
         with open(os.path.join(yaml_dir, f"{t}.yaml"), "w") as f:
             f.write("\n".join(lines) + "\n")
     return yaml_dir

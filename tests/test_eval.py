@@ -201,7 +201,7 @@ def test_generation_ignores_shipped_repetition_penalty(hf_setup, tmp_path, capsy
     outs = {}
     for name, d in (("clean", clean), ("penal", penal)):
         assert ev.main([d, "--tasks", "counting,gsm8k", "--limit", "3", "--max-gen-toks", "24", "--data-dir", data_dir, "--device", "cpu",
-                        "--out", str(tmp_path / f"out_{name}")]) == 0
+                        "--num-fewshot", "0", "--out", str(tmp_path / f"out_{name}")]) == 0
         outs[name] = {t: [json.loads(x) for x in (tmp_path / f"out_{name}" / f"{t}.jsonl").read_text().splitlines()]
                       for t in ("counting", "gsm8k")}
     err = capsys.readouterr().err
@@ -336,12 +336,14 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
               (["--compare", str(listed)], "not an eval.py summary.json"),
               (["--compare", str(worded)], "is not a number"),
               (["--compare", str(bare)], "is not a dict of metrics"),
-              ([model_dir, "--tasks", "gsm8k", "--data-dir", str(numeric)], "does not have the dataset's schema"),
+              ([model_dir, "--tasks", "gsm8k", "--data-dir", str(numeric), "--num-fewshot", "0"],
+               "does not have the dataset's schema"),
               ([model_dir, "--tasks", "gsm8k", "--max-gen-toks", "0"], "--max-gen-toks 0: at least 1"),
               ([str(broken), "--tasks", "piqa", "--data-dir", data_dir], "cannot load as a transformers model"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--device", "gpu"], "--device gpu: use cpu, cuda or cuda:N"),
               # the prompt was cut to its last token to make room for 256 new ones: scores of nothing
-              ([model_dir, "--tasks", "gsm8k", "--data-dir", data_dir, "--max-gen-toks", "100000"], "leaves no room"),
+              ([model_dir, "--tasks", "gsm8k", "--data-dir", data_dir, "--max-gen-toks", "100000", "--num-fewshot", "0"],
+               "leaves no room"),
               ([model_dir, "--tasks", ",", "--data-dir", data_dir], "no task named"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(afile / "sub")], "cannot write")]
     if not torch.cuda.is_available():  # a pin_memory traceback
@@ -665,3 +667,86 @@ def test_ctrl_c_is_one_line_naming_the_tasks_left(hf_setup, tmp_path, capsys, mo
                     "--limit", "2"]) == 130  # none finished: nothing to go on from
     assert [line for line in capsys.readouterr().err.strip().splitlines()
             if not line.startswith("warning: task")] == ["interrupted"]
+
+
+def write_gsm8k_splits(root, n_train, n_test):
+    """ROOT/gsm8k/{train,test}.jsonl in the Hub schema (eval.py's --data-dir folder of a task's splits)."""
+    files = {}
+    for split, n, seed in (("train", n_train, 1), ("test", n_test, 2)):
+        path = root / "gsm8k" / f"{split}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in es.task_rows("gsm8k", n, seed=seed)))
+        files[split] = str(path)
+    return files
+
+
+def test_gsm8k_fewshot_prompts_are_the_harness_s(tmp_path):
+    """gsm8k was scored zero-shot while the harness's gsm8k YAML says 5-shot: picaflor's figure was not comparable
+    with published ones. Now its prompts for the default (5), 0 and another N and seed are lm-eval's own strings
+    for the same test docs, train split and fewshot seed."""
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+
+    class NoModel(LM):  # lm-eval's requests are all this test reads
+        def loglikelihood(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+        def generate_until(self, requests, disable_tqdm=False):
+            return ["" for _ in requests]
+    files = write_gsm8k_splits(tmp_path / "data", 12, 4)
+    tm = TaskManager(include_path=es.write_lm_eval_tasks(str(tmp_path / "tasks"), str(tmp_path / "data"), ["gsm8k"], files),
+                     include_defaults=False)
+    for n, seed in ((None, 1234), (0, 1234), (3, 7)):
+        ref = lm_eval.simple_evaluate(model=NoModel(), tasks=["gsm8k"], num_fewshot=n, task_manager=tm, log_samples=True,
+                                      bootstrap_iters=0, fewshot_random_seed=seed)
+        by_id = {s["doc_id"]: s["arguments"][0][0] for s in ref["samples"]["gsm8k"]}  # (a sample per filter)
+        want = [by_id[i] for i in range(len(by_id))]
+        argv = ["m", "--data-dir", str(tmp_path / "data"), "--seed", str(seed)]
+        got = [d["prompt"] for d in ev.task_docs("gsm8k", None, ev.parse_args(argv + (["--num-fewshot", str(n)]
+                                                                                       if n is not None else [])))]
+        assert got == want, (n, seed)
+        assert all(p.count("Question: ") == (5 if n is None else n) + 1 for p in got)
+    test = [json.loads(x) for x in open(files["test"])]
+    got0 = ev.task_docs("gsm8k", None, ev.parse_args(argv + ["--num-fewshot", "0"]))
+    assert [d["prompt"] for d in got0] == [f"Question: {r['question']}\nAnswer:" for r in test]  # 0-shot unchanged
+
+
+def test_num_fewshot_errors_and_summary(hf_setup, tmp_path, capsys):
+    """--num-fewshot: one-line errors (a task scored zero-shot only, no train split, too few train rows, N < 0);
+    summary.json records each task's shots, kept per task across reruns into one --out; --compare gives no verdict
+    between 0- and 5-shot gsm8k."""
+    _, model_dir, data_dir, _ = hf_setup
+    write_gsm8k_splits(tmp_path / "few", 3, 2)
+    cases = [([model_dir, "--tasks", "gsm8k,piqa", "--num-fewshot", "2", "--data-dir", data_dir],
+              "--num-fewshot 2: task piqa is scored zero-shot only"),
+             ([model_dir, "--tasks", "gsm8k", "--num-fewshot", "-1"], "--num-fewshot -1: 0 or more"),
+             ([model_dir, "--tasks", "gsm8k", "--data-dir", data_dir],
+              f"{data_dir}: no train split file for task gsm8k's few-shot examples; add gsm8k/train.jsonl there"),
+             ([model_dir, "--tasks", "gsm8k", "--data-dir", str(tmp_path / "few")],
+              "task gsm8k: --num-fewshot 5, but its train split has only 3 examples")]
+    for argv, msg in cases:
+        assert ev.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and msg in errors[0] and err.endswith(errors[0]) and "Traceback" not in err, err
+    few = str(tmp_path / "few")
+    out, out0 = str(tmp_path / "out"), str(tmp_path / "out0")
+    common = [model_dir, "--data-dir", few, "--device", "cpu", "--max-gen-toks", "4", "--limit", "2"]
+    assert ev.main(common + ["--tasks", "gsm8k", "--num-fewshot", "3", "--out", out]) == 0
+    assert "3-shot" in capsys.readouterr().out
+    assert ev.main(common + ["--tasks", "counting", "--out", out]) == 0  # gsm8k's kept, and its shots
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["num_fewshot"] == {"gsm8k": 3, "counting": 0} and set(summary["results"]) == {"gsm8k", "counting"}
+    prompts = [json.loads(x)["prompt"] for x in open(os.path.join(out, "gsm8k.jsonl"))]
+    assert all(p.count("Question: ") == 4 for p in prompts)
+    assert ev.main(common + ["--tasks", "gsm8k", "--num-fewshot", "0", "--out", out0]) == 0
+    capsys.readouterr()
+    assert ev.main(["--compare", os.path.join(out, "summary.json"), os.path.join(out0, "summary.json")]) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("| gsm8k | exact_match_strict |"))
+    assert "(0-shot vs 3-shot !)" in row and "~" not in row and "*" not in row, row
+    assert "shots: gsm8k 3, counting 0" in table and "shots: gsm8k 0" in table
