@@ -111,6 +111,9 @@ class Guardian:
         self.argv = argv
         g = {k: getattr(train, k) for k in train._CONFIG_KEYS}
         configurator.configure(g, train.split_flags(argv)[1])  # --replan, --mirror DIR go to the trainer as given
+        for k in ("unreachable_backoff_s", "unreachable_give_up_s", "stop_grace_s"):  # (a 0 backoff never gave up)
+            if isinstance(g[k], bool) or not isinstance(g[k], (int, float)) or not g[k] > 0:
+                raise configurator.ConfigError(f"--{k}={g[k]!r}: must be a number of seconds > 0")
         self.cfg = g
         self.out = g["out_dir"]
         self.path = os.path.join(self.out, "guardian.json")
@@ -134,7 +137,9 @@ class Guardian:
         self.child = None
         self.stopping = False
         self.t_stop = None  # when the first stop signal came (the trainer's stop_grace_s counts from it)
-        self.released = set()  # shards release_fixed brought back: the checkpoint's quarantine holds them too
+        # shards release_fixed brought back (this invocation or an earlier one: the checkpoint saved before the
+        # release still lists them, and its quarantine held them until --release_shards said otherwise)
+        self.released = {r["shard"] for r in self.log["repairs"] if str(r.get("action", "")).startswith("released: ")}
         self.save_failed = False
         self.woken = threading.Event()  # set by a signal: cuts a backoff or a re-fetch wait short
         self.n_started, self.first_step, self.t_first = 0, None, None  # this invocation's first start
@@ -255,7 +260,7 @@ class Guardian:
 
     def retry_wait(self, tries, waited):
         """The wait before retry `tries` of one outage that has waited `waited` s, or None once it would pass
-        unreachable_give_up_s (3 retries, ~70 s, gave up on outages a network blip outlasts)."""
+        unreachable_give_up_s (it once gave up after 3 retries, ~70 s: outages a network blip outlasts)."""
         wait = self.backoff(tries)
         return None if waited + wait > float(self.cfg["unreachable_give_up_s"]) else wait
 
@@ -488,7 +493,7 @@ class Guardian:
                     continue  # (stopped by a signal while re-fetching: the loop's top says so)
                 if verdict is not None:
                     return self.stop(*verdict)
-            # unreachable storage has its own retries above (counted as stuck, its 4th try never came)
+            # unreachable storage has its own retries above (counted as stuck, its give-up never came)
             no_progress = [] if progressed else no_progress if rc == train.EXIT_UNREACHABLE else no_progress + [cause]
             if len(no_progress) >= self.cfg["max_stuck_starts"]:
                 helped = self.on_stuck(no_progress)
@@ -530,8 +535,10 @@ class Guardian:
                 f.write(f"start {n}: exit {rc} ({cause}) at {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
                 for stream, tail in tails.items():
                     f.write(f"--- {stream}, its last {len(tail)} bytes ---\n".encode() + bytes(tail) + b"\n")
-            old = sorted(x for x in os.listdir(d) if x.startswith("crash-") and x.endswith(".log"))
-            for x in old[:-CRASH_LOGS_KEPT]:
+            # the oldest by time, not by name: numbering restarts with a fresh guardian.json (crash-0001 sorted first)
+            old = sorted((os.stat(os.path.join(d, x)).st_mtime_ns, x) for x in os.listdir(d)
+                         if x.startswith("crash-") and x.endswith(".log") and x != os.path.basename(name))
+            for _, x in old[:max(0, len(old) - (CRASH_LOGS_KEPT - 1))]:
                 os.remove(os.path.join(d, x))
         except OSError as e:  # (a full disk: the trainer's own crash report says the cause)
             self.say(f"warning: cannot write {os.path.join(self.out, name)} ({e.strerror or e})")
@@ -577,7 +584,7 @@ def shard_fingerprint(corpus_dir, file, index=None):
             st = os.stat(os.path.join(corpus_dir, name)) if name else None
         except OSError:
             st = None
-        fp["files"].append([st.st_size, st.st_mtime_ns, st.st_ino] if st else None)
+        fp["files"].append([st.st_size, st.st_mtime_ns] if st else None)  # (no inode: a FUSE remount renumbers)
     return fp
 
 
@@ -597,7 +604,7 @@ def pump(src, stream, tail):
             else:
                 out.write(chunk.decode(errors="replace"))
             out.flush()
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):  # (a closed stdout is None: the pipe is still drained)
             pass
     src.close()
 

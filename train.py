@@ -113,7 +113,8 @@ on_stuck = ""                # guardian: shell command run when max_stuck_starts
 max_stuck_starts = 3
 unreachable_backoff_s = 5.0  # guardian: storage unreachable -> wait 2x, 4x, 8x ... this (<= 60 s) between retries
 unreachable_give_up_s = 1800.0  # guardian: ... until one outage's waits would pass this, then stop with exit 5
-stop_grace_s = 300.0         # guardian: a trainer not out this long after a stop signal is SIGKILLed (its save too)
+stop_grace_s = 3600.0        # guardian: a trainer not out this long after a stop signal is SIGKILLed (past hang_timeout:
+                             # a save or mirror copy of a big checkpoint, ticking the watchdog, takes minutes)
 max_restarts = 20           # guardian: restarts after starts that made no new checkpoint, per invocation
 lock_wait_s = 600.0         # a second trainer on this out_dir waits this long for the first to exit, then errors
 sample_tokens = 64           # sample printed at the end (0: none)
@@ -807,6 +808,8 @@ def main(argv):
     masked = sorted(c for c in corpora if indexes[c].get("loss_mask"))
     if cfg["doc_mask"] and masked:
         doc_bos = shards.load_corpus_tokenizer(os.path.join(cfg["data_root"], masked[0]), indexes[masked[0]]).bos_id
+        log(f"doc_mask: each conversation packed in {', '.join(masked)}'s rows attends only to itself "
+            f"(--doc_mask=False: to the whole row)")
     idle_positions = {}  # a corpus a --replan dropped keeps its place: a later plan that brings it back goes on from there
     if state is not None:
         saved_splits = state.get("data_split_sha") or {}
@@ -1075,24 +1078,28 @@ def main(argv):
             parts_xy = []
             for c, rows in sorted(rows_per_stream(stage["mix"], cfg["batch_size"], micro_index).items()):
                 if rows:
-                    parts_xy.append(streams[c].next_batch(rows, T, rank, world))
-            batches.append((torch.cat([p[0] for p in parts_xy]).to(device), torch.cat([p[1] for p in parts_xy]).to(device)))
+                    parts_xy.append((*streams[c].next_batch(rows, T, rank, world), streams[c].has_mask))
+            x = torch.cat([p[0] for p in parts_xy])
+            docs = None  # doc_mask: rows of loss-masked corpora attend within their conversation; the others as ever
+            if doc_bos is not None and any(p[2] for p in parts_xy):
+                docs = torch.cat([(p[0] == doc_bos).cumsum(1) if p[2] else torch.zeros_like(p[0]) for p in parts_xy])
+                docs = docs.to(device)
+            batches.append((x.to(device), torch.cat([p[1] for p in parts_xy]).to(device), docs))
         # loss-masked data (SFT): every target token of the step weighs the same, whatever micro-step or rank it is in
         # (each micro-step's mean weighed equally made the gradient depend on batch_size x grad_accum x world: the
         # gradient-accumulation bug of transformers' Trainer, 2024); unmasked data keeps the plain mean, bit for bit
         n_targets = None  # the step's target tokens, over every micro-step and rank
         if any(streams[c].has_mask for c in stage["mix"]):
-            counts = [(y != -1).sum() for _, y in batches]
+            counts = [(y != -1).sum() for _, y, _ in batches]
             n_targets = torch.stack(counts).sum().to(torch.float32)
             if ddp:
                 dist.all_reduce(n_targets)
             n_targets = n_targets.clamp(min=1.0)
-        docs_masked = doc_bos is not None and any(streams[c].has_mask for c in stage["mix"])
-        for micro, (x, y) in enumerate(batches):
+        for micro, (x, y, docs) in enumerate(batches):
             sync = (not ddp) or micro == cfg["grad_accum"] - 1
             with (model.no_sync() if ddp and not sync else nullcontext()):
                 with autocast:
-                    _, loss = model(x, y, doc_ids=(x == doc_bos).cumsum(1) if docs_masked else None)
+                    _, loss = model(x, y, doc_ids=docs)
                 if n_targets is None:
                     (loss / cfg["grad_accum"]).backward()
                 else:  # the model's loss is its own rows' mean: back to their sum, over the step's targets (DDP averages)

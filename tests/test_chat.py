@@ -696,6 +696,34 @@ def test_packed_conversations_attend_only_to_themselves(tok, corpus, tmp_path):
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         logged = [json.loads(line) for line in open(out / "metrics.jsonl") if '"loss"' in line][0]["loss"]
         assert abs(logged - want[doc_mask]) < 1e-4, (doc_mask, logged, want)
+    # a stage mixing it with plain text (replay): only the SFT rows are split by conversation, the text rows stay causal
+    src = tmp_path / "text"
+    src.mkdir()
+    for i in range(40):
+        (src / f"doc{i}.txt").write_text(f"hello world the quick fox {i % 7}")
+    r = subprocess.run([sys.executable, "data/local/prepare.py", "--src", str(src), "--tokenizer", tok.path,
+                        "--val-percent", "0", "--out", str(corpus[0].parent / "text")], cwd=REPO, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    xs, ys, ds = [], [], []
+    for c, rows in sorted({"pp": 4, "text": 4}.items()):  # (train.py: each stream's rows in corpus order)
+        x, y = shards.TokenStream(str(corpus[0].parent / c), "train").next_batch(rows, ROW)
+        xs, ys, ds = xs + [x], ys + [y], ds + [(x == tok.bos_id).cumsum(1) if c == "pp" else torch.zeros_like(x)]
+    x, y, d = torch.cat(xs), torch.cat(ys), torch.cat(ds)
+    assert ((xs[1] == tok.bos_id).sum(1) > 1).any()  # a text row holds more than one document: the mask would matter
+    with torch.no_grad():
+        want = float(m(x, y, doc_ids=d)[1])
+        assert abs(want - float(m(x, y, doc_ids=(x == tok.bos_id).cumsum(1))[1])) > 1e-4
+    out = tmp_path / "run_mix"
+    r = subprocess.run([sys.executable, "train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
+                        f"--data_root={corpus[0].parent}", f"--out_dir={out}", f"--seq_len={ROW}", "--batch_size=8",
+                        "--stages=" + json.dumps([{"name": "mix", "steps": 1, "lr_phase": "stable",
+                                                   "mix": {"pp": 0.5, "text": 0.5}}]),
+                        "--eval_interval=100", "--log_interval=1", "--sample_tokens=0"], cwd=REPO,
+                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    logged = [json.loads(line) for line in open(out / "metrics.jsonl") if '"loss"' in line][0]["loss"]
+    assert abs(logged - want) < 1e-4, (logged, want)
 
 
 def test_a_missing_or_short_loss_mask_is_found_when_the_stream_opens(corpus, tmp_path):

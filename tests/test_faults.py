@@ -92,7 +92,7 @@ def test_zeroed_page_is_refetched_from_source(data_root, tmp_path):
 def test_storage_fault_is_not_corrupt_data(data_root, tmp_path, status, fails, code, cause):
     """A shard is corrupt and its re-fetch meets the Hub refusing (403: credentials or billing, exit 4) or failing
     (a 5xx: unreachable): the guardian stops with that cause, not "corrupt data", and says what to check; an
-    unreachable Hub is retried with backoff first (3 retries, then exit 5), so a blip only delays the repair and the
+    unreachable Hub is retried with backoff first (until unreachable_give_up_s, then exit 5), so a blip only delays the repair and the
     run finishes. 520 (a proxy's "unknown error") because huggingface_hub retries a 503 itself for ~23 s first."""
     from hub_server import FakeHub
     import pyarrow as pa
@@ -863,7 +863,7 @@ def test_only_the_same_checkpoint_comes_back_from_the_mirror(data_root, tmp_path
 @pytest.mark.parametrize("blips, extra, code, said", [
     # three outages, each after new checkpoints, with max_restarts=2: restarts that made progress are not counted
     ("3,6,9", ["--ckpt_interval=1", "--max_restarts=2"], 0, None),
-    # outages with no checkpoint between them: the 3 retries (4 tries) come before the stuck check (it stopped at 3)
+    # outages with no checkpoint between them: the retries (up to unreachable_give_up_s) come before the stuck check
     ("0,1,2,3,4", ["--ckpt_interval=1000", "--warmup_iters=5"], 5, "storage unreachable 4 times"),
     # two outages with no checkpoint between, max_restarts=1: outages have their own retries, not max_restarts'
     ("0,1", ["--ckpt_interval=1000", "--max_restarts=1"], 0, None),
@@ -1192,3 +1192,34 @@ def test_a_failed_trainers_output_tail_is_kept_in_the_run_dir(tmp_path, capsys, 
     assert [s_.get("output_tail") for s_ in log["starts"]] == [f"guardian/crash-000{i}.log" for i in (1, 2, 3)] + [None]
     out = capsys.readouterr()
     assert out.out.count("line 99") == 3 and out.err.count("boom") == 3  # passed on as before
+
+
+def test_guardian_review_round_closed_stdout_zero_backoff_and_restarted_numbering(tmp_path, monkeypatch):
+    """Review of the output pipes and retries: with the guardian's stdout closed (sys.stdout None) its pump thread died
+    on None.write and the trainer blocked on a full pipe; --unreachable_backoff_s=0 never gave up (waits of 0 s add
+    up to nothing); a fresh guardian.json's crash-0001.log sorted before older logs and was pruned as it was written."""
+    import subprocess
+    import threading
+    import guardian
+    child = subprocess.Popen([sys.executable, "-c", "[print('x' * 100) for _ in range(3000)]"], stdout=subprocess.PIPE)
+    monkeypatch.setattr(sys, "stdout", None)
+    tail = bytearray()
+    t = threading.Thread(target=guardian.pump, args=(child.stdout, "stdout", tail), daemon=True)
+    t.start()
+    assert child.wait(timeout=20) == 0  # 300 KB through a 64 KB pipe: drained though nothing can be shown
+    t.join(5)
+    monkeypatch.undo()
+    assert not t.is_alive() and tail.endswith(b"x" * 100 + b"\n")
+    for bad in ("--unreachable_backoff_s=0", "--unreachable_give_up_s=-1", "--stop_grace_s=0"):
+        with pytest.raises(guardian.configurator.ConfigError, match=bad.split("=")[0][2:] + ".*> 0"):
+            guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", bad])
+    assert guardian.supervise(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--unreachable_backoff_s=0"]) == 2
+    monkeypatch.setattr(guardian, "CRASH_LOGS_KEPT", 3)
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}"])
+    os.makedirs(tmp_path / "run" / "guardian")
+    for n in (30, 31, 32):
+        (tmp_path / "run" / "guardian" / f"crash-{n:04d}.log").write_text("old")
+        os.utime(tmp_path / "run" / "guardian" / f"crash-{n:04d}.log", (n, n))
+    assert g.keep_crash_log(1, 10, "crash", {"stdout": bytearray(b"a"), "stderr": bytearray()}) == os.path.join(
+        "guardian", "crash-0001.log")
+    assert sorted(os.listdir(tmp_path / "run" / "guardian")) == ["crash-0001.log", "crash-0031.log", "crash-0032.log"]
