@@ -50,9 +50,9 @@ progress (huggingface_hub's client waits forever), as a Transient. A failed uplo
 the lease and names the `push` / `release` that finish it. A heartbeat that found the lease overdue (the store too
 slow, nobody else's commit seen) stops the trainer and still pushes: the compare-and-swap decides. A renewal's
 write_id is recorded in LEASE.json before it is sent, as a push's is, so one whose answer was lost is recognised
-as ours; `claim` from the same workdir adopts our own landed commits, and renews our lease even past the ttl when
-the head is still our last commit (nobody claimed), so a crashed contributor's leg resumes. `init --ttl
---heartbeat` are kept in RELAY.json as the run's defaults for `claim` / `run`.
+as ours; `claim`, `pull`, `push` and `release` from the same workdir adopt our own landed commits, and `claim`
+renews our lease even past the ttl when the head is still our last commit (nobody claimed), so a crashed
+contributor's leg resumes. `init --ttl --heartbeat` are kept in RELAY.json as the run's defaults for `claim` / `run`.
 """
 
 import argparse
@@ -853,6 +853,8 @@ def cmd_pull(args):
     lease = None
     if os.path.exists(os.path.join(workdir, "LEASE.json")) and not args.out:
         lease = Lease.load(workdir, store)
+        adopt_landed_push(store, lease)  # a push whose answer was lost: this pull is the lease's next leg
+        adopt_own_renewal(store, lease)  # a claim whose answer was lost: the heartbeat below renews from it
         with renewing(store, lease, workdir):  # a big download may outlast the ttl
             run_dir = prepare_leg(store, lease, workdir)
         renew(store, lease)  # Fenced (exit 4) if the baton went to someone else meanwhile, not "train with ..."
@@ -872,6 +874,7 @@ def cmd_push(args):
         raise RelayError("push: no leg dir recorded; pass --run-dir DIR (a train.py out_dir)")
     cfg = os.path.join(run_dir, "relay_config.py")
     earlier = adopt_landed_push(store, lease)
+    adopt_own_renewal(store, lease)  # a claim whose answer was lost: the heartbeat below renews from it
     try:
         with renewing(store, lease, run_dir):  # the upload may outlast the ttl: renewed meanwhile, as `run` does
             # a leg `run` trained bills its trainer's time, not the hours until this retry

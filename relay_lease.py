@@ -54,8 +54,8 @@ def now_iso(t=None):
 def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=None, lease=None):
     """One fenced commit. `relay` (the new RELAY.json) gets a fresh write_id (or the one given); after a transient
     failure the head is re-read and, if it holds our write_id, the commit landed (no retry, no duplicate). A
-    holder's commit (lease given) refused by commits that touched none of the run's files chains from them instead
-    (adopt_foreign_head). Returns the new head sha."""
+    holder's commit (lease given) refused by commits that touched none of the run's files, or by its own renewal whose
+    answer was lost, chains from them instead (adopt_foreign_head, adopt_landed_write). Returns the new head sha."""
     relay = dict(relay, write_id=write_id or uuid.uuid4().hex)
     adds = dict(adds, **{"RELAY.json": (json.dumps(relay, indent=1) + "\n").encode()})
     delay = 0.2
@@ -75,6 +75,10 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
                 landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
                 if landed and landed.get("write_id") == relay["write_id"]:
                     return head, relay
+                # our own renewal, landed unseen (adopt_own_renewal could not look): not someone else's
+                if lease is not None and attempt < tries - 1 and adopt_landed_write(lease, head, landed, RENEWAL):
+                    parent = lease.sha
+                    continue
             if lease is not None and attempt < tries - 1 and adopt_foreign_head(store, lease):
                 parent = lease.sha
                 continue
@@ -95,7 +99,8 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
         if landed and landed.get("write_id") == relay["write_id"]:
             return head, relay
         if head != parent:
-            if lease is not None and adopt_foreign_head(store, lease):
+            if lease is not None and (adopt_landed_write(lease, head, landed, RENEWAL)
+                                      or adopt_foreign_head(store, lease)):
                 parent = lease.sha
                 continue
             raise Conflict(f"{store.url}: after a failed commit the head moved to {head[:10]}, not ours")
@@ -231,7 +236,7 @@ class Lease:
         return cls(path, **d)
 
     def save(self):
-        d = {k: v for k, v in self.__dict__.items() if k != "path"}
+        d = {k: v for k, v in dict(self.__dict__).items() if k != "path"}  # (a copy: the heartbeat thread adds keys)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         write_atomic(self.path, json.dumps(d, indent=1))
 
@@ -329,21 +334,27 @@ def adopt_own_head(store, lease, snap):
     return snap.sha == lease.sha
 
 
-def adopt_landed_write(lease, head, landed):
-    """A renewal or claim of ours whose answer was lost, found at the head by its write_id: the lease chains from it."""
-    for key in ("pending_renewal", "pending_claim"):
+RENEWAL = ("pending_renewal",)  # a renewal changed only heartbeat_at: a write built before it may chain from it
+
+
+def adopt_landed_write(lease, head, landed, keys=("pending_renewal", "pending_claim")):
+    """A renewal or claim of ours whose answer was lost, found at the head by its write_id: the lease chains from it
+    (returns whether it did)."""
+    for key in keys:
         wid = getattr(lease, key, None)
         if wid and landed and landed.get("write_id") == wid:
             lease.sha, lease.relay = head, landed
             setattr(lease, key, None)
             lease.save()
-            return
+            return True
+    return False
 
 
 def adopt_own_renewal(store, lease):
-    """A heartbeat that landed while its answer was lost, then stopped before its retry (the leg ended): the head is
-    ours, and a push or release chained from the commit before it was fenced by our own renewal."""
-    if not getattr(lease, "pending_renewal", None):
+    """A heartbeat that landed while its answer was lost, then stopped before its retry (the leg ended), or a claim
+    whose answer was lost: the head is ours, and a renewal, push or release chained from the commit before it was
+    fenced by our own write."""
+    if not (getattr(lease, "pending_renewal", None) or getattr(lease, "pending_claim", None)):
         return
     try:
         head, _, _ = store.head()

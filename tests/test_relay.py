@@ -1621,3 +1621,191 @@ def test_train_defaults_are_read_not_run(tmp_path):
     fork.write_text("def broken(:\n")
     with pytest.raises(relay.RelayError, match="pass --train-script"):
         relay.train_defaults(str(fork))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The holder's own commits whose answers were lost (the fake Hub applies them, answers 500, then goes dark), met
+# later by the same holder: never someone else's, never a fence.
+
+
+def lose_answer_of_commit(hub, monkeypatch, n=1):
+    """The n-th commit the Hub handles from now lands and answers 500 (hub.fail_after_commit), then the Hub answers
+    503 to every request until hub.status_override is cleared: relay cannot learn whether it landed."""
+    real, seen = hub.handle_commit, []
+
+    def handle(req, key, query, rev):
+        seen.append(1)
+        if len(seen) == n:
+            hub.fail_after_commit = 1
+        real(req, key, query, rev)
+        if len(seen) == n:
+            hub.status_override = 503
+    monkeypatch.setattr(hub, "handle_commit", handle)
+
+
+@pytest.fixture
+def no_backoff(monkeypatch):
+    """commit_cas's backoff while the Hub is dark, skipped (relay_lease's clock only, not the trainer's or the Hub's)."""
+    import relay_lease
+    monkeypatch.setattr(relay_lease, "time", SimpleNamespace(time=time.time, sleep=lambda s: None))
+
+
+def hub_leg(tmp_path, hub, step=5):
+    """A claimed hf:// lease with a leg dir holding `step`, its push prepared (uploaded, not committed)."""
+    url = "hf://alice/run"
+    init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
+    store = relay.open_store(url)
+    work = str(tmp_path / "wa")
+    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, work)
+    checkpoint.save(run_dir, step, {"model.safetensors": lambda p: open(p, "w").write("w"),
+                                    "state.json": lambda p: json.dump({"step": step, "tokens": 100 * step}, open(p, "w"))})
+    return url, store, work, lease, run_dir, relay.prepare_push(store, lease, run_dir, wall_s=1)
+
+
+@pytest.mark.parametrize("then", ["push", "release"])
+def test_own_renewal_landed_unseen_then_a_failed_look_does_not_fence_the_push(then, tmp_path, hub, hf_env, monkeypatch,
+                                                                              no_backoff):
+    """A heartbeat lands, its answer is lost and the Hub stays dark past commit_cas's checks; the leg ends and
+    the push's (or release's) own look at the head fails once more (adopt_own_renewal gives up quietly), then the
+    Hub answers the commit with 412: that moved head is our renewal, found by its write_id. It was "push rejected"
+    (exit 4, the leg lost) and "release: lease already lost" (LEASE.json dropped while RELAY.json still named us)."""
+    url, store, work, lease, run_dir, plan = hub_leg(tmp_path, hub)
+    lose_answer_of_commit(hub, monkeypatch)
+    with pytest.raises(relay.Transient, match="unknown whether the commit landed"):
+        relay.renew(store, lease)
+    hub.status_override, hub.fail_left = 503, 1  # still dark for one more request: the push's own look
+    if then == "push":
+        relay.commit_push(store, lease, plan, run_dir)  # was: Fenced, by our own renewal
+        snap = relay.Snapshot(store)
+        assert snap.state["step"] == 5 and snap.relay["nonce"] == lease.nonce and lease.sha == snap.sha
+        relay.release(store, lease)
+    else:
+        relay.release(store, lease)  # was: Fenced, "lease already lost"
+    snap = relay.Snapshot(store)
+    assert snap.relay["holder"] is None and not os.path.exists(lease.path)
+    assert snap.state["step"] == (5 if then == "push" else 0) and snap.relay["generation"] == 1
+
+
+@pytest.mark.parametrize("then", ["pull", "push", "release", "run"])
+def test_own_claim_landed_unseen_is_the_lease_of_the_next_command(then, tmp_path, hub, hf_env, rl, monkeypatch,
+                                                                   no_backoff):
+    """`claim` lands, its answer is lost and the Hub stays dark: LEASE.json names the claim's write_id. The next
+    `pull`, `push`, `release` or `run` from that workdir chains from the claim; all but `run` took it for another
+    contributor's (pull and push: "lease lost", exit 4; release: "lease already lost", exit 4, LEASE.json dropped,
+    the baton held by a ghost for a ttl)."""
+    url = "hf://alice/run"
+    fake = init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
+    store = relay.open_store(url)
+    work = str(tmp_path / "wa")
+    lose_answer_of_commit(hub, monkeypatch)
+    r = rl(["claim", url, "--workdir", work, "--ttl", "60", "--heartbeat", "20", "--who", "alice"])
+    assert r.returncode == 3 and "unknown whether the commit landed" in r.stderr, r.stderr
+    hub.status_override = None
+    if then == "push":  # a leg trained in the claim's dir (as `pull` would make it), pushed with --run-dir
+        lease = relay.Lease.load(work, store)
+        run_dir = str(tmp_path / "leg")
+        checkpoint.save(run_dir, 4, {"model.safetensors": lambda p: open(p, "w").write("w"),
+                                     "state.json": lambda p: json.dump({"step": 4, "tokens": 400}, open(p, "w"))})
+        r = rl(["push", url, "--workdir", work, "--run-dir", run_dir])
+    elif then == "run":  # trains 4 steps, pushes, releases
+        r = rl(["run", url, "--workdir", work, "--steps", "4", "--train-script", fake], base_env())
+    else:
+        r = rl([then, url, "--workdir", work])
+    assert r.returncode == 0, r.stderr  # was: 4, fenced by our own claim
+    snap = relay.Snapshot(store)
+    assert snap.relay["generation"] == 1 and snap.relay["holder"] == (None if then in ("release", "run") else "alice")
+    if then not in ("release", "run"):
+        assert snap.relay["nonce"] == relay.Lease.load(work, store).nonce
+        assert rl(["release", url, "--workdir", work]).returncode == 0
+    assert relay.Snapshot(store).state["step"] == (4 if then in ("push", "run") else 0)
+
+
+@pytest.mark.parametrize("then", ["pull", "push", "release"])
+def test_a_push_landed_unseen_is_found_by_the_next_command(then, tmp_path, hub, hf_env, rl, monkeypatch, no_backoff):
+    """The manual steps: `push` lands, its answer is lost and the Hub stays dark (exit 3, "unknown whether"). The
+    next `push` or `release` from that workdir finds it by its write_id; `pull` (the lease's next leg) renewed from
+    the commit before the push and was refused by our own push: "lease lost ... another contributor took the
+    baton", exit 4. It now pulls the pushed step into the next leg's dir."""
+    url, store, work, lease, run_dir, _ = hub_leg(tmp_path, hub)
+    lose_answer_of_commit(hub, monkeypatch)
+    r = rl(["push", url, "--workdir", work])
+    assert r.returncode == 3 and "unknown whether the commit landed" in r.stderr, r.stderr
+    hub.status_override = None
+    r = rl([then, url, "--workdir", work])
+    assert r.returncode == 0, r.stderr  # pull: was 4, fenced by our own push
+    snap = relay.Snapshot(store)
+    if then == "pull":
+        assert "pulled step 5 into" in r.stdout and "leg-0002-gen1" in r.stdout, r.stdout
+        back = relay.Lease.load(work, store)
+        assert (back.leg, back.base_step, back.sha) == (2, 5, snap.sha) and snap.relay["nonce"] == back.nonce
+    if then == "push":
+        assert "the earlier push had landed" in r.stdout, r.stdout
+    if then != "release":
+        assert rl(["release", url, "--workdir", work]).returncode == 0
+    rows, snap = ledger_rows(store)
+    assert len(rows) == 1 and snap.state["step"] == 5 and snap.relay["holder"] is None and snap.relay["generation"] == 1
+
+
+def test_every_answer_lost_after_it_landed_still_makes_one_clean_leg(tmp_path, hub, rl):
+    """Every commit of a `run` (claim, each heartbeat of a 0.5 s beat, push, release) lands and answers 500: each is
+    found at the head by its write_id, none is taken for someone else's (no fence, one generation, one ledger row,
+    one commit per write)."""
+    url = "hf://alice/run"
+    env = base_env(hub.client_env(tmp_path / "hf_home"))
+    fake = init_run(url, tmp_path, env, cli=rl)
+    n0 = len(hub.vrepos[("models", "alice/run")]["commits"])
+    hub.fail_after_commit = 10 ** 6
+    r = rl(["run", url, "--steps", "40", "--train-script", fake, "--workdir", tmp_path / "wa", "--ttl", "3",
+            "--heartbeat", "0.5"], dict(env, FAKE_STEP_S="0.05"))
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    msgs = [c["message"] for c in hub.vrepos[("models", "alice/run")]["commits"].values()][n0:]
+    assert 10 ** 6 - hub.fail_after_commit == len(msgs)  # every one answered 500
+    hub.fail_after_commit = 0
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert len(rows) == 1 and snap.state["step"] == 40 and snap.relay["holder"] is None and snap.relay["generation"] == 1
+    assert sum("heartbeat" in m for m in msgs) >= 2 and sum("steps 0-40" in m for m in msgs) == 1, msgs
+    once = [m for m in msgs if "heartbeat" not in m]
+    assert len(once) == len(set(once)) == 3, msgs  # claim, push, release: none made twice
+
+
+def test_a_run_given_up_after_its_write_landed_is_resumed_by_running_again(tmp_path, hub, rl, monkeypatch, no_backoff):
+    """`run` gives up (the Hub dark) right after a write of its own landed: the push (exit 3, "it may have landed"),
+    or a heartbeat (the process died there). `relay run` again from that workdir goes on from it: the push is
+    adopted (the next leg trains from its step), the renewal is ours (same generation, the leg's own steps
+    resumed), never a fence or a second claim. A release whose answer was lost is found by `release` again."""
+    url = "hf://alice/run"
+    env = base_env(hub.client_env(tmp_path / "hf_home"))
+    fake = init_run(url, tmp_path, env, cli=rl)
+    store = relay.open_store(url)
+    work = str(tmp_path / "wa")
+    args = ["run", url, "--train-script", fake, "--workdir", work, "--ttl", "60", "--heartbeat", "20"]
+    lose_answer_of_commit(hub, monkeypatch, n=2)  # claim, then the push
+    r = rl(args + ["--steps", "3"], env)
+    assert r.returncode == 3 and "it may have landed" in r.stderr, r.stderr
+    hub.status_override = None
+    r = rl(args + ["--steps", "2"], env)  # as if the first had died after its push: LEASE.json names it pending
+    assert r.returncode == 0 and "pulled step 3" in r.stdout, (r.stdout, r.stderr)
+    rows, snap = ledger_rows(store)
+    assert [x["step_range"] for x in rows] == ["0-3", "3-5"] and snap.relay["generation"] == 1  # the same lease
+    # the next lease: its heartbeat lands unseen, the Hub goes dark, the process is gone (nothing retries it)
+    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, work)
+    checkpoint.save(run_dir, 7, {"model.safetensors": lambda p: open(p, "w").write("w7"),
+                                 "state.json": lambda p: json.dump({"step": 7, "tokens": 700}, open(p, "w"))})
+    lose_answer_of_commit(hub, monkeypatch)
+    with pytest.raises(relay.Transient, match="unknown whether"):
+        relay.renew(store, lease)
+    hub.status_override = None
+    r = rl(args + ["--steps", "1"], env)
+    assert r.returncode == 0 and "resuming this leg's own step 7" in r.stdout, (r.stdout, r.stderr)
+    rows, snap = ledger_rows(store)
+    assert [x["step_range"] for x in rows] == ["0-3", "3-5", "5-8"] and snap.relay["generation"] == 2
+    # a release whose answer is lost, found by `release` again (it was "lease already lost", exit 4)
+    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    lose_answer_of_commit(hub, monkeypatch)
+    r = rl(["release", url, "--workdir", work], env)
+    assert r.returncode == 3 and "unknown whether" in r.stderr, r.stderr
+    hub.status_override = None
+    r = rl(["release", url, "--workdir", work], env)
+    assert r.returncode == 0 and relay.Snapshot(store).relay["holder"] is None, r.stderr
