@@ -360,7 +360,12 @@ class Guardian:
             self.child.send_signal(signal.SIGTERM)
 
     def run(self):
-        code = self.supervise_starts()
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        try:
+            code = self.supervise_starts()
+        finally:  # (in-process use, a test or a notebook: its Ctrl-C went to this guardian's on_signal for good)
+            for s, h in handlers.items():
+                signal.signal(s, h)
         mine = self.log["starts"][len(self.log["starts"]) - self.n_started:] if self.n_started else []
         steps = (f"; newest checkpoint step {mine[0]['checkpoint_step_at_start']} -> "
                  f"{mine[-1].get('checkpoint_step_at_end')}" if mine else "")

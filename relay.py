@@ -537,10 +537,11 @@ def cmd_run(args):
     def on_signal(signum, frame):  # Ctrl-C / SIGTERM: end the leg early but cleanly (checkpoint, push, release)
         stop_reason.append(signal.Signals(signum).name)
         stop_trainer()
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     cmd = train_command(args, os.path.join(run_dir, "relay_config.py"), run_dir)
     wall_before = leg_wall(run_dir)  # this leg's trainer time before a crash or a reboot (resumed here)
     t0 = saved_at = time.time()
+    # set just before the try that puts them back: an error above left this process's Ctrl-C going to on_signal
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         # own session: a terminal's Ctrl-C reaches only relay, which ends the leg cleanly (SIGTERM -> checkpoint ->
         # push); PR_SET_PDEATHSIG: if relay itself is killed, the trainer gets SIGTERM instead of training on unleased
