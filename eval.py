@@ -319,7 +319,8 @@ def local_task_rows(data_dir, task, split=None):
             if os.path.isdir(folder) else []
         if not files:
             raise EvalError(f"{data_dir}: no {split} split file for task {task}'s few-shot examples; add "
-                            f"{task}/{split}.jsonl there (the Hub dataset's {split} rows), or pass --num-fewshot 0")
+                            f"{task}/{split}.jsonl there (the Hub dataset's {split} rows; the scored rows then at "
+                            f"{task}.jsonl or {task}/{TASKS[task][1][2]}.jsonl), or pass --num-fewshot 0")
         return [r for f in files for r in read_rows(os.path.join(folder, f))]
     for ext in DATA_EXTS:
         p = os.path.join(data_dir, task + ext)
@@ -1158,7 +1159,8 @@ def parse_args(argv):
 
 
 # (num_fewshot is per task: a task rerun with other shots replaces its own results only)
-SAME_EVALUATION = ("model_source", "data", "dtype", "limit", "max_gen_toks", "harness_version")
+SAME_EVALUATION = ("model_source", "data", "dtype", "limit", "max_gen_toks", "harness_version", "seed")  # (seed: the
+# synthetic tasks' examples and the few-shot draws)
 
 
 def keep_earlier_results(out, summary, tasks):

@@ -200,8 +200,10 @@ class Guardian:
             if entry is None:
                 why = f"{c}'s index.json no longer lists it (the corpus was prepared again)"
             else:
-                now = shard_fingerprint(corpora[c], f, index)
-                if now == q.get("fingerprint"):  # unchanged: not hashed again
+                now, had = shard_fingerprint(corpora[c], f, index), q.get("fingerprint")
+                if had is not None:  # (a fingerprint of the first release-aware guardian held inodes too)
+                    had = dict(had, files=[x[:2] if x else x for x in had.get("files", [])])
+                if now == had:  # unchanged: not hashed again
                     continue
                 # a log from before fingerprints: only a shard that was corrupt on disk is known to have changed
                 known = q.get("fingerprint") is not None or q.get("reason", "").startswith("corrupt on disk")

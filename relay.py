@@ -548,6 +548,8 @@ def cmd_run(args):
         proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.abspath(args.train_script)), start_new_session=True,
                                 preexec_fn=pdeathsig_setter())
     except OSError as e:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
         release(store, lease)
         raise RelayError(f"cannot start the trainer {cmd[0]} ({e}); lease released")
     hb = Heartbeat(store, lease, stop_trainer)

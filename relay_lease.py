@@ -361,13 +361,21 @@ def adopt_own_renewal(store, lease):
         landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
     except Transient:
         return  # still unknown: the commit below fails or conflicts as it would have
-    adopt_landed_write(lease, head, landed)
+    if not adopt_landed_write(lease, head, landed) and getattr(lease, "pending_claim", None):
+        # the claim did not land (or was overtaken): its lease chains from the head before it, which a "heartbeat"
+        # of that old RELAY.json renewed with nobody holding the baton, and pull said "train"
+        raise Fenced(f"{store.url}: your claim of leg {lease.leg} did not land (the store failed while it was sent; "
+                     f"the head {head[:10]} is not it); run `relay.py claim` again")
 
 
 def release(store, lease):
     """Its write_id is recorded first, as a renewal's: a retry after a release whose answer was lost finds it landed
     (it said "lease already lost", exit 4, for a release that had worked)."""
-    adopt_own_renewal(store, lease)
+    try:
+        adopt_own_renewal(store, lease)
+    except Fenced:  # a claim that never landed: nothing to hand back
+        lease.drop()
+        raise
     wid = getattr(lease, "pending_release", None)
     if not wid:
         lease.pending_release = wid = uuid.uuid4().hex

@@ -628,6 +628,11 @@ def test_review_round_reruns_keep_results_wrong_tokenizers_and_diverged_models(h
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds results of another evaluation (model_source" in err[0], err
     assert json.load(open(out / "summary.json")) == summary
+    # another --seed (the synthetic tasks' examples, gsm8k's few-shot draws): kept results would be another seed's
+    assert ev.main([model_dir, "--tasks", "piqa", "--data-dir", str(only_piqa), "--out", str(out), "--limit", "3",
+                    "--seed", "7"]) == 2
+    assert "(seed 1234, now 7)" in capsys.readouterr().err
+    assert json.load(open(out / "summary.json")) == summary
     # an int4 container with another, larger tokenizer: one line naming it
     path = str(tmp_path / "m.int4")
     container.write_container(checkpoint.resolve(run_dir), path, group_size=16, progress=False)

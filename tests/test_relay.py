@@ -1809,3 +1809,38 @@ def test_a_run_given_up_after_its_write_landed_is_resumed_by_running_again(tmp_p
     hub.status_override = None
     r = rl(["release", url, "--workdir", work], env)
     assert r.returncode == 0 and relay.Snapshot(store).relay["holder"] is None, r.stderr
+
+
+def drop_commit_then_go_dark(hub, monkeypatch):
+    """The next commit is not applied and answers 503, and so does every request after it until hub.status_override
+    is cleared: relay cannot learn that its commit never landed."""
+    real = hub.handle_commit
+
+    def handle(req, key, query, rev):
+        monkeypatch.setattr(hub, "handle_commit", real)
+        hub.status_override = 503
+        return hub.send_json(req, {"error": "Service Unavailable (injected: the commit was dropped)"}, 503)
+    monkeypatch.setattr(hub, "handle_commit", handle)
+
+
+@pytest.mark.parametrize("then", ["pull", "release"])
+def test_a_claim_that_never_landed_is_not_taken_for_a_lease(then, tmp_path, hub, hf_env, rl, monkeypatch, no_backoff):
+    """`claim`'s commit is dropped and the Hub goes dark (exit 3, "unknown whether"). LEASE.json still names the
+    claim; `pull` "renewed" the head before it (RELAY.json with nobody holding the baton) and said "train", and the
+    leg's push failed hours later. Now pull and release say the claim did not land (exit 4); claim again works."""
+    url = "hf://alice/run"
+    init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
+    store = relay.open_store(url)
+    work = str(tmp_path / "wa")
+    drop_commit_then_go_dark(hub, monkeypatch)
+    r = rl(["claim", url, "--workdir", work, "--ttl", "60", "--heartbeat", "20", "--who", "alice"])
+    assert r.returncode == 3 and "unknown whether the commit landed" in r.stderr, r.stderr
+    hub.status_override = None
+    head = store.head()[0]
+    r = rl([then, url, "--workdir", work])
+    assert r.returncode == 4 and "did not land" in r.stderr and "relay.py claim" in r.stderr, r.stderr
+    assert store.head()[0] == head and relay.Snapshot(store).relay["holder"] is None  # nothing committed
+    assert os.path.exists(os.path.join(work, "LEASE.json")) == (then == "pull")  # release: nothing to hand back
+    r = rl(["claim", url, "--workdir", work, "--ttl", "60", "--heartbeat", "20", "--who", "alice"])
+    assert r.returncode == 0, r.stderr
+    assert relay.Snapshot(store).relay["holder"] == "alice"
