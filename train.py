@@ -405,6 +405,15 @@ def crashed(e):
         f"crash report); checkpoints are intact: resume with --init_from=resume", EXIT_CRASH)
 
 
+def print_or_detach(*args, **kwargs):
+    """print, and on a dead pipe or terminal (the guardian killed after its SIGTERM reached us, an ssh drop) stdout and
+    stderr go to /dev/null: the BrokenPipeError ended the run before the checkpoint the signal asked for."""
+    try:
+        print(*args, **kwargs)
+    except OSError:
+        detach_from_lost_terminal()
+
+
 def detach_from_lost_terminal(tty=True):
     """After SIGHUP: stdout / stderr on the terminal that hung up fail every write (EIO), which would end the
     checkpoint the hangup asks for; they go to /dev/null (out_dir keeps metrics.jsonl and the crash reports). So do
@@ -600,7 +609,7 @@ def main(argv):
     device = f"cuda:{local_rank}" if dev == "cuda" else "cpu"
     device_type = "cuda" if dev == "cuda" else "cpu"
     master = rank == 0
-    log = print if master else (lambda *a, **k: None)
+    log = print_or_detach if master else (lambda *a, **k: None)
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg["dtype"])
     if ptdtype is None:
         die(f"dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
@@ -1228,9 +1237,9 @@ def main(argv):
             gen = torch.Generator(device=device).manual_seed(cfg["seed"])
             outp = raw_model.generate(prompt, min(cfg["sample_tokens"], mcfg.max_seq_len - 1), temperature=0.8, top_k=50,
                                       generator=gen)
-            print("sample:", tok.decode_generated(outp[0, 1:].tolist()))  # an id no merge was learned for: U+FFFD, not an error
+            log("sample:", tok.decode_generated(outp[0, 1:].tolist()))  # an id no merge was learned for: U+FFFD, not an error
         except Exception as e:  # a sample is a courtesy; never fail a finished run on it
-            print(f"(no sample: {e})")
+            log(f"(no sample: {e})")
     watchdog.stop()
     if metrics_f:
         metrics_f.close()

@@ -452,6 +452,33 @@ def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
     assert step > 0 and step == max(json.loads(l)["step"] for l in open(metrics) if l.strip())
 
 
+def test_a_trainer_whose_output_pipe_dies_trains_on_and_checkpoints_at_its_signal(data_root, tmp_path):
+    """A killed guardian's SIGTERM (PR_SET_PDEATHSIG) can reach the trainer before the guardian's last thread has gone
+    and its pipe closed: the trainer saw a live pipe, then its next print raised BrokenPipeError and ended the run
+    with the steps since the last checkpoint (the full suite caught it: checkpoint step 2, metrics at step 52). Here
+    the pipe's reader goes first, with no signal: the trainer goes on, then a SIGTERM checkpoints where it is."""
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "-u", "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                          "--max_iters=100000", "--warmup_iters=2", "--eval_interval=100000", "--ckpt_interval=1000",
+                          "--log_interval=1"], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    while not (os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0):
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.05)
+    p.stdout.close()  # nobody reads its output any more
+    p.stderr.close()
+    logged = lambda: max(json.loads(l)["step"] for l in open(metrics_path) if l.strip())  # noqa: E731
+    first = logged()
+    while logged() < first + 5:  # it printed (into the dead pipe) at every one of these steps
+        assert time.time() < deadline and p.poll() is None, f"the trainer died on its dead pipe (exit {p.poll()})"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 0
+    step = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"]
+    assert step == logged() and step >= first + 5
+
+
 def test_a_hangup_checkpoints_and_a_signal_at_startup_is_a_clean_stop(data_root, tmp_path):
     """An ssh drop (SIGHUP to the session, no nohup) killed the guardian and the trainer with no checkpoint and left
     guardian.json "running"; a SIGTERM while the trainer started (before its handler) made the guardian exit 241."""
