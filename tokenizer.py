@@ -184,6 +184,16 @@ def split_long_spaces(text):
     return [p for p in pieces if p]
 
 
+def reuse_tokenizer(path, vocab_size=None):
+    """The --tokenizer file a prepare script reuses as is: an explicit --vocab-size it does not have is an error (it
+    was silently ignored). ValueError, one line, for either mistake."""
+    tok = Tokenizer.load(path)
+    if vocab_size is not None and vocab_size != tok.vocab_size:
+        raise ValueError(f"--vocab-size {vocab_size}, but --tokenizer {path} has vocab {tok.vocab_size} (it is reused "
+                         f"as is); drop --vocab-size, or drop --tokenizer to train one")
+    return tok
+
+
 def train_tokenizer(texts, vocab_size):
     """Train byte-level BPE on an iterable of strings with rustbpe (GPT-4 style split pattern, rustbpe's
     default). vocab_size counts the reserved id 0, the 256 bytes, the merges and the specials."""

@@ -37,7 +37,7 @@ VAL_CHARS_PER_TOKEN = 8
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py
 import checkpoint  # noqa: E402
 import shards  # noqa: E402
-from tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from tokenizer import reuse_tokenizer, train_tokenizer  # noqa: E402
 
 
 def documents(repo, revision, files, column, batch_rows=1024):
@@ -71,14 +71,12 @@ def main():
     for flag, least in (("max_tokens", 1), ("tokenizer_chars", 1), ("val_tokens", 0)):
         if getattr(args, flag) is not None and getattr(args, flag) < least:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: at least {least}")
-    if args.tokenizer:  # a reused tokenizer keeps its own vocab: an explicit other --vocab-size was silently ignored
+    args.reused_tokenizer = None  # loaded (and checked against --vocab-size) before anything is read or written
+    if args.tokenizer:
         try:
-            vocab = Tokenizer.load(args.tokenizer).vocab_size
+            args.reused_tokenizer = reuse_tokenizer(args.tokenizer, args.vocab_size)
         except ValueError as e:
             sys.exit(f"error: {e}")
-        if args.vocab_size is not None and args.vocab_size != vocab:
-            sys.exit(f"error: --vocab-size {args.vocab_size}, but --tokenizer {args.tokenizer} has vocab {vocab} "
-                     f"(it is reused as is); drop --vocab-size, or drop --tokenizer to train one")
     if args.vocab_size is None:
         args.vocab_size = 32768
     try:
@@ -109,7 +107,7 @@ def build(args, revision, files, stage, t0):
     val_target = args.val_tokens if args.val_tokens is not None else min(10_000_000, args.max_tokens // 200)
     val_docs = [float("inf")]  # val comes from the first documents; a tokenizer trained here never sees them
     if args.tokenizer:
-        tok = Tokenizer.load(args.tokenizer)
+        tok = args.reused_tokenizer
         tok.save(tok_path)
         print(f"reusing tokenizer {args.tokenizer} (vocab {tok.vocab_size})")
     else:

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py
 import checkpoint  # noqa: E402
 import shards  # noqa: E402
-from tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from tokenizer import reuse_tokenizer, train_tokenizer  # noqa: E402
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "node_modules"}
 
@@ -76,14 +76,12 @@ def main():
     for flag in ("max_files", "max_bytes"):  # a negative cap was "reached" at once: "found no files for training"
         if getattr(args, flag) < 0:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: 0 (no cap) or more")
-    if args.tokenizer:  # a reused tokenizer keeps its own vocab: an explicit other --vocab-size was silently ignored
+    args.reused_tokenizer = None  # loaded (and checked against --vocab-size) before anything is read or written
+    if args.tokenizer:
         try:
-            vocab = Tokenizer.load(args.tokenizer).vocab_size
+            args.reused_tokenizer = reuse_tokenizer(args.tokenizer, args.vocab_size)
         except ValueError as e:
             sys.exit(f"error: {e}")
-        if args.vocab_size is not None and args.vocab_size != vocab:
-            sys.exit(f"error: --vocab-size {args.vocab_size}, but --tokenizer {args.tokenizer} has vocab {vocab} "
-                     f"(it is reused as is); drop --vocab-size, or drop --tokenizer to train one")
     if args.vocab_size is None:
         args.vocab_size = 8192
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -132,10 +130,7 @@ def build(args, docs, exts, total_bytes, stage, t0):
     """Tokenizer and shards into `stage`, then swapped in for the corpus in args.out (shards.install_corpus)."""
     tok_path = os.path.join(stage, "tokenizer.json")
     if args.tokenizer:
-        try:
-            tok = Tokenizer.load(args.tokenizer)
-        except ValueError as e:
-            sys.exit(f"error: {e}")
+        tok = args.reused_tokenizer
         tok.save(tok_path)
         print(f"reusing tokenizer {args.tokenizer} (vocab {tok.vocab_size})")
     else:
