@@ -423,19 +423,26 @@ def test_pdeathsig_setter_ends_a_child_whose_parent_is_already_gone():
     assert os.waitstatus_to_exitcode(status) == 3
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
-    out = str(tmp_path / "run")
+def start_long_run(data_root, out, *args, **popen_kw):
+    """A tiny run that would train for ever, started in a subprocess, once it has logged a step (metrics.jsonl is
+    opened before the first step: on a loaded machine a signal sent at that came before any step). Returns the process,
+    its metrics.jsonl and a deadline for what the test waits for next."""
     p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
                           "--max_iters=100000", "--warmup_iters=2", "--eval_interval=100000", "--ckpt_interval=1000",
-                          "--supervise"], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          *args], cwd=REPO, **{"env": ENV, **popen_kw})
     deadline = time.time() + 120
     metrics = os.path.join(out, "metrics.jsonl")
-    # the trainer has logged a step (the file is opened before the first step: on a loaded machine the SIGTERM came
-    # before any step, and the checkpoint it took was step 0)
     while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
         assert time.time() < deadline and p.poll() is None
         time.sleep(0.05)
+    return p, metrics, deadline
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_guardian_leaves_no_trainer_running(data_root, tmp_path):
+    out = str(tmp_path / "run")
+    p, metrics, deadline = start_long_run(data_root, out, "--supervise", stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL)
     trainer = int(open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()[0])
     time.sleep(0.5)  # (past its first step, and training on)
     p.send_signal(signal.SIGKILL)
@@ -458,14 +465,8 @@ def test_a_trainer_whose_output_pipe_dies_trains_on_and_checkpoints_at_its_signa
     with the steps since the last checkpoint (the full suite caught it: checkpoint step 2, metrics at step 52). Here
     the pipe's reader goes first, with no signal: the trainer goes on, then a SIGTERM checkpoints where it is."""
     out = str(tmp_path / "run")
-    p = subprocess.Popen([sys.executable, "-u", "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
-                          "--max_iters=100000", "--warmup_iters=2", "--eval_interval=100000", "--ckpt_interval=1000",
-                          "--log_interval=1"], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    metrics_path = os.path.join(out, "metrics.jsonl")
-    while not (os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0):
-        assert time.time() < deadline and p.poll() is None
-        time.sleep(0.05)
+    p, metrics_path, deadline = start_long_run(data_root, out, "--log_interval=1", stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, env=dict(ENV, PYTHONUNBUFFERED="1"))
     p.stdout.close()  # nobody reads its output any more
     p.stderr.close()
     logged = lambda: max(json.loads(l)["step"] for l in open(metrics_path) if l.strip())  # noqa: E731
@@ -483,15 +484,8 @@ def test_a_hangup_checkpoints_and_a_signal_at_startup_is_a_clean_stop(data_root,
     """An ssh drop (SIGHUP to the session, no nohup) killed the guardian and the trainer with no checkpoint and left
     guardian.json "running"; a SIGTERM while the trainer started (before its handler) made the guardian exit 241."""
     out = str(tmp_path / "run")
-    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
-                          "--max_iters=100000", "--warmup_iters=2", "--eval_interval=100000", "--ckpt_interval=1000",
-                          "--supervise"], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
-    deadline = time.time() + 120
-    metrics = os.path.join(out, "metrics.jsonl")
-    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
-        assert time.time() < deadline and p.poll() is None
-        time.sleep(0.05)
+    p, metrics, deadline = start_long_run(data_root, out, "--supervise", stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, start_new_session=True)
     os.killpg(p.pid, signal.SIGHUP)  # what the terminal's hangup sends: the whole session
     assert p.wait(timeout=120) == 0
     assert json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"] > 0
