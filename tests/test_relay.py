@@ -1643,6 +1643,19 @@ def lose_answer_of_commit(hub, monkeypatch, n=1):
     monkeypatch.setattr(hub, "handle_commit", handle)
 
 
+def claim_of_unknown_outcome(url, tmp_path, hub, rl, fault):
+    """A new run, then alice's `claim` under `fault` (a Hub fault injection): exit 3, "unknown whether the commit
+    landed"; the Hub answers again afterwards. Returns (the fake trainer script, the store, alice's workdir)."""
+    fake = init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
+    store = relay.open_store(url)
+    work = str(tmp_path / "wa")
+    fault()
+    r = rl(["claim", url, "--workdir", work, "--ttl", "60", "--heartbeat", "20", "--who", "alice"])
+    assert r.returncode == 3 and "unknown whether the commit landed" in r.stderr, r.stderr
+    hub.status_override = None
+    return fake, store, work
+
+
 @pytest.fixture
 def no_backoff(monkeypatch):
     """commit_cas's backoff while the Hub is dark, skipped (relay_lease's clock only, not the trainer's or the Hub's)."""
@@ -1695,15 +1708,8 @@ def test_own_claim_landed_unseen_is_the_lease_of_the_next_command(then, tmp_path
     contributor's (pull and push: "lease lost", exit 4; release: "lease already lost", exit 4, LEASE.json dropped,
     the baton held by a ghost for a ttl)."""
     url = "hf://alice/run"
-    fake = init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
-    store = relay.open_store(url)
-    work = str(tmp_path / "wa")
-    lose_answer_of_commit(hub, monkeypatch)
-    r = rl(["claim", url, "--workdir", work, "--ttl", "60", "--heartbeat", "20", "--who", "alice"])
-    assert r.returncode == 3 and "unknown whether the commit landed" in r.stderr, r.stderr
-    hub.status_override = None
+    fake, store, work = claim_of_unknown_outcome(url, tmp_path, hub, rl, lambda: lose_answer_of_commit(hub, monkeypatch))
     if then == "push":  # a leg trained in the claim's dir (as `pull` would make it), pushed with --run-dir
-        lease = relay.Lease.load(work, store)
         run_dir = str(tmp_path / "leg")
         checkpoint.save(run_dir, 4, {"model.safetensors": lambda p: open(p, "w").write("w"),
                                      "state.json": lambda p: json.dump({"step": 4, "tokens": 400}, open(p, "w"))})
@@ -1829,13 +1835,7 @@ def test_a_claim_that_never_landed_is_not_taken_for_a_lease(then, tmp_path, hub,
     claim; `pull` "renewed" the head before it (RELAY.json with nobody holding the baton) and said "train", and the
     leg's push failed hours later. Now pull and release say the claim did not land (exit 4); claim again works."""
     url = "hf://alice/run"
-    init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
-    store = relay.open_store(url)
-    work = str(tmp_path / "wa")
-    drop_commit_then_go_dark(hub, monkeypatch)
-    r = rl(["claim", url, "--workdir", work, "--ttl", "60", "--heartbeat", "20", "--who", "alice"])
-    assert r.returncode == 3 and "unknown whether the commit landed" in r.stderr, r.stderr
-    hub.status_override = None
+    _, store, work = claim_of_unknown_outcome(url, tmp_path, hub, rl, lambda: drop_commit_then_go_dark(hub, monkeypatch))
     head = store.head()[0]
     r = rl([then, url, "--workdir", work])
     assert r.returncode == 4 and "did not land" in r.stderr and "relay.py claim" in r.stderr, r.stderr
