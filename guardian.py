@@ -137,9 +137,6 @@ class Guardian:
         self.child = None
         self.stopping = False
         self.t_stop = None  # when the first stop signal came (the trainer's stop_grace_s counts from it)
-        # shards release_fixed brought back (this invocation or an earlier one: the checkpoint saved before the
-        # release still lists them, and its quarantine held them until --release_shards said otherwise)
-        self.released = {r["shard"] for r in self.log["repairs"] if str(r.get("action", "")).startswith("released: ")}
         self.save_failed = False
         self.woken = threading.Event()  # set by a signal: cuts a backoff or a re-fetch wait short
         self.n_started, self.first_step, self.t_first = 0, None, None  # this invocation's first start
@@ -177,9 +174,14 @@ class Guardian:
         key = f"{corpus}/{name}"
         if key in [q["shard"] for q in self.log["quarantined"]]:
             return False
+        corpus_dir = os.path.dirname(os.path.abspath(shard_path))
+        try:
+            fingerprint = shard_fingerprint(corpus_dir, shards.index_entry(shards.load_index(corpus_dir), name)
+                                            or {"file": name})
+        except shards.DataError:  # no index to compare with later: released only as a shard corrupt on disk
+            fingerprint = None
         self.log["quarantined"].append({"shard": key, "offset": offset, "reason": reason, "at": time.time(),
-                                        "fingerprint": shard_fingerprint(os.path.dirname(os.path.abspath(shard_path)),
-                                                                         name)})
+                                        "fingerprint": fingerprint})
         self.say(f"QUARANTINED {key} ({reason}); training goes on without it")
         return True
 
@@ -196,11 +198,11 @@ class Guardian:
                 index = shards.load_index(corpora[c])
             except shards.DataError:  # the trainer names what is wrong with the index, in one line
                 continue
-            entry = next((e for es in index["splits"].values() for e in es if e["file"] == f), None)
+            entry = shards.index_entry(index, f)
             if entry is None:
                 why = f"{c}'s index.json no longer lists it (the corpus was prepared again)"
             else:
-                now, had = shard_fingerprint(corpora[c], f, index), q.get("fingerprint")
+                now, had = shard_fingerprint(corpora[c], entry), q.get("fingerprint")
                 if had is not None:  # (a fingerprint of the first release-aware guardian held inodes too)
                     had = dict(had, files=[x[:2] if x else x for x in had.get("files", [])])
                 if now == had:  # unchanged: not hashed again
@@ -212,7 +214,6 @@ class Guardian:
                     continue
                 why = "its files changed since it was quarantined and verify against index.json"
             self.log["quarantined"].remove(q)
-            self.released.add(q["shard"])
             self.log["repairs"].append({"shard": q["shard"], "action": f"released: {why}", "at": time.time()})
             self.say(f"RELEASED {q['shard']} from quarantine: {why}; it is read again")
 
@@ -346,7 +347,10 @@ class Guardian:
         q = sorted(set(self.cfg["quarantine_shards"]) | mine)
         if q:
             args.append(f"--quarantine_shards={q!r}")
-        released = set(self.cfg["release_shards"]) | self.released
+        # and the shards release_fixed brought back, in this invocation or an earlier one (the checkpoint saved before
+        # the release still lists them, and its quarantine held them until --release_shards said otherwise)
+        released = set(self.cfg["release_shards"]) | {r["shard"] for r in self.log["repairs"]
+                                                      if str(r.get("action", "")).startswith("released: ")}
         if released:  # not one quarantined again since (a fix that did not hold)
             args.append(f"--release_shards={sorted(released - mine)!r}")
         return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), *args]
@@ -577,16 +581,11 @@ class Guardian:
         return code
 
 
-def shard_fingerprint(corpus_dir, file, index=None):
-    """What a shard is on disk and in index.json: a quarantined one whose fingerprint changed was replaced or prepared
-    again, and is verified again (one that did not is not hashed again). None without an index."""
-    try:
-        index = index or shards.load_index(corpus_dir)
-    except shards.DataError:
-        return None
-    entry = next((e for es in index["splits"].values() for e in es if e["file"] == file), {})
+def shard_fingerprint(corpus_dir, entry):
+    """What a shard is on disk and in index.json (its entry there): a quarantined one whose fingerprint changed was
+    replaced or prepared again, and is verified again (one that did not is not hashed again)."""
     fp = {"sha256": entry.get("sha256"), "mask_sha256": entry.get("mask_sha256"), "files": []}
-    for name in (file, entry.get("mask")):
+    for name in (entry["file"], entry.get("mask")):
         try:
             st = os.stat(os.path.join(corpus_dir, name)) if name else None
         except OSError:

@@ -606,12 +606,17 @@ def verify_shard(corpus_dir, entry, vocab_size):
     return problems
 
 
+def index_entry(index, file):
+    """index.json's entry for a shard file (any split), or None."""
+    return next((e for entries in index["splits"].values() for e in entries if e["file"] == file), None)
+
+
 def refetch_shard(corpus_dir, file):
     """Re-create one shard from the source recorded in index.json (re-read the files or re-download the parquet,
     re-tokenize with the corpus tokenizer), check it against the recorded sha256, put it in place, re-verify."""
     corpus_dir = str(corpus_dir)
     index = load_index(corpus_dir)
-    entry = next((e for entries in index["splits"].values() for e in entries if e["file"] == file), None)
+    entry = index_entry(index, file)
     path = os.path.join(corpus_dir, file)
     if entry is None:
         raise DataError(f"{path}: not in {corpus_dir}/index.json", path, None, "index")
