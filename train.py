@@ -761,13 +761,15 @@ def main(argv):
         if not f:
             raise TrainError(f"quarantine_shards: {q!r} is not corpus/file, e.g. '{corpora[0]}/train_000000.bin'")
         listed = sorted(e["file"] for sp in indexes[c]["splits"].values() for e in sp) if c in indexes else None
-        if listed is not None and f not in listed and q not in cfg["quarantine_shards"]:
+        if listed is None or f in listed:  # (a corpus outside this plan: kept for when it comes back)
+            continue
+        if q not in cfg["quarantine_shards"]:
             # the checkpoint's, a shard when it was saved: the corpus was prepared again without it (this refused the
             # resume, naming a quarantine, before the position check could say what changed)
             log(f"WARNING: {q} was quarantined by the checkpoint but {c}'s index.json no longer lists it (the corpus "
                 f"was prepared again); dropped from the quarantine")
             quarantined.remove(q)
-        elif listed is not None and f not in listed:  # (a corpus outside this plan: kept for when it comes back)
+        else:
             raise TrainError(f"quarantine_shards: {q!r} is not a shard of {c} (its index.json lists "
                              f"{listed[0] + ' .. ' + listed[-1] if listed else 'none'}); fix the name, or drop it "
                              f"with --release_shards=\"['{q}']\"")
@@ -819,6 +821,10 @@ def main(argv):
         doc_bos = shards.load_corpus_tokenizer(os.path.join(cfg["data_root"], masked[0]), indexes[masked[0]]).bos_id
         log(f"doc_mask: each conversation packed in {', '.join(masked)}'s rows attends only to itself "
             f"(--doc_mask=False: to the whole row)")
+
+    def doc_ids_of(x, masked):
+        """model's doc_ids for rows of one corpus: a loss-masked one's split at each <|bos|>, another's one document."""
+        return (x == doc_bos).cumsum(1) if masked else torch.zeros_like(x)
     idle_positions = {}  # a corpus a --replan dropped keeps its place: a later plan that brings it back goes on from there
     if state is not None:
         saved_splits = state.get("data_split_sha") or {}
@@ -1022,7 +1028,7 @@ def main(argv):
             y = y.to(device)
             x = x.to(device)
             with autocast:
-                _, loss = model(x, y, doc_ids=(x == doc_bos).cumsum(1) if doc_bos is not None and val_stream.has_mask
+                _, loss = model(x, y, doc_ids=doc_ids_of(x, True) if doc_bos is not None and val_stream.has_mask
                                 else None)
             n = (y != -1).sum().double()
             # a batch with no target has a NaN mean and no weight (where, not an if: no host sync per batch)
@@ -1091,8 +1097,7 @@ def main(argv):
             x = torch.cat([p[0] for p in parts_xy])
             docs = None  # doc_mask: rows of loss-masked corpora attend within their conversation; the others as ever
             if doc_bos is not None and any(p[2] for p in parts_xy):
-                docs = torch.cat([(p[0] == doc_bos).cumsum(1) if p[2] else torch.zeros_like(p[0]) for p in parts_xy])
-                docs = docs.to(device)
+                docs = torch.cat([doc_ids_of(p[0], p[2]) for p in parts_xy]).to(device)
             batches.append((x.to(device), torch.cat([p[1] for p in parts_xy]).to(device), docs))
         # loss-masked data (SFT): every target token of the step weighs the same, whatever micro-step or rank it is in
         # (each micro-step's mean weighed equally made the gradient depend on batch_size x grad_accum x world: the
