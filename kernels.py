@@ -121,33 +121,34 @@ def reference_scratch_bytes(K):
     return (3 * 4 + 1) * reference_rows(K) * K
 
 
+def chunked_reference(x, N, rows, weight_rows):
+    """x @ W^T for W of N rows, dequantized `rows` at a time: weight_rows(r, n) gives rows r .. r + n as fp32."""
+    x = x.float()
+    if rows >= N:
+        return x @ weight_rows(0, N).t()
+    y = torch.empty(*x.shape[:-1], N, device=x.device)
+    for r in range(0, N, rows):
+        n = min(rows, N - r)
+        y[..., r:r + n] = x @ weight_rows(r, n).t()
+    return y
+
+
 def int4_matmul_reference(x, packed, sz, shape, group_size):
     """The reference every int4 path must equal: dequantize to fp32, then x @ W^T; reference_rows rows at a time
     (their packed bytes and scales are contiguous slices), so its temporaries stay reference_scratch_bytes."""
     N, K = shape
     Kp = C.int4_padded_shape(shape, group_size)[1]
-    x, rows = x.float(), reference_rows(Kp)
-    if rows >= N:
-        return x @ C.dequantize_int4(packed, sz, shape, group_size).t()
-    y = torch.empty(*x.shape[:-1], N, device=x.device)
-    for r in range(0, N, rows):
-        n = min(rows, N - r)
-        w = C.dequantize_int4(packed[r * Kp // 2:(r + rows) * Kp // 2], sz[:, r:r + rows], (n, K), group_size)
-        y[..., r:r + n] = x @ w.t()
-    return y
+    rows = reference_rows(Kp)
+    return chunked_reference(x, N, rows, lambda r, n: C.dequantize_int4(
+        packed[r * Kp // 2:(r + rows) * Kp // 2], sz[:, r:r + rows], (n, K), group_size))
 
 
 def int8_matmul_reference(x, q, scale, shape):
     """x @ W^T over int8 rows, dequantized reference_rows rows at a time (as int4_matmul_reference)."""
     N, K = shape
-    x, q, rows = x.float(), q.view(shape), reference_rows(K)
-    if rows >= N:
-        return x @ C.dequantize_int8(q, scale, shape).t()
-    y = torch.empty(*x.shape[:-1], N, device=x.device)
-    for r in range(0, N, rows):
-        n = min(rows, N - r)
-        y[..., r:r + n] = x @ C.dequantize_int8(q[r:r + n], scale[r:r + n], (n, K)).t()
-    return y
+    q = q.view(shape)
+    return chunked_reference(x, N, reference_rows(K),
+                             lambda r, n: C.dequantize_int8(q[r:r + n], scale[r:r + n], (n, K)))
 
 
 def int4_matmul_cpu(x, packed, sz, shape, group_size):
