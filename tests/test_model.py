@@ -250,10 +250,14 @@ def test_grouped_dispatch_bf16_cpu(expert_parallel, monkeypatch):
 def test_compile_model_on_cpu_keeps_dispatch_eager(monkeypatch):
     """train.py's --compile on CPU: compile_model equals the eager model (loss and grads), and its MoE layers run
     the eager ExpertFFNCPU path (traced, the dispatch broke the graph at bincount and .item(), 22 graphs against 7
-    here, and the padded bmm it compiled trained tiny ~30% slower than this)."""
+    here, and the padded bmm it compiled trained tiny ~30% slower than this). The aot_eager backend: the graph breaks
+    and the compiled autograd are dynamo's and AOTAutograd's; inductor's C++ build of the same graphs cost the suite
+    50 s on a cold cache and checks torch, not picaflor."""
     import copy
+    import functools
     import torch._dynamo
     torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     calls = []
     fwd = M.ExpertFFNCPU.forward
     monkeypatch.setattr(M.ExpertFFNCPU, "forward", staticmethod(lambda *a: calls.append(1) or fwd(*a)))
