@@ -305,6 +305,24 @@ DATA_EXTS = (".parquet", ".jsonl", ".json")
 SPLIT_NAMES = ("train", "validation", "test")
 
 
+# datasets whose repo holds every config's file for one split side by side (EleutherAI/lambada_openai: lambada_test.jsonl
+# is the default config, OpenAI's English text; lambada_test_{de,en,es,fr,it}.jsonl the translated configs)
+OTHER_CONFIG_FILES = {"lambada_openai": r"lambada_test_(de|en|es|fr|it)\.\w+"}
+
+
+def drop_other_configs(task, files, where):
+    """The files of the task's own config (all of them where the task has no such siblings)."""
+    pattern = OTHER_CONFIG_FILES.get(task)
+    if pattern is None:
+        return files
+    own = [f for f in files if not re.fullmatch(pattern, os.path.basename(f))]
+    if files and not own:
+        raise EvalError(f"{where}: holds only other configs' files for task {task} ({', '.join(files[:6])}); "
+                        f"it scores {TASKS[task][1][0]}'s {TASKS[task][1][1]} config: add that file "
+                        f"(lambada_test.jsonl on the Hub) or put its rows at {task}.jsonl")
+    return own
+
+
 def names_split(path, split):
     """Whether a data file's path names the split as a word: test-00000-of-00001.parquet, main/test/0000.parquet."""
     return re.search(rf"(^|[/_\-.]){split}([/_\-.]|$)", path) is not None
@@ -338,6 +356,7 @@ def local_task_rows(data_dir, task, split=None):
                                 f"{', ...' if len(files) > 6 else ''}) but no {split} split, the one task {task} "
                                 f"scores; add its {split} file(s) (a name with '{split}' in it) to that folder")
             files = [f for f in files if names_split(f, split)]
+        files = drop_other_configs(task, files, folder)
         if files:
             return [r for f in files for r in read_rows(os.path.join(folder, f))]
     raise EvalError(f"{data_dir}: no data file for task {task}; expected {task}.jsonl, {task}.json, "
@@ -366,6 +385,7 @@ def hub_task_rows(task, cache_dir, split=None):
             names = api.list_repo_files(repo, repo_type="dataset")
             files = [f for f in names if f.endswith(DATA_EXTS) and names_split(f, split)
                      and (config in (None, "default") or config in f.split("/")[0])]
+            files = drop_other_configs(task, files, repo)
         if not files:
             raise EvalError(f"{repo}: no {split} split file found on the Hub; use --data-dir with {local}")
         paths = [hf_hub_download(repo, f, repo_type="dataset", revision=revision, cache_dir=cache_dir)

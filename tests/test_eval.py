@@ -482,6 +482,31 @@ def test_data_dir_folder_of_a_hub_snapshot_reads_the_tasks_split(tmp_path):
     assert "train-00000-of-00001.parquet" in msg and "\n" not in msg
 
 
+def test_lambada_reads_only_its_default_configs_file(tmp_path, monkeypatch):
+    """EleutherAI/lambada_openai keeps every config's test file side by side (lambada_test.jsonl, the default English
+    one, and lambada_test_{de,en,es,fr,it}.jsonl): a snapshot folder, or the Hub's main branch when its parquet branch
+    is missing, was read whole, six languages scored as one task. Only the default config's file is read now."""
+    import huggingface_hub
+    langs = {lang: es.task_rows("lambada_openai", 2, seed=i) for i, lang in enumerate(("", "de", "en", "es", "fr", "it"))}
+    snap = tmp_path / "snap" / "lambada_openai"
+    snap.mkdir(parents=True)
+    for lang, r in langs.items():
+        (snap / f"lambada_test{'_' + lang if lang else ''}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in r))
+    assert ev.local_task_rows(str(tmp_path / "snap"), "lambada_openai") == langs[""]
+
+    def list_repo_files(self, repo, repo_type=None, revision=None):  # no parquet branch: the files on main
+        return [] if revision else ["lambada_openai.py", "README.md"] + [f"data/{f.name}" for f in sorted(snap.iterdir())]
+    got = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo, f, **k: got.append(f) or str(snap / os.path.basename(f)))
+    assert ev.hub_task_rows("lambada_openai", str(tmp_path / "cache")) == langs[""] and got == ["data/lambada_test.jsonl"]
+    os.remove(snap / "lambada_test.jsonl")  # only the translations: refused, not scored as English
+    with pytest.raises(ev.EvalError) as e:
+        ev.local_task_rows(str(tmp_path / "snap"), "lambada_openai")
+    assert str(e.value).startswith(f"{snap}: holds only other configs' files") and "lambada_test.jsonl" in str(e.value)
+
+
 def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
     """A truncated or random-bytes model.safetensors: a run dir said only "neither a Hugging Face model dir nor a
     picaflor checkpoint"; one whose MANIFEST.json matched the damage was a SafetensorError traceback."""
