@@ -307,19 +307,20 @@ SPLIT_NAMES = ("train", "validation", "test")
 
 # datasets whose repo holds every config's file for one split side by side (EleutherAI/lambada_openai: lambada_test.jsonl
 # is the default config, OpenAI's English text; lambada_test_{de,en,es,fr,it}.jsonl the translated configs)
-OTHER_CONFIG_FILES = {"lambada_openai": r"lambada_test_(de|en|es|fr|it)\.\w+"}
+# task -> (the other configs' file names, the scored config's file on the Hub)
+OTHER_CONFIG_FILES = {"lambada_openai": (r"lambada_test_(de|en|es|fr|it)\.\w+", "lambada_test.jsonl")}
 
 
 def drop_other_configs(task, files, where):
     """The files of the task's own config (all of them where the task has no such siblings)."""
-    pattern = OTHER_CONFIG_FILES.get(task)
-    if pattern is None:
+    if task not in OTHER_CONFIG_FILES:
         return files
-    own = [f for f in files if not re.fullmatch(pattern, os.path.basename(f))]
+    others, own_file = OTHER_CONFIG_FILES[task]
+    own = [f for f in files if not re.fullmatch(others, os.path.basename(f))]
     if files and not own:
         raise EvalError(f"{where}: holds only other configs' files for task {task} ({', '.join(files[:6])}); "
                         f"it scores {TASKS[task][1][0]}'s {TASKS[task][1][1]} config: add that file "
-                        f"(lambada_test.jsonl on the Hub) or put its rows at {task}.jsonl")
+                        f"({own_file} on the Hub) or put its rows at {task}.jsonl")
     return own
 
 
