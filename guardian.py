@@ -15,7 +15,8 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   shard: retry with backoff (unreachable_backoff_s x 2, 4, 8, ..., at most 60 s apart, each try said) until one
   outage's waits would pass unreachable_give_up_s (30 min), then stop.
 - a quarantined shard whose files changed since (replaced, or the corpus prepared again) and now verify against
-  index.json, or that index.json no longer lists, is released before the next start, in one loud line.
+  index.json, or that index.json no longer lists, is released before the next start, in one loud line (one that
+  verified when quarantined is released only when index.json's hashes for it changed: the same bytes crash again).
 - a trainer that ends other than 0 leaves the tail of its stdout / stderr in out_dir/guardian/crash-NNNN.log (the
   newest CRASH_LOGS_KEPT are kept; guardian.json names each start's).
 - hang (8), a signal (OOM kill), anything else: restart.
@@ -207,9 +208,14 @@ class Guardian:
                     had = dict(had, files=[x[:2] if x else x for x in had.get("files", [])])
                 if now == had:  # unchanged: not hashed again
                     continue
+                corrupt_on_disk = q.get("reason", "").startswith("corrupt on disk")
                 # a log from before fingerprints: only a shard that was corrupt on disk is known to have changed
-                known = q.get("fingerprint") is not None or q.get("reason", "").startswith("corrupt on disk")
-                if not known or shards.verify_shard(corpora[c], entry, index["vocab_size"]):
+                known = q.get("fingerprint") is not None or corrupt_on_disk
+                # one that verified when quarantined and verifies against the same hashes now holds the same bytes
+                # (copied, touched, a corpus moved to another disk): the crash it caused would come back
+                same_bytes = (not corrupt_on_disk and had is not None and
+                              (now["sha256"], now["mask_sha256"]) == (had.get("sha256"), had.get("mask_sha256")))
+                if not known or same_bytes or shards.verify_shard(corpora[c], entry, index["vocab_size"]):
                     q["fingerprint"] = now  # still corrupt (or verified when quarantined): hashed again when it changes
                     continue
                 why = "its files changed since it was quarantined and verify against index.json"

@@ -1110,7 +1110,9 @@ def test_the_guardian_hashes_a_checkpoint_again_only_when_its_files_changed(tmp_
 def test_a_quarantined_shard_fixed_or_gone_after_a_re_prepare_is_released(tmp_path, capsys):
     """A shard stayed quarantined after the operator replaced it with a good copy (skipped forever), and a name the
     corpus, prepared again, no longer lists refused every resume (train.py: 'is not a shard of'). Released now, in one
-    loud line, when its files changed since the quarantine and verify, or when index.json no longer lists it."""
+    loud line, when its files changed since the quarantine and verify, or when index.json no longer lists it. One that
+    verified when quarantined (the crash repeated there) is held while its hashes stay the same: touched, it was released
+    to crash the trainer again."""
     import guardian
     root = make_corpus(tmp_path / "data")
     cdir = os.path.join(root, "local")
@@ -1125,6 +1127,8 @@ def test_a_quarantined_shard_fixed_or_gone_after_a_re_prepare_is_released(tmp_pa
     with open(shard + ".new", "wb") as f:  # the operator puts a good copy in its place
         f.write(good)
     os.replace(shard + ".new", shard)
+    later = time.time_ns() + 10**9  # the verifying one copied or touched: the same bytes, which crashed, stay held
+    os.utime(other, ns=(later, later))
     g.release_fixed()
     assert [q["shard"] for q in g.log["quarantined"]] == ["local/train_000001.bin"]
     err = capsys.readouterr().err
