@@ -328,10 +328,20 @@ class Heartbeat(threading.Thread):
                 wait = max(self.lease.heartbeat_s / 4, 0.1)
 
 
+def start_heartbeat(hb):
+    """Start a Heartbeat; RelayError if no thread can be had (a process or memory limit): nothing would renew the lease."""
+    try:
+        hb.start()
+    except RuntimeError as e:
+        raise RelayError(f"cannot start the lease's heartbeat thread ({e})") from None
+
+
 def stop_heartbeat(hb, kept_in):
-    """Stop a Heartbeat; Fenced if someone else's commit landed meanwhile (the local files stay in kept_in)."""
+    """Stop a Heartbeat (one that never started too); Fenced if someone else's commit landed meanwhile (the local
+    files stay in kept_in)."""
     hb.stop.set()
-    hb.join()
+    if hb.ident is not None:
+        hb.join()
     if hb.fenced:
         raise Fenced(f"{hb.failed}. Training stopped; nothing pushed; local checkpoints are kept in {kept_in}")
 
@@ -340,7 +350,7 @@ def stop_heartbeat(hb, kept_in):
 def renewing(store, lease, kept_in):
     """The lease renewed in the background while a long download or upload runs (nothing else renews it then)."""
     hb = Heartbeat(store, lease, lambda: None)
-    hb.start()
+    start_heartbeat(hb)
     try:
         yield hb
     finally:
@@ -510,13 +520,15 @@ def cmd_run(args):
     print(f"relay: claimed leg {lease.leg} (generation {lease.generation}) of {store.url}")
 
     hb = Heartbeat(store, lease, lambda: None)  # the download of a big checkpoint may outlast the TTL
-    hb.start()
     try:
+        start_heartbeat(hb)
         run_dir = prepare_leg(store, lease, workdir)
     except (RelayError, OSError, KeyboardInterrupt) as e:  # OSError: this machine's disk: the baton goes back
         stop_heartbeat(hb, lease.run_dir or workdir)
         release(store, lease)
         if isinstance(e, RelayError):
+            if hb.ident is None:
+                raise RelayError(f"{e}; nothing pulled; lease released") from None
             raise
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed: {e}"
         raise RelayError(f"pulling the run {why}; lease released") from None
@@ -553,9 +565,15 @@ def cmd_run(args):
         release(store, lease)
         raise RelayError(f"cannot start the trainer {cmd[0]} ({e}); lease released")
     hb = Heartbeat(store, lease, stop_trainer)
-    hb.start()  # after the fork: preexec_fn is unsafe while other threads run
     plan, failure = None, None
     try:
+        try:
+            start_heartbeat(hb)  # after the fork: preexec_fn is unsafe while other threads run
+        except RelayError as e:  # the trainer ran unleased: it checkpoints and stops, the baton goes back
+            stop_trainer()
+            proc.wait()
+            raise RelayError(f"{e}: the trainer was stopped; {release_quietly(store, lease)}; local files kept in "
+                             f"{run_dir}") from None
         while proc.poll() is None:
             time.sleep(0.05)
             if time.time() - saved_at > 30:

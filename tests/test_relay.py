@@ -1844,3 +1844,30 @@ def test_a_claim_that_never_landed_is_not_taken_for_a_lease(then, tmp_path, hub,
     r = rl(["claim", url, "--workdir", work, "--ttl", "60", "--heartbeat", "20", "--who", "alice"])
     assert r.returncode == 0, r.stderr
     assert relay.Snapshot(store).relay["holder"] == "alice"
+
+
+@pytest.mark.parametrize("failing_start", [1, 2])
+def test_a_heartbeat_that_cannot_start_stops_the_leg_and_releases(failing_start, tmp_path, rl, monkeypatch):
+    """No thread for the heartbeat (a process or memory limit): before the pull the lease stayed held until its ttl
+    with a traceback; after the trainer's start the trainer ran unleased and relay's Ctrl-C handlers stayed installed.
+    Now one line, the trainer stopped, the handlers put back and the lease released."""
+    url = store_url("file", tmp_path, None)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    starts, real_start = [], relay.Heartbeat.start
+
+    def start(self):
+        starts.append(self)
+        if len(starts) == failing_start:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+    monkeypatch.setattr(relay.Heartbeat, "start", start)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    r = rl(["run", url, "--steps", "1000000", "--train-script", fake, "--workdir", tmp_path / "wa"],
+           dict(env, FAKE_STEP_S="0.05"))
+    assert r.returncode == 3 and "cannot start the lease's heartbeat thread (can't start new thread)" in r.stderr
+    assert "lease released" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(starts) == failing_start and {s: signal.getsignal(s) for s in handlers} == handlers
+    assert relay.Snapshot(relay.open_store(url)).relay["holder"] is None
+    if failing_start == 2:  # the trainer checkpointed on its SIGTERM and exited; its files stay here
+        assert "the trainer was stopped" in r.stderr and "local files kept in" in r.stderr
