@@ -22,6 +22,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ["DISABLE_MULTIPROC"] = "1"  # the harness's bootstrap in-process (same numbers as its pool)
 
 import eval as ev  # noqa: E402
+import eval_tasks as et  # noqa: E402
 import eval_speed as es  # noqa: E402
 
 ALL_TASKS = ["lambada_openai", "piqa", "winogrande", "arc_easy", "arc_challenge", "openbookqa", "hellaswag"]
@@ -168,7 +169,7 @@ def test_shared_context_path_equals_flat_path(hf_setup, tmp_path):
     run_dir, _ = make_picaflor_ckpt(tmp_path)
     lm = ev.load_model(run_dir, "cpu", "float32")
     args = ev.parse_args([run_dir, "--data-dir", data_dir])
-    docs = ev.task_docs("hellaswag", lm, args)
+    docs = et.task_docs("hellaswag", lm, args)
     ev.loglikelihoods(lm, docs, batch_size=8)
     shared = [list(d["lls"]) for d in docs]
     reqs = []
@@ -286,9 +287,9 @@ def test_passkey_reported_per_length(tmp_path, monkeypatch):
     lm = ev.load_model(run_dir, "cpu", "float32")
     # a model may emit ids no text maps to (reserved 0, unused top ids): shown as U+FFFD, specials dropped
     assert lm.decode([0, 72, tok.bos_id, 0]) == "\ufffd" + tok.decode([72]) + "\ufffd"
-    assert ev.passkey_lengths(lm, None) == [1024]
+    assert et.passkey_lengths(lm, None) == [1024]
     lm.max_length = 10000
-    assert ev.passkey_lengths(lm, None) == [4096, 8192, 10000]
+    assert et.passkey_lengths(lm, None) == [4096, 8192, 10000]
     assert ev.main([run_dir, "--tasks", "passkey", "--passkey-lengths", "4096", "--device", "cpu"]) == 2
     assert ev.main([run_dir, "--tasks", "passkey", "--passkey-lengths", "64", "--device", "cpu"]) == 2
 
@@ -432,7 +433,7 @@ def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", list_repo_files)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
-    got = ev.hub_task_rows("arc_challenge", str(tmp_path / "cache"))
+    got = et.hub_task_rows("arc_challenge", str(tmp_path / "cache"))
     assert got == rows
     assert ("allenai/ai2_arc", "ARC-Challenge/test/0000.parquet", "refs/convert/parquet",
             str(tmp_path / "cache")) in calls
@@ -440,13 +441,13 @@ def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch, capsys):
     def offline(self, *a, **k):  # HF_HUB_OFFLINE or no network: the listing is never cached by huggingface_hub
         raise ConnectionError("offline mode is enabled")
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", offline)
-    assert ev.hub_task_rows("arc_challenge", str(tmp_path / "cache")) == rows  # the earlier download, read again
+    assert et.hub_task_rows("arc_challenge", str(tmp_path / "cache")) == rows  # the earlier download, read again
     assert "reads the copy downloaded into" in capsys.readouterr().err
     with pytest.raises(ev.EvalError, match="cannot download allenai/ai2_arc for task arc_easy"):
-        ev.hub_task_rows("arc_easy", str(tmp_path / "cache"))  # never downloaded: the error it always was
+        et.hub_task_rows("arc_easy", str(tmp_path / "cache"))  # never downloaded: the error it always was
     os.remove(tmp_path / "0000.parquet")  # a cache pruned since: not a half-read, the same error
     with pytest.raises(ev.EvalError, match="cannot download allenai/ai2_arc for task arc_challenge"):
-        ev.hub_task_rows("arc_challenge", str(tmp_path / "cache"))
+        et.hub_task_rows("arc_challenge", str(tmp_path / "cache"))
 
 
 def test_data_dir_folder_of_a_hub_snapshot_reads_the_tasks_split(tmp_path):
@@ -461,22 +462,22 @@ def test_data_dir_folder_of_a_hub_snapshot_reads_the_tasks_split(tmp_path):
     for s, r in rows.items():
         pq.write_table(pa.Table.from_pylist(r), snap / f"{s}-00000-of-00001.parquet")
     (snap / "dataset_info.json").write_text('{"splits": {}}')  # a snapshot's metadata: not rows of the split
-    assert ev.local_task_rows(str(tmp_path / "snap"), "piqa") == rows["validation"]
+    assert et.local_task_rows(str(tmp_path / "snap"), "piqa") == rows["validation"]
     arc = tmp_path / "snap" / "arc_easy"  # arc_easy scores test; its shards in name order
     arc.mkdir()
     parts = [es.task_rows("arc_easy", 2, seed=s) for s in (1, 2)]
     for i, r in enumerate(parts):
         pq.write_table(pa.Table.from_pylist(r), arc / f"test-0000{i}-of-00002.parquet")
     pq.write_table(pa.Table.from_pylist(es.task_rows("arc_easy", 4, seed=3)), arc / "train-00000-of-00001.parquet")
-    assert ev.local_task_rows(str(tmp_path / "snap"), "arc_easy") == parts[0] + parts[1]
+    assert et.local_task_rows(str(tmp_path / "snap"), "arc_easy") == parts[0] + parts[1]
     plain = tmp_path / "plain" / "piqa"  # no split in the names: every file, in name order, as before
     plain.mkdir(parents=True)
     for name, r in (("a.jsonl", rows["train"]), ("b.jsonl", rows["test"])):
         (plain / name).write_text("".join(json.dumps(x) + "\n" for x in r))
-    assert ev.local_task_rows(str(tmp_path / "plain"), "piqa") == rows["train"] + rows["test"]
+    assert et.local_task_rows(str(tmp_path / "plain"), "piqa") == rows["train"] + rows["test"]
     os.remove(snap / "validation-00000-of-00001.parquet")  # the task's split missing, others there: refused
     with pytest.raises(ev.EvalError) as e:
-        ev.local_task_rows(str(tmp_path / "snap"), "piqa")
+        et.local_task_rows(str(tmp_path / "snap"), "piqa")
     msg = str(e.value)
     assert msg.startswith(f"{snap}: holds train/test split files") and "no validation split" in msg, msg
     assert "train-00000-of-00001.parquet" in msg and "\n" not in msg
@@ -492,7 +493,7 @@ def test_lambada_reads_only_its_default_configs_file(tmp_path, monkeypatch):
     snap.mkdir(parents=True)
     for lang, r in langs.items():
         (snap / f"lambada_test{'_' + lang if lang else ''}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in r))
-    assert ev.local_task_rows(str(tmp_path / "snap"), "lambada_openai") == langs[""]
+    assert et.local_task_rows(str(tmp_path / "snap"), "lambada_openai") == langs[""]
 
     def list_repo_files(self, repo, repo_type=None, revision=None):  # no parquet branch: the files on main
         return [] if revision else ["lambada_openai.py", "README.md"] + [f"data/{f.name}" for f in sorted(snap.iterdir())]
@@ -500,10 +501,10 @@ def test_lambada_reads_only_its_default_configs_file(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", list_repo_files)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download",
                         lambda repo, f, **k: got.append(f) or str(snap / os.path.basename(f)))
-    assert ev.hub_task_rows("lambada_openai", str(tmp_path / "cache")) == langs[""] and got == ["data/lambada_test.jsonl"]
+    assert et.hub_task_rows("lambada_openai", str(tmp_path / "cache")) == langs[""] and got == ["data/lambada_test.jsonl"]
     os.remove(snap / "lambada_test.jsonl")  # only the translations: refused, not scored as English
     with pytest.raises(ev.EvalError) as e:
-        ev.local_task_rows(str(tmp_path / "snap"), "lambada_openai")
+        et.local_task_rows(str(tmp_path / "snap"), "lambada_openai")
     assert str(e.value).startswith(f"{snap}: holds only other configs' files") and "lambada_test.jsonl" in str(e.value)
 
 
@@ -736,12 +737,12 @@ def test_gsm8k_fewshot_prompts_are_the_harness_s(tmp_path):
         by_id = {s["doc_id"]: s["arguments"][0][0] for s in ref["samples"]["gsm8k"]}  # (a sample per filter)
         want = [by_id[i] for i in range(len(by_id))]
         argv = ["m", "--data-dir", str(tmp_path / "data"), "--seed", str(seed)]
-        got = [d["prompt"] for d in ev.task_docs("gsm8k", None, ev.parse_args(argv + (["--num-fewshot", str(n)]
+        got = [d["prompt"] for d in et.task_docs("gsm8k", None, ev.parse_args(argv + (["--num-fewshot", str(n)]
                                                                                        if n is not None else [])))]
         assert got == want, (n, seed)
         assert all(p.count("Question: ") == (5 if n is None else n) + 1 for p in got)
     test = [json.loads(x) for x in open(files["test"])]
-    got0 = ev.task_docs("gsm8k", None, ev.parse_args(argv + ["--num-fewshot", "0"]))
+    got0 = et.task_docs("gsm8k", None, ev.parse_args(argv + ["--num-fewshot", "0"]))
     assert [d["prompt"] for d in got0] == [f"Question: {r['question']}\nAnswer:" for r in test]  # 0-shot unchanged
 
 
