@@ -49,6 +49,12 @@ def hf_env(hub, tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def in_its_own_cwd(tmp_path, monkeypatch):
+    """A command without --workdir uses ./relay-work: the test's folder, not the repository's."""
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
 def no_xet_in_process(monkeypatch):
     """huggingface_hub reads HF_HUB_DISABLE_XET once, at import, which an earlier test file may have done without
     it; with hf_xet installed the client would then try Xet, which the fake Hub (like the tests) does not speak."""
