@@ -226,15 +226,19 @@ def encode_blob(kind, w, group_size, symmetric=False, what="a tensor"):
 
 class CheckpointSource:
     def __init__(self, ckpt_dir):
-        from safetensors import safe_open
         try:
             self.dir = checkpoint.resolve(ckpt_dir)
             checkpoint.verify(self.dir)
         except checkpoint.CheckpointError as e:
             raise ContainerError(str(e)) from None
-        with open(os.path.join(self.dir, "state.json"), encoding="utf-8") as f:
-            self.cfg = ModelConfig.from_dict(json.load(f)["model_config"])
-        self.f = safe_open(os.path.join(self.dir, "model.safetensors"), framework="pt", device="cpu")
+        state_path = os.path.join(self.dir, "state.json")
+        try:  # (no model_config: a KeyError traceback from container.py CKPT --out)
+            with open(state_path, encoding="utf-8") as f:
+                self.cfg = ModelConfig.from_dict(json.load(f)["model_config"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ContainerError(f"{state_path}: no usable model_config ({e}); use a checkpoint written by "
+                                 f"train.py") from None
+        self.f = open_safetensors(os.path.join(self.dir, "model.safetensors"))
         self.names = set(self.f.keys())
         tok = os.path.join(self.dir, "tokenizer.json")
         self.tokenizer_json = open(tok, encoding="utf-8").read() if os.path.exists(tok) else None
@@ -245,6 +249,17 @@ class CheckpointSource:
 
     def get_expert(self, name, e):
         return check_finite(self.f.get_slice(name)[e], f"{self.dir}/model.safetensors: {name}[{e}]")
+
+
+def open_safetensors(path):
+    """safe_open(path), or a one-line error when its manifest verified but it is no safetensors file (damaged before
+    the manifest was written, or the manifest rewritten): a SafetensorError traceback from every export format."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ContainerError(f"{path}: not a readable safetensors file ({(str(e).splitlines() or [''])[0]}); re-copy "
+                             f"the checkpoint from where it was saved, or export an earlier step_* dir") from None
 
 
 def check_finite(t, what):
@@ -853,12 +868,21 @@ def load_container(path):
 # config files (config/micro.py): model fields as globals
 
 def config_from_file(path):
+    import configurator
     g = {}
     try:
-        exec(open(path).read(), g)
+        exec(compile(open(path).read(), path, "exec"), g)
     except OSError as e:
         raise ContainerError(f"{path}: cannot read config file ({e.strerror})") from None
-    return ModelConfig.from_dict({f.name: g[f.name] for f in fields(ModelConfig) if f.name in g})
+    except SyntaxError as e:  # (a traceback, as was every error of the file below)
+        raise ContainerError(f"{path}:{e.lineno}: syntax error: {e.msg}; fix the config file") from None
+    except Exception as e:
+        raise ContainerError(f"{path}: raised {type(e).__name__}: {e}; fix the config file") from None
+    try:  # each field of its default's type: n_layer = "2" was a TypeError traceback in validate
+        return ModelConfig.from_dict({f.name: configurator.coerce(f.name, g[f.name], f.default)
+                                      for f in fields(ModelConfig) if f.name in g})
+    except (configurator.ConfigError, ValueError) as e:
+        raise ContainerError(f"{path}: {e}; fix the config file") from None
 
 
 def measure_quantization(ckpt_or_cfg, group_sizes=(32, 64, 128)):

@@ -106,7 +106,7 @@ class Source:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ExportError(f"{state_path}: no usable model_config ({e}); use a checkpoint written by train.py")
         self.weights = os.path.join(self.dir, "model.safetensors")
-        self.f = safe_open(self.weights, framework="pt")
+        self.f = container.open_safetensors(self.weights)  # (not a safetensors file: a traceback)
         # layers in numeric order (layers.2 before layers.10), so files read layer by layer
         self.names = sorted(self.f.keys(), key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)])
         self._cache = (None, None)
@@ -651,14 +651,19 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"gguf {gguf_type}", disable=not progress)
+        T = gguf.GGMLQuantizationType
         for gname, sname, part, qtype, sh in plan:  # pass 2: data, one tensor at a time
             t = src.get(sname)
             if part:
                 half = t.shape[1] // 2
                 t = t[:, :half] if part == "gate" else t[:, half:]
-            if qtype == gguf.GGMLQuantizationType.F16 and t.numel() and t.float().abs().max() > 65504:
-                raise ExportError(f"{sname}: values beyond float16's range (+-65504) would be Inf in the GGUF; export "
-                                  f"with --gguf-type bf16 (or q8_0)")
+            # f16 holds each value, q8_0 / q4_0 a float16 scale per block (absmax / 127, absmax / 8): an Inf scale
+            # made the block Inf and NaN, silently
+            limit = {T.F16: 65504, T.Q8_0: 65504 * 127, T.Q4_0: 65504 * 8}.get(qtype)
+            if limit and t.numel() and t.float().abs().max() > limit:
+                what = "float16's range" if qtype == T.F16 else f"{qtype.name.lower()}'s float16 block scales"
+                raise ExportError(f"{sname}: values beyond {what} (+-{limit}) would be Inf in the GGUF; export "
+                                  f"with --gguf-type bf16" + (" (or q8_0)" if qtype == T.F16 else ""))
             data = gguf.quants.quantize(t.float().contiguous().numpy(), qtype)
             data = np.ascontiguousarray(data).view(np.uint8)
             w.write_tensor_data(data)

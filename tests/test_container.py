@@ -325,3 +325,31 @@ def test_a_group_size_that_pads_the_widths_is_said(built, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "group size 96 does not divide input widths" in err and "more int4 weights" in err
     assert os.path.getsize(tmp_path / "g.pcf4") > os.path.getsize(out)
+
+
+def test_a_malformed_config_or_checkpoint_is_one_line_error(tmp_path, capsys):
+    """A config file with a syntax error, an undefined name or a size given as a string raised a traceback from
+    `--random-config`, and so did a checkpoint whose state.json has no model_config or whose model.safetensors (its
+    manifest intact) is no safetensors file; nothing was written."""
+    from safetensors.torch import save_file
+    import checkpoint
+    for name, text, want in [("syn.py", "n_layer = 2\nd_model = 64 +\n", "syn.py:2: syntax error"),
+                             ("name.py", "d_model = foo\n", "NameError"),
+                             ("str.py", 'n_layer = "2"\n', "n_layer must be an int")]:
+        (tmp_path / name).write_text(text)
+        out = tmp_path / (name + ".pcf4")
+        assert C.main(["--random-config", str(tmp_path / name), "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert want in err and str(tmp_path / name) in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+    sd = {k: v for k, v in Picaflor(ModelConfig(**TINY)).state_dict().items() if not k.endswith("load_accum")}
+    for name, state, weights, want in [
+            ("nocfg", {"step": 1}, lambda p: save_file(sd, p), "state.json: no usable model_config"),
+            ("garbage", {"step": 1, "model_config": TINY}, lambda p: open(p, "wb").write(b"\x10" * 100),
+             "model.safetensors: not a readable safetensors file")]:
+        state_file = lambda p, s=state: open(p, "w").write(json.dumps(s))  # noqa: E731
+        ck = checkpoint.save(str(tmp_path / name), 1, {"model.safetensors": weights, "state.json": state_file})
+        assert C.main([ck, "--out", str(tmp_path / (name + ".pcf4"))]) == 1
+        err = capsys.readouterr().err
+        assert want in err and ck in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / (name + ".pcf4")).exists()

@@ -660,3 +660,30 @@ def test_gguf_refuses_what_llama_cpp_aborts_on_and_a_huge_stale_number_is_not_a_
     stray.write_bytes(b"half")
     export.clean_stale_outputs(str(tmp_path / "g.gguf"))
     assert not stray.exists()
+
+
+def test_a_weight_past_a_quantized_types_f16_scale_and_unreadable_weights(ckpt, tmp_path):
+    """q8_0 and q4_0 keep one float16 scale per block of 32 (absmax / 127, absmax / 8): a weight of 1e7 gave an Inf
+    scale, and the GGUF held Inf and NaN weights without a word (only f16 was checked). A model.safetensors that is
+    no safetensors file (its manifest intact) raised a SafetensorError traceback in every format."""
+    torch.manual_seed(0)
+    m = M.Picaflor(M.ModelConfig(**CFG))
+    with torch.no_grad():
+        m.moe_layers()[0].shared_experts.down_proj.weight[1, 2] = 1e7
+    run = M.save_checkpoint(m, str(tmp_path / "big"), 1, tokenizer_file=str(ckpt["dir"] / "tok.json"))
+    for gtype in ("q8_0", "q4_0"):
+        out = str(tmp_path / f"{gtype}.gguf")
+        with pytest.raises(SystemExit) as e:
+            run_export([run, "--format", "gguf", "--gguf-type", gtype, "--out", out])
+        msg = str(e.value.code)
+        assert "down_proj" in msg and "would be Inf" in msg and "--gguf-type bf16" in msg and "\n" not in msg, msg
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(f"{gtype}.gguf")]
+    bad = checkpoint.save(str(tmp_path / "garbage"), 1, {  # its manifest is computed over these bytes: it verifies
+        "model.safetensors": lambda p: open(p, "wb").write(b"\x10" * 100),
+        "state.json": lambda p: open(p, "w").write(json.dumps({"step": 1, "model_config": CFG}))})
+    for fmt, out in (("int4", "g.pcf4"), ("hf", "ghf"), ("gguf", "g.gguf")):
+        with pytest.raises(SystemExit) as e:
+            run_export([bad, "--format", fmt, "--out", str(tmp_path / out)])
+        msg = str(e.value.code)
+        assert msg.startswith("error: ") and "model.safetensors: not a readable safetensors" in msg, msg
+        assert "\n" not in msg and not os.path.exists(tmp_path / out)
