@@ -124,7 +124,15 @@ def not_data(text):
         tree = ast.parse(text)
     except SyntaxError as e:
         return e.lineno or 0, f"syntax error: {e.msg}"
+    except (RecursionError, MemoryError):  # nested past the parser's depth (x = 1+1+...): refused, not a traceback
+        return 0, "nested too deeply to parse"
     known = {}  # name -> value, of the assignments above
+
+    def shown(node):  # ast.unparse recurses as deep as the tree: a RecursionError from ~500 levels, so the text as written
+        try:
+            return ast.unparse(node).splitlines()[0][:60]
+        except RecursionError:
+            return (ast.get_source_segment(text, node) or "").split("\n")[0][:60]
 
     class Refused(Exception):
         pass
@@ -187,10 +195,10 @@ def not_data(text):
             try:
                 v = value(stmt.value)
             except (Refused, RecursionError):
-                return stmt.lineno, ast.unparse(stmt.value)[:60]
+                return stmt.lineno, shown(stmt.value)
             known.update((t.id, v) for t in stmt.targets)
             continue
-        return stmt.lineno, ast.unparse(stmt).splitlines()[0][:60]
+        return stmt.lineno, shown(stmt)
     return None
 
 

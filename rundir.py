@@ -324,7 +324,9 @@ def mirror(out_dir, dest, checkpoints=True, keep=1, tick=None):
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                     shutil.rmtree(os.path.join(dest, f".trash-{os.path.basename(there)}"), ignore_errors=True)
-            retain(dest, keep)  # else every checkpoint ever made piles up there
+            # else every checkpoint ever made piles up there; a newer step there is another timeline's (out_dir set it
+            # aside): protected as the newest, it had each copy deleted as soon as it landed
+            retain(dest, keep, saved=there or None)
     except Exception as e:  # OSError mostly; a mirror must never end the run
         why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         said = _MIRROR_SAID.get(dest)

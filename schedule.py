@@ -38,6 +38,8 @@ def build_plan(cfg, tokens_per_step, refuse_short=True):
             v = s.get(key)
             if key in s and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v)):
                 raise PlanError(f"stages[{i}]: {key} must be a whole number, got {v!r}")
+            if key != "seq_len" and key in s and v < 0:  # skipped as a 0 is, the stage silently never trained
+                raise PlanError(f"stages[{i}]: {key} must be >= 0 (0 skips the stage), got {v!r}")
         if "mix" in s and not (isinstance(s["mix"], dict) and s["mix"] and all(
                 isinstance(c, str) and isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
                 for c, w in s["mix"].items())):

@@ -98,6 +98,9 @@ def test_configure_or_exit_is_one_line(tmp_path):
     ("x = '%0999999999d' % 1", False),  # a gigabyte of zeros
     ("x = open('f')", False),
     ("compile = False\nn = 3\nstages = [dict(name='w', steps=n * 2), dict(name='s', mix={'a': 0.5}, tokens=2e9)]", True),
+    ("x = " + "1 + " * 1000 + "1", False),  # a RecursionError (relay's pull: a traceback, the lease kept)
+    ("x.y = " + "1 + " * 600 + "1", False),
+    ("x = " + "-" * 10000 + "1", False),  # a MemoryError from the parser
 ])
 def test_a_config_from_another_machine_must_be_quick_plain_data(body, ok):
     """configurator.not_data, which relay.py applies to the run's config.py before train.py execs it: literals and

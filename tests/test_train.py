@@ -404,6 +404,10 @@ def test_plans_that_cannot_run_are_refused():
                          ([dict(name=1, steps=4)], "name must be a string")]:
         with pytest.raises(schedule.PlanError, match=want):
             schedule.build_plan(dict(g, stages=stages), per_step)
+    for stages in ([dict(name="w", steps=-20, lr_phase="warmup"), dict(name="d", steps=10, lr_phase="decay")],
+                   [dict(name="main", tokens=-4096), dict(name="d", steps=10, lr_phase="decay")]):
+        with pytest.raises(schedule.PlanError, match=">= 0"):  # was skipped: the run trained only its decay
+            schedule.build_plan(dict(g, stages=stages), per_step)
     with pytest.raises(schedule.PlanError, match="warmup_iters=30"):
         schedule.build_plan(dict(g, stages=[], max_iters=4, warmup_iters=30), per_step)
     assert schedule.build_plan(dict(g, stages=[dict(name="a", tokens=2e3)]), per_step)[0]["tokens"] == 2048  # 2e3 is fine
@@ -691,6 +695,23 @@ def test_retention_and_the_mirror_after_kills(tmp_path):
     assert sorted(n for n in os.listdir(mirror) if n.startswith(("step_", ".tmp", ".trash"))) == ["step_0000012"]
     assert len(ticks) >= 1  # the copy keeps the hang watchdog fed (a long copy was taken for a hang)
     assert checkpoint.is_valid(os.path.join(mirror, "step_0000012"))
+
+
+def test_a_newer_step_of_another_timeline_in_the_mirror_does_not_delete_each_copy(tmp_path):
+    """The mirror's retention protected its newest step, another timeline's (its weights rotted, out_dir's copy set
+    aside on resume), and deleted every step copied there as soon as it landed: the mirror held no valid checkpoint."""
+    out, mirror = str(tmp_path / "run"), str(tmp_path / "mirror")
+    save = lambda d, step: checkpoint.save(d, step, {  # noqa: E731
+        "state.json": lambda p: open(p, "w").write(json.dumps({"kind": "periodic", "step": step})),
+        "model.safetensors": lambda p: open(p, "wb").write(b"w" * 100)})
+    save(mirror, 20)
+    with open(os.path.join(mirror, "step_0000020", "model.safetensors"), "r+b") as f:
+        f.write(b"X")  # same size, bad hash
+    for step in (4, 8):
+        save(out, step)
+        assert rundir.mirror(out, mirror, keep=1)
+    assert [s for s, _ in checkpoint.list_checkpoints(mirror)] == [8, 20]
+    assert checkpoint.is_valid(os.path.join(mirror, "step_0000008"))
 
 
 def test_a_failing_mirror_is_said_once_not_at_every_log_step(tmp_path, capsys):
