@@ -232,6 +232,8 @@ def chat_loop(tok, backend, system=None, max_new_tokens=256, temperature=0.0, to
     out = out or sys.stdout
     if input_fn is None and hasattr(sys.stdin, "reconfigure"):  # a Latin-1 byte in a UTF-8 locale: a traceback
         sys.stdin.reconfigure(errors="replace")
+    if out is sys.stdout and hasattr(out, "reconfigure"):  # a character its encoding lacks (Latin-1, cp1252) raised
+        out.reconfigure(errors="replace")  # UnicodeEncodeError, a ValueError: the answer stopped there, unseen
     input_fn = input_fn or input
     try:
         import readline  # noqa: F401  (line editing and history for input(), where available)
@@ -362,7 +364,8 @@ PICK_PROMPTS = [
 
 
 def val_assistant_loss(model, corpus_dir, max_rows=256, batch_rows=8):
-    """Mean cross-entropy over the assistant tokens (mask 1) of the val split, whole rows; (loss, n targets)."""
+    """Mean cross-entropy over the assistant tokens (mask 1) of the val split, whole rows, each packed conversation
+    attending only to itself (as train.py's val loss and as served); (loss, n targets)."""
     import torch
     import torch.nn.functional as F
     import shards
@@ -370,6 +373,7 @@ def val_assistant_loss(model, corpus_dir, max_rows=256, batch_rows=8):
     ts = shards.TokenStream(corpus_dir, "val", vocab_size=model.cfg.vocab_size)
     if not ts.has_mask:
         raise ChatError(f"{corpus_dir}/index.json: not a chat corpus (no loss masks); run data/smoltalk/prepare.py")
+    bos = shards.load_corpus_tokenizer(corpus_dir, ts.index).bos_id  # each packed conversation starts at <|bos|>
     T = min(ts.row_tokens or model.cfg.max_seq_len, model.cfg.max_seq_len)
     rows = max(1, min(max_rows, ts.total_tokens // T))
     dev = model.embed_tokens.weight.device
@@ -377,7 +381,8 @@ def val_assistant_loss(model, corpus_dir, max_rows=256, batch_rows=8):
     with torch.no_grad():
         for start in range(0, rows, batch_rows):
             x, y = ts.next_batch(min(batch_rows, rows - start), T)
-            logits = model(x.to(dev)).float()
+            # as train.py's doc_mask: a conversation attends only to itself, not to those packed before it in its row
+            logits = model(x.to(dev), doc_ids=(x == bos).cumsum(1).to(dev)).float()
             total += F.cross_entropy(logits.view(-1, logits.size(-1)), y.to(dev).view(-1), ignore_index=-1,
                                      reduction="sum").item()
             count += int((y != -1).sum())

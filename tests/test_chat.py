@@ -839,3 +839,54 @@ def test_a_corrupt_expert_found_mid_answer_is_one_line(tok, sft_run, monkeypatch
     assert chat.main([sft_run]) == 1
     err = capsys.readouterr().err
     assert err.startswith("chat.py: error: m.pcf4: checksum mismatch") and len(err.strip().splitlines()) == 1
+
+
+def test_pick_val_loss_keeps_each_packed_conversation_to_itself(tok, corpus):
+    """`chat.py pick`'s held-out loss ran the packed val rows without train.py's doc_mask: each conversation attended
+    to those packed before it in its row (never seen when served), so the score differed from train.py's val loss."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    m = Picaflor(ModelConfig(**MODEL)).eval()
+    x, y = shards.TokenStream(str(corpus[0]), "val").next_batch(4, ROW)
+    assert ((x == tok.bos_id).sum(1) > 1).all()  # several conversations in every row
+    with torch.no_grad():
+        sums = {}
+        for masked in (True, False):
+            logits = m(x, doc_ids=(x == tok.bos_id).cumsum(1) if masked else None).float()
+            sums[masked] = float(F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1,
+                                                 reduction="sum"))
+    n = int((y != -1).sum())
+    assert abs(sums[True] - sums[False]) / n > 1e-3  # the mask matters here
+    loss, count = chat.val_assistant_loss(m, str(corpus[0]), max_rows=4)
+    assert count == n and abs(loss - sums[True] / n) < 1e-5, (loss, sums[True] / n, sums[False] / n)
+
+
+def test_an_answer_the_terminal_cannot_encode_is_shown_whole(tok, monkeypatch):
+    """A terminal (or a redirected stdout) whose encoding lacks a character of the answer (Latin-1, Windows' cp1252:
+    an emoji, a euro sign in Latin-1): the UnicodeEncodeError, a ValueError, stopped the answer at that character and
+    showed the codec's message instead. Such a character shows as '?' now, and the answer goes on."""
+    import io
+    import types
+    script = tok.encode("\u20ac ok") + [tok.special_ids["<|end|>"]]
+    step = {"n": 0}
+
+    def forward(ids, cache):  # a model that answers "\u20ac ok"
+        cache.pos += ids.shape[1]
+        logits = torch.full((1, MODEL["vocab_size"]), -1e9)
+        logits[0, script[min(step["n"], len(script) - 1)]] = 0.0
+        step["n"] += 1
+        return logits
+    backend = dict(forward=forward, new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n), max_len=64,
+                   device="cpu", after_reply=None)
+    out = io.TextIOWrapper(io.BytesIO(), encoding="latin-1", write_through=True)
+    monkeypatch.setattr(sys, "stdout", out)
+    lines = iter(["ping 1"])
+
+    def fake_input(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    assert chat.chat_loop(tok, backend, input_fn=fake_input) == 0
+    text = out.buffer.getvalue().decode("latin-1")
+    assert "? ok\n" in text and "codec" not in text, text
