@@ -241,6 +241,9 @@ def chat_loop(tok, backend, system=None, max_new_tokens=256, temperature=0.0, to
         pass
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     conv = Conversation(tok, backend, system, context)
+    if context and context > conv.max_len:  # (capped without a word: the user believed in the context they asked for)
+        print(f"chat.py: note: --context {context} is capped at the model's {conv.max_len} positions (max_seq_len)",
+              file=sys.stderr)
     mode = "greedy" if temperature == 0 else f"temperature {temperature}" + (f", top-p {top_p}" if top_p else "")
     out.write(f"chat ({mode}, context {conv.max_len} tokens): /reset starts over, /exit or Ctrl-D quits, "
               f"Ctrl-C stops an answer\n")
@@ -571,8 +574,9 @@ def main(argv=None):
         import container
         import shards
         import stream_infer
+        import expert_cache
         if not isinstance(e, (shards.DataError, checkpoint.CheckpointError, container.ContainerError,
-                              stream_infer.StreamError)):  # (a corrupt expert found mid-answer: a traceback)
+                              stream_infer.StreamError, expert_cache.CacheError)):  # (a corrupt expert found mid-answer: a traceback)
             raise
         print(f"chat.py: error: {e}", file=sys.stderr)
         return 1

@@ -90,11 +90,19 @@ def verify(ckpt_dir, check_hashes=True):
         raise CheckpointError(f"{man_path}: missing, so this checkpoint is incomplete; use an earlier step_* dir")
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{man_path}: unreadable manifest ({e}); use an earlier step_* dir")
+    except OSError as e:  # (permissions, EIO, a directory): a traceback from is_valid, so from resume's search too
+        raise CheckpointError(f"{os_error_line(e, man_path)}; fix its permissions or use an earlier step_* dir")
     if not (isinstance(files, dict) and files and all(  # valid JSON of another shape: a KeyError stopped the resume
             isinstance(name, str) and isinstance(meta, dict) and isinstance(meta.get("sha256"), str)
             and isinstance(meta.get("bytes"), int) for name, meta in files.items())):
         raise CheckpointError(f"{man_path}: not a picaflor manifest (files must map each name to its sha256 and "
                               f"bytes); use an earlier step_* dir")
+    m = STEP_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
+    step = manifest.get("step")
+    # a step dir renamed or copied under another step's name: resume would take it for that step, retention too
+    if m and isinstance(step, int) and step != int(m.group(1)):
+        raise CheckpointError(f"{ckpt_dir}: its MANIFEST.json is step {step}'s (renamed or copied under another "
+                              f"name); rename it back to {step_dir_name(step)}")
     for name, meta in files.items():
         p = os.path.join(ckpt_dir, name)
         if not os.path.isfile(p):
@@ -102,7 +110,11 @@ def verify(ckpt_dir, check_hashes=True):
         if os.path.getsize(p) != meta["bytes"]:
             raise CheckpointError(f"{p}: {os.path.getsize(p)} bytes, manifest says {meta['bytes']} (truncated?); "
                                   f"use an earlier step_* dir")
-        if check_hashes and sha256_file(p) != meta["sha256"]:
+        try:
+            intact = not check_hashes or sha256_file(p) == meta["sha256"]
+        except OSError as e:  # an unreadable file (EIO of a failing disk, permissions) is not a valid checkpoint
+            raise CheckpointError(f"{os_error_line(e, p)}; use an earlier step_* dir") from None
+        if not intact:
             raise CheckpointError(f"{p}: sha256 does not match MANIFEST.json (corrupt); use an earlier step_* dir")
     return manifest
 

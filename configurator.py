@@ -101,6 +101,8 @@ def exec_config_file(path, g):
             raise ConfigError(f"{path}: unknown config key '{k}'{closest(k, before)}")
     set_keys = []
     for k in sorted(before):  # assigned (even to the default's value) or changed in place: both checked, both given
+        if k not in scope:  # (a KeyError traceback)
+            raise ConfigError(f"{path}: deletes config key '{k}' (del); a config file sets keys, it cannot remove one")
         if scope.get(k) is not defaults[k] or scope[k] != g[k]:
             try:
                 g[k] = coerce(k, scope[k], g[k])

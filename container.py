@@ -50,6 +50,7 @@ time), quantized and written at their precomputed offsets; peak RAM is about one
 """
 
 import argparse
+import difflib
 import errno
 import json
 import math
@@ -878,6 +879,11 @@ def config_from_file(path):
         raise ContainerError(f"{path}:{e.lineno}: syntax error: {e.msg}; fix the config file") from None
     except Exception as e:
         raise ContainerError(f"{path}: raised {type(e).__name__}: {e}; fix the config file") from None
+    model_fields = sorted(f.name for f in fields(ModelConfig))
+    for key in sorted(configurator.config_keys(g) - set(model_fields)):  # the training keys are left to train.py, but
+        near = difflib.get_close_matches(key, model_fields, n=1, cutoff=0.8)  # n_layers = 40 built n_layer's default
+        if near:
+            raise ContainerError(f"{path}: '{key}' is no model field; did you mean '{near[0]}'? fix the config file")
     try:  # each field of its default's type: n_layer = "2" was a TypeError traceback in validate
         return ModelConfig.from_dict({f.name: configurator.coerce(f.name, g[f.name], f.default)
                                       for f in fields(ModelConfig) if f.name in g})

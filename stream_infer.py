@@ -1198,6 +1198,8 @@ def main(argv=None):
                    prefetch=args.prefetch, context=args.context, cache_policy=args.cache_policy,
                    preload=False if args.no_preload else "auto")
         torch.set_num_threads(compute_threads(eng, args.threads))
+        if args.context and args.context > eng.context:  # (capped without a word)
+            print(f"note: --context {args.context} is capped at the model's max_seq_len {eng.context}", file=sys.stderr)
         tok = eng.tokenizer
         if tok is not None:
             ids = [tok.bos_id] + tok.encode(args.prompt)

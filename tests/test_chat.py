@@ -3,6 +3,7 @@ counted, long conversations split at turn boundaries), an SFT run of train.py th
 KV-cache chat (history never re-prefilled), checkpoint choice, a real terminal session in tmux, and the HF
 export's chat template rendering the same ids."""
 
+import io
 import json
 import os
 import random
@@ -839,6 +840,26 @@ def test_a_corrupt_expert_found_mid_answer_is_one_line(tok, sft_run, monkeypatch
     assert chat.main([sft_run]) == 1
     err = capsys.readouterr().err
     assert err.startswith("chat.py: error: m.pcf4: checksum mismatch") and len(err.strip().splitlines()) == 1
+    import expert_cache  # the expert cache's own refusal mid-answer was a traceback too
+
+    def too_small(ids, cache):
+        raise expert_cache.CacheError("m.pcf4: an expert cache of 0.5 MiB cannot hold one expert (1.0 MiB); raise "
+                                      "--ram-budget")
+    monkeypatch.setattr(chat, "load_model", lambda *a, **kw: (tok, dict(backend, forward=too_small)))
+    assert chat.main([sft_run]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("chat.py: error: m.pcf4: an expert cache") and len(err.strip().splitlines()) == 1
+
+
+def test_a_context_past_the_models_is_said_to_be_capped(tok, monkeypatch, capsys):
+    """--context beyond the model's max_seq_len was capped without a word (the banner's figure only)."""
+    import types
+    backend = dict(forward=None, new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n), max_len=64,
+                   device="cpu", after_reply=None)
+    for context, said in ((4096, True), (64, False), (32, False)):
+        assert chat.chat_loop(tok, backend, context=context, input_fn=lambda p: "/exit", out=io.StringIO()) == 0
+        err = capsys.readouterr().err
+        assert ("--context 4096 is capped at the model's 64 positions" in err) == said, err
 
 
 def test_pick_val_loss_keeps_each_packed_conversation_to_itself(tok, corpus):
@@ -865,7 +886,6 @@ def test_an_answer_the_terminal_cannot_encode_is_shown_whole(tok, monkeypatch):
     """A terminal (or a redirected stdout) whose encoding lacks a character of the answer (Latin-1, Windows' cp1252:
     an emoji, a euro sign in Latin-1): the UnicodeEncodeError, a ValueError, stopped the answer at that character and
     showed the codec's message instead. Such a character shows as '?' now, and the answer goes on."""
-    import io
     import types
     script = tok.encode("\u20ac ok") + [tok.special_ids["<|end|>"]]
     step = {"n": 0}

@@ -54,6 +54,7 @@ def test_config_file(tmp_path):
     ("batch_size = (\n", ["c.py:", "syntax error"]),
     ("batch_size = 'big'\n", ["batch_size must be an int"]),
     ("x = 1 / 0\n", ["c.py", "ZeroDivisionError"]),
+    ("del batch_size\n", ["c.py", "deletes config key 'batch_size'"]),  # was a KeyError traceback
 ])
 def test_bad_config_file(tmp_path, body, words):
     f = tmp_path / "c.py"

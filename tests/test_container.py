@@ -335,7 +335,9 @@ def test_a_malformed_config_or_checkpoint_is_one_line_error(tmp_path, capsys):
     import checkpoint
     for name, text, want in [("syn.py", "n_layer = 2\nd_model = 64 +\n", "syn.py:2: syntax error"),
                              ("name.py", "d_model = foo\n", "NameError"),
-                             ("str.py", 'n_layer = "2"\n', "n_layer must be an int")]:
+                             ("str.py", 'n_layer = "2"\n', "n_layer must be an int"),
+                             ("typo.py", "n_layers = 3\nbatch_size = 8\n", "'n_layers' is no model field; did you mean "
+                                                                           "'n_layer'?")]:
         (tmp_path / name).write_text(text)
         out = tmp_path / (name + ".pcf4")
         assert C.main(["--random-config", str(tmp_path / name), "--out", str(out)]) == 1

@@ -313,6 +313,37 @@ def test_a_manifest_of_another_shape_is_an_invalid_step_not_a_crash(tmp_path):
         assert checkpoint.latest_valid(str(tmp_path)) == good, files
 
 
+def test_an_unreadable_or_renamed_step_is_an_invalid_step_not_a_crash(tmp_path, monkeypatch):
+    """An OSError while verifying (a MANIFEST.json that is a directory, EIO from a failing disk) came out of is_valid
+    as a traceback, so latest_valid and resume's search stopped at it; a step dir copied under another step's name
+    verified, and resume took step 1's state for step 3's."""
+    import errno
+    good = checkpoint.save(str(tmp_path), 1, {"w.bin": lambda p: open(p, "wb").write(b"x")})
+    bad = checkpoint.save(str(tmp_path), 2, {"w.bin": lambda p: open(p, "wb").write(b"y")})
+    os.remove(os.path.join(bad, "MANIFEST.json"))
+    os.mkdir(os.path.join(bad, "MANIFEST.json"))
+    with pytest.raises(checkpoint.CheckpointError, match="MANIFEST.json: Is a directory"):
+        checkpoint.verify(bad)
+    assert checkpoint.latest_valid(str(tmp_path)) == good
+    shutil.rmtree(bad)
+    copied = str(tmp_path / "step_0000003")
+    shutil.copytree(good, copied)
+    with pytest.raises(checkpoint.CheckpointError, match="step 1's .*rename it back to step_0000001"):
+        checkpoint.verify(copied)
+    assert checkpoint.latest_valid(str(tmp_path)) == good
+    shutil.rmtree(copied)
+    real = checkpoint.sha256_file
+
+    def failing_disk(path, *a):
+        if path.startswith(good):
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(path, *a)
+    monkeypatch.setattr(checkpoint, "sha256_file", failing_disk)
+    with pytest.raises(checkpoint.CheckpointError, match="w.bin: Input/output error; use an earlier step"):
+        checkpoint.verify(good)
+    assert checkpoint.latest_valid(str(tmp_path)) is None and checkpoint.is_valid(good, check_hashes=False)
+
+
 def test_random_sigkills_mid_training_end_bitwise_equal(data_root, tmp_path):
     """Three kills, each at a random moment after the process has saved a step of its own (mid-step or mid-save:
     a step and its save take ~30 ms here), not in the ~4 s of imports before training, where a kill tests nothing."""

@@ -2137,6 +2137,9 @@ def test_cli_prints_generated_text_without_specials(tmp_path, monkeypatch, capsy
     assert S.main([path, "--prompt", "hello", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("hello world") and "<|bos|>" not in out and "\ufffd" in out, out
+    big = CFG["max_seq_len"] * 4  # --context past the model's was capped without a word
+    assert S.main([path, "--prompt", "hello", "--max-new-tokens", "4", "--context", str(big)]) == 0
+    assert f"--context {big} is capped at the model's max_seq_len {CFG['max_seq_len']}" in capsys.readouterr().err
 
 
 def test_tokenizer_loads_inside_the_budget_and_a_broken_one_is_named(tmp_path, monkeypatch, capsys):
