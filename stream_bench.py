@@ -592,6 +592,10 @@ def print_bench(res):
         print(f"WARNING: decode ran faster than its lower bound ({res['decode_tok_s']:.2f} > {res['bound_tok_s']:.2f} "
               f"tok/s): a bandwidth measurement was disturbed (CPU steal or a cache below this machine), so the % of "
               f"the bound means nothing here; rerun", file=sys.stderr)
+    if res["bound_tok_s"] > 500:  # (config/tiny: "0% of the bound" of 77,525 tok/s, read as a broken engine)
+        print(f"note: a token reads {res['weight_bytes_per_token'] / 1e6:.1f} MB of weights, so the bound is under 2 ms a "
+              f"token: per-token overhead (Python, kernel calls), which it leaves out, sets a model this small's speed; "
+              f"the bound speaks for models whose weights a token reads are far above the CPU's cache", file=sys.stderr)
     if not res.get("page_cache_excluded"):
         why = (f"the container is on {res['container_filesystem']}" if res.get("container_filesystem") in RAM_FILESYSTEMS
                else "no memory cgroup and no O_DIRECT")

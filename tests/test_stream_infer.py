@@ -1947,7 +1947,13 @@ def test_bench_result_fields_and_lru_policy(tiny, capsys):
     assert B.steal_fraction(None, (30, 200)) is None and B.steal_fraction((10, 100), (10, 100)) is None
     res["cpu_steal_fraction"] = 0.3
     B.print_bench(res)
-    assert "the hypervisor took 30% of the CPU time this machine wanted" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the hypervisor took 30% of the CPU time this machine wanted" in err
+    # a model whose token reads a few MB: its bound says nothing of its speed, and the bench says so
+    assert ("per-token overhead" in err) == (res["bound_tok_s"] > 500)
+    res["bound_tok_s"], res["weight_bytes_per_token"] = 77525.0, 1.6e6
+    B.print_bench(res)
+    assert "a token reads 1.6 MB of weights, so the bound is under 2 ms" in capsys.readouterr().err
     # the counted bytes and /proc/self/io agree when reads are O_DIRECT
     if res["direct_io"]:
         assert res["disk_bytes_per_token"] >= res["counted_bytes_per_token"]
