@@ -628,7 +628,7 @@ def refetch_shard(corpus_dir, file):
     tok = load_corpus_tokenizer(corpus_dir, index)
     try:
         texts = source_texts(entry["source"])
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # (a hand-made index's source: a traceback)
         raise DataError(f"{path}: cannot re-read its source ({str(e).splitlines()[0]}); {_fix_hint(corpus_dir)}",
                         path, None, "source") from None
     tokens = np.concatenate(documents_to_tokens(tok, texts)) if texts else np.zeros(0, SHARD_DTYPE)

@@ -406,6 +406,14 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
     assert any(victim in p for p in shards.verify_corpus(out))
     shards.refetch_shard(out, victim)
     assert shards.verify_corpus(out) == []
+    good = (out / "index.json").read_text()  # a source of another shape (a hand-made index): one line, no KeyError
+    for source in ({}, {"kind": "files"}, {"kind": "hub", "rows": 3}):
+        bad = json.loads(good)
+        bad["splits"]["train"][0]["source"] = source
+        (out / "index.json").write_text(json.dumps(bad))
+        with pytest.raises(shards.DataError, match="cannot re-read its source"):
+            shards.refetch_shard(out, victim)
+    (out / "index.json").write_text(good)
     # the fix a DataError offers re-runs prepare.py with the arguments it was run with (not the stdlib defaults)
     hint = shards._fix_hint(out, victim)
     assert f"data/local/prepare.py --src {src} --out {out} --vocab-size 300" in hint, hint
