@@ -266,9 +266,30 @@ def install_corpus(out_dir, stage, index):
     index is written in the stage first: a full disk then fails before the old corpus is touched (it failed after
     the old one was deleted, with "the corpus in --out is as it was"); what follows is renames."""
     write_index(stage, index)
-    remove_old_shards(out_dir)
-    for name in sorted(os.listdir(stage), key=lambda n: n == "index.json"):
-        os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+    with signals_held():  # a Ctrl-C between the deletions and the last rename: the old corpus gone, the new one too
+        remove_old_shards(out_dir)
+        for name in sorted(os.listdir(stage), key=lambda n: n == "index.json"):
+            os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM wait until the block ends, then reach the handler they had (main thread only)."""
+    import signal
+    import threading
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]  # (None: set outside Python)
+    if threading.current_thread() is not threading.main_thread() or not held:
+        yield
+        return
+    got = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            os.kill(os.getpid(), got[0])
 
 
 def remove_old_shards(out_dir):

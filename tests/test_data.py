@@ -704,3 +704,28 @@ def test_a_full_disk_at_install_leaves_the_old_corpus(tok, tmp_path, monkeypatch
     monkeypatch.setattr(shards, "_atomic_write", real)
     shards.install_corpus(str(out), str(stage), {"version": shards.INDEX_VERSION, "splits": {"train": []}})
     assert (out / "train_000000.bin").read_bytes() == b"new!" and json.load(open(out / "index.json"))["splits"] == {"train": []}
+
+
+def test_a_ctrl_c_during_install_waits_for_the_swap(tmp_path, monkeypatch):
+    """Helper-72's review: a Ctrl-C between install_corpus's deletion of the old shards and its last rename left no
+    corpus at all (the staged one was removed by staging()'s cleanup): hours of tokenizing, and the old corpus, lost.
+    The signal now waits for the swap, then interrupts as it would have."""
+    import signal
+    out = tmp_path / "c"
+    with shards.staging(str(out)) as stage:
+        for i in range(3):
+            open(os.path.join(stage, f"train_{i:06d}.bin"), "wb").write(b"new!")
+        real, calls = os.replace, []
+
+        def replace_then_ctrl_c(a, b):
+            calls.append(b)
+            real(a, b)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+        monkeypatch.setattr(shards.os, "replace", replace_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            shards.install_corpus(str(out), stage, {"version": shards.INDEX_VERSION, "splits": {"train": []}})
+        monkeypatch.setattr(shards.os, "replace", real)
+    assert len(calls) == 5 and os.path.exists(out / "index.json")  # the staged index, three shards, the index
+    assert sorted(n for n in os.listdir(out) if n.endswith(".bin")) == [f"train_{i:06d}.bin" for i in range(3)]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
