@@ -98,25 +98,39 @@ def lr_at(plan, tokens_seen, lr, lr_min, step_tokens=0):
     step_tokens (tokens of the step about to run) makes warmup reach the full LR on its last step, and the decay
     reach lr_min on its last (counted from the step's start, the last decay step ran above lr_min: 3.2e-4 for tiny's
     3e-4, and an 8-step on-demand decay ended at 4.7e-4)."""
-    i, s, into = stage_at(plan, tokens_seen)
+    i, s, _ = stage_at(plan, tokens_seen)
     if s is None:
         return lr_min
-    if s["lr_phase"] == "warmup":
-        return lr * min(1.0, (into + step_tokens) / s["tokens"])
-    if s["lr_phase"] == "decay":
-        return lr_min + (lr - lr_min) * (1 - math.sqrt(min(1.0, (into + step_tokens) / s["tokens"])))
+    if s["lr_phase"] in ("warmup", "decay"):  # over its run of stages: a decay split in two went back up to the peak
+        lo, hi = phase_span(plan, i)
+        start, end = plan_tokens(plan[:lo]), plan_tokens(plan[:hi + 1])
+        frac = min(1.0, (tokens_seen - start + step_tokens) / (end - start))
+        return lr * frac if s["lr_phase"] == "warmup" else lr_min + (lr - lr_min) * (1 - math.sqrt(frac))
     return lr
+
+
+def phase_span(plan, i):
+    """(first, last) index of the consecutive stages around stage i that share its lr_phase: one warmup or decay ramp,
+    whatever mixes or seq_lens it is split into."""
+    lo = hi = i
+    while lo > 0 and plan[lo - 1]["lr_phase"] == plan[i]["lr_phase"]:
+        lo -= 1
+    while hi + 1 < len(plan) and plan[hi + 1]["lr_phase"] == plan[i]["lr_phase"]:
+        hi += 1
+    return lo, hi
 
 
 def decay_now(plan, tokens_seen, length):
     """The plan cut at tokens_seen with one decay stage of `length` tokens appended (on-demand decay). During a
-    decay stage the plan ends with that one instead, and a finished plan stays as it is: a second decay would
-    start from the peak LR again."""
-    i, cur, into = stage_at(plan, tokens_seen)
-    if cur is None or cur["lr_phase"] == "decay":
-        return [dict(s) for s in plan[:i + 1]]
+    decay the plan ends with that decay (all its stages) instead, and a finished plan stays as it is: a second decay
+    would start from the peak LR again."""
+    i, cur, _ = stage_at(plan, tokens_seen)
+    if cur is None:
+        return [dict(s) for s in plan]
+    if cur["lr_phase"] == "decay":  # the rest of its ramp too (cut at this stage, the LR dropped at once)
+        return [dict(s) for s in plan[:phase_span(plan, i)[1] + 1]]
     if cur["lr_phase"] == "warmup":  # the decay starts from the peak LR: after the warmup, never an unwarmed jump to it
-        tokens_seen += cur["tokens"] - into
+        tokens_seen = plan_tokens(plan[:phase_span(plan, i)[1] + 1])  # all of it, when split in stages
     out, start = [], 0
     for s in plan:
         if start >= tokens_seen:

@@ -478,7 +478,10 @@ def print_status(run_dir):
         print(f"  stage {i} {s['name']:<16} {s['lr_phase']:<7} seq {s['seq_len']:<6} mix {s['mix']}  "
               f"{done:,}/{s['tokens']:,} tokens  [{mark}]")
         start += s["tokens"]
-    step_tokens = seen // st["step"] if st.get("step") else 0  # the next step's LR, as the trainer computes it
+    # the next step's LR, as the trainer computes it (tokens / steps averaged stages of other seq_lens: another LR)
+    _, now, _ = stage_at(plan, seen)
+    step_tokens = (c["batch_size"] * now["seq_len"] * c["grad_accum"] * st["world_size"] if now and st.get("world_size")
+                   else seen // st["step"] if st.get("step") else 0)  # (checkpoints before world_size was saved)
     lr_now = lr_at(plan, seen, c["learning_rate"], c["min_lr"], step_tokens)
     ahead = [lr_at(plan, min(total - 1, seen + int(f * (total - seen))), c["learning_rate"], c["min_lr"]) for f in (0.25, 0.5, 0.75, 1.0)]
     print(f"  lr now {lr_now:.3e}; at 25/50/75/100% of what remains: " + ", ".join(f"{x:.2e}" for x in ahead))
@@ -887,6 +890,7 @@ def main(argv):
     st["plan"], st["config_stages"], st["layer_origin"] = plan, cfg["stages"], layer_origin
     st["finished"] = stage_at(plan, st["tokens"])[1] is None  # a finished run extended by --replan is not, any more
     st["quarantined_shards"] = quarantined
+    st["world_size"] = world  # --status: the tokens of the next step
     _RUN_INFO.update(out_dir=out, state=st, streams=streams, master=master)
     st["plan_source"] = {k: cfg[k] for k in PLAN_SOURCE_KEYS} if not cfg["stages"] else {"dataset": cfg["dataset"]}
     control_path = os.path.join(out, "control.json")

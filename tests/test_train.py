@@ -218,6 +218,21 @@ def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, 
     assert mc["max_seq_len"] == 128 and mc["bias_update_rate"] == 0.5
 
 
+def test_status_says_the_lr_the_next_step_trains_at(data_root, tmp_path):
+    """--status took a step's tokens as tokens / steps, an average over stages of other seq_lens (or an earlier
+    batch_size, grad_accum): 1 step into this decay it said lr now 2.7e-4 where the next step trained at 3.6e-4."""
+    out = str(tmp_path / "run")
+    plan = tmp_path / "plan.py"
+    plan.write_text("stages = [dict(name='warm', steps=2, lr_phase='warmup'), dict(name='down', steps=4, seq_len=16, "
+                    "lr_phase='decay')]\n")
+    base = TINY + [str(plan), f"--data_root={data_root}", f"--out_dir={out}", "--eval_interval=100",
+                   "--learning_rate=1e-3", "--min_lr=1e-4", "--grad_accum=2"]
+    run(base + ["--stop_after_steps=3"])
+    said = float(run(["--status", out]).stdout.split("lr now ")[1].split(";")[0])
+    run(base + ["--init_from=resume", "--stop_after_steps=1"])
+    assert said == pytest.approx(metrics(out)[4]["lr"], rel=1e-3), (said, metrics(out)[4]["lr"])
+
+
 def test_start_decay_on_demand(data_root, tmp_path):
     out = str(tmp_path / "run")
     base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=100", "--warmup_iters=2",
@@ -247,6 +262,23 @@ def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr(
     # the decay's last step runs at min_lr (counted from the step's start, it ran above it, and min_lr never trained)
     assert schedule.lr_at(early, 38, 3e-3, 3e-4, step_tokens=2) == 3e-4
     assert 3e-4 < schedule.lr_at(early, 36, 3e-3, 3e-4, step_tokens=2) < schedule.lr_at(early, 10, 3e-3, 3e-4, 2) < 3e-3
+
+
+def test_a_warmup_or_decay_split_over_stages_is_one_ramp():
+    """A decay split into two stages (another mix or seq_len for its end) went back up to the peak LR at the second
+    (1e-4 -> 4.8e-4 mid-decay, then down to min_lr again); a split warmup dropped from the peak to lr/n; and an
+    on-demand decay asked in the first of two warmup stages began (at the peak) before the warmup was over."""
+    plan = [dict(name=n, mix={"a": 1.0}, tokens=t, seq_len=8, lr_phase=p) for n, t, p in
+            (("w1", 20, "warmup"), ("w2", 20, "warmup"), ("s", 40, "stable"), ("d1", 30, "decay"), ("d2", 30, "decay"))]
+    one = [plan[0] | dict(tokens=40), plan[2], plan[3] | dict(tokens=60)]  # the same plan, one stage per phase
+    for t in range(0, 140, 10):
+        assert schedule.lr_at(plan, t, 1e-3, 1e-4, 10) == schedule.lr_at(one, t, 1e-3, 1e-4, 10), t
+    lrs = [schedule.lr_at(plan, t, 1e-3, 1e-4, 10) for t in range(80, 140, 10)]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] == 1e-4 and lrs[-2] > 1e-4
+    early = schedule.decay_now(plan, 5, 30)  # in w1: the decay starts after w2, at the peak the warmup reached
+    assert [s["name"] for s in early] == ["w1", "w2", "decay-on-demand"] and schedule.lr_at(early, 30, 1e-3, 1e-4, 10) == 1e-3
+    during = schedule.decay_now(plan, 90, 30)  # in d1: the plan's decay goes on to its end (d2), on the same ramp
+    assert during == plan and schedule.lr_at(during, 90, 1e-3, 1e-4, 10) == schedule.lr_at(plan, 90, 1e-3, 1e-4, 10)
 
 
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
