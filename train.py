@@ -632,6 +632,11 @@ def main(argv):
         for k, v in wins.items():
             if k in stored and stored[k] != v:
                 log(f"{how}: {k} {stored[k]} -> {v} (the config's)")
+        # a field the checkpoint decides, set otherwise (--top_k=1 on a resume): said, not silently ignored
+        for k in sorted(given & set(stored) - set(RESUME_CONFIG_WINS)) if how != "grow" else ():
+            if stored[k] != cfg[k]:
+                log(f"WARNING: {how}: {k}={cfg[k]!r} ignored; the checkpoint's {stored[k]!r} stays (the architecture "
+                    f"comes from the checkpoint)")
         return wins
 
     def check_mirror():

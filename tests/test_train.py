@@ -216,6 +216,13 @@ def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, 
                 "--bias_update_rate=0.5", "--stop_after_steps=1"])
     mc = json.load(open(os.path.join(checkpoint.latest_valid(ft), "state.json")))["model_config"]
     assert mc["max_seq_len"] == 128 and mc["bias_update_rate"] == 0.5
+    # a field the checkpoint decides, set otherwise on a resume, was ignored without a word
+    r = run(TINY + [f"--data_root={data_root}", f"--out_dir={ft}", "--init_from=resume", "--max_iters=20",
+                    "--warmup_iters=1", "--eval_interval=100", "--max_seq_len=128", "--seq_len=128",
+                    "--bias_update_rate=0.5", "--stop_after_steps=1", f"--top_k={3 - mc['top_k']}"])
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "ignored; the checkpoint's" in ln]
+    assert said == [f"WARNING: resume: top_k={3 - mc['top_k']} ignored; the checkpoint's {mc['top_k']} stays (the "
+                    f"architecture comes from the checkpoint)"], said
 
 
 def test_status_says_the_lr_the_next_step_trains_at(data_root, tmp_path):
