@@ -480,8 +480,11 @@ def score_shared_prefix(lm, groups, out, batch_size, max_batch_tokens):
                     counts.append(len(c) - 1)
                 if lm.pad_mask:
                     ctx_len = mask.sum(1)[rep]
+                    # a long context's padding columns (after its short continuation) ran past the last position:
+                    # learned position tables (GPT-2, Cerebras-GPT) raised IndexError; padding is never read: clamp
+                    pos = (ctx_len[:, None] + torch.arange(Lmax - 1)[None]).clamp(max=lm.max_length - 1)
                     kw = dict(mask=torch.cat([mask[rep], torch.ones(len(flat), Lmax - 1, dtype=torch.long)], 1).to(dev),
-                              positions=(ctx_len[:, None] + torch.arange(Lmax - 1)[None]).to(dev))
+                              positions=pos.to(dev))
                 h = lm.run(ids.to(dev), cache, **kw)
                 lp, gr = token_logprobs(lm, h[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)],
                                         torch.tensor(tgts, device=dev))

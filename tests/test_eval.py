@@ -183,6 +183,23 @@ def test_shared_context_path_equals_flat_path(hf_setup, tmp_path):
     assert max(abs(a - b) for x, y in zip(shared, flat) for a, b in zip(x, y)) <= 1e-4
 
 
+def test_shared_context_batch_near_the_context_limit(tmp_path):
+    """HF shared-context path: a question whose context + continuations just fit the model's context, batched with
+    one whose continuations are longer, got position ids past the last position for its padded continuation
+    columns: a GPT-2-style model (learned positions: Cerebras-GPT) raised IndexError (a device assert on CUDA); a
+    dynamic-RoPE model could rescale every row's rotary frequencies. Now it gives the flat path's numbers."""
+    model_dir = es.make_tiny_hf_model(str(tmp_path / "m"), vocab_size=300, d_model=32, n_layer=2, n_positions=32)
+    lm = ev.load_model(model_dir, "cpu", "float32")
+    groups = [([5] * 30, [((0, 0), [7, 8]), ((0, 1), [9, 10, 11])]),  # 30 + 3 - 1 = 32 positions: fits exactly
+              ([5, 6], [((1, 0), [7] * 10), ((1, 1), [8] * 12)])]  # the batch's continuations: 11 columns
+    shared, flat = {}, {}
+    ev.score_shared_prefix(lm, groups, shared, 32, 10 ** 6)
+    ev.score_flat(lm, [(idx, ctx, cont) for ctx, conts in groups for idx, cont in conts], flat, 1, 10 ** 6)
+    assert set(shared) == set(flat)
+    for k in flat:
+        assert shared[k][0] == pytest.approx(flat[k][0], abs=1e-4) and shared[k][1] == flat[k][1], k
+
+
 def test_bootstrap_and_mean_stderr_match_harness():
     from lm_eval.api import metrics as hm
     rng = torch.Generator().manual_seed(0)
