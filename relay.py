@@ -77,8 +77,8 @@ import schedule
 from relay_store import Conflict, RelayError, StoreError, Transient, open_store, write_atomic
 from relay_lease import (CKPT_PREFIX, DEFAULT_HEARTBEAT, DEFAULT_TTL, RELAY_FORMAT, RELAY_VERSION,
                          STATE_FORMAT, Busy, Fenced, Lease, Snapshot, adopt_landed_push, adopt_own_renewal,
-                         chain_lease_to, check_lease_times, claim, commit_cas, now_iso, parse_json, release, renew,
-                         workdir_locked)
+                         chain_lease_to, check_lease_times, claim, commit_cas, manifest_id, now_iso, parse_json, release,
+                         renew, workdir_locked)
 
 LEDGER_HEADER = ("| leg | who | gpu | steps | tokens | wall | $ | loss start | loss end | step range | generation | finished (UTC) |\n"
                  "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -220,6 +220,12 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     if step <= base:
         raise NothingToPush(f"push refused: {ck} is at step {step}, not past the pulled step {base}, so the trainer made "
                          f"no step (is the plan finished? `python train.py --status {run_dir}`); nothing to push")
+    stands_on = leg_base(run_dir)
+    if stands_on is not None and stands_on != manifest_id(store.read(lease.sha, CKPT_PREFIX + "/MANIFEST.json")):
+        # its step only had to pass the store's: another contributor's steps since were replaced by ones never on them
+        raise RelayError(f"push refused: {run_dir} was trained on a checkpoint the run has moved past (someone pushed "
+                         f"after it; the store is at step {base}), so its steps would replace theirs; train a leg from "
+                         f"the run's own (`relay.py pull {store.url}`); nothing was uploaded")
     # read the files at our own last commit: if anyone wrote after it, the commit below fails anyway
     prev_state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha) or {}
     ledger = (store.read(lease.sha, "LEDGER.md") or LEDGER_HEADER.encode()).decode()
@@ -395,7 +401,8 @@ def prepare_leg(store, lease, workdir):
                 shutil.rmtree(d, ignore_errors=True)
             else:
                 print(f"relay: warning: {d} holds step {newer}, trained after its push; kept (push it "
-                      f"with `relay.py push --run-dir {d}` while holding the baton, or delete it)", file=sys.stderr)
+                      f"with `relay.py push --run-dir {d}` while holding the baton, if nobody has pushed since; or delete it)",
+                      file=sys.stderr)
     run_dir = os.path.join(workdir, f"leg-{lease.leg:04d}-gen{lease.generation}")
     leg_file = os.path.join(run_dir, "LEG.json")
     if os.path.isdir(run_dir) and leg_owner(run_dir) != (store.url, lease.nonce):
@@ -407,7 +414,8 @@ def prepare_leg(store, lease, workdir):
               f"to {aside}, nothing deleted", file=sys.stderr)
     if not os.path.isfile(leg_file):
         os.makedirs(run_dir, exist_ok=True)
-        write_atomic(leg_file, json.dumps({"store": store.url, "nonce": lease.nonce, "wall_s": 0.0}))
+        write_atomic(leg_file, json.dumps({"store": store.url, "nonce": lease.nonce, "wall_s": 0.0, "base_manifest":
+                                           manifest_id(store.read(lease.sha, CKPT_PREFIX + "/MANIFEST.json"))}))
     ck = pull(store, run_dir, lease.sha, keep_newer=True)
     cfg = store.read(lease.sha, "config.py")
     if cfg is None:
@@ -432,6 +440,15 @@ def leg_owner(run_dir):
         rec = json.load(open(os.path.join(run_dir, "LEG.json")))
         return rec["store"], rec["nonce"]
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def leg_base(run_dir):
+    """manifest_id of the store's checkpoint a leg dir's steps stand on (LEG.json: pulled, or pushed from it), or None
+    (not a leg dir, or made by an older relay.py)."""
+    try:
+        return json.load(open(os.path.join(run_dir, "LEG.json"))).get("base_manifest")
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 

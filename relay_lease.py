@@ -20,6 +20,7 @@ lost). relay.py builds the legs (pull, train, push, heartbeat) and the commands 
 
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import os
 import sys
@@ -399,6 +400,17 @@ def chain_lease_to(lease, sha, new_relay, step, run_dir):
     lease.save()
     if run_dir and os.path.isdir(run_dir):  # the step too: steps trained here after this push are not in the store
         write_atomic(os.path.join(run_dir, "PUSHED"), f"{sha} {step}\n")
+        try:  # a leg dir's steps now stand on this push (relay.prepare_push refuses a dir the run moved past)
+            rec = json.load(open(os.path.join(run_dir, "LEG.json")))
+            ours = open(os.path.join(run_dir, f"step_{step:07d}", "MANIFEST.json"), "rb").read()
+            write_atomic(os.path.join(run_dir, "LEG.json"), json.dumps(dict(rec, base_manifest=manifest_id(ours))))
+        except (OSError, ValueError, TypeError):
+            pass  # not a leg dir (a train.py out_dir given to push), or its pushed step is gone: nothing recorded
+
+
+def manifest_id(data):
+    """Which checkpoint a MANIFEST.json's bytes name (their sha256: its files' hashes and its write time), or None."""
+    return hashlib.sha256(data).hexdigest() if data is not None else None
 
 
 def adopt_landed_push(store, lease):

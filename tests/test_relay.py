@@ -1877,3 +1877,51 @@ def test_a_heartbeat_that_cannot_start_stops_the_leg_and_releases(failing_start,
     assert relay.Snapshot(relay.open_store(url)).relay["holder"] is None
     if failing_start == 2:  # the trainer checkpointed on its SIGTERM and exited; its files stay here
         assert "the trainer was stopped" in r.stderr and "local files kept in" in r.stderr
+
+
+def test_a_leg_dir_the_run_moved_past_is_not_pushed_over_others_work(tmp_path, rl):
+    """A leg dir trained on a checkpoint the store has since moved past (someone else pushed after it: our lease
+    expired, or the dir was pushed from and trained on) was pushed by `push --run-dir` as its "kept" messages and
+    prepare_leg's warning advise: its step only had to exceed the store's, so the other contributor's steps were
+    silently replaced by a checkpoint that never contained them (and the ledger still counted them)."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env(), cli=rl)
+    store = relay.open_store(url)
+    wa, wb = tmp_path / "wa", tmp_path / "wb"
+
+    def steps(run_dir, *numbers):
+        for n in numbers:
+            checkpoint.save(str(run_dir), n, {"model.safetensors": lambda p, n=n: open(p, "w").write(f"w{n}"),
+                                              "state.json": lambda p, n=n: json.dump({"step": n, "tokens": 100 * n}, open(p, "w"))})
+    # alice: a leg pushed at step 5, trained on to step 9 in the same dir, then her lease expires
+    assert rl(["claim", url, "--workdir", wa, "--ttl", "0.9", "--heartbeat", "0.3", "--who", "alice"]).returncode == 0
+    assert rl(["pull", url, "--workdir", wa]).returncode == 0
+    leg_a = wa / "leg-0001-gen1"
+    steps(leg_a, 5)
+    assert rl(["push", url, "--workdir", wa]).returncode == 0
+    steps(leg_a, 9)
+    time.sleep(1.5)
+    # bob takes the baton and pushes 5 -> 7
+    for cmd in (["claim", url, "--ttl", "60", "--heartbeat", "20"], ["pull", url]):
+        r = rl(cmd + ["--workdir", wb, "--who", "bob"])
+        assert r.returncode == 0, r.stderr
+    steps(wb / "leg-0002-gen2", 7)
+    for cmd in (["push", url], ["release", url]):
+        assert rl(cmd + ["--workdir", wb, "--who", "bob"]).returncode == 0
+    assert relay.Snapshot(store).state["step"] == 7
+    # alice again: the warning names her dir; pushing it would drop bob's steps 5-7
+    assert rl(["claim", url, "--workdir", wa, "--ttl", "60", "--heartbeat", "20", "--who", "alice"]).returncode == 0
+    r = rl(["pull", url, "--workdir", wa])
+    assert r.returncode == 0 and str(leg_a) in r.stderr, r.stderr
+    r = rl(["push", url, "--workdir", wa, "--run-dir", leg_a])
+    assert r.returncode == 3 and "moved past" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    snap = relay.Snapshot(store)
+    assert snap.state["step"] == 7 and snap.relay["holder"] == "alice"
+    # her own fresh leg dir (pulled at step 7) still pushes, and so would the old one had nobody pushed after it
+    leg_new = wa / "leg-0003-gen3"
+    steps(leg_new, 8)
+    r = rl(["push", url, "--workdir", wa])
+    assert r.returncode == 0, r.stderr
+    steps(leg_new, 10)
+    assert rl(["push", url, "--workdir", wa, "--run-dir", leg_new]).returncode == 0
+    assert [x["step_range"] for x in relay.parse_ledger(relay.Snapshot(store).ledger())] == ["0-5", "5-7", "7-8", "8-10"]
