@@ -77,8 +77,8 @@ import schedule
 from relay_store import Conflict, RelayError, StoreError, Transient, open_store, write_atomic
 from relay_lease import (CKPT_PREFIX, DEFAULT_HEARTBEAT, DEFAULT_TTL, RELAY_FORMAT, RELAY_VERSION,
                          STATE_FORMAT, Busy, Fenced, Lease, Snapshot, adopt_landed_push, adopt_own_renewal,
-                         chain_lease_to, check_lease_times, claim, commit_cas, manifest_id, now_iso, parse_json, release,
-                         renew, workdir_locked)
+                         chain_lease_to, check_lease_times, claim, commit_cas, ledger_text, manifest_id, now_iso, parse_json,
+                         release, renew, workdir_locked)
 
 LEDGER_HEADER = ("| leg | who | gpu | steps | tokens | wall | $ | loss start | loss end | step range | generation | finished (UTC) |\n"
                  "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -228,7 +228,7 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
                          f"the run's own (`relay.py pull {store.url}`); nothing was uploaded")
     # read the files at our own last commit: if anyone wrote after it, the commit below fails anyway
     prev_state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha) or {}
-    ledger = (store.read(lease.sha, "LEDGER.md") or LEDGER_HEADER.encode()).decode()
+    ledger = ledger_text(store, lease.sha, LEDGER_HEADER.encode())
     if not ledger.endswith("\n"):  # (an edit in the Hub's web editor): the new row was glued onto the last one
         ledger += "\n"
     # the steps this push carries: a trainer that crashed after its last checkpoint logged steps the next leg redoes
@@ -850,7 +850,7 @@ def status_dict(store):
     return {"store": store.url, "head": snap.sha, "holder": r.get("holder") if snap.held else None,
             "expired_holder": r.get("holder") if r.get("holder") and not snap.held else None,
             "generation": r["generation"], "leg": r.get("leg"), "claimed_at": r.get("claimed_at"),
-            "lease_age_s": snap.lease_age, "ttl_s": r.get("ttl_s"), "step": s.get("step"), "tokens": s.get("tokens"),
+            "lease_age_s": snap.lease_age, "ttl_s": float(r.get("ttl_s", DEFAULT_TTL)), "step": s.get("step"), "tokens": s.get("tokens"),
             "stage": stage_name(s), "legs": s.get("legs"), "decay_requested": s.get("decay_requested"),
             "decay": s.get("decay") or s.get("decay_started_at_tokens"), "finished": s.get("finished"), "usd_total": s.get("usd_total", 0.0), "ledger": parse_ledger(snap.ledger())}
 

@@ -191,7 +191,16 @@ class Snapshot:
         return bool(self.relay.get("holder")) and self.lease_age <= float(self.relay.get("ttl_s", DEFAULT_TTL))
 
     def ledger(self):
-        return (self.store.read(self.sha, "LEDGER.md") or b"").decode()
+        return ledger_text(self.store, self.sha)
+
+
+def ledger_text(store, sha, default=b""):
+    """LEDGER.md at sha ("" if none); a hand edit that is not UTF-8 is a one-line error, not a traceback."""
+    try:
+        return (store.read(sha, "LEDGER.md") or default).decode()
+    except UnicodeDecodeError as e:
+        raise RelayError(f"{store.url}: LEDGER.md at {sha[:10]} is not UTF-8 ({e.reason} at byte {e.start}); restore it "
+                         f"from the previous commit; relay changed nothing") from None
 
 
 @contextlib.contextmanager
@@ -262,6 +271,7 @@ def claim(store, workdir, who, ttl=None, heartbeat=None):
     except OSError as e:
         raise RelayError(f"--workdir {workdir}: cannot use it ({e.strerror}); pass a folder") from None
     snap = Snapshot(store)
+    snap.ledger()  # a LEDGER.md push cannot append to: refused now, not after a whole leg has trained
     r = snap.relay
     ttl = float(r.get("default_ttl_s", DEFAULT_TTL)) if ttl is None else ttl
     heartbeat = float(r.get("default_heartbeat_s", DEFAULT_HEARTBEAT)) if heartbeat is None else heartbeat

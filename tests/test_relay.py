@@ -1246,6 +1246,18 @@ def test_hand_edited_state_and_small_relay_faults_are_one_line(tmp_path, rl, mon
             assert len(r.stderr.strip().splitlines()) == 1
         store.commit(sha, {name: json.dumps(snap.state if name == "training_state.json" else snap.relay).encode()},
                      [], "restored")
+    # RELAY.json without ttl_s (the lease takes the default) and a LEDGER.md that is not UTF-8: tracebacks from status
+    no_ttl = {k: v for k, v in dict(snap.relay, holder="carol", leg=9, claimed_at=time.time()).items() if k != "ttl_s"}
+    sha = store.commit(store.head()[0], {"RELAY.json": json.dumps(no_ttl).encode()}, [], "a hand edit")
+    r = rl(["status", url], env)
+    assert r.returncode == 0 and "baton: carol (leg 9" in r.stdout and f"ttl {relay.DEFAULT_TTL:.0f}s" in r.stdout, r.stderr
+    ledger = relay.Snapshot(store).ledger().encode()
+    sha = store.commit(sha, {"LEDGER.md": ledger + b"| caf\xe9 |\n"}, [], "a hand edit")
+    for cmd in (["status", url], ["claim", url, "--workdir", tmp_path / "wb"]):
+        r = rl(cmd, env)
+        assert r.returncode == 3 and "LEDGER.md at" in r.stderr and "not UTF-8" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    store.commit(sha, {"LEDGER.md": ledger, "RELAY.json": json.dumps(snap.relay).encode()}, [], "restored")
     ck = relay.pull(store, str(tmp_path / "pulled"))
     r = rl(["init", f"file://{tmp_path}/store2", tmp_path / "typo.py", "--from-checkpoint", ck], env)
     assert r.returncode == 3 and "typo.py: config file not found" in r.stderr, r.stderr
