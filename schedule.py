@@ -120,6 +120,16 @@ def phase_span(plan, i):
     return lo, hi
 
 
+def on_demand_decay_tokens(plan, decay_tokens, decay_frac):
+    """Length of an on-demand decay: decay_tokens if set, else the plan's own decay (all of its stages: the first
+    alone made a split decay's on-demand copy short), else decay_frac of the plan."""
+    first = next((i for i, s in enumerate(plan) if s["lr_phase"] == "decay"), None)
+    if decay_tokens or first is None:
+        return decay_tokens or decay_length(decay_frac, plan_tokens(plan))
+    lo, hi = phase_span(plan, first)
+    return plan_tokens(plan[lo:hi + 1])
+
+
 def decay_now(plan, tokens_seen, length):
     """The plan cut at tokens_seen with one decay stage of `length` tokens appended (on-demand decay). During a
     decay the plan ends with that decay (all its stages) instead, and a finished plan stays as it is: a second decay

@@ -49,8 +49,8 @@ from dataclasses import asdict, fields
 from checkpoint import DISK_ERRNOS  # a write refused for lack of space
 import rundir
 from rundir import RunDirError, RunLocked, hold_run_lock, mirror, prepare_run_dir, retain
-from schedule import (PLAN_SOURCE_KEYS, PlanError, build_plan, decay_now, decay_length, lr_at, plan_tokens, rows_per_stream,
-                      stage_at, stored_plan_differs)
+from schedule import (PLAN_SOURCE_KEYS, PlanError, build_plan, decay_now, lr_at, on_demand_decay_tokens, plan_tokens,
+                      rows_per_stream, stage_at, stored_plan_differs)
 
 # -----------------------------------------------------------------------------------------------------------
 # config (globals; config files and --key=value override them)
@@ -86,7 +86,7 @@ stages = []
 max_iters = 1000
 warmup_iters = 100
 decay_frac = 0.2
-decay_tokens = 0             # length of an on-demand decay (0: the plan's decay stage, else decay_frac of the plan)
+decay_tokens = 0             # length of an on-demand decay (0: the plan's decay stages, else decay_frac of the plan)
 batch_size = 16              # sequences per micro-step per process
 seq_len = 1024               # default for stages that do not set one
 grad_accum = 1
@@ -962,8 +962,7 @@ def main(argv):
         control_due[0] = due
         if want:
             nonlocal_plan = st["plan"]
-            length = cfg["decay_tokens"] or next((s["tokens"] for s in nonlocal_plan if s["lr_phase"] == "decay"),
-                                                 decay_length(cfg["decay_frac"], plan_tokens(nonlocal_plan)))
+            length = on_demand_decay_tokens(nonlocal_plan, cfg["decay_tokens"], cfg["decay_frac"])
             cur = stage_at(nonlocal_plan, st["tokens"])[1]
             already = cur is None or cur["lr_phase"] == "decay"
             st["plan"] = decay_now(nonlocal_plan, st["tokens"], length)

@@ -284,6 +284,9 @@ def test_a_warmup_or_decay_split_over_stages_is_one_ramp():
     assert lrs == sorted(lrs, reverse=True) and lrs[-1] == 1e-4 and lrs[-2] > 1e-4
     early = schedule.decay_now(plan, 5, 30)  # in w1: the decay starts after w2, at the peak the warmup reached
     assert [s["name"] for s in early] == ["w1", "w2", "decay-on-demand"] and schedule.lr_at(early, 30, 1e-3, 1e-4, 10) == 1e-3
+    # an on-demand decay is as long as the plan's whole decay (it took d1's 30 tokens alone), unless decay_tokens
+    assert schedule.on_demand_decay_tokens(plan, 0, 0.2) == 60 and schedule.on_demand_decay_tokens(plan, 24, 0.2) == 24
+    assert schedule.on_demand_decay_tokens(plan[:3], 0, 0.25) == schedule.decay_length(0.25, 80)
     during = schedule.decay_now(plan, 90, 30)  # in d1: the plan's decay goes on to its end (d2), on the same ramp
     assert during == plan and schedule.lr_at(during, 90, 1e-3, 1e-4, 10) == schedule.lr_at(plan, 90, 1e-3, 1e-4, 10)
 
