@@ -499,19 +499,26 @@ class Guardian:
                          f"({self.retry_said(unreachable_tries, unreachable_waited)})")
                 if self.wait(wait):
                     continue  # (the loop's top says it stopped, and starts none)
-            if rc == train.EXIT_DATA and rep and rep.get("kind") in ("index", "tokenizer"):  # no shard to fix
+            # no shard to fix (a missing index.json, kind "missing", was quarantined as shard "local/index.json")
+            if rc == train.EXIT_DATA and rep and (rep.get("kind") in ("index", "tokenizer") or
+                                                  os.path.basename(str(rep.get("path"))) == "index.json"):
                 return self.stop(rc, f"{cause}: {rep.get('message')}; restarting cannot fix this")
+            repaired = False
             if rc == train.EXIT_DATA and rep and rep.get("path"):
                 fault = (rep["path"], rep.get("offset"))
+                acted = len(self.log["repairs"]) + len(self.log["quarantined"])
                 verdict = self.repair_shard(rep["path"], rep.get("offset"), repeated=fault == last_data_fault)
+                repaired = verdict is None and len(self.log["repairs"]) + len(self.log["quarantined"]) > acted
                 last_data_fault = fault
                 self.save()
                 if verdict is not None and self.stopping:
                     continue  # (stopped by a signal while re-fetching: the loop's top says so)
                 if verdict is not None:
                     return self.stop(*verdict)
-            # unreachable storage has its own retries above (counted as stuck, its give-up never came)
-            no_progress = [] if progressed else no_progress if rc == train.EXIT_UNREACHABLE else no_progress + [cause]
+            # unreachable storage has its own retries above (counted as stuck, its give-up never came); a start whose
+            # named shard was re-fetched or newly quarantined is not stuck (3 bad shards, each fixed, ended in exit 9)
+            no_progress = ([] if progressed else no_progress if rc == train.EXIT_UNREACHABLE or repaired
+                           else no_progress + [cause])
             if len(no_progress) >= self.cfg["max_stuck_starts"]:
                 helped = self.on_stuck(no_progress)
                 if self.stopping:

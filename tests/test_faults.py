@@ -1279,3 +1279,44 @@ def test_guardian_review_round_closed_stdout_zero_backoff_and_restarted_numberin
     assert g.keep_crash_log(1, 10, "crash", {"stdout": bytearray(b"a"), "stderr": bytearray()}) == os.path.join(
         "guardian", "crash-0001.log")
     assert sorted(os.listdir(tmp_path / "run" / "guardian")) == ["crash-0001.log", "crash-0031.log", "crash-0032.log"]
+
+
+def data_fault_trainer(out, path, kind, offset=None):
+    """A stand-in trainer that ends as train.py does on a DataError: its crash report, exit 3."""
+    rep = {"cause": "corrupt data", "exit_code": 3, "message": f"{path}: test fault", "path": path, "offset": offset,
+           "kind": kind}
+    return (f"import json, time; json.dump({rep!r}, open({str(out)!r} + f'/crash-{{int(time.time() * 1000)}}.json', "
+            f"'w')); raise SystemExit(3)")
+
+
+def test_a_missing_index_json_stops_at_once_and_quarantines_nothing(tmp_path):
+    """A corpus folder without index.json (kind "missing", not "index") was taken for a corrupt shard: the guardian
+    QUARANTINED "local/index.json" ("training goes on without it"), restarted twice, then stopped with exit 9
+    "stuck ... data verifies". Now it stops at once with exit 3, as for a corrupt index, and quarantines nothing."""
+    import guardian
+    os.makedirs(tmp_path / "data" / "local")
+    run = tmp_path / "run"
+    g = guardian.Guardian([f"--data_root={tmp_path / 'data'}", f"--out_dir={run}"])
+    started = stand_in_trainers(g, data_fault_trainer(run, str(tmp_path / "data" / "local" / "index.json"), "missing"))
+    assert run_guardian(g) == train_py.EXIT_DATA and len(started) == 1
+    log = json.load(open(run / "guardian.json"))
+    assert log["quarantined"] == [] and "restarting cannot fix this" in log["report"]["message"], log
+
+
+def test_consecutive_starts_each_ending_in_a_repaired_shard_are_not_stuck(tmp_path):
+    """Three truncated shards (a bad copy), each named by one start and re-fetched by the guardian: after the third
+    repair it stopped with exit 9 "stuck: 3 consecutive starts produced no new checkpoint ... data verifies" instead
+    of restarting onto the repaired data. A start whose shard was repaired is not a stuck one."""
+    import guardian
+    root = make_corpus(tmp_path / "data")
+    cdir = os.path.join(root, "local")
+    paths = [os.path.join(cdir, f"train_00000{i}.bin") for i in range(3)]
+    for p in paths:
+        with open(p, "r+b") as f:
+            f.truncate(100)
+    run = tmp_path / "run"
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={run}"])
+    started = stand_in_trainers(g, *[data_fault_trainer(run, p, "truncated", 50) for p in paths], "raise SystemExit(0)")
+    assert run_guardian(g) == 0 and len(started) == 4
+    log = json.load(open(run / "guardian.json"))
+    assert [r["action"] for r in log["repairs"]] == ["refetched"] * 3 and not shards.verify_corpus(cdir)
