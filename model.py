@@ -775,12 +775,12 @@ def to_hf_config(cfg: ModelConfig, **extra):
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.dense_ffn,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
         head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
+        rms_norm_eps=float(cfg.norm_eps), tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
         num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, num_shared_experts=cfg.n_shared,
-        moe_intermediate_size=cfg.expert_ffn, router_scaling_factor=cfg.route_scale,
+        moe_intermediate_size=cfg.expert_ffn, router_scaling_factor=float(cfg.route_scale),
         mlp_layer_types=["dense"] * cfg.n_dense_layers + ["sparse"] * (cfg.n_layer - cfg.n_dense_layers),
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-    )
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+    )  # (floats as floats: HYV3Config is strict, an int route_scale=2 in config.json failed the whole load)
     d.update(extra)
     return d
 

@@ -109,6 +109,19 @@ def test_hf_parity_hf_to_picaflor():
         assert (pf(idx) - hf(input_ids=idx, use_cache=False).logits).abs().max().item() <= 1e-4
 
 
+def test_to_hf_config_of_integer_valued_floats_loads_in_transformers():
+    """ModelConfig accepts route_scale=2 / norm_eps=1 / rope_theta=10000 as ints (a state.json written by hand, or
+    ModelConfig(route_scale=2)); to_hf_config wrote them to config.json as ints and transformers' strict HYV3Config
+    refused the whole export ("router_scaling_factor expected float, got int"), where GGUF took them."""
+    import json
+    import transformers
+    cfg = replace(PARITY_CFG, route_scale=2, norm_eps=1, rope_theta=500)
+    d = json.loads(json.dumps(M.to_hf_config(cfg)))  # as config.json holds it
+    hf = transformers.HYV3Config(**d)
+    assert hf.router_scaling_factor == 2.0 and hf.rms_norm_eps == 1.0 and hf.rope_parameters["rope_theta"] == 500.0
+    assert M.from_hf_config(hf) == cfg
+
+
 def test_from_hf_config_rejects_interleaved_layer_types():
     d = M.to_hf_config(PARITY_CFG)
     d["mlp_layer_types"] = ["dense", "sparse", "dense", "sparse"]
