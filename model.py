@@ -689,7 +689,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     if top_p is not None and top_p < 1.0:
         sorted_logits, sorted_idx = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the smallest set with mass >= top_p
+        # keep the smallest set with mass >= top_p: a token after exactly top_p is dropped too (> kept it)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
     probs = torch.softmax(logits, dim=-1)

@@ -419,9 +419,11 @@ def check_sampling(temperature, top_p, flag="", seed=None):
     """model.sample_next's arguments: NaN or a top_p <= 0 made torch.multinomial raise, a negative temperature
     sampled the least likely tokens. flag "--": named as the command line's flags, and --top-p / --seed without a
     temperature are refused (greedy decoding ignored them: the same text for every seed, silently)."""
-    for name, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):  # (a bare TypeError)
-            raise StreamError(f"{flag}{name.replace('_', '-') if flag else name} {v!r}: a number")
+    for name, v, kind in (("temperature", temperature, numbers.Real), ("top_p", top_p, numbers.Real),
+                          ("seed", seed, numbers.Integral)):  # (a float seed: torch's bare RuntimeError)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):  # (a bare TypeError)
+            raise StreamError(f"{flag}{name.replace('_', '-') if flag else name} {v!r}: "
+                              f"{'a whole number' if kind is numbers.Integral else 'a number'}")
     if temperature is None or not (temperature >= 0 and math.isfinite(temperature)):
         raise StreamError(f"{flag}temperature {temperature}: 0 (greedy) or more")
     if 0 < temperature < 1e-4:  # logits / 1e-39 overflow to inf: a NaN error deep in sampling
@@ -931,7 +933,7 @@ class Engine:
         if not prompt_ids:
             raise StreamError("empty prompt: give at least one token")
         self._check_ids(prompt_ids, "prompt")
-        check_sampling(temperature, top_p)
+        check_sampling(temperature, top_p, seed=seed)  # (a bad seed was a bare torch error from manual_seed)
         try:  # (a negative count gave [] silently, a float a torch TypeError)
             max_new_tokens = operator.index(max_new_tokens)
         except TypeError:

@@ -2466,3 +2466,36 @@ print(json.dumps(dict(budget=budget, peak=S.peak_rss_bytes())))
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.splitlines()[-1])
     assert res["peak"] <= res["budget"], (res["peak"] - res["budget"]) / 2**20
+
+
+def test_api_seed_is_checked_like_the_command_lines(tiny):
+    """stream() checked temperature and top_p but not seed (check_sampling takes it; only the command line passed
+    it): seed=2**64, '3', 1.5 or True reached torch.Generator.manual_seed, a bare ValueError / RuntimeError from deep
+    inside instead of a one-line StreamError; -1 passed here while the command line refused it."""
+    m, path = tiny
+    eng = S.load(path)
+    for seed in (2 ** 64, "3", 1.5, True, -1):
+        with pytest.raises(S.StreamError, match="seed"):
+            eng.generate([5, 6], 3, temperature=0.8, seed=seed)
+    assert eng.kv_free == eng.context
+    assert eng.generate([5, 6], 3, temperature=0.8, seed=2 ** 63 - 1) == eng.generate([5, 6], 3, temperature=0.8,
+                                                                                         seed=2 ** 63 - 1)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_it(tiny, monkeypatch):
+    """top_p keeps the smallest set of tokens whose mass reaches it (as sample_next's comment and transformers'
+    TopPLogitsWarper): a token whose predecessors already held exactly top_p was kept too (cum - p > top_p), so with
+    p = [0.5, 0.25, 0.25] top_p 0.5 sampled token 1 as well, and over two equally likely tokens top_p 0.5 did nothing."""
+    import math
+    m, path = tiny
+    eng = S.load(path)
+    V = eng.cfg.vocab_size
+    # (the first logits, the rest -inf), top_p, how many tokens it may sample (which of equal ones: the sort's call)
+    for head, top_p, n in (([math.log(2), 0.0, 0.0], 0.5, 1), ([0.0, 0.0], 0.5, 1), ([0.0] * 4, 0.5, 2),
+                           ([0.0] * 4, 0.75, 3), ([0.0] * 4, 0.8, 4), ([0.0] * 4, 1.0, 4)):
+        logits = torch.full((1, V), float("-inf"))
+        logits[0, :len(head)] = torch.tensor(head)
+        monkeypatch.setattr(eng, "logits", lambda h, lg=logits: lg.clone())
+        seen = {eng.generate([5, 6], 1, temperature=1.0, top_p=top_p, seed=s)[0] for s in range(200)}
+        assert len(seen) == n and seen <= set(range(len(head))), (head, top_p, seen)
+    assert seen == set(range(4))
