@@ -609,6 +609,9 @@ def main(argv):
                                 timeout=datetime.timedelta(seconds=max(1800.0, cfg["lock_wait_s"] + 1200.0)))
         if dev == "cuda":
             torch.cuda.set_device(local_rank)
+        # the ranks' wait for rank 0's save (a mirror copy of a big checkpoint outlasts the default group's timeout):
+        # polled on a group of its own with no practical timeout; rank 0's watchdog still catches a stalled save
+        save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
     device = f"cuda:{local_rank}" if dev == "cuda" else "cpu"
     device_type = "cuda" if dev == "cuda" else "cpu"
     master = rank == 0
@@ -998,8 +1001,14 @@ def main(argv):
             if cfg["mirror_dir"]:
                 mirror(out, cfg["mirror_dir"], keep=cfg["keep_last"], tick=watchdog.tick)
         watchdog.tick()
+        # the other ranks waited in a plain barrier, their watchdogs unticked: a save past hang_timeout (rank 0's
+        # ticking mirror copy) ended them with exit 8
         if ddp:
-            dist.barrier()
+            work = dist.barrier(group=save_group, async_op=True)
+            while not work.is_completed():
+                watchdog.alive()
+                time.sleep(0.05)
+            work.wait()
         return path
 
     def model_save(m, out_dir, state_dict, optimizer, tok_file):

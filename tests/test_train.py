@@ -135,6 +135,35 @@ def test_torchrun_two_processes_gloo(data_root, tmp_path):
     assert r.returncode != 0 and "rank 0:" in r.stderr and "another trainer" in r.stderr, r.stderr[-3000:]
 
 
+def test_ddp_ranks_outwait_a_save_longer_than_hang_timeout(data_root, tmp_path):
+    """A save whose mirror copy outlasts hang_timeout (a big checkpoint to a slow bucket: copy_ticking ticks rank 0's
+    watchdog) under torchrun: the other ranks waited in a plain barrier with their watchdogs unticked, so rank 1 exited
+    8 ("hang") mid-save and took the run down; they also had the process group's 30 min timeout, as long as the
+    default hang_timeout. Here the copy is slowed by a wrapper that patches rundir.mirror."""
+    wrapper = tmp_path / "slow_mirror.py"
+    wrapper.write_text("import os, runpy, sys, time\n"
+                       "sys.path.insert(0, os.getcwd())\n"
+                       "import rundir\n"
+                       "real = rundir.mirror\n"
+                       "def slow(out_dir, dest, checkpoints=True, keep=1, tick=None):\n"
+                       "    for _ in range(20 if checkpoints else 0):  # the checkpoint's copy, 64 MB chunks, ticking\n"
+                       "        time.sleep(0.2)\n"
+                       "        tick and tick()\n"
+                       "    return real(out_dir, dest, checkpoints, keep, tick)\n"
+                       "rundir.mirror = slow\n"
+                       "sys.argv = ['train.py'] + sys.argv[1:]\n"
+                       "runpy.run_path('train.py', run_name='__main__')\n")
+    out, mirror_dir = str(tmp_path / "run"), str(tmp_path / "mirror")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(wrapper), *TINY, "--batch_size=2", f"--data_root={data_root}", f"--out_dir={out}",
+                        f"--mirror_dir={mirror_dir}", "--max_iters=2", "--warmup_iters=1", "--stop_after_steps=1",
+                        "--eval_interval=100", "--hang_timeout=2"], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not [f for f in os.listdir(out) if f.startswith("hang-")]
+    assert checkpoint.is_valid(os.path.join(mirror_dir, "step_0000001"))
+
+
 def test_grow_starts_as_identity_and_groups_get_their_lr(data_root, tmp_path):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=320, n_layer=3, n_dense_layers=1, d_model=32, n_head=4, n_kv_head=1, dense_ffn=64,
