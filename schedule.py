@@ -93,6 +93,26 @@ def plan_tokens(plan):
     return sum(s["tokens"] for s in plan)
 
 
+def align_plan(plan, tokens_seen, tokens_per_step):
+    """The plan with what is left of it from tokens_seen in whole steps of tokens_per_step(seq_len): each stage ends
+    at the whole step nearest its planned end (one not begun keeps at least a step), the last at the first one at or
+    past the plan's end. A resume with another step size (batch_size, grad_accum, world size, seq_len) had a step
+    straddle a stage boundary, training the next stage's planned tokens on the earlier one's mix, seq_len and LR, and
+    skip a stage shorter than a step altogether, while the stored plan said otherwise. A no-op on whole steps."""
+    out, start, pos = [dict(s) for s in plan], 0, tokens_seen  # start: the planned stage's, pos: the aligned one's
+    for i, s in enumerate(plan):
+        end = start + s["tokens"]
+        if end > tokens_seen:  # a stage not finished: its end to the whole step nearest the planned one
+            tps, began = tokens_per_step(s["seq_len"]), start < tokens_seen
+            # half a step rounds down: a tie pushed every later stage, and the plan's end, a step further
+            n = -(-(end - pos) // tps) if i == len(plan) - 1 else (end - pos + (tps - 1) // 2) // tps
+            n = n if began else max(n, 1)  # (a stage under half a step: one step, as build_plan keeps it on resume)
+            out[i]["tokens"] = pos + n * tps - (start if began else pos)
+            pos += n * tps
+        start = end
+    return out
+
+
 def lr_at(plan, tokens_seen, lr, lr_min, step_tokens=0):
     """WSD (MiniCPM arXiv 2404.06395; Hagele et al. 2024): linear warmup, constant, then a (1 - sqrt) decay.
     step_tokens (tokens of the step about to run) makes warmup reach the full LR on its last step, and the decay

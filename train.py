@@ -49,8 +49,8 @@ from dataclasses import asdict, fields
 from checkpoint import DISK_ERRNOS  # a write refused for lack of space
 import rundir
 from rundir import RunDirError, RunLocked, hold_run_lock, mirror, prepare_run_dir, retain
-from schedule import (PLAN_SOURCE_KEYS, PlanError, build_plan, decay_now, lr_at, on_demand_decay_tokens, plan_tokens,
-                      rows_per_stream, stage_at, stored_plan_differs)
+from schedule import (PLAN_SOURCE_KEYS, PlanError, align_plan, build_plan, decay_now, lr_at, on_demand_decay_tokens,
+                      plan_tokens, rows_per_stream, stage_at, stored_plan_differs)
 
 # -----------------------------------------------------------------------------------------------------------
 # config (globals; config files and --key=value override them)
@@ -749,6 +749,16 @@ def main(argv):
         for s in plan:  # stages that do not pin a seq_len follow the config's, so it may change on resume
             if s.get("seq_len_from_config"):
                 s["seq_len"] = cfg["seq_len"]
+        # another step size (batch_size, grad_accum, world size, seq_len): steps straddled stage boundaries (on the
+        # earlier stage's mix and LR) and skipped a stage shorter than a step, while the stored plan said otherwise
+        aligned = align_plan(plan, state["tokens"], tokens_per_step)
+        if aligned != plan:
+            rows = cfg["batch_size"] * cfg["grad_accum"] * world
+            log(f"resume: the step size changed (now {rows} rows of seq_len a step: batch_size x grad_accum x world"
+                f" size {world}): the plan's remaining stages are rounded to whole steps: " + ", ".join(
+                    f"{a['name']} {b['tokens']:,} -> {a['tokens']:,}" for a, b in zip(aligned, plan) if a != b)
+                + f" tokens (the plan ends at {plan_tokens(aligned):,}, planned {plan_tokens(plan):,})")
+            plan = aligned
     for s in plan:  # RoPE has no learned positions: a longer max_seq_len only needs saying
         if s["seq_len"] > mcfg.max_seq_len:
             raise TrainError(f"stage {s['name']} trains on seq_len {s['seq_len']}, longer than the model's max_seq_len="

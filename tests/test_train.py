@@ -98,6 +98,28 @@ def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, tmp_
     assert checkpoint.latest_valid(out).endswith("step_0000007")  # nothing trained on it
 
 
+def test_a_resume_with_a_larger_step_keeps_each_stage_in_whole_steps(data_root, tmp_path):
+    """A resume with another step size (here grad_accum 1 -> 2) kept the plan's stage boundaries, no longer whole
+    steps: the step from token 128 to 384 trained stage a's mix (and LR) for b's planned tokens, and the next began
+    in c: stage b (128 tokens, half a new step) was never trained, while the stored plan said it was, and no word."""
+    out = str(tmp_path / "run")
+    plan = tmp_path / "plan.py"
+    plan.write_text("stages = [dict(name='a', steps=2), dict(name='b', steps=1), dict(name='c', steps=2, "
+                    "lr_phase='decay')]\n")
+    base = TINY + [str(plan), f"--data_root={data_root}", f"--out_dir={out}", "--eval_interval=100"]
+    run(base + ["--stop_after_steps=1"])  # 128 of 640 tokens; a step is 4 x 32 = 128 tokens
+    r = run(base + ["--init_from=resume", "--grad_accum=2"])  # 256 tokens a step
+    m = metrics(out)
+    assert [(m[s]["stage"], m[s]["tokens"]) for s in sorted(m)] == [("a", 128), ("b", 384), ("c", 640)]
+    said = [ln for ln in r.stdout.splitlines() if "step size changed" in ln]
+    assert said == ["resume: the step size changed (now 8 rows of seq_len a step: batch_size x grad_accum x world size "
+                    "1): the plan's remaining stages are rounded to whole steps: a 256 -> 128, b 128 -> 256 tokens "
+                    "(the plan ends at 640, planned 640)"], r.stdout[-2000:]
+    st = json.load(open(os.path.join(out, "step_0000003", "state.json")))
+    assert st["finished"] and [s["tokens"] for s in st["plan"]] == [128, 256, 256]  # the plan says what trained
+    assert schedule.align_plan(st["plan"], 384, lambda T: 256) == st["plan"]  # whole steps: unchanged
+
+
 def test_torchrun_two_processes_gloo(data_root, tmp_path):
     out = str(tmp_path / "ddp")
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
