@@ -121,7 +121,9 @@ UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def parse_size(s):
     """'4G', '512M', '1.5G', '1024' (bytes) -> bytes; binary units; a trailing 'B'/'iB' is allowed."""
-    if isinstance(s, (int, float)):
+    if isinstance(s, (int, float)) and not isinstance(s, bool):  # (NaN: a bare ValueError; 0 or less: no budget)
+        if not (math.isfinite(s) and s >= 1):
+            raise StreamError(f"ram_budget {s!r}: a size in bytes (or a string such as 4G, 512M)")
         return int(s)
     t = str(s).strip().upper()
     t = t[:-2] if t.endswith("IB") else (t[:-1] if t.endswith("B") and len(t) > 1 and t[-2] in UNITS else t)
@@ -442,7 +444,12 @@ def check_sampling(temperature, top_p, flag="", seed=None):
 # ----------------------------------------------------------------------------------------------------------
 # the engine
 
+KERNELS = ("auto", "native", "int4pack", "reference", "triton")
+
+
 def pick_kernel(kernel, device):
+    if kernel not in KERNELS:  # (the API took "foo" and ran a path whose scratch the budget did not count)
+        raise StreamError(f"kernel {kernel!r}: use one of {', '.join(KERNELS)}")
     if kernel == "auto":
         if device.startswith("cuda"):
             return "triton"
@@ -497,6 +504,10 @@ class Engine:
         self.prefetch_mode = {False: "off", True: "on", None: "off"}.get(prefetch, prefetch)
         if self.prefetch_mode not in PREFETCH_MODES:
             raise StreamError(f"prefetch {prefetch!r}: use one of {', '.join(PREFETCH_MODES)}")
+        # whole numbers, or one line: "x" was a bare ValueError, context 10.5 a fractional KV reserve, "64" a TypeError
+        for name, v in (("prefill_chunk", prefill_chunk), ("context", context)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise StreamError(f"{name} {v!r}: a whole number of tokens")
         self.prefill_chunk = int(prefill_chunk)
         if self.prefill_chunk < 1:
             raise StreamError(f"prefill_chunk {prefill_chunk}: must be at least 1 token")
@@ -1157,7 +1168,7 @@ def main(argv=None):
     ap.add_argument("--llamacpp-json", default="bench/vs_llamacpp.json",
                     help="llama.cpp figures from bench/vs_llamacpp.py to draw beside the sweep")
     ap.add_argument("--chat", action="store_true", help="multi-turn chat at the terminal (chat.py; history kept in the KV cache)")
-    ap.add_argument("--kernel", default="auto", choices=["auto", "native", "int4pack", "reference", "triton"],
+    ap.add_argument("--kernel", default="auto", choices=KERNELS,
                     help="int4 matmul: auto = triton on CUDA, else native (int4_cpu.cpp, built on first use), else "
                          "int4pack (torch's CPU kernel); reference dequantizes then multiplies")
     ap.add_argument("--readers", type=int, default=4, help="expert reader threads")

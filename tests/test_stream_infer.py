@@ -1637,6 +1637,12 @@ def test_api_requests_keep_their_own_settings_and_bad_arguments_are_stream_error
     assert eng.generate(p, 8, experts_per_token=1, eos_id=first[2]) == first
     with pytest.raises(S.StreamError, match="context -5"):
         S.load(path, context=-5)
+    # load's other arguments: bare ValueErrors / TypeErrors, or silently taken (a fractional context, an unknown kernel)
+    for kw, words in ((dict(context="64"), "context '64': a whole number"), (dict(context=10.5), "context 10.5"),
+                      (dict(prefill_chunk="x"), "prefill_chunk 'x'"), (dict(ram_budget=float("nan")), "ram_budget nan"),
+                      (dict(ram_budget=0), "ram_budget 0"), (dict(kernel="foo"), "kernel 'foo': use one of auto")):
+        with pytest.raises(S.StreamError, match=words):
+            S.load(path, **kw)
     with pytest.raises(S.StreamError, match="use cpu, cuda or cuda:N"):
         S.load(path, device="tpu")
     if not torch.cuda.is_available():  # one line from the API too, not torch's assert deep in loading
