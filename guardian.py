@@ -11,9 +11,10 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   quarantine it (skipped with a loud warning, counted in metrics) if it cannot be re-fetched or the crash
   repeats at the same place; then restart.
 - storage denied (4), out of disk (6), non-finite loss (7), config or checkpoint errors (1, 2): restarting cannot
-  help; stop with a report naming the cause. storage unreachable (5), from the trainer or while re-fetching a
-  shard: retry with backoff (unreachable_backoff_s x 2, 4, 8, ..., at most 60 s apart, each try said) until one
-  outage's waits would pass unreachable_give_up_s (30 min), then stop.
+  help; stop with a report naming the cause. storage unreachable (5), from the trainer or while re-fetching or
+  verifying a shard (a mount that dropped; never quarantined for it): retry with backoff (unreachable_backoff_s x 2,
+  4, 8, ..., at most 60 s apart, each try said) until one outage's waits would pass unreachable_give_up_s (30 min),
+  then stop; a shard's read failing otherwise (EIO: the disk itself) stops at once with 5, naming the file.
 - a quarantined shard whose files changed since (replaced, or the corpus prepared again) and now verify against
   index.json, or that index.json no longer lists, is released before the next start, in one loud line (one that
   verified when quarantined is released only when index.json's hashes for it changed: the same bytes crash again).
@@ -197,7 +198,7 @@ class Guardian:
                 continue
             try:
                 index = shards.load_index(corpora[c])
-            except shards.DataError:  # the trainer names what is wrong with the index, in one line
+            except (shards.DataError, OSError):  # the trainer names what is wrong with the index, in one line
                 continue
             entry = shards.index_entry(index, f)
             if entry is None:
@@ -215,7 +216,12 @@ class Guardian:
                 # (copied, touched, a corpus moved to another disk): the crash it caused would come back
                 same_bytes = (not corrupt_on_disk and had is not None and
                               (now["sha256"], now["mask_sha256"]) == (had.get("sha256"), had.get("mask_sha256")))
-                if not known or same_bytes or shards.verify_shard(corpora[c], entry, index["vocab_size"]):
+                try:
+                    held = not known or same_bytes or shards.verify_shard(corpora[c], entry, index["vocab_size"])
+                except shards.StorageError as e:  # (a traceback that ended the guardian); verified again next start
+                    self.say(f"{q['shard']} stays quarantined: {e}")
+                    continue
+                if held:
                     q["fingerprint"] = now  # still corrupt (or verified when quarantined): hashed again when it changes
                     continue
                 why = "its files changed since it was quarantined and verify against index.json"
@@ -227,7 +233,10 @@ class Guardian:
         """A shard named by a corrupt-data exit: refetch if corrupt on disk, else quarantine on a repeat.
         Returns None to go on, or (exit code, message) to stop."""
         corpus_dir, file = os.path.dirname(path), os.path.basename(path)
-        entry_bad = any(file in p for p in shards.verify_corpus(corpus_dir))
+        problems, verdict = self.verify_corpus(corpus_dir)
+        if verdict is not None:
+            return verdict
+        entry_bad = any(file in p for p in problems)
         attempt, waited = 0, 0.0
         while entry_bad:
             try:
@@ -257,6 +266,26 @@ class Guardian:
             self.quarantine(path, offset, "the crash repeated at the same place though the file verifies")
         return None
 
+    def verify_corpus(self, corpus_dir):
+        """shards.verify_corpus, a shard that cannot be read not taken for a corrupt one (an OSError was a traceback
+        that ended the guardian): a mount that dropped is waited for as a trainer's outage is, up to
+        unreachable_give_up_s. Returns (problems, None), or (None, (exit code, message)) to stop."""
+        attempt, waited = 0, 0.0
+        while True:
+            try:
+                return shards.verify_corpus(corpus_dir), None
+            except shards.StorageError as e:
+                wait = self.retry_wait(attempt + 1, waited) if e.kind == "unreachable" else None
+                if wait is None:  # given up, or a failing disk (EIO) / permissions: retrying cannot fix it
+                    code = {"denied": train.EXIT_DENIED, "disk": train.EXIT_DISK}.get(e.kind, train.EXIT_UNREACHABLE)
+                    tries = f" ({attempt + 1} tries)" if e.kind == "unreachable" else ""
+                    return None, (code, f"{train.CAUSES[code]} while verifying {corpus_dir}{tries}: {e}")
+                attempt, waited = attempt + 1, waited + wait
+                self.say(f"storage unreachable while verifying {corpus_dir}; retrying in {wait:g} s "
+                         f"({self.retry_said(attempt, waited)})")
+                if self.wait(wait):
+                    return None, (train.EXIT_OK, f"stopped by {self.stopping} while verifying {corpus_dir}")
+
     def wait(self, seconds):
         """Sleep, cut short by SIGTERM / Ctrl-C (a plain sleep resumed after the handler: the signal waited out the
         backoff, or every re-fetch try). Whether a signal came."""
@@ -277,6 +306,7 @@ class Guardian:
         return f"retry {tries}; {waited:g} s of unreachable_give_up_s={float(self.cfg['unreachable_give_up_s']):g} waited"
 
     def on_stuck(self, causes):
+        """Whether the on_stuck command or a repair helped; or (exit code, message) to stop (storage gone)."""
         cmd, helped = self.cfg["on_stuck"], False
         if cmd:
             self.say(f"no new checkpoint in {len(causes)} starts; running on_stuck: {cmd}")
@@ -289,11 +319,14 @@ class Guardian:
                 self.say(f"on_stuck {why}: not counted as a fix")
         fixed = 0
         for name, cdir in self.corpora().items():
-            for problem in shards.verify_corpus(cdir):
+            problems, verdict = self.verify_corpus(cdir)
+            if verdict is not None:  # (exit code, message): the caller stops with it
+                return verdict
+            for problem in problems:
                 bad = problem.split(" ", 1)[0].rstrip(":")
                 acted = len(self.log["repairs"]) + len(self.log["quarantined"])
-                if os.path.isfile(bad) and self.repair_shard(bad, None, repeated=True) is not None:
-                    return False
+                if os.path.isfile(bad) and (verdict := self.repair_shard(bad, None, repeated=True)) is not None:
+                    return verdict
                 # a shard quarantined before is still corrupt on disk: not a fix (else every restart is burnt on it)
                 fixed += len(self.log["repairs"]) + len(self.log["quarantined"]) > acted
         return helped or fixed > 0
@@ -523,6 +556,8 @@ class Guardian:
                 helped = self.on_stuck(no_progress)
                 if self.stopping:
                     continue  # (the loop's top says it stopped, and starts none)
+                if isinstance(helped, tuple):  # storage unreachable / failing while verifying or re-fetching
+                    return self.stop(*helped)
                 if not helped:
                     return self.stop(EXIT_STUCK, f"stuck: {len(no_progress)} consecutive starts produced no new "
                                                  f"checkpoint (causes: {', '.join(no_progress)}); data verifies; "

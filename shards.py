@@ -37,6 +37,7 @@ in index.json), so changing batch_size or seq_len keeps it exact.
 """
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -46,6 +47,9 @@ import numpy as np
 
 from checkpoint import DISK_ERRNOS, sha256_file, write_atomic as _atomic_write  # one copy of the file helpers
 
+# a read of a network or bucket mount that dropped (not a data fault: waited for, never quarantined or re-fetched)
+UNREACHABLE_ERRNOS = (errno.ENOTCONN, errno.ETIMEDOUT, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN,
+                      errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED)
 SHARD_DTYPE = np.dtype("<u2")  # uint16, little endian: vocab_size <= 65535
 INDEX_VERSION = 1
 
@@ -61,11 +65,23 @@ class DataError(Exception):
 
 class StorageError(Exception):
     """A remote store refused or could not be reached, or the local disk could not hold what it sent (not a data
-    fault). kind: 'denied' | 'not_found' | 'unreachable' | 'disk'."""
+    fault). kind: 'denied' | 'not_found' | 'unreachable' | 'disk' | 'io' (a local read failed: EIO, a failing disk)."""
 
     def __init__(self, message, url=None, status=None, kind=None):
         super().__init__(message)
         self.url, self.status, self.kind = url, status, kind
+
+
+def read_error(path, e):
+    """An OSError reading a corpus file, as a StorageError (the bytes were never seen: not corrupt data): a mount that
+    dropped = unreachable, permissions = denied, anything else (EIO: the disk itself failing) = io."""
+    if e.errno in UNREACHABLE_ERRNOS:
+        return StorageError(f"{path}: cannot be read ({e.strerror}): its network or bucket mount dropped? check it "
+                            f"and retry", path, None, "unreachable")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return StorageError(f"{path}: cannot be read ({e.strerror}); check its permissions", path, None, "denied")
+    return StorageError(f"{path}: cannot be read ({e.strerror or e}): the disk itself failing? (dmesg); not corrupt "
+                        f"data: fix or replace the storage and run again", path, None, "io")
 
 
 def _fix_hint(corpus_dir, file=None):
@@ -592,18 +608,23 @@ def _open_mask(corpus_dir, entry):
 
 
 def verify_corpus(corpus_dir):
-    """Re-hash every shard of every split (ignoring the per-process cache). Returns a list of one-line problems."""
+    """Re-hash every shard of every split (ignoring the per-process cache). Returns a list of one-line problems; a file
+    that cannot be read raises StorageError (read_error)."""
     try:
         index = load_index(corpus_dir)
         load_corpus_tokenizer(corpus_dir, index)
     except DataError as e:
         return [str(e)]
+    except OSError as e:  # (a traceback that ended the guardian)
+        raise read_error(e.filename or corpus_dir, e) from None
     return [p for entries in index["splits"].values() for entry in entries
             for p in verify_shard(corpus_dir, entry, index["vocab_size"])]
 
 
 def verify_shard(corpus_dir, entry, vocab_size):
-    """Re-hash one shard of index.json and its loss mask (ignoring the per-process cache). Returns one-line problems."""
+    """Re-hash one shard of index.json and its loss mask (ignoring the per-process cache). Returns one-line problems; a
+    file that cannot be read raises StorageError (read_error: an EIO or a dropped mount was a traceback out of the
+    guardian, which caught DataError only)."""
     problems = []
     path = os.path.join(str(corpus_dir), entry["file"])
     try:
@@ -615,6 +636,8 @@ def verify_shard(corpus_dir, entry, vocab_size):
         _open_shard(corpus_dir, entry, vocab_size)
     except DataError as e:
         problems.append(str(e))
+    except OSError as e:
+        raise read_error(e.filename or path, e) from None
     if "mask" in entry:
         mpath = os.path.join(str(corpus_dir), entry["mask"])
         with contextlib.suppress(OSError):
@@ -624,6 +647,8 @@ def verify_shard(corpus_dir, entry, vocab_size):
             _open_mask(corpus_dir, entry)
         except DataError as e:
             problems.append(str(e))
+        except OSError as e:
+            raise read_error(e.filename or mpath, e) from None
     return problems
 
 

@@ -1320,3 +1320,75 @@ def test_consecutive_starts_each_ending_in_a_repaired_shard_are_not_stuck(tmp_pa
     assert run_guardian(g) == 0 and len(started) == 4
     log = json.load(open(run / "guardian.json"))
     assert [r["action"] for r in log["repairs"]] == ["refetched"] * 3 and not shards.verify_corpus(cdir)
+
+
+def unreadable_shards(monkeypatch, fails):
+    """shards.sha256_file raises OSError(fails.pop(0)) while `fails` holds errnos (a dropped mount, a failing disk)."""
+    import errno
+    real = shards.sha256_file
+
+    def sha256_file(path, *a, **k):
+        if fails:
+            code = fails.pop(0) if len(fails) > 1 or fails[0] != "always" else errno.ENOTCONN
+            raise OSError(code, os.strerror(code), path)
+        return real(path, *a, **k)
+    monkeypatch.setattr(shards, "sha256_file", sha256_file)
+
+
+def test_a_shard_unreadable_while_the_guardian_verifies_is_storage_not_corrupt_data(tmp_path, monkeypatch, capsys):
+    """shards.verify_shard caught DataError only: an OSError reading a shard (ENOTCONN / ETIMEDOUT / ESTALE of a network
+    or bucket mount that dropped, EIO of a failing disk) in repair_shard, on_stuck or release_fixed was a traceback that
+    ended the guardian (exit 1). Unreachable storage is now waited for with the guardian's backoff (never quarantined or
+    re-fetched for it) up to unreachable_give_up_s, then exit 5; an EIO stops at once, exit 5, naming the file; a
+    quarantined shard that cannot be read stays quarantined, said in one line."""
+    import errno
+    import guardian
+    root = make_corpus(tmp_path / "data")
+    cdir = os.path.join(root, "local")
+    shard = os.path.join(cdir, "train_000000.bin")
+    args = [f"--data_root={root}", "--unreachable_backoff_s=0.01", "--unreachable_give_up_s=0.35"]
+
+    def no_refetch(*a):
+        raise AssertionError("re-fetched for a storage fault")
+    monkeypatch.setattr(shards, "refetch_shard", no_refetch)
+    # repair_shard: the mount comes back after two tries; the shard verifies and nothing is done to it
+    fails = [errno.ENOTCONN, errno.ETIMEDOUT]
+    unreadable_shards(monkeypatch, fails)
+    g = guardian.Guardian(args + [f"--out_dir={tmp_path / 'run'}"])
+    assert g.repair_shard(shard, 0, repeated=False) is None and not fails
+    assert not g.log["quarantined"] and not g.log["repairs"], g.log
+    assert "storage unreachable while verifying" in capsys.readouterr().err
+    # ... it stays away: exit 5 once unreachable_give_up_s would pass, nothing quarantined
+    fails[:] = ["always"]
+    code, msg = g.repair_shard(shard, 0, repeated=True)
+    assert code == train_py.EXIT_UNREACHABLE and "storage unreachable" in msg and "tries" in msg, msg
+    assert not g.log["quarantined"] and "\n" not in msg
+    # a failing disk (EIO): stops at once, naming the file
+    fails[:] = [errno.EIO, "always"]
+    code, msg = g.repair_shard(shard, 0, repeated=True)
+    assert code == train_py.EXIT_UNREACHABLE and shard in msg and "Input/output error" in msg and "tries" not in msg, msg
+    assert fails == ["always"] and not g.log["quarantined"]
+    # on_stuck's verify of every corpus, in the supervision loop: a report and exit 5, not a traceback
+    fails[:] = ["always"]
+    run = tmp_path / "run2"
+    g = guardian.Guardian(args + [f"--out_dir={run}", "--max_stuck_starts=1"])
+    started = stand_in_trainers(g, "raise SystemExit(8)")
+    assert run_guardian(g) == train_py.EXIT_UNREACHABLE and len(started) == 1
+    log = json.load(open(run / "guardian.json"))
+    assert log["report"]["cause"] == "storage unreachable" and not log["quarantined"], log
+    # release_fixed: a quarantined shard replaced by a good copy that cannot be read now stays quarantined
+    good = open(shard, "rb").read()
+    zero_page(shard)
+    g = guardian.Guardian(args + [f"--out_dir={tmp_path / 'run3'}"])
+    g.quarantine(shard, 0, "corrupt on disk and not re-fetchable: test")
+    with open(shard + ".new", "wb") as f:
+        f.write(good)
+    os.replace(shard + ".new", shard)
+    capsys.readouterr()
+    fails[:] = [errno.ESTALE]
+    g.release_fixed()
+    assert [q["shard"] for q in g.log["quarantined"]] == ["local/train_000000.bin"]
+    err = capsys.readouterr().err
+    assert "local/train_000000.bin stays quarantined" in err and err.count("\n") == 1, err
+    g.release_fixed()  # readable again: released
+    assert not g.log["quarantined"]
