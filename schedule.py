@@ -1,6 +1,7 @@
 """The training plan: stages of a token length, a data mix, a sequence length and an LR phase; the WSD learning rate
-over them; an on-demand decay cut into them; the split of a micro-step's rows among a mix's corpora. Pure functions
-of the plan list (a list of dicts, stored in every checkpoint's state.json): train.py runs it, tests call them."""
+over them; an on-demand decay (a copy of the plan's own) cut into them; the split of a micro-step's rows among a
+mix's corpora. Pure functions of the plan list (a list of dicts, stored in every checkpoint's state.json): train.py
+runs it, tests call them."""
 import math
 
 
@@ -140,20 +141,56 @@ def phase_span(plan, i):
     return lo, hi
 
 
-def on_demand_decay_tokens(plan, decay_tokens, decay_frac):
+ON_DEMAND = "decay-on-demand"  # the name of an on-demand decay's stage ("decay-on-demand:<planned name>" for each of
+# several: the on-demand copies of a decay planned over several stages)
+
+
+def is_on_demand(stage):
+    """Whether a plan stage is (one of the stages of) an on-demand decay that decay_now appended."""
+    name = stage.get("name")
+    return isinstance(name, str) and (name == ON_DEMAND or name.startswith(ON_DEMAND + ":"))
+
+
+def decay_ramp(plan, tokens_seen=0):
+    """(first, last) index of the planned decay an on-demand decay asked at tokens_seen stands in for: the first
+    decay ramp not over by then, else the plan's last; None for a plan without a decay stage."""
+    ramps, i = [], 0
+    while i < len(plan):
+        lo, hi = phase_span(plan, i)
+        if plan[i]["lr_phase"] == "decay":
+            ramps.append((lo, hi))
+        i = hi + 1
+    return next((r for r in ramps if plan_tokens(plan[:r[1] + 1]) > tokens_seen), ramps[-1] if ramps else None)
+
+
+def on_demand_decay_tokens(plan, decay_tokens, decay_frac, tokens_seen=0):
     """Length of an on-demand decay: decay_tokens if set, else the plan's own decay (all of its stages: the first
     alone made a split decay's on-demand copy short), else decay_frac of the plan."""
-    first = next((i for i, s in enumerate(plan) if s["lr_phase"] == "decay"), None)
-    if decay_tokens or first is None:
+    ramp = decay_ramp(plan, tokens_seen)
+    if decay_tokens or ramp is None:
         return decay_tokens or decay_length(decay_frac, plan_tokens(plan))
-    lo, hi = phase_span(plan, first)
-    return plan_tokens(plan[lo:hi + 1])
+    return plan_tokens(plan[ramp[0]:ramp[1] + 1])
 
 
-def decay_now(plan, tokens_seen, length):
-    """The plan cut at tokens_seen with one decay stage of `length` tokens appended (on-demand decay). During a
-    decay the plan ends with that decay (all its stages) instead, and a finished plan stays as it is: a second decay
-    would start from the peak LR again."""
+def _cut(plan, tokens):
+    """The plan's stages up to token `tokens` (the one it falls in shortened to end there)."""
+    out, start = [], 0
+    for s in plan:
+        if start >= tokens:
+            break
+        out.append(dict(s, tokens=min(s["tokens"], tokens - start)))
+        start += s["tokens"]
+    return out
+
+
+def decay_now(plan, tokens_seen, length, tokens_per_step=None):
+    """The plan cut at tokens_seen with an on-demand decay of about `length` tokens appended. It trains as the plan's
+    own decay would: its stages' mixes and seq_lens in order, each scaled by length / the planned decay's tokens
+    (it trained the stable stage's mix, losing a decay planned on an annealing mix or another seq_len); only a plan
+    without a decay stage decays on the mix and seq_len of the stage the cut falls in (at a stage boundary it took
+    the one before). tokens_per_step(seq_len): each appended stage ends at the whole step nearest its scaled end,
+    at least one step in all. During a decay the plan ends with that decay (all its stages) instead, and a finished
+    plan stays as it is: a second decay would start from the peak LR again."""
     i, cur, _ = stage_at(plan, tokens_seen)
     if cur is None:
         return [dict(s) for s in plan]
@@ -161,18 +198,45 @@ def decay_now(plan, tokens_seen, length):
         return [dict(s) for s in plan[:phase_span(plan, i)[1] + 1]]
     if cur["lr_phase"] == "warmup":  # the decay starts from the peak LR: after the warmup, never an unwarmed jump to it
         tokens_seen = plan_tokens(plan[:phase_span(plan, i)[1] + 1])  # all of it, when split in stages
-    out, start = [], 0
-    for s in plan:
-        if start >= tokens_seen:
-            break
-        keep = min(s["tokens"], tokens_seen - start)
-        out.append(dict(s, tokens=keep))
-        start += s["tokens"]
-    last = out[-1] if out else plan[0]
-    # seq_len_from_config as the stage it follows: a resume with another --seq_len moves both (it kept the old one)
-    out.append(dict(name="decay-on-demand", mix=dict(last["mix"]), tokens=int(length), seq_len=last["seq_len"],
-                    lr_phase="decay", seq_len_from_config=bool(last.get("seq_len_from_config"))))
+    out = _cut(plan, tokens_seen)
+    ramp = decay_ramp(plan, tokens_seen)
+    if ramp is None:  # the stage the decay replaces (the one after the warmup, when asked during it)
+        model = [stage_at(plan, tokens_seen)[1] or (out[-1] if out else plan[-1])]
+    else:
+        model = [s for s in plan[ramp[0]:ramp[1] + 1] if s["tokens"] > 0] or [plan[ramp[1]]]
+    planned, done, pos, tail = sum(max(s["tokens"], 0) for s in model), 0, 0, []
+    for s in model:
+        done += max(s["tokens"], 0)
+        end = int(length) * done // planned if planned > 0 else int(length)  # the scaled end of this stage
+        n = end - pos
+        if tokens_per_step is not None:
+            tps = tokens_per_step(s["seq_len"])
+            n = (n + tps // 2) // tps * tps
+        if n > 0:  # (a stage scaled under half a step: none, its neighbours train on)
+            tail.append((s, n))
+            pos += n
+    if not tail:  # at least one step, of the decay's first stage
+        tail = [(model[0], tokens_per_step(model[0]["seq_len"]) if tokens_per_step is not None else max(1, int(length)))]
+    # seq_len_from_config as the stage it copies: a resume with another --seq_len moves both (it kept the old one)
+    out += [dict(name=ON_DEMAND if len(model) == 1 else f"{ON_DEMAND}:{s['name']}", mix=dict(s["mix"]), tokens=n,
+                 seq_len=s["seq_len"], lr_phase="decay", seq_len_from_config=bool(s.get("seq_len_from_config")))
+            for s, n in tail]
     return out
+
+
+def keep_on_demand_decay(plan, stored):
+    """A new plan (--replan) with the on-demand decay the stored plan started kept as it was (a started decay is
+    history, trained on its mixes and seq_lens so far): the new plan cut where that decay began, then the decay's
+    stages as stored (all of them, when it copies a decay planned over several). A new plan that ends before it
+    began has its last stage stretched up to there (those tokens were trained)."""
+    k = next((j for j, s in enumerate(stored) if is_on_demand(s)), None)
+    if k is None:
+        return [dict(s) for s in plan]
+    at = plan_tokens(stored[:k])
+    out = _cut(plan, at)
+    if out and plan_tokens(out) < at:
+        out[-1]["tokens"] += at - plan_tokens(out)
+    return out + [dict(s, mix=dict(s["mix"])) for s in stored[k:]]
 
 
 def rows_per_stream(mix, rows, micro_index):

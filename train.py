@@ -11,8 +11,9 @@ half a step is refused, not skipped). Progress through the plan is counted in to
 seq_len on resume keeps both the schedule and the data position (per corpus: shard, token offset). The plan is
 stored in state.json at the first start; a resume whose config plans differently is refused unless --replan.
 A run is finished only when the last planned token is trained. `control.json` in out_dir ({"start_decay":
-true}, set by relay.py or by hand) starts the WSD decay now: the plan is cut at the current token and one decay
-stage appended.
+true}, set by relay.py or by hand) starts the WSD decay now: the plan is cut at the current token and a copy of its
+own decay appended (its stages' mixes and seq_lens, scaled to --decay_tokens when set; without a decay stage, one
+stage on the current stage's mix and seq_len).
 
 Checkpoints (checkpoint.py): permanent every ckpt_interval steps and at each stage end, a temporary one every
 checkpoint_minutes (replaced by the next), one on SIGTERM (preemption: save, exit 0), the best by val loss
@@ -49,8 +50,8 @@ from dataclasses import asdict, fields
 from checkpoint import DISK_ERRNOS  # a write refused for lack of space
 import rundir
 from rundir import RunDirError, RunLocked, hold_run_lock, mirror, prepare_run_dir, retain
-from schedule import (PLAN_SOURCE_KEYS, PlanError, align_plan, build_plan, decay_now, lr_at, on_demand_decay_tokens,
-                      plan_tokens, rows_per_stream, stage_at, stored_plan_differs)
+from schedule import (PLAN_SOURCE_KEYS, PlanError, align_plan, build_plan, decay_now, is_on_demand, keep_on_demand_decay,
+                      lr_at, on_demand_decay_tokens, plan_tokens, rows_per_stream, stage_at, stored_plan_differs)
 
 # -----------------------------------------------------------------------------------------------------------
 # config (globals; config files and --key=value override them)
@@ -737,10 +738,10 @@ def main(argv):
                 raise TrainError(f"the config's plan differs from the plan stored in {os.path.join(ck, 'state.json')}; "
                                  f"pass --replan to adopt the new plan, or use the run's original config")
             log(f"REPLAN: adopting the config's plan (was {stored})")
-            on_demand = next((s for s in stored if s["name"] == "decay-on-demand"), None)
-            if state.get("decay_started_at_tokens") is not None and on_demand is not None:
-                # a started decay is history (control.json cannot start a second one): resume a step before it to drop it
-                plan = decay_now(plan, state["decay_started_at_tokens"], on_demand["tokens"])
+            if state.get("decay_started_at_tokens") is not None and any(is_on_demand(s) for s in stored):
+                # a started decay is history (control.json cannot start a second one): resume a step before it to drop
+                # it; all its stages, as they were (a decay copied from one over several stages lost all but the first)
+                plan = keep_on_demand_decay(plan, stored)
                 log(f"REPLAN: the on-demand decay started at {state['decay_started_at_tokens']:,} tokens stays in the "
                     f"new plan; to train without it, resume a checkpoint from before it")
             state.setdefault("replans", []).append({"step": state["step"], "old": stored, "new": plan, "at": time.time()})
@@ -975,18 +976,18 @@ def main(argv):
         control_due[0] = due
         if want:
             nonlocal_plan = st["plan"]
-            length = on_demand_decay_tokens(nonlocal_plan, cfg["decay_tokens"], cfg["decay_frac"])
+            length = on_demand_decay_tokens(nonlocal_plan, cfg["decay_tokens"], cfg["decay_frac"], st["tokens"])
             cur = stage_at(nonlocal_plan, st["tokens"])[1]
             already = cur is None or cur["lr_phase"] == "decay"
-            st["plan"] = decay_now(nonlocal_plan, st["tokens"], length)
-            if not already:  # whole steps (its last step ran past the plan's end), at least one
-                tps = tokens_per_step(st["plan"][-1]["seq_len"])
-                st["plan"][-1]["tokens"] = max(1, (st["plan"][-1]["tokens"] + tps // 2) // tps) * tps
+            # each stage whole steps (a last step ran past the plan's end, or across a stage boundary), at least one
+            st["plan"] = decay_now(nonlocal_plan, st["tokens"], length, tokens_per_step)
+            added = [s for s in st["plan"] if is_on_demand(s)] if not already else []
             st["decay_started_at_tokens"] = st["tokens"]
             st.setdefault("replans", []).append({"step": st["step"], "reason": "start_decay", "at": time.time()})
             log("control.json: start_decay: already decaying (or done); the run ends with this decay" if already else
                 f"control.json: starting the decay {'after the warmup' if cur['lr_phase'] == 'warmup' else 'now'}, "
-                f"over {st['plan'][-1]['tokens']:,} tokens")
+                f"over {sum(s['tokens'] for s in added):,} tokens: " + ", ".join(
+                    f"{s['name']} {s['tokens']:,} (mix {s['mix']}, seq_len {s['seq_len']})" for s in added))
             if master:  # the step it was taken at: a rollback to a step before it drops the request (see resume)
                 ctl["start_decay_taken_at_step"] = st["step"]
                 checkpoint.write_atomic_text(control_path, json.dumps(ctl) + "\n")

@@ -334,12 +334,84 @@ def test_a_warmup_or_decay_split_over_stages_is_one_ramp():
     lrs = [schedule.lr_at(plan, t, 1e-3, 1e-4, 10) for t in range(80, 140, 10)]
     assert lrs == sorted(lrs, reverse=True) and lrs[-1] == 1e-4 and lrs[-2] > 1e-4
     early = schedule.decay_now(plan, 5, 30)  # in w1: the decay starts after w2, at the peak the warmup reached
-    assert [s["name"] for s in early] == ["w1", "w2", "decay-on-demand"] and schedule.lr_at(early, 30, 1e-3, 1e-4, 10) == 1e-3
+    assert [s["name"] for s in early] == ["w1", "w2", "decay-on-demand:d1", "decay-on-demand:d2"]
+    assert schedule.lr_at(early, 30, 1e-3, 1e-4, 10) == 1e-3
     # an on-demand decay is as long as the plan's whole decay (it took d1's 30 tokens alone), unless decay_tokens
     assert schedule.on_demand_decay_tokens(plan, 0, 0.2) == 60 and schedule.on_demand_decay_tokens(plan, 24, 0.2) == 24
     assert schedule.on_demand_decay_tokens(plan[:3], 0, 0.25) == schedule.decay_length(0.25, 80)
     during = schedule.decay_now(plan, 90, 30)  # in d1: the plan's decay goes on to its end (d2), on the same ramp
     assert during == plan and schedule.lr_at(during, 90, 1e-3, 1e-4, 10) == schedule.lr_at(plan, 90, 1e-3, 1e-4, 10)
+
+
+def test_an_on_demand_decay_trains_as_the_plans_own_decay_would():
+    """An on-demand decay was one stage on the mix and seq_len of the stage it cut: a decay planned on an annealing
+    mix (and another seq_len), here over two stages, was lost for the stable stage's mix; only its length was kept."""
+    plan = [dict(name=n, mix=m, tokens=t, seq_len=T, lr_phase=p) for n, m, t, T, p in
+            (("w", {"web": 1.0}, 16, 8, "warmup"), ("s", {"web": 1.0}, 64, 8, "stable"),
+             ("anneal", {"web": 0.5, "books": 0.5}, 64, 16, "decay"), ("code", {"code": 1.0}, 32, 4, "decay"))]
+    tail = lambda pl: [(s["name"], s["mix"], s["tokens"], s["seq_len"], s["lr_phase"]) for s in pl[2:]]  # noqa: E731
+    cut = schedule.decay_now(plan, 40, schedule.on_demand_decay_tokens(plan, 0, 0.2))  # as long as planned
+    assert cut[:2] == [plan[0], dict(plan[1], tokens=24)]
+    assert tail(cut) == [("decay-on-demand:anneal", {"web": 0.5, "books": 0.5}, 64, 16, "decay"),
+                         ("decay-on-demand:code", {"code": 1.0}, 32, 4, "decay")]
+    # decay_tokens=40: each stage scaled in proportion (26.7 and 13.3 tokens), then to whole steps of its own seq_len
+    per_step = lambda T: T  # noqa: E731
+    short = schedule.decay_now(plan, 40, 40, per_step)
+    assert tail(short) == [("decay-on-demand:anneal", {"web": 0.5, "books": 0.5}, 32, 16, "decay"),
+                           ("decay-on-demand:code", {"code": 1.0}, 8, 4, "decay")]
+    # one ramp down over both, to min_lr on its last step
+    end = schedule.plan_tokens(short)
+    lrs = [schedule.lr_at(short, t, 1e-3, 1e-4, per_step(schedule.stage_at(short, t)[1]["seq_len"]))
+           for t in (40, 56, 72, 76)]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] == 1e-4 and end == 80
+    # asked during the warmup: still the planned decay's stages, after the warmup
+    early = schedule.decay_now(plan, 4, 96)
+    assert [s["name"] for s in early] == ["w", "decay-on-demand:anneal", "decay-on-demand:code"]
+    # a single planned decay stage keeps the name others look for (train.py --replan, tests, operators' greps)
+    one = schedule.decay_now(plan[:3], 40, 20, per_step)
+    assert [(s["name"], s["seq_len"], s["tokens"]) for s in one[2:]] == [("decay-on-demand", 16, 16)]
+    assert all(schedule.is_on_demand(s) for s in cut[2:] + one[2:]) and not any(map(schedule.is_on_demand, plan))
+
+
+def test_an_on_demand_decay_without_a_planned_one_uses_the_stage_it_replaces():
+    """Without a decay stage the on-demand decay takes the current stage's mix and seq_len; asked exactly at a stage
+    boundary it took the previous stage's (here the short-context stage's, for a decay meant for the long one)."""
+    plan = [dict(name=n, mix=m, tokens=t, seq_len=T, lr_phase=p) for n, m, t, T, p in
+            (("w", {"a": 1.0}, 16, 8, "warmup"), ("short", {"a": 1.0}, 32, 8, "stable"),
+             ("long", {"b": 1.0}, 64, 32, "stable"))]
+    at = schedule.decay_now(plan, 48, 32)  # the first token of "long"
+    assert [s["name"] for s in at] == ["w", "short", "decay-on-demand"]
+    assert (at[-1]["mix"], at[-1]["seq_len"], at[-1]["tokens"]) == ({"b": 1.0}, 32, 32)
+    assert schedule.decay_now(plan, 50, 32)[-1]["mix"] == {"b": 1.0}
+    assert schedule.decay_now(plan, 20, 32)[-1]["mix"] == {"a": 1.0}  # inside "short"
+    # asked during the warmup: the stage after it (the one the decay replaces), not the warmup's
+    assert schedule.decay_now(plan, 4, 32)[-1]["name"] == "decay-on-demand"
+
+
+def test_a_replan_keeps_every_stage_of_a_started_on_demand_decay(data_root, tmp_path):
+    """A run whose plan decays over two stages (seq_len 16, then 8) decayed on demand on the stable stage's seq_len
+    (32), and --replan kept only a stage named decay-on-demand (so would have dropped a decay copied in several)."""
+    out = str(tmp_path / "run")
+    plan = tmp_path / "plan.py"
+    stages = ("dict(name='warm', steps=1, lr_phase='warmup'), dict(name='main', steps={}), "
+              "dict(name='d1', steps=2, seq_len=16, lr_phase='decay'), dict(name='d2', steps=2, seq_len=8, lr_phase='decay')")
+    plan.write_text(f"stages = [{stages.format(30)}]\n")
+    # planned decay: 2 x 64 + 2 x 32 = 192 tokens; decay_tokens=384 doubles each stage: 4 steps of each
+    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--decay_tokens=384", "--eval_interval=1000",
+                   "--min_lr=1e-4"]
+    run([base[0], str(plan)] + base[1:] + ["--stop_after_steps=3"])
+    json.dump({"start_decay": True}, open(os.path.join(out, "control.json"), "w"))
+    run([base[0], str(plan)] + base[1:] + ["--init_from=resume", "--stop_after_steps=2"])
+    longer = tmp_path / "longer.py"
+    longer.write_text(f"stages = [{stages.format(60)}]\n")
+    run([base[0], str(longer)] + base[1:] + ["--init_from=resume", "--replan"])
+    st = json.load(open(os.path.join(out, open(os.path.join(out, "LATEST")).read().strip(), "state.json")))
+    assert [(s["name"], s["tokens"], s["seq_len"]) for s in st["plan"]] == [
+        ("warm", 128, 32), ("main", 2 * 128, 32), ("decay-on-demand:d1", 4 * 64, 16), ("decay-on-demand:d2", 4 * 32, 8)]
+    assert st["finished"] and st["step"] == 3 + 4 + 4
+    m = metrics(out)
+    assert [m[k]["seq_len"] for k in range(4, 12)] == [16] * 4 + [8] * 4
+    assert m[11]["lr"] == pytest.approx(1e-4) and m[8]["lr"] < m[7]["lr"]
 
 
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
