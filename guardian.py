@@ -236,32 +236,18 @@ class Guardian:
         problems, verdict = self.verify_corpus(corpus_dir)
         if verdict is not None:
             return verdict
-        entry_bad = any(file in p for p in problems)
-        attempt, waited = 0, 0.0
-        while entry_bad:
+        if any(file in p for p in problems):
             try:
-                shards.refetch_shard(corpus_dir, file)
-                self.log["repairs"].append({"shard": path, "action": "refetched", "at": time.time()})
-                self.say(f"re-fetched {path} from its source; it verifies again")
-                return None
-            except shards.StorageError as e:
-                wait = self.retry_wait(attempt + 1, waited) if e.kind == "unreachable" else None
-                if wait is not None:  # a Hub blip or an hour's outage must not end the run
-                    attempt, waited = attempt + 1, waited + wait
-                    self.log["repairs"].append({"shard": path, "action": "re-fetch retry", "error": str(e),
-                                                "wait_s": wait, "at": time.time()})
-                    self.save()
-                    self.say(f"storage unreachable while re-fetching {path}; retrying in {wait:g} s "
-                             f"({self.retry_said(attempt, waited)})")
-                    if self.wait(wait):
-                        return train.EXIT_OK, f"stopped by {self.stopping} while re-fetching {path}"
-                    continue
-                code = {"denied": train.EXIT_DENIED, "disk": train.EXIT_DISK}.get(e.kind, train.EXIT_UNREACHABLE)
-                tries = f" ({attempt + 1} tries)" if e.kind == "unreachable" else ""
-                return code, f"{train.CAUSES[code]} while re-fetching {path}{tries}: {e}"
+                _, verdict = self.storage_retries(f"re-fetching {path}", lambda: shards.refetch_shard(corpus_dir, file),
+                                                  record={"shard": path, "action": "re-fetch retry"})
             except shards.DataError as e:
                 self.quarantine(path, offset, f"corrupt on disk and not re-fetchable: {e}")
                 return None
+            if verdict is not None:
+                return verdict
+            self.log["repairs"].append({"shard": path, "action": "refetched", "at": time.time()})
+            self.say(f"re-fetched {path} from its source; it verifies again")
+            return None
         if repeated:
             self.quarantine(path, offset, "the crash repeated at the same place though the file verifies")
         return None
@@ -270,21 +256,34 @@ class Guardian:
         """shards.verify_corpus, a shard that cannot be read not taken for a corrupt one (an OSError was a traceback
         that ended the guardian): a mount that dropped is waited for as a trainer's outage is, up to
         unreachable_give_up_s. Returns (problems, None), or (None, (exit code, message)) to stop."""
+        return self.storage_retries(f"verifying {corpus_dir}", lambda: shards.verify_corpus(corpus_dir))
+
+    def storage_retries(self, doing, fn, record=None):
+        """(fn(), None), its StorageError 'unreachable' retried with the backoff (a Hub blip or an hour's outage must
+        not end the run; each retry logged as `record` when given), or (None, (exit code, message)) to stop: given
+        up, denied, out of disk, a failing disk, or a stop signal."""
         attempt, waited = 0, 0.0
         while True:
             try:
-                return shards.verify_corpus(corpus_dir), None
+                return fn(), None
             except shards.StorageError as e:
                 wait = self.retry_wait(attempt + 1, waited) if e.kind == "unreachable" else None
-                if wait is None:  # given up, or a failing disk (EIO) / permissions: retrying cannot fix it
+                if wait is None:
                     code = {"denied": train.EXIT_DENIED, "disk": train.EXIT_DISK}.get(e.kind, train.EXIT_UNREACHABLE)
                     tries = f" ({attempt + 1} tries)" if e.kind == "unreachable" else ""
-                    return None, (code, f"{train.CAUSES[code]} while verifying {corpus_dir}{tries}: {e}")
+                    return None, (code, f"{train.CAUSES[code]} while {doing}{tries}: {e}")
                 attempt, waited = attempt + 1, waited + wait
-                self.say(f"storage unreachable while verifying {corpus_dir}; retrying in {wait:g} s "
+                if record is not None:
+                    self.log["repairs"].append(dict(record, error=str(e), wait_s=wait, at=time.time()))
+                    self.save()
+                self.say(f"storage unreachable while {doing}; retrying in {wait:g} s "
                          f"({self.retry_said(attempt, waited)})")
                 if self.wait(wait):
-                    return None, (train.EXIT_OK, f"stopped by {self.stopping} while verifying {corpus_dir}")
+                    return None, (train.EXIT_OK, f"stopped by {self.stopping} while {doing}")
+
+    def actions(self):
+        """Entries of the repair log and the quarantine: a start or an on_stuck pass that grew them handled a shard."""
+        return len(self.log["repairs"]) + len(self.log["quarantined"])
 
     def wait(self, seconds):
         """Sleep, cut short by SIGTERM / Ctrl-C (a plain sleep resumed after the handler: the signal waited out the
@@ -324,11 +323,11 @@ class Guardian:
                 return verdict
             for problem in problems:
                 bad = problem.split(" ", 1)[0].rstrip(":")
-                acted = len(self.log["repairs"]) + len(self.log["quarantined"])
+                acted = self.actions()
                 if os.path.isfile(bad) and (verdict := self.repair_shard(bad, None, repeated=True)) is not None:
                     return verdict
                 # a shard quarantined before is still corrupt on disk: not a fix (else every restart is burnt on it)
-                fixed += len(self.log["repairs"]) + len(self.log["quarantined"]) > acted
+                fixed += self.actions() > acted
         return helped or fixed > 0
 
     def run_on_stuck(self, cmd):
@@ -539,9 +538,9 @@ class Guardian:
             repaired = False
             if rc == train.EXIT_DATA and rep and rep.get("path"):
                 fault = (rep["path"], rep.get("offset"))
-                acted = len(self.log["repairs"]) + len(self.log["quarantined"])
+                acted = self.actions()
                 verdict = self.repair_shard(rep["path"], rep.get("offset"), repeated=fault == last_data_fault)
-                repaired = verdict is None and len(self.log["repairs"]) + len(self.log["quarantined"]) > acted
+                repaired = verdict is None and self.actions() > acted
                 last_data_fault = fault
                 self.save()
                 if verdict is not None and self.stopping:
