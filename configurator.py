@@ -83,12 +83,9 @@ def parse_value(key, text, old):
         raise ConfigError(f"--{key}={shown}: not a valid Python literal for {kind(old)}")
 
 
-def exec_config_file(path, g):
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} not found; pass a file under config/ or --key=value overrides")
-    before = config_keys(g)
-    defaults = {k: copy.deepcopy(g[k]) for k in before}  # lr_mult["old"] = x must not edit the script's own default
-    scope = {**g, **defaults}
+def exec_file(path, scope):
+    """Exec a config file into scope; whatever goes wrong is one ConfigError line naming the file (container.py's
+    --random-config reads config files this way too)."""
     try:
         src = open(path).read()
         exec(compile(src, path, "exec"), scope)
@@ -96,6 +93,15 @@ def exec_config_file(path, g):
         raise ConfigError(f"{path}:{e.lineno}: syntax error: {e.msg}")
     except Exception as e:
         raise ConfigError(f"{path}: raised {type(e).__name__}: {e}")
+
+
+def exec_config_file(path, g):
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} not found; pass a file under config/ or --key=value overrides")
+    before = config_keys(g)
+    defaults = {k: copy.deepcopy(g[k]) for k in before}  # lr_mult["old"] = x must not edit the script's own default
+    scope = {**g, **defaults}
+    exec_file(path, scope)
     for k in config_keys(scope) - before:
         if k not in g and k != "__builtins__":
             raise ConfigError(f"{path}: unknown config key '{k}'{closest(k, before)}")

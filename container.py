@@ -871,14 +871,12 @@ def load_container(path):
 def config_from_file(path):
     import configurator
     g = {}
-    try:
-        exec(compile(open(path).read(), path, "exec"), g)
-    except OSError as e:
-        raise ContainerError(f"{path}: cannot read config file ({e.strerror})") from None
-    except SyntaxError as e:  # (a traceback, as was every error of the file below)
-        raise ContainerError(f"{path}:{e.lineno}: syntax error: {e.msg}; fix the config file") from None
-    except Exception as e:
-        raise ContainerError(f"{path}: raised {type(e).__name__}: {e}; fix the config file") from None
+    if not os.path.isfile(path):
+        raise ContainerError(f"{path}: cannot read config file (not a file); pass a file under config/")
+    try:  # (a syntax error, an undefined name: a traceback)
+        configurator.exec_file(path, g)
+    except configurator.ConfigError as e:
+        raise ContainerError(f"{e}; fix the config file") from None
     model_fields = sorted(f.name for f in fields(ModelConfig))
     for key in sorted(configurator.config_keys(g) - set(model_fields)):  # the training keys are left to train.py, but
         near = difflib.get_close_matches(key, model_fields, n=1, cutoff=0.8)  # n_layers = 40 built n_layer's default
