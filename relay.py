@@ -221,7 +221,12 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
         raise NothingToPush(f"push refused: {ck} is at step {step}, not past the pulled step {base}, so the trainer made "
                          f"no step (is the plan finished? `python train.py --status {run_dir}`); nothing to push")
     stands_on = leg_base(run_dir)
-    if stands_on is not None and stands_on != manifest_id(store.read(lease.sha, CKPT_PREFIX + "/MANIFEST.json")):
+    if stands_on is None:  # (`pull --out`, a train.py out_dir): nothing says which checkpoint its steps stand on
+        raise RelayError(f"push refused: {run_dir} has no LEG.json naming the run's checkpoint it was trained on (not a "
+                         f"leg dir of `relay.py pull`, or one of an older relay.py), so its steps may replace others' "
+                         f"pushed since; train in the leg dir `relay.py pull {store.url}` makes while you hold the "
+                         f"baton; nothing was uploaded")
+    if stands_on != manifest_id(store.read(lease.sha, CKPT_PREFIX + "/MANIFEST.json")):
         # its step only had to pass the store's: another contributor's steps since were replaced by ones never on them
         raise RelayError(f"push refused: {run_dir} was trained on a checkpoint the run has moved past (someone pushed "
                          f"after it; the store is at step {base}), so its steps would replace theirs; train a leg from "
@@ -266,7 +271,7 @@ def commit_push(store, lease, plan, run_dir, note=None):
     new_relay = dict(lease.relay, leg=lease.leg + 1, heartbeat_at=time.time(), last_push_step=step)
     # recorded first: if the store fails so that nobody knows whether the commit landed, a later `push` or
     # `release` finds it by its write_id (adopt_landed_push) instead of being fenced off by our own commit
-    lease.pending_push = {"write_id": uuid.uuid4().hex, "step": step}
+    lease.pending_push = {"write_id": uuid.uuid4().hex, "step": step, "run_dir": run_dir and os.path.abspath(run_dir)}
     lease.save()
     try:
         sha, new_relay = commit_cas(store, lease.sha, plan["adds"], plan["stale"], f"relay: leg {lease.leg} by "
@@ -909,7 +914,7 @@ def cmd_push(args):
     lease = Lease.load(workdir_for(args), store)
     run_dir = args.run_dir or lease.run_dir
     if not run_dir:
-        raise RelayError("push: no leg dir recorded; pass --run-dir DIR (a train.py out_dir)")
+        raise RelayError("push: no leg dir recorded; run `relay.py pull` and train there, or pass --run-dir DIR (a leg dir)")
     cfg = os.path.join(run_dir, "relay_config.py")
     earlier = adopt_landed_push(store, lease)
     adopt_own_renewal(store, lease)  # a claim whose answer was lost: the heartbeat below renews from it
@@ -1015,7 +1020,7 @@ def build_parser():
     sp = add("pull", "download and verify the latest checkpoint (into the leg dir when you hold the lease)")
     sp.add_argument("--out", default=None, help="download into this dir instead (no lease needed)")
     sp = add("push", "upload your leg (one commit) while you hold the lease")
-    sp.add_argument("--run-dir", default=None, help="the train.py out_dir to push (default: the leg dir from pull)")
+    sp.add_argument("--run-dir", default=None, help="the leg dir to push (default: the one from the last pull)")
     sp.add_argument("--gpu-hourly-usd", type=float, default=None, help="$ per GPU hour for the ledger (default: the config's)")
     sp = add("release", "hand the baton back")
     sp.add_argument("--discard", action="store_true", help="release even though the leg dir holds steps never pushed")

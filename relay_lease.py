@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 
@@ -38,6 +39,7 @@ DEFAULT_TTL = 1200.0  # 20 min: TTL >= 3x the heartbeat interval (REFERENCES.md)
 DEFAULT_HEARTBEAT = 300.0
 MAX_TTL_S = 86400.0  # a day: a ttl of 1e9 s let one crashed holder stall the run for good
 MIN_HEARTBEAT_S = 0.1  # each beat is a commit: 0 renewed in a loop (1,449 commits in a 2 s leg); tests beat at 0.5 s
+SAVE_LOCK = threading.Lock()  # the heartbeat thread saves the lease too: an older snapshot written last lost a write
 
 
 class Busy(RelayError):
@@ -246,9 +248,10 @@ class Lease:
         return cls(path, **d)
 
     def save(self):
-        d = {k: v for k, v in dict(self.__dict__).items() if k != "path"}  # (a copy: the heartbeat thread adds keys)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        write_atomic(self.path, json.dumps(d, indent=1))
+        with SAVE_LOCK:  # snapshot and write as one: the newest snapshot is the one left on disk
+            d = {k: v for k, v in dict(self.__dict__).items() if k != "path"}  # (a copy: the heartbeat thread adds keys)
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            write_atomic(self.path, json.dumps(d, indent=1))
 
     def drop(self):
         if os.path.exists(self.path):
@@ -432,7 +435,8 @@ def adopt_landed_push(store, lease):
     head, _, _ = store.head()
     relay = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head) if head != lease.sha else None
     if relay and relay.get("write_id") == pending["write_id"]:
-        chain_lease_to(lease, head, relay, pending["step"], getattr(lease, "run_dir", None))
+        # the dir that push was made from (push --run-dir), not the leg dir pull recorded
+        chain_lease_to(lease, head, relay, pending["step"], pending.get("run_dir", getattr(lease, "run_dir", None)))
         return head
     lease.pending_push = None
     lease.save()

@@ -1731,6 +1731,8 @@ def test_own_claim_landed_unseen_is_the_lease_of_the_next_command(then, tmp_path
         run_dir = str(tmp_path / "leg")
         checkpoint.save(run_dir, 4, {"model.safetensors": lambda p: open(p, "w").write("w"),
                                      "state.json": lambda p: json.dump({"step": 4, "tokens": 400}, open(p, "w"))})
+        base = relay.manifest_id(store.read(store.head()[0], "checkpoint/MANIFEST.json"))  # what pull records
+        open(os.path.join(run_dir, "LEG.json"), "w").write(json.dumps({"store": url, "base_manifest": base}))
         r = rl(["push", url, "--workdir", work, "--run-dir", run_dir])
     elif then == "run":  # trains 4 steps, pushes, releases
         r = rl(["run", url, "--workdir", work, "--steps", "4", "--train-script", fake], base_env())
@@ -1937,3 +1939,78 @@ def test_a_leg_dir_the_run_moved_past_is_not_pushed_over_others_work(tmp_path, r
     steps(leg_new, 10)
     assert rl(["push", url, "--workdir", wa, "--run-dir", leg_new]).returncode == 0
     assert [x["step_range"] for x in relay.parse_ledger(relay.Snapshot(store).ledger())] == ["0-5", "5-7", "7-8", "8-10"]
+
+
+def test_a_dir_from_pull_out_is_not_pushed_over_others_work(tmp_path, rl):
+    """`pull --out DIR` (no lease, no LEG.json), trained on after someone else pushed, then `push --run-dir DIR`:
+    push checked the moved-past rule only for dirs with a LEG.json, so DIR's steps replaced bob's."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env(), cli=rl)
+    store = relay.open_store(url)
+    out, wa, wb = tmp_path / "out", tmp_path / "wa", tmp_path / "wb"
+    assert rl(["pull", url, "--out", out]).returncode == 0  # step 0
+    for cmd in (["claim", url, "--ttl", "60", "--heartbeat", "20"], ["pull", url]):
+        assert rl(cmd + ["--workdir", wb, "--who", "bob"]).returncode == 0
+    checkpoint.save(str(wb / "leg-0001-gen1"), 3, {"model.safetensors": lambda p: open(p, "w").write("bob"),
+                                                   "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    for cmd in (["push", url], ["release", url]):
+        assert rl(cmd + ["--workdir", wb, "--who", "bob"]).returncode == 0
+    assert rl(["claim", url, "--workdir", wa, "--ttl", "60", "--heartbeat", "20"]).returncode == 0
+    checkpoint.save(str(out), 5, {"model.safetensors": lambda p: open(p, "w").write("stale"),
+                                  "state.json": lambda p: json.dump({"step": 5, "tokens": 500}, open(p, "w"))})
+    head = store.head()[0]
+    r = rl(["push", url, "--workdir", wa, "--run-dir", out])
+    assert r.returncode == 3 and "no LEG.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert store.head()[0] == head and relay.Snapshot(store).state["step"] == 3  # nothing pushed
+
+
+def test_a_push_landed_unseen_is_recorded_in_the_dir_it_pushed(tmp_path, hub, hf_env, rl, monkeypatch, no_backoff):
+    """`push --run-dir OTHER` lands, its answer lost; the retry adopts it by its write_id but wrote PUSHED and LEG.json's
+    base into the leg dir pull had recorded, not OTHER: OTHER's next push was refused as "moved past" (its own push)."""
+    import shutil
+    url, store, work, lease, leg, _ = hub_leg(tmp_path, hub)
+    other = str(tmp_path / "other")
+    shutil.copytree(leg, other)  # a second leg dir of this lease, standing on the store's checkpoint too
+
+    def step(n):
+        checkpoint.save(other, n, {"model.safetensors": lambda p: open(p, "w").write(f"w{n}"),
+                                   "state.json": lambda p: json.dump({"step": n, "tokens": 100 * n}, open(p, "w"))})
+    step(7)
+    lose_answer_of_commit(hub, monkeypatch)
+    r = rl(["push", url, "--workdir", work, "--run-dir", other])
+    assert r.returncode == 3 and "unknown whether the commit landed" in r.stderr, r.stderr
+    hub.status_override = None
+    r = rl(["push", url, "--workdir", work, "--run-dir", other])
+    assert r.returncode == 0 and "the earlier push had landed" in r.stdout, r.stderr
+    assert open(os.path.join(other, "PUSHED")).read().split()[1] == "7" and not os.path.exists(os.path.join(leg, "PUSHED"))
+    step(9)
+    r = rl(["push", url, "--workdir", work, "--run-dir", other])
+    assert r.returncode == 0, r.stderr  # was: "moved past"
+    assert relay.Snapshot(store).state["step"] == 9
+
+
+def test_lease_saves_from_two_threads_keep_the_newest(tmp_path, monkeypatch):
+    """The heartbeat thread's save (a snapshot taken, its write slow) and the main thread's (leg_wall_s) ran
+    interleaved: the older snapshot, written last, dropped the main thread's field from LEASE.json."""
+    import threading
+    import relay_lease
+    lease = relay.Lease(str(tmp_path / "LEASE.json"), store="file:///x", sha="a")
+    entered, go, real = threading.Event(), threading.Event(), relay_lease.write_atomic
+
+    def slow(path, text):
+        if threading.current_thread().name == "beat":
+            entered.set()
+            go.wait(5)
+        real(path, text)
+    monkeypatch.setattr(relay_lease, "write_atomic", slow)
+    beat = threading.Thread(target=lease.save, name="beat")
+    beat.start()
+    assert entered.wait(5)
+    lease.leg_wall_s = 7.0
+    main = threading.Thread(target=lease.save)
+    main.start()
+    main.join(0.3)
+    go.set()
+    beat.join()
+    main.join()
+    assert json.load(open(lease.path)).get("leg_wall_s") == 7.0
