@@ -99,15 +99,20 @@ def align_plan(plan, tokens_seen, tokens_per_step):
     at the whole step nearest its planned end (one not begun keeps at least a step), the last at the first one at or
     past the plan's end. A resume with another step size (batch_size, grad_accum, world size, seq_len) had a step
     straddle a stage boundary, training the next stage's planned tokens on the earlier one's mix, seq_len and LR, and
-    skip a stage shorter than a step altogether, while the stored plan said otherwise. A no-op on whole steps."""
+    skip a stage shorter than a step altogether, while the stored plan said otherwise. A stage ends early enough to
+    leave a step to each one after it: short stages at the end (a decay split in stages, each now under a step) take
+    their steps from the stage before (each pushed the plan's end out by up to a step). A no-op on whole steps."""
     out, start, pos = [dict(s) for s in plan], 0, tokens_seen  # start: the planned stage's, pos: the aligned one's
+    total = plan_tokens(plan)
+    room = [sum(tokens_per_step(t["seq_len"]) for t in plan[i + 1:]) for i in range(len(plan))]  # a step each after i
     for i, s in enumerate(plan):
         end = start + s["tokens"]
         if end > tokens_seen:  # a stage not finished: its end to the whole step nearest the planned one
             tps, began = tokens_per_step(s["seq_len"]), start < tokens_seen
+            target = min(end, total - room[i])
             # half a step rounds down: a tie pushed every later stage, and the plan's end, a step further
-            n = -(-(end - pos) // tps) if i == len(plan) - 1 else (end - pos + (tps - 1) // 2) // tps
-            n = n if began else max(n, 1)  # (a stage under half a step: one step, as build_plan keeps it on resume)
+            n = -(-(end - pos) // tps) if i == len(plan) - 1 else (target - pos + (tps - 1) // 2) // tps
+            n = max(n, 0) if began else max(n, 1)  # (one under half a step: a step, as build_plan keeps it on resume)
             out[i]["tokens"] = pos + n * tps - (start if began else pos)
             pos += n * tps
         start = end

@@ -17,8 +17,9 @@ stage on the current stage's mix and seq_len).
 
 Checkpoints (checkpoint.py): permanent every ckpt_interval steps and at each stage end, a temporary one every
 checkpoint_minutes (replaced by the next), one on SIGTERM (preemption: save, exit 0), the best by val loss
-(pointer file BEST). Retention keeps the last keep_last permanent ones, every stage final, the best, and the
-newest; it never deletes the only valid checkpoint. An out_dir that holds checkpoints is continued only by
+(pointer file BEST; another val set, from batch_size, eval_iters or a stage's seq_len, restarts the best).
+Retention keeps the last keep_last permanent ones, every stage final, the best, and the newest; it never deletes the
+only valid checkpoint. An out_dir that holds checkpoints is continued only by
 --init_from=resume (any other start is refused: its saves would overwrite them). A rollback, --init_from=resume
 --resume_from=OUT/step_N with later steps in OUT, moves those later ones to OUT/abandoned/ first, so neither a later
 resume nor retention mistakes the old timeline for the new one.
@@ -101,7 +102,7 @@ grad_clip = 1.0
 lr_mult = {"embedding": 1.0, "old": 1.0, "new": 1.0}   # differential LR by parameter origin
 # evaluation, logging, checkpoints
 eval_interval = 500
-eval_iters = 20
+eval_iters = 20              # val loss over the val split's first eval_iters x batch_size rows, shared among ranks
 log_interval = 10
 ckpt_interval = 1000
 checkpoint_minutes = 0.0     # >0: also a temporary checkpoint this often (wall clock)
@@ -1034,17 +1035,27 @@ def main(argv):
                                  f"checkpoint is intact; free space and resume", EXIT_DISK)
             raise
 
+    def val_set():
+        """[rows, seq_len] the val loss is measured on now: another one (batch_size, eval_iters, a stage's seq_len)
+        gives a val loss not comparable with the best's."""
+        return [cfg["eval_iters"] * cfg["batch_size"],
+                st["plan"][min(stage_at(st["plan"], st["tokens"])[0], len(st["plan"]) - 1)]["seq_len"]]
+
     @torch.no_grad()
     def evaluate():
         if val_stream is None:
             return None
         model.eval()
         val_stream.set_position({"shard": 0, "offset": 0, "epoch": 0})
-        T = st["plan"][min(stage_at(st["plan"], st["tokens"])[0], len(st["plan"]) - 1)]["seq_len"]
+        T = val_set()[1]
         # token-weighted, as training's loss (n_targets): a mean of batch means weighed a masked (SFT) batch of 4
         # targets as one of 59; plain data has the same count in every batch, so nothing changes there
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # sum of loss x targets, targets
-        for _ in range(cfg["eval_iters"]):
+        # the val split's first eval_iters batches, shared among the ranks (each rank read eval_iters of its own: a
+        # val set that grew with the world size, and a resume on other GPUs compared best_val_loss across val sets)
+        for first in range(0, cfg["eval_iters"], world):  # batches first .. first + world - 1, one a rank
+            if first + rank >= cfg["eval_iters"]:
+                break  # (the last round has fewer batches than ranks)
             if stop["signal"] is not None and not ddp:  # a preemption's grace period goes to the checkpoint
                 log("evaluation cut short by a stop signal; no val loss this step")
                 model.train()
@@ -1224,10 +1235,16 @@ def main(argv):
                 + f" | load cv {rec['load_cv'] if rec['load_cv'] is None else round(rec['load_cv'], 3)}"
                 + f" | ETA {fmt_time(eta)} | ${st['usd_spent']:.2f}")
             window_load, window_loss, window_t, window_tokens = None, [], time.time(), 0
+        if val_loss is not None and math.isfinite(val_loss) and st.get("best_val_set") != val_set():
+            if st["best_val_loss"] is not None:  # BEST would name a step measured on other rows
+                log(f"val set changed ({st.get('best_val_set') or 'unrecorded'} -> {val_set()} rows, seq_len): best "
+                    f"val loss {st['best_val_loss']:.4f} (step {st.get('best_step')}) is not comparable; the best "
+                    f"restarts")
+            st["best_val_loss"] = None
         best = (val_loss is not None and math.isfinite(val_loss)  # (a NaN first val loss stuck as the best)
                 and (st["best_val_loss"] is None or val_loss < st["best_val_loss"]))
         if best:
-            st["best_val_loss"], st["best_step"] = val_loss, st["step"]
+            st["best_val_loss"], st["best_step"], st["best_val_set"] = val_loss, st["step"], val_set()
         if master and os.environ.get("PICAFLOR_INJECT_RANK0_LAG_S"):  # a slow rank 0 (fsync, mirror): the DDP test
             time.sleep(float(os.environ["PICAFLOR_INJECT_RANK0_LAG_S"]))
         # one save a step, under its strongest kind (the last step of a plan was written three times: best, stage

@@ -120,6 +120,22 @@ def test_a_resume_with_a_larger_step_keeps_each_stage_in_whole_steps(data_root, 
     assert schedule.align_plan(st["plan"], 384, lambda T: 256) == st["plan"]  # whole steps: unchanged
 
 
+def test_a_resume_with_a_much_larger_step_keeps_the_plans_end_within_a_step():
+    """A decay split in four short stages, resumed with a step 2x to 8x the planned one: each short stage kept its
+    step by moving the plan's end out (a step per stage: 4 x 1024 tokens for 512 planned at 8x); now they take their
+    steps from the stable stage before them, and the plan grows by less than a step."""
+    plan = [dict(name=n, mix={"a": 1.0}, tokens=t, seq_len=32, lr_phase=p) for n, t, p in
+            (("w", 128, "warmup"), ("s", 128 * 40, "stable"), ("d1", 128, "decay"), ("d2", 128, "decay"),
+             ("d3", 128, "decay"), ("d4", 128, "decay"))]
+    for step in (256, 512, 1024):
+        aligned = schedule.align_plan(plan, 3 * 128, lambda T: step)
+        grown = schedule.plan_tokens(aligned) - schedule.plan_tokens(plan)
+        assert 0 <= grown < step, (step, [s["tokens"] for s in aligned])
+        assert [s["tokens"] for s in aligned[2:-1]] == [step] * 3 and aligned[-1]["tokens"] >= step
+        assert all((schedule.plan_tokens(aligned[:i]) - 3 * 128) % step == 0 for i in range(2, 7))  # whole steps
+    assert schedule.align_plan(plan, 3 * 128, lambda T: 128) == plan  # whole steps already: unchanged
+
+
 def test_torchrun_two_processes_gloo(data_root, tmp_path):
     out = str(tmp_path / "ddp")
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
@@ -155,6 +171,31 @@ def test_torchrun_two_processes_gloo(data_root, tmp_path):
         r = subprocess.run(base + ["--init_from=resume", "--lock_wait_s=0.5"], cwd=REPO, capture_output=True, text=True,
                            env=env, timeout=120)
     assert r.returncode != 0 and "rank 0:" in r.stderr and "another trainer" in r.stderr, r.stderr[-3000:]
+
+
+def test_the_val_set_is_the_same_whatever_the_world_size(data_root, tmp_path):
+    """Each rank evaluated eval_iters batches of its own, so two ranks measured twice the rows of one: a resume on
+    another number of GPUs (a relay leg) compared best_val_loss across val sets. One checkpoint, one step that
+    changes no weight (lr_mult 0, no router bias update), evaluated on one process and on two: the same val loss.
+    Another batch_size is another val set: the best restarts there, said in the log."""
+    out = str(tmp_path / "one")
+    base = TINY + [f"--data_root={data_root}", "--max_iters=4", "--warmup_iters=1", "--eval_interval=3",
+                   "--eval_iters=3"]
+    run(base + [f"--out_dir={out}", "--stop_after_steps=2"])
+    shutil.copytree(out, str(tmp_path / "two"))
+    frozen = ["--init_from=resume", "--stop_after_steps=1", "--lr_mult={'embedding': 0.0, 'old': 0.0, 'new': 0.0}",
+              "--bias_update_rate=0"]
+    run(base + frozen + [f"--out_dir={out}"])
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                        *base, *frozen, f"--out_dir={tmp_path / 'two'}"], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = metrics(out)[3], metrics(str(tmp_path / "two"))[3]
+    assert two["world_size"] == 2 and math.isclose(one["val_loss"], two["val_loss"], rel_tol=1e-5), (one, two)
+    r = run(base + [f"--out_dir={out}", "--init_from=resume", "--batch_size=2", "--eval_interval=1"])
+    st = json.load(open(os.path.join(out, "step_0000005", "state.json")))
+    assert "val set changed ([12, 32] -> [6, 32] rows, seq_len)" in r.stdout, r.stdout[-2000:]
+    assert st["best_step"] in (4, 5) and st["best_val_set"] == [6, 32]  # not step 3, measured on 12 rows
 
 
 def test_ddp_ranks_outwait_a_save_longer_than_hang_timeout(data_root, tmp_path):
