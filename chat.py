@@ -575,7 +575,7 @@ def main(argv=None):
         import shards
         import stream_infer
         import expert_cache
-        if not isinstance(e, (shards.DataError, checkpoint.CheckpointError, container.ContainerError,
+        if not isinstance(e, (shards.DataError, shards.StorageError, checkpoint.CheckpointError, container.ContainerError,
                               stream_infer.StreamError, expert_cache.CacheError)):  # (a corrupt expert found mid-answer: a traceback)
             raise
         print(f"chat.py: error: {e}", file=sys.stderr)

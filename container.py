@@ -380,6 +380,14 @@ def layout_header(cfg, source, group_size, embed_bits, dense_bits, symmetric):
         data_start = need
 
 
+def writer_tag():
+    """HOST-PID, the name of a temp output's writer: a cleanup on a shared filesystem judges only its own host's pids
+    (another machine's live export looked dead here and was deleted)."""
+    import re
+    import socket
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '_', socket.gethostname()) or 'host'}-{os.getpid()}"
+
+
 def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, progress=True, dense_bits=4,
                     symmetric=False, source=None):
     """Stream a checkpoint (or `source`, e.g. RandomSource) into an int4 container at out_path.
@@ -425,7 +433,7 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
         crc = crc32(bytes(nbytes - pos), crc)
         return f"{crc:08x}"
 
-    tmp = f"{out_path}.tmp{os.getpid()}"
+    tmp = f"{out_path}.tmp-{writer_tag()}"
     n_items = len(header["tensors"]) + sum(len(v) for v in header["experts"].values())
     bar = tqdm(total=n_items, desc=f"int4 container {os.path.basename(out_path)}", unit="blob", disable=not progress)
     try:

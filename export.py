@@ -439,8 +439,8 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
     shards.append(cur)
     total = sum(nbytes(p) for p in plan)
 
-    tmp = out.rstrip("/") + f".tmp-{os.getpid()}"
-    old = out.rstrip("/") + f".old-{os.getpid()}"  # an earlier export stays whole until the new one has its name
+    tmp = out.rstrip("/") + f".tmp-{container.writer_tag()}"  # (host and pid: clean_stale_outputs)
+    old = out.rstrip("/") + f".old-{container.writer_tag()}"  # an earlier export stays whole until the new one is in
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -592,7 +592,7 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
     if not 1 <= cfg.n_experts <= 512 or cfg.top_k > cfg.n_experts:  # llama.cpp's loader asserts these, and aborts
         raise ExportError(f"{src.dir}: n_experts={cfg.n_experts}, top_k={cfg.top_k}: llama.cpp's hy_v3 loads 1-512 "
                           f"experts with top_k <= n_experts; export --format hf for this model")
-    tmp = f"{out}.tmp-{os.getpid()}"
+    tmp = f"{out}.tmp-{container.writer_tag()}"
     w = gguf.GGUFWriter(tmp, arch="hy_v3")
     try:
         w.add_name(os.path.basename(os.path.normpath(out)).rsplit(".", 1)[0])
@@ -752,19 +752,27 @@ def pid_alive(pid):
 
 
 def clean_stale_outputs(out):
-    """What a killed export of out left beside it (OUT.tmp-PID, OUT.tmpPID, OUT.old-PID whose process is gone): temp
-    output is removed (GBs at nano size, silently), and an earlier export set aside just before the kill is put back
-    when out is missing."""
+    """What a killed export of out left beside it (OUT.tmp-HOST-PID, OUT.old-HOST-PID of this host whose process is
+    gone; OUT.tmp-PID, OUT.tmpPID from before hosts were named): temp output is removed (GBs at nano size, silently),
+    and an earlier export set aside just before the kill is put back when out is missing. Another host's (a shared
+    filesystem) is left, with a note: its pid says nothing here, and its export may be running."""
     parent, base = os.path.dirname(os.path.abspath(out)), os.path.basename(os.path.abspath(out))
     try:
         names = sorted(os.listdir(parent))
     except OSError:
         return
+    here = container.writer_tag().rsplit("-", 1)[0]
     for name in names:
-        m = re.fullmatch(re.escape(base) + r"\.(tmp-?|old-)(\d+)", name)
-        if not m or pid_alive(int(m.group(2))):
+        m = re.fullmatch(re.escape(base) + r"\.(tmp-?|old-)(?:(.+)-)?(\d+)", name)
+        if not m:
             continue
         path = os.path.join(parent, name)
+        if m.group(2) is not None and m.group(2) != here:
+            print(f"warning: {path}: left by an export on host {m.group(2)}, or still being written there; remove it "
+                  f"once no export of {out} runs there", file=sys.stderr)
+            continue
+        if pid_alive(int(m.group(3))):
+            continue
         if m.group(1) == "old-" and not os.path.exists(out):
             os.replace(path, out)
             print(f"warning: {path}: an earlier export set aside by a killed export; put back as {out}", file=sys.stderr)

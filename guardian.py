@@ -141,6 +141,7 @@ class Guardian:
         self.t_stop = None  # when the first stop signal came (the trainer's stop_grace_s counts from it)
         self.save_failed = False
         self.woken = threading.Event()  # set by a signal: cuts a backoff or a re-fetch wait short
+        self.unrepaired = []  # (corpus dir, problem) the last on_stuck verify left
         self.n_started, self.first_step, self.t_first = 0, None, None  # this invocation's first start
 
     def save(self):
@@ -180,7 +181,7 @@ class Guardian:
         try:
             fingerprint = shard_fingerprint(corpus_dir, shards.index_entry(shards.load_index(corpus_dir), name)
                                             or {"file": name})
-        except shards.DataError:  # no index to compare with later: released only as a shard corrupt on disk
+        except (shards.DataError, shards.StorageError):  # no index to compare with: released only as corrupt on disk
             fingerprint = None
         self.log["quarantined"].append({"shard": key, "offset": offset, "reason": reason, "at": time.time(),
                                         "fingerprint": fingerprint})
@@ -198,7 +199,7 @@ class Guardian:
                 continue
             try:
                 index = shards.load_index(corpora[c])
-            except (shards.DataError, OSError):  # the trainer names what is wrong with the index, in one line
+            except (shards.DataError, shards.StorageError, OSError):  # the trainer names what is wrong, in one line
                 continue
             entry = shards.index_entry(index, f)
             if entry is None:
@@ -317,10 +318,12 @@ class Guardian:
             if not helped:
                 self.say(f"on_stuck {why}: not counted as a fix")
         fixed = 0
+        self.unrepaired = []  # (corpus dir, problem) found by this pass: what the stuck report says of the data
         for name, cdir in self.corpora().items():
             problems, verdict = self.verify_corpus(cdir)
             if verdict is not None:  # (exit code, message): the caller stops with it
                 return verdict
+            self.unrepaired += [(cdir, p) for p in problems]
             for problem in problems:
                 bad = problem.split(" ", 1)[0].rstrip(":")
                 acted = self.actions()
@@ -329,6 +332,16 @@ class Guardian:
                 # a shard quarantined before is still corrupt on disk: not a fix (else every restart is burnt on it)
                 fixed += self.actions() > acted
         return helped or fixed > 0
+
+    def data_said(self):
+        """What on_stuck's verify found, for the stuck report ("data verifies" was said of corrupt, quarantined shards)."""
+        q = len(self.log["quarantined"])
+        held = f"{q} shard{'s' * (q != 1)} quarantined" if q else ""
+        if not self.unrepaired:
+            return "data verifies" + (f" ({held})" if held else "")
+        n, verify = len(self.unrepaired), ", ".join(f"python shards.py verify {c}"
+                                                    for c in dict.fromkeys(c for c, _ in self.unrepaired))
+        return f"data does not verify: {n} problem{'s' * (n != 1)}{', ' + held if held else ''} ({verify})"
 
     def run_on_stuck(self, cmd):
         """(exit code, what happened). In its own session, so a remount hung on a dead mount is killed, group and all,
@@ -559,7 +572,7 @@ class Guardian:
                     return self.stop(*helped)
                 if not helped:
                     return self.stop(EXIT_STUCK, f"stuck: {len(no_progress)} consecutive starts produced no new "
-                                                 f"checkpoint (causes: {', '.join(no_progress)}); data verifies; "
+                                                 f"checkpoint (causes: {', '.join(no_progress)}); {self.data_said()}; "
                                                  f"set on_stuck or look at {self.out}/crash-*.json")
                 no_progress = []
                 self.save()

@@ -84,6 +84,17 @@ def read_error(path, e):
                         f"data: fix or replace the storage and run again", path, None, "io")
 
 
+def _stat(path):
+    """os.stat, or None when the file is not there; any other failure (a dropped mount: isdir / isfile said "not
+    there", and the guardian re-fetched or quarantined healthy shards) is a StorageError (read_error)."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise read_error(path, e) from None
+
+
 def _fix_hint(corpus_dir, file=None):
     """The command that re-makes this corpus: the script index.json says made it with the arguments it recorded
     (without them it would fail, or make another corpus from the defaults), else its own prepare.py."""
@@ -116,9 +127,9 @@ def _fix_hint(corpus_dir, file=None):
 def load_index(corpus_dir):
     corpus_dir = str(corpus_dir)
     path = os.path.join(corpus_dir, "index.json")
-    if not os.path.isdir(corpus_dir):
+    if _stat(corpus_dir) is None or not os.path.isdir(corpus_dir):
         raise DataError(f"{corpus_dir}: corpus directory not found; {_fix_hint(corpus_dir)}", corpus_dir, None, "missing")
-    if not os.path.isfile(path):
+    if _stat(path) is None or not os.path.isfile(path):
         raise DataError(f"{path}: not found (no corpus prepared here); {_fix_hint(corpus_dir)}", path, None, "missing")
     try:
         with open(path) as f:
@@ -154,6 +165,8 @@ def load_index(corpus_dir):
                 bad = [k for k in ("documents", "target_tokens") if k in e and not whole(e[k])]
                 if bad:
                     raise ValueError(f"split {split!r}: {e['file']}'s {bad[0]} {e[bad[0]]!r} is not a whole number")
+    except OSError as e:  # a dropped mount or a failing disk: storage, not a corrupt index (it was a traceback)
+        raise read_error(path, e) from None
     except (ValueError, TypeError, AttributeError) as e:
         msg = str(e).splitlines()[0]
         raise DataError(f"{path}: corrupt index ({msg}); {_fix_hint(corpus_dir)}", path, None, "index") from None
@@ -542,10 +555,9 @@ def _check_shard_size(corpus_dir, entry):
     a stream opens: a truncated one was found only when reached, hours into a run)."""
     file = entry["file"]
     path = os.path.join(str(corpus_dir), file)
-    try:
-        st = os.stat(path)
-    except OSError:
-        raise DataError(f"{path}: shard missing; {_fix_hint(corpus_dir, file)}", path, None, "missing") from None
+    st = _stat(path)
+    if st is None:
+        raise DataError(f"{path}: shard missing; {_fix_hint(corpus_dir, file)}", path, None, "missing")
     want = entry["tokens"] * SHARD_DTYPE.itemsize
     if st.st_size != want:
         what = "truncated" if st.st_size < want else "longer than recorded"
@@ -559,10 +571,9 @@ def _check_shard_size(corpus_dir, entry):
 def _check_mask_size(corpus_dir, entry):
     """A shard's loss mask's stat, after checking it exists with one byte per token of its shard."""
     path = os.path.join(str(corpus_dir), entry["mask"])
-    try:
-        st = os.stat(path)
-    except OSError:
-        raise DataError(f"{path}: loss mask missing; {_fix_hint(corpus_dir)}", path, None, "missing") from None
+    st = _stat(path)
+    if st is None:
+        raise DataError(f"{path}: loss mask missing; {_fix_hint(corpus_dir)}", path, None, "missing")
     if st.st_size != entry["tokens"]:
         raise DataError(f"{path}: {st.st_size} bytes, index.json says {entry['tokens']} (one per token of "
                         f"{entry['file']}); {_fix_hint(corpus_dir)}", path, min(st.st_size, entry["tokens"]), "truncated")

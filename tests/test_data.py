@@ -329,6 +329,41 @@ def test_truncated_shard_and_ids_over_vocab(tok, tmp_path):
     assert e.value.kind == "vocab" and e.value.offset == 777 and f"token id {VOCAB + 50}" in str(e.value)
 
 
+def test_a_stat_failing_on_a_dropped_mount_is_storage_not_a_missing_shard(tok, tmp_path, monkeypatch):
+    """A shard (or the corpus folder) whose stat failed with ENOTCONN, ESTALE or EIO was a DataError "missing": the
+    guardian re-fetched or quarantined healthy shards for a mount that dropped. Now a StorageError (read_error); only a
+    file that is not there is missing."""
+    import errno
+    make_corpus(tmp_path / "c", tok, [500, 500])
+    shard = str(tmp_path / "c" / "train_000001.bin")
+    failing, real_stat = {}, os.stat
+
+    def stat(path, *a, **k):
+        if str(path) in failing:
+            raise OSError(failing[str(path)], os.strerror(failing[str(path)]), str(path))
+        return real_stat(path, *a, **k)
+    monkeypatch.setattr(os, "stat", stat)
+    failing[shard] = errno.ENOTCONN
+    for read in (lambda: shards.TokenStream(tmp_path / "c"), lambda: shards.verify_corpus(tmp_path / "c")):
+        with pytest.raises(shards.StorageError) as e:
+            read()
+        assert e.value.kind == "unreachable" and shard in str(e.value), str(e.value)
+    failing[shard] = errno.EIO
+    with pytest.raises(shards.StorageError) as e:
+        shards.TokenStream(tmp_path / "c")
+    assert e.value.kind == "io"
+    failing.clear()
+    failing[str(tmp_path / "c")] = errno.ESTALE  # the corpus folder's own mount
+    with pytest.raises(shards.StorageError) as e:
+        shards.load_index(tmp_path / "c")
+    assert e.value.kind == "unreachable"
+    failing.clear()
+    os.remove(shard)  # really gone: missing data, as before
+    with pytest.raises(shards.DataError) as e:
+        shards.TokenStream(tmp_path / "c")
+    assert e.value.kind == "missing"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # data/local/prepare.py
 

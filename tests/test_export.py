@@ -687,3 +687,24 @@ def test_a_weight_past_a_quantized_types_f16_scale_and_unreadable_weights(ckpt, 
         msg = str(e.value.code)
         assert msg.startswith("error: ") and "model.safetensors: not a readable safetensors" in msg, msg
         assert "\n" not in msg and not os.path.exists(tmp_path / out)
+
+
+def test_stale_output_cleanup_judges_only_this_hosts_pids(tmp_path, capsys, monkeypatch):
+    """clean_stale_outputs took OUT.tmp-PID for a killed export when PID was not alive here: on a shared filesystem
+    another machine's running export was deleted under it (or its set-aside OUT.old-PID renamed back to --out). A temp
+    name now holds the writer's host; another host's is left with a note, this host's is judged by its pid."""
+    import socket
+    import container
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-7")
+    assert container.writer_tag() == f"gpu-node-7-{os.getpid()}"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = str(tmp_path / "hf")
+    for name in (f"hf.tmp-gpu-node-8-{dead.pid}", f"hf.old-gpu-node-8-{dead.pid}", f"hf.tmp-gpu-node-7-{dead.pid}",
+                 f"hf.tmp-{container.writer_tag()}"):
+        os.makedirs(tmp_path / name)
+    export.clean_stale_outputs(out)
+    err = capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == sorted([f"hf.tmp-gpu-node-8-{dead.pid}", f"hf.old-gpu-node-8-{dead.pid}",
+                                                   f"hf.tmp-gpu-node-7-{os.getpid()}"]), os.listdir(tmp_path)
+    assert err.count("on host gpu-node-8") == 2 and err.count("left by a killed export; removed") == 1, err

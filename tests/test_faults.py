@@ -775,6 +775,39 @@ def test_guardian_quarantines_a_mask_by_its_shard_and_counts_no_old_quarantine_a
     assert g.on_stuck(["corrupt data"] * 3) is False  # the same shard again: nothing was fixed
 
 
+def test_a_stuck_report_says_what_the_verify_found_and_a_dropped_index_mount_is_no_traceback(tmp_path, monkeypatch):
+    """The stuck report said "data verifies" when on_stuck's verify had found a shard still corrupt on disk (quarantined
+    before, not re-fetchable): it now names the problems and the quarantined count. And a dropped mount under index.json
+    (now a StorageError, no longer "missing") is no traceback out of quarantine or release_fixed."""
+    import errno
+    import guardian
+    src = shutil.copytree(os.path.join(sysconfig.get_paths()["stdlib"], "json"), tmp_path / "src")
+    root = make_corpus(tmp_path / "data", src=src)
+    shutil.rmtree(src)  # no source: a corrupt shard cannot be re-fetched
+    shard = os.path.join(root, "local", "train_000001.bin")
+    zero_page(shard)
+    run = tmp_path / "run"
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={run}", "--max_stuck_starts=1", "--max_restarts=5"])
+    assert g.quarantine(shard, 0, "corrupt on disk and not re-fetchable: test")
+    stand_in_trainers(g, "raise SystemExit(8)")
+    assert run_guardian(g) == guardian.EXIT_STUCK
+    msg = json.load(open(run / "guardian.json"))["report"]["message"]
+    assert "data verifies" not in msg and "does not verify: 1 problem, 1 shard quarantined" in msg, msg
+    assert f"python shards.py verify {os.path.join(root, 'local')}" in msg, msg
+    # index.json on a mount that dropped: quarantined without a fingerprint, and release_fixed waits
+    index, real_stat = os.path.join(root, "local", "index.json"), os.stat
+
+    def stat(path, *a, **k):
+        if str(path) == index:
+            raise OSError(errno.ENOTCONN, os.strerror(errno.ENOTCONN), str(path))
+        return real_stat(path, *a, **k)
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run2'}"])
+    monkeypatch.setattr(os, "stat", stat)
+    assert g.quarantine(shard, 0, "test") and g.log["quarantined"][0]["fingerprint"] is None
+    g.release_fixed()
+    assert [q["shard"] for q in g.log["quarantined"]] == ["local/train_000001.bin"]
+
+
 def test_review_round_guardian_on_stuck_signals_and_quarantined_splits(tmp_path):
     """A failing on_stuck command counted as a fix (a hang burnt max_restarts starts, ~10 GPU-hours, then exit 1
     instead of 9); a signal during a backoff waited it out (PEP 475 resumed the sleep); a split whose every shard is
