@@ -176,8 +176,10 @@ class Conversation:
                 break
         ids = history_ids(system + turns)
         if len(ids) + len(user_ids) + max_new_tokens > self.max_len:
+            room = self.max_len - len(ids) - len(user_ids)  # new tokens it leaves (a lower limit helped only then)
             raise ValueError(f"this message ({len(user_ids)} tokens) + {max_new_tokens} new tokens does not fit the "
-                             f"context of {self.max_len} tokens; shorten it or lower --max-new-tokens")
+                             f"context of {self.max_len} tokens; shorten it" +
+                             (f" or lower --max-new-tokens to {room}" if room >= 1 else ""))
         cache = self.b["new_cache"](self.max_len)  # first: a Ctrl-C here leaves ids and cache as they were
         self.messages, self.ids, self.cache = system + turns, ids, cache
         return f"[context full: dropped the {dropped} oldest exchange(s)]"
@@ -442,7 +444,7 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
             try:
                 a = conv.reply(p, max_new_tokens, temperature=0.0)
             except ValueError as e:  # a --prompt longer than the context: a traceback, and nothing written
-                raise ChatError(f"--prompt {p[:40]!r}...: {e}; shorten it or lower --max-new-tokens") from None
+                raise ChatError(f"--prompt {p[:40]!r}...: {e}") from None  # (e says the fix: it was said twice)
             answers.append({"prompt": p, "answer": a, "tokens": conv.last_tokens, "stopped": conv.last_stop})
         ended = sum(a["stopped"] == "end" for a in answers)
         rep = sum(repeated_ngrams(tok.encode(a["answer"])) for a in answers) / len(answers)

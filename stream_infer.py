@@ -1113,9 +1113,11 @@ def check_args(args, argv):
         except StreamError:
             raise StreamError(f"--sweep {args.sweep!r}: {b!r} is not a size; use a number with K, M, G or T, "
                               f"e.g. 4G,2G,1G") from None
-    if args.max_new_tokens < (2 if args.bench or args.sweep else 0):
+    least = 2 if args.bench or args.sweep else 1 if args.chat else 0  # (--chat -1 said "0 or more", then 0 was refused)
+    if args.max_new_tokens < least:
         raise StreamError(f"--max-new-tokens {args.max_new_tokens}: " + ("a benchmark times decode after the first "
-                          "token, so at least 2" if args.bench or args.sweep else "0 or more"))
+                          "token, so at least 2" if least == 2 else "at least 1 (the longest answer)" if least == 1
+                          else "0 or more"))
     if args.bench_prompt_tokens < 1:
         raise StreamError(f"--bench-prompt-tokens {args.bench_prompt_tokens}: at least 1")
     if problem := device_problem(args.device):
@@ -1228,6 +1230,8 @@ def main(argv=None):
                 print(f"note: {args.container} has no tokenizer (random weights); prompt bytes used as token ids",
                       file=sys.stderr)
             eos = None
+        if hasattr(sys.stdout, "reconfigure"):  # a character the terminal's encoding lacks (an emoji in Latin-1, or
+            sys.stdout.reconfigure(errors="replace")  # U+FFFD in ASCII) was a UnicodeEncodeError traceback mid-answer
         out, shown = [], ""
         tokens = eng.stream(ids, args.max_new_tokens, args.temperature, args.top_p, args.experts_per_token, args.seed,
                             eos)  # (checked before the prompt is shown)

@@ -322,6 +322,7 @@ def test_pick_keeps_what_it_scored_names_what_it_skipped_and_refuses_a_long_prom
     assert chat.main(["pick", str(run), "--data", str(corpus[0]), "--prompt", "ping " * 400]) == 1
     err = capsys.readouterr().err
     assert "--prompt 'ping ping" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.count("shorten it") == 1 and "--max-new-tokens" not in err, err  # (said twice; no limit helps here)
     for flag in ("--max-new-tokens", "--max-rows"):  # (-5 wrote a report that looked like a score)
         assert chat.main(["pick", str(run), "--data", str(corpus[0]), flag, "-5"]) == 1
         assert f"{flag} -5: at least 1" in capsys.readouterr().err
@@ -910,3 +911,28 @@ def test_an_answer_the_terminal_cannot_encode_is_shown_whole(tok, monkeypatch):
     assert chat.chat_loop(tok, backend, input_fn=fake_input) == 0
     text = out.buffer.getvalue().decode("latin-1")
     assert "? ok\n" in text and "codec" not in text, text
+
+
+def test_a_message_too_long_for_the_context_names_the_fix_that_helps(tok):
+    """Every refused message said "shorten it or lower --max-new-tokens": a message longer than the whole context no
+    limit helps (it said so anyway), and one that fits with a smaller limit did not say which limit."""
+    import types
+    end = tok.special_ids["<|end|>"]
+
+    def forward(ids, cache):  # a model that ends its answer at once
+        cache.pos += ids.shape[1]
+        logits = torch.full((1, MODEL["vocab_size"]), -1e9)
+        logits[0, end] = 0.0
+        return logits
+    backend = dict(forward=forward, new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n), max_len=64,
+                   device="cpu", after_reply=None)
+    conv = chat.Conversation(tok, backend)
+    with pytest.raises(ValueError) as e:
+        conv.reply("hello " * 100, 256)
+    assert str(e.value).endswith("does not fit the context of 64 tokens; shorten it"), e.value
+    text = "ping pong " * 16
+    room = 64 - 1 - len(chat.render_turn(tok, "user", text)[0]) - 1  # <|bos|>, the turn, <|assistant|>
+    assert 1 <= room < 31  # it does not fit with the 31 new tokens reserved for a --max-new-tokens of 256
+    with pytest.raises(ValueError, match=f"shorten it or lower --max-new-tokens to {room}$"):
+        conv.reply(text, 256)
+    assert conv.reply(text, room) == "" and conv.last_stop == "end"  # the limit it named fits

@@ -1776,6 +1776,10 @@ def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
         err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
         assert len(err) == 1 and err[0].startswith("error:") and want in err[0], (flags, err)
     assert not (tmp_path / "j").exists()  # the refused --json made no folder
+    # --chat -1 said "0 or more", then 0 was refused by chat.py: the bound it has, said once
+    assert S.main([path, "--chat", "--max-new-tokens", "-1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-new-tokens -1: at least 1" in err[0], err
 
 
 def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
@@ -2152,6 +2156,26 @@ def test_cli_prints_generated_text_without_specials(tmp_path, monkeypatch, capsy
     big = CFG["max_seq_len"] * 4  # --context past the model's was capped without a word
     assert S.main([path, "--prompt", "hello", "--max-new-tokens", "4", "--context", str(big)]) == 0
     assert f"--context {big} is capped at the model's max_seq_len {CFG['max_seq_len']}" in capsys.readouterr().err
+
+
+def test_cli_output_the_terminal_cannot_encode_is_shown_not_a_traceback(tmp_path, monkeypatch):
+    """A stdout whose encoding lacks a character of the prompt or the answer (an emoji in Latin-1, U+FFFD in ASCII):
+    a UnicodeEncodeError traceback mid-answer. Such a character shows as '?' now (as chat.py does), and it goes on."""
+    import io
+    import tokenizer as T
+    tok = T.train_tokenizer(["the hummingbird flies over the flowers, hello world"] * 40, 300)
+    tok.save(str(tmp_path / "tok.json"))
+    ck = save_checkpoint(Picaflor(ModelConfig(**dict(CFG, vocab_size=tok.vocab_size, n_layer=2))),
+                         str(tmp_path / "run"), 1, tokenizer_file=str(tmp_path / "tok.json"))
+    path = str(tmp_path / "t.pcf4")
+    C.write_container(ck, path, group_size=32, progress=False)
+    monkeypatch.setattr(S.Engine, "stream", lambda self, ids, n, *a, **k: iter(tok.encode(" \U0001f642 world") + [0]))
+    for encoding in ("latin-1", "ascii"):
+        out = io.TextIOWrapper(io.BytesIO(), encoding=encoding, write_through=True)
+        monkeypatch.setattr(sys, "stdout", out)
+        assert S.main([path, "--prompt", "caf\u00e9 \U0001f642", "--max-new-tokens", "4"]) == 0
+        text = out.buffer.getvalue().decode(encoding)
+        assert text.startswith(("caf\u00e9 ?" if encoding == "latin-1" else "caf? ?") + " ? world?"), text
 
 
 def test_tokenizer_loads_inside_the_budget_and_a_broken_one_is_named(tmp_path, monkeypatch, capsys):
