@@ -47,7 +47,8 @@ bench/eval_speed.py measures this against lm-eval's HFLM on the same model and d
 
 Data: downloaded from the Hub with huggingface_hub (the dataset's auto-converted parquet branch
 `refs/convert/parquet`, else parquet/jsonl files on main) into --cache-dir, read from there when the Hub cannot be
-reached later (offline, with a warning); or --data-dir DIR with one file per task in the Hub dataset's own schema:
+reached later (offline, with a warning; one quick request finds that out, as it does for a Hub model id, which then
+loads from the Hugging Face cache); or --data-dir DIR with one file per task in the Hub dataset's own schema:
 DIR/<task>.jsonl (one JSON object per line), DIR/<task>.json (a list), DIR/<task>.parquet, or a folder DIR/<task>/
 of such files (read in name order; where their names name splits, as a Hub snapshot's train-*, validation-*,
 test-* do, only the files of the split the task scores on the Hub). Few-shot examples come from the train split:
@@ -307,10 +308,17 @@ def load_hf(spec, device, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # keep stderr for our own messages
+    # a Hub id offline: transformers retried ~55 s before failing; from the HF cache at once, or one line (its
+    # adapter_config.json lookup does not take local_files_only from the model's arguments: ~30 s more)
+    offline = not os.path.isdir(spec) and ET.hub_unreachable()
+    local = {"local_files_only": bool(offline)}
     try:
-        tok = AutoTokenizer.from_pretrained(spec)
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval()
+        tok = AutoTokenizer.from_pretrained(spec, **local)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, adapter_kwargs=local, **local).to(device).eval()
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a truncated weights file; shapes
+        if offline and isinstance(e, OSError):  # (a file missing from the cache)
+            raise EvalError(f"{spec}: cannot reach the Hub ({offline}) and the model is not in the Hugging Face cache; "
+                            f"check the network, or give a local transformers model dir") from None
         raise EvalError(f"{spec}: cannot load as a transformers model ({(str(e).splitlines() or [''])[0]}); if its "
                         f"files are damaged, download or export it again, or point at another model") from None
     lm = HFModel(model, tok, spec, device)
@@ -372,10 +380,11 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False):
 
 def encode_pair(lm, context, continuation, cache):
     """lm-eval TemplateLM.loglikelihood/_encode_pair: trailing spaces move into the continuation; an empty
-    context is the prefix token (BOS/EOS) alone."""
-    if context == "":
-        cont = lm.encode(continuation, add_special_tokens=False)
-        return ([lm.prefix_id], cont) if lm.prefix_id != cont[0] else (cont[:1], cont[1:])
+    context is the prefix token (BOS/EOS) alone, and so is a whitespace-only one (its spaces moved: the harness
+    encodes "" to no tokens where the tokenizer adds no BOS (GPT-2's), leaving the first target no position)."""
+    if not context.strip():
+        cont = lm.encode(context + continuation, add_special_tokens=False)
+        return ([lm.prefix_id], cont) if not cont or lm.prefix_id != cont[0] else (cont[:1], cont[1:])
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]

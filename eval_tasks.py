@@ -293,11 +293,17 @@ def hub_task_rows(task, cache_dir, split=None):
     listing = os.path.join(cache_dir, "picaflor_tasks", f"{name}.json")
     try:
         from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub.errors import RevisionNotFoundError
+        if why := hub_unreachable():  # offline: huggingface_hub retried the listing ~25 s per task before failing
+            raise ConnectionError(why)
         api = HfApi()
         # the Hub's auto-converted parquet branch has one layout for every dataset: CONFIG/SPLIT/NNNN.parquet
         revision = "refs/convert/parquet"
-        files = [f for f in api.list_repo_files(repo, repo_type="dataset", revision=revision)
-                 if f.startswith(f"{config or 'default'}/{split}/") and f.endswith(".parquet")]
+        try:
+            files = [f for f in api.list_repo_files(repo, repo_type="dataset", revision=revision)
+                     if f.startswith(f"{config or 'default'}/{split}/") and f.endswith(".parquet")]
+        except RevisionNotFoundError:  # a dataset the Hub never converted has no such branch: its files on main
+            files = []
         if not files:  # else the files on main whose path names the config (if any) and the split
             revision = None
             names = api.list_repo_files(repo, repo_type="dataset")
@@ -314,8 +320,8 @@ def hub_task_rows(task, cache_dir, split=None):
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         paths = cached_task_files(listing, repo)
         if paths is None:
-            raise EvalError(f"cannot download {repo} for task {task} ({msg}); check the network or use "
-                            f"--data-dir DIR with DIR/{local}") from None
+            raise EvalError(f"cannot download {repo} for task {task} ({msg}), and --cache-dir {cache_dir} holds no "
+                            f"earlier download of it; check the network or use --data-dir DIR with DIR/{local}") from None
         print(f"warning: cannot reach {repo} ({msg[:120]}); task {task} reads the copy downloaded into "
               f"{cache_dir} earlier", file=sys.stderr)
         return [r for p in paths for r in read_rows(p)]
@@ -326,6 +332,23 @@ def hub_task_rows(task, cache_dir, split=None):
     except OSError:  # a read-only cache: the download still serves this run
         pass
     return [r for p in paths for r in read_rows(p)]
+
+
+HUB_UNREACHABLE = {}  # endpoint -> why it cannot be reached ("": it can), asked once per process
+
+
+def hub_unreachable():
+    """Why the Hub cannot be reached, from one quick request through huggingface_hub's own session (its proxies;
+    HF_HUB_OFFLINE=1 fails it at once), or "" when it can."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+    if constants.ENDPOINT not in HUB_UNREACHABLE:
+        try:
+            get_session().head(constants.ENDPOINT, timeout=10)
+            HUB_UNREACHABLE[constants.ENDPOINT] = ""
+        except Exception as e:  # no DNS, refused, timed out, offline mode: any status back means it is reachable
+            HUB_UNREACHABLE[constants.ENDPOINT] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return HUB_UNREACHABLE[constants.ENDPOINT]
 
 
 def cached_task_files(listing, repo):

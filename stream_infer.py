@@ -1006,6 +1006,10 @@ class Engine:
     def loglikelihood(self, context_ids, continuation_ids=None):
         """(sum of log p(continuation | context), whether every continuation token is the greedy argmax).
         With continuation_ids None: scores tokens[1:] of context_ids given the ones before."""
+        return self._scored(*self._checked_request(context_ids, continuation_ids))
+
+    def _checked_request(self, context_ids, continuation_ids):
+        """A loglikelihood request's (context, context + continuation) ids, or a StreamError saying what is wrong."""
         try:  # whole numbers only, as stream(): a float id was truncated, a string's digits were read as ids
             if isinstance(context_ids, (str, bytes)) or isinstance(continuation_ids, (str, bytes)):
                 raise TypeError
@@ -1024,6 +1028,9 @@ class Engine:
                    else "load with a larger context")
             raise StreamError(f"{len(ids) - 1} tokens exceed the reserved context {self.context}; {fix}")
         self._check_ids(ids, "input")
+        return ctx, ids
+
+    def _scored(self, ctx, ids):
         with self.kv_reserve(len(ids) - 1), self.routing(self.cfg.top_k):  # scored as the container's model
             return self._loglikelihood(ctx, ids)
 
@@ -1049,8 +1056,23 @@ class Engine:
             self.cache.settle()
         return total, greedy
 
+    @torch.no_grad()
     def loglikelihood_batch(self, requests):
-        return [self.loglikelihood(ctx, cont) for ctx, cont in requests]
+        """loglikelihood of each (context_ids, continuation_ids) pair; every pair is checked before any is scored
+        (a bad one was a bare unpacking error, or a StreamError naming no request, after the ones before it ran)."""
+        if not isinstance(requests, (list, tuple)):
+            raise StreamError(f"loglikelihood_batch: a list of (context_ids, continuation_ids) pairs, not "
+                              f"{type(requests).__name__}")
+        checked = []
+        for i, req in enumerate(requests):
+            if not isinstance(req, (list, tuple)) or len(req) != 2:
+                raise StreamError(f"loglikelihood_batch: request {i} is {type(req).__name__} {repr(req)[:40]}, not "
+                                  f"a (context_ids, continuation_ids) pair")
+            try:
+                checked.append(self._checked_request(*req))
+            except StreamError as e:
+                raise StreamError(f"loglikelihood_batch: request {i}: {e}") from None
+        return [self._scored(ctx, ids) for ctx, ids in checked]
 
 
 def compute_threads(eng, threads="auto"):

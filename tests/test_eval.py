@@ -450,6 +450,7 @@ def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", list_repo_files)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(et, "hub_unreachable", lambda: "")  # (this machine may have no network)
     got = et.hub_task_rows("arc_challenge", str(tmp_path / "cache"))
     assert got == rows
     assert ("allenai/ai2_arc", "ARC-Challenge/test/0000.parquet", "refs/convert/parquet",
@@ -465,6 +466,72 @@ def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch, capsys):
     os.remove(tmp_path / "0000.parquet")  # a cache pruned since: not a half-read, the same error
     with pytest.raises(ev.EvalError, match="cannot download allenai/ai2_arc for task arc_challenge"):
         et.hub_task_rows("arc_challenge", str(tmp_path / "cache"))
+
+
+HUB_CLIENT = """
+import json, os, sys
+sys.path.insert(0, "tests")
+from hub_server import FakeHub
+hub = FakeHub(sys.argv[1])
+os.environ.update(hub.client_env(sys.argv[2]))  # before huggingface_hub reads its settings
+hub.start()
+import eval as ev, eval_tasks as et
+
+
+def attempts():
+    out = []
+    for spec in ("picaflor-test/tiny", "picaflor-test/none"):
+        try:
+            out.append(ev.load_model(spec, "cpu", "float32").kind)
+        except ev.EvalError as e:
+            out.append(f"error: {e}")
+    for t in ("arc_easy", "piqa"):
+        try:
+            out.append(et.hub_task_rows(t, sys.argv[3]))
+        except et.EvalError as e:
+            out.append(f"error: {e}")
+    return out
+
+
+online = attempts()
+hub.stop()  # its port refuses connections now, as no network does
+from huggingface_hub.utils import close_session
+close_session()  # (a kept-alive connection's handler thread would still answer)
+et.HUB_UNREACHABLE.clear()
+print(json.dumps({"online": online, "requests": hub.requests, "offline": attempts()}))
+"""
+
+
+def test_hub_models_and_data_online_and_offline(tmp_path):
+    """The real huggingface_hub client against tests/hub_server.py. A dataset without the Hub's parquet branch
+    (RevisionNotFound) was "cannot download", never its files on main. Offline (a refused connection, as no network
+    is), each task spent ~25 s in huggingface_hub's retries before reading its cached copy or failing, and a Hub model
+    id ~30-55 s before loading from the HF cache or failing: now one quick request says so, and what is not cached is
+    one line naming the way out."""
+    import subprocess
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = es.task_rows("arc_easy", 3)
+    repo = tmp_path / "hub" / "datasets" / "allenai" / "ai2_arc" / "ARC-Easy"
+    repo.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows), repo / "test-00000-of-00001.parquet")
+    es.make_tiny_hf_model(str(tmp_path / "hub" / "models" / "picaflor-test" / "tiny"), vocab_size=300, d_model=32,
+                          n_layer=2, n_positions=64)
+    r = subprocess.run([sys.executable, "-c", HUB_CLIENT, str(tmp_path / "hub"), str(tmp_path / "hf_home"),
+                        str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.splitlines()[-1])
+    on, off = res["online"], res["offline"]
+    assert ["HEAD", "/"] in res["requests"] and ["GET", "/datasets/allenai/ai2_arc/resolve/main/ARC-Easy/test-00000-of-"
+                                                    "00001.parquet"] in res["requests"]
+    assert on[0] == "hf" and on[1].startswith("error: picaflor-test/none: cannot load as a transformers model")
+    assert on[2] == rows and on[3].startswith("error: cannot download baber/piqa"), on[3]
+    assert "Retrying" not in r.stderr, r.stderr[-3000:]
+    assert off[0] == "hf" and off[2] == rows and "reads the copy downloaded into" in r.stderr  # the caches
+    assert off[1].startswith("error: picaflor-test/none: cannot reach the Hub (") and "not in the Hugging Face " \
+        "cache" in off[1]
+    assert off[3].startswith("error: cannot download baber/piqa for task piqa (") and "--data-dir DIR with " \
+        "DIR/piqa.jsonl" in off[3], off[3]
 
 
 def test_data_dir_folder_of_a_hub_snapshot_reads_the_tasks_split(tmp_path):
@@ -515,6 +582,7 @@ def test_lambada_reads_only_its_default_configs_file(tmp_path, monkeypatch):
     def list_repo_files(self, repo, repo_type=None, revision=None):  # no parquet branch: the files on main
         return [] if revision else ["lambada_openai.py", "README.md"] + [f"data/{f.name}" for f in sorted(snap.iterdir())]
     got = []
+    monkeypatch.setattr(et, "hub_unreachable", lambda: "")
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", list_repo_files)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download",
                         lambda repo, f, **k: got.append(f) or str(snap / os.path.basename(f)))
@@ -643,6 +711,25 @@ def test_encode_pair_as_harness(hf_setup):
         want = ref._encode_pair(ctx, cont) if ctx else ([ref.prefix_token_id], ref.tok_encode(cont, add_special_tokens=False))
         assert (list(got[0]), list(got[1])) == (list(want[0]), list(want[1])), (ctx, cont)
     assert ev.encode_pair(lm, "", " the dog runs", {})[0] == [lm.prefix_id]
+
+
+def test_whitespace_only_context_conditions_on_the_prefix_token(hf_setup):
+    """A whitespace-only context, its spaces moved into the continuation as the harness does, encoded to no tokens
+    with a tokenizer that adds no BOS (GPT-2's): the shared-context path crashed on a 0-length context (a reshape
+    RuntimeError) and the flat path read the first target's log-prob off the last position. It is the prefix token
+    alone now, as an empty context is; an empty continuation is an EvalError, not an IndexError."""
+    _, model_dir, _, _ = hf_setup
+    lm = ev.load_model(model_dir, "cpu", "float32")
+    docs = [{"requests": [("   ", " the dog"), ("   ", " a cat")]}, {"requests": [("  ", " runs")]}]
+    ev.loglikelihoods(lm, docs)
+    for d in docs:
+        for (ctx, cont), ll in zip(d["requests"], d["lls"]):
+            ids = [lm.prefix_id] + lm.encode(ctx + cont, add_special_tokens=False)
+            with torch.no_grad():
+                lp = torch.log_softmax(lm.model(torch.tensor([ids])).logits[0].float(), -1)
+            assert ll == pytest.approx(sum(float(lp[i, t]) for i, t in enumerate(ids[1:])), abs=1e-4), (ctx, cont)
+    with pytest.raises(ev.EvalError, match="empty continuation"):
+        ev.loglikelihoods(lm, [{"requests": [("", "")]}])
 
 
 def test_review_round_reruns_keep_results_wrong_tokenizers_and_diverged_models(hf_setup, tmp_path, capsys):

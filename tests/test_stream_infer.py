@@ -934,6 +934,17 @@ def test_loglikelihood(tiny):
     whole, _ = eng.loglikelihood(ctx + cont)
     assert whole < ll
     assert eng.loglikelihood_batch([(ctx, cont)])[0][0] == pytest.approx(ll)
+    # a malformed request was a bare unpacking error, or a StreamError naming none, after the ones before it ran
+    for bad, words in ((5, "request 1 is int 5, not a \\(context_ids, continuation_ids\\) pair"),
+                       ((ctx, cont, cont), "request 1 is tuple"), ("ab", "request 1 is str 'ab'"),
+                       ((ctx, []), "request 1: loglikelihood needs a non-empty context and continuation"),
+                       ((ctx, "9"), "request 1: loglikelihood: lists of token ids"),
+                       (([1.5], cont), "request 1: loglikelihood: lists of token ids"),
+                       ((ctx, [10 ** 6]), "request 1: .*token id 1000000 outside vocab")):
+        with pytest.raises(S.StreamError, match=f"^loglikelihood_batch: {words}"):
+            eng.loglikelihood_batch([(ctx, cont), bad])
+    with pytest.raises(S.StreamError, match="a list of \\(context_ids, continuation_ids\\) pairs"):
+        eng.loglikelihood_batch(None)
     # a request of context + 1 tokens fits (eval.py truncates to that): the last token is a target, never run
     small = S.load(path, kernel="reference", context=6)
     assert small.loglikelihood(ctx, cont)[0] == pytest.approx(ll, abs=1e-4)
