@@ -60,6 +60,7 @@ import ast
 import contextlib
 import getpass
 import json
+import math
 import os
 import re
 import shutil
@@ -192,9 +193,10 @@ def parse_ledger(text):
             row[k] = int(row[k]) if row[k].lstrip("-").isdigit() else row[k]
         for k in ("usd", "loss_start", "loss_end"):
             try:
-                row[k] = float(row[k])
+                v = float(row[k])
             except ValueError:
-                row[k] = None
+                v = None
+            row[k] = v if v is not None and math.isfinite(v) else None  # "nan": JSON has none (the page's refresh froze)
         rows.append(row)
     return rows
 
@@ -260,6 +262,8 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     adds[f"logs/leg-{lease.leg:04d}.jsonl"] = "".join(json.dumps(m) + "\n" for m in metrics).encode()
     adds["LEDGER.md"] = (ledger + row).encode()
     stale = [p for p in store.list(lease.sha, CKPT_PREFIX + "/") if p not in adds]
+    lease.push_dir = os.path.abspath(run_dir)  # release checks it too: steps trained there after a push are nowhere else
+    lease.save()
     return {"ck": ck, "step": step, "base": base, "row": row, "stale": stale, "adds": store.stage(adds)}
 
 
@@ -939,11 +943,13 @@ def cmd_release(args):
     lease = Lease.load(workdir_for(args), store)
     if adopt_landed_push(store, lease):
         print(f"relay: the earlier push had landed as {lease.sha[:10]}")
-    run_dir = getattr(lease, "run_dir", None)
-    trained = newest_valid_step(run_dir)
-    if trained is not None and trained > (lease.base_step or 0) and not args.discard:  # (it said "released", exit 0)
-        raise RelayError(f"{run_dir} holds step {trained}, past the pulled step {lease.base_step}, never pushed: "
-                         f"`relay.py push {store.url}` first, or release with --discard to drop that work")
+    pulled = getattr(lease, "run_dir", None)
+    for run_dir in dict.fromkeys(d for d in (pulled, getattr(lease, "push_dir", None)) if d):  # pull's, push's
+        trained = newest_valid_step(run_dir)
+        if trained is not None and trained > (lease.base_step or 0) and not args.discard:  # (it said "released", exit 0)
+            how = "" if run_dir == pulled else f" --run-dir {run_dir}"
+            raise RelayError(f"{run_dir} holds step {trained}, past the pulled step {lease.base_step}, never pushed: "
+                             f"`relay.py push {store.url}{how}` first, or release with --discard to drop that work")
     release(store, lease)
     print("relay: released the baton")
     return 0

@@ -28,7 +28,7 @@ def dashboard_data(target, log_cache=None):
         for p in store.list(st["head"], "logs/"):
             if p.endswith(".jsonl"):
                 if p not in log_cache:
-                    log_cache[p] = [m for m in (safe_json(l) for l in (store.read(st["head"], p) or b"").decode().splitlines()) if m]
+                    log_cache[p] = [m for m in (safe_json(l) for l in (store.read(st["head"], p) or b"").decode(errors="replace").splitlines()) if m]
                 d["metrics"] += log_cache[p]
     else:
         if not os.path.isdir(target):

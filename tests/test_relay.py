@@ -2014,3 +2014,38 @@ def test_lease_saves_from_two_threads_keep_the_newest(tmp_path, monkeypatch):
     beat.join()
     main.join()
     assert json.load(open(lease.path)).get("leg_wall_s") == 7.0
+
+
+def test_release_checks_the_dir_push_run_dir_pushed_from(tmp_path, rl, monkeypatch):
+    """`release` looked for unpushed steps only in the leg dir `pull` recorded: steps trained in a dir after
+    `push --run-dir DIR` (or in DIR whose upload failed) were dropped with "released", exit 0."""
+    import shutil
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env(), cli=rl)
+    store = relay.open_store(url)
+    work = str(tmp_path / "wa")
+    for cmd in (["claim", url, "--ttl", "60", "--heartbeat", "20"], ["pull", url]):
+        assert rl(cmd + ["--workdir", work]).returncode == 0
+    other = str(tmp_path / "other")
+    shutil.copytree(os.path.join(work, "leg-0001-gen1"), other)  # a second leg dir of this lease
+
+    def step(n):
+        checkpoint.save(other, n, {"model.safetensors": lambda p: open(p, "w").write(f"w{n}"),
+                                   "state.json": lambda p: json.dump({"step": n, "tokens": 100 * n}, open(p, "w"))})
+    step(5)
+    assert rl(["push", url, "--workdir", work, "--run-dir", other]).returncode == 0
+    step(9)  # trained on after the push
+    r = rl(["release", url, "--workdir", work])
+    assert r.returncode == 3 and f"{other} holds step 9" in r.stderr and "--run-dir" in r.stderr, r.stderr
+    assert relay.Snapshot(store).relay["holder"] == "tester"  # still held
+    # a push of DIR whose upload failed, then release
+    step(12)
+    with monkeypatch.context() as m:
+        m.setattr(type(store), "stage", lambda self, adds: (_ for _ in ()).throw(relay.StoreError("disk full")))
+        assert rl(["push", url, "--workdir", work, "--run-dir", other]).returncode == 3
+    r = rl(["release", url, "--workdir", work])
+    assert r.returncode == 3 and f"{other} holds step 12" in r.stderr, r.stderr
+    assert rl(["push", url, "--workdir", work, "--run-dir", other]).returncode == 0
+    assert rl(["release", url, "--workdir", work]).returncode == 0
+    snap = relay.Snapshot(store)
+    assert snap.state["step"] == 12 and snap.relay["holder"] is None

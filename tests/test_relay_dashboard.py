@@ -120,3 +120,28 @@ def test_dashboard_local_run_dir_and_bad_target(tmp_path):
     json.dumps(d, allow_nan=False)  # (raised ValueError: a NaN the browser's JSON.parse refuses)
     last = d["metrics"][-1]
     assert last["step"] == 9 and last["loss"] is None and last["load_cv_layers"] == [None, 0.5] and len(d["metrics"]) == 9
+
+
+def test_dashboard_data_of_a_run_with_no_legs_then_hand_edited_ledger_and_log(tmp_path, monkeypatch):
+    """A run with zero legs shows empty charts and ledger. A ledger cell "nan" / "inf" (a fork's trainer that logged a
+    NaN loss, a hand edit) reached data.json and `status --json` as NaN, which the page's refresh cannot parse (it froze,
+    silently); a leg log with a byte that is not UTF-8 (a hand edit) crashed the dashboard with a traceback."""
+    for k, v in base_env().items():
+        monkeypatch.setenv(k, v)
+    url = f"file://{tmp_path}/store"
+    fake, cfg = write_fake_train(tmp_path), write_config(tmp_path)
+    assert relay.main(["init", url, cfg, "--train-script", fake, "--workdir", str(tmp_path / "w0")]) == 0
+    d = relay_dashboard.dashboard_data(url)
+    assert d["metrics"] == [] and d["ledger"] == [] and d["state"]["legs"] == 0
+    store = relay.open_store(url)
+    snap = relay.Snapshot(store)
+    rows = ("| 1 | x | g | 5 | 100 | 0h00m01s | nan | nan | inf | 0-5 | 1 | now |\n"
+            "| 2 | a row of another shape | g |\n")
+    log = b'{"step": 3, "tokens": 300, "loss": 5.0}\n{"step": 4, "tokens": 400, "note": "\xff"}\n'
+    relay.commit_cas(store, snap.sha, {"LEDGER.md": (snap.ledger() + rows).encode(), "logs/leg-0001.jsonl": log}, [],
+                     "a hand edit", snap.relay)
+    d = relay_dashboard.dashboard_data(url)
+    json.dumps(d, allow_nan=False)
+    json.dumps(relay.status_dict(store), allow_nan=False)
+    assert [(r["leg"], r["usd"], r["loss_start"], r["loss_end"]) for r in d["ledger"]] == [(1, None, None, None)]
+    assert [m["step"] for m in d["metrics"]] == [3, 4]
