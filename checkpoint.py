@@ -48,8 +48,11 @@ def os_error_line(e, path):
     printed 'FILE: None'), with the free space when the disk holding FILE is (nearly) full."""
     where = e.filename or path
     why = e.strerror or str(e) or type(e).__name__
+    disk = os.path.dirname(os.path.abspath(where))
+    while not os.path.isdir(disk) and disk != os.path.dirname(disk):  # FILE's folder removed since (a staging folder)
+        disk = os.path.dirname(disk)
     try:
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(where))).free
+        free = shutil.disk_usage(disk).free
         if e.errno in DISK_ERRNOS or free < 64 << 20:
             why += f" ({free / 1e6:.0f} MB free on its disk: free space, or write elsewhere)"
     except OSError:

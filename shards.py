@@ -258,10 +258,11 @@ class ShardWriter:
 
 
 @contextlib.contextmanager
-def staging(out_dir):
+def staging(out_dir, made_by=None):
     """A prepare run builds its tokenizer and shards in OUT/.staging-PID, and install_corpus swaps them in at the
     end: a run that fails (no train split left, a bad --column, a full disk, Ctrl-C) leaves the corpus it found as it
-    was (the old corpus used to be deleted first, and hours of tokenizing with it)."""
+    was (the old corpus used to be deleted first, and hours of tokenizing with it). made_by: the prepare script; a
+    corpus in OUT that another one made is refused (a mistyped --out silently replaced hours of FineWeb shards)."""
     import fcntl
     import shutil
     os.makedirs(out_dir, exist_ok=True)
@@ -277,6 +278,10 @@ def staging(out_dir):
     except OSError:  # a filesystem without locks: as before, unguarded
         pass
     try:
+        other = _made_by(out_dir)
+        if made_by and other and other != made_by:
+            raise DataError(f"{out_dir}: holds a corpus made by {other}, not {made_by}; pass another --out, or delete "
+                            f"{os.path.join(out_dir, 'index.json')} to replace it", out_dir, None, "index")
         for name in os.listdir(out_dir):  # a killed run's (the lock says no other run is alive)
             if name.startswith(".staging-"):
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
@@ -288,6 +293,16 @@ def staging(out_dir):
             shutil.rmtree(stage, ignore_errors=True)
     finally:
         lock.close()
+
+
+def _made_by(out_dir):
+    """The prepare script index.json in out_dir says made its corpus, or None (no index, or one that does not say)."""
+    try:
+        with open(os.path.join(out_dir, "index.json")) as f:
+            source = json.load(f).get("source")
+        return source.get("made_by") if isinstance(source, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def install_corpus(out_dir, stage, index):

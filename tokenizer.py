@@ -186,7 +186,10 @@ def split_long_spaces(text):
 
 def reuse_tokenizer(path, vocab_size=None):
     """The --tokenizer file a prepare script reuses as is: an explicit --vocab-size it does not have is an error (it
-    was silently ignored). ValueError, one line, for either mistake."""
+    was silently ignored). ValueError, one line, for either mistake. path: the file, or a corpus or checkpoint folder
+    holding it (a folder was "cannot read tokenizer file (Is a directory)", with the fix of re-running its prepare)."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        path = os.path.join(path, "tokenizer.json")
     tok = Tokenizer.load(path)
     if vocab_size is not None and vocab_size != tok.vocab_size:
         raise ValueError(f"--vocab-size {vocab_size}, but --tokenizer {path} has vocab {tok.vocab_size} (it is reused "

@@ -764,3 +764,114 @@ def test_a_ctrl_c_during_install_waits_for_the_swap(tmp_path, monkeypatch):
     assert len(calls) == 5 and os.path.exists(out / "index.json")  # the staged index, three shards, the index
     assert sorted(n for n in os.listdir(out) if n.endswith(".bin")) == [f"train_{i:06d}.bin" for i in range(3)]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _chats(path, n=40):
+    path.write_text("".join(json.dumps([{"role": "user", "content": f"ping {i}"},
+                                        {"role": "assistant", "content": f"pong {i}"}]) + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_prepare_refuses_an_out_holding_a_corpus_another_script_made(tok, tmp_path):
+    """A mistyped --out (the SFT prepare pointed at data/fineweb_edu) silently replaced hours of another script's
+    shards with its own; now refused before anything is written. The same script replaces its own corpus, as before."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"alpha beta gamma {i}\n" * 20)
+    tok.save(tmp_path / "tok.json")
+    local = ["data/local/prepare.py", "--src", str(src), "--tokenizer", str(tmp_path / "tok.json")]
+    chat = ["data/smoltalk/prepare.py", "--tokenizer", str(tmp_path / "tok.json"), "--jsonl", _chats(tmp_path / "c.jsonl"),
+            "--max-len", "64"]
+    _run(local + ["--out", str(tmp_path / "pre")])
+    _run(chat + ["--out", str(tmp_path / "sft")])
+    for argv, out, other in ((chat, "pre", "data/local/prepare.py"), (local, "sft", "data/smoltalk/prepare.py")):
+        before = (tmp_path / out / "index.json").read_text()
+        r = _run(argv + ["--out", str(tmp_path / out)], check=False)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(err) == 1 and f"holds a corpus made by {other}" in err[0], r.stderr[-2000:]
+        assert (tmp_path / out / "index.json").read_text() == before and shards.verify_corpus(tmp_path / out) == []
+    _run(local + ["--out", str(tmp_path / "pre")])  # its own corpus: made again
+    os.remove(tmp_path / "sft" / "index.json")  # the way the error offers
+    _run(local + ["--out", str(tmp_path / "sft")])
+    assert shards.load_index(tmp_path / "sft")["source"]["made_by"] == "data/local/prepare.py"
+    assert not any(n.endswith(".mask.bin") for n in os.listdir(tmp_path / "sft"))
+
+
+def test_smoltalk_prepare_full_disk_bad_caps_and_a_corpus_as_tokenizer(tok, tmp_path, monkeypatch, capsys):
+    """A full disk in the SFT prepare was '[Errno 28] No space left on device: FILE' (no fix, no word on --out); the
+    free space the local prepare's error offers was never shown (the staging folder holding FILE was removed first);
+    --max-conversations -1 was islice's own error and --val-conversations 0 failed after the whole train split was
+    built; a corpus folder as --tokenizer was 'holds no valid checkpoint' (smoltalk) or 'Is a directory ... re-run
+    the corpus's prepare.py' (local, fineweb)."""
+    import errno
+    import runpy
+    tok.save(tmp_path / "tok.json")
+    chats = _chats(tmp_path / "c.jsonl")
+    sft = ["data/smoltalk/prepare.py", "--tokenizer", str(tmp_path / "tok.json"), "--jsonl", chats, "--max-len", "64"]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("alpha beta gamma\n" * 20)
+    local = ["data/local/prepare.py", "--src", str(src), "--vocab-size", "300"]
+
+    def main(argv):  # the script in this process, so its disk can be filled
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(os.path.join(ROOT, argv[0]), run_name="__main__")
+        return str(e.value.code)
+    real = shards._atomic_write
+    for argv in (sft, local):
+        out = tmp_path / f"out_{len(argv)}"
+        monkeypatch.setattr(shards, "_atomic_write", real)
+        _run(argv + ["--out", str(out)])
+        before = sorted(os.listdir(out))
+
+        def full_disk(path, data):
+            raise OSError(errno.ENOSPC, "No space left on device", path + ".tmp-1-1")
+        monkeypatch.setattr(shards, "_atomic_write", full_disk)
+        msg = main(argv + ["--out", str(out)])
+        assert msg.startswith(f"error: {out}/.staging-") and "No space left on device" in msg, msg
+        assert "MB free on its disk: free space, or write elsewhere" in msg and "the corpus in --out is as it was" in msg
+        assert sorted(os.listdir(out)) == before and shards.verify_corpus(out) == []
+    monkeypatch.setattr(shards, "_atomic_write", real)
+    for bad, want in ((["--max-conversations", "-1"], "--max-conversations -1: at least 1"),
+                      (["--val-conversations", "0"], "--val-conversations 0: at least 1")):
+        assert main(sft + bad + ["--out", str(tmp_path / "none")]) == f"error: {want}"
+        assert not os.path.exists(tmp_path / "none" / "index.json")
+    # a corpus folder as --tokenizer: its tokenizer.json (checked against its index in the SFT prepare)
+    corpus = tmp_path / f"out_{len(local)}"
+    ctok = tokmod.Tokenizer.load(corpus / "tokenizer.json")
+    assert tokmod.reuse_tokenizer(str(corpus)).hash == ctok.hash
+    _run(["data/smoltalk/prepare.py", "--tokenizer", str(corpus), "--jsonl", chats, "--max-len", "64", "--out",
+          str(tmp_path / "sft2")])
+    assert shards.load_index(tmp_path / "sft2")["tokenizer_sha256"] == ctok.hash
+    _run(local[:3] + ["--tokenizer", str(corpus), "--out", str(tmp_path / "local2")])
+    assert shards.load_index(tmp_path / "local2")["tokenizer_sha256"] == ctok.hash
+
+
+def test_smoltalk_prepare_shows_progress_on_a_terminal(tok, tmp_path):
+    """Hours of Hub conversations were rendered and packed without a word until the end (the other prepares show a
+    progress bar); now a bar per split, on a terminal (a pty stands in for one)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    tok.save(tmp_path / "tok.json")
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # (0 columns: an empty bar)
+    p = subprocess.Popen([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", str(tmp_path / "tok.json"),
+                          "--jsonl", _chats(tmp_path / "c.jsonl"), "--max-len", "64", "--out", str(tmp_path / "sft")],
+                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # (EIO: the script ended and closed its end)
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    assert p.wait(timeout=60) == 0, seen[-2000:]
+    assert b"train conversations" in seen and b"val conversations" in seen, seen[-2000:]

@@ -97,7 +97,7 @@ def run(args):
     # --out as it was (the new one is built in a staging folder and swapped in at the end)
     shards.text_column(shards.parquet_file(shards.hub_download(args.repo, files[0], "dataset", revision), files[0],
                                            args.column), files[0], args.column)
-    with shards.staging(args.out) as stage:
+    with shards.staging(args.out, "data/fineweb_edu/prepare.py") as stage:
         build(args, revision, files, stage, t0)
 
 

@@ -118,7 +118,7 @@ def main():
                                 if capped else ""))
 
     try:
-        with shards.staging(args.out) as stage:  # a run that fails leaves the corpus in --out as it was
+        with shards.staging(args.out, "data/local/prepare.py") as stage:  # a failed run leaves --out as it was
             build(args, docs, exts, total_bytes, stage, t0)
     except shards.DataError as e:  # (another prepare.py writing --out)
         sys.exit(f"error: {e}")

@@ -5,10 +5,11 @@ Chat corpus for supervised fine-tuning: conversations -> uint16 token shards + u
     python data/smoltalk/prepare.py --tokenizer out/nano                     # the nano SFT run: rows of 2048
     python data/smoltalk/prepare.py --tokenizer out/tiny --jsonl my_chats.jsonl   # offline: local conversations
 
---tokenizer is the PRETRAINED model's tokenizer (a checkpoint dir / run dir, or a tokenizer.json file): SFT data
-must be tokenized exactly as the model was pretrained. From the Hub (--repo, default HuggingFaceTB/smol-smoltalk,
-a dataset) it downloads the parquet files matching --pattern with huggingface_hub (HF cache, commit pinned) and
-reads the "messages" column (a list of {role, content}); files whose name contains "test" are the val split.
+--tokenizer is the PRETRAINED model's tokenizer (a checkpoint dir / run dir, its corpus dir, or a tokenizer.json file):
+SFT data must be tokenized exactly as the model was pretrained. From the Hub (--repo, default
+HuggingFaceTB/smol-smoltalk, a dataset) it downloads the parquet files matching --pattern with huggingface_hub (HF
+cache, commit pinned) and reads the "messages" column (a list of {role, content}); files whose name contains "test"
+are the val split.
 --jsonl FILE reads one conversation per line instead: a JSON list of {role, content} (or {"messages": [...]}).
 
 Calls recorded here:
@@ -41,9 +42,11 @@ import time
 from collections import Counter
 
 import numpy as np
+from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py, chat.py
+import checkpoint  # noqa: E402
 import shards  # noqa: E402
 from chat import ChatFormatError, check_messages, render_conversation  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -52,10 +55,11 @@ OPEN_ROWS = 16  # rows kept open for best-fit packing (more: less padding, a lit
 
 
 def load_tokenizer_arg(path):
-    """(tokenizer, its file, the model's max_seq_len or None) from a tokenizer file or a checkpoint/run dir."""
+    """(tokenizer, its file, the model's max_seq_len or None) from a tokenizer file, corpus or checkpoint/run dir."""
     max_seq_len = None
+    if os.path.isfile(os.path.join(path, "index.json")):  # a corpus folder: its tokenizer, checked against its index
+        return shards.load_corpus_tokenizer(path), os.path.join(path, "tokenizer.json"), None
     if os.path.isdir(path):
-        import checkpoint
         try:
             ck = checkpoint.resolve(path)
         except checkpoint.CheckpointError as e:
@@ -217,7 +221,7 @@ def build(tok, split_sources, max_len, out_dir, shard_tokens, stats, keep_val_co
                     stats[f"{split}_target_tokens"] += sum(mask)
                 stats[f"{split}_conversations"] += 1
 
-        for ref, msgs in source:
+        for ref, msgs in tqdm(source, desc=f"{split} conversations", unit="conv", disable=None):
             stats["rows_read"] += 1
             try:
                 if isinstance(msgs, ChatFormatError):
@@ -248,7 +252,8 @@ def build(tok, split_sources, max_len, out_dir, shard_tokens, stats, keep_val_co
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", required=True, help="the pretrained model's tokenizer: checkpoint dir or tokenizer.json")
+    ap.add_argument("--tokenizer", required=True,
+                    help="the pretrained model's tokenizer: checkpoint dir, its corpus dir or tokenizer.json")
     ap.add_argument("--jsonl", default=None, help="local conversations instead of the Hub (one JSON list per line)")
     ap.add_argument("--repo", default="HuggingFaceTB/smol-smoltalk", help="Hub dataset repo")
     ap.add_argument("--revision", default="main", help="branch or commit (the commit sha is recorded)")
@@ -265,8 +270,10 @@ def main():
     args = ap.parse_args()
     try:
         run(args)
-    except (shards.StorageError, shards.DataError, ValueError, OSError) as e:
+    except (shards.StorageError, shards.DataError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # a full disk, an --out that cannot be written: the corpus there is as it was
+        sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}; the corpus in --out is as it was")
 
 
 def run(args):
@@ -277,6 +284,10 @@ def run(args):
         print(f"--max-len {args.max_len} (rows = train seq_len)")
     if args.max_len < 8:
         raise ValueError(f"--max-len {args.max_len}: too short for a conversation")
+    # (a negative cap was islice's own error; no val was found only after the whole train split was built)
+    for flag in ("max_conversations", "val_conversations"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: at least 1")
     os.makedirs(args.out, exist_ok=True)
     stats = Counter()
     if args.jsonl:
@@ -306,7 +317,7 @@ def run(args):
         source = {"kind": "hub", "repo": args.repo, "repo_type": "dataset", "revision": revision,
                   "pattern": args.pattern, "column": args.column, "train_files": train_files, "val_files": test_files}
 
-    with shards.staging(args.out) as stage:  # a run that fails leaves the corpus in --out as it was
+    with shards.staging(args.out, "data/smoltalk/prepare.py") as stage:  # a failed run leaves --out as it was
         tok.save(os.path.join(stage, "tokenizer.json"))
         splits = build(tok, {"val": iter(val), "train": train}, args.max_len, stage, args.shard_tokens, stats,
                        args.keep_val_copies)
