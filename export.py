@@ -102,7 +102,7 @@ class Source:
         try:
             with open(state_path, encoding="utf-8") as f:
                 self.state = json.load(f)
-            self.cfg = ModelConfig.from_dict(self.state["model_config"])
+            self.cfg = ModelConfig.from_dict(self.state["model_config"], complete=True)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ExportError(f"{state_path}: no usable model_config ({e}); use a checkpoint written by train.py")
         self.weights = os.path.join(self.dir, "model.safetensors")

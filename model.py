@@ -97,11 +97,16 @@ class ModelConfig:
         return self
 
     @classmethod
-    def from_dict(cls, d):
+    def from_dict(cls, d, complete=False):
+        """complete: d is a saved config (state.json), which must name every field; a default standing in for a
+        missing one (rope_theta, norm_eps, route_scale) gave other logits without a word."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown model config keys {unknown}")
+        missing = sorted(known - set(d)) if complete else []
+        if missing:
+            raise ValueError(f"model config lacks keys {missing}")
         return cls(**d).validate()
 
 
@@ -640,19 +645,26 @@ class Picaflor(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
                  eos_id=None, generator=None):
-        """Sample max_new_tokens after idx (B, T). temperature 0 = greedy. No repetition penalty, ever."""
+        """Sample max_new_tokens after idx (B, T). temperature 0 = greedy. No repetition penalty, ever.
+        eos_id: a row that draws it is done (its later positions repeat eos_id); generation stops when all are."""
         B, T = idx.shape
+        if T == 0:  # (a reshape error deep in attention otherwise)
+            raise ValueError("empty prompt: give at least one token (a document starts with the tokenizer's bos_id)")
         total = T + max_new_tokens
         if total > self.cfg.max_seq_len:
             raise ValueError(f"prompt {T} + {max_new_tokens} new tokens exceeds max_seq_len={self.cfg.max_seq_len}")
         cache = KVCache(self.cfg, B, total, idx.device, self.embed_tokens.weight.dtype) if use_cache else None
         seq, step_in = idx, idx
+        done = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             logits = self(step_in if use_cache else seq, cache=cache)[:, -1, :].float()
             nxt = sample_next(logits, temperature, top_k, top_p, generator)
+            if eos_id is not None:  # per row: the batch stopped only when all rows drew eos at the same step
+                nxt = nxt.masked_fill(done, eos_id)
+                done |= nxt == eos_id
             seq = torch.cat([seq, nxt], dim=1)
             step_in = nxt
-            if eos_id is not None and bool((nxt == eos_id).all()):
+            if eos_id is not None and bool(done.all()):
                 break
         return seq
 
@@ -862,7 +874,7 @@ def load_checkpoint(path, device="cpu", dtype=None):
     checkpoint.verify(ckpt_dir)
     try:  # a checkpoint of a newer picaflor (a config key this one lacks) or a hand-edited state.json
         with open(os.path.join(ckpt_dir, "state.json")) as f:
-            cfg = ModelConfig.from_dict(json.load(f)["model_config"])
+            cfg = ModelConfig.from_dict(json.load(f)["model_config"], complete=True)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise checkpoint.CheckpointError(f"{ckpt_dir}/state.json: no model config this picaflor can build "
                                          f"({type(e).__name__}: {str(e)[:160]}); use the picaflor that wrote it")

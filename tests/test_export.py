@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ import tokenizer as T  # noqa: E402
 
 CFG = dict(vocab_size=400, n_layer=3, n_dense_layers=1, d_model=64, n_head=4, n_kv_head=2, dense_ffn=128,
            n_experts=8, expert_ffn=32, n_shared=2, top_k=2, route_scale=1.5, max_seq_len=128)
+FULL_CFG = asdict(M.ModelConfig(**CFG))  # as a state.json holds it: every field
 
 WORDS = ("the quick brown fox jumps over the lazy dog café naïve über straße 東京 日本語 😀 🇫🇷 Ω≈ç√ "
          "def return import class 123 4567 3.14159 don't I'll WE'RE hello world").split()
@@ -408,10 +410,19 @@ def test_weights_not_matching_config_is_one_line_error(tmp_path):
     from safetensors.torch import save_file
     m = M.Picaflor(M.ModelConfig(**CFG))
     sd = {k: v for k, v in m.state_dict().items() if not k.endswith("load_accum")}
+    # a config that lacks keys (CFG names no rope_theta / norm_eps): their defaults were exported as the model's
+    path = checkpoint.save(str(tmp_path / "partial"), 1, {
+        "model.safetensors": lambda p: save_file(sd, p),
+        "state.json": lambda p: open(p, "w").write(json.dumps({"step": 1, "model_config": CFG}))})
+    with pytest.raises(SystemExit) as e:
+        run_export([path, "--format", "hf", "--out", str(tmp_path / "hf")])
+    msg = str(e.value.code)
+    assert "state.json" in msg and "lacks keys" in msg and "rope_theta" in msg and "\n" not in msg, msg
+    assert not os.path.exists(tmp_path / "hf")
     del sd["layers.2.mlp.experts.down_proj"]  # a file that lost a tensor but has an intact manifest
     path = checkpoint.save(str(tmp_path / "run"), 1, {
         "model.safetensors": lambda p: save_file(sd, p),
-        "state.json": lambda p: open(p, "w").write(json.dumps({"step": 1, "model_config": CFG}))})
+        "state.json": lambda p: open(p, "w").write(json.dumps({"step": 1, "model_config": FULL_CFG}))})
     with pytest.raises(SystemExit) as e:
         run_export([path, "--format", "gguf", "--out", str(tmp_path / "o.gguf")])
     msg = str(e.value.code)
@@ -680,7 +691,7 @@ def test_a_weight_past_a_quantized_types_f16_scale_and_unreadable_weights(ckpt, 
         assert not [n for n in os.listdir(tmp_path) if n.startswith(f"{gtype}.gguf")]
     bad = checkpoint.save(str(tmp_path / "garbage"), 1, {  # its manifest is computed over these bytes: it verifies
         "model.safetensors": lambda p: open(p, "wb").write(b"\x10" * 100),
-        "state.json": lambda p: open(p, "w").write(json.dumps({"step": 1, "model_config": CFG}))})
+        "state.json": lambda p: open(p, "w").write(json.dumps({"step": 1, "model_config": FULL_CFG}))})
     for fmt, out in (("int4", "g.pcf4"), ("hf", "ghf"), ("gguf", "g.gguf")):
         with pytest.raises(SystemExit) as e:
             run_export([bad, "--format", fmt, "--out", str(tmp_path / out)])

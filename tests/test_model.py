@@ -407,6 +407,20 @@ def test_generate_with_cache_equals_without():
     assert len(set(a[0, 7:].tolist())) > 1  # a degenerate constant sequence would prove little
 
 
+def test_generate_stops_each_row_at_eos_and_refuses_an_empty_prompt(monkeypatch):
+    """Batch generation stopped only when every row drew eos at the same step, so a row done early ran on with
+    made-up text and the batch never ended early; an empty prompt failed with a reshape error deep in attention."""
+    model = randomise(M.Picaflor(SMALL_CFG), seed=4).eval()
+    prompt = torch.randint(1, SMALL_CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    eos = 3
+    draws = iter([[eos, 9], [7, 11], [8, eos], [5, 6], [5, 6]])
+    monkeypatch.setattr(M, "sample_next", lambda *a, **k: torch.tensor(next(draws)).view(2, 1))
+    out = model.generate(prompt, 5, eos_id=eos)
+    assert out[:, 5:].tolist() == [[eos, eos, eos], [9, 11, eos]]  # row 0 keeps eos; both done after step 3
+    with pytest.raises(ValueError, match="empty prompt"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
+
+
 def test_loss_is_the_mean_over_targets_and_zero_without_any():
     """A window whose targets are all masked (an SFT window of prompt tokens) has loss 0, not NaN (which stopped
     training as a non-finite loss); otherwise the mean over the targets left, as cross_entropy's ignore_index."""
@@ -544,7 +558,8 @@ def test_checkpoint_tampered_file_is_refused(tmp_path):
 
 def test_checkpoint_of_another_config_is_one_checkpoint_error(tmp_path):
     """A state.json from a newer picaflor (a config key this one lacks) raised ValueError, weights whose shapes
-    differ from the config RuntimeError: eval.py and chat.py catch CheckpointError, so the user saw a traceback."""
+    differ from the config RuntimeError: eval.py and chat.py catch CheckpointError, so the user saw a traceback.
+    A config missing a key is refused too: every picaflor checkpoint holds them all."""
     import json
     path = M.save_checkpoint(M.Picaflor(SMALL_CFG), str(tmp_path), step=5)
     state_path, man_path = os.path.join(path, "state.json"), os.path.join(path, "MANIFEST.json")
@@ -555,7 +570,10 @@ def test_checkpoint_of_another_config_is_one_checkpoint_error(tmp_path):
         man["files"]["state.json"] = {"sha256": checkpoint.sha256_file(state_path), "bytes": os.path.getsize(state_path)}
         json.dump(man, open(man_path, "w"))
     for model_config, words in [(dict(state["model_config"], qk_gate=True), "state.json: no model config"),
-                                (dict(state["model_config"], expert_ffn=2 * SMALL_CFG.expert_ffn), "does not fit")]:
+                                (dict(state["model_config"], expert_ffn=2 * SMALL_CFG.expert_ffn), "does not fit"),
+                                # a config without a key: the field's default stood in for the model's value, silently
+                                ({k: v for k, v in state["model_config"].items() if k != "rope_theta"},
+                                 r"state.json: no model config.*lacks keys \['rope_theta'\]")]:
         rewrite(model_config)
         with pytest.raises(checkpoint.CheckpointError, match=words):
             M.load_checkpoint(path)
