@@ -655,6 +655,10 @@ class Container:
 
     def checksum_error(self, layer, expert):
         """The one-line error for an expert blob whose crc32 does not match (stream_infer's C++ readers too)."""
+        try:  # a file rewritten in place while open (a new export copied over it) is not corrupt: restart
+            self._check_unchanged()
+        except ContainerError as e:
+            return e
         offset = self.expert_entry(layer, expert)["offset"]
         return ContainerError(f"{self.path}: checksum mismatch in layer {layer} expert {expert} (offset {offset}); "
                               f"the file is corrupt, re-export it")

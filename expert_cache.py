@@ -622,9 +622,8 @@ class ExpertCache:
             return expert
         if key in self.guesses:
             self.request([key], {key})
-        if key in self.inflight and self.inflight[key][1]:
-            self.prefetch_hits += 1
-        else:
+        guessed = key in self.inflight and self.inflight[key][1]
+        if not guessed:
             self.misses += 1
         if key not in self.inflight:
             # room without evicting the caller's other experts of this pass (their arguments may be held for one
@@ -633,7 +632,12 @@ class ExpertCache:
                 raise CacheError(f"{self.c.path}: an expert cache of {self.budget / 2**20:.1f} MiB cannot hold one "
                                  f"expert ({self.nbytes / 2**20:.1f} MiB); raise --ram-budget")
             self._submit(key)
-        self._finish(key)
+        try:
+            self._finish(key)
+        except BaseException:
+            self.misses += guessed  # a guess whose read failed (a bad crc) is no prefetch hit
+            raise
+        self.prefetch_hits += guessed
         return self.entries[key]
 
     def settle(self):

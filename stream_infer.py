@@ -145,6 +145,16 @@ def fmt_size(n):
     return f"{n}B"
 
 
+# what a "raise it to at least" suggests above the budget's need: building the model takes RSS beyond its weights'
+# bytes (~4 MB on tiny), so a budget of exactly the need was refused again after loading
+LOAD_SLACK = 32 << 20
+
+
+def fmt_budget(n):
+    """n rounded up to a whole MiB, as --ram-budget takes it (fmt_size's 2 decimals can round below n)."""
+    return f"{-(-n // (1 << 20))}M"
+
+
 PROC_SELF = "/proc/self"  # Linux; macOS has no /proc (tests point this elsewhere to run as there)
 
 
@@ -570,7 +580,7 @@ class Engine:
                 f"{fmt_size(needed)} (python+torch {fmt_size(self.baseline_rss)}, resident weights "
                 f"{fmt_size(self.resident_bytes)}, KV cache {fmt_size(self.kv_bytes)} for {self.context} positions, "
                 f"working memory {fmt_size(self.working_bytes)}, >= {2 * cfg.top_k} experts "
-                f"{fmt_size(self.min_cache)}); raise it to at least {fmt_size(needed)}")
+                f"{fmt_size(self.min_cache)}); raise it to at least {fmt_budget(needed + LOAD_SLACK)}")
         t0 = time.perf_counter()
         self.model = self._build_model()
         self.decode_plan = self._decode_plan()
@@ -583,7 +593,7 @@ class Engine:
             if cache_budget < self.min_cache:
                 raise StreamError(f"{path}: --ram-budget {fmt_size(self.budget)} leaves {fmt_size(max(cache_budget, 0))} "
                                   f"for experts after loading the resident part ({fmt_size(self.resident_rss)} RSS); "
-                                  f"raise it to at least {fmt_size(self.budget - cache_budget + self.min_cache + (32 << 20))}")
+                                  f"raise it to at least {fmt_budget(self.budget - cache_budget + self.min_cache + LOAD_SLACK)}")
         if self.device.startswith("cuda"):  # the experts live on the GPU: never more than its free memory allows
             free = torch.cuda.mem_get_info(self.device)[0] - self.working_bytes - (512 << 20)
             if free < self.min_cache:
@@ -1212,6 +1222,7 @@ def main(argv=None):
                          "as fit, evenly per layer); this starts empty and reads on demand")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    answering = False  # stdout holds an answer's unfinished line (an error mid-answer went on the end of it)
     try:
         check_args(args, argv)
         if args.chat:  # the chat loop, template and turn tokens live in chat.py; this is its int4 entry point
@@ -1258,6 +1269,7 @@ def main(argv=None):
         tokens = eng.stream(ids, args.max_new_tokens, args.temperature, args.top_p, args.experts_per_token, args.seed,
                             eos)  # (checked before the prompt is shown)
         sys.stdout.write(args.prompt if tok is not None else "")
+        answering = True
         t0 = time.perf_counter()
         for t in tokens:
             out.append(t)
@@ -1276,11 +1288,16 @@ def main(argv=None):
             sys.stdout.write(tok.decode_generated(out)[len(shown):])
         st = eng.cache.stats()
         print()
-        hit = f"expert hit rate {st['hit_rate']:.3f}" if st["lookups"] else "no routed experts"
+        # (--max-new-tokens 0 runs nothing: no lookups, although the model has routed experts)
+        hit = (f"expert hit rate {st['hit_rate']:.3f}" if st["lookups"] else
+               "no expert lookups" if eng.moes else "no routed experts")
         print(f"[{len(out)} tokens in {dt:.2f} s, {len(out) / dt:.2f} tok/s, {hit}, "
               f"read {st['bytes_read'] / 1e6:.1f} MB, peak RSS {fmt_size(peak_rss_bytes())}]", file=sys.stderr)
         return 0
     except (StreamError, EC.CacheError, C.ContainerError) as e:
+        if answering:  # (a corrupt expert found mid-answer): the answer's line ends, the error has its own
+            with contextlib.suppress(OSError):
+                print(flush=True)
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C in a generation or a benchmark (its child and cgroup are gone by now)

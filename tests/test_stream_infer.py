@@ -778,6 +778,30 @@ def test_guesses_in_flight_and_failed_guesses(tiny):
 
 
 @pytest.mark.parametrize("native", [True, False])
+def test_a_guess_whose_crc_fails_is_no_prefetch_hit_and_stays_out(tiny, tmp_path, native):
+    """A guess read whose blob fails its crc raises when demanded (as an on-demand read does) and was counted as a
+    prefetch hit; it never joins the cache, and asked for again it is read and refused again."""
+    m, path = tiny
+    flip = copy_with_flipped_bits(path, tmp_path, [(2, 5, 100, 0x01)])
+    eng = S.load(str(flip), prefetch=False, preload=False)
+    c = eng.cache
+    c.native_reads = native and c.native_reads
+    c.budget = 8 * c.nbytes
+    c.set_slots(2)
+    c.guess([(2, 5), (2, 6)], set())
+    c.settle()  # both landed; (2, 5)'s with its crc error
+    with pytest.raises(C.ContainerError, match="checksum mismatch in layer 2 expert 5"):
+        c.get((2, 5), {(2, 5)})
+    assert c.prefetch_hits == 0 and c.misses == 1 and (2, 5) not in c.entries and (2, 5) not in c.c.verified
+    c.get((2, 6), {(2, 6)})  # the good guess: a prefetch hit
+    assert c.prefetch_hits == 1 and (2, 6) in c.entries
+    with pytest.raises(C.ContainerError, match="checksum mismatch in layer 2 expert 5"):
+        c.get((2, 5), {(2, 5)})  # on demand now: read again, refused again
+    assert c.misses == 2 and c.lookups == c.hits + c.prefetch_hits + c.misses and c.used <= c.budget
+    assert list(c.entries) == [(2, 6)]
+
+
+@pytest.mark.parametrize("native", [True, False])
 def test_disk_busy_time_counts_overlapping_reads_once(tiny, native):
     """disk_busy_s (the bench's rate of decode's own reads) is the time at least one read ran, not their sum, on
     expert_reader.cpp's threads and on the Python ones."""
@@ -1541,6 +1565,60 @@ def test_bad_input_one_line_errors(tiny, tmp_path):
         for e in range(16):
             eng.cache.get((2, e), set())
     assert "layer 2 expert 0" in str(ei.value)
+
+
+def test_the_budget_a_refusal_suggests_loads(tiny, monkeypatch):
+    """'raise it to at least X' said the need itself, rounded to 2 decimals (sometimes below it), while loading takes
+    RSS beyond the weights' bytes: a budget of exactly X was refused again, after loading. RSS faked: 8 MB growth."""
+    m, path = tiny
+    built, real_build = [False], S.Engine._build_model
+
+    def build(self):
+        model = real_build(self)
+        built[0] = True
+        return model
+
+    monkeypatch.setattr(S.Engine, "_build_model", build)
+    monkeypatch.setattr(S, "rss_bytes", lambda: (300 << 20) + 123457 + (8 << 20) * built[0])
+
+    def suggested(budget):
+        built[0] = False
+        with pytest.raises(S.StreamError) as ei:
+            S.load(path, ram_budget=budget, prefetch=False)
+        return re.search(r"raise it to at least (\S+)$", str(ei.value)).group(1)
+
+    first = suggested("64M")  # below what the model needs resident
+    built[0] = False
+    S.load(path, ram_budget=first, prefetch=False)  # loads
+    second = suggested(S.parse_size(first) - (31 << 20))  # passes the first check, too little after loading
+    built[0] = False
+    S.load(path, ram_budget=second, prefetch=False)
+
+
+def test_cli_stats_line_and_an_error_mid_answer(tiny, monkeypatch):
+    """--max-new-tokens 0 said 'no routed experts' (it looked nothing up); an error mid-answer (a corrupt expert
+    found at token 3) was printed on the end of the answer's line."""
+    import io
+    m, path = tiny
+    both = io.StringIO()  # stdout and stderr as a terminal shows them
+    monkeypatch.setattr(sys, "stdout", both)
+    monkeypatch.setattr(sys, "stderr", both)
+    assert S.main([path, "--prompt", "1,2,3", "--max-new-tokens", "0", "--threads", "1"]) == 0
+    assert "[0 tokens in" in both.getvalue() and "no routed experts" not in both.getvalue(), both.getvalue()
+
+    def broken(self, ids, n, *a, **k):
+        yield 5
+        yield 6
+        raise self.container.checksum_error(2, 3)
+
+    monkeypatch.setattr(S.Engine, "stream", broken)
+    both.seek(0)
+    both.truncate()
+    assert S.main([path, "--prompt", "1,2,3", "--max-new-tokens", "4", "--threads", "1"]) == 1
+    text = both.getvalue()
+    assert text.startswith("5 6 \nerror: ") and text.count("\n") == 2, text  # the error on a line of its own
+    assert text.splitlines()[1] == f"error: {path}: checksum mismatch in layer 2 expert 3 (offset " \
+        f"{C.load_container(path).header['experts']['2'][3]['offset']}); the file is corrupt, re-export it"
 
 
 def test_cli_budget_rss_and_errors(tiny, tmp_path):
