@@ -173,6 +173,120 @@ def test_torchrun_two_processes_gloo(data_root, tmp_path):
     assert r.returncode != 0 and "rank 0:" in r.stderr and "another trainer" in r.stderr, r.stderr[-3000:]
 
 
+# train.py under a wrapper that logs, per rank, each train batch read (corpus, global position, rows, seq_len) and
+# each router-bias update (the rank's own expert load, the load the update used, the bias after it)
+RECORDING_TRAIN = """import json, os, runpy, sys
+sys.path.insert(0, os.getcwd())
+import model, shards
+log = os.path.join(os.environ["PICAFLOR_TEST_LOG"], f"rank{os.environ.get('RANK', '0')}-")
+def rec(kind, **kw):
+    with open(log + kind + ".jsonl", "a") as f:
+        f.write(json.dumps(kw) + "\\n")
+S, P = shards.TokenStream, model.Picaflor
+next_batch, take, update = S.next_batch, P.take_expert_load, P.update_router_bias
+def reading(self, batch_size, seq_len, rank=0, world_size=1, device=None):
+    if self.split == "train":
+        rec("reads", corpus=os.path.basename(self.corpus_dir), at=self.position, rows=batch_size, T=seq_len, rank=rank,
+            world=world_size)
+    return next_batch(self, batch_size, seq_len, rank, world_size, device)
+def taking(self):
+    load = take(self)
+    rec("local_load", load=load.tolist())
+    return load
+def updating(self, load, gamma=None):
+    update(self, load, gamma)
+    rec("bias", load=load.tolist(), bias=[m.e_score_correction_bias.tolist() for m in self.moe_layers()])
+S.next_batch, P.take_expert_load, P.update_router_bias = reading, taking, updating
+sys.argv = ["train.py"] + sys.argv[1:]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_ddp_resume_at_a_stage_boundary_is_exact_and_another_world_size_skips_no_row(data_root, tmp_path):
+    """torchrun (gloo, 2 ranks, grad_accum 2) stopped at the end of a stage and resumed: the next stage changes the mix
+    and seq_len and brings in a loss-masked chat corpus (doc_mask, token-weighted loss). The resumed run trains the
+    uninterrupted one's steps bit for bit; every rank's router bias moves by the all-reduced load, the same on each.
+    The same checkpoint resumed on one process (another batch_size too): every rank's rows of both legs tile each
+    corpus from its first token to the saved position, none skipped or read twice."""
+    root = tmp_path / "data"
+    shutil.copytree(os.path.join(data_root, "local"), root / "local")
+    lines = [json.dumps([{"role": "user", "content": f"ping {i % 10}"},
+                         {"role": "assistant", "content": " ".join(["pong"] * (1 + i % 5))}]) for i in range(300)]
+    (tmp_path / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    r = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer",
+                        str(root / "local" / "tokenizer.json"), "--jsonl", str(tmp_path / "chats.jsonl"), "--max-len",
+                        "16", "--val-conversations", "20", "--keep-val-copies", "--out", str(root / "chat")], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    plan = tmp_path / "plan.py"
+    plan.write_text("stages = [dict(name='a', steps=2, lr_phase='warmup', mix={'local': 1.0}), "
+                    "dict(name='b', steps=3, seq_len=16, mix={'local': 1.0, 'chat': 1.0}), "
+                    "dict(name='c', steps=2, seq_len=16, lr_phase='decay', mix={'chat': 1.0})]\n")
+    (tmp_path / "wrap.py").write_text(RECORDING_TRAIN)
+    base = TINY + [str(plan), f"--data_root={root}", "--batch_size=2", "--grad_accum=2", "--eval_interval=100",
+                   "--bias_update_rate=0.05"]
+
+    ENV1 = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def start(name, *extra, world=2):
+        os.makedirs(tmp_path / f"log-{name}", exist_ok=True)
+        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
+        return subprocess.Popen([sys.executable, *launch, str(tmp_path / "wrap.py"), *base, *extra], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(ENV1, PICAFLOR_TEST_LOG=str(tmp_path / f"log-{name}")))
+
+    def done(p):
+        out = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, out[-3000:]
+        return out
+
+    def records(name, kind):
+        d = tmp_path / f"log-{name}"
+        return {int(f.name[4]): [json.loads(line) for line in open(f)] for f in d.iterdir()
+                if f.name.endswith(f"-{kind}.jsonl")}
+
+    straight, legs, other = (str(tmp_path / n) for n in ("straight", "legs", "other"))
+    s = start("straight", f"--out_dir={straight}")  # alongside the legs (one thread each)
+    done(start("legs", f"--out_dir={legs}", "--stop_after_steps=2"))
+    assert json.load(open(os.path.join(legs, "step_0000002", "state.json")))["kind"] == "stage_final"
+    shutil.copytree(legs, other)
+    shutil.copytree(tmp_path / "log-legs", tmp_path / "log-other")
+    resumed = start("legs", f"--out_dir={legs}", "--init_from=resume")
+    one = start("other", f"--out_dir={other}", "--init_from=resume", "--batch_size=3", world=1)
+    said = [done(p) for p in (s, resumed, one)]
+    assert "doc_mask: each conversation packed in chat's rows" in said[1]  # the masked path is what resumed
+    a, b = metrics(straight), metrics(legs)
+    assert sorted(a) == sorted(b) == list(range(1, 8)) and [a[i]["loss"] for i in a] == [b[i]["loss"] for i in a]
+    assert [a[i]["stage"] for i in (2, 3, 6)] == ["a", "b", "c"] and a[3]["seq_len"] == 16
+    wa, wb = (load_checkpoint(d).state_dict() for d in (straight, legs))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wb[k])][:3]
+    # the balancing: each update from the sum of the ranks' loads, the same bias on each rank
+    for name in ("straight", "legs"):
+        local, bias = records(name, "local_load"), records(name, "bias")
+        assert len(bias[0]) == 7 and bias[0] == bias[1], name
+        for i, upd in enumerate(bias[0]):
+            both = torch.tensor(local[0][i]["load"]) + torch.tensor(local[1][i]["load"])
+            assert torch.equal(torch.tensor(upd["load"]), both), (name, i)
+        assert max(abs(v) for layer in bias[0][-1]["bias"] for v in layer) > 0
+    assert torch.equal(wb["layers.1.mlp.e_score_correction_bias"], torch.tensor(bias[0][-1]["bias"][0]))  # legs' last
+    # every row read once: per corpus, all ranks' reads of both legs are one run from token 0 to the saved position
+    for name, out in (("legs", legs), ("other", other)):
+        st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+        assert st["finished"], name
+        reads = [r for rank in records(name, "reads").values() for r in rank]
+        assert {r["world"] for r in reads} == ({2} if name == "legs" else {1, 2})
+        for c in ("chat", "local"):
+            lengths = [int(e["tokens"]) for e in json.load(open(root / c / "index.json"))["splits"]["train"]]
+            at = lambda p: p["epoch"] * sum(lengths) + sum(lengths[:p["shard"]]) + p["offset"]  # noqa: E731
+            spans = sorted((at(r["at"]) + r["rank"] * r["rows"] * r["T"], r["rows"] * r["T"]) for r in reads
+                           if r["corpus"] == c)
+            pos = 0
+            for start_at, n in spans:
+                assert start_at == pos, (name, c, start_at, pos)
+                pos += n
+            assert pos == at(st["data_position"][c]) > 0, (name, c)
+
+
 def test_the_val_set_is_the_same_whatever_the_world_size(data_root, tmp_path):
     """Each rank evaluated eval_iters batches of its own, so two ranks measured twice the rows of one: a resume on
     another number of GPUs (a relay leg) compared best_val_loss across val sets. One checkpoint, one step that
