@@ -26,10 +26,23 @@ import time
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for lack of space (or a size limit)
+# a read of a network or bucket mount that dropped: storage to wait for, not corrupt data
+UNREACHABLE_ERRNOS = (errno.ENOTCONN, errno.ETIMEDOUT, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN,
+                      errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED)
 
 
 class CheckpointError(Exception):
     """A checkpoint that is missing, incomplete or corrupt; the message names the file and the fix."""
+
+
+class CheckpointUnreachable(CheckpointError):
+    """A checkpoint whose storage dropped while it was read (no verdict on it: not skipped as corrupt, not set aside;
+    train.py exits 5, storage unreachable)."""
+
+
+def unreachable(e, path):
+    return CheckpointUnreachable(f"{path}: cannot be read ({e.strerror}): its network or bucket mount dropped? check "
+                                 f"it and retry")
 
 
 def sha256_file(path, bufsize=1 << 20):
@@ -94,6 +107,8 @@ def verify(ckpt_dir, check_hashes=True):
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{man_path}: unreadable manifest ({e}); use an earlier step_* dir")
     except OSError as e:  # (permissions, EIO, a directory): a traceback from is_valid, so from resume's search too
+        if e.errno in UNREACHABLE_ERRNOS:
+            raise unreachable(e, man_path) from None
         raise CheckpointError(f"{os_error_line(e, man_path)}; fix its permissions or use an earlier step_* dir")
     if not (isinstance(files, dict) and files and all(  # valid JSON of another shape: a KeyError stopped the resume
             isinstance(name, str) and isinstance(meta, dict) and isinstance(meta.get("sha256"), str)
@@ -110,12 +125,15 @@ def verify(ckpt_dir, check_hashes=True):
         p = os.path.join(ckpt_dir, name)
         if not os.path.isfile(p):
             raise CheckpointError(f"{p}: listed in MANIFEST.json but missing; use an earlier step_* dir")
-        if os.path.getsize(p) != meta["bytes"]:
-            raise CheckpointError(f"{p}: {os.path.getsize(p)} bytes, manifest says {meta['bytes']} (truncated?); "
-                                  f"use an earlier step_* dir")
         try:
+            size = os.path.getsize(p)
+            if size != meta["bytes"]:
+                raise CheckpointError(f"{p}: {size} bytes, manifest says {meta['bytes']} (truncated?); "
+                                      f"use an earlier step_* dir")
             intact = not check_hashes or sha256_file(p) == meta["sha256"]
         except OSError as e:  # an unreadable file (EIO of a failing disk, permissions) is not a valid checkpoint
+            if e.errno in UNREACHABLE_ERRNOS:  # ... but one on a mount that dropped mid-hash is not a corrupt one
+                raise unreachable(e, p) from None
             raise CheckpointError(f"{os_error_line(e, p)}; use an earlier step_* dir") from None
         if not intact:
             raise CheckpointError(f"{p}: sha256 does not match MANIFEST.json (corrupt); use an earlier step_* dir")
@@ -143,10 +161,16 @@ def list_checkpoints(out_dir):
 
 
 def latest_valid(out_dir):
-    """Path of the newest checkpoint in out_dir that verifies, or None. Corrupt newer ones are skipped."""
+    """Path of the newest checkpoint in out_dir that verifies, or None. Corrupt newer ones are skipped; one whose mount
+    dropped mid-read raises CheckpointUnreachable (taken for corrupt, resume set it aside and trained an older step)."""
     for _, path in reversed(list_checkpoints(out_dir)):
-        if is_valid(path):
+        try:
+            verify(path)
             return path
+        except CheckpointUnreachable:
+            raise
+        except CheckpointError:
+            continue
     return None
 
 
@@ -161,6 +185,12 @@ def resolve(path):
         raise CheckpointError(f"{path}: no such file or directory; pass a run dir or a step_NNNNNNN dir")
     if os.path.isfile(os.path.join(path, "MANIFEST.json")) or STEP_RE.match(os.path.basename(os.path.normpath(path))):
         return path
+    try:
+        steps = list_checkpoints(path)
+    except OSError as e:  # a run dir it may not read: a traceback out of chat.py and eval.py
+        if e.errno in UNREACHABLE_ERRNOS:
+            raise unreachable(e, path) from None
+        raise CheckpointError(f"{os_error_line(e, path)}; fix its permissions, or pass a step_NNNNNNN dir") from None
     latest = os.path.join(path, "LATEST")
     named = None
     if os.path.isfile(latest):
@@ -171,20 +201,37 @@ def resolve(path):
         if named and is_valid(named):
             # a save killed between its step's rename and LATEST's write: the newer step is whole, and the run's
             m = STEP_RE.match(os.path.basename(named))
-            newer = [p for s, p in list_checkpoints(path) if m and s > int(m.group(1))]
+            newer = [p for s, p in steps if m and s > int(m.group(1))]
             for p in reversed(newer):
                 if is_valid(p):
                     print(f"warning: {latest} names {os.path.basename(named)}, but the newer {os.path.basename(p)} "
                           f"verifies (a save died before updating LATEST); using it", file=sys.stderr)
                     return p
             return named
-    cand = latest_valid(path)
+    cand, whys = None, []  # (latest_valid, keeping why each newer step failed: the error named no step, no cause)
+    for _, p in reversed(steps):
+        try:
+            verify(p)
+            cand = p
+            break
+        except CheckpointUnreachable:
+            raise
+        except CheckpointError as e:
+            whys.append(str(e).removesuffix("; use an earlier step_* dir"))
     if cand is None:
-        raise CheckpointError(f"{path}: holds no valid checkpoint (no step_* dir with an intact MANIFEST.json)")
-    steps = list_checkpoints(path)
+        if not steps:
+            raise CheckpointError(f"{path}: holds no valid checkpoint (no step_* dir in it); pass a run dir train.py "
+                                  f"wrote, or a step_NNNNNNN dir")
+        more = f"; {len(whys) - 3} older step(s) do not verify either" if len(whys) > 3 else ""
+        raise CheckpointError(f"{path}: holds no valid checkpoint ({'; '.join(whys[:3])}{more}); re-copy it from "
+                              f"where it was saved (or its mirror_dir), or pass another checkpoint")
     skipped = named if named and os.path.isdir(named) else (steps[-1][1] if steps and steps[-1][1] != cand else None)
     if skipped:  # an export or eval of "the run" said nothing of using an older step
         print(f"warning: {skipped} does not verify; using {cand}, the newest step that does", file=sys.stderr)
+    elif (m := named and STEP_RE.match(os.path.basename(named))) and int(m.group(1)) > steps[-1][0]:
+        # LATEST names a newer step that is not there (deleted, or a mirror whose copy of it never landed): as silent
+        print(f"warning: {latest} names {os.path.basename(named)}, which is not there; using {cand}, the newest "
+              f"step that verifies", file=sys.stderr)
     return cand
 
 

@@ -257,15 +257,6 @@ def check_vocab(tok, model_vocab, where):
                         f"this model (pass the one it was trained with: --tokenizer)")
 
 
-def damaged_checkpoint(ckpt_dir):
-    """What checkpoint.verify finds wrong with ckpt_dir, without its "use an earlier step_* dir" (none verifies)."""
-    try:
-        checkpoint.verify(ckpt_dir)
-    except checkpoint.CheckpointError as e:
-        return str(e).removesuffix("; use an earlier step_* dir")
-    return f"{ckpt_dir} verifies"
-
-
 def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False):
     """MODEL string -> one of the LM kinds above. One-line EvalError when it is none of them."""
     dtype = resolve_dtype(dtype_name, device)
@@ -275,11 +266,12 @@ def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False)
         try:
             ckpt_dir = checkpoint.resolve(spec)
         except checkpoint.CheckpointError as e:
-            steps = checkpoint.list_checkpoints(spec)
-            if steps:  # a run dir whose every step is damaged: "neither ... nor" named no file
-                why = damaged_checkpoint(steps[-1][1])
-                raise EvalError(f"{spec}: none of its step_* checkpoints verifies (the newest: {why}); "
-                                f"re-copy it from where it was saved, or point at another checkpoint") from None
+            try:
+                run_dir = bool(checkpoint.list_checkpoints(spec))
+            except OSError:  # (a dir it may not read: resolve's error says so)
+                run_dir = True
+            if run_dir:  # a run dir whose every step is damaged: resolve names each cause
+                raise EvalError(str(e)) from None
             raise EvalError(f"{spec}: neither a Hugging Face model dir (no config.json) nor a picaflor checkpoint "
                             f"({e})") from None
         tok = load_picaflor_tokenizer(tokenizer_path, ckpt_dir)

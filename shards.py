@@ -45,11 +45,7 @@ import sys
 
 import numpy as np
 
-from checkpoint import DISK_ERRNOS, sha256_file, write_atomic as _atomic_write  # one copy of the file helpers
-
-# a read of a network or bucket mount that dropped (not a data fault: waited for, never quarantined or re-fetched)
-UNREACHABLE_ERRNOS = (errno.ENOTCONN, errno.ETIMEDOUT, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN,
-                      errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED)
+from checkpoint import DISK_ERRNOS, UNREACHABLE_ERRNOS, sha256_file, write_atomic as _atomic_write  # one copy of each
 SHARD_DTYPE = np.dtype("<u2")  # uint16, little endian: vocab_size <= 65535
 INDEX_VERSION = 1
 
@@ -595,6 +591,15 @@ def _check_mask_size(corpus_dir, entry):
     return st
 
 
+def _hash(path):
+    """sha256_file; a read that fails after the stat (EIO, a mount dropped mid-hash) is a StorageError (read_error),
+    not an OSError that train.py took for a crash (exit 10)."""
+    try:
+        return sha256_file(path)
+    except OSError as e:
+        raise read_error(path, e) from None
+
+
 def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
     """Memory-map one shard after checking existence, size and (once per process) sha256."""
     file = entry["file"]
@@ -604,7 +609,7 @@ def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
     tokens = np.memmap(path, dtype=SHARD_DTYPE, mode="r") if want else np.zeros(0, SHARD_DTYPE)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["sha256"])
     if verify_hash and key not in _VERIFIED:
-        got = sha256_file(path)
+        got = _hash(path)
         if got != entry["sha256"]:
             # say where it is wrong if we can: a zero run or an out-of-vocab id names the offset
             try:
@@ -625,7 +630,7 @@ def _open_mask(corpus_dir, entry):
     mask = np.memmap(path, dtype=np.uint8, mode="r") if entry["tokens"] else np.zeros(0, np.uint8)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["mask_sha256"])
     if key not in _VERIFIED:
-        got = sha256_file(path)
+        got = _hash(path)
         if got != entry["mask_sha256"]:
             raise DataError(f"{path}: sha256 {got[:12]} differs from index.json's {entry['mask_sha256'][:12]} (corrupt "
                             f"loss mask); {_fix_hint(corpus_dir)}", path, None, "hash")

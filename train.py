@@ -1301,6 +1301,7 @@ def main(argv):
 
 if __name__ == "__main__":
     import checkpoint
+    import errno
     import shards
     if "--supervise" in sys.argv[1:]:
         import guardian
@@ -1314,6 +1315,9 @@ if __name__ == "__main__":
         if not isinstance(e, RunLocked):
             write_crash_report("error", EXIT_ERROR, str(e))
         die(str(e), EXIT_ERROR)
+    except checkpoint.CheckpointUnreachable as e:  # a mount that dropped mid-verify: wait for it, not exit 1
+        write_crash_report(CAUSES[EXIT_UNREACHABLE], EXIT_UNREACHABLE, str(e))
+        die(f"{CAUSES[EXIT_UNREACHABLE]}: {e}", EXIT_UNREACHABLE)
     except checkpoint.CheckpointError as e:
         die(str(e), EXIT_ERROR)
     except shards.DataError as e:
@@ -1328,6 +1332,16 @@ if __name__ == "__main__":
             msg = f"out of disk: {e}; free space in {_RUN_INFO.get('out_dir')} and resume (checkpoints are intact)"
             write_crash_report("out of disk", EXIT_DISK, msg)
             die(msg, EXIT_DISK)
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # (a run dir it cannot write): restarts fail alike
+            msg = (f"{checkpoint.os_error_line(e, _RUN_INFO.get('out_dir') or '.')}; fix its permissions, or pass "
+                   f"another --out_dir")
+            write_crash_report(CAUSES[EXIT_DENIED], EXIT_DENIED, msg)
+            die(f"{CAUSES[EXIT_DENIED]}: {msg}", EXIT_DENIED)
+        if e.errno in checkpoint.UNREACHABLE_ERRNOS + (errno.EIO,):  # (a save's write or hash): storage, not a crash
+            msg = (f"{checkpoint.os_error_line(e, _RUN_INFO.get('out_dir') or '.')}: its mount dropped, or the disk is "
+                   f"failing (dmesg)? fix the storage and resume (checkpoints are intact)")
+            write_crash_report(CAUSES[EXIT_UNREACHABLE], EXIT_UNREACHABLE, msg)
+            die(f"{CAUSES[EXIT_UNREACHABLE]}: {msg}", EXIT_UNREACHABLE)
         crashed(e)
     except KeyboardInterrupt:
         die("interrupted", 130)

@@ -921,6 +921,133 @@ def test_a_run_dir_resolved_past_a_corrupt_newest_step_says_so(tmp_path, capsys)
     assert checkpoint.resolve(str(tmp_path)) == old and "step_0000002 does not verify" in capsys.readouterr().err
 
 
+def test_a_run_dir_with_no_step_that_verifies_names_each_step_and_its_cause(tmp_path):
+    """chat.py / export.py / eval.py of a run dir whose only step fails verification said "holds no valid checkpoint
+    (no step_* dir with an intact MANIFEST.json)": no step, no cause, no fix (naming the step dir said all three)."""
+    import chat
+    import export
+    run = str(tmp_path / "run")
+    steps = [checkpoint.save(run, s_, {"w.bin": lambda p: open(p, "wb").write(b"x")}) for s_ in range(1, 6)]
+    for p in steps[:-1]:
+        shutil.rmtree(p)
+    open(os.path.join(steps[-1], "w.bin"), "wb").write(b"y")
+    for load in (checkpoint.resolve, chat.load_model, export.Source):
+        with pytest.raises((checkpoint.CheckpointError, chat.ChatError)) as e:
+            load(run)
+        msg = str(e.value)
+        assert msg.startswith(f"{run}: holds no valid checkpoint") and "\n" not in msg, msg
+        assert f"{steps[-1]}/w.bin: sha256 does not match MANIFEST.json (corrupt)" in msg, msg
+        assert "re-copy it" in msg and "another checkpoint" in msg and "use an earlier step" not in msg, msg
+    for p in steps[:-1]:  # many bad steps: the three newest are named, the rest counted
+        shutil.copytree(steps[-1], p)
+        json.dump({**json.load(open(os.path.join(p, "MANIFEST.json"))), "step": int(p[-7:])},
+                  open(os.path.join(p, "MANIFEST.json"), "w"))
+    os.remove(os.path.join(steps[0], "MANIFEST.json"))
+    msg = str(pytest.raises(checkpoint.CheckpointError, checkpoint.resolve, run).value)
+    assert all(os.path.basename(p) in msg for p in steps[2:]) and "step_0000002" not in msg, msg
+    assert "2 older step(s) do not verify either" in msg and "\n" not in msg, msg
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(checkpoint.CheckpointError, match=r"no step_\* dir in it\); pass a run dir train.py wrote"):
+        checkpoint.resolve(str(tmp_path / "empty"))
+
+
+def test_a_latest_naming_a_step_that_is_not_there_is_said(tmp_path, capsys):
+    """A mirror whose copy of the newest step failed (a full disk) holds LATEST naming that step: chat / export / eval
+    of it used the older step there without a word (as for a newest step that does not verify, said since)."""
+    old = checkpoint.save(str(tmp_path), 1, {"w.bin": lambda p: open(p, "wb").write(b"x")})
+    checkpoint.write_atomic_text(os.path.join(str(tmp_path), "LATEST"), "step_0000002\n")
+    assert checkpoint.resolve(str(tmp_path)) == old
+    err = capsys.readouterr().err
+    assert "LATEST names step_0000002, which is not there; using" in err and old in err and err.count("\n") == 1, err
+    # a save that died before LATEST's write: the newer step, no warning
+    checkpoint.save(str(tmp_path), 3, {"w.bin": lambda p: open(p, "wb").write(b"x")})
+    checkpoint.write_atomic_text(os.path.join(str(tmp_path), "LATEST"), "step_0000002\n")
+    assert checkpoint.resolve(str(tmp_path)).endswith("step_0000003") and capsys.readouterr().err == ""
+
+
+def test_a_run_dir_it_may_not_read_is_one_line(tmp_path, monkeypatch, capsys):
+    """chat.py / eval.py of a run dir they may not list (another user's, mode 700) ended in a PermissionError traceback
+    from checkpoint.resolve."""
+    import errno
+    import chat
+    import eval as ev
+    run, real = str(tmp_path / "run"), os.listdir
+    checkpoint.save(run, 1, {"w.bin": lambda p: open(p, "wb").write(b"x")})
+
+    def listdir(path="."):
+        if str(path).rstrip("/") == run:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real(path)
+    monkeypatch.setattr(os, "listdir", listdir)
+    want = f"{run}: Permission denied; fix its permissions, or pass a step_NNNNNNN dir"
+    with pytest.raises(checkpoint.CheckpointError, match=want):
+        checkpoint.resolve(run)
+    capsys.readouterr()
+    assert chat.main([run]) == 1 and capsys.readouterr().err == f"chat.py: error: {want}\n"
+    assert ev.main([run, "--tasks", "piqa", "--device", "cpu"]) == 2 and capsys.readouterr().err == f"error: {want}\n"
+
+
+def test_a_shard_unreadable_while_hashed_is_a_storage_error(data_root, monkeypatch):
+    """A shard whose sha256 read failed after its stat (a mount dropped mid-hash, a failing disk) came out of the
+    stream as an OSError: train.py exit 10, an unforeseen crash, not exit 5 (storage unreachable)."""
+    import errno
+    monkeypatch.setattr(shards, "_VERIFIED", set())  # hashed once per process: maybe by an earlier test
+    for code, kind in ((errno.ENOTCONN, "unreachable"), (errno.EIO, "io")):
+        unreadable_shards(monkeypatch, [code, "always"])
+        stream = shards.TokenStream(os.path.join(data_root, "local"))
+        with pytest.raises(shards.StorageError) as e:
+            stream.next_batch(2, 16)
+        assert e.value.kind == kind and "train_000000.bin: cannot be read" in str(e.value), str(e.value)
+
+
+def train_patched(args, patch):
+    """train.py (as __main__, so its exit codes) after the Python source `patch` ran in its process."""
+    wrapper = (f"import errno, os, runpy, sys; sys.path.insert(0, {REPO!r}); import checkpoint, shards\n{patch}\n"
+               f"sys.argv = ['train.py', *{[*TINY, *args]!r}]\nrunpy.run_path('train.py', run_name='__main__')\n")
+    return subprocess.run([sys.executable, "-c", wrapper], cwd=REPO, capture_output=True, text=True, env=ENV,
+                          timeout=300)
+
+
+def train_with_unreadable(args, match, code):
+    """train.py, every checkpoint or shard file whose path holds `match` failing its sha256 read with errno `code`."""
+    return train_patched(args, f"real = checkpoint.sha256_file\n"
+                               f"def sha(path, *a, **k):\n"
+                               f"    if {match!r} in path: raise OSError({code}, os.strerror({code}), path)\n"
+                               f"    return real(path, *a, **k)\n"
+                               f"checkpoint.sha256_file = shards.sha256_file = sha")
+
+
+def test_a_checkpoint_unreadable_while_hashed_or_a_denied_run_dir_is_a_storage_exit(data_root, tmp_path):
+    """A mount that dropped while resume hashed the newest step: the step was taken for corrupt, set aside to
+    abandoned/ and the run went back to the step before it (or, with none, "start with --init_from=scratch", exit 1);
+    a save whose hash of its own new file failed so was exit 10. Both are storage unreachable now: exit 5. A run dir
+    it may not write was exit 10 too (restarted, failing alike): storage denied, exit 4."""
+    import errno
+    out = str(tmp_path / "run")
+    common = [f"--data_root={data_root}", f"--out_dir={out}", "--warmup_iters=1", "--eval_interval=1000",
+              "--ckpt_interval=1", "--max_iters=4"]
+    r = train([*common, "--stop_after_steps=2"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train_with_unreadable([*common, "--init_from=resume"], "step_0000002", errno.ENOTCONN)
+    assert r.returncode == train_py.EXIT_UNREACHABLE, r.stderr[-3000:]
+    assert "storage unreachable:" in r.stderr and "step_0000002" in r.stderr and "Traceback" not in r.stderr
+    assert [s_ for s_, _ in checkpoint.list_checkpoints(out)] == [1, 2] and not os.path.exists(f"{out}/abandoned")
+    r = train_with_unreadable([*common, "--init_from=resume"], ".tmp-step_", errno.ENOTCONN)
+    assert r.returncode == train_py.EXIT_UNREACHABLE, r.stderr[-3000:]
+    assert "storage unreachable:" in r.stderr and ".tmp-step_0000003" in r.stderr, r.stderr[-3000:]
+    assert checkpoint.latest_valid(out).endswith("step_0000002")
+    # a run dir it may not write (another user's, a read-only mount): exit 10 and a traceback at every restart
+    r = train_patched([*common, "--init_from=resume"], "real = os.open\n"
+                      "def denied(path, *a, **k):\n"
+                      "    if str(path).endswith('.trainer.lock'):\n"
+                      "        raise PermissionError(errno.EACCES, 'Permission denied', path)\n"
+                      "    return real(path, *a, **k)\n"
+                      "os.open = denied")
+    assert r.returncode == train_py.EXIT_DENIED and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().endswith(f"storage denied: {out}/.trainer.lock: Permission denied; fix its permissions, "
+                                     f"or pass another --out_dir"), r.stderr[-3000:]
+
+
 def test_only_the_same_checkpoint_comes_back_from_the_mirror(data_root, tmp_path):
     """The mirror's newest valid step was copied back whatever it was: another run's sharing the mirror, or the old
     timeline's after a rollback the mirror missed, was resumed as this run's. Only a copy with the very manifest of
