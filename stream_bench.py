@@ -23,6 +23,7 @@ bench/vs_llamacpp.py's JSON when there is one).
 
 import itertools
 import json
+import math
 import os
 import re
 import resource
@@ -260,7 +261,9 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     t_disk = demanded_per_tok / disk_bw if disk_bw else 0.0
     guessed = eng.guess_tally[0] - tally0[0]  # picks a guess was made for (prefetch on, or auto's probe)
     lat = sorted(decode_lat)
-    pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan"))
+    # nearest rank: the smallest latency at least a q share of tokens took no longer than (int(q * n) took the one
+    # above it: of 2 tokens p50 was the slower, of 100 p99 the slowest)
+    pct = (lambda q: lat[max(0, math.ceil(q * len(lat) - 1e-9) - 1)] if lat else float("nan"))
     return {
         "container": eng.path, "container_bytes": cont.file_size, "random_weights": cont.header.get("random_weights"),
         "ram_budget": eng.budget, "kernel": eng.kernel, "experts_per_token": k, "threads": torch.get_num_threads(),
@@ -372,23 +375,30 @@ def drop_page_cache(path):
 def limited_cgroup(budget):
     """A fresh memory cgroup limited to budget bytes (page cache included, no swap): (dir, "v1"/"v2") or
     (None, None) where none can be made. Processes join by writing their pid to dir/cgroup.procs."""
+    def write(name, value):  # closed here: a write the kernel refused raised at a garbage-collected close, unheard,
+        with open(os.path.join(cg, name), "w") as f:  # and the budget ran unlimited, reported as limited
+            f.write(value)
+
     cg, ver = cgroup_memory_dir()
     if cg:
         try:
             if ver == "v2":
-                open(os.path.join(cg, "memory.max"), "w").write(str(budget))
+                write("memory.max", str(budget))
                 try:
-                    open(os.path.join(cg, "memory.swap.max"), "w").write("0")
+                    write("memory.swap.max", "0")
                 except OSError:
                     pass
             else:
-                open(os.path.join(cg, "memory.limit_in_bytes"), "w").write(str(budget))
+                write("memory.limit_in_bytes", str(budget))
                 try:  # memory + swap at the same limit: no swap (absent when the kernel does not account swap)
-                    open(os.path.join(cg, "memory.memsw.limit_in_bytes"), "w").write(str(budget))
+                    write("memory.memsw.limit_in_bytes", str(budget))
                 except OSError:
                     pass
         except OSError:
-            os.rmdir(cg)
+            try:
+                os.rmdir(cg)
+            except OSError:  # (left for remove_stale_cgroups)
+                pass
             return None, None
     return cg, ver
 
@@ -478,15 +488,21 @@ def bench_in_cgroup(args, argv):
         old = {sig: signal.signal(sig, on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}  # (a hangup left both)
         try:  # Ctrl-C: subprocess.run ends the child, then the cgroup goes too (it was left behind)
             r = subprocess.run(argv, env=env, preexec_fn=enter_cgroup)
+        except subprocess.SubprocessError:  # enter_cgroup failed: the child never ran (a traceback, the sweep ended)
+            raise S.StreamError(f"{args.container}: could not move the benchmark child into the memory cgroup {cg} "
+                                f"(writing its pid to {procs} failed); run without --ram-budget, or as root with a "
+                                f"memory controller that lets this process's cgroup have children") from None
         finally:
             cg_peak = close_cgroup(cg)
             for sig, handler in old.items():  # (after: a second signal while cleaning up is the same request)
                 signal.signal(sig, handler)
         parent_cpu_s = time.process_time() - cpu0  # this process while the child ran: ~0, or it stole the child's cores
-        if r.returncode != 0 or not os.path.exists(res_path):
+        res = json.load(open(res_path)) if r.returncode >= 0 and os.path.exists(res_path) else None
+        if res is not None and "error" in res:  # the child refused (below the resident size): its reason, not "exit 1"
+            raise S.StreamError(res["error"])
+        if r.returncode != 0 or res is None:
             why = "killed (out of memory inside the cgroup?)" if r.returncode < 0 else f"exit {r.returncode}"
             raise ChildFailed(f"{args.container}: benchmark child failed ({why}) at --ram-budget {args.ram_budget}")
-        res = json.load(open(res_path))
     res["cgroup"] = ver if cg else None
     res["parent_cpu_s"] = parent_cpu_s
     res["mem_probe_bytes"] = per_token  # the working set memory bandwidth was measured over
@@ -769,22 +785,25 @@ def plot_sweep(rows, plot, llamacpp_json, container):
 # entry points
 
 def bench_child(args, result_path):
-    """Inside the cgroup: measure the disk and memory, load, decode, measure, write the result as JSON."""
+    """Inside the cgroup: measure the disk and memory, load, decode, measure, write the result as JSON (or a
+    refusal's reason as {"error": ...}, which the parent reports: a sweep's row said only "exit 1")."""
     picked = set()
     try:  # the disk before loading: the preload's reads would leave the storage's own cache warm
         cont = C.load_container(args.container)
         disk_bw = measure_disk_bandwidth(cont, n_readers=args.readers, picked=picked)
         cont.close()
-    except C.ContainerError as e:
-        raise S.StreamError(str(e)) from None
-    torch.set_num_threads(S.compute_threads(None, args.threads))  # as decode will run
-    mem_bw = float(os.environ.get("PICAFLOR_BENCH_MEM_BW") or 0) or None  # the parent's (else run_bench measures)
-    eng = S.load(args.container, args.ram_budget, args.device, kernel=args.kernel, n_readers=args.readers,
-                 prefetch=args.prefetch, context=args.context, cache_policy=args.cache_policy,
-                 preload=False if args.no_preload else "auto")
-    torch.set_num_threads(S.compute_threads(eng, args.threads))
-    res = run_bench(eng, args.bench_prompt_tokens, args.max_new_tokens, args.experts_per_token, disk_bw=disk_bw,
-                    mem_bw=mem_bw, disk_picked=picked)
+        torch.set_num_threads(S.compute_threads(None, args.threads))  # as decode will run
+        mem_bw = float(os.environ.get("PICAFLOR_BENCH_MEM_BW") or 0) or None  # the parent's (else run_bench measures)
+        eng = S.load(args.container, args.ram_budget, args.device, kernel=args.kernel, n_readers=args.readers,
+                     prefetch=args.prefetch, context=args.context, cache_policy=args.cache_policy,
+                     preload=False if args.no_preload else "auto")
+        torch.set_num_threads(S.compute_threads(eng, args.threads))
+        res = run_bench(eng, args.bench_prompt_tokens, args.max_new_tokens, args.experts_per_token, disk_bw=disk_bw,
+                        mem_bw=mem_bw, disk_picked=picked)
+    except (S.StreamError, EC.CacheError, C.ContainerError) as e:
+        with open(result_path, "w") as f:
+            json.dump({"error": str(e)}, f)
+        return 1
     with open(result_path, "w") as f:
         json.dump(res, f)
     return 0

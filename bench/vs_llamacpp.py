@@ -202,7 +202,7 @@ def exit_reason(returncode, err, limited):
     repacked weights took a general protection fault in libggml-cpu.so on a Sapphire Rapids VM, signal 11)."""
     import signal
     if returncode > 0:
-        return f"exit {returncode}: {err.strip().splitlines()[-1:]}"
+        return f"exit {returncode}: {(err.strip().splitlines() or ['no message'])[-1]}"  # (a list's repr: "['error: ...']")
     sig = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(-returncode)
     if sig == "SIGKILL":
         return "killed (out of memory in the cgroup)" if limited else "killed (SIGKILL: the system's OOM killer?)"
@@ -234,8 +234,12 @@ def run_llama(args, budget_bytes, setting, build_dir=None):
         if build_dir:
             env["PYTHONPATH"] = os.pathsep.join([build_dir] + [p for p in [env.get("PYTHONPATH")] if p])
         try:  # (Ctrl-C, an error: the child and its cgroup go too; they were left behind)
-            p = subprocess.Popen(cmd, preexec_fn=enter, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                 env=env)
+            try:
+                p = subprocess.Popen(cmd, preexec_fn=enter, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+            except subprocess.SubprocessError:  # enter() failed: the child never ran (a traceback)
+                raise BenchError(f"could not move the llama.cpp child into the memory cgroup {cg} (writing its pid "
+                                 f"to {procs} failed); the comparison would not be under the same limit") from None
             try:
                 _, err = p.communicate(timeout=args.max_seconds * 2 + 300)
                 why = None if p.returncode == 0 else exit_reason(p.returncode, err, cg is not None)

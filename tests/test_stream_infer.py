@@ -2419,6 +2419,66 @@ def test_a_bench_budget_below_python_and_torch_is_one_line(tiny, capsys):
     assert "below the" in err and "python and torch alone" in err and len(err.strip().splitlines()) == 1
 
 
+def test_bench_latency_percentiles_are_nearest_rank(tiny):
+    """p50 / p99 token latency by nearest rank: int(q * n) took the rank above it, so of 2 decode tokens p50 was the
+    slower one (= p99), and of 100 tokens p99 was the slowest."""
+    m, path = tiny
+    eng = S.load(path, preload=False)
+    real, fake = eng.stream, {}
+
+    def stream(*a, timings=None, **k):  # the real decode, then the latencies this test names
+        yield from real(*a, timings=timings, **k)
+        timings[1:] = fake["lat"]
+    eng.stream = stream
+    for lat, p50, p99 in (([0.003, 0.001], 0.001, 0.003), ([0.001], 0.001, 0.001),
+                          ([i / 1000 for i in range(100, 0, -1)], 0.050, 0.099), ([0.1, 0.2, 0.3], 0.2, 0.3)):
+        fake["lat"] = lat
+        res = B.run_bench(eng, n_prompt=4, n_new=len(lat) + 1)
+        assert (res["p50_token_latency_s"], res["p99_token_latency_s"]) == (p50, p99), lat
+
+
+def test_bench_cgroup_limit_join_and_child_refusal_are_said(tiny, tmp_path, monkeypatch, capsys):
+    """A cgroup whose limit the kernel refused was reported as limited (the write raised at a garbage-collected close,
+    unheard); a child that could not join its cgroup was a SubprocessError traceback; a child's refusal was a row
+    saying only "exit 1", tried again every --repeat round."""
+    m, path = tiny
+    for ver, name in (("v2", "memory.max"), ("v1", "memory.limit_in_bytes")):
+        d = tmp_path / f"cg-{ver}"
+        d.mkdir()
+        (d / name).symlink_to("/dev/full")  # a write that fails when flushed (ENOSPC)
+        with monkeypatch.context() as mp:
+            mp.setattr(B, "cgroup_memory_dir", lambda: (str(d), ver))
+            assert B.limited_cgroup(1 << 30) == (None, None), ver
+    # the child's pid not written into the cgroup: one line, the cgroup still closed
+    bad = tmp_path / "cg-nojoin"
+    (bad / "cgroup.procs").mkdir(parents=True)  # opening it for writing fails in the child, before exec
+    closed = []
+    with monkeypatch.context() as mp:
+        mp.setattr(B, "limited_cgroup", lambda budget: (str(bad), "v2"))
+        mp.setattr(B, "close_cgroup", lambda cg: closed.append(cg))
+        assert S.main([path, "--bench", "--ram-budget", "3G", "--max-new-tokens", "2", "--bench-prompt-tokens", "2"]) == 1
+        err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+        assert len(err) == 1 and "could not move the benchmark child into the memory cgroup" in err[0], err
+        assert closed == [str(bad)]
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        import types
+        import vs_llamacpp as V
+        args = types.SimpleNamespace(gguf=path, threads=1, tokens=2, prompt_tokens=2, max_seconds=5, seed=0)
+        with pytest.raises(V.BenchError, match="could not move the llama.cpp child into the memory cgroup"):
+            V.run_llama(args, 1 << 30, "mmap")
+        assert closed == [str(bad)] * 2
+    assert V.exit_reason(1, "warning\nerror: llama_decode failed\n", True) == "exit 1: error: llama_decode failed"
+    assert V.exit_reason(2, "", True) == "exit 2: no message"
+    # the child refuses (here: more experts a token than the model has, found only when decode starts): its reason
+    # is the error, once, and a sweep's row holds it; the refused budget is not run again next round
+    rows = tmp_path / "s.json"
+    assert S.main([path, "--sweep", "3G", "--repeat", "2", "--experts-per-token", "99", "--max-new-tokens", "2",
+                   "--bench-prompt-tokens", "2", "--json", str(rows), "--plot", str(tmp_path / "s.png")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("--experts-per-token 99: must be in 1..16") == 1 and "exit 1" not in err, err
+    assert "--experts-per-token 99: must be in 1..16" in json.loads(rows.read_text())[0]["error"]
+
+
 def test_fallback_kernels_hand_freed_heap_back_near_the_budget(tiny, monkeypatch):
     """int4pack's repack per expert read leaves freed temporaries in glibc's heap, memory the budget never counted
     (micro at 1.5G peaked 1.55G; 1.39G with this): near the budget each expert built on the fallback kernels hands
