@@ -25,11 +25,12 @@ only valid checkpoint. An out_dir that holds checkpoints is continued only by
 resume nor retention mistakes the old timeline for the new one.
 
 Exit codes (one line on stderr each, and a crash-<ms>.json report in out_dir): 0 done / leg done / preempted
-(SIGTERM: checkpoint, then exit), 1 error (bad config, bad checkpoint, missing data), 2 bad config syntax or key,
-3 corrupt data (shard, offset, what), 4 storage denied (HTTP 401/403: credentials or billing, not data), 5 storage
-unreachable, 6 out of disk (previous checkpoint intact), 7 non-finite loss or gradient norm (the step is not applied and never
-reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread stacks in hang-*.txt), 10 an
-unforeseen error (its traceback on stderr and in the crash report; the guardian restarts on it).
+(SIGTERM: checkpoint, then exit), 1 error (bad config, bad checkpoint, missing data), 2 bad config syntax or key
+(before out_dir is read: no crash report), 3 corrupt data (shard, offset, what), 4 storage denied (HTTP 401/403: credentials or billing; a run dir it may not write), 5 storage
+unreachable (a mount that dropped; an I/O error), 6 out of disk (previous checkpoint intact), 7 non-finite loss or gradient norm (the step is not applied and never
+reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread stacks in hang-*.txt), 9 stuck
+(--supervise only: the guardian gave up, guardian.py), 10 an unforeseen error (its traceback on stderr and in the crash
+report; the guardian restarts on it).
 Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step (a resume moves rows past
 its step to metrics.abandoned.jsonl, so each step is logged once); mirror_dir copies them
 and the newest checkpoint elsewhere (keep_last applies there too; a failed copy warns, training goes on; a mirror
