@@ -66,6 +66,8 @@ def coerce(key, value, old):
 
 
 def parse_value(key, text, old):
+    if isinstance(old, bool) and text.strip() not in ("True", "False"):  # --compile=true: it said only 'not a valid Python literal'
+        raise ConfigError(f"--{key}={text}: {key} must be True or False")
     if isinstance(old, str):  # a string key takes the text as written (--out_dir=2024), or a quoted literal's string
         try:
             value = ast.literal_eval(text)
@@ -95,21 +97,36 @@ def exec_file(path, scope):
         raise ConfigError(f"{path}: raised {type(e).__name__}: {e}")
 
 
+class AssignedNames(dict):
+    """A config file's globals that note each name its top-level code assigns: `top_k = 2` over a default of 2 is
+    the same object (small ints, True, short strings), which an identity test took for untouched."""
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.assigned = set()
+
+    def __setitem__(self, key, value):
+        self.assigned.add(key)
+        super().__setitem__(key, value)
+
+
 def exec_config_file(path, g):
+    if os.path.isdir(path):
+        raise ConfigError(f"{path} is a directory; pass a config file (config/tiny.py) or --key=value overrides")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} not found; pass a file under config/ or --key=value overrides")
     before = config_keys(g)
     defaults = {k: copy.deepcopy(g[k]) for k in before}  # lr_mult["old"] = x must not edit the script's own default
-    scope = {**g, **defaults}
+    scope = AssignedNames({**g, **defaults})
     exec_file(path, scope)
     for k in config_keys(scope) - before:
         if k not in g and k != "__builtins__":
-            raise ConfigError(f"{path}: unknown config key '{k}'{closest(k, before)}")
+            raise ConfigError(f"{path}: unknown config key '{k}'{closest(k, before)} (a name only the file uses "
+                              f"itself: call it _{k})")
     set_keys = []
     for k in sorted(before):  # assigned (even to the default's value) or changed in place: both checked, both given
         if k not in scope:  # (a KeyError traceback)
             raise ConfigError(f"{path}: deletes config key '{k}' (del); a config file sets keys, it cannot remove one")
-        if scope.get(k) is not defaults[k] or scope[k] != g[k]:
+        if k in scope.assigned or scope[k] is not defaults[k] or scope[k] != g[k]:
             try:
                 g[k] = coerce(k, scope[k], g[k])
             except ConfigError as e:

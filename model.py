@@ -934,9 +934,10 @@ if __name__ == "__main__":
     typos = [f"{k} (did you mean {m[0]}?)" for k in others for m in [difflib.get_close_matches(k, names, 1, 0.8)] if m]
     if typos:  # n_layers = 4 printed the default's 24 layers
         sys.exit(f"model.py: error: {args.config}: not model fields: {', '.join(typos)}")
-    try:
-        cfg = ModelConfig.from_dict({k: g[k] for k in names if k in g})
-    except (ValueError, TypeError) as e:
+    try:  # each field of its default's type (n_layer = 4.5 was a traceback)
+        cfg = ModelConfig.from_dict({f.name: configurator.coerce(f.name, g[f.name], f.default)
+                                     for f in fields(ModelConfig) if f.name in g})
+    except (ValueError, TypeError, configurator.ConfigError) as e:
         sys.exit(f"model.py: error: {args.config or 'the defaults'}: {e}")
     m = meta_model(cfg)
     print(f"total params {m.num_params() / 1e9:.3f}B, active per token {m.active_params() / 1e9:.3f}B "

@@ -685,8 +685,9 @@ def config_from_checkpoint(ck):
         cfg = None
     if not isinstance(cfg, dict) or not cfg:
         raise RelayError(f"{ck}/state.json has no \"config\"; pass the train.py CONFIG it was trained with")
+    unread = schedule.unused_with_stages(cfg)  # beside stages, train.py refuses them: every leg of an SFT run exited 1
     return "# from the checkpoint's state.json\n" + "".join(
-        f"{k} = {v!r}\n" for k, v in sorted(cfg.items()) if k not in INVOCATION_KEYS)
+        f"{k} = {v!r}\n" for k, v in sorted(cfg.items()) if k not in INVOCATION_KEYS and k not in unread)
 
 
 def config_values(text):

@@ -265,6 +265,16 @@ def rows_per_stream(mix, rows, micro_index):
 PLAN_SOURCE_KEYS = ("max_iters", "warmup_iters", "decay_frac", "dataset")  # what a plan without stages is built from
 
 
+def unused_with_stages(cfg):
+    """The plan keys a config's stages leave unread: max_iters and warmup_iters, and decay_frac unless it sizes an
+    on-demand decay (no decay stage, no decay_tokens)."""
+    if not cfg.get("stages"):  # (.get: relay reads it from a checkpoint's stored config)
+        return ()
+    if cfg.get("decay_tokens") or any(isinstance(s, dict) and s.get("lr_phase") == "decay" for s in cfg["stages"]):
+        return "max_iters", "warmup_iters", "decay_frac"
+    return "max_iters", "warmup_iters"
+
+
 def stored_plan_differs(state, cfg):
     """Whether the config builds another plan than the stored one from the same stages: other lengths without stages,
     another --dataset for stages without a mix (checkpoints before the dataset was recorded: not compared)."""

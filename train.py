@@ -53,7 +53,8 @@ from checkpoint import DISK_ERRNOS  # a write refused for lack of space
 import rundir
 from rundir import RunDirError, RunLocked, hold_run_lock, mirror, prepare_run_dir, retain
 from schedule import (PLAN_SOURCE_KEYS, PlanError, align_plan, build_plan, decay_now, is_on_demand, keep_on_demand_decay,
-                      lr_at, on_demand_decay_tokens, plan_tokens, rows_per_stream, stage_at, stored_plan_differs)
+                      lr_at, on_demand_decay_tokens, plan_tokens, rows_per_stream, stage_at, stored_plan_differs,
+                      unused_with_stages)
 
 # -----------------------------------------------------------------------------------------------------------
 # config (globals; config files and --key=value override them)
@@ -536,8 +537,8 @@ def main(argv):
         return print_status(run_dir)
     given = configurator.configure_or_exit(g, rest, "train.py")
     stages_at = max((i for i, (k, _) in enumerate(given) if k == "stages"), default=-1)
-    ignored = [(k, src) for i, (k, src) in enumerate(given) if k in ("max_iters", "warmup_iters", "decay_frac")
-               and g["stages"] and (src is None or i > stages_at or src == given[stages_at][1])]
+    ignored = [(k, src) for i, (k, src) in enumerate(given) if k in unused_with_stages(g)
+               and (src is None or i > stages_at or src == given[stages_at][1])]
     if ignored:  # the stages make the plan: these would silently do nothing (set before the stages' file, overridden)
         k, src = ignored[0]
         die(f"{'--' + k if src is None else f'{k} (in {src})'} has no effect when the config sets stages; change the "

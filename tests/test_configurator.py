@@ -31,6 +31,7 @@ def test_overrides_keep_types():
     ("--learning_rate=fast", ["learning_rate", "not a valid Python literal"]),
     ("--batch_sise=8", ["unknown config key 'batch_sise'", "did you mean 'batch_size'"]),
     ("--batch_size", ["--key=value"]),
+    ("--compile=true", ["compile must be True or False"]),  # said only 'not a valid Python literal'
 ])
 def test_bad_overrides(arg, words):
     with pytest.raises(ConfigError) as e:
@@ -55,6 +56,7 @@ def test_config_file(tmp_path):
     ("batch_size = 'big'\n", ["batch_size must be an int"]),
     ("x = 1 / 0\n", ["c.py", "ZeroDivisionError"]),
     ("del batch_size\n", ["c.py", "deletes config key 'batch_size'"]),  # was a KeyError traceback
+    ("steps_per_stage = 3\n", ["unknown config key 'steps_per_stage'", "call it _steps_per_stage"]),  # a helper
 ])
 def test_bad_config_file(tmp_path, body, words):
     f = tmp_path / "c.py"
@@ -65,9 +67,19 @@ def test_bad_config_file(tmp_path, body, words):
         assert w in str(e.value)
 
 
-def test_missing_config_file():
+def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         configure(fresh(), ["config/nope.py"])
+    with pytest.raises(ConfigError, match="is a directory; pass a config file"):  # it said 'not found'
+        configure(fresh(), [str(tmp_path)])
+
+
+def test_a_config_file_setting_the_value_already_there_says_so(tmp_path):
+    """An assignment was noticed by identity, so `compile = False` over a default of False (small ints, True/False,
+    short strings are shared objects) was not counted as set: train.py's checks of what a file sets skipped it."""
+    f = tmp_path / "c.py"
+    f.write_text("batch_size = 16\ncompile = False\ndevice = 'cuda'\nlearning_rate = 3e-4\nstages = []\n")
+    assert [k for k, _ in configure(fresh(), [str(f)])] == ["batch_size", "compile", "device", "learning_rate", "stages"]
 
 
 def test_configure_or_exit_is_one_line(tmp_path):

@@ -588,8 +588,10 @@ def test_model_cli_and_config_checks(tmp_path):
     typo, bad = tmp_path / "typo.py", tmp_path / "bad.py"
     typo.write_text("n_layers = 4\nd_model = 128\nout_dir = 'out/x'\n")
     bad.write_text("n_head = 5\n")
+    float_layers = tmp_path / "float.py"  # a field of another type was a TypeError traceback (or a compare's)
+    float_layers.write_text("n_layer = 4.5\n")
     for path, words in [(typo, "n_layers (did you mean n_layer?)"), (tmp_path / "nope.py", "No such file"),
-                        (bad, "not divisible by n_head=5")]:
+                        (bad, "not divisible by n_head=5"), (float_layers, "n_layer must be an int")]:
         r = subprocess.run([sys.executable, os.path.join(repo, "model.py"), str(path)], capture_output=True, text=True)
         assert r.returncode != 0 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 

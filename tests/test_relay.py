@@ -1038,6 +1038,30 @@ def local_corpus(tmp_path_factory):
     return root
 
 
+def test_init_from_an_sft_checkpoint_trains_its_legs(tmp_path, rl, local_corpus, monkeypatch):
+    """config/sft.py's relay recipe: its step-0 checkpoint, then `init --from-checkpoint`. The config.py made from
+    the checkpoint set max_iters, warmup_iters and decay_frac beside the stages, which train.py refuses: every leg
+    exited 1."""
+    import torch
+    from model import ModelConfig, Picaflor, save_checkpoint
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("RELAY_WHO", "tester")
+    torch.manual_seed(0)
+    save_checkpoint(Picaflor(ModelConfig(vocab_size=320, n_layer=3, n_dense_layers=1, d_model=32, n_head=4, n_kv_head=1,
+                                         dense_ffn=64, n_experts=8, expert_ffn=16, n_shared=1, max_seq_len=64)),
+                    str(tmp_path / "src"), 10)
+    sft = tmp_path / "sft"
+    t = subprocess.run([sys.executable, "train.py", "config/sft.py", *TINY_RELAY, f"--data_root={local_corpus}",
+                        "--dataset=local", f"--finetune_from={tmp_path / 'src'}", f"--out_dir={sft}",
+                        "--stop_after_steps=0"], cwd=ROOT, capture_output=True, text=True)
+    assert t.returncode == 0, t.stderr
+    url = f"file://{tmp_path}/store"
+    assert rl(["init", url, "--from-checkpoint", sft, "--workdir", tmp_path / "w0"]).returncode == 0
+    r = rl(["run", url, "--steps", "1", "--workdir", tmp_path / "wa"])
+    assert r.returncode == 0, r.stderr
+    assert relay.Snapshot(relay.open_store(url)).state["step"] == 1
+
+
 @pytest.mark.parametrize("mode", ["grow", "finetune"])
 def test_init_grows_or_finetunes_the_configs_source(mode, tmp_path, rl, local_corpus, monkeypatch):
     """`relay init` with config/grow.py or config/sft.py: the run's first checkpoint is the grown / fine-tuned source

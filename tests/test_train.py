@@ -460,6 +460,20 @@ def test_start_decay_on_demand(data_root, tmp_path):
     assert st["plan"][-1]["name"] == "decay-on-demand" and st["decay_started_at_tokens"] == 3 * 128
 
 
+def test_decay_frac_sizes_an_on_demand_decay_of_stages_without_one(data_root, tmp_path):
+    """With stages, --decay_frac was refused as having no effect; a plan with no decay stage (and no decay_tokens)
+    sizes its on-demand decay by it."""
+    out = str(tmp_path / "run")
+    plan = tmp_path / "plan.py"
+    plan.write_text("stages = [dict(name='warm', steps=2, lr_phase='warmup'), dict(name='main', steps=6)]\n")
+    base = TINY + [str(plan), f"--data_root={data_root}", f"--out_dir={out}", "--decay_frac=0.5", "--eval_interval=1000"]
+    run(base + ["--stop_after_steps=2"])
+    json.dump({"start_decay": True}, open(os.path.join(out, "control.json"), "w"))
+    run(base + ["--init_from=resume"])
+    st = json.load(open(os.path.join(out, open(os.path.join(out, "LATEST")).read().strip(), "state.json")))
+    assert st["finished"] and st["plan"][-1]["name"] == "decay-on-demand" and st["plan"][-1]["tokens"] == 8 * 128 // 2
+
+
 def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr():
     plan = [dict(name=n, mix={"a": 1.0}, tokens=t, seq_len=8, lr_phase=p)
             for n, t, p in (("w", 10, "warmup"), ("s", 70, "stable"), ("d", 20, "decay"))]
@@ -574,7 +588,8 @@ def test_a_replan_keeps_every_stage_of_a_started_on_demand_decay(data_root, tmp_
                                   "zero_batch_size", "zero_grad_accum", "seq_len_over_max", "lr_mult_typo", "cuda_index",
                                   "float16", "max_iters_with_stages", "zero_heads", "shard_list", "swapped_tokenizer",
                                   "beta_out_of_range", "negative_warmup", "empty_out_dir", "negative_rope_theta",
-                                  "init_from_typo", "max_iters_in_the_stages_file", "file_edits_a_default_in_place",
+                                  "init_from_typo", "max_iters_in_the_stages_file", "warmup_iters_as_before_in_the_stages_file",
+                                  "file_edits_a_default_in_place",
                                   "resume_a_step_without_state", "quarantine_typo", "finetune_from_unread",
                                   "grow_from_unread", "resume_another_runs_step", "finetune_from_stateless"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case):
@@ -643,6 +658,10 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         stage_file = tmp_path / "stages.py"
         stage_file.write_text("stages = [dict(name='all', steps=4, lr_phase='stable')]\nmax_iters = 500\n")
         args = TINY + [str(stage_file), f"--data_root={data_root}", f"--out_dir={out}"]
+    elif case == "warmup_iters_as_before_in_the_stages_file":  # tiny.py's 30 again: the same int object, unseen
+        stage_file = tmp_path / "stages.py"
+        stage_file.write_text("stages = [dict(name='all', steps=4, lr_phase='stable')]\nwarmup_iters = 30\n")
+        args = TINY + [str(stage_file), f"--data_root={data_root}", f"--out_dir={out}"]
     elif case == "file_edits_a_default_in_place":  # edited train.py's own dict, unchecked: a TypeError, exit 10
         edit = tmp_path / "edit.py"
         edit.write_text("lr_mult['old'] = 'fast'\n")
@@ -686,7 +705,8 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
            "swapped_tokenizer": "differs from index.json's", "beta_out_of_range": "[0, 1)",
            "negative_warmup": "warmup_iters=-5: must be >= 0", "empty_out_dir": "--out_dir is empty",
            "negative_rope_theta": "rope_theta=-10000.0 must be", "init_from_typo": "scratch, resume, grow or finetune",
-           "max_iters_in_the_stages_file": "max_iters (in ", "resume_a_step_without_state": "holds no training state.json", "file_edits_a_default_in_place": "lr_mult['old'] must be"}
+           "max_iters_in_the_stages_file": "max_iters (in ",
+           "warmup_iters_as_before_in_the_stages_file": "warmup_iters (in ", "resume_a_step_without_state": "holds no training state.json", "file_edits_a_default_in_place": "lr_mult['old'] must be"}
     assert fix.get(case, "") in err[0], err[0]
     if case == "resume_another_runs_step":
         assert sorted(n for n in os.listdir(out) if n.startswith("step_")) == before  # nothing set aside
