@@ -15,6 +15,15 @@ def decay_length(decay_frac, n):
     return int(decay_frac * n + 1e-9)
 
 
+def no_decay_note(cfg):
+    """A one-line note when decay_frac x max_iters rounds to no decay step (a short run: silently never decayed), or
+    None."""
+    if cfg["stages"] or cfg["decay_frac"] <= 0 or decay_length(cfg["decay_frac"], cfg["max_iters"]) > 0:
+        return None
+    return (f"note: decay_frac={cfg['decay_frac']} x max_iters={cfg['max_iters']} rounds to no decay step: the LR "
+            f"never decays to min_lr; raise --max_iters (at least {math.ceil(1 / cfg['decay_frac'] - 1e-9)}) for one")
+
+
 def build_plan(cfg, tokens_per_step, refuse_short=True):
     """Normalise the config's stages into [{name, mix, tokens, seq_len, lr_phase}] with token lengths. A stage given
     in tokens is rounded to whole steps of its seq_len: a step trains its first stage's mix for all its tokens, so a
@@ -125,8 +134,8 @@ def lr_at(plan, tokens_seen, lr, lr_min, step_tokens=0):
     reach lr_min on its last (counted from the step's start, the last decay step ran above lr_min: 3.2e-4 for tiny's
     3e-4, and an 8-step on-demand decay ended at 4.7e-4)."""
     i, s, _ = stage_at(plan, tokens_seen)
-    if s is None:
-        return lr_min
+    if s is None:  # past the end: where the last stage left it (a plan with no decay never reached lr_min)
+        return lr_min if plan and plan[-1]["lr_phase"] == "decay" else lr
     if s["lr_phase"] in ("warmup", "decay"):  # over its run of stages: a decay split in two went back up to the peak
         lo, hi = phase_span(plan, i)
         start, end = plan_tokens(plan[:lo]), plan_tokens(plan[:hi + 1])

@@ -296,6 +296,16 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
 _CGROUP_SERIAL = itertools.count(1)
 
 
+def signal_reason(signum, limited):
+    """Why a child a signal ended died: SIGKILL is the OOM killer's only where a memory cgroup limited it (any signal
+    was said to be "out of memory inside the cgroup?", with no cgroup made or for a SIGSEGV)."""
+    import signal
+    sig = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+    if sig == "SIGKILL":
+        return "killed (out of memory in the cgroup)" if limited else "killed (SIGKILL; no memory limit was set)"
+    return f"crashed ({sig})"
+
+
 class ChildFailed(S.StreamError):
     """The measuring child died (an OOM kill, say): unlike a refusal, the next try may not."""
 
@@ -501,7 +511,7 @@ def bench_in_cgroup(args, argv):
         if res is not None and "error" in res:  # the child refused (below the resident size): its reason, not "exit 1"
             raise S.StreamError(res["error"])
         if r.returncode != 0 or res is None:
-            why = "killed (out of memory inside the cgroup?)" if r.returncode < 0 else f"exit {r.returncode}"
+            why = signal_reason(-r.returncode, cg is not None) if r.returncode < 0 else f"exit {r.returncode}"
             raise ChildFailed(f"{args.container}: benchmark child failed ({why}) at --ram-budget {args.ram_budget}")
     res["cgroup"] = ver if cg else None
     res["parent_cpu_s"] = parent_cpu_s

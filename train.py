@@ -53,7 +53,7 @@ from checkpoint import DISK_ERRNOS  # a write refused for lack of space
 import rundir
 from rundir import RunDirError, RunLocked, hold_run_lock, mirror, prepare_run_dir, retain
 from schedule import (PLAN_SOURCE_KEYS, PlanError, align_plan, build_plan, decay_now, is_on_demand, keep_on_demand_decay,
-                      lr_at, on_demand_decay_tokens, plan_tokens, rows_per_stream, stage_at, stored_plan_differs,
+                      lr_at, no_decay_note, on_demand_decay_tokens, plan_tokens, rows_per_stream, stage_at, stored_plan_differs,
                       unused_with_stages)
 
 # -----------------------------------------------------------------------------------------------------------
@@ -524,6 +524,9 @@ def main(argv):
     import checkpoint
 
     g = {k: globals()[k] for k in _CONFIG_KEYS}
+    if any(a in ("-h", "--help") for a in argv) and any(a.startswith("--status") for a in argv):
+        print("usage: python train.py --status RUN_DIR   (the plan against progress, the LR, time and cost left)")
+        return  # (--status is no config key: the config help below refused it)
     if any(a in ("-h", "--help") for a in argv):  # with the config files and overrides given applied (their values)
         applied = split_flags([a for a in argv if a not in ("-h", "--help")])[1]
         configurator.configure_or_exit(g, applied, "train.py")
@@ -734,6 +737,8 @@ def main(argv):
         plan = build_plan(cfg, tokens_per_step, refuse_short=state is None or flags["--replan"])
     except PlanError as e:
         raise TrainError(str(e)) from None
+    if no_decay_note(cfg) and state is None:  # (a resume keeps its stored plan: said at its start)
+        log(no_decay_note(cfg))
     if state is not None:
         stored = state["plan"]
         if state.get("config_stages") != cfg["stages"] or stored_plan_differs(state, cfg):

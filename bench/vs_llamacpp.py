@@ -189,9 +189,11 @@ def peak_rss():
 # parent side
 
 def short_error(why):
-    """A table cell: 'killed (OOM)', 'SIGSEGV', or the first 12 characters."""
-    if why.startswith("killed ("):
+    """A table cell: 'killed (OOM)' (in a memory cgroup), 'SIGKILL', 'SIGSEGV', or the first 12 characters."""
+    if why.startswith("killed (out of memory"):
         return "killed (OOM)"
+    if why.startswith("killed (SIGKILL"):  # no memory limit: not known to be memory
+        return "SIGKILL"
     if why.startswith("crashed ("):
         return why[len("crashed ("):-1]
     return why[:12]
@@ -200,13 +202,10 @@ def short_error(why):
 def exit_reason(returncode, err, limited):
     """Why a child ended: SIGKILL inside a memory cgroup is its OOM killer; any other signal is a crash (llama.cpp's
     repacked weights took a general protection fault in libggml-cpu.so on a Sapphire Rapids VM, signal 11)."""
-    import signal
+    import stream_bench
     if returncode > 0:
         return f"exit {returncode}: {(err.strip().splitlines() or ['no message'])[-1]}"  # (a list's repr: "['error: ...']")
-    sig = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(-returncode)
-    if sig == "SIGKILL":
-        return "killed (out of memory in the cgroup)" if limited else "killed (SIGKILL: the system's OOM killer?)"
-    return f"crashed ({sig})"
+    return stream_bench.signal_reason(-returncode, limited)
 
 
 def run_llama(args, budget_bytes, setting, build_dir=None):

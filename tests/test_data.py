@@ -766,6 +766,29 @@ def test_a_ctrl_c_during_install_waits_for_the_swap(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_ctrl_c_during_prepare_is_one_line_and_exit_130(tmp_path):
+    """A Ctrl-C while data/local/prepare.py built its shards printed a Python traceback; now one line, exit 130, the
+    old corpus and no staging dir left."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        (src / f"{i}.txt").write_text(f"alpha beta gamma {i}\n" * 20)
+    out = tmp_path / "c"
+    argv = ["data/local/prepare.py", "--src", str(src), "--out", str(out), "--vocab-size", "300"]
+    _run(argv)
+    before = (out / "index.json").read_text()
+    # a real SIGINT to the process while the shards are being written (in the staging dir)
+    code = ("import os, runpy, signal, sys; sys.path.insert(0, '.'); import shards\n"
+            "def ctrl_c(*a, **k): os.kill(os.getpid(), signal.SIGINT)\n"
+            "shards.ShardWriter = ctrl_c\n"
+            f"sys.argv = {argv!r}\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    r = _run(["-c", code], check=False)
+    assert r.returncode == 130 and r.stderr.strip() == "interrupted; the corpus in --out is as it was", r.stderr[-2000:]
+    assert (out / "index.json").read_text() == before and shards.verify_corpus(out) == []
+    assert not [n for n in os.listdir(out) if n.startswith(".staging-")]
+
+
 def _chats(path, n=40):
     path.write_text("".join(json.dumps([{"role": "user", "content": f"ping {i}"},
                                         {"role": "assistant", "content": f"pong {i}"}]) + "\n" for i in range(n)))

@@ -491,6 +491,19 @@ def test_decay_on_demand_during_or_after_the_decay_never_returns_to_the_peak_lr(
     assert 3e-4 < schedule.lr_at(early, 36, 3e-3, 3e-4, step_tokens=2) < schedule.lr_at(early, 10, 3e-3, 3e-4, 2) < 3e-3
 
 
+def test_a_run_too_short_for_a_decay_step_says_so_and_ends_at_its_lr():
+    """config/tiny.py --max_iters=4 --warmup_iters=0: 0.2 x 4 rounds to no decay step, silently, and --status then
+    said "lr now" min_lr for a run that never decayed (past the plan's end lr_at was min_lr whatever the plan)."""
+    cfg = dict(stages=None, max_iters=4, warmup_iters=0, decay_frac=0.2, seq_len=8, dataset="a")
+    plan = schedule.build_plan(cfg, lambda T: T)
+    assert [s["lr_phase"] for s in plan] == ["stable"]
+    assert "no decay step" in schedule.no_decay_note(cfg) and "at least 5" in schedule.no_decay_note(cfg)
+    assert schedule.no_decay_note({**cfg, "max_iters": 5}) is None and schedule.no_decay_note({**cfg, "decay_frac": 0}) is None
+    assert schedule.lr_at(plan, 32, 3e-3, 3e-4) == 3e-3  # finished: where the stable stage left it
+    decayed = schedule.build_plan({**cfg, "max_iters": 5}, lambda T: T)
+    assert schedule.lr_at(decayed, 40, 3e-3, 3e-4) == 3e-4
+
+
 def test_a_warmup_or_decay_split_over_stages_is_one_ramp():
     """A decay split into two stages (another mix or seq_len for its end) went back up to the peak LR at the second
     (1e-4 -> 4.8e-4 mid-decay, then down to min_lr again); a split warmup dropped from the peak to lr/n; and an
@@ -993,6 +1006,13 @@ def test_help_shows_the_values_of_the_config_files_given_beside_it():
     assert "config/tiny.py --batch_size=3 applied" in tiny
     r = run(["--help", "--nope=1"], check=False)
     assert r.returncode == 2 and "unknown config key 'nope'" in r.stderr
+
+
+def test_status_help_prints_its_usage(capsys):
+    """`train.py --status --help` was "error: --status: overrides are written --key=value" (exit 2): the config
+    help read --status as an override."""
+    train.main(["--status", "--help"])
+    assert "usage: python train.py --status RUN_DIR" in capsys.readouterr().out
 
 
 def test_retention_and_the_mirror_after_kills(tmp_path):

@@ -189,4 +189,8 @@ def build(args, revision, files, stage, t0):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # (a traceback): shards.staging has removed the half-built corpus
+        print("interrupted; the corpus in --out is as it was", file=sys.stderr)
+        sys.exit(130)

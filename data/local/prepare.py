@@ -167,4 +167,8 @@ def build(args, docs, exts, total_bytes, stage, t0):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # (a traceback): shards.staging has removed the half-built corpus
+        print("interrupted; the corpus in --out is as it was", file=sys.stderr)
+        sys.exit(130)

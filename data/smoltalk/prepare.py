@@ -360,4 +360,8 @@ def report_build(args, stats, splits, t0):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # (a traceback): shards.staging has removed the half-built corpus
+        print("interrupted; the corpus in --out is as it was", file=sys.stderr)
+        sys.exit(130)
