@@ -148,11 +148,8 @@ def test_torchrun_two_processes_gloo(data_root, tmp_path):
                        capture_output=True, text=True, env=lag, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.load(open(os.path.join(out, "step_0000002", "state.json")))["kind"] == "temporary"  # time-based
-    r = subprocess.run(base + ["--init_from=resume"], cwd=REPO, capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    st = json.load(open(os.path.join(out, "step_0000006", "state.json")))
-    assert st["finished"] and st["tokens"] == 6 * 2 * 4 * 32  # two ranks' rows per step
-    assert st["data_position"]["local"]["offset"] == st["tokens"]
+    st = json.load(open(os.path.join(out, "step_0000002", "state.json")))  # (a DDP resume: the stage-boundary test)
+    assert st["tokens"] == 2 * 2 * 4 * 32 and st["data_position"]["local"]["offset"] == st["tokens"]  # both ranks' rows
     # rank 0 alone picks the checkpoint or the grow source (a source still training could hand ranks different
     # steps); when it cannot, every rank stops with its message (none waits in a collective). A resume source and a
     # grow source reach the other ranks through the same broadcast: the grow one stands for both here
