@@ -160,17 +160,19 @@ def list_checkpoints(out_dir):
     return sorted(out)
 
 
-def latest_valid(out_dir):
-    """Path of the newest checkpoint in out_dir that verifies, or None. Corrupt newer ones are skipped; one whose mount
-    dropped mid-read raises CheckpointUnreachable (taken for corrupt, resume set it aside and trained an older step)."""
-    for _, path in reversed(list_checkpoints(out_dir)):
+def latest_valid(out_dir, steps=None, whys=None):
+    """Path of the newest checkpoint in out_dir (or of steps, list_checkpoints' list) that verifies, or None. Corrupt
+    newer ones are skipped, each one's error appended to whys when given; one whose mount dropped mid-read raises
+    CheckpointUnreachable (taken for corrupt, resume set it aside and trained an older step)."""
+    for _, path in reversed(list_checkpoints(out_dir) if steps is None else steps):
         try:
             verify(path)
             return path
         except CheckpointUnreachable:
             raise
-        except CheckpointError:
-            continue
+        except CheckpointError as e:
+            if whys is not None:
+                whys.append(str(e).removesuffix("; use an earlier step_* dir"))
     return None
 
 
@@ -208,16 +210,8 @@ def resolve(path):
                           f"verifies (a save died before updating LATEST); using it", file=sys.stderr)
                     return p
             return named
-    cand, whys = None, []  # (latest_valid, keeping why each newer step failed: the error named no step, no cause)
-    for _, p in reversed(steps):
-        try:
-            verify(p)
-            cand = p
-            break
-        except CheckpointUnreachable:
-            raise
-        except CheckpointError as e:
-            whys.append(str(e).removesuffix("; use an earlier step_* dir"))
+    whys = []  # why each newer step failed (the error named no step, no cause)
+    cand = latest_valid(path, steps, whys)
     if cand is None:
         if not steps:
             raise CheckpointError(f"{path}: holds no valid checkpoint (no step_* dir in it); pass a run dir train.py "

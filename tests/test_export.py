@@ -410,19 +410,19 @@ def test_weights_not_matching_config_is_one_line_error(tmp_path):
     from safetensors.torch import save_file
     m = M.Picaflor(M.ModelConfig(**CFG))
     sd = {k: v for k, v in m.state_dict().items() if not k.endswith("load_accum")}
+    def saved(name, cfg):  # a step-1 checkpoint of sd under model_config cfg
+        return checkpoint.save(str(tmp_path / name), 1, {
+            "model.safetensors": lambda p: save_file(sd, p),
+            "state.json": lambda p: open(p, "w").write(json.dumps({"step": 1, "model_config": cfg}))})
     # a config that lacks keys (CFG names no rope_theta / norm_eps): their defaults were exported as the model's
-    path = checkpoint.save(str(tmp_path / "partial"), 1, {
-        "model.safetensors": lambda p: save_file(sd, p),
-        "state.json": lambda p: open(p, "w").write(json.dumps({"step": 1, "model_config": CFG}))})
+    path = saved("partial", CFG)
     with pytest.raises(SystemExit) as e:
         run_export([path, "--format", "hf", "--out", str(tmp_path / "hf")])
     msg = str(e.value.code)
     assert "state.json" in msg and "lacks keys" in msg and "rope_theta" in msg and "\n" not in msg, msg
     assert not os.path.exists(tmp_path / "hf")
     del sd["layers.2.mlp.experts.down_proj"]  # a file that lost a tensor but has an intact manifest
-    path = checkpoint.save(str(tmp_path / "run"), 1, {
-        "model.safetensors": lambda p: save_file(sd, p),
-        "state.json": lambda p: open(p, "w").write(json.dumps({"step": 1, "model_config": FULL_CFG}))})
+    path = saved("run", FULL_CFG)
     with pytest.raises(SystemExit) as e:
         run_export([path, "--format", "gguf", "--out", str(tmp_path / "o.gguf")])
     msg = str(e.value.code)
