@@ -254,11 +254,13 @@ class ShardWriter:
 
 
 @contextlib.contextmanager
-def staging(out_dir, made_by=None):
+def staging(out_dir, made_by=None, resumable=False):
     """A prepare run builds its tokenizer and shards in OUT/.staging-PID, and install_corpus swaps them in at the
     end: a run that fails (no train split left, a bad --column, a full disk, Ctrl-C) leaves the corpus it found as it
     was (the old corpus used to be deleted first, and hours of tokenizing with it). made_by: the prepare script; a
-    corpus in OUT that another one made is refused (a mistyped --out silently replaced hours of FineWeb shards)."""
+    corpus in OUT that another one made is refused (a mistyped --out silently replaced hours of FineWeb shards).
+    resumable: the stage is OUT/.staging, kept when the run fails (but for a ValueError) so the next one resumes it
+    (resume_journal)."""
     import fcntl
     import shutil
     os.makedirs(out_dir, exist_ok=True)
@@ -281,12 +283,18 @@ def staging(out_dir, made_by=None):
         for name in os.listdir(out_dir):  # a killed run's (the lock says no other run is alive)
             if name.startswith(".staging-"):
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-        stage = os.path.join(out_dir, f".staging-{os.getpid()}")
-        os.makedirs(stage)
+        stage = os.path.join(out_dir, ".staging" if resumable else f".staging-{os.getpid()}")
+        os.makedirs(stage, exist_ok=resumable)
+        keep = resumable
         try:
             yield stage
+            keep = False
+        except ValueError:  # wrong arguments (no train split left): a re-run with them fails alike, nothing to resume
+            keep = False
+            raise
         finally:
-            shutil.rmtree(stage, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(stage, ignore_errors=True)
     finally:
         lock.close()
 
@@ -308,8 +316,63 @@ def install_corpus(out_dir, stage, index):
     write_index(stage, index)
     with signals_held():  # a Ctrl-C between the deletions and the last rename: the old corpus gone, the new one too
         remove_old_shards(out_dir)
-        for name in sorted(os.listdir(stage), key=lambda n: n == "index.json"):
+        for name in sorted((n for n in os.listdir(stage) if n != RESUME_JOURNAL), key=lambda n: n == "index.json"):
             os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+
+
+RESUME_JOURNAL = "resume.json"  # in a resumable stage: how far its build got (never installed with the corpus)
+
+
+def save_journal(stage, journal):
+    """Record a resumable build's progress, atomically; the shards it lists were fsync'd before (write_shard)."""
+    _atomic_write(os.path.join(stage, RESUME_JOURNAL), (json.dumps(journal) + "\n").encode())
+
+
+def resume_journal(stage, key, fresh=False, fields=()):
+    """The journal a killed run left in a resumable stage, if its build can go on: (journal, None), with the stage
+    pruned to the files it lists; else (None, a one-line note or None when there was nothing to resume), with the
+    stage emptied. key: {flag: value} of the arguments that determine the corpus; another key, a torn journal, or a
+    listed shard or tokenizer gone or changed is a fresh start (never a silently wrong corpus). fields: the other keys
+    the caller's journal must hold."""
+    import shutil
+    from tokenizer import Tokenizer
+    path = os.path.join(stage, RESUME_JOURNAL)
+    journal, note = None, None
+    if fresh and os.listdir(stage):
+        note = f"--fresh: discarding the interrupted run in {stage}"
+    elif os.path.exists(path):
+        try:
+            with open(path) as f:
+                journal = json.load(f)
+            old, missing = journal["key"], [k for k in ("tokenizer", "tokenizer_sha256", "splits", *fields)
+                                              if k not in journal]
+            if missing:  # (another version of the script wrote it)
+                raise ValueError(f"no {', '.join(missing)}")
+            differ = [k for k in key if old.get(k) != key[k]] + [k for k in old if k not in key]
+            if differ:
+                journal, note = None, (f"{stage} holds an interrupted run with other arguments ({', '.join(differ)} "
+                                       f"changed): discarded, starting over")
+            elif Tokenizer.load(os.path.join(stage, journal["tokenizer"])).hash != journal["tokenizer_sha256"]:
+                journal, note = None, f"{stage}/{journal['tokenizer']}: not the tokenizer its journal lists; starting over"
+            for e in (e for es in (journal or {"splits": {}})["splits"].values() for e in es):
+                shard = os.path.join(stage, e["file"])
+                st = _stat(shard)
+                why = ("missing" if st is None else f"{st.st_size} bytes, not {2 * e['tokens']}"
+                       if st.st_size != 2 * e["tokens"] else "sha256 differs" if sha256_file(shard) != e["sha256"]
+                       else None)
+                if why:
+                    journal, note = None, f"{shard}: {why} (its journal lists it); starting over"
+                    break
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            msg = (str(e).splitlines() or [type(e).__name__])[0]
+            journal, note = None, f"{path}: its journal or tokenizer is torn or corrupt ({msg}); starting over"
+    keep = {RESUME_JOURNAL, journal["tokenizer"]} | {e["file"] for es in journal["splits"].values() for e in es} \
+        if journal else set()
+    for name in os.listdir(stage):  # a killed write's temp file, a shard after the journal's last: written again
+        if name not in keep:
+            p = os.path.join(stage, name)
+            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+    return journal, note
 
 
 @contextlib.contextmanager

@@ -635,6 +635,76 @@ def test_fineweb_prepare_from_fake_hub(tok, tmp_path):
                 shards.parquet_texts(cached[0], "text")
 
 
+def test_fineweb_prepare_resumes_a_killed_run_to_the_same_bytes(tmp_path):
+    """A killed FineWeb prepare (hours of tokenizing: Ctrl-C, a machine gone, a full disk) lost everything: its staging
+    folder was deleted and the next run started over. Re-run with the same arguments it now resumes from its journal
+    (tokenizer, shards, parquet row) to the same bytes; other arguments or a torn journal start over, with a note."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from hub_server import FakeHub
+
+    _write_parquets(tmp_path / "hub" / "datasets" / "HuggingFaceFW" / "fineweb-edu", random.Random(5))
+    out = tmp_path / "fw"
+    stage = out / ".staging"
+    argv = ["data/fineweb_edu/prepare.py", "--vocab-size", "300", "--tokenizer-chars", "3000", "--max-tokens", "3000",
+            "--shard-tokens", "300", "--threads", "2", "--out", str(out)]
+
+    def corpus():
+        return {n: (out / n).read_bytes() for n in os.listdir(out) if not n.startswith(".")}
+    with FakeHub(tmp_path / "hub") as hub:
+        env = dict(hub.client_env(tmp_path / "hf_home"), PYTHONUNBUFFERED="1")  # (the notes before a SIGKILL)
+        _run(argv, env=env)
+        whole = corpus()
+        assert len(shards.load_index(out)["splits"]["train"]) >= 6
+        r = _run(argv, env=dict(env, PICAFLOR_INJECT_KILL_AT_SHARDS="5"), check=False)
+        assert r.returncode == -9 and corpus() == whole  # the corpus in --out untouched
+        journal = json.loads((stage / shards.RESUME_JOURNAL).read_text())
+        assert len(journal["splits"]["train"]) == 5 and len(journal["splits"]["val"]) == 1
+        (stage / "train_000005.bin.tmp-1-1").write_bytes(b"half")  # a write the kill cut short: not installed
+        # a shard the journal lists that changed, or --fresh: a fresh start (checked on a copy of the stage)
+        import shutil
+        key = journal["key"]
+        for damage, want in ((lambda d: _poke(d / "train_000002.bin", 4, b"\x07\x00"), "sha256 differs"),
+                             (lambda d: os.truncate(d / "train_000003.bin", 6), "6 bytes, not"),
+                             (lambda d: os.remove(d / "val_000000.bin"), "missing")):
+            copy = tmp_path / "copy"
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(stage, copy)
+            damage(copy)
+            got, note = shards.resume_journal(str(copy), key, fields=["next"])
+            assert got is None and want in note and os.listdir(copy) == [], note
+        shutil.copytree(stage, copy, dirs_exist_ok=True)
+        got, note = shards.resume_journal(str(copy), key, fresh=True)
+        assert got is None and note.startswith("--fresh: discarding") and os.listdir(copy) == []
+        # the same command: resumes (no tokenizer training) and ends with the same bytes as the uninterrupted run
+        r = _run(argv, env=env)
+        nxt = journal["next"]
+        assert (f"resuming from {stage}: 6 shards, {sum(journal['counts'].values()):,} tokens done, at {nxt['file']} "
+                f"row {nxt['row']}") in r.stdout and "trained tokenizer" not in r.stdout, r.stdout
+        assert corpus() == whole and not stage.exists()
+        # a torn journal: a note and a fresh start (the tokenizer trained again), then a Ctrl-C after its first shard
+        _run(argv, env=dict(env, PICAFLOR_INJECT_KILL_AT_SHARDS="2"), check=False)
+        raw = (stage / shards.RESUME_JOURNAL).read_bytes()
+        (stage / shards.RESUME_JOURNAL).write_bytes(raw[:len(raw) // 2])
+        code = ("import os, runpy, signal, sys; sys.path.insert(0, '.'); import shards\n"
+                "real = shards.save_journal\n"
+                "def save(stage, journal):\n"
+                "    real(stage, journal)\n"
+                "    if journal['splits']['train']: os.kill(os.getpid(), signal.SIGINT)\n"
+                "shards.save_journal = save\n"
+                f"sys.argv = {argv!r}\n"
+                "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+        r = _run(["-c", code], env=env, check=False)
+        assert r.returncode == 130 and "resume.json: its journal or tokenizer is torn or corrupt" in r.stdout, r.stdout
+        assert ("interrupted; the corpus in --out is as it was; re-run the same command to resume (--fresh: start "
+                "over)\n") in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert "trained tokenizer" in r.stdout and corpus() == whole
+        assert len(json.loads((stage / shards.RESUME_JOURNAL).read_text())["splits"]["train"]) == 1
+        # another corpus argument: the old build discarded with a note naming it
+        r = _run(argv[:-2] + ["--shard-tokens", "400", "--out", str(out)], env=env)
+        assert f"note: {stage} holds an interrupted run with other arguments (--shard-tokens changed)" in r.stdout
+        assert "resuming" not in r.stdout and corpus() != whole and shards.verify_corpus(out) == []
+
+
 def test_hub_errors_name_the_cause():
     """A full HF cache was a Hub outage (retried, then exit 5 instead of 6); a malformed repo id was 'unreachable'; a
     repo hf.co does not show (it answers 401) was 'denied, check billing'; a local file error was 'the network'."""

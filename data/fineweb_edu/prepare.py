@@ -20,11 +20,17 @@ Calls recorded here:
 - index.json records, per shard, the repo, commit sha and parquet row ranges its documents came from, so
   `python shards.py refetch data/fineweb_edu FILE` re-downloads and re-makes exactly that shard.
 - Remote failures exit with a one-line cause: HTTP 401/403 = storage denied (token or billing, not data).
+- Resume: the build lives in OUT/.staging with a journal (resume.json) written at each closed train shard; a run
+  killed, interrupted, or stopped by a full disk or the Hub resumes when re-run with the same arguments (its
+  tokenizer, shards and place in the parquet files; the corpus is the same bytes as an uninterrupted run's). Other corpus arguments, a torn
+  journal or a changed shard start over with a one-line note; --fresh starts over on purpose.
 """
 
 import argparse
 import hashlib
+import itertools
 import os
+import signal
 import sys
 import time
 
@@ -37,16 +43,30 @@ VAL_CHARS_PER_TOKEN = 8
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py
 import checkpoint  # noqa: E402
 import shards  # noqa: E402
-from tokenizer import reuse_tokenizer, train_tokenizer  # noqa: E402
+from tokenizer import Tokenizer, reuse_tokenizer, train_tokenizer  # noqa: E402
+# what a resumed build restores from its journal, besides the tokenizer and the shards so far
+JOURNAL_FIELDS = ("val_docs", "next", "counts", "documents", "files", "val_digests", "val_copies")
 
 
-def documents(repo, revision, files, column, batch_rows=1024):
-    """(parquet file, row number, text) of every non-empty row, file by file, downloading each when reached."""
-    for file in files:
+def documents(repo, revision, files, column, start=None, batch_rows=1024):
+    """(parquet file, row number, text) of every non-empty row, file by file, downloading each when reached; from
+    start = (file, row) on when given (a resumed build)."""
+    for file in files[files.index(start[0]) if start else 0:]:
         path = shards.hub_download(repo, file, "dataset", revision)
-        for row, text in enumerate(shards.parquet_column(path, file, column, batch_rows)):
+        rows = enumerate(shards.parquet_column(path, file, column, batch_rows))
+        for row, text in itertools.islice(rows, start[1] if start and file == start[0] else 0, None):
             if text:
                 yield file, row, text
+
+
+def corpus_key(args, revision):
+    """The arguments that determine the corpus: a build is resumed only by a run with the same ones."""
+    trained = args.reused_tokenizer is None  # (a reused tokenizer by its hash: vocab and chars are its own)
+    return {"--repo": args.repo, "--revision": revision, "--pattern": args.pattern, "--column": args.column,
+            "--max-tokens": args.max_tokens, "--val-tokens": args.val_tokens,
+            "--vocab-size": args.vocab_size if trained else None,
+            "--tokenizer": None if trained else args.reused_tokenizer.hash,
+            "--tokenizer-chars": args.tokenizer_chars if trained else None, "--shard-tokens": args.shard_tokens}
 
 
 def main():
@@ -64,6 +84,7 @@ def main():
     ap.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard (whole documents, so about)")
     ap.add_argument("--out", default=HERE, help="corpus dir to write (default: this script's folder)")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1)), help="tokenizer threads")
+    ap.add_argument("--fresh", action="store_true", help="discard an interrupted run's build instead of resuming it")
     args = ap.parse_args()
     if args.threads < 1:
         ap.error(f"--threads {args.threads}: at least 1")
@@ -79,12 +100,16 @@ def main():
             sys.exit(f"error: {e}")
     if args.vocab_size is None:
         args.vocab_size = 32768
+    args.journaled = False  # set once OUT/.staging holds a build a re-run resumes
+    resume = lambda: "; re-run the same command to resume" if args.journaled else ""  # noqa: E731
     try:
         run(args)
-    except (shards.StorageError, shards.DataError, ValueError) as e:
+    except (shards.StorageError, shards.DataError) as e:  # (the Hub down, a corrupt cached file: fixed, it resumes)
+        sys.exit(f"error: {e}{resume()}")
+    except ValueError as e:
         sys.exit(f"error: {e}")
     except OSError as e:  # a full disk, an --out that cannot be written: the corpus there is as it was
-        sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}; the corpus in --out is as it was")
+        sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}; the corpus in --out is as it was{resume()}")
 
 
 def run(args):
@@ -97,7 +122,7 @@ def run(args):
     # --out as it was (the new one is built in a staging folder and swapped in at the end)
     shards.text_column(shards.parquet_file(shards.hub_download(args.repo, files[0], "dataset", revision), files[0],
                                            args.column), files[0], args.column)
-    with shards.staging(args.out, "data/fineweb_edu/prepare.py") as stage:
+    with shards.staging(args.out, "data/fineweb_edu/prepare.py", resumable=True) as stage:
         build(args, revision, files, stage, t0)
 
 
@@ -106,7 +131,17 @@ def build(args, revision, files, stage, t0):
     tok_path = os.path.join(stage, "tokenizer.json")
     val_target = args.val_tokens if args.val_tokens is not None else min(10_000_000, args.max_tokens // 200)
     val_docs = [float("inf")]  # val comes from the first documents; a tokenizer trained here never sees them
-    if args.tokenizer:
+    key = corpus_key(args, revision)
+    journal, note = shards.resume_journal(stage, key, args.fresh, JOURNAL_FIELDS)
+    if note:
+        print(f"note: {note}")
+    if journal:  # the tokenizer the killed run trained or reused (checked against the journal's hash)
+        tok = Tokenizer.load(tok_path)
+        val_docs[0] = float("inf") if journal["val_docs"] is None else journal["val_docs"]
+        at = f"at {journal['next']['file']} row {journal['next']['row']}" if journal["next"] else "at the start"
+        print(f"resuming from {stage}: {sum(map(len, journal['splits'].values()))} shards, "
+              f"{sum(journal['counts'].values()):,} tokens done, {at}")
+    elif args.tokenizer:
         tok = args.reused_tokenizer
         tok.save(tok_path)
         print(f"reusing tokenizer {args.tokenizer} (vocab {tok.vocab_size})")
@@ -130,15 +165,27 @@ def build(args, revision, files, stage, t0):
         tok = train_tokenizer(training_texts(), args.vocab_size)
         tok.save(tok_path)
         print(f"trained tokenizer: vocab {tok.vocab_size} in {time.time() - t1:.0f}s")
+    if not journal:  # (the tokenizer is the first expensive step: a run killed after it resumes without training)
+        journal = {"key": key, "tokenizer": "tokenizer.json", "tokenizer_sha256": tok.hash,
+                   "val_docs": None if val_docs[0] == float("inf") else val_docs[0], "next": None,
+                   "splits": {"val": [], "train": []}, "counts": {"val": 0, "train": 0}, "documents": 0, "files": [],
+                   "val_digests": [], "val_copies": 0}
+        shards.save_journal(stage, journal)
+    args.journaled = True
 
     make_source = lambda rows: shards.hub_source(args.repo, "dataset", revision, args.column, rows)  # noqa: E731
     writers = {s: shards.ShardWriter(stage, s, args.shard_tokens, make_source) for s in ("val", "train")}
-    counts = {"val": 0, "train": 0}
-    used_files, n_docs, stop_reason = [], 0, "source exhausted"
-    val_texts, n_val_copies = set(), 0  # sha1 of each val document: a later copy of one is not trained on
+    for s in writers:
+        writers[s].entries = journal["splits"][s]
+    counts, n_docs, used_files = journal["counts"], journal["documents"], journal["files"]
+    stop_reason = "source exhausted"
+    # sha1 of each val document: a later copy of one is not trained on
+    val_texts, n_val_copies = {bytes.fromhex(h) for h in journal["val_digests"]}, journal["val_copies"]
     batch_docs = 512 * max(1, args.threads)
-    bar = tqdm(total=args.max_tokens, desc="tokenizing", unit="tok", unit_scale=True)
-    doc_iter = documents(args.repo, revision, files, args.column)
+    bar = tqdm(total=args.max_tokens, initial=counts["val"] + counts["train"], desc="tokenizing", unit="tok",
+               unit_scale=True)
+    start = (journal["next"]["file"], journal["next"]["row"]) if journal["next"] else None
+    doc_iter = documents(args.repo, revision, files, args.column, start)
     done = False
     while not done:
         batch = [d for _, d in zip(range(batch_docs), doc_iter)]
@@ -157,7 +204,16 @@ def build(args, revision, files, stage, t0):
             elif digest in val_texts:  # (web crawls repeat pages: the copy made val loss a training loss)
                 n_val_copies += 1
                 continue
+            n_train_shards = len(writers["train"].entries)
             writers[split].add(toks, (file, row))
+            if len(writers["train"].entries) > n_train_shards:  # a train shard closed: journal the state before this doc
+                writers["val"].flush()  # (val is the accepted documents' prefix: final once a train one is taken)
+                journal.update(splits={s: w.entries for s, w in writers.items()}, next={"file": file, "row": row},
+                               counts=counts, documents=n_docs, files=used_files, val_copies=n_val_copies,
+                               val_digests=journal["val_digests"] or sorted(d.hex() for d in val_texts))
+                shards.save_journal(stage, journal)
+                if os.environ.get("PICAFLOR_INJECT_KILL_AT_SHARDS") == str(len(writers["train"].entries)):
+                    os.kill(os.getpid(), signal.SIGKILL)  # a machine gone mid-run: the resume test
             counts[split] += len(toks)
             n_docs += 1
             if not used_files or used_files[-1] != file:
@@ -191,6 +247,7 @@ def build(args, revision, files, stage, t0):
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:  # (a traceback): shards.staging has removed the half-built corpus
-        print("interrupted; the corpus in --out is as it was", file=sys.stderr)
+    except KeyboardInterrupt:  # (a traceback): shards.staging keeps the half-built corpus for a resume
+        print("interrupted; the corpus in --out is as it was; re-run the same command to resume (--fresh: start over)",
+              file=sys.stderr)
         sys.exit(130)
