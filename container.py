@@ -235,7 +235,7 @@ class CheckpointSource:
         state_path = os.path.join(self.dir, "state.json")
         try:  # (no model_config: a KeyError traceback from container.py CKPT --out)
             with open(state_path, encoding="utf-8") as f:
-                self.cfg = ModelConfig.from_dict(json.load(f)["model_config"])
+                self.cfg = ModelConfig.from_dict(json.load(f)["model_config"], complete=True)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ContainerError(f"{state_path}: no usable model_config ({e}); use a checkpoint written by "
                                  f"train.py") from None
@@ -532,7 +532,7 @@ class Container:
 
     def __init__(self, path, header, file_size, data_start):
         self.path, self.header, self.file_size, self.data_start = path, header, file_size, data_start
-        self.config = ModelConfig.from_dict(header["model_config"])
+        self.config = ModelConfig.from_dict(header["model_config"], complete=True)
         self.tokenizer_json = header.get("tokenizer_json")
         self.layout = header["expert_layout"]
         self.expert_nbytes = self.layout["nbytes"]
@@ -824,7 +824,7 @@ def load_container(path):
                              f"re-export or re-copy it")
     try:
         header = json.loads(raw)
-        cfg = ModelConfig.from_dict(header["model_config"])
+        cfg = ModelConfig.from_dict(header["model_config"], complete=True)
         tensors, experts, layout = header["tensors"], header["experts"], header["expert_layout"]
         group = header["quant"]["group_size"]
         if not (type(group) is int and group > 0 and group % 2 == 0):

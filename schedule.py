@@ -146,11 +146,14 @@ def lr_at(plan, tokens_seen, lr, lr_min, step_tokens=0):
 
 def phase_span(plan, i):
     """(first, last) index of the consecutive stages around stage i that share its lr_phase: one warmup or decay ramp,
-    whatever mixes or seq_lens it is split into."""
+    whatever mixes or seq_lens it is split into. An on-demand decay is a ramp of its own: one asked just as a planned
+    decay ended (before the stable stage after it) joined that one's ramp, its LR back up from min_lr mid-ramp."""
+    same = lambda j: (plan[j]["lr_phase"] == plan[i]["lr_phase"]  # noqa: E731
+                      and is_on_demand(plan[j]) == is_on_demand(plan[i]))
     lo = hi = i
-    while lo > 0 and plan[lo - 1]["lr_phase"] == plan[i]["lr_phase"]:
+    while lo > 0 and same(lo - 1):
         lo -= 1
-    while hi + 1 < len(plan) and plan[hi + 1]["lr_phase"] == plan[i]["lr_phase"]:
+    while hi + 1 < len(plan) and same(hi + 1):
         hi += 1
     return lo, hi
 

@@ -382,6 +382,59 @@ def drop_page_cache(path):
         return False
 
 
+def page_cache_resident_bytes(path):
+    """Bytes of the file at path in the page cache now (mincore over a read-only mapping of it, which faults nothing
+    in), or None where that cannot be asked (not Linux, no libc mincore): "unverified"."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import mmap
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                  ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        fd = os.open(path, os.O_RDONLY)
+    except (OSError, AttributeError):
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+            if libc.mincore(addr, size, vec) != 0:
+                return None
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    pages = bytes(vec).translate(bytes(b & 1 for b in range(256)))  # bit 0: resident (the others are reserved)
+    tail = size - (len(pages) - 1) * mmap.PAGESIZE  # the last page is partly past the file's end
+    return pages[:-1].count(1) * mmap.PAGESIZE + pages[-1] * tail
+
+
+RESIDENT_AFTER_DROP_SHARE = 0.01  # more of the container cached after the drop: its misses may be served from RAM
+
+
+def page_cache_verdict(dropped, resident, size, memory_limited, direct_io, fs):
+    """(page_cache_excluded, why not or None). resident: page_cache_resident_bytes after the drop (None: unverified)."""
+    if fs in RAM_FILESYSTEMS:  # tmpfs / ramfs: O_DIRECT and DONTNEED succeed, and every read is served from memory
+        return False, f"the container is on {fs}"
+    if not dropped:
+        return False, "posix_fadvise(DONTNEED) failed on the container"
+    if resident is not None and resident > RESIDENT_AFTER_DROP_SHARE * size:
+        return False, (f"{S.fmt_size(resident)} of the container's {S.fmt_size(size)} stayed in the page cache after "
+                       f"the drop")
+    if not (memory_limited or direct_io):
+        return False, "no memory cgroup and no O_DIRECT"
+    return True, None
+
+
 def limited_cgroup(budget):
     """A fresh memory cgroup limited to budget bytes (page cache included, no swap): (dir, "v1"/"v2") or
     (None, None) where none can be made. Processes join by writing their pid to dir/cgroup.procs."""
@@ -473,6 +526,7 @@ def bench_in_cgroup(args, argv):
         kernels.native_int4()  # its ~20 s sat in the child's timed disk measurement)
         kernels.native_reader()
     dropped = drop_page_cache(args.container)
+    resident = page_cache_resident_bytes(args.container)  # did the drop work? (before the child reads anything)
     cg, ver = limited_cgroup(budget) if budget else (None, None)
     if budget and not cg:
         print(f"stream_bench: WARNING: no memory cgroup could be made (root and cgroup v1 or v2 with the memory "
@@ -518,11 +572,12 @@ def bench_in_cgroup(args, argv):
     res["mem_probe_bytes"] = per_token  # the working set memory bandwidth was measured over
     res["cgroup_peak_bytes"] = cg_peak
     res["page_cache_dropped"] = dropped
+    res["page_cache_resident_after_drop_bytes"] = resident  # None: unverified (no mincore here)
     fs = filesystem_type(args.container)
     res["container_filesystem"] = fs
     res["memory_limited"] = cg is not None
-    # tmpfs / ramfs: O_DIRECT and DONTNEED succeed, and every read is served from memory
-    res["page_cache_excluded"] = bool(dropped and (cg is not None or res.get("direct_io")) and fs not in RAM_FILESYSTEMS)
+    res["page_cache_excluded"], res["page_cache_not_excluded_why"] = page_cache_verdict(
+        dropped, resident, os.path.getsize(args.container), cg is not None, res.get("direct_io"), fs)
     if fs in RAM_FILESYSTEMS:
         print(f"stream_bench: WARNING: {args.container} is on {fs} (memory): its reads never reach a disk; the figures "
               f"are not disk-bound", file=sys.stderr)
@@ -603,7 +658,9 @@ def print_bench(res):
     if km:
         print(f"expert gate_up GEMV {km['shape']}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in km.items() if k != "shape"))
     steal, others = res.get("cpu_steal_fraction"), res.get("others_cpu_fraction")
-    print(f"cgroup: {res.get('cgroup')}, O_DIRECT: {res['direct_io']}, page cache excluded: {res.get('page_cache_excluded')}, "
+    resident = res.get("page_cache_resident_after_drop_bytes")
+    print(f"cgroup: {res.get('cgroup')}, O_DIRECT: {res['direct_io']}, page cache excluded: {res.get('page_cache_excluded')} "
+          f"(cached after the drop: {'unverified' if resident is None else S.fmt_size(resident)}), "
           f"cache policy {res.get('cache_policy')}, prefetch {prefetch_summary(res)}, CPU steal during decode "
           f"{'n/a' if steal is None else f'{steal * 100:.1f}%'}, other processes' CPU "
           f"{'n/a' if others is None else f'{others * 100:.1f}%'}")
@@ -623,8 +680,7 @@ def print_bench(res):
               f"token: per-token overhead (Python, kernel calls), which it leaves out, sets a model this small's speed; "
               f"the bound speaks for models whose weights a token reads are far above the CPU's cache", file=sys.stderr)
     if not res.get("page_cache_excluded"):
-        why = (f"the container is on {res['container_filesystem']}" if res.get("container_filesystem") in RAM_FILESYSTEMS
-               else "no memory cgroup and no O_DIRECT")
+        why = res.get("page_cache_not_excluded_why") or "no memory cgroup and no O_DIRECT"
         print(f"WARNING: the page cache could not be excluded ({why}): misses may have been served from RAM, so these "
               f"figures are NOT disk-bound", file=sys.stderr)
 

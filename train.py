@@ -166,6 +166,17 @@ def model_config_from(cfg):
         raise TrainError(f"{e}; fix the config (or its --key=value overrides)")
 
 
+def stored_model_config(ck, state):
+    """A checkpoint's model_config, which must name every field the weights depend on: a missing one (rope_theta) took
+    the config's or the default's value and trained another model without a word (RESUME_CONFIG_WINS may be absent)."""
+    from model import ModelConfig
+    stored = state["model_config"]
+    missing = sorted({f.name for f in fields(ModelConfig)} - set(stored) - set(RESUME_CONFIG_WINS))
+    if missing:
+        raise TrainError(f"{ck}/state.json: its model_config lacks {missing}; use the picaflor that wrote it")
+    return stored
+
+
 def origin_of(name, layer_origin):
     """Origin tag of a parameter: embedding (embeddings, lm_head, final norm), or its layer's old/new."""
     if name.startswith("layers."):
@@ -704,7 +715,8 @@ def main(argv):
         raise failure
     if cfg["init_from"] == "resume":
         state = read_json(os.path.join(ck, "state.json"))
-        mcfg = model_config_from({**cfg, **state["model_config"], **config_wins(state["model_config"], "resume")})
+        stored = stored_model_config(ck, state)
+        mcfg = model_config_from({**cfg, **stored, **config_wins(stored, "resume")})
         sd = load_file(os.path.join(ck, "model.safetensors"))
         if os.path.exists(os.path.join(ck, "optimizer.pt")):
             opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
@@ -716,7 +728,7 @@ def main(argv):
         ck = source  # resolved by rank 0 for every rank
         src_state = source_state(ck, "grow_from")
         from model import ModelConfig
-        old = ModelConfig.from_dict(src_state["model_config"])
+        old = ModelConfig.from_dict(stored_model_config(ck, src_state))
         sd, layer_origin = grow_state_dict(load_file(os.path.join(ck, "model.safetensors")), old,
                                            cfg["grow_layers"], cfg["grow_where"])
         mcfg = ModelConfig.from_dict({**asdict(old), "n_layer": old.n_layer + cfg["grow_layers"],
@@ -725,7 +737,8 @@ def main(argv):
     elif cfg["init_from"] == "finetune":
         ck = source
         src_state = source_state(ck, "finetune_from")
-        mcfg = model_config_from({**cfg, **src_state["model_config"], **config_wins(src_state["model_config"], "finetune")})
+        stored = stored_model_config(ck, src_state)
+        mcfg = model_config_from({**cfg, **stored, **config_wins(stored, "finetune")})
         sd = load_file(os.path.join(ck, "model.safetensors"))
         layer_origin = src_state.get("layer_origin") or ["new"] * mcfg.n_layer
         log(f"fine-tuning from {ck} (step {src_state.get('step')}); fresh optimizer and plan")

@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -245,7 +246,9 @@ def test_header_edits_are_caught(built, tmp_path):
              "part_group": lambda h: h["expert_layout"]["parts"][0].update(group_size=0),
              "part_shape": lambda h: h["expert_layout"]["parts"][0].update(shape=[64, 64]),
              "tensor_part": lambda h: h["tensors"][first]["parts"]["q"].__setitem__(1, 10 ** 7),
-             "file_bytes": lambda h: h.update(file_bytes=-1)}
+             "file_bytes": lambda h: h.update(file_bytes=-1),
+             # an exporter's header without a model field: the field's default decoded the model, silently
+             "no_rope_theta": lambda h: h["model_config"].pop("rope_theta")}
     for name, edit in edits.items():
         path = rewritten(name + ".pcf4", edit)
         msg = _one_line_error(lambda: C.load_container(path))
@@ -349,8 +352,11 @@ def test_a_malformed_config_or_checkpoint_is_one_line_error(tmp_path, capsys):
     sd = {k: v for k, v in Picaflor(ModelConfig(**TINY)).state_dict().items() if not k.endswith("load_accum")}
     for name, state, weights, want in [
             ("nocfg", {"step": 1}, lambda p: save_file(sd, p), "state.json: no usable model_config"),
-            ("garbage", {"step": 1, "model_config": TINY}, lambda p: open(p, "wb").write(b"\x10" * 100),
-             "model.safetensors: not a readable safetensors file")]:
+            ("garbage", {"step": 1, "model_config": asdict(ModelConfig(**TINY))},
+             lambda p: open(p, "wb").write(b"\x10" * 100), "model.safetensors: not a readable safetensors file"),
+            # a saved config without a field: the default stood in for the model's value, silently
+            ("lacks", {"step": 1, "model_config": {k: v for k, v in asdict(ModelConfig(**TINY)).items() if k != "norm_eps"}},
+             lambda p: save_file(sd, p), "state.json: no usable model_config (model config lacks keys ['norm_eps'])")]:
         state_file = lambda p, s=state: open(p, "w").write(json.dumps(s))  # noqa: E731
         ck = checkpoint.save(str(tmp_path / name), 1, {"model.safetensors": weights, "state.json": state_file})
         assert C.main([ck, "--out", str(tmp_path / (name + ".pcf4"))]) == 1

@@ -1894,6 +1894,10 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
         assert isinstance(res[key], (int, float)) and res[key] >= 0, key
     assert isinstance(res["page_cache_excluded"], bool) and res["new_tokens"] == 3 and res["ram_budget"] == 3 << 30
     assert "decode" in r.stdout and "% of the bound" in r.stdout
+    # the drop was checked: what stayed cached (mincore), and a verdict that agrees with it
+    left = res["page_cache_resident_after_drop_bytes"]
+    assert "cached after the drop: " in r.stdout and (left is None or res["page_cache_excluded"] is False or
+                                                      left <= 0.01 * os.path.getsize(path)), (left, res)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "stream_infer.py"), path, "--sweep", "1M,3G",
                         "--max-new-tokens", "2", "--bench-prompt-tokens", "4", "--threads", "1", "--json", str(rows),
                         "--plot", str(png), "--llamacpp-json", str(tmp_path / "absent.json"), "--repeat", "2"],
@@ -1922,6 +1926,28 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     assert procs[0].returncode != 0 and "--repeat 2: a positive count of runs per budget, for --sweep" in err_repeat
     assert procs[1].returncode == 1 and "Traceback" not in err_abc and "'abc'" in err_abc, err_abc[-2000:]
     assert res["peak_rss_bytes"] < res["resident_rss_bytes"] + (96 << 20)  # the bandwidth probe's buffer is not the child's
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore is asked on Linux only")
+def test_the_page_cache_drop_is_verified_with_mincore(tmp_path):
+    """page_cache_excluded said true once posix_fadvise(DONTNEED) returned, whether the pages left or not (tmpfs, or
+    an overlay over it that filesystem_type misses, keeps them all). mincore counts what stayed: ~all of a file just
+    read, ~none after the drop on a disk; more than 1% is not excluded, with the reason."""
+    f = tmp_path / "c.pcf4"
+    f.write_bytes(os.urandom((4 << 20) + 123))
+    n = len(f.read_bytes())  # read in full: cached
+    assert B.page_cache_resident_bytes(str(f)) >= 0.99 * n
+    assert B.drop_page_cache(str(f))
+    after, fs = B.page_cache_resident_bytes(str(f)), B.filesystem_type(str(f))
+    excluded, why = B.page_cache_verdict(True, after, n, True, True, "overlay")  # fs as one that hides a tmpfs
+    if fs in B.RAM_FILESYSTEMS:  # its pages cannot be dropped: the count alone says not excluded
+        assert after >= 0.99 * n and not excluded and "stayed in the page cache after the drop" in why, (after, why)
+    else:
+        assert after <= 0.01 * n and excluded and why is None, (fs, after, why)
+    assert B.page_cache_verdict(True, None, n, True, True, "ext4") == (True, None)  # unverified: as before
+    assert B.page_cache_verdict(True, n // 2, n, True, True, "ext4")[0] is False
+    assert B.page_cache_verdict(False, 0, n, True, True, "ext4") == (False, "posix_fadvise(DONTNEED) failed on the "
+                                                                            "container")
 
 
 def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):

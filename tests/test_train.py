@@ -365,6 +365,34 @@ def test_grow_starts_as_identity_and_groups_get_their_lr(data_root, tmp_path):
     assert any(int(n.split(".")[1]) in new_layers for gr in groups if gr["origin"] == "new" for n in gr["names"])
 
 
+def test_a_checkpoint_whose_model_config_lacks_a_field_is_refused(data_root, tmp_path):
+    """A state.json without rope_theta trained on: resume and finetune took the config's value, grow the default's
+    (another model than the one saved, without a word). Now a one-line error naming the file, exit 1, for each."""
+    out = str(tmp_path / "run")
+    args = TINY + [f"--data_root={data_root}", "--max_iters=4", "--warmup_iters=1"]
+    run(args + [f"--out_dir={out}", "--stop_after_steps=1"])
+    ck = checkpoint.latest_valid(out)
+    state_path, man_path = os.path.join(ck, "state.json"), os.path.join(ck, "MANIFEST.json")
+    state, man = json.load(open(state_path)), json.load(open(man_path))
+    del state["model_config"]["rope_theta"]
+    json.dump(state, open(state_path, "w"))  # a consistent checkpoint (its manifest rewritten) that lacks the field
+    man["files"]["state.json"] = {"sha256": checkpoint.sha256_file(state_path), "bytes": os.path.getsize(state_path)}
+    json.dump(man, open(man_path, "w"))
+    assert checkpoint.is_valid(ck)
+    cases = {"resume": [f"--out_dir={out}", "--init_from=resume"],
+             "grow": [f"--out_dir={tmp_path / 'grown'}", "--init_from=grow", f"--grow_from={out}", "--grow_layers=1"],
+             "finetune": [f"--out_dir={tmp_path / 'tuned'}", "--init_from=finetune", f"--finetune_from={out}"]}
+    procs = {how: subprocess.Popen([sys.executable, "train.py", *args, *more, "--stop_after_steps=0"], cwd=REPO,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+             for how, more in cases.items()}  # at once: each refuses before its first step
+    for how, p in procs.items():
+        stderr = p.communicate(timeout=120)[1]
+        err = [line for line in stderr.strip().splitlines() if line.strip()]
+        assert p.returncode == 1 and len(err) == 1 and "Traceback" not in stderr, (how, stderr[-3000:])
+        assert f"{ck}/state.json: its model_config lacks ['rope_theta']" in err[0], (how, err[0])
+
+
 def stage_file(tmp_path, name, decay_steps):
     f = tmp_path / name
     f.write_text("stages = [dict(name='warm', steps=3, lr_phase='warmup'), dict(name='flat', steps=4, lr_phase='stable'),"
@@ -530,6 +558,44 @@ def test_a_warmup_or_decay_split_over_stages_is_one_ramp():
     assert schedule.on_demand_decay_tokens(plan[:3], 0, 0.25) == schedule.decay_length(0.25, 80)
     during = schedule.decay_now(plan, 90, 30)  # in d1: the plan's decay goes on to its end (d2), on the same ramp
     assert during == plan and schedule.lr_at(during, 90, 1e-3, 1e-4, 10) == schedule.lr_at(plan, 90, 1e-3, 1e-4, 10)
+
+
+def test_a_plan_with_two_decays_follows_wsd_on_every_step_and_an_on_demand_decay_is_a_ramp_of_its_own():
+    """Stages may hold more than one decay (a stable stage between them, the second split over two mixes): each
+    ramp (1 - sqrt) from the peak to min_lr on its last step, whole steps each. An on-demand decay asked just as the
+    first decay ended joined its ramp: the LR went from min_lr back up to 3.6e-4 mid-ramp (and the stored plan's
+    finished decay got another shape)."""
+    lr, lr_min, T, tps = 1e-3, 1e-4, 8, 4 * 8
+    per_step = lambda _T: tps  # noqa: E731
+    phases = [("w", 3, "warmup"), ("s", 5, "stable"), ("d1", 4, "decay"), ("s2", 3, "stable"), ("d2a", 2, "decay"),
+              ("d2b", 2, "decay")]  # tokens off whole steps by under half a step: build_plan rounds them
+    stages = [dict(name=n, tokens=k * tps + (-1) ** k * (tps // 2 - 1), lr_phase=p, mix={"a": 1.0} if n != "d2b" else
+                   {"b": 1.0}) for n, k, p in phases]
+    plan = schedule.build_plan(dict(stages=stages, seq_len=T, dataset="a"), per_step)
+    assert [(s["name"], s["tokens"]) for s in plan] == [(n, k * tps) for n, k, _ in phases]
+
+    def wsd(ramps):  # the LR of every step from [(phase, steps)], each warmup or decay a ramp of its own
+        out = []
+        for p, n in ramps:
+            out += [lr * (k + 1) / n if p == "warmup" else lr if p == "stable" else
+                    lr_min + (lr - lr_min) * (1 - math.sqrt((k + 1) / n)) for k in range(n)]
+        return out
+
+    def check(pl, ramps):
+        assert all(s["tokens"] > 0 and s["tokens"] % tps == 0 for s in pl), pl  # stage boundaries on whole steps
+        got = [schedule.lr_at(pl, k * tps, lr, lr_min, tps) for k in range(schedule.plan_tokens(pl) // tps)]
+        assert got == pytest.approx(wsd(ramps), rel=1e-12, abs=0), [s["name"] for s in pl]
+        assert schedule.lr_at(pl, schedule.plan_tokens(pl), lr, lr_min, tps) == lr_min  # past the end: at min_lr
+    check(plan, [("warmup", 3), ("stable", 5), ("decay", 4), ("stable", 3), ("decay", 4)])
+    ask = lambda k: schedule.decay_now(plan, k * tps, schedule.on_demand_decay_tokens(plan, 0, 0.2, k * tps),  # noqa
+                                       per_step)
+    # in s: a copy of the first decay; in d1: the plan ends with it; just after d1 or in s2: a copy of the second
+    check(ask(5), [("warmup", 3), ("stable", 2), ("decay", 4)])
+    assert ask(9) == plan[:3]
+    after = ask(12)
+    assert [s["name"] for s in after] == ["w", "s", "d1", "decay-on-demand:d2a", "decay-on-demand:d2b"]
+    check(after, [("warmup", 3), ("stable", 5), ("decay", 4), ("decay", 4)])
+    check(ask(13), [("warmup", 3), ("stable", 5), ("decay", 4), ("stable", 1), ("decay", 4)])
 
 
 def test_an_on_demand_decay_trains_as_the_plans_own_decay_would():
