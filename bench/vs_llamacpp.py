@@ -213,6 +213,7 @@ def run_llama(args, budget_bytes, setting, build_dir=None):
     build_dir (None: the installed one). Returns its result dict."""
     import stream_bench
     dropped = stream_bench.drop_page_cache(args.gguf)
+    resident = stream_bench.page_cache_resident_bytes(args.gguf)  # did the drop work (tmpfs keeps every page)?
     cg, ver = stream_bench.limited_cgroup(budget_bytes) if budget_bytes else (None, None)
     if budget_bytes and not cg:
         raise BenchError("cannot create a memory cgroup (needs root and cgroup v1/v2 memory controller); "
@@ -253,7 +254,10 @@ def run_llama(args, budget_bytes, setting, build_dir=None):
         finally:
             cg_peak = stream_bench.close_cgroup(cg)
         res = json.load(open(out)) if os.path.exists(out) else {"setting": setting, "tokens": 0}
-        res.update(wall_s=time.time() - t0, page_cache_dropped=dropped, cgroup=ver, cgroup_peak_bytes=cg_peak)
+        res.update(wall_s=time.time() - t0, cgroup=ver, cgroup_peak_bytes=cg_peak,
+                   page_cache_dropped=bool(dropped) and (resident is None or resident <= stream_bench.RESIDENT_AFTER_DROP_SHARE
+                                                         * os.path.getsize(args.gguf)),
+                   page_cache_resident_after_drop_bytes=resident)
     if why:
         res["error"] = why
     if res.get("tokens", 0) < 2:

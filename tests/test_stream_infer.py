@@ -2716,3 +2716,20 @@ def test_top_p_keeps_the_smallest_set_reaching_it(tiny, monkeypatch):
         seen = {eng.generate([5, 6], 1, temperature=1.0, top_p=top_p, seed=s)[0] for s in range(200)}
         assert len(seen) == n and seen <= set(range(len(head))), (head, top_p, seen)
     assert seen == set(range(4))
+
+
+def test_vs_llamacpp_records_whether_its_page_cache_drop_worked(tmp_path, monkeypatch):
+    """vs_llamacpp dropped the GGUF's page cache and recorded page_cache_dropped=True whatever stayed cached (a tmpfs
+    keeps every page): now the count after the drop (mincore) is recorded and decides it."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import types
+    import vs_llamacpp as V
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(os.urandom(1 << 20))
+    args = types.SimpleNamespace(gguf=str(gguf), threads=1, tokens=2, prompt_tokens=2, max_seconds=5, seed=0)
+    res = V.run_llama(args, None, "mmap")  # the child fails (no llama_cpp here, or no GGUF): the drop is still recorded
+    left = res["page_cache_resident_after_drop_bytes"]
+    assert left is not None and res["page_cache_dropped"] == (left <= 0.01 * (1 << 20)), res
+    monkeypatch.setattr(B, "page_cache_resident_bytes", lambda p: 1 << 20)  # as on a tmpfs: every page stayed
+    res = V.run_llama(args, None, "mmap")
+    assert res["page_cache_resident_after_drop_bytes"] == 1 << 20 and res["page_cache_dropped"] is False, res
