@@ -293,7 +293,7 @@ def staging(out_dir, made_by=None, resumable=False):
             keep = False
             raise
         finally:
-            if not keep:
+            if not keep or not os.listdir(stage):  # (kept only while it holds a build to resume)
                 shutil.rmtree(stage, ignore_errors=True)
     finally:
         lock.close()
@@ -314,10 +314,15 @@ def install_corpus(out_dir, stage, index):
     index is written in the stage first: a full disk then fails before the old corpus is touched (it failed after
     the old one was deleted, with "the corpus in --out is as it was"); what follows is renames."""
     write_index(stage, index)
-    with signals_held():  # a Ctrl-C between the deletions and the last rename: the old corpus gone, the new one too
-        remove_old_shards(out_dir)
-        for name in sorted((n for n in os.listdir(stage) if n != RESUME_JOURNAL), key=lambda n: n == "index.json"):
-            os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+    try:
+        with signals_held():  # a Ctrl-C between the deletions and the last rename: the old corpus gone, the new one too
+            remove_old_shards(out_dir)
+            for name in sorted((n for n in os.listdir(stage) if n != RESUME_JOURNAL), key=lambda n: n == "index.json"):
+                os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+            if os.path.exists(os.path.join(stage, RESUME_JOURNAL)):  # (its shards are installed: nothing to resume)
+                os.remove(os.path.join(stage, RESUME_JOURNAL))
+    except KeyboardInterrupt:  # the Ctrl-C held above: "the corpus is as it was" and "re-run to resume" were wrong
+        raise KeyboardInterrupt(f"interrupted after the new corpus was installed in {out_dir}; it is complete") from None
 
 
 RESUME_JOURNAL = "resume.json"  # in a resumable stage: how far its build got (never installed with the corpus)

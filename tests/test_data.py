@@ -814,10 +814,13 @@ def test_a_full_disk_at_install_leaves_the_old_corpus(tok, tmp_path, monkeypatch
 def test_a_ctrl_c_during_install_waits_for_the_swap(tmp_path, monkeypatch):
     """Helper-72's review: a Ctrl-C between install_corpus's deletion of the old shards and its last rename left no
     corpus at all (the staged one was removed by staging()'s cleanup): hours of tokenizing, and the old corpus, lost.
-    The signal now waits for the swap, then interrupts as it would have."""
+    The signal now waits for the swap, then interrupts saying the new corpus is installed (it said "the corpus in
+    --out is as it was", and a resumable build's journal, left behind, had a re-run start over)."""
     import signal
     out = tmp_path / "c"
-    with shards.staging(str(out)) as stage:
+    with pytest.raises(KeyboardInterrupt, match=f"interrupted after the new corpus was installed in {out}; it is "
+                                                f"complete"), shards.staging(str(out), resumable=True) as stage:
+        shards.save_journal(stage, {"splits": {}})
         for i in range(3):
             open(os.path.join(stage, f"train_{i:06d}.bin"), "wb").write(b"new!")
         real, calls = os.replace, []
@@ -828,10 +831,12 @@ def test_a_ctrl_c_during_install_waits_for_the_swap(tmp_path, monkeypatch):
             if len(calls) == 2:
                 os.kill(os.getpid(), signal.SIGINT)
         monkeypatch.setattr(shards.os, "replace", replace_then_ctrl_c)
-        with pytest.raises(KeyboardInterrupt):
+        try:
             shards.install_corpus(str(out), stage, {"version": shards.INDEX_VERSION, "splits": {"train": []}})
-        monkeypatch.setattr(shards.os, "replace", real)
+        finally:
+            monkeypatch.setattr(shards.os, "replace", real)
     assert len(calls) == 5 and os.path.exists(out / "index.json")  # the staged index, three shards, the index
+    assert not os.path.exists(stage)  # nothing left to resume: no journal, no stage
     assert sorted(n for n in os.listdir(out) if n.endswith(".bin")) == [f"train_{i:06d}.bin" for i in range(3)]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 

@@ -247,7 +247,7 @@ def build(args, revision, files, stage, t0):
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:  # (a traceback): shards.staging keeps the half-built corpus for a resume
-        print("interrupted; the corpus in --out is as it was; re-run the same command to resume (--fresh: start over)",
-              file=sys.stderr)
+    except KeyboardInterrupt as e:  # (a traceback): shards.staging keeps the half-built corpus for a resume
+        print(str(e) or "interrupted; the corpus in --out is as it was; re-run the same command to resume "
+              "(--fresh: start over)", file=sys.stderr)
         sys.exit(130)

@@ -169,6 +169,6 @@ def build(args, docs, exts, total_bytes, stage, t0):
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:  # (a traceback): shards.staging has removed the half-built corpus
-        print("interrupted; the corpus in --out is as it was", file=sys.stderr)
+    except KeyboardInterrupt as e:  # (a traceback): shards.staging has removed the half-built corpus
+        print(str(e) or "interrupted; the corpus in --out is as it was", file=sys.stderr)
         sys.exit(130)

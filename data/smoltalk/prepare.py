@@ -362,6 +362,6 @@ def report_build(args, stats, splits, t0):
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:  # (a traceback): shards.staging has removed the half-built corpus
-        print("interrupted; the corpus in --out is as it was", file=sys.stderr)
+    except KeyboardInterrupt as e:  # (a traceback): shards.staging has removed the half-built corpus
+        print(str(e) or "interrupted; the corpus in --out is as it was", file=sys.stderr)
         sys.exit(130)
