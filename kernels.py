@@ -186,15 +186,18 @@ def native_int4():
             cpu = platform.processor()
         use_omp = openmp_kernels()  # else int4_loops.h's own threads (ChunkPool)
         omp = ["-fopenmp"] if use_omp else []
-        # the build dir is keyed by int4_loops.h's bytes too (int4_cpu.cpp includes it): cpp_extension rebuilds
-        # only when a source it was given changes (a missing header: the build below fails, loudly, and falls back)
-        try:
-            with open(os.path.join(here, "int4_loops.h"), "rb") as f:
-                loops = f.read()
-        except OSError:
-            loops = b""
+        # the build dir is keyed by every source's bytes (int4_loops.h too: int4_cpu.cpp includes it, and
+        # cpp_extension watches only the files it is given), so a changed source is a missing .so, said below; else
+        # cpp_extension rebuilt it silently (a pull's ~20 s without a word); a missing file: the build fails, loudly
+        code = b""
+        for part in (src, reader_src, os.path.join(here, "int4_loops.h")):
+            try:
+                with open(part, "rb") as f:
+                    code += f.read()
+            except OSError:
+                pass
         # and by this checkout's folder: two checkouts (a fork beside main, a CI clone) rebuilt over each other
-        name = ("picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__ + here).encode() + loops).hexdigest()[:10]
+        name = ("picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__ + here).encode() + code).hexdigest()[:10]
                 + ("" if use_omp else "_pool"))
         # ARM compilers name the host CPU with -mcpu (gcc and clang: dot products where the core has them)
         arch = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else ["-march=native"]
@@ -203,8 +206,8 @@ def native_int4():
         try:
             build_dir = cpp_extension._get_build_directory(name, False)
             if not os.path.exists(os.path.join(build_dir, name + ".so")):
-                print("stream_infer: compiling int4_cpu.cpp, the fast CPU int4 kernel (first use only, ~20 s)",
-                      file=sys.stderr)
+                print("stream_infer: compiling int4_cpu.cpp, the fast CPU int4 kernel (first use, and after its sources "
+                      "change; ~20 s)", file=sys.stderr)
             with build_turn(build_dir):
                 cpp_extension.load(name=name, sources=[src, reader_src], extra_cflags=["-O3"] + arch + omp,
                                    extra_ldflags=omp, is_python_module=False, verbose=False)

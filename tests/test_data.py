@@ -947,6 +947,23 @@ def test_smoltalk_prepare_full_disk_bad_caps_and_a_corpus_as_tokenizer(tok, tmp_
     assert shards.load_index(tmp_path / "local2")["tokenizer_sha256"] == ctok.hash
 
 
+def test_smoltalk_prepare_without_the_hub_names_jsonl(tok, tmp_path, monkeypatch):
+    """Offline, the SFT prepare said 'Hub unreachable ... check the network' and not the way on without it: --jsonl."""
+    import runpy
+    tok.save(tmp_path / "tok.json")
+
+    def offline(*a, **kw):
+        raise shards.StorageError("HuggingFaceTB/smol-smoltalk@main: Hub unreachable (no network); check the network "
+                                  "/ HF_ENDPOINT and retry", kind="unreachable")
+    monkeypatch.setattr(shards, "hub_dataset_files", offline)
+    monkeypatch.setattr(sys, "argv", ["prepare.py", "--tokenizer", str(tmp_path / "tok.json"), "--max-len", "64",
+                                      "--out", str(tmp_path / "sft")])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(ROOT, "data/smoltalk/prepare.py"), run_name="__main__")
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "Hub unreachable" in msg and "--jsonl FILE" in msg and "\n" not in msg, msg
+
+
 def test_smoltalk_prepare_shows_progress_on_a_terminal(tok, tmp_path):
     """Hours of Hub conversations were rendered and packed without a word until the end (the other prepares show a
     progress bar); now a bar per split, on a terminal (a pty stands in for one)."""

@@ -1313,6 +1313,31 @@ def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, capsys
     assert capsys.readouterr().err == ""
 
 
+def test_a_rebuild_after_a_source_changed_is_said(tmp_path, monkeypatch, capsys):
+    """A pull that changed int4_cpu.cpp (or expert_reader.cpp) rebuilt the extension under the old build dir's name,
+    its .so there: ~20-40 s of compiling without a word. Every source's bytes name the build now."""
+    import shutil
+    from torch.utils import cpp_extension
+    for name in ("int4_cpu.cpp", "expert_reader.cpp", "int4_loops.h"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    monkeypatch.setattr(kernels, "__file__", str(tmp_path / "kernels.py"))  # a checkout of its own
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    built = []
+
+    def fake_load(name, **kw):  # a build: the .so lands in its folder
+        built.append(name)
+        open(os.path.join(cpp_extension._get_build_directory(name, False), name + ".so"), "w").close()
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    for edit, compiles in ((None, True), (None, False), ("int4_cpu.cpp", True), ("expert_reader.cpp", True)):
+        if edit:
+            with open(tmp_path / edit, "a") as f:
+                f.write("// changed by a pull\n")
+        monkeypatch.setattr(kernels, "NATIVE", None)
+        kernels.native_int4()
+        assert ("stream_infer: compiling int4_cpu.cpp" in capsys.readouterr().err) == compiles, edit
+    assert len(set(built)) == 3
+
+
 def test_a_build_waited_on_is_said_and_a_filesystem_without_flock_still_builds(tmp_path, capsys, monkeypatch):
     """A build stopped mid-way (kill -STOP) held the flock and later loads waited on it without a word; where flock
     is refused (NFS -o nolock: ENOLCK) the native kernel was never used, with advice to install a compiler."""

@@ -271,7 +271,9 @@ def main():
     try:
         run(args)
     except (shards.StorageError, shards.DataError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        offline = getattr(e, "kind", None) == "unreachable" and not args.jsonl  # the way on without the Hub
+        sys.exit(f"error: {e}" + ("; offline, --jsonl FILE reads your own conversations (a JSON list of "
+                                  "{role, content} per line)" if offline else ""))
     except OSError as e:  # a full disk, an --out that cannot be written: the corpus there is as it was
         sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}; the corpus in --out is as it was")
 
