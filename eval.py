@@ -869,7 +869,26 @@ def evaluate(args):
                             "presence_penalty": 0.0, "frequency_penalty": 0.0,
                             "ignored_model_settings": lm.generation_settings},
                "seconds": {}}
+    made = []  # the folders this run makes for --out, deepest first: a failure that leaves them empty removes them
+    try:
+        return score_tasks(lm, args, tasks, summary, made)
+    except BaseException:
+        for d in made:
+            try:
+                os.rmdir(d)  # only an empty folder: anything written there (or by anyone else) keeps it
+            except FileNotFoundError:
+                continue  # (makedirs failed above it)
+            except OSError:
+                break
+        raise
+
+
+def score_tasks(lm, args, tasks, summary, made):
     if args.out:
+        d = os.path.abspath(args.out)
+        while not os.path.exists(d):
+            made.append(d)
+            d = os.path.dirname(d)
         try:
             os.makedirs(args.out, exist_ok=True)
             checkpoint.write_atomic_text(os.path.join(args.out, ".writable"), "")  # before hours of scoring, not after

@@ -410,6 +410,27 @@ CAUSES = {EXIT_ERROR: "error", EXIT_DATA: "corrupt data", EXIT_DENIED: "storage 
           EXIT_HANG: "hang", EXIT_CRASH: "crash"}
 
 
+def relay_store_of(out_dir):
+    """The store of the relay run a dir relay.py made trains for: a leg's LEG.json names it; "" for init's dir (only
+    relay_config.py: its step 0 is committed, then the dir deleted); None: not relay.py's dir."""
+    try:
+        return str(json.load(open(os.path.join(out_dir, "LEG.json")))["store"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "" if os.path.isfile(os.path.join(out_dir, "relay_config.py")) else None
+
+
+def next_step(out_dir):
+    """How to go on from out_dir's checkpoint. In relay.py's dirs through relay.py: a train.py resume there trains
+    steps the relay run never gets (its store holds the run)."""
+    store = relay_store_of(out_dir) if out_dir else None
+    if store:
+        return (f"a leg of the relay run {store}: relay.py pushes it (`relay.py run` does, or `relay.py push` after a "
+                f"manual `relay.py pull`); the next leg: `python relay.py run {store} --hours H`")
+    if store == "":
+        return "relay.py init commits this checkpoint as the run's start; then `python relay.py run STORE --hours H`"
+    return "resume with --init_from=resume"
+
+
 def crashed(e):
     """An unforeseen error: its traceback kept (stderr, crash report), one line saying so, exit 10 (restartable)."""
     import traceback
@@ -417,7 +438,7 @@ def crashed(e):
     sys.stderr.write(tb)
     write_crash_report("crash", EXIT_CRASH, f"{type(e).__name__}: {e}", traceback=tb)
     die(f"unexpected {type(e).__name__}: {e} (traceback above and in {_RUN_INFO.get('out_dir') or 'out_dir'}'s "
-        f"crash report); checkpoints are intact: resume with --init_from=resume", EXIT_CRASH)
+        f"crash report); checkpoints are intact: {next_step(_RUN_INFO.get('out_dir'))}", EXIT_CRASH)
 
 
 def print_or_detach(*args, **kwargs):
@@ -1291,14 +1312,14 @@ def main(argv):
         kind = "preempt" if stop["signal"] is not None else "final"
         save(kind)
     if stop["signal"] is not None:
-        log(f"{signal.Signals(stop['signal']).name}: checkpoint saved at step {st['step']}; exiting (resume with "
-            f"--init_from=resume)")
+        log(f"{signal.Signals(stop['signal']).name}: checkpoint saved at step {st['step']}; exiting ({next_step(out)})")
     elif st["finished"]:
         log(f"run finished: all {len(st['plan'])} planned stages done ({st['tokens']:,} tokens)")
     else:
         log(f"stopped at step {st['step']} ({st['tokens']:,} of {plan_tokens(st['plan']):,} planned tokens); "
-            f"the plan is not finished: resume with --init_from=resume")
-    if master and cfg["sample_tokens"] > 0 and stop["signal"] is None:
+            f"the plan is not finished: {next_step(out)}")
+    # (not in relay.py init's dir: a step-0 model's sample is noise)
+    if master and cfg["sample_tokens"] > 0 and stop["signal"] is None and relay_store_of(out) != "":
         try:
             from tokenizer import Tokenizer
             tok = Tokenizer.load(tokenizer_file)

@@ -398,6 +398,14 @@ def test_finished_tasks_are_written_when_a_later_one_fails(hf_setup, tmp_path, c
     summary = json.load(open(out / "summary.json"))
     assert list(summary["results"]) == ["piqa"] and summary["tasks_done"] == ["piqa"]
     assert "piqa" in (out / "results.md").read_text()
+    # a run that fails before writing a file leaves no empty --out behind (folders it made); one that was there stays
+    made = tmp_path / "new" / "res"
+    assert ev.main([model_dir, "--tasks", "arc_easy", "--data-dir", str(only_piqa), "--out", str(made)]) == 2
+    assert "no data file for task arc_easy" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    there = tmp_path / "there"
+    there.mkdir()
+    assert ev.main([model_dir, "--tasks", "arc_easy", "--data-dir", str(only_piqa), "--out", str(there)]) == 2
+    assert there.is_dir() and out.is_dir()
 
 
 def test_compare_marks_noise(tmp_path, capsys):
@@ -802,6 +810,7 @@ def test_ctrl_c_is_one_line_naming_the_tasks_left(hf_setup, tmp_path, capsys, mo
                     "--limit", "2"]) == 130  # none finished: nothing to go on from
     assert [line for line in capsys.readouterr().err.strip().splitlines()
             if not line.startswith("warning: task")] == ["interrupted"]
+    assert not (tmp_path / "r2").exists()  # (the empty folder its writability check made)
 
 
 def write_gsm8k_splits(root, n_train, n_test):

@@ -3,6 +3,7 @@ RelayHub), lease + fencing, contention, stale / killed holders, 5xx-after-commit
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,10 @@ def test_init_run_two_legs_status_pull(kind, tmp_path, hub, monkeypatch, rl):
     common = ["--train-script", fake, "--ttl", "3", "--heartbeat", "0.5"]
     r = relay_cli(["run", url, "--steps", "7", "--workdir", tmp_path / "wa", *common], env)
     assert r.returncode == 0, r.stderr
+    leg1 = tmp_path / "wa" / "leg-0001-gen1"  # pushed, kept till the next run: the leg's last line says so
+    assert re.search(rf"relay: {re.escape(str(leg1))} \(\d+\.\d MiB\) stays on disk until the next `relay.py run` "
+                     rf"from this workdir removes it .*; to free it now: rm -r {re.escape(str(leg1))}\n", r.stdout), r.stdout
+    assert leg1.is_dir()
     r = relay_cli(["run", url, "--steps", "4", "--workdir", tmp_path / "wb", *common], dict(env, RELAY_WHO="bob"))
     assert r.returncode == 0, r.stderr
     r = relay_cli(["status", url, "--json"], env)
@@ -122,6 +127,9 @@ def test_init_run_two_legs_status_pull(kind, tmp_path, hub, monkeypatch, rl):
     d = relay_dashboard.dashboard_data(url)  # what the dashboard page is built from, read through the same store
     assert [m["step"] for m in d["metrics"]] == list(range(1, 12)) and len(d["ledger"]) == 2
     assert d["baton"]["holder"] is None and d["state"]["step"] == 11
+    if kind == "file":  # as that line said: the next run from its workdir removes the pushed leg's folder
+        assert relay_cli(["run", url, "--steps", "1", "--workdir", tmp_path / "wa", *common], env).returncode == 0
+        assert not leg1.exists()
 
 
 def contention_worker_src():
@@ -922,13 +930,19 @@ def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
     url = f"file://{tmp_path}/store"
     tiny = ["--vocab_size=320", "--n_layer=3", "--d_model=32", "--n_head=4", "--n_kv_head=1", "--dense_ffn=64",
             "--n_experts=8", "--expert_ffn=16", "--n_shared=1", "--max_seq_len=64", "--batch_size=4", "--seq_len=32",
-            "--sample_tokens=0", "--log_interval=1", "--eval_iters=2", "--eval_interval=2", "--max_iters=40",
+            "--log_interval=1", "--eval_iters=2", "--eval_interval=2", "--max_iters=40",
             "--warmup_iters=2", f"--data_root={data}", "--gpu_hourly_usd=3600.0"]
-    r = rl(["init", url, os.path.join(ROOT, "config", "tiny.py"), *tiny, "--workdir", tmp_path / "w0"])
+    # the trainer's own lines (its stdout is relay's) name relay.py's next step, not a train.py resume of a dir
+    # relay deletes or pushes; init's step-0 model prints no sample (noise), a leg's does
+    r = relay_cli(["init", url, os.path.join(ROOT, "config", "tiny.py"), *tiny, "--workdir", tmp_path / "w0"], base_env())
     assert r.returncode == 0, r.stderr
+    assert "relay.py init commits this checkpoint as the run's start" in r.stdout and "sample:" not in r.stdout
+    assert f"`python relay.py run {url} --hours H`" in r.stdout and "--init_from=resume" not in r.stdout + r.stderr
     assert rl(["decay", url]).returncode == 0
-    r = rl(["run", url, "--steps", "3", "--workdir", tmp_path / "wa", "--device=cpu", "--supervise"])
+    r = relay_cli(["run", url, "--steps", "3", "--workdir", tmp_path / "wa", "--device=cpu", "--supervise"], base_env())
     assert r.returncode == 0, r.stderr
+    assert f"a leg of the relay run {url}: relay.py pushes it" in r.stdout, r.stdout
+    assert "sample:" in r.stdout and "--init_from=resume" not in r.stdout + r.stderr
     g = json.load(open(tmp_path / "wa" / "leg-0001-gen1" / "guardian.json"))  # the leg ran under the guardian
     assert g["status"] == "done (the leg's limit)" and len(g["starts"]) == 1 and g["starts"][0]["checkpoint_step_at_end"] == 3
     store = relay.open_store(url)
