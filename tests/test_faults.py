@@ -39,6 +39,16 @@ def data_root(tmp_path_factory):
     return make_corpus(tmp_path_factory.mktemp("data"))
 
 
+@pytest.fixture(scope="module")
+def ten_steps_mirrored(data_root, tmp_path_factory):
+    """10 steps (checkpoints 5 and 10) in run/, mirrored to mirror/, trained once: the mirror tests each take a copy."""
+    d = tmp_path_factory.mktemp("ten_steps_mirrored")
+    assert train([f"--data_root={data_root}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000",
+                  f"--mirror_dir={d / 'mirror'}", "--keep_last=10", f"--out_dir={d / 'run'}", "--ckpt_interval=5",
+                  "--stop_after_steps=10"]).returncode == 0
+    return str(d)
+
+
 def train(args, env=ENV, **kw):
     return subprocess.run([sys.executable, "train.py", *TINY, *args], cwd=REPO, capture_output=True, text=True,
                           env=env, **kw)
@@ -162,7 +172,7 @@ def test_a_long_evaluation_is_not_a_hang(data_root, tmp_path):
     """Helper-55's review: the watchdog heard nothing during an evaluation, so eval_iters batches of a big model
     that together outlasted hang_timeout ended the run with exit 8 at its first evaluation, and at every restart."""
     r = train([f"--data_root={data_root}", f"--out_dir={tmp_path / 'run'}", "--max_iters=3", "--warmup_iters=1",
-               "--eval_interval=2", "--eval_iters=4", "--hang_timeout=2"], env=dict(ENV, PICAFLOR_INJECT_EVAL_BATCH_S="0.9"),
+               "--eval_interval=2", "--eval_iters=3", "--hang_timeout=2"], env=dict(ENV, PICAFLOR_INJECT_EVAL_BATCH_S="0.9"),
               timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert [m["val_loss"] for m in metrics(str(tmp_path / "run")).values() if m.get("val_loss") is not None]
@@ -878,7 +888,8 @@ def test_a_corrupt_newest_step_is_set_aside_so_retention_keeps_the_new_ones(data
     assert aside == ["step_0000010"]  # kept whole for a look, out of the way
 
 
-def test_a_corrupt_newest_step_comes_back_from_the_mirror_and_a_rollback_sets_the_mirrors_aside(data_root, tmp_path):
+def test_a_corrupt_newest_step_comes_back_from_the_mirror_and_a_rollback_sets_the_mirrors_aside(data_root, tmp_path,
+                                                                                             ten_steps_mirrored):
     """The mirror's copy of a newest step that fails here verifies: it is this timeline's newest, copied back and
     resumed (it was set aside with the corrupt one: hidden, and the work redone). A rollback into a fresh out_dir
     from the mirror sets the mirror's later steps aside (only out_dir's were: the mirror's newest was the old
@@ -886,7 +897,8 @@ def test_a_corrupt_newest_step_comes_back_from_the_mirror_and_a_rollback_sets_th
     out, mirror = str(tmp_path / "run"), str(tmp_path / "mirror")
     common = [f"--data_root={data_root}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000",
               f"--mirror_dir={mirror}", "--keep_last=10"]
-    assert train(common + [f"--out_dir={out}", "--ckpt_interval=5", "--stop_after_steps=10"]).returncode == 0
+    for name in ("run", "mirror"):
+        shutil.copytree(os.path.join(ten_steps_mirrored, name), tmp_path / name)
     with open(os.path.join(out, "step_0000010", "model.safetensors"), "r+b") as f:
         f.seek(-100, os.SEEK_END)
         b = f.read(1)
@@ -1048,7 +1060,7 @@ def test_a_checkpoint_unreadable_while_hashed_or_a_denied_run_dir_is_a_storage_e
                                      f"or pass another --out_dir"), r.stderr[-3000:]
 
 
-def test_only_the_same_checkpoint_comes_back_from_the_mirror(data_root, tmp_path):
+def test_only_the_same_checkpoint_comes_back_from_the_mirror(data_root, tmp_path, ten_steps_mirrored):
     """The mirror's newest valid step was copied back whatever it was: another run's sharing the mirror, or the old
     timeline's after a rollback the mirror missed, was resumed as this run's. Only a copy with the very manifest of
     the step that fails here comes back."""
@@ -1056,7 +1068,8 @@ def test_only_the_same_checkpoint_comes_back_from_the_mirror(data_root, tmp_path
     out, other, mirror = str(tmp_path / "run"), str(tmp_path / "other"), str(tmp_path / "mirror")
     common = [f"--data_root={data_root}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000", "--keep_last=10",
               "--ckpt_interval=5", "--stop_after_steps=10"]
-    assert train(common + [f"--out_dir={out}", f"--mirror_dir={mirror}"]).returncode == 0
+    for name, to in (("run", out), ("mirror", mirror)):
+        shutil.copytree(os.path.join(ten_steps_mirrored, name), to)
     assert train(common + [f"--out_dir={other}", "--seed=7"]).returncode == 0
     shutil.rmtree(os.path.join(mirror, "step_0000010"))  # the mirror's step 10 is now another run's, valid there
     shutil.copytree(os.path.join(other, "step_0000010"), os.path.join(mirror, "step_0000010"))

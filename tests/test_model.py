@@ -579,7 +579,7 @@ def test_checkpoint_of_another_config_is_one_checkpoint_error(tmp_path):
             M.load_checkpoint(path)
 
 
-def test_model_cli_and_config_checks(tmp_path):
+def test_model_cli_and_config_checks(tmp_path, monkeypatch, capsys):
     """python model.py CONFIG: a typo of a model field printed the defaults' counts; a missing file or a bad shape
     was a traceback. n_shared=0 built a model the HF export cannot write (HF reads 0 as its dense width)."""
     with pytest.raises(ValueError, match="n_shared=0 must be at least 1"):
@@ -590,10 +590,18 @@ def test_model_cli_and_config_checks(tmp_path):
     bad.write_text("n_head = 5\n")
     float_layers = tmp_path / "float.py"  # a field of another type was a TypeError traceback (or a compare's)
     float_layers.write_text("n_layer = 4.5\n")
-    for path, words in [(typo, "n_layers (did you mean n_layer?)"), (tmp_path / "nope.py", "No such file"),
-                        (bad, "not divisible by n_head=5"), (float_layers, "n_layer must be an int")]:
-        r = subprocess.run([sys.executable, os.path.join(repo, "model.py"), str(path)], capture_output=True, text=True)
-        assert r.returncode != 0 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    cases = [(typo, "n_layers (did you mean n_layer?)"), (tmp_path / "nope.py", "No such file"),
+             (bad, "not divisible by n_head=5"), (float_layers, "n_layer must be an int")]
+    r = subprocess.run([sys.executable, os.path.join(repo, "model.py"), str(typo)], capture_output=True, text=True)
+    assert r.returncode != 0 and cases[0][1] in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    import runpy  # the rest in this process (a subprocess spends ~2 s importing torch only to refuse its file)
+    for path, words in cases[1:]:
+        monkeypatch.setattr(sys, "argv", ["model.py", str(path)])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as ei:
+            runpy.run_path(os.path.join(repo, "model.py"), run_name="__main__")
+        msg = ei.value.code  # a str: exit 1, printed alone on stderr
+        assert isinstance(msg, str) and words in msg and "\n" not in msg and not capsys.readouterr().err, msg
 
 
 def test_device_problem_names_what_cannot_run_here(monkeypatch):

@@ -1170,7 +1170,7 @@ def lost_answers_store(path):
     return LostAnswers(path)
 
 
-def test_a_renewal_whose_answer_was_lost_is_ours_not_a_fence(tmp_path):
+def test_a_renewal_whose_answer_was_lost_is_ours_not_a_fence(tmp_path, no_backoff):
     """A heartbeat lands, then the store answers nothing long enough that relay cannot tell: the next renewal was
     refused (the head moved: by that heartbeat) and taken for another contributor's claim, which stopped the leg
     and left a ghost holder. Its write_id, recorded first, says it was ours; `claim` from the same workdir finds

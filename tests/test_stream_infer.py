@@ -8,6 +8,7 @@ import subprocess
 import signal
 import time
 import sys
+import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -498,7 +499,7 @@ print("exiting")
     assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
-def test_decode_profile_script(tiny, tmp_path):
+def test_decode_profile_script(tiny, tmp_path, monkeypatch, capsys):
     """bench/decode_profile.py runs on a container and splits a token's time into its parts (the per-op lines sum
     to no more than the token); a missing container is one line and a non-zero exit."""
     m, path = tiny
@@ -515,12 +516,40 @@ def test_decode_profile_script(tiny, tmp_path):
     # the token is printed to 0.1 ms (+-0.05) and each part to 0.01 (+-0.005): 0.05 alone flaked at 1.35 vs 1.3
     assert sum(parts.values()) == pytest.approx(token_ms, abs=0.05 + 4 * 0.005 + 1e-9)
     assert "swiglu_mix" in r.stdout and "attn_block" in r.stdout
-    r = subprocess.run([sys.executable, script, str(tmp_path / "nope.pcf4"), "--ram-budget", "1G"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "no such container" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    decode_profile = bench_script("decode_profile")
+    assert "no such container" in refusal(decode_profile, [tmp_path / "nope.pcf4", "--ram-budget", "1G"], monkeypatch,
+                                          capsys)
 
 
-def test_token_ab_script(tiny, tmp_path):
+def bench_script(name):
+    """bench/NAME.py as a module: its main() run here, where torch is imported already (a subprocess spends ~2 s
+    importing it only to refuse its arguments)."""
+    import importlib.util
+    from unittest import mock
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    with mock.patch.dict(os.environ):  # (token_ab's OMP_WAIT_POLICY, set at import, reached every later subprocess)
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def refusal(mod, args, monkeypatch, capsys):
+    """mod.main() on these arguments: the message it exits with (a non-zero exit), after checking it is one line and
+    all that was printed to stderr."""
+    monkeypatch.setattr(sys, "argv", [mod.__file__, *map(str, args)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ei, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")  # what the script's own process would print: a second line of its stderr
+        for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", quiet)  # (Python's defaults)
+        mod.main()
+    msg = ei.value.code
+    assert isinstance(msg, str) and "\n" not in msg.strip() and not capsys.readouterr().err, msg  # str: exit 1
+    assert not warned, [str(w.message) for w in warned]
+    return msg
+
+
+def test_token_ab_script(tiny, tmp_path, monkeypatch, capsys):
     """bench/token_ab.py alternates a cache setting every decode token: each value gets its share of the tokens
     (the first value of each prompt rotates); a malformed --set is one line and a non-zero exit."""
     m, path = tiny
@@ -534,15 +563,10 @@ def test_token_ab_script(tiny, tmp_path):
                         "--tokens", "5"], capture_output=True, text=True, timeout=300)  # an engine setting
     assert r.returncode == 0 and re.search(r"prefetch=False: 2 tokens.*guesses 0\.00 a token", r.stdout), r.stdout
     assert "prefetch=True: 2 tokens" in r.stdout, r.stdout
+    token_ab = bench_script("token_ab")
     for args, msg in ((["--set", "n_parts=4"], "at least two values"),
                       (["--set", "n_parts=1,2", "--prompts", "1", "--tokens", "2"], "one decode token per value")):
-        r = subprocess.run([sys.executable, script, path, "--ram-budget", "4G", *args],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("token_ab", script)
-    token_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(token_ab)
+        assert msg in refusal(token_ab, [path, "--ram-budget", "4G", *args], monkeypatch, capsys)
     assert token_ab.parse_set("native_reads=1,0") == ("native_reads", [True, False])
     assert token_ab.parse_set("prefetch=0,true") == ("prefetch", [False, True])
     for bad, msg in (("budget=1,2", "NAME one of"), ("n_parts=a,b", "positive int"), ("n_parts=0,2", "positive int"),
@@ -551,17 +575,19 @@ def test_token_ab_script(tiny, tmp_path):
             token_ab.parse_set(bad)
 
 
-def test_cache_replay_cli_bad_input(tmp_path):
-    """bench/cache_replay.py: a missing container or a malformed list is one line and a non-zero exit."""
+def test_cache_replay_cli_bad_input(tmp_path, monkeypatch, capsys):
+    """bench/cache_replay.py: a missing container or a malformed list is one line and a non-zero exit (the script
+    itself once, the rest its main() here)."""
     script = os.path.join(ROOT, "bench", "cache_replay.py")
-    for args, msg in (([str(tmp_path / "nope.pcf4")], "no such container"),
-                      ([str(tmp_path), "--capacities", "3,x"], "comma-separated numbers"),
-                      ([str(tmp_path), "--decays", "1.5"], "--decays in [0, 1)")):
-        r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = subprocess.run([sys.executable, script, str(tmp_path / "nope.pcf4")], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no such container" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    cache_replay = bench_script("cache_replay")
+    for args, msg in (([tmp_path, "--capacities", "3,x"], "comma-separated numbers"),
+                      ([tmp_path, "--decays", "1.5"], "--decays in [0, 1)")):
+        assert msg in refusal(cache_replay, args, monkeypatch, capsys)
 
 
-def test_route_guess_names_the_next_layers_picks(tmp_path):
+def test_route_guess_names_the_next_layers_picks(tmp_path, monkeypatch, capsys):
     """bench/route_guess.py: where nothing changes the hidden state between two MoE layers (attention and experts
     write zeros, norms alike) the next router on this layer's input names every pick; a router whose bias favours
     two experts makes them the popular guess; a config file measures its random model alone."""
@@ -595,9 +621,7 @@ def test_route_guess_names_the_next_layers_picks(tmp_path):
     (tmp_path / "bad.py").write_text("n_layer = 'x'\n")
     for source, msg in ((tmp_path / "nope", "no such checkpoint or config"), (tmp_path / "run", "no valid checkpoint"),
                         (tmp_path / "bad.py", "bad.py")):
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "route_guess.py"), str(source)],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert msg in refusal(route_guess, [source], monkeypatch, capsys)
 
 
 def test_prefetch_oracle_guesses_from_the_recorded_future(tiny):
@@ -1505,13 +1529,20 @@ print("ok")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
-def test_gpu_check_script_on_the_interpreter(tiny, tmp_path):
+def test_gpu_check_script_on_the_interpreter(tmp_path, monkeypatch, capsys):
     """bench/gpu_check.py (the CUDA path's one-run check for a machine with a GPU) runs its correctness part on CPU
     under TRITON_INTERPRET=1 and passes: an engine on the Triton kernel (every int4 projection, prefill and decode;
     the int8 lm_head dequantized once) against one on the reference kernel, hidden states and logits within 1e-3
     (1e-7 measured here), greedy tokens equal, also with experts streamed through a quarter-size cache. Without CUDA,
-    or on CPU without the interpreter, it says so in one line."""
-    m, path = tiny
+    or on CPU without the interpreter, it says so in one line. On a container narrower than tiny's: the interpreter
+    runs each kernel program in Python (22 s on tiny, 5 s here)."""
+    torch.manual_seed(0)
+    small = Picaflor(ModelConfig(**dict(CFG, n_layer=3, d_model=32, n_head=2, n_kv_head=1, dense_ffn=64, expert_ffn=32)))
+    with torch.no_grad():
+        for moe in small.moe_layers():
+            moe.e_score_correction_bias.normal_(0, 0.02)
+    path = str(tmp_path / "narrow.pcf4")
+    C.write_container(save_checkpoint(small, str(tmp_path / "run"), 1), path, group_size=32, progress=False)
     script = os.path.join(ROOT, "bench", "gpu_check.py")
     out = tmp_path / "gc.json"
     r = subprocess.run([sys.executable, script, "--container", path, "--device", "cpu", "--tokens", "2", "--prompt-tokens",
@@ -1523,14 +1554,11 @@ def test_gpu_check_script_on_the_interpreter(tiny, tmp_path):
     assert res["ok"] and eng["greedy_equal"] and eng["streamed_greedy_equal"] and len(eng["greedy_ref"]) == 2
     assert eng["streamed_misses"] > 8 and max(eng["hidden_rel_err"], eng["logits_rel_err"]) < 1e-5
     assert all(row["rel_err"] < 1e-3 for row in res["kernels"]) and len(res["kernels"]) == 2
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cases = [(a, msg) for a, msg in ((["--device", "cuda"], "no CUDA device"), (["--device", "cpu"], "TRITON_INTERPRET=1"))
-             if not (msg == "no CUDA device" and torch.cuda.is_available())]
-    procs = [subprocess.Popen([sys.executable, script, "--container", path, *a], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for a, _ in cases]  # at once: 2 cores
-    for p, (_, msg) in zip(procs, cases):
-        err = p.communicate(timeout=120)[1]
-        assert p.returncode != 0 and msg in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gpu_check = bench_script("gpu_check")
+    for a, msg in ((["--device", "cuda"], "no CUDA device"), (["--device", "cpu"], "TRITON_INTERPRET=1")):
+        if not (msg == "no CUDA device" and torch.cuda.is_available()):
+            assert msg in refusal(gpu_check, ["--container", path, *a], monkeypatch, capsys)
 
 
 def test_triton_tune_script_on_the_interpreter(tmp_path):
@@ -2132,7 +2160,7 @@ def test_bench_result_fields_and_lru_policy(tiny, capsys):
     assert B.strip_args(["m", "--sweep", "1G,2G", "--bench", "--json=x"], {"--sweep", "--json"}, {"--bench"}) == ["m"]
 
 
-def test_vs_llamacpp_budgets_and_bad_input(tmp_path):
+def test_vs_llamacpp_budgets_and_bad_input(tmp_path, monkeypatch, capsys):
     """bench/vs_llamacpp.py: budgets as % of the container, 'none' or sizes; a missing container is one line."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import vs_llamacpp as V
@@ -2149,13 +2177,9 @@ def test_vs_llamacpp_budgets_and_bad_input(tmp_path):
     # a second llama.cpp build must be a folder holding the llama_cpp package: one line naming the flag
     box = tmp_path / "box.pcf4"
     box.write_bytes(b"x")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vs_llamacpp.py"), str(box), "--llama-builds",
-                        f"noamx={tmp_path}"], capture_output=True, text=True)
-    assert r.returncode != 0 and "--llama-builds" in r.stderr and "llama_cpp package" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vs_llamacpp.py"), str(box), "--budgets", "2X"],
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and "'2X'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    msg = refusal(V, [box, "--llama-builds", f"noamx={tmp_path}"], monkeypatch, capsys)
+    assert "--llama-builds" in msg and "llama_cpp package" in msg
+    assert "'2X'" in refusal(V, [box, "--budgets", "2X"], monkeypatch, capsys)
     assert V.exit_reason(-9, "", True) == "killed (out of memory in the cgroup)"
     assert V.exit_reason(-11, "", True) == "crashed (SIGSEGV)" and "OOM" not in V.exit_reason(-9, "", False)
 

@@ -669,6 +669,14 @@ def test_a_replan_keeps_every_stage_of_a_started_on_demand_decay(data_root, tmp_
     assert m[11]["lr"] == pytest.approx(1e-4) and m[8]["lr"] < m[7]["lr"]
 
 
+@pytest.fixture(scope="module")
+def two_of_four_steps(data_root, tmp_path_factory):
+    """2 steps of a 4-step plan, trained once: the bad-input cases that need a run each start from a copy of it."""
+    out = str(tmp_path_factory.mktemp("two_of_four_steps") / "run")
+    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1", "--stop_after_steps=2"])
+    return out
+
+
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
                                   "too_big", "zero_interval", "scratch_over_a_run", "status_of_a_damaged_step",
                                   "zero_batch_size", "zero_grad_accum", "seq_len_over_max", "lr_mult_typo", "cuda_index",
@@ -678,9 +686,11 @@ def test_a_replan_keeps_every_stage_of_a_started_on_demand_decay(data_root, tmp_
                                   "file_edits_a_default_in_place",
                                   "resume_a_step_without_state", "quarantine_typo", "finetune_from_unread",
                                   "grow_from_unread", "resume_another_runs_step", "finetune_from_stateless"])
-def test_bad_input_one_line_errors(data_root, tmp_path, case):
+def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
+    if case in ("corrupt_checkpoint", "resume_another_runs_step"):  # (only these train: the fixture, built once)
+        two_of_four_steps = request.getfixturevalue("two_of_four_steps")
     if case == "syntax":
         bad = tmp_path / "bad.py"
         bad.write_text("batch_size = (\n")
@@ -715,7 +725,7 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
     elif case == "resume_another_runs_step":  # another run's step resumed in out_dir: out_dir's steps set aside
         other = str(tmp_path / "other")
         run(args + ["--stop_after_steps=1", f"--out_dir={other}"])
-        run(args + ["--stop_after_steps=2"])
+        shutil.copytree(two_of_four_steps, out)
         before = sorted(n for n in os.listdir(out) if n.startswith("step_"))
         args = args + ["--init_from=resume", f"--resume_from={checkpoint.latest_valid(other)}"]
     elif case == "quarantine_typo":  # quarantined nothing, while the log said the shard was skipped
@@ -723,7 +733,6 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
     elif case == "shard_list":  # a TypeError traceback when the quarantine was applied (exit 10: restarted)
         args = args + ["--quarantine_shards=[3]"]
     elif case == "swapped_tokenizer":  # another corpus's tokenizer.json: trained, and copied into every checkpoint
-        import shutil
         shutil.copytree(os.path.join(data_root, "local"), tmp_path / "data" / "local")
         tok_file = tmp_path / "data" / "local" / "tokenizer.json"
         tok_file.write_text(json.dumps(json.loads(tok_file.read_text()), indent=2))  # other bytes, still a tokenizer
@@ -769,7 +778,7 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case):
         checkpoint.save(out, 2, {"model.safetensors": lambda p: open(p, "w").write("x")})
         args = ["--status", os.path.join(out, "step_0000002")]
     elif case == "corrupt_checkpoint":
-        run(args + ["--stop_after_steps=2"])
+        shutil.copytree(two_of_four_steps, out)
         for name in os.listdir(out):  # every checkpoint corrupt (resume skips a bad newest one for an older valid one)
             if name.startswith("step_"):
                 f = os.path.join(out, name, "model.safetensors")
