@@ -870,8 +870,12 @@ def evaluate(args):
                             "ignored_model_settings": lm.generation_settings},
                "seconds": {}}
     made = []  # the folders this run makes for --out, deepest first: a failure that leaves them empty removes them
+    d = os.path.abspath(args.out) if args.out else None
+    while d and not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
     try:
-        return score_tasks(lm, args, tasks, summary, made)
+        return score_tasks(lm, args, tasks, summary)
     except BaseException:
         for d in made:
             try:
@@ -883,12 +887,8 @@ def evaluate(args):
         raise
 
 
-def score_tasks(lm, args, tasks, summary, made):
+def score_tasks(lm, args, tasks, summary):
     if args.out:
-        d = os.path.abspath(args.out)
-        while not os.path.exists(d):
-            made.append(d)
-            d = os.path.dirname(d)
         try:
             os.makedirs(args.out, exist_ok=True)
             checkpoint.write_atomic_text(os.path.join(args.out, ".writable"), "")  # before hours of scoring, not after

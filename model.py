@@ -97,14 +97,18 @@ class ModelConfig:
         return self
 
     @classmethod
+    def missing_keys(cls, d):
+        """The fields a config dict does not name, sorted (a saved one must name every field)."""
+        return sorted({f.name for f in fields(cls)} - set(d))
+
+    @classmethod
     def from_dict(cls, d, complete=False):
         """complete: d is a saved config (state.json), which must name every field; a default standing in for a
         missing one (rope_theta, norm_eps, route_scale) gave other logits without a word."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown model config keys {unknown}")
-        missing = sorted(known - set(d)) if complete else []
+        missing = cls.missing_keys(d) if complete else []
         if missing:
             raise ValueError(f"model config lacks keys {missing}")
         return cls(**d).validate()

@@ -362,8 +362,8 @@ def resume_journal(stage, key, fresh=False, fields=()):
             for e in (e for es in (journal or {"splits": {}})["splits"].values() for e in es):
                 shard = os.path.join(stage, e["file"])
                 st = _stat(shard)
-                why = ("missing" if st is None else f"{st.st_size} bytes, not {2 * e['tokens']}"
-                       if st.st_size != 2 * e["tokens"] else "sha256 differs" if sha256_file(shard) != e["sha256"]
+                want = e["tokens"] * SHARD_DTYPE.itemsize
+                why = ("missing" if st is None else f"{st.st_size} bytes, not {want}" if st.st_size != want else "sha256 differs" if sha256_file(shard) != e["sha256"]
                        else None)
                 if why:
                     journal, note = None, f"{shard}: {why} (its journal lists it); starting over"

@@ -171,7 +171,7 @@ def stored_model_config(ck, state):
     the config's or the default's value and trained another model without a word (RESUME_CONFIG_WINS may be absent)."""
     from model import ModelConfig
     stored = state["model_config"]
-    missing = sorted({f.name for f in fields(ModelConfig)} - set(stored) - set(RESUME_CONFIG_WINS))
+    missing = [k for k in ModelConfig.missing_keys(stored) if k not in RESUME_CONFIG_WINS]
     if missing:
         raise TrainError(f"{ck}/state.json: its model_config lacks {missing}; use the picaflor that wrote it")
     return stored
@@ -771,8 +771,8 @@ def main(argv):
         plan = build_plan(cfg, tokens_per_step, refuse_short=state is None or flags["--replan"])
     except PlanError as e:
         raise TrainError(str(e)) from None
-    if no_decay_note(cfg) and state is None:  # (a resume keeps its stored plan: said at its start)
-        log(no_decay_note(cfg))
+    if state is None and (note := no_decay_note(cfg)):  # (a resume keeps its stored plan: said at its start)
+        log(note)
     if state is not None:
         stored = state["plan"]
         if state.get("config_stages") != cfg["stages"] or stored_plan_differs(state, cfg):

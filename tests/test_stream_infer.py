@@ -40,18 +40,21 @@ CFG = dict(vocab_size=300, n_layer=4, n_dense_layers=1, d_model=64, n_head=4, n_
            n_experts=16, expert_ffn=64, n_shared=1, top_k=2, max_seq_len=128)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("si")
+def random_container(tmp, name, cfg):
+    """A random model of cfg (seed 0, router biases spread as training leaves them) and its container tmp/name.pcf4."""
     torch.manual_seed(0)
-    m = Picaflor(ModelConfig(**CFG))
+    m = Picaflor(ModelConfig(**cfg))
     with torch.no_grad():
         for moe in m.moe_layers():
             moe.e_score_correction_bias.normal_(0, 0.02)
-    ck = save_checkpoint(m, str(tmp / "run"), 1)
-    path = str(tmp / "tiny.pcf4")
-    C.write_container(ck, path, group_size=32, progress=False)
+    path = str(tmp / f"{name}.pcf4")
+    C.write_container(save_checkpoint(m, str(tmp / "run"), 1), path, group_size=32, progress=False)
     return m, path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return random_container(tmp_path_factory.mktemp("si"), "tiny", CFG)
 
 
 def test_engine_equals_dequantized_model(tiny):
@@ -1536,13 +1539,8 @@ def test_gpu_check_script_on_the_interpreter(tmp_path, monkeypatch, capsys):
     (1e-7 measured here), greedy tokens equal, also with experts streamed through a quarter-size cache. Without CUDA,
     or on CPU without the interpreter, it says so in one line. On a container narrower than tiny's: the interpreter
     runs each kernel program in Python (22 s on tiny, 5 s here)."""
-    torch.manual_seed(0)
-    small = Picaflor(ModelConfig(**dict(CFG, n_layer=3, d_model=32, n_head=2, n_kv_head=1, dense_ffn=64, expert_ffn=32)))
-    with torch.no_grad():
-        for moe in small.moe_layers():
-            moe.e_score_correction_bias.normal_(0, 0.02)
-    path = str(tmp_path / "narrow.pcf4")
-    C.write_container(save_checkpoint(small, str(tmp_path / "run"), 1), path, group_size=32, progress=False)
+    _, path = random_container(tmp_path, "narrow", dict(CFG, n_layer=3, d_model=32, n_head=2, n_kv_head=1, dense_ffn=64,
+                                                        expert_ffn=32))
     script = os.path.join(ROOT, "bench", "gpu_check.py")
     out = tmp_path / "gc.json"
     r = subprocess.run([sys.executable, script, "--container", path, "--device", "cpu", "--tokens", "2", "--prompt-tokens",
