@@ -1,5 +1,5 @@
-// expert_reader.cpp: stream_infer's expert reads on C++ threads, off Python. Built with int4_cpu.cpp into one
-// extension (stream_infer.native_int4()); its ops join the same torch.ops namespace.
+// expert_reader.cpp: stream_infer's expert reads on C++ threads, off Python. Included by int4_cpu.cpp, so built
+// into its extension (kernels.native_int4()); its ops join the same torch.ops namespace.
 //
 // Why: with Python reader threads, a miss cost the decoding thread ~0.5 ms of Python (4 ThreadPoolExecutor
 // submits and futures, ~145 us alone) and the GIL hops between 5 threads on 2 cores: a reader holding the GIL
@@ -12,7 +12,7 @@
 
 #ifndef PICAFLOR_NO_TORCH  // tests/int4_cpu_harness.cpp: the crc32 alone, without torch
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #endif
 
 #if defined(__unix__) || defined(__APPLE__)  // pread, pthreads; elsewhere no ops: stream_infer's Python readers

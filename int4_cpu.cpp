@@ -1,12 +1,17 @@
 // int4_cpu.cpp: stream_infer's native CPU ops over int4_loops.h's loops: the int4 and int8 matmuls (int4_mm,
 // int8_mm), and the decode step's small ops in one call each (rms_norm, attn_decode, attn_block, swiglu_ffn,
 // swiglu_mix, route) plus the expert cache's score bookkeeping. Built on first use by stream_infer.native_int4()
-// (torch.utils.cpp_extension, -O3 -march=native, or -mcpu=native on ARM, cached) with expert_reader.cpp.
+// (torch.utils.cpp_extension, -O3 -march=native, or -mcpu=native on ARM, cached) with expert_reader.cpp, which it
+// includes at its end: one translation unit parses torch's headers once (a build: ~12 s of CPU, not ~24).
 
 #include <cmath>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <ATen/ATen.h>
+// the ops used, not <ATen/ATen.h>: every op's header took ~3 s more per build
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 
 #include "int4_loops.h"
 
@@ -490,3 +495,5 @@ TORCH_LIBRARY(picaflor_int4, m) {
   m.def("observe_scores(Tensor(a!) row, Tensor keys, float decay, bool first) -> ()", &observe_scores);
   m.def("score_victim(Tensor score, Tensor stamp, int[] protect) -> int", &score_victim);
 }
+
+#include "expert_reader.cpp"  // its reader ops, in this translation unit (see the top)

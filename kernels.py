@@ -3,7 +3,7 @@ kernels: int4 and int8 matmuls over an int4 container's bytes as container.py st
 stream_infer.py builds from them (QLinear, QEmbedding); stream_infer picks one with `--kernel` (auto: native on a
 CPU with its integer loops, else int4pack; triton on CUDA).
 
-- native (CPU): int4_cpu.cpp, compiled on first use (g++ and ninja; ~20 s, cached), reads the container's bytes as
+- native (CPU): int4_cpu.cpp, compiled on first use (g++ and ninja; ~15 s, cached), reads the container's bytes as
   they are. On AVX2 it quantizes activations per group to int8 and multiplies integers, as llama.cpp's Q4_0 x Q8_0
   kernels do (relative error ~0.6% on random activations, the size of bf16 rounding), 512 bits wide where the
   compiler targets AVX-512BW (the same integer sums, bit for bit; +11% cold and +40% hot on 2 threads here), and
@@ -170,7 +170,7 @@ NATIVE = None
 
 def native_int4():
     """torch.ops of int4_cpu.cpp (the fast CPU int4 matmul, over int4_loops.h's loops), compiled on first use
-    (~20 s, then cached under ~/.cache/torch_extensions, rebuilt when the source changes) or None when it cannot be
+    (~15 s, then cached under ~/.cache/torch_extensions, rebuilt when the source changes) or None when it cannot be
     built here."""
     global NATIVE
     if NATIVE is None:
@@ -186,9 +186,9 @@ def native_int4():
             cpu = platform.processor()
         use_omp = openmp_kernels()  # else int4_loops.h's own threads (ChunkPool)
         omp = ["-fopenmp"] if use_omp else []
-        # the build dir is keyed by every source's bytes (int4_loops.h too: int4_cpu.cpp includes it, and
-        # cpp_extension watches only the files it is given), so a changed source is a missing .so, said below; else
-        # cpp_extension rebuilt it silently (a pull's ~20 s without a word); a missing file: the build fails, loudly
+        # the build dir is keyed by every source's bytes (int4_loops.h and expert_reader.cpp too: int4_cpu.cpp includes
+        # them, and cpp_extension watches only the file it is given), so a changed source is a missing .so, said below;
+        # else cpp_extension rebuilt it silently (a pull's ~15 s without a word); a missing file: the build fails, loudly
         code = b""
         for part in (src, reader_src, os.path.join(here, "int4_loops.h")):
             try:
@@ -207,9 +207,9 @@ def native_int4():
             build_dir = cpp_extension._get_build_directory(name, False)
             if not os.path.exists(os.path.join(build_dir, name + ".so")):
                 print("stream_infer: compiling int4_cpu.cpp, the fast CPU int4 kernel (first use, and after its sources "
-                      "change; ~20 s)", file=sys.stderr)
+                      "change; ~15 s)", file=sys.stderr)
             with build_turn(build_dir):
-                cpp_extension.load(name=name, sources=[src, reader_src], extra_cflags=["-O3"] + arch + omp,
+                cpp_extension.load(name=name, sources=[src], extra_cflags=["-O3"] + arch + omp,
                                    extra_ldflags=omp, is_python_module=False, verbose=False)
             NATIVE = torch.ops.picaflor_int4
         except Exception as e:  # no compiler, no ninja, a foreign toolchain: fall back, loudly, once

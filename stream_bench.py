@@ -523,7 +523,7 @@ def bench_in_cgroup(args, argv):
     # before the cgroup exists: its failure leaves none behind
     mem_bw = memory_bandwidth_elsewhere(args.threads, per_token)
     if args.device == "cpu":  # a first build compiles here, not inside the budget (the compiler was OOM-killed, or
-        kernels.native_int4()  # its ~20 s sat in the child's timed disk measurement)
+        kernels.native_int4()  # its ~15 s sat in the child's timed disk measurement)
         kernels.native_reader()
     dropped = drop_page_cache(args.container)
     resident = page_cache_resident_bytes(args.container)  # did the drop work? (before the child reads anything)

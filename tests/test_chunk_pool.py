@@ -99,7 +99,7 @@ def test_pool_under_thread_sanitizer(tmp_path):
 
 
 def test_pool_build_decodes_the_same_tokens(tmp_path):
-    """The whole extension built as on macOS (PICAFLOR_OPENMP=0: no -fopenmp, kernels on ChunkPool; ~20 s to
+    """The whole extension built as on macOS (PICAFLOR_OPENMP=0: no -fopenmp, kernels on ChunkPool; ~15 s to
     build), run by stream_infer on 3 threads, greedy-decodes the same tokens as this process's OpenMP build."""
     from model import ModelConfig, Picaflor, save_checkpoint
     torch.manual_seed(0)

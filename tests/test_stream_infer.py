@@ -1342,7 +1342,7 @@ def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, capsys
 
 def test_a_rebuild_after_a_source_changed_is_said(tmp_path, monkeypatch, capsys):
     """A pull that changed int4_cpu.cpp (or expert_reader.cpp) rebuilt the extension under the old build dir's name,
-    its .so there: ~20-40 s of compiling without a word. Every source's bytes name the build now."""
+    its .so there: ~15-40 s of compiling without a word. Every source's bytes name the build now."""
     import shutil
     from torch.utils import cpp_extension
     for name in ("int4_cpu.cpp", "expert_reader.cpp", "int4_loops.h"):
