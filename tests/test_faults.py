@@ -41,7 +41,9 @@ def data_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ten_steps_mirrored(data_root, tmp_path_factory):
-    """10 steps (checkpoints 5 and 10) in run/, mirrored to mirror/, trained once: the mirror tests each take a copy."""
+    """10 steps (checkpoints 5 and 10) in run/, mirrored to mirror/, trained once: the mirror tests each take a copy, and
+    tests that need any run at step 10 copy run/ alone (the same weights and state as unmirrored: mirror_dir and
+    keep_last only echo in state.json's config, which a resume does not read)."""
     d = tmp_path_factory.mktemp("ten_steps_mirrored")
     assert train([f"--data_root={data_root}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000",
                   f"--mirror_dir={d / 'mirror'}", "--keep_last=10", f"--out_dir={d / 'run'}", "--ckpt_interval=5",
@@ -703,7 +705,8 @@ def test_ctrl_c_under_the_guardian_checkpoints_and_a_torn_guardian_log_is_set_as
                           "--supervise"], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
     deadline = time.time() + 120
-    while not os.path.exists(out / "metrics.jsonl"):  # the trainer is training
+    mpath = out / "metrics.jsonl"
+    while not (mpath.exists() and mpath.stat().st_size):  # a step logged (the file is opened before the first step)
         assert time.time() < deadline and p.poll() is None, p.stdout.read()
         time.sleep(0.05)
     os.killpg(p.pid, signal.SIGINT)
@@ -869,12 +872,12 @@ def test_a_full_disk_while_refetching_stops_as_out_of_disk_not_a_traceback(tmp_p
     assert code == train_py.EXIT_DISK and "out of disk" in msg and shard in msg, msg
 
 
-def test_a_corrupt_newest_step_is_set_aside_so_retention_keeps_the_new_ones(data_root, tmp_path):
+def test_a_corrupt_newest_step_is_set_aside_so_retention_keeps_the_new_ones(data_root, tmp_path, ten_steps_mirrored):
     """The newest step fails its hash (a flipped byte; the size still matches): resume takes the step before it, but
     retention (a size check) kept the corrupt newest as 'the newest' and pruned every step the new start saved."""
     out = str(tmp_path / "run")
     common = [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000"]
-    assert train(common + ["--ckpt_interval=5", "--stop_after_steps=10"]).returncode == 0
+    shutil.copytree(os.path.join(ten_steps_mirrored, "run"), out)  # checkpoints 5 and 10; no mirror here
     with open(os.path.join(out, "step_0000010", "model.safetensors"), "r+b") as f:
         f.seek(-100, os.SEEK_END)
         b = f.read(1)
@@ -1108,14 +1111,13 @@ def test_the_guardians_restart_limits_count_what_they_say(data_root, tmp_path, b
         assert [s_["cause"] for s_ in g["starts"]] == ["storage unreachable"] * len(blips.split(",")) + ["ok"]
 
 
-def test_a_leg_resumed_from_a_run_dir_counts_its_steps_from_that_runs_newest(data_root, tmp_path):
+def test_a_leg_resumed_from_a_run_dir_counts_its_steps_from_that_runs_newest(data_root, tmp_path, ten_steps_mirrored):
     """--resume_from=RUN_DIR (not a step dir): the guardian read RUN_DIR/state.json, which does not exist, took the
     leg's first step as 0, and after a crash counted the whole run's steps as the leg's: 'used up', 3 of 10 trained."""
     src, out = str(tmp_path / "src"), str(tmp_path / "run")
     common = [*TINY, f"--data_root={data_root}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000",
               "--ckpt_interval=1"]
-    assert subprocess.run([sys.executable, "train.py", *common, f"--out_dir={src}", "--stop_after_steps=10"],
-                          cwd=REPO, capture_output=True, env=ENV, timeout=300).returncode == 0
+    shutil.copytree(os.path.join(ten_steps_mirrored, "run"), src)  # a run at step 10 (the same plan)
     r = subprocess.run([sys.executable, "train.py", *common, f"--out_dir={out}", "--init_from=resume",
                         f"--resume_from={src}", "--stop_after_steps=10", "--supervise"], cwd=REPO, capture_output=True,
                        text=True, timeout=300, env=dict(ENV, PICAFLOR_INJECT_CRASH_AT_STEP="13"))

@@ -915,23 +915,17 @@ def test_a_retry_refused_by_our_own_late_commit_is_success(tmp_path):
     assert json.loads(other.read(other.head()[0], "RELAY.json"))["write_id"] == "theirs"
 
 
-def test_real_train_py_init_decay_and_leg(tmp_path, rl, monkeypatch):
+def test_real_train_py_init_decay_and_leg(tmp_path, rl, local_corpus, monkeypatch):
     """The real train.py under relay (and under the guardian, --supervise): init writes the step-0 checkpoint, a decay
     request reaches the next leg through control.json, the leg's checkpoint is pushed, pulled, verified and loads
     with model.load_checkpoint."""
-    import sysconfig
-    src = os.path.join(sysconfig.get_paths()["stdlib"], "json")
-    data = tmp_path / "data"
-    r = subprocess.run([sys.executable, "data/local/prepare.py", "--src", src, "--out", str(data / "local"),
-                        "--vocab-size", "320", "--val-percent", "20"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("RELAY_WHO", "tester")
     url = f"file://{tmp_path}/store"
     tiny = ["--vocab_size=320", "--n_layer=3", "--d_model=32", "--n_head=4", "--n_kv_head=1", "--dense_ffn=64",
             "--n_experts=8", "--expert_ffn=16", "--n_shared=1", "--max_seq_len=64", "--batch_size=4", "--seq_len=32",
             "--log_interval=1", "--eval_iters=2", "--eval_interval=2", "--max_iters=40",
-            "--warmup_iters=2", f"--data_root={data}", "--gpu_hourly_usd=3600.0"]
+            "--warmup_iters=2", f"--data_root={local_corpus}", "--gpu_hourly_usd=3600.0"]
     # the trainer's own lines (its stdout is relay's) name relay.py's next step, not a train.py resume of a dir
     # relay deletes or pushes; init's step-0 model prints no sample (noise), a leg's does
     r = relay_cli(["init", url, os.path.join(ROOT, "config", "tiny.py"), *tiny, "--workdir", tmp_path / "w0"], base_env())

@@ -41,6 +41,20 @@ def run(args, check=True, **kw):
     return r
 
 
+def main_output(argv):
+    """train.main(argv) in this process: (stdout, stderr, exit code). For --status and --help, which only read and
+    print (no config applied to train's globals), a subprocess start is ~3 s of imports for the same output."""
+    import contextlib
+    import io
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            train.main(argv)
+        except SystemExit as e:
+            code = e.code
+    return out.getvalue(), err.getvalue(), code
+
+
 def metrics(out_dir):
     """Last record per step (a killed run may have logged steps that the resumed run redoes)."""
     recs = {}
@@ -48,6 +62,19 @@ def metrics(out_dir):
         d = json.loads(line)
         recs[d["step"]] = d
     return recs
+
+
+ON_DEMAND = ["--max_iters=100", "--warmup_iters=1", "--decay_frac=0.0", "--decay_tokens=512", "--eval_interval=1000",
+             "--ckpt_interval=1", "--keep_last=10"]
+
+
+@pytest.fixture(scope="module")
+def three_steps(data_root, tmp_path_factory):
+    """3 steps of ON_DEMAND, trained once: the on-demand decay tests, and those that need some run to resume, each
+    start from a copy of it."""
+    out = str(tmp_path_factory.mktemp("three_steps") / "run")
+    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND, "--stop_after_steps=3"])
+    return out
 
 
 def test_loss_falls(data_root, tmp_path):
@@ -65,27 +92,27 @@ def test_loss_falls(data_root, tmp_path):
     assert st["finished"] and st["tokens"] == 60 * 4 * 32
 
 
-def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, tmp_path):
+def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, three_steps, tmp_path):
     out = str(tmp_path / "run")
-    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=20", "--warmup_iters=2", "--eval_interval=100"]
-    run(base + ["--stop_after_steps=4"])
-    st = json.load(open(os.path.join(out, "step_0000004", "state.json")))
-    assert st["tokens"] == 4 * 4 * 32
+    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND]
+    shutil.copytree(three_steps, out)  # base + --stop_after_steps=3
+    st = json.load(open(os.path.join(out, "step_0000003", "state.json")))
+    assert st["tokens"] == 3 * 4 * 32
     # the resumed leg's config wins over the checkpoint's training-only settings: a longer context (no weight depends
     # on max_seq_len) and the per-origin LR multipliers (load_state_dict brought back the saved ones: weights moved)
     run(base + ["--init_from=resume", "--stop_after_steps=3", "--batch_size=2", "--seq_len=80", "--max_seq_len=80",
                 "--lr_mult={'embedding': 0.0, 'old': 0.0, 'new': 0.0}", "--replan"])
-    st = json.load(open(os.path.join(out, "step_0000007", "state.json")))
-    assert st["tokens"] == 4 * 4 * 32 + 3 * 2 * 80
+    st = json.load(open(os.path.join(out, "step_0000006", "state.json")))
+    assert st["tokens"] == 3 * 4 * 32 + 3 * 2 * 80
     pos = st["data_position"]["local"]
     assert pos["shard"] == 0 and pos["epoch"] == 0 and pos["offset"] == st["tokens"]
     assert [h["seq_len"] for h in st["seq_len_history"]] == [32, 80]
     assert st["model_config"]["max_seq_len"] == 80
-    opt_sd = torch.load(os.path.join(out, "step_0000007", "optimizer.pt"), weights_only=True)
+    opt_sd = torch.load(os.path.join(out, "step_0000006", "optimizer.pt"), weights_only=True)
     assert {g["lr_mult"] for g in opt_sd["param_groups"]} == {0.0}
     from safetensors.torch import load_file
-    w4, w7 = (load_file(os.path.join(out, f"step_000000{s}", "model.safetensors")) for s in (4, 7))
-    moved = [k for k in w4 if "correction_bias" not in k and not torch.equal(w4[k], w7[k])]  # the bias is no parameter
+    w3, w6 = (load_file(os.path.join(out, f"step_000000{s}", "model.safetensors")) for s in (3, 6))
+    moved = [k for k in w3 if "correction_bias" not in k and not torch.equal(w3[k], w6[k])]  # the bias is no parameter
     assert not moved, moved[:3]
     # the corpus prepared again (a new tokenizer, by default): the resume is refused, naming the fix
     other = tmp_path / "data2"
@@ -95,7 +122,7 @@ def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, tmp_
     assert r.returncode == 0, r.stderr
     r = run(base + ["--init_from=resume", f"--data_root={other}", "--stop_after_steps=1"], check=False)
     assert r.returncode == 1 and "prepare the corpus again with --tokenizer" in r.stderr, r.stderr[-2000:]
-    assert checkpoint.latest_valid(out).endswith("step_0000007")  # nothing trained on it
+    assert checkpoint.latest_valid(out).endswith("step_0000006")  # nothing trained on it
 
 
 def test_a_resume_with_a_larger_step_keeps_each_stage_in_whole_steps(data_root, tmp_path):
@@ -284,7 +311,7 @@ def test_ddp_resume_at_a_stage_boundary_is_exact_and_another_world_size_skips_no
             assert pos == at(st["data_position"][c]) > 0, (name, c)
 
 
-def test_the_val_set_is_the_same_whatever_the_world_size(data_root, tmp_path):
+def test_the_val_set_is_the_same_whatever_the_world_size(data_root, two_of_four_steps, tmp_path):
     """Each rank evaluated eval_iters batches of its own, so two ranks measured twice the rows of one: a resume on
     another number of GPUs (a relay leg) compared best_val_loss across val sets. One checkpoint, one step that
     changes no weight (lr_mult 0, no router bias update), evaluated on two processes: the val loss one process
@@ -293,7 +320,7 @@ def test_the_val_set_is_the_same_whatever_the_world_size(data_root, tmp_path):
     out = str(tmp_path / "one")
     base = TINY + [f"--data_root={data_root}", "--max_iters=4", "--warmup_iters=1", "--eval_interval=3",
                    "--eval_iters=3"]
-    run(base + [f"--out_dir={out}", "--stop_after_steps=2", "--eval_interval=2"])
+    shutil.copytree(two_of_four_steps, out)  # base + --stop_after_steps=2 --eval_interval=2
     shutil.copytree(out, str(tmp_path / "two"))
     frozen = ["--init_from=resume", "--stop_after_steps=1", "--lr_mult={'embedding': 0.0, 'old': 0.0, 'new': 0.0}",
               "--bias_update_rate=0"]
@@ -365,12 +392,12 @@ def test_grow_starts_as_identity_and_groups_get_their_lr(data_root, tmp_path):
     assert any(int(n.split(".")[1]) in new_layers for gr in groups if gr["origin"] == "new" for n in gr["names"])
 
 
-def test_a_checkpoint_whose_model_config_lacks_a_field_is_refused(data_root, tmp_path):
+def test_a_checkpoint_whose_model_config_lacks_a_field_is_refused(data_root, three_steps, tmp_path):
     """A state.json without rope_theta trained on: resume and finetune took the config's value, grow the default's
     (another model than the one saved, without a word). Now a one-line error naming the file, exit 1, for each."""
     out = str(tmp_path / "run")
-    args = TINY + [f"--data_root={data_root}", "--max_iters=4", "--warmup_iters=1"]
-    run(args + [f"--out_dir={out}", "--stop_after_steps=1"])
+    args = TINY + [f"--data_root={data_root}", *ON_DEMAND]
+    shutil.copytree(three_steps, out)  # any run will do: its newest step loses a field
     ck = checkpoint.latest_valid(out)
     state_path, man_path = os.path.join(ck, "state.json"), os.path.join(ck, "MANIFEST.json")
     state, man = json.load(open(state_path)), json.load(open(man_path))
@@ -430,8 +457,8 @@ def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, 
     r = run(base + ["--init_from=resume", "--dataset=other"], check=False)
     assert r.returncode == 1 and "--replan" in r.stderr
     # --status prints plan against progress
-    r = run(["--status", out])
-    assert "FINISHED" in r.stdout and "down" in r.stdout and "lr now" in r.stdout
+    said = main_output(["--status", out])[0]
+    assert "FINISHED" in said and "down" in said and "lr now" in said
     # a --replan that extends the finished plan keeps its end: saved again as "final", it was an ordinary checkpoint
     # that keep_last deleted (the finished model); --resume_from takes the run dir, as grow_from and finetune_from do
     longer = tmp_path / "plan3.py"
@@ -465,21 +492,9 @@ def test_status_says_the_lr_the_next_step_trains_at(data_root, tmp_path):
     base = TINY + [str(plan), f"--data_root={data_root}", f"--out_dir={out}", "--eval_interval=100",
                    "--learning_rate=1e-3", "--min_lr=1e-4", "--grad_accum=2"]
     run(base + ["--stop_after_steps=3"])
-    said = float(run(["--status", out]).stdout.split("lr now ")[1].split(";")[0])
+    said = float(main_output(["--status", out])[0].split("lr now ")[1].split(";")[0])
     run(base + ["--init_from=resume", "--stop_after_steps=1"])
     assert said == pytest.approx(metrics(out)[4]["lr"], rel=1e-3), (said, metrics(out)[4]["lr"])
-
-
-ON_DEMAND = ["--max_iters=100", "--warmup_iters=1", "--decay_frac=0.0", "--decay_tokens=512", "--eval_interval=1000",
-             "--ckpt_interval=1", "--keep_last=10"]
-
-
-@pytest.fixture(scope="module")
-def three_steps(data_root, tmp_path_factory):
-    """3 steps of ON_DEMAND, trained once: the on-demand decay tests each start from a copy of it."""
-    out = str(tmp_path_factory.mktemp("three_steps") / "run")
-    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND, "--stop_after_steps=3"])
-    return out
 
 
 def test_start_decay_on_demand(data_root, three_steps, tmp_path):
@@ -671,9 +686,11 @@ def test_a_replan_keeps_every_stage_of_a_started_on_demand_decay(data_root, tmp_
 
 @pytest.fixture(scope="module")
 def two_of_four_steps(data_root, tmp_path_factory):
-    """2 steps of a 4-step plan, trained once: the bad-input cases that need a run each start from a copy of it."""
+    """2 steps of a 4-step plan, evaluated at step 2 on 3 batches, trained once: the val-set test and the bad-input
+    cases that need a run each start from a copy of it."""
     out = str(tmp_path_factory.mktemp("two_of_four_steps") / "run")
-    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1", "--stop_after_steps=2"])
+    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1", "--eval_iters=3",
+                "--stop_after_steps=2", "--eval_interval=2"])
     return out
 
 
@@ -724,7 +741,7 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         args = args + [f"--grow_from={tmp_path}", "--grow_layers=2"]
     elif case == "resume_another_runs_step":  # another run's step resumed in out_dir: out_dir's steps set aside
         other = str(tmp_path / "other")
-        run(args + ["--stop_after_steps=1", f"--out_dir={other}"])
+        shutil.copytree(request.getfixturevalue("three_steps"), other)  # another run (any will do), trained once
         shutil.copytree(two_of_four_steps, out)
         before = sorted(n for n in os.listdir(out) if n.startswith("step_"))
         args = args + ["--init_from=resume", f"--resume_from={checkpoint.latest_valid(other)}"]
@@ -978,7 +995,7 @@ def test_control_json_takes_only_true_and_resume_from_needs_init_from_resume(dat
     assert not (stale / "control.json").exists()
 
 
-def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_root, tmp_path):
+def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_root, three_steps, tmp_path):
     """Two trainers on one out_dir: the second's save() deleted the first's temp dir mid-save. And a mirror that was
     briefly unwritable when the guardian restarted the trainer ended the run (refused as a config error)."""
     import signal
@@ -1003,12 +1020,13 @@ def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_r
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    other = [a for a in base if not a.startswith("--out_dir=")] + [f"--out_dir={tmp_path / 'other'}"]
+    other = TINY + [f"--data_root={data_root}", f"--out_dir={tmp_path / 'other'}", *ON_DEMAND]
     blocked = tmp_path / "mirror"
     blocked.write_text("a file where the mount should be")
-    r = run(other + ["--stop_after_steps=2", f"--mirror_dir={blocked}"], check=False)
+    r = run(other + ["--stop_after_steps=3", f"--mirror_dir={blocked}"], check=False)
     assert r.returncode == 1 and "is not writable" in r.stderr  # a new run: refused before anything is trained
-    run(other + ["--stop_after_steps=2"])
+    assert checkpoint.latest_valid(str(tmp_path / "other")) is None
+    shutil.copytree(three_steps, tmp_path / "other", dirs_exist_ok=True)  # other + --stop_after_steps=3, trained once
     r = run(other + ["--init_from=resume", "--stop_after_steps=1", f"--mirror_dir={blocked}"])
     assert "is not writable now" in r.stdout and "training goes on" in r.stdout
 
@@ -1034,8 +1052,7 @@ def test_the_last_step_of_a_plan_is_written_once(data_root, tmp_path):
     st = json.load(open(os.path.join(out, "step_0000004", "state.json")))
     assert st["finished"] and st["kind"] == "final" and st["best_step"] == 4
     assert open(os.path.join(out, "BEST")).read().strip() == "step_0000004"
-    r = run(["--status", out])
-    assert "FINISHED" in r.stdout
+    assert "FINISHED" in main_output(["--status", out])[0]
 
 
 def test_a_corpus_a_replan_drops_keeps_its_position_for_a_plan_that_brings_it_back(data_root, tmp_path):
@@ -1077,14 +1094,16 @@ def test_a_config_file_on_resume_wins_as_its_flags_do(data_root, three_steps, tm
     assert st["step"] == 4 and st["model_config"]["max_seq_len"] == 128
 
 
-def test_help_shows_the_values_of_the_config_files_given_beside_it():
+def test_help_shows_the_values_of_the_config_files_given_beside_it(monkeypatch):
     """`train.py config/nano.py --help` printed train.py's own defaults, not the ones the config file sets."""
-    plain = run(["--help"]).stdout
-    tiny = run(["config/tiny.py", "--batch_size=3", "--help"]).stdout
+    monkeypatch.chdir(REPO)  # config/tiny.py as given on the command line
+    plain = main_output(["--help"])[0]
+    tiny = main_output(["config/tiny.py", "--batch_size=3", "--help"])[0]
     assert "--max_iters=1000" in plain and "--max_iters=300" in tiny and "--batch_size=3" in tiny
     assert "config/tiny.py --batch_size=3 applied" in tiny
-    r = run(["--help", "--nope=1"], check=False)
-    assert r.returncode == 2 and "unknown config key 'nope'" in r.stderr
+    _, err, code = main_output(["--help", "--nope=1"])
+    assert code == 2 and "unknown config key 'nope'" in err
+    assert train.max_iters == 1000 and train.batch_size != 3  # train's own globals untouched (the next test reads them)
 
 
 def test_status_help_prints_its_usage(capsys):
