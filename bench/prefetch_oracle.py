@@ -1,7 +1,7 @@
 """
 What prefetch could win with a router that guesses well: an upper bound, measured on this machine's disk.
 
-    python bench/prefetch_oracle.py micro.pcf4 --ram-budget 1.5G [--ahead 1,2] [--right 1.0,0.8,0.6] [--prompts 8]
+    python bench/prefetch_oracle.py micro.pcf4 --ram-budget 1.5G [--ahead 1,2] [--right 1.0,0.8] [--prompts 8]
 
 A random-weight model's router names only ~60% of the next layer's picks, and a guess one layer ahead mostly lands
 too late (bench/STREAMING_LOG.md); a trained router named 82-89% one or two layers ahead on config/tiny.py
