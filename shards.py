@@ -328,6 +328,22 @@ def install_corpus(out_dir, stage, index):
 RESUME_JOURNAL = "resume.json"  # in a resumable stage: how far its build got (never installed with the corpus)
 
 
+def interrupted_prepare(corpus_dir):
+    """A note when corpus_dir holds an interrupted prepare's build (OUT/.staging, kept for the same command to resume:
+    GBs at FineWeb scale that nothing else mentions once training starts), else None."""
+    stage = os.path.join(str(corpus_dir), ".staging")
+    size = 0
+    for d, _, files in os.walk(stage):
+        for f in files:
+            with contextlib.suppress(OSError):  # (a file gone meanwhile: the size is only said)
+                size += os.lstat(os.path.join(d, f)).st_size
+    if not size:
+        return None
+    said = f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+    return (f"{stage} holds an interrupted prepare ({said}): re-run the same prepare command to resume "
+            f"it, or delete the folder to free the disk")
+
+
 def save_journal(stage, journal):
     """Record a resumable build's progress, atomically; the shards it lists were fsync'd before (write_shard)."""
     _atomic_write(os.path.join(stage, RESUME_JOURNAL), (json.dumps(journal) + "\n").encode())

@@ -817,6 +817,8 @@ def main(argv):
             raise TrainError(f"dataset {c!r}: no folder {cdir}; run python data/{c}/prepare.py first"
                              + (f" (corpora here: {', '.join(known)})" if known else ""))
         indexes[c] = shards.load_index(cdir)
+        if master and (note := shards.interrupted_prepare(cdir)):
+            log(f"WARNING: {note}")
         if indexes[c].get("vocab_size", 0) > mcfg.vocab_size:  # a config mistake, not corrupt data (no restart)
             raise TrainError(f"corpus {c} has vocab_size {indexes[c]['vocab_size']} > model vocab_size "
                              f"{mcfg.vocab_size}; set --vocab_size={indexes[c]['vocab_size']}")

@@ -659,6 +659,9 @@ def test_fineweb_prepare_resumes_a_killed_run_to_the_same_bytes(tmp_path):
         assert r.returncode == -9 and corpus() == whole  # the corpus in --out untouched
         journal = json.loads((stage / shards.RESUME_JOURNAL).read_text())
         assert len(journal["splits"]["train"]) == 5 and len(journal["splits"]["val"]) == 1
+        # the kept build is said where it is easy to forget (train.py warns at start with this note)
+        note = shards.interrupted_prepare(out)
+        assert note.startswith(f"{stage} holds an interrupted prepare (") and "resume" in note, note
         (stage / "train_000005.bin.tmp-1-1").write_bytes(b"half")  # a write the kill cut short: not installed
         # a shard the journal lists that changed, or --fresh: a fresh start (checked on a copy of the stage)
         import shutil
@@ -680,7 +683,7 @@ def test_fineweb_prepare_resumes_a_killed_run_to_the_same_bytes(tmp_path):
         nxt = journal["next"]
         assert (f"resuming from {stage}: 6 shards, {sum(journal['counts'].values()):,} tokens done, at {nxt['file']} "
                 f"row {nxt['row']}") in r.stdout and "trained tokenizer" not in r.stdout, r.stdout
-        assert corpus() == whole and not stage.exists()
+        assert corpus() == whole and not stage.exists() and shards.interrupted_prepare(out) is None
         # a torn journal: a note and a fresh start (the tokenizer trained again), then a Ctrl-C after its first shard
         _run(argv, env=dict(env, PICAFLOR_INJECT_KILL_AT_SHARDS="2"), check=False)
         raw = (stage / shards.RESUME_JOURNAL).read_bytes()
