@@ -45,6 +45,16 @@ def unreachable(e, path):
                                  f"it and retry")
 
 
+def dir_size(path):
+    """Bytes of the files under path (one gone meanwhile counts 0: the size is only said, never acted on)."""
+    n = 0
+    for d, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                n += os.lstat(os.path.join(d, f)).st_size
+    return n
+
+
 def sha256_file(path, bufsize=1 << 20):
     h = hashlib.sha256()
     with open(path, "rb") as f:

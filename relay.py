@@ -161,16 +161,6 @@ def fmt_wall(s):
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
 
 
-def dir_size(path):
-    """Bytes of the files under path (one gone meanwhile counts 0: the size is only said, never acted on)."""
-    n = 0
-    for d, _, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                n += os.lstat(os.path.join(d, f)).st_size
-    return n
-
-
 def fmt_size(n):
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -676,7 +666,7 @@ def cmd_run(args):
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     release(store, lease)
     print(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")
-    print(f"relay: {run_dir} ({fmt_size(dir_size(run_dir))}) stays on disk until the next `relay.py run` from this "
+    print(f"relay: {run_dir} ({fmt_size(checkpoint.dir_size(run_dir))}) stays on disk until the next `relay.py run` from this "
           f"workdir removes it (its checkpoint is in the store); to free it now: rm -r {run_dir}")
     if hb.failed:
         print(f"relay: warning: {hb.failed}; the leg ended early, its checkpoint was pushed", file=sys.stderr)

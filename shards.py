@@ -45,7 +45,8 @@ import sys
 
 import numpy as np
 
-from checkpoint import DISK_ERRNOS, UNREACHABLE_ERRNOS, sha256_file, write_atomic as _atomic_write  # one copy of each
+from checkpoint import (DISK_ERRNOS, UNREACHABLE_ERRNOS, dir_size, sha256_file,  # one copy of each
+                        write_atomic as _atomic_write)
 SHARD_DTYPE = np.dtype("<u2")  # uint16, little endian: vocab_size <= 65535
 INDEX_VERSION = 1
 
@@ -332,11 +333,7 @@ def interrupted_prepare(corpus_dir):
     """A note when corpus_dir holds an interrupted prepare's build (OUT/.staging, kept for the same command to resume:
     GBs at FineWeb scale that nothing else mentions once training starts), else None."""
     stage = os.path.join(str(corpus_dir), ".staging")
-    size = 0
-    for d, _, files in os.walk(stage):
-        for f in files:
-            with contextlib.suppress(OSError):  # (a file gone meanwhile: the size is only said)
-                size += os.lstat(os.path.join(d, f)).st_size
+    size = dir_size(stage)
     if not size:
         return None
     said = f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
