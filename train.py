@@ -816,7 +816,12 @@ def main(argv):
             known = sorted(d for d in os.listdir(cfg["data_root"])) if os.path.isdir(cfg["data_root"]) else []
             raise TrainError(f"dataset {c!r}: no folder {cdir}; run python data/{c}/prepare.py first"
                              + (f" (corpora here: {', '.join(known)})" if known else ""))
-        indexes[c] = shards.load_index(cdir)
+        try:
+            indexes[c] = shards.load_index(cdir)
+        except shards.DataError as e:  # a folder with no corpus prepared in it: a config mistake, not corrupt data
+            if e.kind != "missing":
+                raise
+            raise TrainError(f"dataset {c!r}: {e}") from None
         if master and (note := shards.interrupted_prepare(cdir)):
             log(f"WARNING: {note}")
         if indexes[c].get("vocab_size", 0) > mcfg.vocab_size:  # a config mistake, not corrupt data (no restart)

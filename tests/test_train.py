@@ -702,7 +702,8 @@ def two_of_four_steps(data_root, tmp_path_factory):
                                   "init_from_typo", "max_iters_in_the_stages_file", "warmup_iters_as_before_in_the_stages_file",
                                   "file_edits_a_default_in_place",
                                   "resume_a_step_without_state", "quarantine_typo", "finetune_from_unread",
-                                  "grow_from_unread", "resume_another_runs_step", "finetune_from_stateless"])
+                                  "grow_from_unread", "resume_another_runs_step", "finetune_from_stateless",
+                                  "unprepared_dataset"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -716,6 +717,10 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         args = args + ["--data_root=/nonexistent/data"]
     elif case == "unknown_dataset":
         args = args + ["--dataset=nope"]
+    elif case == "unprepared_dataset":  # data/smoltalk before its prepare: "corrupt data", exit 3
+        shutil.copytree(os.path.join(data_root, "local"), tmp_path / "data" / "local")
+        os.makedirs(tmp_path / "data" / "sft")
+        args = args + [f"--data_root={tmp_path / 'data'}", "--dataset=sft"]
     elif case == "bad_override":
         args = args + ["--batch_size=many"]
     elif case == "too_big":  # the memory plan refuses before allocating anything
@@ -831,8 +836,10 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         assert "no valid checkpoint" in err[0] and "--init_from=scratch" in err[0]
         # and that advice works: only invalid checkpoints do not make the run dir "a run" a scratch start refuses
         assert run([a for a in args if a != "--init_from=resume"] + ["--stop_after_steps=1"], check=False).returncode == 0
-    if case in ("missing_data", "unknown_dataset"):
+    if case in ("missing_data", "unknown_dataset", "unprepared_dataset"):
         assert "prepare.py" in err[0]
+    if case == "unprepared_dataset":
+        assert r.returncode == 1 and "corrupt" not in err[0], err[0]
     if case == "too_big":
         assert "memory plan" in err[0] and "lower batch_size" in err[0]
     if case == "scratch_over_a_run":  # refused before anything was written: every checkpoint as it was
