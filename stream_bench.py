@@ -637,7 +637,7 @@ def prefetch_summary(res):
 
 def print_bench(res):
     g = lambda n: f"{n / 1e9:.2f} GB" if n is not None else "n/a"  # noqa: E731
-    print(f"container {res['container']} ({g(res['container_bytes'])}, random weights: {res['random_weights']}), "
+    print(f"container {res['container']} ({S.fmt_size(res['container_bytes'])}, random weights: {res['random_weights']}), "
           f"budget {S.fmt_size(res['ram_budget']) if res['ram_budget'] else 'none'}, kernel {res['kernel']}, "
           f"{res['threads']} threads, top-{res['experts_per_token']}")
     print(f"prefill {res['prefill_tok_s']:.2f} tok/s ({res['prompt_tokens']} tokens) | decode {res['decode_tok_s']:.2f} tok/s "

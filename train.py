@@ -527,7 +527,8 @@ def print_status(run_dir):
     usd = st.get("usd_spent", 0.0)
     proj = usd * total / seen if seen else 0.0
     print(f"  trained {fmt_time(el)} at {rate or 0:,.0f} tok/s; time left {fmt_time(left)}; "
-          f"${usd:.2f} spent, projected ${proj:.2f}; best val loss {st.get('best_val_loss')}")
+          f"${usd:.2f} spent, projected ${proj:.2f}; best val loss "
+          + ("none yet" if st.get("best_val_loss") is None else f"{st['best_val_loss']:.4f} (step {st.get('best_step')})"))
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -1321,7 +1322,10 @@ def main(argv):
     if stop["signal"] is not None:
         log(f"{signal.Signals(stop['signal']).name}: checkpoint saved at step {st['step']}; exiting ({next_step(out)})")
     elif st["finished"]:
-        log(f"run finished: all {len(st['plan'])} planned stages done ({st['tokens']:,} tokens)")
+        # what a finished run is for, named (the line ended there; relay dirs: relay.py says what comes next)
+        after = (f"; next: python eval.py {out} --tasks piqa,arc_easy, or python export.py {out} --format int4 "
+                 f"--out model.pcf" if relay_store_of(out) is None else "")
+        log(f"run finished: all {len(st['plan'])} planned stages done ({st['tokens']:,} tokens){after}")
     else:
         log(f"stopped at step {st['step']} ({st['tokens']:,} of {plan_tokens(st['plan']):,} planned tokens); "
             f"the plan is not finished: {next_step(out)}")

@@ -2129,7 +2129,10 @@ def test_bench_result_fields_and_lru_policy(tiny, capsys):
     assert ("per-token overhead" in err) == (res["bound_tok_s"] > 500)
     res["bound_tok_s"], res["weight_bytes_per_token"] = 77525.0, 1.6e6
     B.print_bench(res)
-    assert "a token reads 1.6 MB of weights, so the bound is under 2 ms" in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "a token reads 1.6 MB of weights, so the bound is under 2 ms" in said.err
+    # a small container's size in a unit that shows it (it read "0.00 GB")
+    assert f"({S.fmt_size(res['container_bytes'])}, random weights" in said.out and " (0.00 GB" not in said.out
     # the counted bytes and /proc/self/io agree when reads are O_DIRECT
     if res["direct_io"]:
         assert res["disk_bytes_per_token"] >= res["counted_bytes_per_token"]

@@ -1059,7 +1059,10 @@ def test_the_last_step_of_a_plan_is_written_once(data_root, tmp_path):
     st = json.load(open(os.path.join(out, "step_0000004", "state.json")))
     assert st["finished"] and st["kind"] == "final" and st["best_step"] == 4
     assert open(os.path.join(out, "BEST")).read().strip() == "step_0000004"
-    assert "FINISHED" in main_output(["--status", out])[0]
+    said = main_output(["--status", out])[0]
+    assert "FINISHED" in said and f"best val loss {st['best_val_loss']:.4f} (step 4)" in said, said  # (17 digits before)
+    # the finished run's last line names what to do with the model (it named nothing)
+    assert f"planned stages done (512 tokens); next: python eval.py {out} " in r.stdout, r.stdout[-1500:]
 
 
 def test_a_corpus_a_replan_drops_keeps_its_position_for_a_plan_that_brings_it_back(data_root, tmp_path):
