@@ -135,6 +135,8 @@ def parse_size(s):
             raise ValueError
     except ValueError:
         raise StreamError(f"--ram-budget {s!r}: not a size; use a number with K, M, G or T, e.g. 4G, 512M, 1.5G") from None
+    if not unit and v < 1 << 20:  # a bare "4" or "1.5" read as bytes was refused as a budget below the model's needs
+        raise StreamError(f"--ram-budget {s!r}: a number without a unit is bytes; give one, e.g. {num}G or {num}M")
     return int(v * UNITS[unit])
 
 

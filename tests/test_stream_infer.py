@@ -1579,10 +1579,14 @@ def test_triton_tune_script_on_the_interpreter(tmp_path):
 def test_budget_strings():
     assert S.parse_size("4G") == 4 << 30 and S.parse_size("512M") == 512 << 20
     assert S.parse_size("1.5G") == int(1.5 * (1 << 30)) and S.parse_size("2GiB") == 2 << 30
-    for bad in ("4X", "", "G", "-1G", "nanG"):
+    for bad in ("4X", "", "G", "-1G", "nanG", "1.5", "4"):
         with pytest.raises(S.StreamError) as ei:
             S.parse_size(bad)
         assert "\n" not in str(ei.value)
+    # a bare number is bytes: a small one is a unit left out, said as such (it was "below the model's needs: 1B")
+    with pytest.raises(S.StreamError, match=r"'1\.5': a number without a unit is bytes; give one, e\.g\. 1\.5G"):
+        S.parse_size("1.5")
+    assert S.parse_size("3000000000") == 3_000_000_000 and S.parse_size(5 << 20) == 5 << 20
 
 
 def test_bad_input_one_line_errors(tiny, tmp_path):
