@@ -1,7 +1,7 @@
 """
 Export a picaflor checkpoint for the tools people already use.
 
-    python export.py CKPT --format int4 --out model.pcf [--group-size N] [--embed-bits 4|8]
+    python export.py CKPT --format int4 --out model.pcf4 [--group-size N] [--embed-bits 4|8]
     python export.py CKPT --format hf   --out DIR [--dtype bfloat16] [--max-shard-size 5GB]
     python export.py CKPT --format gguf --out model.gguf [--gguf-type f16|bf16|q8_0|q4_0]
 
@@ -826,7 +826,7 @@ def main(argv=None):
             ap.error(f"--{flag.replace('_', '-')} is for --format {fmt}, not {args.format}")
     args.dtype, args.max_shard_size = args.dtype or "bfloat16", args.max_shard_size or "5GB"
     args.gguf_type, args.embed_bits = args.gguf_type or "f16", args.embed_bits or 8
-    args.out = args.out.rstrip("/") or "/"  # x.pcf/: the temp file went inside a folder that does not exist
+    args.out = args.out.rstrip("/") or "/"  # x.pcf4/: the temp file went inside a folder that does not exist
     progress = not args.no_progress
     try:
         parent = os.path.dirname(os.path.abspath(args.out))

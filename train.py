@@ -1324,7 +1324,7 @@ def main(argv):
     elif st["finished"]:
         # what a finished run is for, named (the line ended there; relay dirs: relay.py says what comes next)
         after = (f"; next: python eval.py {out} --tasks piqa,arc_easy, or python export.py {out} --format int4 "
-                 f"--out model.pcf" if relay_store_of(out) is None else "")
+                 f"--out model.pcf4" if relay_store_of(out) is None else "")
         log(f"run finished: all {len(st['plan'])} planned stages done ({st['tokens']:,} tokens){after}")
     else:
         log(f"stopped at step {st['step']} ({st['tokens']:,} of {plan_tokens(st['plan']):,} planned tokens); "
