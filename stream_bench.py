@@ -279,6 +279,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "cpu_steal_fraction": steal_fraction(cpu0, cpu1),
         "others_cpu_fraction": others_cpu_fraction(cpu0, cpu1, own1 - own0, wall1 - wall0), "cache_policy": eng.cache.policy,
         "expert_bytes": cont.expert_nbytes, "cache_capacity_experts": st["capacity_experts"],
+        "model_experts": eng.every_expert_bytes // cont.expert_nbytes if cont.expert_nbytes else 0,
         "peak_rss_bytes": S.peak_rss_bytes(), "resident_rss_bytes": eng.resident_rss, "baseline_rss_bytes": eng.baseline_rss,
         "huge_page_bytes": huge_page_bytes(),
         "disk_bw_bytes_s": disk_bw, "disk_bw_before_bytes_s": disk_before, "disk_bw_after_bytes_s": disk_after,
@@ -642,8 +643,8 @@ def print_bench(res):
           f"{res['threads']} threads, top-{res['experts_per_token']}")
     print(f"prefill {res['prefill_tok_s']:.2f} tok/s ({res['prompt_tokens']} tokens) | decode {res['decode_tok_s']:.2f} tok/s "
           f"| token latency p50 {res['p50_token_latency_s'] * 1e3:.1f} ms p99 {res['p99_token_latency_s'] * 1e3:.1f} ms")
-    print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), capacity {res['cache_capacity_experts']} experts of "
-          f"{res['expert_bytes'] / 1e6:.2f} MB | disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
+    print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), capacity {res['cache_capacity_experts']} experts "
+          f"(the model has {res.get('model_experts', '?')}) of {res['expert_bytes'] / 1e6:.2f} MB | disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
           f"({res.get('disk_bytes_source', '/proc/self/io')}; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB) "
           f"| waiting for reads "
           f"{res['read_wait_s_per_token'] * 1e3:.1f} ms of a token's {1e3 / max(res['decode_tok_s'], 1e-9):.1f} ms")

@@ -2137,6 +2137,9 @@ def test_bench_result_fields_and_lru_policy(tiny, capsys):
     assert "a token reads 1.6 MB of weights, so the bound is under 2 ms" in said.err
     # a small container's size in a unit that shows it (it read "0.00 GB")
     assert f"({S.fmt_size(res['container_bytes'])}, random weights" in said.out and " (0.00 GB" not in said.out
+    # the cache's capacity beside the model's own count (a capacity of 47244 read as if the model had that many)
+    assert res["model_experts"] == (m.cfg.n_layer - m.cfg.n_dense_layers) * m.cfg.n_experts
+    assert f"capacity {res['cache_capacity_experts']} experts (the model has {res['model_experts']})" in said.out
     # the counted bytes and /proc/self/io agree when reads are O_DIRECT
     if res["direct_io"]:
         assert res["disk_bytes_per_token"] >= res["counted_bytes_per_token"]
