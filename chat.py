@@ -293,15 +293,15 @@ class ChatError(Exception):
 
 def warn_if_not_chat_tuned(ck):
     """One line on stderr for a checkpoint that train.py did not fine-tune (a base model answers with noise)."""
+    import checkpoint
     try:
         with open(os.path.join(ck, "state.json")) as f:
-            cfg = json.load(f)["config"]
-        tuned = cfg["init_from"] == "finetune" or bool(cfg["finetune_from"])  # (a resumed SFT run keeps finetune_from)
-    except (OSError, ValueError, KeyError, TypeError):
+            state = json.load(f)
+    except (OSError, ValueError):
         return  # no verdict without the saved config
-    if not tuned:
-        print(f"chat.py: note: {ck} is a base model (trained from {cfg['init_from']!r}, never fine-tuned on chats); "
-              f"its answers will not follow the chat template (fine-tune it with config/sft.py)", file=sys.stderr)
+    if checkpoint.chat_tuned(state) is False:
+        print(f"chat.py: note: {ck} is a base model (trained from {state['config']['init_from']!r}, never fine-tuned on "
+              f"chats); its answers will not follow the chat template (fine-tune it with config/sft.py)", file=sys.stderr)
 
 
 def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, context=None):
@@ -342,9 +342,13 @@ def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, cont
     import container
     import stream_infer
     try:
-        if not container.load_container(path).tokenizer_json:  # before the engine's seconds of loading
+        header = container.load_container(path).header
+        if not header.get("tokenizer_json"):  # before the engine's seconds of loading
             raise ChatError(f"{path}: the container carries no tokenizer; re-export it from a checkpoint with "
                             f"tokenizer.json")
+        if header.get("chat_tuned") is False:  # (containers exported before this was recorded: no verdict)
+            print(f"chat.py: note: {path} holds a base model (never fine-tuned on chats); its answers will not follow "
+                  f"the chat template (fine-tune it with config/sft.py, then export it again)", file=sys.stderr)
         eng = stream_infer.load(path, ram_budget, device, context=context)
     except (stream_infer.StreamError, container.ContainerError) as e:
         raise ChatError(str(e)) from None

@@ -45,6 +45,16 @@ def unreachable(e, path):
                                  f"it and retry")
 
 
+def chat_tuned(state):
+    """From a checkpoint's state.json: True when train.py fine-tuned it (config/sft.py), False for a base model, None
+    when it does not say (no saved config)."""
+    try:
+        cfg = state["config"]
+        return cfg["init_from"] == "finetune" or bool(cfg["finetune_from"])  # (a resumed SFT run keeps finetune_from)
+    except (KeyError, TypeError):
+        return None
+
+
 def dir_size(path):
     """Bytes of the files under path (one gone meanwhile counts 0: the size is only said, never acted on)."""
     n = 0

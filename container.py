@@ -235,7 +235,8 @@ class CheckpointSource:
         state_path = os.path.join(self.dir, "state.json")
         try:  # (no model_config: a KeyError traceback from container.py CKPT --out)
             with open(state_path, encoding="utf-8") as f:
-                self.cfg = ModelConfig.from_dict(json.load(f)["model_config"], complete=True)
+                state = json.load(f)
+            self.cfg = ModelConfig.from_dict(state["model_config"], complete=True)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ContainerError(f"{state_path}: no usable model_config ({e}); use a checkpoint written by "
                                  f"train.py") from None
@@ -244,6 +245,7 @@ class CheckpointSource:
         tok = os.path.join(self.dir, "tokenizer.json")
         self.tokenizer_json = open(tok, encoding="utf-8").read() if os.path.exists(tok) else None
         self.random = False
+        self.chat_tuned = checkpoint.chat_tuned(state)  # chat says when a container's model was never fine-tuned
 
     def get(self, name):
         return check_finite(self.f.get_tensor(name), f"{self.dir}/model.safetensors: {name}")
@@ -281,6 +283,7 @@ class RandomSource:
         self.cfg, self.seed, self.direct = cfg, seed, direct
         self.tokenizer_json = None
         self.random = "direct-quantized" if direct else True
+        self.chat_tuned = None
         self.out_std = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def random_blob(self, kind, name, shape, group_size, e=-1):
@@ -360,7 +363,7 @@ def build_header(cfg, source, group_size, embed_bits, dense_bits, symmetric, dat
                                    "(low nibble) | row j+16 (high nibble)",
                   "embed_bits": embed_bits, "dense_bits": dense_bits},
         "expert_layout": layout, "tensors": tensors, "experts": experts, "file_bytes": off,
-        "tokenizer_json": source.tokenizer_json,
+        "tokenizer_json": source.tokenizer_json, "chat_tuned": source.chat_tuned,  # (None: unknown)
     }
     return header
 

@@ -21,6 +21,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import chat  # noqa: E402
+import checkpoint  # noqa: E402
 import shards  # noqa: E402
 from model import ModelConfig, Picaflor, load_checkpoint, save_checkpoint  # noqa: E402
 from tokenizer import train_tokenizer  # noqa: E402
@@ -293,8 +294,6 @@ def test_pick_keeps_what_it_scored_names_what_it_skipped_and_refuses_a_long_prom
                                                                                     capsys):
     """A corrupt checkpoint was left out without a word; a --prompt longer than the context was a ValueError
     traceback; the report was written only at the end (a late fault or Ctrl-C lost every score)."""
-    import shutil
-    import checkpoint
     run = tmp_path / "run"
     shutil.copytree(sft_run, run, ignore=shutil.ignore_patterns("sft_pick.*"))
     steps = checkpoint.list_checkpoints(str(run))
@@ -346,7 +345,6 @@ def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path, capsys):
 
 
 def test_pick_checks_every_tokenizer_first(corpus, sft_run, tmp_path):
-    import checkpoint
     """A checkpoint without its tokenizer.json: one ChatError before any checkpoint is scored (a traceback after
     the earlier ones were scored, and nothing written, before)."""
     import shutil
@@ -476,6 +474,8 @@ def test_chat_with_int4_container(tok, sft_run, tmp_path):
 
     path = str(tmp_path / "m.pcf4")
     export.export_int4(export.Source(sft_run), path, progress=False)
+    import container
+    assert container.load_container(path).header["chat_tuned"] is True  # (an SFT run: chat says nothing)
     tok2, backend = chat.load_model(path)
     assert tok2.hash == tok.hash
     conv = chat.Conversation(tok2, backend)
@@ -785,6 +785,24 @@ def test_review_round_a_long_system_prompt_a_cut_character_and_a_base_model(tok,
         err = capsys.readouterr().err
         assert ("is a base model" in err) == noted, (cfg, err)
     chat.warn_if_not_chat_tuned(sft_run + "/nope")  # no state.json: no verdict, no error
+    # a base model exported to int4: chat over the container said nothing (the checkpoint's note was lost in export)
+    import export
+    base = checkpoint.resolve(sft_run)
+    state = json.load(open(os.path.join(base, "state.json")))
+    assert checkpoint.chat_tuned(state) is True and checkpoint.chat_tuned({}) is None
+    state["config"].update(init_from="scratch", finetune_from="")
+    base_copy = tmp_path / "base" / os.path.basename(base)
+    shutil.copytree(base, base_copy)
+    (base_copy / "state.json").write_text(json.dumps(state))
+    man = json.load(open(base_copy / "MANIFEST.json"))  # (it hashes state.json too)
+    man["files"]["state.json"] = {"sha256": checkpoint.sha256_file(str(base_copy / "state.json")),
+                                  "bytes": os.path.getsize(base_copy / "state.json")}
+    (base_copy / "MANIFEST.json").write_text(json.dumps(man))
+    base_pcf = str(tmp_path / "base.pcf4")
+    export.export_int4(export.Source(str(base_copy)), base_pcf, progress=False)
+    capsys.readouterr()
+    chat.load_model(base_pcf)
+    assert "base.pcf4 holds a base model (never fine-tuned on chats)" in capsys.readouterr().err
     # a container without a tokenizer: refused before the engine loads
     import container
     import stream_infer
