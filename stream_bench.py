@@ -650,8 +650,10 @@ def print_bench(res):
           f"{res['read_wait_s_per_token'] * 1e3:.1f} ms of a token's {1e3 / max(res['decode_tok_s'], 1e-9):.1f} ms")
     cgp = res.get("cgroup_peak_bytes")
     huge = res.get("huge_page_bytes")
+    # a page is charged to the cgroup that first read it: torch's libraries, cached by an earlier process, are not
+    below = " (under RSS: pages other processes cached first, torch's libraries, are charged to theirs)"
     print(f"peak RSS {S.fmt_size(res['peak_rss_bytes'])} (cgroup peak incl. page cache "
-          f"{S.fmt_size(cgp) if cgp else 'n/a'}; in huge pages {S.fmt_size(huge) if huge is not None else 'n/a'}) | "
+          f"{S.fmt_size(cgp) if cgp else 'n/a'}{below if cgp and cgp < res['peak_rss_bytes'] else ''}; in huge pages {S.fmt_size(huge) if huge is not None else 'n/a'}) | "
           f"disk {g(res['disk_bw_bytes_s']).replace(' GB', ' GB/s')}{disk_spread(res)}, memory {res['mem_bw_bytes_s'] / 1e9:.2f} GB/s -> bound "
           f"{res['bound_tok_s']:.2f} tok/s (serial {res['bound_tok_s_serial']:.2f}); decode is "
           f"{res['decode_tok_s'] / res['bound_tok_s'] * 100:.0f}% of the bound")
