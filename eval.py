@@ -744,7 +744,10 @@ def compare(paths):
                  "compared")
     for name, s, p in zip(names, sums, paths):  # what each column scored (a run dir's name says neither step nor data)
         shots = ", ".join(f"{t} {summary_fewshot(s, t)}" for t in s["results"])
-        lines.append(f"- {name}: {p}: {s.get('model_source', '?')}, data {s.get('data', '?')}, "
+        # synthetic tasks alone (counting, passkey@N) read no data: "data hub" sent a reader after a download
+        made = s["results"] and all(ET.TASKS.get(t.split("@")[0], ("", ""))[1] is None for t in s["results"])
+        data = f"generated (seed {s.get('seed', '?')})" if made else s.get("data", "?")
+        lines.append(f"- {name}: {p}: {s.get('model_source', '?')}, data {data}, "
                      f"dtype {s.get('dtype', '?')}, limit {s.get('limit')}, shots: {shots}")
     return "\n".join(lines)
 

@@ -437,6 +437,14 @@ def test_compare_marks_noise(tmp_path, capsys):
     row = next(line for line in out.splitlines() if line.startswith("| piqa | acc |"))
     assert "| A [1] | A [2] |" in out and "(n=3 vs 100 !)" in row and "~" not in row and "*" not in row, row
     assert f"- A [2]: {lim}: /runs/a/step_0000300" in out and "limit 3" in out
+    # synthetic tasks alone read no data: said so, not "data hub" (a download that never was)
+    made = tmp_path / "S.json"
+    made.write_text(json.dumps({"model": "S", "data": "hub", "seed": 7, "results": {
+        "counting": {"exact_match": 0.5, "exact_match_stderr": 0.1, "n": 20},
+        "passkey@512": {"acc": 1.0, "acc_stderr": 0.0, "n": 4}}}))
+    assert ev.main(["--compare", str(made), a]) == 0
+    out = capsys.readouterr().out
+    assert f"- S: {made}: ?, data generated (seed 7)," in out and "- A: " in out and "data ?," in out, out
 
 
 def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch, capsys):
