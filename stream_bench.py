@@ -638,13 +638,15 @@ def prefetch_summary(res):
 
 def print_bench(res):
     g = lambda n: f"{n / 1e9:.2f} GB" if n is not None else "n/a"  # noqa: E731
-    print(f"container {res['container']} ({S.fmt_size(res['container_bytes'])}, random weights: {res['random_weights']}), "
+    print(f"container {res['container']} ({S.fmt_size(res['container_bytes'])}, "
+          f"random weights: {res['random_weights']}), "
           f"budget {S.fmt_size(res['ram_budget']) if res['ram_budget'] else 'none'}, kernel {res['kernel']}, "
           f"{res['threads']} threads, top-{res['experts_per_token']}")
     print(f"prefill {res['prefill_tok_s']:.2f} tok/s ({res['prompt_tokens']} tokens) | decode {res['decode_tok_s']:.2f} tok/s "
           f"| token latency p50 {res['p50_token_latency_s'] * 1e3:.1f} ms p99 {res['p99_token_latency_s'] * 1e3:.1f} ms")
     print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), capacity {res['cache_capacity_experts']} experts "
-          f"(the model has {res.get('model_experts', '?')}) of {res['expert_bytes'] / 1e6:.2f} MB | disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
+          f"(the model has {res.get('model_experts', '?')}) of {res['expert_bytes'] / 1e6:.2f} MB | "
+          f"disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
           f"({res.get('disk_bytes_source', '/proc/self/io')}; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB) "
           f"| waiting for reads "
           f"{res['read_wait_s_per_token'] * 1e3:.1f} ms of a token's {1e3 / max(res['decode_tok_s'], 1e-9):.1f} ms")
@@ -653,7 +655,8 @@ def print_bench(res):
     # a page is charged to the cgroup that first read it: torch's libraries, cached by an earlier process, are not
     below = " (under RSS: pages other processes cached first, torch's libraries, are charged to theirs)"
     print(f"peak RSS {S.fmt_size(res['peak_rss_bytes'])} (cgroup peak incl. page cache "
-          f"{S.fmt_size(cgp) if cgp else 'n/a'}{below if cgp and cgp < res['peak_rss_bytes'] else ''}; in huge pages {S.fmt_size(huge) if huge is not None else 'n/a'}) | "
+          f"{S.fmt_size(cgp) if cgp else 'n/a'}{below if cgp and cgp < res['peak_rss_bytes'] else ''}; "
+          f"in huge pages {S.fmt_size(huge) if huge is not None else 'n/a'}) | "
           f"disk {g(res['disk_bw_bytes_s']).replace(' GB', ' GB/s')}{disk_spread(res)}, memory {res['mem_bw_bytes_s'] / 1e9:.2f} GB/s -> bound "
           f"{res['bound_tok_s']:.2f} tok/s (serial {res['bound_tok_s_serial']:.2f}); decode is "
           f"{res['decode_tok_s'] / res['bound_tok_s'] * 100:.0f}% of the bound")

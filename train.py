@@ -528,7 +528,8 @@ def print_status(run_dir):
     proj = usd * total / seen if seen else 0.0
     print(f"  trained {fmt_time(el)} at {rate or 0:,.0f} tok/s; time left {fmt_time(left)}; "
           f"${usd:.2f} spent, projected ${proj:.2f}; best val loss "
-          + ("none yet" if st.get("best_val_loss") is None else f"{st['best_val_loss']:.4f} (step {st.get('best_step')})"))
+          + ("none yet" if st.get("best_val_loss") is None
+             else f"{st['best_val_loss']:.4f} (step {st.get('best_step')})"))
 
 
 # -----------------------------------------------------------------------------------------------------------
