@@ -65,6 +65,10 @@ def dir_size(path):
     return n
 
 
+def fmt_size(n):
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def sha256_file(path, bufsize=1 << 20):
     h = hashlib.sha256()
     with open(path, "rb") as f:

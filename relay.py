@@ -161,10 +161,6 @@ def fmt_wall(s):
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
 
 
-def fmt_size(n):
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def gpu_name(metrics):
     for m in reversed(metrics):
         if m.get("gpu"):
@@ -666,8 +662,8 @@ def cmd_run(args):
     print(f"relay: pushed {sha[:10]}: {row.strip()}")
     release(store, lease)
     print(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")
-    print(f"relay: {run_dir} ({fmt_size(checkpoint.dir_size(run_dir))}) stays on disk until the next `relay.py run` from this "
-          f"workdir removes it (its checkpoint is in the store); to free it now: rm -r {run_dir}")
+    print(f"relay: {run_dir} ({checkpoint.fmt_size(checkpoint.dir_size(run_dir))}) stays on disk until the next "
+          f"`relay.py run` from this workdir removes it (its checkpoint is in the store); to free it now: rm -r {run_dir}")
     if hb.failed:
         print(f"relay: warning: {hb.failed}; the leg ended early, its checkpoint was pushed", file=sys.stderr)
     return 0

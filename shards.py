@@ -45,7 +45,7 @@ import sys
 
 import numpy as np
 
-from checkpoint import (DISK_ERRNOS, UNREACHABLE_ERRNOS, dir_size, sha256_file,  # one copy of each
+from checkpoint import (DISK_ERRNOS, UNREACHABLE_ERRNOS, dir_size, fmt_size, sha256_file,  # one copy of each
                         write_atomic as _atomic_write)
 SHARD_DTYPE = np.dtype("<u2")  # uint16, little endian: vocab_size <= 65535
 INDEX_VERSION = 1
@@ -336,8 +336,7 @@ def interrupted_prepare(corpus_dir):
     size = dir_size(stage)
     if not size:
         return None
-    said = f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
-    return (f"{stage} holds an interrupted prepare ({said}): re-run the same prepare command to resume "
+    return (f"{stage} holds an interrupted prepare ({fmt_size(size)}): re-run the same prepare command to resume "
             f"it, or delete the folder to free the disk")
 
 
@@ -376,8 +375,8 @@ def resume_journal(stage, key, fresh=False, fields=()):
                 shard = os.path.join(stage, e["file"])
                 st = _stat(shard)
                 want = e["tokens"] * SHARD_DTYPE.itemsize
-                why = ("missing" if st is None else f"{st.st_size} bytes, not {want}" if st.st_size != want else "sha256 differs" if sha256_file(shard) != e["sha256"]
-                       else None)
+                why = ("missing" if st is None else f"{st.st_size} bytes, not {want}" if st.st_size != want
+                       else "sha256 differs" if sha256_file(shard) != e["sha256"] else None)
                 if why:
                     journal, note = None, f"{shard}: {why} (its journal lists it); starting over"
                     break
