@@ -814,16 +814,19 @@ def main(argv):
     streams, val_stream, indexes = {}, None, {}
     for c in corpora:
         cdir = os.path.join(cfg["data_root"], c)
+        # a corpus for a run that starts from weights must be tokenized by their tokenizer (smoltalk requires it)
+        tok_arg = f" --tokenizer {ck}" if ck and os.path.isfile(os.path.join(ck, "tokenizer.json")) else ""
         if not os.path.isdir(cdir):
             known = sorted(d for d in os.listdir(cfg["data_root"])) if os.path.isdir(cfg["data_root"]) else []
-            raise TrainError(f"dataset {c!r}: no folder {cdir}; run python data/{c}/prepare.py first"
+            raise TrainError(f"dataset {c!r}: no folder {cdir}; run python data/{c}/prepare.py{tok_arg} first"
                              + (f" (corpora here: {', '.join(known)})" if known else ""))
         try:
             indexes[c] = shards.load_index(cdir)
         except shards.DataError as e:  # a folder with no corpus prepared in it: a config mistake, not corrupt data
             if e.kind != "missing":
                 raise
-            raise TrainError(f"dataset {c!r}: {e}") from None
+            raise TrainError(f"dataset {c!r}: {e}" + (f" (with{tok_arg}: the weights' tokenizer)" if tok_arg else "")
+                             ) from None
         if master and (note := shards.interrupted_prepare(cdir)):
             log(f"WARNING: {note}")
         if indexes[c].get("vocab_size", 0) > mcfg.vocab_size:  # a config mistake, not corrupt data (no restart)

@@ -703,7 +703,7 @@ def two_of_four_steps(data_root, tmp_path_factory):
                                   "file_edits_a_default_in_place",
                                   "resume_a_step_without_state", "quarantine_typo", "finetune_from_unread",
                                   "grow_from_unread", "resume_another_runs_step", "finetune_from_stateless",
-                                  "unprepared_dataset"])
+                                  "unprepared_dataset", "finetune_on_an_unprepared_dataset"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -721,6 +721,12 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         shutil.copytree(os.path.join(data_root, "local"), tmp_path / "data" / "local")
         os.makedirs(tmp_path / "data" / "sft")
         args = args + [f"--data_root={tmp_path / 'data'}", "--dataset=sft"]
+    elif case == "finetune_on_an_unprepared_dataset":  # it said to run smoltalk's prepare, which requires --tokenizer
+        shutil.copytree(os.path.join(data_root, "local"), tmp_path / "data" / "local")
+        os.makedirs(tmp_path / "data" / "sft")
+        src = request.getfixturevalue("three_steps")
+        args = args + [f"--data_root={tmp_path / 'data'}", "--dataset=sft", "--init_from=finetune",
+                       f"--finetune_from={src}"]
     elif case == "bad_override":
         args = args + ["--batch_size=many"]
     elif case == "too_big":  # the memory plan refuses before allocating anything
@@ -840,6 +846,9 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         assert "prepare.py" in err[0]
     if case == "unprepared_dataset":
         assert r.returncode == 1 and "corrupt" not in err[0], err[0]
+        assert "--tokenizer" not in err[0]  # a scratch run's corpus trains its own
+    if case == "finetune_on_an_unprepared_dataset":  # the weights' tokenizer: their checkpoint, which holds it
+        assert f"--tokenizer {checkpoint.latest_valid(src)}" in err[0], err[0]
     if case == "too_big":
         assert "memory plan" in err[0] and "lower batch_size" in err[0]
     if case == "scratch_over_a_run":  # refused before anything was written: every checkpoint as it was
