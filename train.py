@@ -25,7 +25,8 @@ only valid checkpoint. An out_dir that holds checkpoints is continued only by
 resume nor retention mistakes the old timeline for the new one.
 
 Exit codes (one line on stderr each, and a crash-<ms>.json report in out_dir): 0 done / leg done / preempted
-(SIGTERM: checkpoint, then exit), 1 error (bad config, bad checkpoint, missing data), 2 bad config syntax or key
+(SIGTERM: checkpoint, then exit), 1 error (bad config, bad checkpoint, missing data; an out_dir that this refused
+start made is removed again, not left holding a lock file and a crash report), 2 bad config syntax or key
 (before out_dir is read: no crash report), 3 corrupt data (shard, offset, what), 4 storage denied (HTTP 401/403: credentials or billing; a run dir it may not write), 5 storage
 unreachable (a mount that dropped; an I/O error), 6 out of disk (previous checkpoint intact), 7 non-finite loss or gradient norm (the step is not applied and never
 reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread stacks in hang-*.txt), 9 stuck
@@ -489,6 +490,25 @@ def write_crash_report(cause, code, message, **extra):
         pass  # the report must never hide the error it reports
 
 
+def undo_fresh_run_dir():
+    """A start refused for a config mistake in an out_dir this process made: the folder goes again (its lock file and
+    crash report made the fixed command's run dir look like a run that had crashed). Anything else in it: kept."""
+    out = _RUN_INFO.get("out_dir")
+    if not (out and _RUN_INFO.get("out_was_new") and os.path.isdir(out)):
+        return
+    names = os.listdir(out)
+    if not all(n == ".trainer.lock" or (n.startswith("crash-") and n.endswith(".json")) for n in names):
+        return
+    if _RUN_INFO.get("lock") is not None:
+        os.close(_RUN_INFO.pop("lock"))
+    try:
+        for n in names:
+            os.remove(os.path.join(out, n))
+        os.rmdir(out)
+    except OSError:
+        pass  # (another process wrote there meanwhile: it stays)
+
+
 # -----------------------------------------------------------------------------------------------------------
 # --status
 
@@ -666,7 +686,8 @@ def main(argv):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     out = cfg["out_dir"]
-    _RUN_INFO.update(out_dir=out, master=master)  # a fault before the loop gets its crash report too
+    # a fault before the loop gets its crash report too (a config mistake in an out_dir made here: undo_fresh_run_dir)
+    _RUN_INFO.update(out_dir=out, master=master, out_was_new=master and not os.path.exists(out))
     tokens_per_step = lambda T: cfg["batch_size"] * T * cfg["grad_accum"] * world
 
     def config_wins(stored, how):
@@ -1366,15 +1387,19 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except TrainError as e:
         write_crash_report(CAUSES.get(e.code, "error"), e.code, str(e))
+        if e.code == EXIT_ERROR:
+            undo_fresh_run_dir()
         die(str(e), e.code)
     except RunDirError as e:
         if not isinstance(e, RunLocked):
             write_crash_report("error", EXIT_ERROR, str(e))
+            undo_fresh_run_dir()
         die(str(e), EXIT_ERROR)
     except checkpoint.CheckpointUnreachable as e:  # a mount that dropped mid-verify: wait for it, not exit 1
         write_crash_report(CAUSES[EXIT_UNREACHABLE], EXIT_UNREACHABLE, str(e))
         die(f"{CAUSES[EXIT_UNREACHABLE]}: {e}", EXIT_UNREACHABLE)
     except checkpoint.CheckpointError as e:
+        undo_fresh_run_dir()
         die(str(e), EXIT_ERROR)
     except shards.DataError as e:
         write_crash_report("corrupt data", EXIT_DATA, str(e), path=e.path, offset=e.offset, kind=e.kind)

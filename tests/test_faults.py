@@ -756,6 +756,7 @@ def test_config_mistakes_before_training_are_not_corrupt_data(data_root, tmp_pat
     """A corpus with a larger vocabulary than the model is a config error (exit 1, which the guardian does not
     restart), not corrupt data (3, restarted up to max_restarts), and gets a crash report; a corrupt index.json is
     not a shard to quarantine: the guardian stops after one start."""
+    os.makedirs(tmp_path / "a")  # (as the guardian makes it; an out_dir the refused start made itself is removed)
     r = train([f"--data_root={data_root}", f"--out_dir={tmp_path / 'a'}", "--vocab_size=256", "--max_iters=4",
                "--warmup_iters=1"])
     assert r.returncode == 1 and "set --vocab_size=320" in r.stderr, r.stderr[-2000:]
