@@ -216,8 +216,14 @@ def source_checkpoint(cfg):
         path = cfg["finetune_from"]
     else:
         return None
-    ck = checkpoint.resolve(path)
-    checkpoint.verify(ck)
+    flag = "grow_from" if cfg["init_from"] == "grow" else "finetune_from"
+    try:
+        ck = checkpoint.resolve(path)
+        checkpoint.verify(ck)
+    except checkpoint.CheckpointUnreachable:
+        raise
+    except checkpoint.CheckpointError as e:  # (config/sft.py's default out/tiny, not trained yet: say which key)
+        raise TrainError(f"--{flag}: {e}") from None
     return ck
 
 
@@ -493,8 +499,8 @@ def write_crash_report(cause, code, message, **extra):
 def undo_fresh_run_dir():
     """A start refused for a config mistake in an out_dir this process made: the folder goes again (its lock file and
     crash report made the fixed command's run dir look like a run that had crashed). Anything else in it: kept."""
-    out = _RUN_INFO.get("out_dir")
-    if not (out and _RUN_INFO.get("out_was_new") and os.path.isdir(out)):
+    out, made = _RUN_INFO.get("out_dir"), _RUN_INFO.get("out_made_from")
+    if not (out and made and os.path.isdir(out)):
         return
     names = os.listdir(out)
     if not all(n == ".trainer.lock" or (n.startswith("crash-") and n.endswith(".json")) for n in names):
@@ -504,7 +510,12 @@ def undo_fresh_run_dir():
     try:
         for n in names:
             os.remove(os.path.join(out, n))
-        os.rmdir(out)
+        out = os.path.abspath(out)
+        while True:  # out_dir=out/sft made out/ too
+            os.rmdir(out)
+            if out == made:
+                break
+            out = os.path.dirname(out)
     except OSError:
         pass  # (another process wrote there meanwhile: it stays)
 
@@ -687,7 +698,10 @@ def main(argv):
         torch.backends.cudnn.allow_tf32 = True
     out = cfg["out_dir"]
     # a fault before the loop gets its crash report too (a config mistake in an out_dir made here: undo_fresh_run_dir)
-    _RUN_INFO.update(out_dir=out, master=master, out_was_new=master and not os.path.exists(out))
+    made = os.path.abspath(out) if master and not os.path.exists(out) else None  # the top folder a makedirs adds
+    while made and not os.path.exists(os.path.dirname(made)):
+        made = os.path.dirname(made)
+    _RUN_INFO.update(out_dir=out, master=master, out_made_from=made)
     tokens_per_step = lambda T: cfg["batch_size"] * T * cfg["grad_accum"] * world
 
     def config_wins(stored, how):

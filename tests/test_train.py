@@ -703,7 +703,8 @@ def two_of_four_steps(data_root, tmp_path_factory):
                                   "file_edits_a_default_in_place",
                                   "resume_a_step_without_state", "quarantine_typo", "finetune_from_unread",
                                   "grow_from_unread", "resume_another_runs_step", "finetune_from_stateless",
-                                  "unprepared_dataset", "finetune_on_an_unprepared_dataset"])
+                                  "unprepared_dataset", "finetune_on_an_unprepared_dataset",
+                                  "finetune_from_an_untrained_run"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -727,6 +728,9 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         src = request.getfixturevalue("three_steps")
         args = args + [f"--data_root={tmp_path / 'data'}", "--dataset=sft", "--init_from=finetune",
                        f"--finetune_from={src}"]
+    elif case == "finetune_from_an_untrained_run":  # config/sft.py before out/tiny: the error named no key, and the
+        out = str(tmp_path / "out" / "sft")  # refused start left out/sft/.trainer.lock and a crash report behind
+        args = args + [f"--out_dir={out}", "--init_from=finetune", f"--finetune_from={tmp_path / 'out' / 'tiny'}"]
     elif case == "bad_override":
         args = args + ["--batch_size=many"]
     elif case == "too_big":  # the memory plan refuses before allocating anything
@@ -850,6 +854,8 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
     if case == "unprepared_dataset":
         assert r.returncode == 1 and "corrupt" not in err[0], err[0]
         assert "--tokenizer" not in err[0]  # a scratch run's corpus trains its own
+    if case == "finetune_from_an_untrained_run":
+        assert err[0].startswith("train.py: error: --finetune_from: ") and not (tmp_path / "out").exists(), err[0]
     if case == "finetune_on_an_unprepared_dataset":  # the weights' tokenizer: their checkpoint, which holds it
         assert f"--tokenizer {checkpoint.latest_valid(src)}" in err[0], err[0]
     if case == "too_big":
