@@ -89,10 +89,14 @@ def exec_file(path, scope):
     """Exec a config file into scope; whatever goes wrong is one ConfigError line naming the file (container.py's
     --random-config reads config files this way too)."""
     try:
-        src = open(path).read()
+        src = open(path, encoding="utf-8").read()
         exec(compile(src, path, "exec"), scope)
-    except SyntaxError as e:
-        raise ConfigError(f"{path}:{e.lineno}: syntax error: {e.msg}")
+    except SyntaxError as e:  # (a NUL byte has no line: it said "FILE:None:")
+        raise ConfigError(f"{path}{f':{e.lineno}' if e.lineno else ''}: syntax error: {e.msg}")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8")
+    except SystemExit as e:  # sys.exit(0) in a config ended train.py with exit 0, nothing trained and nothing said
+        raise ConfigError(f"{path}: calls sys.exit({e.code!r}); a config file only sets keys")
     except Exception as e:
         raise ConfigError(f"{path}: raised {type(e).__name__}: {e}")
 

@@ -844,6 +844,12 @@ def evaluate(args):
         raise EvalError(f"--limit {args.limit}: a positive number of examples per task (leave it out for all)")
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise EvalError(f"{args.out}: exists and is not a folder; pass --out DIR")
+    if args.out and args.data_dir and os.path.realpath(args.out) == os.path.realpath(args.data_dir):
+        # each task's results, written as <task>.jsonl, replaced the task's own data file there
+        clash = [p for p in (os.path.join(args.data_dir, t + ".jsonl") for t in tasks) if os.path.exists(p)]
+        if clash:
+            raise EvalError(f"--out {args.out}: is --data-dir, and the results would replace {clash[0]}; pass "
+                            f"another --out")
     if problem := picaflor.device_problem(args.device):
         raise EvalError(f"--device {args.device}: {problem}")
     if args.num_fewshot is not None and args.num_fewshot < 0:

@@ -119,6 +119,10 @@ class Guardian:
         self.cfg = g
         self.out = g["out_dir"]
         self.path = os.path.join(self.out, "guardian.json")
+        in_the_way = rundir.file_in_the_way(self.out)
+        if in_the_way:  # (a FileExistsError traceback)
+            raise configurator.ConfigError(f"--out_dir={self.out}: {in_the_way} is a file, not a folder; pass a run "
+                                           f"directory")
         os.makedirs(self.out, exist_ok=True)
         # one guardian per run, before guardian.json is touched (a second one rewrote the first's as stopped)
         key = os.path.realpath(self.out)

@@ -679,6 +679,16 @@ START_KEYS = {"init_from", "grow_from", "grow_layers"}  # how the run's first ch
 SOURCE_KEY = {"grow": "grow_from", "finetune": "finetune_from"}  # init_from -> the key naming its source checkpoint
 
 
+def read_config_text(path):
+    """A config file's text, or one RelayError line (a non-UTF-8 file was a UnicodeDecodeError traceback)."""
+    try:
+        return open(path, encoding="utf-8").read()
+    except UnicodeDecodeError as e:
+        raise RelayError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8")
+    except OSError as e:
+        raise RelayError(f"{path}: cannot read it ({e.strerror or e}); pass a config file you can read")
+
+
 def config_from_checkpoint(ck):
     """config.py text for a run started from a checkpoint: its state.json "config" (what train.py trained it with)."""
     try:
@@ -741,13 +751,13 @@ def cmd_init(args):
         if args.config and not os.path.isfile(args.config):  # a typo silently took the checkpoint's config
             raise RelayError(f"{args.config}: config file not found; pass a file under config/, or leave CONFIG out "
                              f"to use the checkpoint's own")
-        cfg_text = open(args.config).read() if args.config else config_from_checkpoint(ck)
+        cfg_text = read_config_text(args.config) if args.config else config_from_checkpoint(ck)
     elif args.config is None:
         raise RelayError("init: give a train.py CONFIG (with --key=value overrides) or --from-checkpoint DIR")
     elif not os.path.isfile(args.config):
         raise RelayError(f"{args.config}: config file not found; pass a file under config/")
     else:
-        cfg_text = open(args.config).read()
+        cfg_text = read_config_text(args.config)
     bad = configurator.not_data(cfg_text)
     if bad:  # every contributor's train.py would exec it
         raise RelayError(f"init refused: {args.config or 'the config'}, line {bad[0]}: `{bad[1]}` is not plain data; a "

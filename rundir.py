@@ -245,6 +245,15 @@ def prepare_run_dir(cfg, out, log):
     return ck
 
 
+def file_in_the_way(out_dir):
+    """The file that out_dir is, or lies under (it cannot be made a folder), else None: makedirs' FileExistsError
+    or NotADirectoryError was a traceback, exit 10, which the guardian restarted as a crash."""
+    path = os.path.abspath(out_dir)
+    while not os.path.exists(path) and path != os.path.dirname(path):  # the nearest part of it that exists
+        path = os.path.dirname(path)
+    return None if os.path.isdir(path) else path
+
+
 def hold_run_lock(out_dir, wait_s, log, who="trainer"):
     """One trainer per out_dir (an flock on out_dir/.trainer.lock, held until exit): a second one deleted the first's
     checkpoint temp dir mid-save. It waits up to wait_s for the first to exit (a relaunched guardian's trainer,

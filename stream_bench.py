@@ -773,10 +773,13 @@ def run_sweep(args, argv):
                 print(f"  {r['budget_str']}: decode tok/s over its runs {min(toks):.2f}-{max(toks):.2f} "
                       f"(median {sorted(toks)[(len(toks) - 1) // 2]:.2f})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-        with open(os.path.splitext(args.json)[0] + ".md", "w") as f:  # the README's table, from these very rows
-            f.write(sweep_markdown(rows))
+        try:  # (a disk that filled during the sweep: a traceback)
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+            with open(os.path.splitext(args.json)[0] + ".md", "w") as f:  # the README's table, from these very rows
+                f.write(sweep_markdown(rows))
+        except OSError as e:
+            raise S.StreamError(f"--json {args.json}: cannot write it ({e.strerror or e}); the table is above")
     plot_sweep(rows, args.plot or os.path.splitext(args.json or "sweep.json")[0] + ".png", args.llamacpp_json,
                args.container)
     return rows
@@ -892,8 +895,11 @@ def main(args, argv):
     res = bench_in_cgroup(args, argv)
     print_bench(res)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        try:  # (a disk that filled during the run: a traceback)
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        except OSError as e:
+            raise S.StreamError(f"--json {args.json}: cannot write it ({e.strerror or e}); the figures are above")
     return 0
 
 

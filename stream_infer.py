@@ -1180,6 +1180,17 @@ def check_args(args, argv):
                 os.makedirs(where)
             except OSError as e:
                 raise StreamError(f"{flag} {path}: cannot make its folder ({e.strerror})")
+        if path and os.path.exists(path) and os.path.exists(args.container) and os.path.samefile(path, args.container):
+            raise StreamError(f"{flag} {path}: is the container itself (the results would replace it); give another "
+                              f"path, e.g. {'bench.json' if flag == '--json' else 'sweep.png'}")
+        if path:  # written only after the benchmark: a path it cannot write was a traceback then
+            existed = os.path.exists(path)
+            try:
+                open(path, "a").close()
+            except OSError as e:
+                raise StreamError(f"{flag} {path}: cannot write it ({e.strerror or e}); give a path you can write")
+            if not existed:
+                os.remove(path)
 
 
 def main(argv=None):

@@ -175,7 +175,25 @@ def stored_model_config(ck, state):
     missing = [k for k in ModelConfig.missing_keys(stored) if k not in RESUME_CONFIG_WINS]
     if missing:
         raise TrainError(f"{ck}/state.json: its model_config lacks {missing}; use the picaflor that wrote it")
+    try:  # the checkpoint's own fault, said so (n_layer "3": a TypeError traceback, exit 10, restarted)
+        ModelConfig.from_dict({f.name: stored[f.name] for f in fields(ModelConfig) if f.name in stored})
+    except (ValueError, TypeError) as e:
+        raise TrainError(f"{ck}/state.json: no model config this picaflor can build ({type(e).__name__}: "
+                         f"{str(e)[:160]}); use the picaflor that wrote it, or another checkpoint")
     return stored
+
+
+def load_weights(ck):
+    """A checkpoint's model.safetensors; one that its manifest verifies but safetensors cannot read (damaged before
+    the manifest was written, or written by another tool) was a SafetensorError traceback, exit 10, restarted."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        return load_file(os.path.join(ck, "model.safetensors"))
+    except SafetensorError as e:
+        raise TrainError(f"{ck}/model.safetensors: not a readable safetensors file "
+                         f"({(str(e).splitlines() or [''])[0]}); re-copy the checkpoint from where it was saved, or "
+                         f"start from another (an earlier step_* dir)")
 
 
 def origin_of(name, layer_origin):
@@ -624,6 +642,9 @@ def main(argv):
     for k, fix in (("out_dir", "a run directory"), ("dataset", "a corpus folder under data_root")):
         if not cfg[k].strip():  # (an empty out_dir was a traceback; an empty dataset read data/index.json)
             die(f"--{k} is empty; pass {fix}")
+    in_the_way = rundir.file_in_the_way(cfg["out_dir"])
+    if in_the_way:
+        die(f"--out_dir={cfg['out_dir']}: {in_the_way} is a file, not a folder; pass a run directory")
     if cfg["init_from"] not in ("scratch", "resume", "grow", "finetune"):  # before the run dir is touched
         die(f"--init_from={cfg['init_from']}: must be scratch, resume, grow or finetune")
     if cfg["grow_where"] not in ("interleave", "top"):
@@ -666,7 +687,6 @@ def main(argv):
     import torch.distributed as dist
     import shards
     from model import Picaflor, load_stats
-    from safetensors.torch import load_file
 
     # --- processes and device -----------------------------------------------------------------------------
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -775,7 +795,7 @@ def main(argv):
         state = read_json(os.path.join(ck, "state.json"))
         stored = stored_model_config(ck, state)
         mcfg = model_config_from({**cfg, **stored, **config_wins(stored, "resume")})
-        sd = load_file(os.path.join(ck, "model.safetensors"))
+        sd = load_weights(ck)
         if os.path.exists(os.path.join(ck, "optimizer.pt")):
             opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
         else:  # (train.py always writes one: a checkpoint made by hand, or by another tool)
@@ -787,8 +807,7 @@ def main(argv):
         src_state = source_state(ck, "grow_from")
         from model import ModelConfig
         old = ModelConfig.from_dict(stored_model_config(ck, src_state))
-        sd, layer_origin = grow_state_dict(load_file(os.path.join(ck, "model.safetensors")), old,
-                                           cfg["grow_layers"], cfg["grow_where"])
+        sd, layer_origin = grow_state_dict(load_weights(ck), old, cfg["grow_layers"], cfg["grow_where"])
         mcfg = ModelConfig.from_dict({**asdict(old), "n_layer": old.n_layer + cfg["grow_layers"],
                                       **config_wins(src_state["model_config"], "grow")})
         log(f"growing {ck}: {old.n_layer} -> {mcfg.n_layer} layers (new blocks start as identity)")
@@ -797,7 +816,7 @@ def main(argv):
         src_state = source_state(ck, "finetune_from")
         stored = stored_model_config(ck, src_state)
         mcfg = model_config_from({**cfg, **stored, **config_wins(stored, "finetune")})
-        sd = load_file(os.path.join(ck, "model.safetensors"))
+        sd = load_weights(ck)
         layer_origin = src_state.get("layer_origin") or ["new"] * mcfg.n_layer
         log(f"fine-tuning from {ck} (step {src_state.get('step')}); fresh optimizer and plan")
     elif cfg["init_from"] != "scratch":
@@ -908,8 +927,9 @@ def main(argv):
         val_stream = None  # a corpus without a val split: no val loss, said once below
     index = indexes[val_corpus]
     tokenizer_file = os.path.join(cfg["data_root"], val_corpus, index.get("tokenizer", "tokenizer.json"))
-    if index.get("tokenizer_sha256") and os.path.isfile(tokenizer_file):  # (copied into every checkpoint below)
-        # another corpus's tokenizer.json: export, eval and chat decoded with it (DataError, kind "tokenizer")
+    if index.get("tokenizer_sha256"):  # (copied into every checkpoint below)
+        # another corpus's tokenizer.json: export, eval and chat decoded with it (DataError, kind "tokenizer"); a
+        # missing one: every checkpoint lacked a tokenizer, silently
         shards.load_corpus_tokenizer(os.path.join(cfg["data_root"], val_corpus), index)
     # one tokenizer for every corpus of the plan and for the weights: token ids mean nothing across tokenizers, and a
     # corpus prepared again (a new tokenizer by default) silently retrained a resumed run on other meanings

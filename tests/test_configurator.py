@@ -1,3 +1,4 @@
+import os
 import re
 import subprocess
 import sys
@@ -65,6 +66,24 @@ def test_bad_config_file(tmp_path, body, words):
         configure(fresh(), [str(f)])
     for w in words:
         assert w in str(e.value)
+
+
+def test_a_config_file_that_exits_is_not_binary_or_has_a_nul_is_one_line_naming_it(tmp_path):
+    """sys.exit(0) in a config file ended train.py (and container.py --random-config) with exit 0, nothing done and
+    nothing said; a NUL byte said "c.py:None: syntax error"."""
+    f = tmp_path / "c.py"
+    for body, words in [(b"import sys\nsys.exit(0)\n", "calls sys.exit(0); a config file only sets keys"),
+                        (b"raise SystemExit('x')\n", "calls sys.exit('x')"),
+                        (b"batch_size = 4\x00\n", f"{f}: syntax error"),
+                        (b"\xff\xfebatch_size = 4\n", "not UTF-8 text (byte 0: invalid start byte); save it as UTF-8")]:
+        f.write_bytes(body)
+        with pytest.raises(ConfigError) as e:
+            configure(fresh(), [str(f)])
+        assert str(e.value).startswith(str(f)) and words in str(e.value) and "None" not in str(e.value), e.value
+    f.write_bytes(b"import sys\nsys.exit(0)\n")
+    r = subprocess.run([sys.executable, "container.py", "--random-config", str(f), "--out", str(tmp_path / "r.pcf4")],
+                       cwd=configurator.__file__.rsplit("/", 1)[0], capture_output=True, text=True)
+    assert r.returncode == 1 and "calls sys.exit(0)" in r.stderr and not os.path.exists(tmp_path / "r.pcf4"), r.stderr
 
 
 def test_missing_config_file(tmp_path):

@@ -776,6 +776,10 @@ def test_prepare_refuses_negative_caps_and_a_vocab_size_its_tokenizer_lacks(tok,
     fw = ["data/fineweb_edu/prepare.py", "--out", str(tmp_path / "fw")]
     for argv, want in ((local + ["--max-files", "-1"], "--max-files -1: 0 (no cap) or more"),
                        (local + ["--max-bytes", "-5"], "--max-bytes -5: 0 (no cap) or more"),
+                       # -5 was taken as 0, 100 said "found no files for training; pass --src DIR", 0 a shard a document
+                       (local + ["--val-percent", "-5"], "--val-percent -5: in [0, 100)"),
+                       (local + ["--val-percent", "100"], "--val-percent 100: in [0, 100)"),
+                       (local + ["--shard-tokens", "0"], "--shard-tokens 0: at least 1"),
                        (fw + ["--max-tokens", "-1"], "--max-tokens -1: at least 1"),
                        (fw + ["--val-tokens", "-2"], "--val-tokens -2: at least 0"),
                        (local + ["--tokenizer", tok_file, "--vocab-size", "300"], f"{tok_file} has vocab 400"),

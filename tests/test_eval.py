@@ -373,6 +373,21 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
         assert len(errors) == 1 and msg in errors[0] and err.endswith(errors[0]) and "Traceback" not in err, err
 
 
+def test_out_the_same_folder_as_data_dir_never_replaces_the_task_data(hf_setup, tmp_path, capsys):
+    """--out DIR --data-dir DIR wrote piqa's per-example results over DIR/piqa.jsonl, the task's data (a second run
+    then read the results as data)."""
+    _, model_dir, data_dir, _ = hf_setup
+    both = tmp_path / "both"
+    both.mkdir()
+    (both / "piqa.jsonl").write_bytes(open(os.path.join(data_dir, "piqa.jsonl"), "rb").read())
+    before = (both / "piqa.jsonl").read_bytes()
+    assert ev.main([model_dir, "--tasks", "piqa", "--limit", "2", "--data-dir", str(both), "--out", f"{both}/"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --out {both}/: is --data-dir, and the results would replace {both}/piqa.jsonl; pass "
+                   f"another --out")
+    assert (both / "piqa.jsonl").read_bytes() == before and sorted(os.listdir(both)) == ["piqa.jsonl"]
+
+
 def test_a_mistyped_local_path_is_not_tried_on_the_hub(tmp_path, monkeypatch, capsys):
     """out/nope (owner/name in shape, its owner a folder here) was tried as a Hub repo: ~50 s of retries offline,
     then 'cannot connect'. It is a local path that does not exist, said at once."""

@@ -772,6 +772,19 @@ def test_config_mistakes_before_training_are_not_corrupt_data(data_root, tmp_pat
     assert "restarting cannot fix this" in log["report"]["message"]
 
 
+def test_an_out_dir_that_is_or_lies_under_a_file_is_one_line_not_a_restartable_crash(tmp_path):
+    """makedirs' FileExistsError / NotADirectoryError was a traceback and exit 10 (which the guardian restarts),
+    saying "checkpoints are intact: resume"; the guardian's own makedirs, a traceback."""
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    for out, extra, code, who in [(f, [], 1, "train.py"), (f / "run", [], 1, "train.py"),
+                                  (f, ["--supervise"], 2, "guardian")]:
+        r = train([f"--data_root={tmp_path}", f"--out_dir={out}", "--max_iters=2", *extra])
+        assert r.returncode == code and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert r.stderr == f"{who}: error: --out_dir={out}: {f} is a file, not a folder; pass a run directory\n"
+    assert f.read_text() == "mine"
+
+
 def test_guardian_quarantines_a_mask_by_its_shard_and_counts_no_old_quarantine_as_a_fix(tmp_path):
     """A corrupt loss mask quarantined `x.mask.bin`, which train.py (skipping shards by name) never skipped; and
     on_stuck counted a shard it had quarantined before, still corrupt on disk, as fixed: every restart was burnt."""

@@ -630,6 +630,16 @@ def test_a_second_relay_in_the_same_workdir_is_refused(tmp_path, hub, rl):
     assert rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", wa], env).returncode == 0
 
 
+def test_init_with_a_config_that_is_not_utf8_is_one_line(tmp_path):
+    """A config file saved in Latin-1 (or a binary file passed by mistake) was a UnicodeDecodeError traceback."""
+    cfg = tmp_path / "latin1.py"
+    cfg.write_bytes("# caf\xe9\ngpu_hourly_usd = 2.0\n".encode("latin-1"))
+    r = relay_cli(["init", f"file://{tmp_path}/store", cfg, "--workdir", tmp_path / "w"], base_env())
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().endswith(f"{cfg}: not UTF-8 text (byte 5: invalid continuation byte); save it as UTF-8")
+    assert not (tmp_path / "store").exists()
+
+
 def test_a_config_with_code_is_never_run(tmp_path, hub, rl):
     """train.py execs the run's config.py on every contributor's machine: a store's config.py that is more than
     data (a repo writer's `import os; os.system(...)`) is refused before anything runs, and init refuses one."""

@@ -1622,6 +1622,47 @@ def test_bad_input_one_line_errors(tiny, tmp_path):
     assert "layer 2 expert 0" in str(ei.value)
 
 
+def test_a_json_path_it_cannot_write_is_refused_before_the_benchmark_and_after_it_is_one_line(tiny, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """--bench --json PATH that cannot be written (a read-only folder) was found only after the whole benchmark, as a
+    traceback; a disk that filled during the run, the same; --json or --plot naming the container replaced it."""
+    _, path = tiny
+    denied = str(tmp_path / "ro" / "bench.json")
+
+    def refuse(p, *a, **k):
+        if str(p) == denied:
+            raise PermissionError(13, "Permission denied", str(p))
+        return open(p, *a, **k)
+    monkeypatch.setattr(S, "open", refuse, raising=False)
+    ran = []
+    monkeypatch.setattr(B, "bench_in_cgroup", lambda args, argv: ran.append(1) or {"decode_tok_s": 1.0})
+    monkeypatch.setattr(B, "print_bench", lambda res: None)
+    assert S.main([path, "--bench", "--json", denied]) == 1 and not ran
+    assert capsys.readouterr().err == (f"error: --json {denied}: cannot write it (Permission denied); give a path you "
+                                       f"can write\n")
+    before = open(path, "rb").read()  # the container as --json or --plot: replaced by the results
+    for flag, example in (("--json", "bench.json"), ("--plot", "sweep.png")):
+        assert S.main([path, "--sweep", "1G", flag, path]) == 1 and not ran
+        assert capsys.readouterr().err == (f"error: {flag} {path}: is the container itself (the results would replace "
+                                           f"it); give another path, e.g. {example}\n")
+    assert open(path, "rb").read() == before
+    kept = tmp_path / "kept.json"
+    kept.write_text("earlier")
+    assert S.main([path, "--bench", "--json", str(kept)]) == 0 and json.loads(kept.read_text()) == {"decode_tok_s": 1.0}
+    assert S.main([path, "--bench", "--json", str(tmp_path / "new.json")]) == 0
+    full = str(tmp_path / "full.json")
+
+    def disk_full(p, *a, **k):
+        if str(p) == full:
+            raise OSError(28, "No space left on device", str(p))
+        return open(p, *a, **k)
+    monkeypatch.setattr(B, "open", disk_full, raising=False)
+    capsys.readouterr()
+    assert S.main([path, "--bench", "--json", full]) == 1 and not os.path.exists(full)
+    assert capsys.readouterr().err == (f"error: --json {full}: cannot write it (No space left on device); the figures "
+                                       f"are above\n")
+
+
 def test_the_budget_a_refusal_suggests_loads(tiny, monkeypatch):
     """'raise it to at least X' said the need itself, rounded to 2 decimals (sometimes below it), while loading takes
     RSS beyond the weights' bytes: a budget of exactly X was refused again, after loading. RSS faked: 8 MB growth."""

@@ -698,6 +698,7 @@ def two_of_four_steps(data_root, tmp_path_factory):
                                   "too_big", "zero_interval", "scratch_over_a_run", "status_of_a_damaged_step",
                                   "zero_batch_size", "zero_grad_accum", "seq_len_over_max", "lr_mult_typo", "cuda_index",
                                   "float16", "max_iters_with_stages", "zero_heads", "shard_list", "swapped_tokenizer",
+                                  "missing_tokenizer", "finetune_unreadable_weights", "resume_a_config_of_another_type",
                                   "beta_out_of_range", "negative_warmup", "empty_out_dir", "negative_rope_theta",
                                   "init_from_typo", "max_iters_in_the_stages_file", "warmup_iters_as_before_in_the_stages_file",
                                   "file_edits_a_default_in_place",
@@ -769,6 +770,21 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         tok_file = tmp_path / "data" / "local" / "tokenizer.json"
         tok_file.write_text(json.dumps(json.loads(tok_file.read_text()), indent=2))  # other bytes, still a tokenizer
         args = args + [f"--data_root={tmp_path / 'data'}"]
+    elif case == "missing_tokenizer":  # the tokenizer index.json pins, gone: trained silently, no checkpoint had one
+        shutil.copytree(os.path.join(data_root, "local"), tmp_path / "data" / "local")
+        os.remove(tmp_path / "data" / "local" / "tokenizer.json")
+        args = args + [f"--data_root={tmp_path / 'data'}"]
+    elif case in ("finetune_unreadable_weights", "resume_a_config_of_another_type"):  # manifests that verify: a
+        from model import ModelConfig  # SafetensorError / TypeError traceback, exit 10 (the guardian restarted it)
+        from dataclasses import asdict
+        good = asdict(ModelConfig())
+        bad = case == "resume_a_config_of_another_type"
+        checkpoint.save(out if bad else str(tmp_path / "src"), 2, {
+            "state.json": lambda p: json.dump({"step": 2, "model_config": {**good, "n_layer": "3"} if bad else good},
+                                              open(p, "w")),
+            "model.safetensors": lambda p: open(p, "wb").write(b"\x08" + b"\0" * 7 + b"{}garbage")})
+        args = args + (["--init_from=resume"] if bad else
+                       ["--init_from=finetune", f"--finetune_from={tmp_path / 'src'}"])
     elif case == "beta_out_of_range":  # torch's ValueError at step 0: exit 10, which the guardian restarted
         args = args + ["--beta1=1.5"]
     elif case == "negative_warmup":  # trained a longer plan without a warmup
@@ -832,7 +848,11 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
            "finetune_from_unread": "is read only with --init_from=finetune", "grow_from_unread": "--init_from=grow",
            "resume_another_runs_step": "is a checkpoint of another run than the one in",
            "finetune_from_stateless": "no state.json with a model_config",
-           "swapped_tokenizer": "differs from index.json's", "beta_out_of_range": "[0, 1)",
+           "swapped_tokenizer": "differs from index.json's",
+           "missing_tokenizer": "tokenizer.json: cannot read tokenizer file (No such file or directory); re-run",
+           "finetune_unreadable_weights": "model.safetensors: not a readable safetensors file",
+           "resume_a_config_of_another_type": "state.json: no model config this picaflor can build (TypeError",
+           "beta_out_of_range": "[0, 1)",
            "negative_warmup": "warmup_iters=-5: must be >= 0", "empty_out_dir": "--out_dir is empty",
            "negative_rope_theta": "rope_theta=-10000.0 must be", "init_from_typo": "scratch, resume, grow or finetune",
            "max_iters_in_the_stages_file": "max_iters (in ",

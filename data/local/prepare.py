@@ -76,6 +76,10 @@ def main():
     for flag in ("max_files", "max_bytes"):  # a negative cap was "reached" at once: "found no files for training"
         if getattr(args, flag) < 0:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: 0 (no cap) or more")
+    if not 0 <= args.val_percent < 100:  # -5 was taken as 0; 100 said "found no files for training; pass --src DIR"
+        ap.error(f"--val-percent {args.val_percent:g}: in [0, 100) (the rest is trained on)")
+    if args.shard_tokens < 1:  # (0 or less wrote a shard per document, silently)
+        ap.error(f"--shard-tokens {args.shard_tokens}: at least 1")
     args.reused_tokenizer = None  # loaded (and checked against --vocab-size) before anything is read or written
     if args.tokenizer:
         try:
