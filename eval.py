@@ -842,6 +842,8 @@ def evaluate(args):
         raise EvalError(f"{args.data_dir}: --data-dir is not a directory")
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit {args.limit}: a positive number of examples per task (leave it out for all)")
+    if args.bootstrap_iters < 0:  # (it ran as 0: no perplexity stderr, unsaid)
+        raise EvalError(f"--bootstrap-iters {args.bootstrap_iters}: 0 (no perplexity stderr) or more resamples")
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise EvalError(f"{args.out}: exists and is not a folder; pass --out DIR")
     if args.out and args.data_dir and os.path.realpath(args.out) == os.path.realpath(args.data_dir):

@@ -111,6 +111,8 @@ class Source:
         self.names = sorted(self.f.keys(), key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)])
         self._cache = (None, None)
         self.check_against_config()
+        if tokenizer_path and os.path.isdir(tokenizer_path):  # a corpus or checkpoint folder: the file it holds
+            tokenizer_path = os.path.join(tokenizer_path, "tokenizer.json")
         tp = tokenizer_path or os.path.join(self.dir, "tokenizer.json")
         self.tokenizer_path = tp if os.path.isfile(tp) else None
         if tokenizer_path and not self.tokenizer_path:
@@ -163,6 +165,8 @@ class ContainerSource:
         self.names = sorted(list(self.cont.header["tensors"]) + expert_names, key=key)
         self._cache = (None, None)
         self._tmp_tok = None
+        if tokenizer_path and os.path.isdir(tokenizer_path):  # a corpus or checkpoint folder: the file it holds
+            tokenizer_path = os.path.join(tokenizer_path, "tokenizer.json")
         self.tokenizer_path = tokenizer_path
         if tokenizer_path and not os.path.isfile(tokenizer_path):
             raise ExportError(f"{tokenizer_path}: no such tokenizer file; pass the corpus's tokenizer file")
@@ -817,7 +821,8 @@ def main(argv=None):
     ap.add_argument("--gguf-type", default=None, choices=["f16", "bf16", "q8_0", "q4_0"], help="gguf: weight type (f16)")
     ap.add_argument("--group-size", type=int, default=None, help="int4: quantization group size (container default)")
     ap.add_argument("--embed-bits", type=int, default=None, choices=[4, 8], help="int4: embeddings / lm_head bits (8)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer file, if not the checkpoint's tokenizer.json")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer file (or a corpus / checkpoint folder holding one), if not the checkpoint's")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     for flag, fmt in (("dtype", "hf"), ("max_shard_size", "hf"), ("gguf_type", "gguf"), ("group_size", "int4"),

@@ -363,6 +363,7 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
               ([model_dir, "--tasks", "gsm8k", "--data-dir", data_dir, "--max-gen-toks", "100000", "--num-fewshot", "0"],
                "leaves no room"),
               ([model_dir, "--tasks", ",", "--data-dir", data_dir], "no task named"),
+              ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--bootstrap-iters", "-1"], "--bootstrap-iters -1"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(afile / "sub")], "cannot write")]
     if not torch.cuda.is_available():  # a pin_memory traceback
         cases.append(([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--device", "cuda"], "no CUDA GPU is visible"))
