@@ -428,8 +428,9 @@ class Guardian:
             for s, h in handlers.items():
                 signal.signal(s, h)
         mine = self.log["starts"][len(self.log["starts"]) - self.n_started:] if self.n_started else []
-        steps = (f"; newest checkpoint step {mine[0]['checkpoint_step_at_start']} -> "
-                 f"{mine[-1].get('checkpoint_step_at_end')}" if mine else "")
+        at = lambda step: "none" if step is None else step  # noqa: E731  (a first start: "step None -> 20")
+        steps = (f"; newest checkpoint step {at(mine[0]['checkpoint_step_at_start'])} -> "
+                 f"{at(mine[-1].get('checkpoint_step_at_end'))}" if mine else "")
         # one line a field report can quote (the starts were scattered through hours of trainer output)
         self.say(f"summary: {len(mine)} start{'s' * (len(mine) != 1)}"
                  f"{' (' + summarize([m.get('cause', 'unknown') for m in mine]) + ')' if mine else ''}{steps}; "

@@ -944,5 +944,8 @@ if __name__ == "__main__":
     except (ValueError, TypeError, configurator.ConfigError) as e:
         sys.exit(f"model.py: error: {args.config or 'the defaults'}: {e}")
     m = meta_model(cfg)
-    print(f"total params {m.num_params() / 1e9:.3f}B, active per token {m.active_params() / 1e9:.3f}B "
-          f"(top_k={cfg.top_k}; {m.active_params(top_k=1) / 1e9:.3f}B at top_k=1)")
+    # one unit for all three, by the total's size: tiny in B printed 0.003B / 0.002B / 0.002B
+    scale, unit, digits = (1e9, "B", 3) if m.num_params() >= 1e8 else (1e6, "M", 1)
+    print(f"total params {m.num_params() / scale:.{digits}f}{unit}, active per token "
+          f"{m.active_params() / scale:.{digits}f}{unit} "
+          f"(top_k={cfg.top_k}; {m.active_params(top_k=1) / scale:.{digits}f}{unit} at top_k=1)")

@@ -288,6 +288,25 @@ def hold_run_lock(out_dir, wait_s, log, who="trainer"):
 
 
 
+def lock_holder(out_dir, who="trainer"):
+    """The pid (as written) of the process holding out_dir's .{who}.lock now, or None when none holds it (or the
+    filesystem has no locks): train.py --status says whether the run is being trained."""
+    import fcntl
+    try:
+        fd = os.open(os.path.join(out_dir, f".{who}.lock"), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (released at once: a trainer starting now waits lock_wait_s)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def copy_ticking(tick):
     """shutil.copytree's copy_function that calls tick() every 64 MB: a 31 GB checkpoint copied to a slow bucket
     outlasted hang_timeout, and the watchdog took the copy for a hang at every checkpoint (a stalled write still

@@ -294,3 +294,23 @@ def stored_plan_differs(state, cfg):
     if cfg["stages"] and all("mix" in s for s in cfg["stages"] if isinstance(s, dict)):
         src = {}
     return any(src[k] != cfg[k] for k in PLAN_SOURCE_KEYS if k in src)
+
+
+def plan_changes(state, cfg):
+    """What makes the config's plan another than the one stored in a checkpoint's state, each as 'what: stored X,
+    config Y' (empty: the same plan), so a refused resume names what to put back or --replan."""
+    stored_stages, stages = state.get("config_stages"), cfg["stages"]
+    changes = []
+    if stored_stages != stages:
+        if not isinstance(stored_stages, list) or len(stored_stages) != len(stages):
+            count = lambda x: (f"{len(x)} stage{'s' * (len(x) != 1)}" if isinstance(x, list) and x  # noqa: E731
+                               else "none (from max_iters)")
+            changes.append(f"stages: stored {count(stored_stages)}, config {count(stages)}")
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(stored_stages, stages)) if a != b)
+            changes.append(f"stage {i}: stored {stored_stages[i]}, config {stages[i]}")
+    if stored_plan_differs(state, cfg):
+        src = state.get("plan_source") or {}
+        changes += [f"{k}: stored {src[k]!r}, config {cfg[k]!r}" for k in PLAN_SOURCE_KEYS  # (not those stages ignore)
+                    if k in src and src[k] != cfg[k] and k not in unused_with_stages(cfg)]
+    return changes

@@ -50,12 +50,12 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 
-from checkpoint import DISK_ERRNOS  # a write refused for lack of space
+from checkpoint import DISK_ERRNOS, fmt_size  # a write refused for lack of space; MiB / GiB
 import rundir
 from rundir import RunDirError, RunLocked, hold_run_lock, mirror, prepare_run_dir, retain
 from schedule import (PLAN_SOURCE_KEYS, PlanError, align_plan, build_plan, decay_now, is_on_demand, keep_on_demand_decay,
-                      lr_at, no_decay_note, on_demand_decay_tokens, plan_tokens, rows_per_stream, stage_at, stored_plan_differs,
-                      unused_with_stages)
+                      lr_at, no_decay_note, on_demand_decay_tokens, plan_changes, plan_tokens, rows_per_stream,
+                      stage_at, unused_with_stages)
 
 # -----------------------------------------------------------------------------------------------------------
 # config (globals; config files and --key=value override them)
@@ -579,6 +579,33 @@ def print_status(run_dir):
           f"${usd:.2f} spent, projected ${proj:.2f}; best val loss "
           + ("none yet" if st.get("best_val_loss") is None
              else f"{st['best_val_loss']:.4f} (step {st.get('best_step')})"))
+    # all of the above is as of the checkpoint, up to ckpt_interval steps (hours on nano) behind a running trainer
+    out_dir = os.path.dirname(ck)
+    pid, row = rundir.lock_holder(out_dir), last_metrics_row(os.path.join(out_dir, "metrics.jsonl"))
+    newer = (f"; newest logged step {row['step']} (loss {row['loss']:.4f}, {fmt_time(time.time() - row['time'])} ago)"
+             if row and row.get("step", 0) > st["step"] and isinstance(row.get("loss"), (int, float))
+             and isinstance(row.get("time"), (int, float)) else "")
+    guardian = rundir.lock_holder(out_dir, "guardian")
+    print(f"  trainer: {f'running (pid {pid})' if pid else 'not running'}"
+          f"{f', supervised (guardian pid {guardian})' if guardian else ''}{newer}")
+
+
+def last_metrics_row(path):
+    """metrics.jsonl's last complete row (a dict), or None (no file, or none parses); reads only the file's tail."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - (1 << 16)))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:  # (a row cut by a crash, or the tail's first partial line)
+            continue
+        if isinstance(row, dict):
+            return row
+    return None
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -608,7 +635,8 @@ def main(argv):
 
     g = {k: globals()[k] for k in _CONFIG_KEYS}
     if any(a in ("-h", "--help") for a in argv) and any(a.startswith("--status") for a in argv):
-        print("usage: python train.py --status RUN_DIR   (the plan against progress, the LR, time and cost left)")
+        print("usage: python train.py --status RUN_DIR   (the plan against progress, the LR, time and cost left; "
+              "whether a trainer runs it now, and its newest logged step)")
         return  # (--status is no config key: the config help below refused it)
     if any(a in ("-h", "--help") for a in argv):  # with the config files and overrides given applied (their values)
         applied = split_flags([a for a in argv if a not in ("-h", "--help")])[1]
@@ -831,11 +859,12 @@ def main(argv):
         log(note)
     if state is not None:
         stored = state["plan"]
-        if state.get("config_stages") != cfg["stages"] or stored_plan_differs(state, cfg):
+        if changes := plan_changes(state, cfg):
             if not flags["--replan"]:
-                raise TrainError(f"the config's plan differs from the plan stored in {os.path.join(ck, 'state.json')}; "
-                                 f"pass --replan to adopt the new plan, or use the run's original config")
-            log(f"REPLAN: adopting the config's plan (was {stored})")
+                raise TrainError(f"the config's plan differs from the plan stored in {os.path.join(ck, 'state.json')} "
+                                 f"({'; '.join(changes)}); pass --replan to adopt the new plan, or use the run's "
+                                 f"original config")
+            log(f"REPLAN: adopting the config's plan ({'; '.join(changes)}; the old one stays in state.json's replans)")
             if state.get("decay_started_at_tokens") is not None and any(is_on_demand(s) for s in stored):
                 # a started decay is history (control.json cannot start a second one): resume a step before it to drop
                 # it; all its stages, as they were (a decay copied from one over several stages lost all but the first)
@@ -983,13 +1012,13 @@ def main(argv):
     n_params = model.num_params()
     need, parts = memory_plan(cfg, mcfg, n_params, world, device_type)
     have = device_memory(device_type)
-    gib = lambda b: f"{b / 2**30:.1f} GiB"
     log(f"model: {n_params / 1e6:.1f}M params, {model.active_params() / 1e6:.1f}M active per token; memory plan per "
-        f"process: " + ", ".join(f"{k} {gib(v)}" for k, v in parts.items()) + f" = {gib(need)}"
-        + (f" of {gib(have)}" if have else ""))
+        f"process: " + ", ".join(f"{k} {fmt_size(v)}" for k, v in parts.items()) + f" = {fmt_size(need)}"
+        + (f" of {fmt_size(have)}" if have else ""))
     if have and need > 0.95 * have:
-        raise TrainError(f"memory plan {gib(need)} exceeds the {gib(have)} of {device}: lower batch_size (activations "
-                         f"{gib(parts['activations'])}) and raise grad_accum, shorten seq_len, or use more GPUs (torchrun)")
+        raise TrainError(f"memory plan {fmt_size(need)} exceeds the {fmt_size(have)} of {device}: lower batch_size "
+                         f"(activations {fmt_size(parts['activations'])}) and raise grad_accum, shorten seq_len, or "
+                         f"use more GPUs (torchrun)")
     groups = param_groups(model, layer_origin, cfg)
     opt = torch.optim.AdamW([{k: v for k, v in gr.items() if k != "names"} for gr in groups], lr=cfg["learning_rate"],
                             betas=(cfg["beta1"], cfg["beta2"]), fused=True)  # fused on CPU too: ~14x faster step there

@@ -1255,7 +1255,8 @@ def test_review_round_guardian_ends_say_what_happened(tmp_path, capsys, monkeypa
     """Helper-55's review: a stop whose trainer died instead of checkpointing (a hang while stopping) exited 0 as a
     clean stop; max_restarts said "restarting" and then exited 1 "error"; an on_stuck command hung on a dead mount
     held the guardian forever, deaf to SIGTERM; a full disk under guardian.json was a traceback that left the
-    trainer unsupervised; a trainer stopped on its own (a SIGTERM to it alone) was recorded as "done"."""
+    trainer unsupervised; a trainer stopped on its own (a SIGTERM to it alone) was recorded as "done". The summary
+    said "newest checkpoint step None -> 20" (Python's None) for a run that had none yet."""
     import guardian
     run = tmp_path / "run"
     log = lambda: json.load(open(run / "guardian.json"))  # noqa: E731
@@ -1272,7 +1273,7 @@ def test_review_round_guardian_ends_say_what_happened(tmp_path, capsys, monkeypa
     assert run_guardian(g) == guardian.EXIT_STUCK and len(started) == 2
     err = capsys.readouterr().err
     assert err.count("restarting") == 1 and "crash x2" in err and log()["report"]["cause"] == "stuck", err
-    assert "guardian: summary: 2 starts (crash x2); newest checkpoint step None -> None; exit 9 (stopped)" in err, err
+    assert "guardian: summary: 2 starts (crash x2); newest checkpoint step none -> none; exit 9 (stopped)" in err, err
     # on_stuck that does not end is killed after ON_STUCK_TIMEOUT_S (not a fix), or at once by a SIGTERM
     monkeypatch.setattr(guardian, "ON_STUCK_TIMEOUT_S", 0.5)
     g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--max_stuck_starts=1", "--on_stuck=sleep 30"])

@@ -604,6 +604,24 @@ def test_model_cli_and_config_checks(tmp_path, monkeypatch, capsys):
         assert isinstance(msg, str) and words in msg and "\n" not in msg and not capsys.readouterr().err, msg
 
 
+def test_model_cli_prints_small_models_in_millions(monkeypatch, capsys):
+    """python model.py config/tiny.py printed "total params 0.003B, active per token 0.002B": every figure in B
+    rounded a model under 0.1B to nothing; there it prints M (train.py's unit), while nano keeps its 2.604B."""
+    import runpy
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for config, unit, scale in (("tiny.py", "M", 1e6), ("nano.py", "B", 1e9)):
+        monkeypatch.setattr(sys, "argv", ["model.py", os.path.join(repo, "config", config)])
+        runpy.run_path(os.path.join(repo, "model.py"), run_name="__main__")
+        printed = capsys.readouterr().out
+        g = {}
+        exec(open(os.path.join(repo, "config", config)).read(), g)
+        m = M.meta_model(M.ModelConfig.from_dict({k: g[k] for k in M.ModelConfig.__dataclass_fields__ if k in g}))
+        total, active = m.num_params() / scale, m.active_params() / scale
+        digits = 1 if unit == "M" else 3
+        assert f"total params {total:.{digits}f}{unit}, active per token {active:.{digits}f}{unit}" in printed, printed
+        assert float(f"{total:.{digits}f}") > 1, printed  # not a figure rounded toward zero
+
+
 def test_device_problem_names_what_cannot_run_here(monkeypatch):
     """chat, eval and stream_infer refuse a device with this one check: a typo, a device kind torch would take but the
     scripts never run on, and a CUDA index past the machine's GPUs all get a reason; cpu and a present GPU get None."""

@@ -79,8 +79,11 @@ def three_steps(data_root, tmp_path_factory):
 
 def test_loss_falls(data_root, tmp_path):
     out = str(tmp_path / "run")
-    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=60", "--warmup_iters=5",
-                "--eval_interval=30", "--learning_rate=1e-2"])
+    r = run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=60", "--warmup_iters=5",
+                    "--eval_interval=30", "--learning_rate=1e-2"])
+    # tiny's memory plan read "params 0.0 GiB, grads 0.0 GiB, adamw 0.0 GiB": below a GiB it is in MiB
+    plan = next(ln for ln in r.stdout.splitlines() if "memory plan per process" in ln)
+    assert "0.0 GiB" not in plan and " MiB" in plan, plan
     m = metrics(out)
     first = sum(m[s]["loss"] for s in range(1, 6)) / 5
     last = sum(m[s]["loss"] for s in range(56, 61)) / 5
@@ -427,6 +430,45 @@ def stage_file(tmp_path, name, decay_steps):
     return str(f)
 
 
+def test_status_says_whether_a_trainer_runs_and_its_newest_logged_step(three_steps, tmp_path):
+    """train.py --status read only the newest checkpoint: on a running nano (ckpt_interval 1000) hours behind, and it
+    never said whether anything was training the run. It names the trainer holding the run's lock (its pid) and
+    metrics.jsonl's newest step when that is past the checkpoint."""
+    import fcntl
+    import time
+    out = str(tmp_path / "run")
+    shutil.copytree(three_steps, out)  # newest checkpoint: step 3
+    said = main_output(["--status", out])[0].splitlines()
+    assert said[-1] == "  trainer: not running", said
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:  # a trainer's log, 5 steps past the checkpoint
+        f.write(json.dumps({"step": 8, "loss": 6.25, "time": time.time() - 65}) + "\n" + '{"step": 9, "lo')
+    with open(os.path.join(out, ".trainer.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write("4242")
+        lock.flush()
+        said = main_output(["--status", out])[0].splitlines()
+    assert said[-1].startswith("  trainer: running (pid 4242); newest logged step 8 (loss 6.2500, 1m0"), said
+    assert main_output(["--status", out])[0].splitlines()[-1].startswith("  trainer: not running; newest logged step 8")
+
+
+def test_a_refused_replan_names_what_differs():
+    """A resume whose config plans otherwise was refused with "the config's plan differs" alone: a user who had
+    trained with --max_iters=60 --warmup_iters=5 could not tell which of them to put back. Each change is named, and a
+    key the config's stages leave unread (max_iters beside stages) is not."""
+    no_stages = {"max_iters": 60, "warmup_iters": 5, "decay_frac": 0.2, "dataset": "local"}
+    state = {"config_stages": [], "plan_source": dict(no_stages)}
+    assert schedule.plan_changes(state, {**no_stages, "stages": []}) == []
+    assert schedule.plan_changes(state, {**no_stages, "stages": [], "max_iters": 100, "warmup_iters": 30}) == [
+        "max_iters: stored 60, config 100", "warmup_iters: stored 5, config 30"]
+    staged = [dict(name="warm", steps=3, lr_phase="warmup"), dict(name="down", steps=4, lr_phase="decay")]
+    assert schedule.plan_changes(state, {**no_stages, "max_iters": 300, "stages": staged}) == [
+        "stages: stored none (from max_iters), config 2 stages"]
+    longer = [staged[0], {**staged[1], "steps": 6}]
+    said = schedule.plan_changes({"config_stages": staged, "plan_source": {"dataset": "local"}},
+                                 {**no_stages, "stages": longer})
+    assert said == [f"stage 1: stored {staged[1]}, config {longer[1]}"]
+
+
 def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, tmp_path):
     out = str(tmp_path / "run")
     base = TINY + [stage_file(tmp_path, "plan.py", 4), f"--data_root={data_root}", f"--out_dir={out}",
@@ -453,9 +495,10 @@ def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, 
     changed = [a for a in base if not a.endswith("plan.py")] + [stage_file(tmp_path, "plan2.py", 6)]
     r = run(changed + ["--init_from=resume"], check=False)
     assert r.returncode == 1 and "--replan" in r.stderr and "Traceback" not in r.stderr
+    assert "(stage 2: stored {'name': 'down', 'steps': 4," in r.stderr, r.stderr  # what differs, not only that it does
     # so is another --dataset: stages without a mix train on it (it trained on the old corpus, the config said other)
     r = run(base + ["--init_from=resume", "--dataset=other"], check=False)
-    assert r.returncode == 1 and "--replan" in r.stderr
+    assert r.returncode == 1 and "--replan" in r.stderr and "dataset: stored 'local', config 'other'" in r.stderr
     # --status prints plan against progress
     said = main_output(["--status", out])[0]
     assert "FINISHED" in said and "down" in said and "lr now" in said
@@ -469,6 +512,7 @@ def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, 
                                                                "--replan", "--ckpt_interval=2", "--keep_last=1",
                                                                f"--top_k={3 - top_k}"])
     assert [s for s, _ in checkpoint.list_checkpoints(out)] == [3, 7, 11, 15]
+    assert "REPLAN: adopting the config's plan (stages: stored 3 stages, config 4 stages;" in r.stdout + r.stderr
     said = [ln for ln in (r.stdout + r.stderr).splitlines() if "ignored; the checkpoint's" in ln]
     assert said == [f"WARNING: resume: top_k={3 - top_k} ignored; the checkpoint's {top_k} stays (the "
                     f"architecture comes from the checkpoint)"], said
