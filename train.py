@@ -1413,6 +1413,9 @@ def main(argv):
         # what a finished run is for, named (the line ended there; relay dirs: relay.py says what comes next)
         after = (f"; next: python eval.py {out} --tasks piqa,arc_easy, or python export.py {out} --format int4 "
                  f"--out model.pcf4" if relay_store_of(out) is None else "")
+        if masked and after:  # a chat fine-tune: its checkpoints are compared as chat models (config/sft.py's note)
+            after = (f"; next: python chat.py pick {out} --data {os.path.join(cfg['data_root'], masked[0])}, then "
+                     f"python chat.py {out}/step_NNNNNNN with the one picked")
         log(f"run finished: all {len(st['plan'])} planned stages done ({st['tokens']:,} tokens){after}")
     else:
         log(f"stopped at step {st['step']} ({st['tokens']:,} of {plan_tokens(st['plan']):,} planned tokens); "

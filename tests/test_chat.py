@@ -104,6 +104,8 @@ def sft_run(tok, corpus, tmp_path_factory):
     r = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    # the finished line named eval.py's piqa for a chat model; its checkpoints are compared by chat.py pick
+    assert f"next: python chat.py pick {d / 'sft'} --data {corpus[0].parent / 'pp'}, then" in r.stdout, r.stdout[-500:]
     return str(d / "sft")
 
 
