@@ -872,6 +872,11 @@ def main(argv):
                 log(f"REPLAN: the on-demand decay started at {state['decay_started_at_tokens']:,} tokens stays in the "
                     f"new plan; to train without it, resume a checkpoint from before it")
             state.setdefault("replans", []).append({"step": state["step"], "old": stored, "new": plan, "at": time.time()})
+            # a finished (decayed) run extended by a stable stage went from min_lr straight back to the peak, unsaid
+            was, now = (lr_at(p, state["tokens"], cfg["learning_rate"], cfg["min_lr"]) for p in (stored, plan))
+            if now > 2 * was:
+                log(f"WARNING: REPLAN: the next step trains at lr {now:.2e}, the old plan's was {was:.2e} ({now / was:.0f}x "
+                    f"at once: expect a loss spike); to climb back, start the new stages with one of lr_phase='warmup'")
         else:
             plan = stored
         for s in plan:  # stages that do not pin a seq_len follow the config's, so it may change on resume

@@ -513,6 +513,9 @@ def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, 
                                                                f"--top_k={3 - top_k}"])
     assert [s for s, _ in checkpoint.list_checkpoints(out)] == [3, 7, 11, 15]
     assert "REPLAN: adopting the config's plan (stages: stored 3 stages, config 4 stages;" in r.stdout + r.stderr
+    # its stable stage after the decay: from min_lr back to the peak at once, which was unsaid
+    assert "WARNING: REPLAN: the next step trains at lr 1.00e-03, the old plan's was 1.00e-04 (10x" in r.stdout, r.stdout
+    assert metrics(out)[12]["lr"] == 1e-3
     said = [ln for ln in (r.stdout + r.stderr).splitlines() if "ignored; the checkpoint's" in ln]
     assert said == [f"WARNING: resume: top_k={3 - top_k} ignored; the checkpoint's {top_k} stays (the "
                     f"architecture comes from the checkpoint)"], said
