@@ -264,6 +264,7 @@ def staging(out_dir, made_by=None, resumable=False):
     (resume_journal)."""
     import fcntl
     import shutil
+    made_out = not os.path.exists(out_dir)  # (a failed run into a new --out left it behind, holding a lock file)
     os.makedirs(out_dir, exist_ok=True)
     # one prepare run per --out: a second one deleted the first's staging dir as a killed run's (hours of FineWeb
     # tokenizing lost) and their installs could interleave one's tokenizer.json with the other's index.json
@@ -298,6 +299,8 @@ def staging(out_dir, made_by=None, resumable=False):
                 shutil.rmtree(stage, ignore_errors=True)
     finally:
         lock.close()
+        if made_out and os.path.isdir(out_dir) and set(os.listdir(out_dir)) <= {".prepare.lock"}:
+            shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def _made_by(out_dir):

@@ -969,6 +969,20 @@ def test_smoltalk_prepare_without_the_hub_names_jsonl(tok, tmp_path, monkeypatch
         runpy.run_path(os.path.join(ROOT, "data/smoltalk/prepare.py"), run_name="__main__")
     msg = str(e.value.code)
     assert msg.startswith("error: ") and "Hub unreachable" in msg and "--jsonl FILE" in msg and "\n" not in msg, msg
+    assert not (tmp_path / "sft").exists()  # (an empty --out folder was left behind)
+
+
+def test_a_failed_prepare_into_a_new_out_leaves_no_folder_and_an_old_one_as_it_was(tmp_path):
+    """A prepare that failed into a --out it had made left that folder behind, holding only .prepare.lock."""
+    for existed in (False, True):
+        out = tmp_path / f"corpus_{existed}"
+        if existed:
+            out.mkdir()
+        with pytest.raises(ValueError):
+            with shards.staging(str(out), "data/local/prepare.py") as stage:
+                open(os.path.join(stage, "train_000000.bin"), "wb").write(b"\1\0")
+                raise ValueError("no train split left")
+        assert out.exists() == existed and (not existed or os.listdir(out) == [".prepare.lock"])
 
 
 def test_smoltalk_prepare_shows_progress_on_a_terminal(tok, tmp_path):

@@ -290,7 +290,6 @@ def run(args):
     for flag in ("max_conversations", "val_conversations"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: at least 1")
-    os.makedirs(args.out, exist_ok=True)
     stats = Counter()
     if args.jsonl:
         if not os.path.isfile(args.jsonl):
