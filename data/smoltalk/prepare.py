@@ -344,7 +344,7 @@ def finish(args, tok, tok_src, source, splits, stats):
 
 def report_build(args, stats, splits, t0):
     bad = {k[4:]: v for k, v in stats.items() if k.startswith("bad_")}
-    print(f"read {stats['rows_read']:,} conversations; bad rows skipped: {sum(bad.values())} {bad or ''}; train "
+    print(f"read {stats['rows_read']:,} conversations; bad rows skipped: {sum(bad.values())}{f' {bad}' if bad else ''}; train "
           f"copies of val conversations left out: {stats['train_copies_of_val_left_out']}")
     print(f"split at exchange boundaries (longer than --max-len {args.max_len}): {stats['conversations_split']} "
           f"conversations -> {stats['split_pieces']} pieces; exchanges dropped (alone longer than a row): "
