@@ -120,9 +120,12 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         got = os.path.join(tmp, CKPT_PREFIX)
         try:
             manifest = checkpoint.verify(got)
-        except checkpoint.CheckpointError as e:
-            raise RelayError(f"{store.url}: checkpoint at {snap_sha[:10]} fails verification after download: {e} "
-                             f"(nothing installed locally)")
+        except checkpoint.CheckpointError as e:  # named as the store's files: the temporary dir is removed below
+            why = str(e).replace(got + os.sep, CKPT_PREFIX + "/").removesuffix("; use an earlier step_* dir")
+            raise RelayError(f"{store.url}: checkpoint at {snap_sha[:10]} fails verification after download: {why}; "
+                             f"nothing installed locally. Retry; if it fails again, the store's copy is damaged: "
+                             f"revert the push that wrote it (git revert on the Hub repo): the run goes on from the leg "
+                             f"before")
         final = os.path.join(dest_dir, checkpoint.step_dir_name(int(manifest["step"])))
         if os.path.exists(final):
             if checkpoint.is_valid(final) and json.load(open(os.path.join(final, "MANIFEST.json")))["files"] == manifest["files"]:
@@ -351,14 +354,15 @@ def start_heartbeat(hb):
         raise RelayError(f"cannot start the lease's heartbeat thread ({e})") from None
 
 
-def stop_heartbeat(hb, kept_in):
+def stop_heartbeat(hb, kept_in, training=False):
     """Stop a Heartbeat (one that never started too); Fenced if someone else's commit landed meanwhile (the local
-    files stay in kept_in)."""
+    files stay in kept_in). training: it renewed a trainer's lease (else a pull's or a push's: no trainer ran)."""
     hb.stop.set()
     if hb.ident is not None:
         hb.join()
     if hb.fenced:
-        raise Fenced(f"{hb.failed}. Training stopped; nothing pushed; local checkpoints are kept in {kept_in}")
+        raise Fenced(f"{hb.failed}. {'Training stopped; n' if training else 'N'}othing pushed; local checkpoints are "
+                     f"kept in {kept_in}")
 
 
 @contextlib.contextmanager
@@ -421,6 +425,22 @@ def prepare_leg(store, lease, workdir):
         os.replace(run_dir, aside)
         print(f"relay: warning: {run_dir} was another lease's leg (another run, or one re-made at this URL); moved "
               f"to {aside}, nothing deleted", file=sys.stderr)
+    kept = []  # earlier leg dirs nothing resumes: a fenced or failed leg's checkpoints (GBs) were never named again
+    for n in sorted(os.listdir(workdir)):
+        d = os.path.join(workdir, n)
+        newest = newest_valid_step(d) if n.startswith("leg-") and d != run_dir else None
+        if newest is None or os.path.isfile(os.path.join(d, "PUSHED")):
+            continue
+        try:  # its newest step is the one it pulled (LEG.json): nothing trained there
+            as_pulled = manifest_id(open(os.path.join(d, checkpoint.step_dir_name(newest), "MANIFEST.json"), "rb")
+                                    .read()) == leg_base(d)
+        except OSError:
+            as_pulled = False
+        kept.append(f"{n} ({'only the pulled step' if as_pulled else 'step'} {newest}"
+                    f"{'' if as_pulled else ' never pushed'}, {checkpoint.fmt_size(checkpoint.dir_size(d))})")
+    if kept:
+        print(f"relay: note: {workdir} holds earlier leg dirs that nothing resumes (a lease lost, a failed leg): "
+              f"{', '.join(kept)}; delete them once you no longer need them", file=sys.stderr)
     if not os.path.isfile(leg_file):
         os.makedirs(run_dir, exist_ok=True)
         write_atomic(leg_file, json.dumps({"store": store.url, "nonce": lease.nonce, "wall_s": 0.0, "base_manifest":
@@ -533,6 +553,11 @@ def cmd_run(args):
         raise RelayError(f"run: --poll {args.poll}: seconds between tries, 0 or more")
     while True:
         try:
+            state = Snapshot(store).state
+            if state.get("finished") is True:  # the trainer would make no step: claimed, pulled and refused at the push
+                raise RelayError(f"{store.url}: the run is finished (step {state.get('step')}: its plan is trained to "
+                                 f"the end); nothing claimed. Its final checkpoint: `python relay.py pull {store.url} "
+                                 f"--out DIR`")
             lease = claim(store, workdir, args.who, args.ttl, args.heartbeat)
             break
         except (Busy, Transient) as e:
@@ -552,10 +577,10 @@ def cmd_run(args):
     except (RelayError, OSError, KeyboardInterrupt) as e:  # OSError: this machine's disk: the baton goes back
         stop_heartbeat(hb, lease.run_dir or workdir)
         release(store, lease)
-        if isinstance(e, RelayError):
+        if isinstance(e, RelayError):  # (a damaged store checkpoint, a config.py with code): the baton is free again
             if hb.ident is None:
                 raise RelayError(f"{e}; nothing pulled; lease released") from None
-            raise
+            raise (Fenced if isinstance(e, Fenced) else RelayError)(f"{e}; lease released") from None
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed: {e}"
         raise RelayError(f"pulling the run {why}; lease released") from None
     stop_heartbeat(hb, run_dir)
@@ -623,7 +648,7 @@ def cmd_run(args):
     finally:
         for s, h in old_handlers.items():
             signal.signal(s, h)
-        stop_heartbeat(hb, run_dir)
+        stop_heartbeat(hb, run_dir, training=True)
     crashed = f"trainer exited with status {rc} ({' '.join(cmd[:3])} ...)"
     if rc != 0 and plan is not None:
         # a trainer that failed after checkpointing (an OOM kill, a bad node at hour 5): its newest checkpoint,
@@ -894,9 +919,10 @@ def cmd_status(args):
           f"{d['stage']}, legs {d['legs']}, ${d['usd_total']:.2f} so far"
           f"{', decay requested' if d['decay_requested'] else ''}"
           f"{', FINISHED' if d['finished'] else ', decaying' if d['decay'] is not None and d['decay'] is not False else ''}")
+    num = lambda x, spec: "-" if x is None else format(x, spec)  # as the ledger writes them (it said "$0.0", "None")
     for row in d["ledger"][-5:]:
         print(f"  leg {row['leg']}: {row['who']} on {row['gpu']}, steps {row['step_range']}, {row['wall']}, "
-              f"loss {row['loss_start']} -> {row['loss_end']}, ${row['usd']}")
+              f"loss {num(row['loss_start'], '.4f')} -> {num(row['loss_end'], '.4f')}, ${num(row['usd'], '.2f')}")
     return 0
 
 
@@ -952,6 +978,20 @@ def cmd_push(args):
     return 0
 
 
+def lease_taken(store, lease):
+    """Whether the head's RELAY.json names another lease (someone claimed after ours expired): False when the store
+    cannot say (the compare-and-swap of what follows decides)."""
+    try:
+        adopt_own_renewal(store, lease)  # our own claim or renewal landed unseen is still ours
+        head = store.head()[0]
+        relay_json = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head) or {}
+    except Fenced:  # a claim of ours that never landed: no lease to hand back either
+        return True
+    except Transient:
+        return False
+    return relay_json.get("nonce") != lease.nonce
+
+
 def cmd_release(args):
     store = open_store(args.store)
     lease = Lease.load(workdir_for(args), store)
@@ -961,6 +1001,12 @@ def cmd_release(args):
     for run_dir in dict.fromkeys(d for d in (pulled, getattr(lease, "push_dir", None)) if d):  # pull's, push's
         trained = newest_valid_step(run_dir)
         if trained is not None and trained > (lease.base_step or 0) and not args.discard:  # (it said "released", exit 0)
+            if lease_taken(store, lease):  # a push could only be fenced: "push first" sent the user round in circles
+                try:
+                    release(store, lease)  # Fenced ("lease already lost"), LEASE.json dropped
+                except Fenced as e:
+                    raise Fenced(f"{e}; {run_dir} keeps step {trained}, never pushed (the run went on without it): "
+                                 f"delete it when you no longer need it") from None
             how = "" if run_dir == pulled else f" --run-dir {run_dir}"
             raise RelayError(f"{run_dir} holds step {trained}, past the pulled step {lease.base_step}, never pushed: "
                              f"`relay.py push {store.url}{how}` first, or release with --discard to drop that work")

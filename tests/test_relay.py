@@ -2091,3 +2091,132 @@ def test_release_checks_the_dir_push_run_dir_pushed_from(tmp_path, rl, monkeypat
     assert rl(["release", url, "--workdir", work]).returncode == 0
     snap = relay.Snapshot(store)
     assert snap.state["step"] == 12 and snap.relay["holder"] is None
+
+
+def test_release_after_the_lease_was_taken_says_so_not_push_first(tmp_path, rl):
+    """A paused holder's lease taken by the next contributor: `release` said "holds step 3 ... never pushed:
+    `relay.py push` first, or release with --discard" (exit 3), though the push can only be fenced and --discard
+    then said "lease already lost". It now says the lease is lost (exit 4), drops LEASE.json and names the kept
+    steps."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    work = str(tmp_path / "wa")
+    a = relay.claim(store, work, "alice", ttl=1.5, heartbeat=0.5)
+    a_dir = relay.prepare_leg(store, a, work)
+    checkpoint.save(a_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
+                               "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    time.sleep(2.8)  # alice is paused past her ttl (+1 s: the store's clock has 1 s resolution on the Hub)
+    relay.claim(store, str(tmp_path / "wb"), "bob", ttl=1.5, heartbeat=0.5)
+    r = rl(["release", url, "--workdir", work])
+    assert r.returncode == 4 and "lease already lost" in r.stderr and "push` first" not in r.stderr, r.stderr
+    assert f"{a_dir} keeps step 3, never pushed" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not os.path.exists(os.path.join(work, "LEASE.json"))
+    assert checkpoint.verify(os.path.join(a_dir, "step_0000003"))
+    assert relay.Snapshot(store).relay["holder"] == "bob"  # bob's lease untouched
+
+
+def test_a_push_or_pull_fenced_while_renewing_does_not_say_training_stopped(tmp_path, monkeypatch):
+    """`relay.py push` whose upload's heartbeat found the lease taken said "Training stopped; nothing pushed" (no
+    trainer runs there); `run`'s trainer heartbeat still says it."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=3, heartbeat=1)
+
+    def taken(store_, lease_):
+        raise relay.Fenced("lease lost: someone else's commit (a test)")
+    monkeypatch.setattr(relay, "renew", taken)
+    with pytest.raises(relay.Fenced) as e:
+        with relay.renewing(store, lease, "/kept/here") as hb:
+            wait_for(lambda: hb.fenced, 10, "the renewal to be fenced")
+    assert "Training stopped" not in str(e.value), e.value
+    assert "Nothing pushed; local checkpoints are kept in /kept/here" in str(e.value), e.value
+    hb = relay.Heartbeat(store, lease, lambda: None)
+    hb.fenced, hb.failed = True, "lease lost: a test"
+    with pytest.raises(relay.Fenced, match="Training stopped; nothing pushed"):
+        relay.stop_heartbeat(hb, "/kept/here", training=True)
+
+
+def test_a_corrupt_checkpoint_in_the_store_names_the_store_file_and_its_fix(tmp_path, rl):
+    """A damaged checkpoint/ in the store: pull named a temporary dir it had already removed
+    (.../.pull-1a2b3c4d/checkpoint/model.safetensors) and said "use an earlier step_* dir", which a puller has not."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    sha = store.head()[0]
+    oid = store.file_ids(sha, "checkpoint/")["checkpoint/model.safetensors"]
+    with open(tmp_path / "store" / "objects" / oid[:2] / oid, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    with pytest.raises(relay.RelayError) as e:
+        relay.pull(store, str(tmp_path / "pulled"))
+    msg = str(e.value)
+    assert "checkpoint/model.safetensors: sha256 does not match" in msg and ".pull-" not in msg, msg
+    assert "step_* dir" not in msg and "revert the push that wrote it" in msg, msg
+    assert not os.path.exists(tmp_path / "pulled" / "LATEST")
+    # `run` said the same and nothing of the baton it had claimed (and released)
+    r = rl(["run", url, "--steps", "2", "--train-script", write_fake_train(tmp_path), "--workdir", tmp_path / "wa"])
+    assert r.returncode == 3 and "sha256 does not match" in r.stderr and r.stderr.strip().endswith("lease released")
+    assert relay.Snapshot(store).relay["holder"] is None
+
+
+def test_status_prints_the_ledgers_dollars_and_losses_as_the_ledger_writes_them(tmp_path, rl):
+    """`relay.py status` printed a leg's $ as parsed floats ("$1.0", "$0.0" beside the total's "$1.00") and a leg with
+    no logged loss as "loss None -> None"."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=3, heartbeat=1)
+    run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
+    checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("w"),
+                                 "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    relay.push(store, lease, run_dir, wall_s=1800, usd_per_hour=2.0)  # no metrics.jsonl: no loss logged
+    relay.release(store, lease)
+    r = rl(["status", url])
+    assert r.returncode == 0 and ", $1.00 so far" in r.stdout, r.stdout
+    assert r.stdout.splitlines()[-1].endswith("0h30m00s, loss - -> -, $1.00"), r.stdout
+
+
+def test_a_pull_names_earlier_leg_dirs_that_nothing_resumes(tmp_path, capsys):
+    """A fenced or failed leg's dir (a checkpoint or more, GBs on a real run) stayed in the workdir for good, never
+    named again, until a pull ran out of disk; the next pull names it (whether steps were trained there), keeps it,
+    and says nothing of pushed ones or of ones without a checkpoint."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    work = str(tmp_path / "wa")
+    lost = os.path.join(work, "leg-0007-gen9")  # an earlier lease's leg, fenced before its push
+    checkpoint.save(lost, 5, {"model.safetensors": lambda p: open(p, "w").write("w"),
+                              "state.json": lambda p: json.dump({"step": 5, "tokens": 500}, open(p, "w"))})
+    os.makedirs(os.path.join(work, "leg-0008-gen10"))  # a pull that failed before any checkpoint: nothing to name
+    failed = relay.claim(store, work, "alice", ttl=3, heartbeat=1)  # a leg whose trainer failed before its first step
+    failed_dir = relay.prepare_leg(store, failed, work)
+    relay.release(store, failed)
+    lease = relay.claim(store, work, "alice", ttl=3, heartbeat=1)
+    capsys.readouterr()
+    relay.prepare_leg(store, lease, work)
+    err = capsys.readouterr().err
+    assert f"{work} holds earlier leg dirs that nothing resumes" in err, err
+    assert "leg-0007-gen9 (step 5 never pushed" in err, err
+    assert f"{os.path.basename(failed_dir)} (only the pulled step 0," in err, err
+    assert "leg-0008-gen10" not in err and len(err.strip().splitlines()) == 1, err
+    assert checkpoint.verify(os.path.join(lost, "step_0000005"))  # kept
+    relay.release(store, lease)
+
+
+def test_a_leg_of_a_finished_run_is_refused_before_anything_is_claimed(tmp_path, rl):
+    """`relay.py run` on a run whose plan is done (status: FINISHED) claimed the baton, downloaded the checkpoint,
+    started the trainer, which made no step, and then failed "push refused: ... is the plan finished?"."""
+    url = store_url("file", tmp_path, None)
+    fake = init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    snap = relay.Snapshot(store)
+    store.commit(snap.sha, {"training_state.json": json.dumps(dict(snap.state, finished=True)).encode()}, [],
+                 "relay: a finished run (a test)")
+    head = store.head()[0]
+    r = rl(["run", url, "--steps", "2", "--wait", "--train-script", fake, "--workdir", tmp_path / "wa"], base_env())
+    assert r.returncode == 3 and "the run is finished" in r.stderr and "nothing claimed" in r.stderr, r.stderr
+    assert f"relay.py pull {url} --out DIR" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert store.head()[0] == head and not os.path.exists(tmp_path / "wa" / "LEASE.json")
