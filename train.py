@@ -904,9 +904,11 @@ def main(argv):
         cdir = os.path.join(cfg["data_root"], c)
         # a corpus for a run that starts from weights must be tokenized by their tokenizer (smoltalk requires it)
         tok_arg = f" --tokenizer {ck}" if ck and os.path.isfile(os.path.join(ck, "tokenizer.json")) else ""
+        # (a prepare's default --out is data/<corpus>, not data_root's)
+        out_arg = f" --out {cdir}" if os.path.normpath(cdir) != os.path.join("data", c) else ""
         if not os.path.isdir(cdir):
             known = sorted(d for d in os.listdir(cfg["data_root"])) if os.path.isdir(cfg["data_root"]) else []
-            raise TrainError(f"dataset {c!r}: no folder {cdir}; run python data/{c}/prepare.py{tok_arg} first"
+            raise TrainError(f"dataset {c!r}: no folder {cdir}; run python data/{c}/prepare.py{tok_arg}{out_arg} first"
                              + (f" (corpora here: {', '.join(known)})" if known else ""))
         try:
             indexes[c] = shards.load_index(cdir)

@@ -2177,6 +2177,13 @@ def test_status_prints_the_ledgers_dollars_and_losses_as_the_ledger_writes_them(
     r = rl(["status", url])
     assert r.returncode == 0 and ", $1.00 so far" in r.stdout, r.stdout
     assert r.stdout.splitlines()[-1].endswith("0h30m00s, loss - -> -, $1.00"), r.stdout
+    # `relay.py status STORE | head -1`: a BrokenPipeError traceback once the reader had left
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader already gone: the first write fails (EPIPE)
+    p = subprocess.run([sys.executable, "relay.py", "status", url], cwd=ROOT, env=base_env(), stdout=write_end,
+                       stderr=subprocess.PIPE, text=True, timeout=60)
+    os.close(write_end)
+    assert "Traceback" not in p.stderr and "Broken" not in p.stderr, p.stderr
 
 
 def test_a_pull_names_earlier_leg_dirs_that_nothing_resumes(tmp_path, capsys):

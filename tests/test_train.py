@@ -918,6 +918,8 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         assert run([a for a in args if a != "--init_from=resume"] + ["--stop_after_steps=1"], check=False).returncode == 0
     if case in ("missing_data", "unknown_dataset", "unprepared_dataset"):
         assert "prepare.py" in err[0]
+    if case == "missing_data":  # its default --out is data/<corpus>: the corpus went where this run never looks
+        assert "prepare.py --out /nonexistent/data/local first" in err[0], err[0]
     if case == "unprepared_dataset":
         assert r.returncode == 1 and "corrupt" not in err[0], err[0]
         assert "--tokenizer" not in err[0]  # a scratch run's corpus trains its own
