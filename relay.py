@@ -1051,9 +1051,11 @@ def build_parser():
                                 epilog="Run `python relay.py CMD --help` for each command's options.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    def add(name, help_, store_help="hf://owner/name or file:///path"):
+    def add(name, help_, store_help="hf://owner/name or file:///path", local=True):
         sp = sub.add_parser(name, help=help_, description=help_, allow_abbrev=False)
         sp.add_argument("store", help=store_help)
+        if not local:  # status, decay, dashboard read or write the store alone (--who / --workdir went unread)
+            return sp
         sp.add_argument("--workdir", default=None, help="local folder for the lease file and leg dirs "
                         "(default ./relay-work/<store name>)")
         sp.add_argument("--who", default=default_who(), help="your name in RELAY.json and LEDGER.md (default $RELAY_WHO or user@host)")
@@ -1082,7 +1084,8 @@ def build_parser():
             sp.add_argument("config", nargs="?", default=None, help="train.py config file (config/*.py)")
             sp.add_argument("--from-checkpoint", default=None, help="start from this checkpoint as it is (run dir or "
                             "step dir; the config's init_from is not read)")
-    add("status", "who holds the baton, lease age, step, tokens, stage, last legs").add_argument("--json", action="store_true")
+    add("status", "who holds the baton, lease age, step, tokens, stage, last legs", local=False).add_argument(
+        "--json", action="store_true")
     sp = add("pull", "download and verify the latest checkpoint (into the leg dir when you hold the lease)")
     sp.add_argument("--out", default=None, help="download into this dir instead (no lease needed)")
     sp = add("push", "upload your leg (one commit) while you hold the lease")
@@ -1090,8 +1093,8 @@ def build_parser():
     sp.add_argument("--gpu-hourly-usd", type=float, default=None, help="$ per GPU hour for the ledger (default: the config's)")
     sp = add("release", "hand the baton back")
     sp.add_argument("--discard", action="store_true", help="release even though the leg dir holds steps never pushed")
-    add("decay", "start the WSD decay from the next leg on")
-    sp = add("dashboard", "serve a read-only web page of the run", "store URL or a local train.py out_dir")
+    add("decay", "start the WSD decay from the next leg on", local=False)
+    sp = add("dashboard", "serve a read-only web page of the run", "store URL or a local train.py out_dir", local=False)
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8765)
     sp.add_argument("--refresh", type=float, default=30.0, help="re-read the store at most this often (s)")

@@ -2227,3 +2227,11 @@ def test_a_leg_of_a_finished_run_is_refused_before_anything_is_claimed(tmp_path,
     assert r.returncode == 3 and "the run is finished" in r.stderr and "nothing claimed" in r.stderr, r.stderr
     assert f"relay.py pull {url} --out DIR" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert store.head()[0] == head and not os.path.exists(tmp_path / "wa" / "LEASE.json")
+
+
+def test_commands_that_only_read_or_write_the_store_offer_no_workdir_or_who():
+    """status, decay and dashboard listed --workdir and --who in their --help, and ignored both."""
+    subs = next(a for a in relay.build_parser()._actions if a.dest == "cmd").choices
+    for cmd, sp in subs.items():
+        opts = {o for a in sp._actions for o in a.option_strings}
+        assert ("--workdir" in opts and "--who" in opts) == (cmd not in ("status", "decay", "dashboard")), cmd
