@@ -1348,7 +1348,9 @@ def main(argv):
         finished_stage = stage_at(st["plan"], st["tokens"])[0] != idx_stage
         if st["step"] % cfg["eval_interval"] == 0 or stage_at(st["plan"], st["tokens"])[1] is None:
             val_loss = evaluate()
-        if st["step"] % cfg["log_interval"] == 0 or val_loss is not None or steps_this_run == 1:
+        # and this invocation's last step (a relay leg of 3 steps logged only its first: the ledger's loss end was it)
+        last_step = cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]
+        if st["step"] % cfg["log_interval"] == 0 or val_loss is not None or steps_this_run == 1 or last_step:
             dt = time.time() - window_t
             tok_s = window_tokens / dt if dt > 0 else 0.0
             mfu = (raw_model.flops_per_token(T) * tok_s / (peak * world)) if peak else None

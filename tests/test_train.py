@@ -1311,3 +1311,13 @@ def test_grow_interleave_spreads_new_blocks_up_to_the_top_layer():
                         (5, ["old", "old", "new", "old", "new", "new", "old", "new", "new"])]:
         _, origin = train.grow_state_dict(sd, cfg, n_new, "interleave")
         assert origin == want, (n_new, origin)
+
+
+def test_an_invocations_last_step_is_logged_whatever_log_interval(data_root, three_steps, tmp_path):
+    """A relay leg of fewer steps than log_interval logged only its first step, so the ledger's 'loss end' was the
+    loss at the leg's start."""
+    out = str(tmp_path / "run")
+    shutil.copytree(three_steps, out)
+    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND, "--init_from=resume",
+                "--log_interval=10", "--stop_after_steps=3"])
+    assert [s for s in metrics(out) if s > 3] == [4, 6]
