@@ -801,7 +801,10 @@ def load_container(path):
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             prefix = f.read(PREFIX.size)
-            if len(prefix) < PREFIX.size or prefix[:8] != MAGIC:
+            if not prefix or (len(prefix) < PREFIX.size and MAGIC.startswith(prefix[:8])):  # (said "wrong magic")
+                raise ContainerError(f"{path}: truncated ({size} bytes: less than its first {PREFIX.size}); "
+                                     f"re-export or re-copy it")
+            if prefix[:8] != MAGIC:
                 # (not --out {path}: that named the file given, a GGUF say, to be overwritten)
                 raise ContainerError(f"{path}: not a picaflor int4 container (wrong magic); make one with python "
                                      f"export.py CKPT --format int4 --out MODEL.pcf4")
@@ -810,7 +813,8 @@ def load_container(path):
                 raise ContainerError(f"{path}: container format version {version}, this code reads version {VERSION}; "
                                      f"re-export it with this version of export.py")
             if PREFIX.size + hlen > size:
-                raise ContainerError(f"{path}: truncated (header needs {PREFIX.size + hlen} bytes, file has {size})")
+                raise ContainerError(f"{path}: truncated (header needs {PREFIX.size + hlen} bytes, file has {size}); "
+                                     f"re-export or re-copy it")
             raw = f.read(hlen)
     except FileNotFoundError:
         raise ContainerError(f"{path}: no such file; check the path or export one with export.py --format int4") from None

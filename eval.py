@@ -14,7 +14,8 @@ MODEL is one of
   the harness's equivalent is HFLM's add_bos_token=True); an empty context is the <|bos|> token alone.
 - an int4 container file (container.py): its dequantised weights in model.Picaflor, batched like a checkpoint
   (int4 -> float is exact, so this scores the int4 model), or with --int4-engine through stream_infer.load's
-  Engine (the served kernels and expert streaming, one request at a time);
+  Engine (the served kernels and expert streaming, one request at a time; --ram-budget bounds it, as
+  stream_infer.py's, for a container larger than the memory);
 - a Hugging Face transformers model dir or Hub repo id (the baselines: EleutherAI/pythia-410m,
   cerebras/Cerebras-GPT-256M, HuggingFaceTB/SmolLM2-360M), tokenised as lm-eval's HFLM does (the tokenizer's
   own special-token default, no BOS added when the text already starts with it; empty context = BOS, else EOS).
@@ -257,7 +258,7 @@ def check_vocab(tok, model_vocab, where):
                         f"this model (pass the one it was trained with: --tokenizer)")
 
 
-def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False):
+def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False, ram_budget=None):
     """MODEL string -> one of the LM kinds above. One-line EvalError when it is none of them."""
     dtype = resolve_dtype(dtype_name, device)
     if os.path.isdir(spec):
@@ -285,7 +286,7 @@ def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False)
                 lm.generation_settings = shipped_penalties(json.load(f))
         return lm
     if os.path.isfile(spec):
-        return load_int4(spec, device, dtype, tokenizer_path, int4_engine)
+        return load_int4(spec, device, dtype, tokenizer_path, int4_engine, ram_budget)
     # owner/name is a Hub repo id, unless its owner is a folder here (out/nope: a mistyped local path, tried on
     # the Hub for ~50 s of retries, then "cannot connect")
     if (re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", spec) and not spec.startswith((".", "/"))
@@ -319,7 +320,19 @@ def load_hf(spec, device, dtype):
     return lm
 
 
-def load_int4(path, device, dtype, tokenizer_path, use_engine=False):
+def available_memory():
+    """MemAvailable in bytes, or None where there is no /proc/meminfo (macOS)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def load_int4(path, device, dtype, tokenizer_path, use_engine=False, ram_budget=None):
     """An int4 container: its weights dequantised into model.Picaflor (batched, the same path as checkpoints;
     int4 -> float is exact, so this scores the int4 model) or, with use_engine, stream_infer's Engine (the
     kernels and expert streaming a laptop runs; one request at a time)."""
@@ -344,12 +357,19 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False):
     if use_engine:
         import stream_infer
         try:
-            engine = stream_infer.load(path, ram_budget=None, device=device, context=c.config.max_seq_len)
+            engine = stream_infer.load(path, ram_budget=ram_budget, device=device, context=c.config.max_seq_len)
         except stream_infer.StreamError as e:
             raise EvalError(str(e)) from None
         return EngineModel(engine, tok, path)
     cfg = c.config
     m = picaflor.meta_model(cfg)
+    # the model's fp32 copy and the dequantised state dict are both held while loading: micro's 4 GB container
+    # asked for ~58 GB and the OOM killer ended it, without a word, on a laptop the container streams on
+    need, avail = 2 * 4 * m.num_params(), available_memory() if str(device) == "cpu" else None
+    if avail is not None and need > avail:
+        raise EvalError(f"{path}: its weights dequantised take {need / 2**30:.1f} GiB while loading, more than the "
+                        f"{avail / 2**30:.1f} GiB available; pass --int4-engine --ram-budget SIZE to score it on "
+                        f"stream_infer's int4 kernels, experts streamed")
     m.to_empty(device=device)
     sd = c.dequantized_state_dict()
     missing, unexpected = m.load_state_dict(sd, strict=False)
@@ -747,7 +767,8 @@ def compare(paths):
         # synthetic tasks alone (counting, passkey@N) read no data: "data hub" sent a reader after a download
         made = s["results"] and all(ET.TASKS.get(t.split("@")[0], ("", ""))[1] is None for t in s["results"])
         data = f"generated (seed {s.get('seed', '?')})" if made else s.get("data", "?")
-        lines.append(f"- {name}: {p}: {s.get('model_source', '?')}, data {data}, "
+        kind = f"{s['model_kind']}, " if s.get("model_kind") else ""  # an int4 container's said "dtype float32" only
+        lines.append(f"- {name}: {p}: {s.get('model_source', '?')}, {kind}data {data}, "
                      f"dtype {s.get('dtype', '?')}, limit {s.get('limit')}, shots: {shots}")
     return "\n".join(lines)
 
@@ -773,6 +794,8 @@ def parse_args(argv):
                     "time) instead of the dequantised weights in the batched path; the served kernels round "
                     "activations to int8 per group, so a request's log-likelihood differs by up to ~0.1 nats: "
                     "compare models scored the same way")
+    ap.add_argument("--ram-budget", default=None, help="--int4-engine: bound for the whole process, e.g. 4G "
+                    "(stream_infer.py's; default: no bound, every expert read into memory)")
     ap.add_argument("--batch-size", type=int, default=32,
                     help="max sequences per forward; for choices sharing a context: max questions per batch "
                     "(all their choices run on the shared context's cache, bounded by --max-batch-tokens)")
@@ -866,7 +889,9 @@ def evaluate(args):
             [int(x) for x in args.passkey_lengths.split(",")]  # as eval_tasks.passkey_lengths() parses it
         except ValueError:
             raise EvalError(f"--passkey-lengths {args.passkey_lengths!r}: comma-separated token counts, e.g. 4096,8192")
-    lm = load_model(args.model, args.device, args.dtype, args.tokenizer, args.int4_engine)
+    if args.ram_budget is not None and not (args.int4_engine and os.path.isfile(args.model)):
+        raise EvalError(f"--ram-budget {args.ram_budget}: bounds an int4 container scored with --int4-engine only")
+    lm = load_model(args.model, args.device, args.dtype, args.tokenizer, args.int4_engine, args.ram_budget)
     if any(ET.TASKS[t][0] == "generate_until" for t in tasks):
         warn_shipped_settings(lm)
     summary = {"results": {}, "model": args.model, "model_kind": lm.kind,
@@ -955,6 +980,9 @@ def main(argv=None):
         print("interrupted" + (f"; the finished tasks are in {args.out}: go on with --tasks {','.join(left)} --out "
                                f"{args.out} (it keeps them)" if done else ""), file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `| head`: the reader left (a traceback); stdout pointed elsewhere for the exit's flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:  # stream_infer's errors (imported only for --int4-engine): one line too
         si = sys.modules.get("stream_infer")
         if si is None or not isinstance(e, si.StreamError):

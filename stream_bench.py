@@ -641,10 +641,12 @@ def print_bench(res):
     print(f"container {res['container']} ({S.fmt_size(res['container_bytes'])}, "
           f"random weights: {res['random_weights']}), "
           f"budget {S.fmt_size(res['ram_budget']) if res['ram_budget'] else 'none'}, kernel {res['kernel']}, "
-          f"{res['threads']} threads, top-{res['experts_per_token']}")
-    print(f"prefill {res['prefill_tok_s']:.2f} tok/s ({res['prompt_tokens']} tokens) | decode {res['decode_tok_s']:.2f} tok/s "
+          f"{S.plural(res['threads'], 'thread')}, top-{res['experts_per_token']}")
+    print(f"prefill {res['prefill_tok_s']:.2f} tok/s ({S.plural(res['prompt_tokens'], 'token')}) | decode "
+          f"{res['decode_tok_s']:.2f} tok/s "
           f"| token latency p50 {res['p50_token_latency_s'] * 1e3:.1f} ms p99 {res['p99_token_latency_s'] * 1e3:.1f} ms")
-    print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), capacity {res['cache_capacity_experts']} experts "
+    print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), "
+          f"capacity {S.plural(res['cache_capacity_experts'], 'expert')} "
           f"(the model has {res.get('model_experts', '?')}) of {res['expert_bytes'] / 1e6:.2f} MB | "
           f"disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
           f"({res.get('disk_bytes_source', '/proc/self/io')}; counted {res['counted_bytes_per_token'] / 1e6:.2f} MB) "
@@ -811,8 +813,9 @@ def sweep_markdown(rows):
             r["budget_str"], f"{r['decode_tok_s']:.2f}{ranged(r, 'decode_tok_s', 1)}", f"{r['prefill_tok_s']:.2f}",
             f"{r['p50_token_latency_s'] * 1e3:.0f} / {r['p99_token_latency_s'] * 1e3:.0f}", f"{r['hit_rate']:.3f}",
             str(r["cache_capacity_experts"]), f"{r['disk_bytes_per_token'] / 1e6:.1f}",
-            f"{r['read_wait_s_per_token'] * 1e3:.0f}", gb(r["peak_rss_bytes"]) + " GB",
-            opt(r.get("huge_page_bytes"), lambda v: gb(v) + " GB"), disk, f"{r['mem_bw_bytes_s'] / 1e9:.1f}",
+            # in the budget column's binary units, as the console table: 3G's 2.91G read "3.13 GB", over its budget
+            f"{r['read_wait_s_per_token'] * 1e3:.0f}", S.fmt_size(r["peak_rss_bytes"]),
+            opt(r.get("huge_page_bytes"), S.fmt_size), disk, f"{r['mem_bw_bytes_s'] / 1e9:.1f}",
             f"{r['bound_tok_s']:.2f}", f"**{r['pct_of_bound'] * 100:.0f}%**{ranged(r, 'pct_of_bound')}",
             f"{r['decode_tok_s'] / r['bound_tok_s_serial'] * 100:.0f}%",
             opt(r.get("cpu_steal_fraction"), lambda v: f"{v * 100:.0f}%") + ranged(r, "cpu_steal_fraction"),

@@ -69,11 +69,11 @@ How it works (the implementer's calls, as DESIGN.md asks):
   at load with as many as fit, the same number per layer (decoding then starts from a full cache, not an empty
   one); `--no-preload` reads on demand. The load time (`load_s` in --bench) includes it.
 - Threads (`--threads auto`): every core, and OpenMP threads spin between GEMVs (OMP_WAIT_POLICY=ACTIVE, set
-  when run as a script; PASSIVE where the kernels run on int4_loops.h's own ChunkPool, macOS). Measured on
-  micro, 2 cores, native kernel, 16 decode tokens: 2G budget 11.7 tok/s with 2 threads vs 9.0 with 1; 1G 6.0
-  vs 3.8. (Before expert buffers were recycled, spinning threads starved the
-  reader threads while streaming and 1 thread was faster; a machine whose cores are busy elsewhere still wants
-  `--threads 1`.)
+  when run as a script, not for --chat: they spun on while it waited for input; PASSIVE where the kernels run on
+  int4_loops.h's own ChunkPool, macOS). Measured on micro, 2 cores, native kernel, 16 decode tokens: 2G budget
+  11.7 tok/s with 2 threads vs 9.0 with 1; 1G 6.0 vs 3.8. (Before expert buffers were recycled, spinning threads
+  starved the reader threads while streaming and 1 thread was faster; a machine whose cores are busy elsewhere still
+  wants `--threads 1`.)
 - Output is identical whatever the budget: the compute order never depends on what was cached.
 - No repetition penalty or any other sampling penalty, ever.
 """
@@ -95,9 +95,12 @@ import time
 # On ChunkPool, torch's own OpenMP threads must sleep at once instead (PASSIVE): woken by a torch op (RoPE's cos
 # runs on MKL's threads), spinning ones took a core from the pool's (micro, 6G: decode 25 tok/s against 59).
 # (kernels.openmp_kernels(), inline: kernels imports torch)
+# --chat waits on a person typing: ACTIVE threads spun on a core each meanwhile (libgomp's default spins briefly,
+# then sleeps), so a chat leaves the policy to it.
 if __name__ == "__main__":
     openmp = sys.platform != "darwin" and os.environ.get("PICAFLOR_OPENMP", "1") != "0"
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if openmp else "PASSIVE")
+    if not (openmp and "--chat" in sys.argv[1:]):
+        os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if openmp else "PASSIVE")
 
 import torch
 import torch.nn as nn
@@ -1193,6 +1196,23 @@ def check_args(args, argv):
                 os.remove(path)
 
 
+def plural(n, word):
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def timing_summary(n_prompt, step_s):
+    """The CLI's speeds from Engine.stream's timings: the prompt's prefill apart from decode (one rate over both
+    read 3.5 tok/s on micro at 1G after a 40-token prompt, its decode ran at 17)."""
+    if not step_s:
+        return f"0 new tokens (prompt of {plural(n_prompt, 'token')} not run)"
+    line = f"prompt {plural(n_prompt, 'token')} in {step_s[0]:.2f} s ({n_prompt / step_s[0]:.2f} tok/s)"
+    decode_s = sum(step_s[1:])
+    if len(step_s) == 1 or decode_s <= 0:
+        return line + f", {plural(len(step_s), 'new token')}"
+    return line + (f", {plural(len(step_s), 'new token')}: decode {(len(step_s) - 1) / decode_s:.2f} tok/s "
+                   f"after the first")
+
+
 def main(argv=None):
     # allow_abbrev=False: --kern / --max-new got past --chat's checks, which read argv, and were dropped silently
     ap = argparse.ArgumentParser(description="int4 MoE inference under a RAM budget, routed experts streamed from disk.",
@@ -1278,12 +1298,11 @@ def main(argv=None):
             eos = None
         if hasattr(sys.stdout, "reconfigure"):  # a character the terminal's encoding lacks (an emoji in Latin-1, or
             sys.stdout.reconfigure(errors="replace")  # U+FFFD in ASCII) was a UnicodeEncodeError traceback mid-answer
-        out, shown = [], ""
+        out, shown, step_s = [], "", []  # step_s[0]: the prompt's prefill (and the first token), then one per token
         tokens = eng.stream(ids, args.max_new_tokens, args.temperature, args.top_p, args.experts_per_token, args.seed,
-                            eos)  # (checked before the prompt is shown)
+                            eos, timings=step_s)  # (checked before the prompt is shown)
         sys.stdout.write(args.prompt if tok is not None else "")
         answering = True
-        t0 = time.perf_counter()
         for t in tokens:
             out.append(t)
             if tok is not None:
@@ -1296,7 +1315,6 @@ def main(argv=None):
             else:
                 sys.stdout.write(f"{t} ")
             sys.stdout.flush()
-        dt = time.perf_counter() - t0
         if tok is not None:  # what a trailing U+FFFD held back (an unfinished character, an id with no text)
             sys.stdout.write(tok.decode_generated(out)[len(shown):])
         st = eng.cache.stats()
@@ -1304,8 +1322,8 @@ def main(argv=None):
         # (--max-new-tokens 0 runs nothing: no lookups, although the model has routed experts)
         hit = (f"expert hit rate {st['hit_rate']:.3f}" if st["lookups"] else
                "no expert lookups" if eng.moes else "no routed experts")
-        print(f"[{len(out)} tokens in {dt:.2f} s, {len(out) / dt:.2f} tok/s, {hit}, "
-              f"read {st['bytes_read'] / 1e6:.1f} MB, peak RSS {fmt_size(peak_rss_bytes())}]", file=sys.stderr)
+        print(f"[{timing_summary(len(ids), step_s)}; with the prompt's: {hit}, read {st['bytes_read'] / 1e6:.1f} MB; "
+              f"peak RSS {fmt_size(peak_rss_bytes())}]", file=sys.stderr)
         return 0
     except (StreamError, EC.CacheError, C.ContainerError) as e:
         if answering:  # (a corrupt expert found mid-answer): the answer's line ends, the error has its own

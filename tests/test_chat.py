@@ -405,6 +405,39 @@ def test_terminal_chat_in_tmux(sft_run, tmp_path):
         subprocess.run(["tmux", "kill-session", "-t", sess], capture_output=True)
 
 
+def test_stream_infer_chat_idles_without_spinning(sft_run, tmp_path):
+    """stream_infer.py sets OMP_WAIT_POLICY=ACTIVE (decode's threads spin between GEMVs): under --chat with 2 or
+    more threads (chat.py's default is half the cores: 4 on an 8-core laptop), each extra thread spun on a core
+    while the chat waited for the person to type (3.8 CPU-seconds in 4 idle seconds here, at --threads 2)."""
+    import export
+    model_file = str(tmp_path / "m.pcf4")
+    export.export_int4(export.Source(sft_run), model_file, progress=False)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+    p = subprocess.Popen([sys.executable, "stream_infer.py", model_file, "--chat", "--threads", "2",
+                          "--max-new-tokens", "4"], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, bufsize=0)
+    try:
+        p.stdin.write("ping 3\n")
+        seen = ""
+        while seen.count(">>>") < 2:  # the answer is out and the next prompt waits for input
+            ch = p.stdout.read(1)
+            assert ch, seen
+            seen += ch
+
+        def cpu_s():
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        time.sleep(0.5)  # (libgomp's own short spin after the last parallel region)
+        before = cpu_s()
+        time.sleep(1.5)
+        assert cpu_s() - before < 0.3, "the chat's threads spun while it waited for input"
+        p.stdin.write("/exit\n")
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+
+
 def test_hf_export_chat_template_renders_the_same_ids(tok, sft_run, tmp_path):
     import export
     from transformers import AutoTokenizer

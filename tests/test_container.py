@@ -176,6 +176,12 @@ def test_corrupt_containers_give_one_line_errors(built, tmp_path):
     tr2 = tmp_path / "trunc2.pcf4"
     tr2.write_bytes(data[:100])
     assert "truncated" in _one_line_error(lambda: C.load_container(str(tr2)))
+    # the fix is said whatever the cut: inside the header, inside its fixed prefix (a 12-byte copy was "wrong
+    # magic"), or an empty file
+    for n in (100, 12, 3, 0):
+        tr2.write_bytes(data[:n])
+        msg = _one_line_error(lambda: C.load_container(str(tr2)))
+        assert "truncated" in msg and msg.endswith("re-export or re-copy it"), (n, msg)
     # one flipped byte inside layer 2 expert 5
     c = C.load_container(out)
     off = c.header["experts"]["2"][5]["offset"] + 123

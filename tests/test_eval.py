@@ -463,6 +463,30 @@ def test_compare_marks_noise(tmp_path, capsys):
     assert f"- S: {made}: ?, data generated (seed 7)," in out and "- A: " in out and "data ?," in out, out
 
 
+def test_compare_names_each_columns_model_kind(tmp_path, capsys):
+    """A checkpoint and its int4 container scored on the dequantised path were told apart only by their paths: both
+    columns said "dtype float32"; summary.json's model_kind (int4 (dequantized), picaflor, hf) was not shown."""
+    paths = []
+    for name, kind in (("ck", "picaflor"), ("q", "int4 (dequantized)")):
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps({"model": name, "model_kind": kind, "dtype": "float32",
+                                 "results": {"piqa": {"acc": 0.6, "acc_stderr": 0.02, "n": 100}}}))
+        paths.append(str(p))
+    assert ev.main(["--compare", *paths]) == 0
+    out = capsys.readouterr().out
+    assert f"- ck: {paths[0]}: ?, picaflor, data ?," in out and f"- q: {paths[1]}: ?, int4 (dequantized), data" in out
+
+
+def test_a_reader_that_leaves_is_no_traceback(tmp_path):
+    """`eval.py --compare A B | head -1` (and scoring piped into head) ended in a BrokenPipeError traceback."""
+    import subprocess
+    p = tmp_path / "A.json"
+    p.write_text(json.dumps({"model": "A", "results": {"piqa": {"acc": 0.6, "acc_stderr": 0.02, "n": 100}}}))
+    r = subprocess.run(f"{sys.executable} {os.path.join(ROOT, 'eval.py')} --compare {p} {p} | true", shell=True,
+                       capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]
+
+
 def test_hub_download_reads_converted_parquet(tmp_path, monkeypatch, capsys):
     """The Hub path: the dataset's refs/convert/parquet branch, CONFIG/SPLIT/*.parquet, through huggingface_hub."""
     import huggingface_hub
@@ -662,6 +686,37 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
         assert len(errors) == 1 and err.endswith(errors[0]) and "Traceback" not in err, err
         assert weights in errors[0] and msg in errors[0], errors[0]
         assert "another checkpoint" in errors[0] or "earlier step_* dir" in errors[0], errors[0]
+
+
+def test_int4_container_too_big_to_dequantise_is_refused(hf_setup, tmp_path, monkeypatch, capsys):
+    """The dequantised path holds the fp32 weights twice while loading: on a container larger than the memory (the
+    case it streams for) the OOM killer ended eval.py silently. Refused in one line naming --int4-engine, whose
+    engine had no budget either (every expert read into memory): --ram-budget now bounds it."""
+    import checkpoint
+    import container
+    _, _, data_dir, _ = hf_setup
+    run_dir, _ = make_picaflor_ckpt(tmp_path)
+    path = str(tmp_path / "model.int4")
+    container.write_container(checkpoint.resolve(run_dir), path, group_size=32, progress=False)
+    capsys.readouterr()  # (write_container's padding warning)
+    monkeypatch.setattr(ev, "available_memory", lambda: 64 << 10)  # 64 KiB left
+    argv = [path, "--tasks", "piqa", "--data-dir", data_dir, "--limit", "2", "--bootstrap-iters", "0"]
+    assert ev.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path}: its weights dequantised take ") and err.endswith(
+        "pass --int4-engine --ram-budget SIZE to score it on stream_infer's int4 kernels, experts streamed"), err
+    assert "\n" not in err
+    # which scores it, under the budget given (it had none: every expert read into memory)
+    out = {}
+    for extra in ([], ["--ram-budget", "2G"]):
+        out[len(extra)] = tmp_path / f"out{len(extra)}"
+        assert ev.main(argv + ["--int4-engine", "--out", str(out[len(extra)]), *extra]) == 0
+    assert (out[0] / "piqa.jsonl").read_text() == (out[2] / "piqa.jsonl").read_text()
+    assert ev.main(argv + ["--int4-engine", "--ram-budget", "1M"]) == 2
+    assert "--ram-budget 1.00M is below what this model needs" in capsys.readouterr().err
+    assert ev.main(argv + ["--ram-budget", "2G"]) == 2  # the dequantised path has no budget to keep
+    assert capsys.readouterr().err.strip() == "error: --ram-budget 2G: bounds an int4 container scored with " \
+                                              "--int4-engine only"
 
 
 def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):

@@ -1691,6 +1691,19 @@ def test_the_budget_a_refusal_suggests_loads(tiny, monkeypatch):
     S.load(path, ram_budget=second, prefetch=False)
 
 
+def test_cli_stats_line_keeps_prefill_apart_from_decode(tiny, capsys):
+    """The CLI's one rate was new tokens over prefill + decode: after a 40-token prompt on micro at 1G it read 3.5
+    tok/s where decode ran at 17 (--bench's figure). Now the prompt's time and rate, then decode's after the first."""
+    assert S.timing_summary(40, [2.0, 0.25, 0.25, 0.5]) == ("prompt 40 tokens in 2.00 s (20.00 tok/s), 4 new tokens: "
+                                                            "decode 3.00 tok/s after the first")
+    assert S.timing_summary(1, [0.5]) == "prompt 1 token in 0.50 s (2.00 tok/s), 1 new token"
+    m, path = tiny
+    assert S.main([path, "--prompt", ",".join(map(str, range(1, 41))), "--max-new-tokens", "5", "--threads", "1"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(r"\[prompt 40 tokens in \S+ s \(\S+ tok/s\), 5 new tokens: decode \S+ tok/s after the first; ",
+                    line), line
+
+
 def test_cli_stats_line_and_an_error_mid_answer(tiny, monkeypatch):
     """--max-new-tokens 0 said 'no routed experts' (it looked nothing up); an error mid-answer (a corrupt expert
     found at token 3) was printed on the end of the answer's line."""
@@ -1700,7 +1713,7 @@ def test_cli_stats_line_and_an_error_mid_answer(tiny, monkeypatch):
     monkeypatch.setattr(sys, "stdout", both)
     monkeypatch.setattr(sys, "stderr", both)
     assert S.main([path, "--prompt", "1,2,3", "--max-new-tokens", "0", "--threads", "1"]) == 0
-    assert "[0 tokens in" in both.getvalue() and "no routed experts" not in both.getvalue(), both.getvalue()
+    assert "[0 new tokens" in both.getvalue() and "no routed experts" not in both.getvalue(), both.getvalue()
 
     def broken(self, ids, n, *a, **k):
         yield 5
@@ -2098,6 +2111,44 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     decode["2G"] = iter([12.0, 11.0])
     args.repeat = 2
     assert B.run_sweep(args, [])[0]["decode_tok_s"] == 11.0
+
+
+def test_print_bench_says_one_of_a_thing_in_the_singular(tiny, capsys):
+    """--bench-prompt-tokens 1 printed "(1 tokens)", --threads 1 "1 threads", a budget with room for one expert
+    "capacity 1 experts"."""
+    m, path = tiny
+    res = {"container": path, "container_bytes": os.path.getsize(path), "random_weights": True, "ram_budget": 1 << 30,
+           "kernel": "native", "threads": 1, "experts_per_token": 2, "prompt_tokens": 1, "prefill_tok_s": 10.0,
+           "decode_tok_s": 20.0, "p50_token_latency_s": 0.05, "p99_token_latency_s": 0.06, "hit_rate": 0.5,
+           "cache_capacity_experts": 1, "model_experts": 48, "expert_bytes": 1e6, "disk_bytes_per_token": 1e6,
+           "counted_bytes_per_token": 1e6, "read_wait_s_per_token": 0.01, "peak_rss_bytes": 1 << 29,
+           "cgroup_peak_bytes": None, "huge_page_bytes": None, "disk_bw_bytes_s": 1e9, "mem_bw_bytes_s": 1e10,
+           "bound_tok_s": 40.0, "bound_tok_s_serial": 30.0, "direct_io": True, "page_cache_excluded": True,
+           "page_cache_resident_after_drop_bytes": 0, "cpu_steal_fraction": None, "others_cpu_fraction": None,
+           "weight_bytes_per_token": 5e8, "prefetch": "off"}
+    B.print_bench(res)
+    out = capsys.readouterr().out
+    assert ", 1 thread, top-2" in out and "(1 token)" in out and "capacity 1 expert (the model has 48)" in out, out
+    res.update(threads=2, prompt_tokens=8, cache_capacity_experts=5)
+    B.print_bench(res)
+    out = capsys.readouterr().out
+    assert ", 2 threads, top-2" in out and "(8 tokens)" in out and "capacity 5 experts (the model has 48)" in out
+
+
+def test_sweep_markdown_memory_in_the_budgets_units():
+    """The markdown table (README's) gives peak RSS and huge pages in the budget column's binary units, as the
+    console table does: a 3G run's 2.91 GiB peak was written "3.13 GB", which reads as over its 3G budget."""
+    peak, huge = 3128074240, 2684354560  # bench/micro_sweep.json's 3G row: under 3 GiB
+    row = {"budget_str": "3G", "ram_budget": 3 << 30, "decode_tok_s": 29.0, "prefill_tok_s": 40.0, "hit_rate": 0.9,
+           "p50_token_latency_s": 0.034, "p99_token_latency_s": 0.045, "cache_capacity_experts": 684,
+           "disk_bytes_per_token": 1e7, "read_wait_s_per_token": 0.004, "peak_rss_bytes": peak,
+           "huge_page_bytes": huge, "disk_bw_decode_bytes_s": 1.5e9, "mem_bw_bytes_s": 2.7e10, "bound_tok_s": 50.0,
+           "pct_of_bound": 0.58, "bound_tok_s_serial": 37.0, "cpu_steal_fraction": 0.0, "others_cpu_fraction": 0.0}
+    md = B.sweep_markdown([row]).splitlines()
+    head = [c.strip() for c in md[0].strip("|").split("|")]
+    cells = dict(zip(head, (c.strip() for c in md[2].strip("|").split("|"))))
+    assert cells["peak RSS"] == S.fmt_size(peak) and cells["in huge pages"] == S.fmt_size(huge)
+    assert S.parse_size(cells["peak RSS"]) <= S.parse_size(cells["budget"])
 
 
 def test_others_cpu_fraction_needs_a_long_enough_window():
