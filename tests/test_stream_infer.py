@@ -1998,6 +1998,13 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     assert 0 <= res["parent_cpu_s"] < 0.5 and (others is None or 0 <= others <= 1), (res["parent_cpu_s"], others)
     # memory bandwidth was measured over the weights one token reads, not a fixed size (a cache's speed)
     assert res["mem_probe_bytes"] == res["weight_bytes_per_token"] > 0
+    # and again after the child (one probe before set the bound by luck on a VM whose bandwidth switched between
+    # two levels): the bound takes the faster
+    both = (res["mem_bw_before_bytes_s"], res["mem_bw_after_bytes_s"])
+    assert res["mem_bw_bytes_s"] == max(both) and min(both) > 0, both
+    t_disk = res["demanded_bytes_per_token"] / res["disk_bw_bytes_s"] if res["disk_bw_bytes_s"] else 0.0
+    assert res["bound_tok_s"] == pytest.approx(1 / max(res["weight_bytes_per_token"] / max(both), t_disk))
+    assert f"(before {both[0] / 1e9:.1f}, after {both[1] / 1e9:.1f})" in r.stdout
     assert "other processes' CPU" in r.stdout
     for key in ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token", "peak_rss_bytes", "bound_tok_s"):
         assert isinstance(res[key], (int, float)) and res[key] >= 0, key
