@@ -259,6 +259,8 @@ def parse_size(s):
     size = m and float(m.group(1)) * ((1024 if m.group(3) else 1000) ** " KMGT".index((m.group(2) or " ").upper()))
     if not m or size < 1:
         raise ExportError(f"--max-shard-size {s!r}: give a size like 5GB, 500MB, 2GiB or a byte count")
+    if not (m.group(2) or re.search(r"B\s*$", str(s), re.I)) and size < 1 << 20:  # "2" wrote 196 shards of ~2 bytes
+        raise ExportError(f"--max-shard-size {s!r}: a number without a unit is bytes; give a size like 5GB or 500MB")
     return int(size)
 
 
@@ -829,6 +831,8 @@ def main(argv=None):
                       ("embed_bits", "int4")):  # (ignored without a word: --format hf --gguf-type q4_0 wrote bf16)
         if getattr(args, flag) is not None and args.format != fmt:
             ap.error(f"--{flag.replace('_', '-')} is for --format {fmt}, not {args.format}")
+    if args.group_size is not None and (args.group_size < 2 or args.group_size % 2):  # (it named the output file)
+        ap.error(f"--group-size {args.group_size}: an even count of at least 2 (the container's default is 64)")
     args.dtype, args.max_shard_size = args.dtype or "bfloat16", args.max_shard_size or "5GB"
     args.gguf_type, args.embed_bits = args.gguf_type or "f16", args.embed_bits or 8
     args.out = args.out.rstrip("/") or "/"  # x.pcf4/: the temp file went inside a folder that does not exist

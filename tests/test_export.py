@@ -567,10 +567,13 @@ def test_shard_sizes_and_a_locale_without_utf8(ckpt, tmp_path):
     """5GiB was read as 5e9 and 0.5 as 0 bytes (a file per tensor); under LC_ALL=C the HF export died on
     tokenizer.json's byte-level characters with an error that named no file."""
     assert export.parse_size("5GB") == 5 * 10 ** 9 and export.parse_size("5GiB") == 5 << 30
-    assert export.parse_size("2.5KiB") == 2560 and export.parse_size("123") == 123
+    assert export.parse_size("2.5KiB") == 2560 and export.parse_size("123B") == 123
+    assert export.parse_size("2000000") == 2000000
     for bad in ("0.5", "1iB", "0", "5XB"):
         with pytest.raises(export.ExportError):
             export.parse_size(bad)
+    with pytest.raises(export.ExportError, match="a number without a unit is bytes"):  # "2" wrote ~200 shards of ~2 bytes
+        export.parse_size("2")
     import subprocess
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")
@@ -661,6 +664,9 @@ def test_an_option_for_another_format_is_refused(ckpt, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and f"not {args[1]}" in err[-1] and args[2] in err[-1], err
         assert not os.listdir(tmp_path)
+    with pytest.raises(SystemExit) as e:  # (its error named the output file, not the flag)
+        run_export([ckpt["path"], "--format", "int4", "--group-size", "7", "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "--group-size 7: an even count" in capsys.readouterr().err and not os.listdir(tmp_path)
 
 
 def test_gguf_refuses_what_llama_cpp_aborts_on_and_a_huge_stale_number_is_not_a_pid(ckpt, tmp_path):
