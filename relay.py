@@ -34,7 +34,8 @@ were lost) is relay_lease.py's.
 (uploaded before the commit that names them: preupload_lfs_files on the Hub), then stops it for the one push
 commit. The trainer runs in its own session: Ctrl-C (SIGINT) or SIGTERM to relay ends the leg cleanly (trainer
 checkpoints, push, release); if relay itself dies, the kernel SIGTERMs the trainer (PR_SET_PDEATHSIG).
-Exit status: 0 done, 2 usage, 3 error (one line, nothing overwritten), 4 lease lost (local checkpoint kept). A
+Exit status: 0 done, 2 usage, 3 error (one line, nothing overwritten), 4 lease lost (local checkpoint kept), 130 a
+claim, pull, push or release cut short by Ctrl-C (local files kept; run again, its write id finds what landed). A
 trainer that fails after checkpointing gets its newest checkpoint pushed (verified as any push) before exit 3;
 `run --supervise` trains under the guardian instead, which restarts it within the leg's steps / hours.
 

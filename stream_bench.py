@@ -8,8 +8,9 @@ stream_bench: stream_infer's honest benchmark (issue 9, items 4 and 6), one budg
 Each budget runs in a child process (stream_infer.py again, PICAFLOR_BENCH_CHILD set) inside a fresh memory
 cgroup limited to the budget, page cache included (v2 memory.max, or v1 memory.limit_in_bytes; we must be root),
 after the container's page cache was dropped (posix_fadvise DONTNEED). Where neither can be done the result says
-so (page_cache_excluded false) and the figures are not disk-bound. The parent measures memory bandwidth (outside
-the cgroup: its buffers would count against the budget and the child's peak RSS); the child measures the disk
+so (page_cache_excluded false) and the figures are not disk-bound. The parent measures memory bandwidth before
+and after the child (outside the cgroup: its buffers would count against the budget and the child's peak RSS; the
+bound takes the faster, as some VMs' memory switches between two rates); the child measures the disk
 (expert blobs read as the cache reads them) before loading, decodes, measures the disk again on blobs it never
 read (the bound takes the mean, or the rate decode's own reads ran at if higher), and reports: prefill / decode tok/s, p50 / p99 token latency, hit rate, disk bytes per token from
 /proc/self/io (and as counted), peak RSS, and the lower bound 1 / max(disk time, memory time) per token, the disk

@@ -8,12 +8,14 @@ same tokens, and the relative increase (issue 6 goal: <= 2% on a trained tiny mo
 CKPT is a checkpoint dir or run dir. Without --container the container is written to a temp file with
 container.write_container (--group-size / --embed-bits as export.py). Tokens: the corpus's val split read
 through shards.TokenStream (verified as training reads it), or a token file; non-overlapping windows of
---seq-len + 1 tokens, the first --max-tokens of them. Both models run in --dtype (default bfloat16, the
-"bf16 checkpoint"; the router and its bias stay fp32 as in load_checkpoint) one after the other, so only one
-model is in memory at a time. The int4 side runs through stream_infer's engine when stream_infer.py provides
-`load(...).loglikelihood`, else the dequantize-and-run path: container.load_container(...)
-.dequantized_state_dict() into a model.Picaflor (the same forward as the reference, so the difference is the
-quantization alone). perplexity = exp(mean next-token NLL over all predicted tokens).
+--seq-len + 1 tokens, the first --max-tokens of them. The two models run one after the other, so only one is in
+memory at a time. The int4 side runs through stream_infer's engine (--engine stream_infer, or auto, the default,
+when stream_infer.py provides `load(...).loglikelihood`), which computes in fp32, so the checkpoint is scored in
+fp32 too, whatever --dtype says (a note on stderr: a bf16 reference counted its own rounding as int4's); with
+--engine dequantize both run in --dtype (default bfloat16; the router and its bias stay fp32 as in
+load_checkpoint), the int4 side as container.load_container(...).dequantized_state_dict() in a model.Picaflor
+(the same forward as the reference, so the difference is the quantization alone).
+perplexity = exp(mean next-token NLL over all predicted tokens).
 """
 
 import argparse

@@ -17,6 +17,8 @@ Calls recorded here:
 - the first --val-tokens tokens of documents (default 0.5% of --max-tokens, at most 10M, at least one
   document) form the val split; the rest is train. Empty rows are skipped. A tokenizer trained here skips
   those documents (the first ones up to VAL_CHARS_PER_TOKEN characters per val token), so val is unseen text.
+  A later document identical to a val one (sha1 of its text; web crawls repeat pages) is left out of train and
+  counted (in the closing summary, when there are any).
 - index.json records, per shard, the repo, commit sha and parquet row ranges its documents came from, so
   `python shards.py refetch data/fineweb_edu FILE` re-downloads and re-makes exactly that shard.
 - Remote failures exit with a one-line cause: HTTP 401/403 = storage denied (token or billing, not data).

@@ -13,7 +13,7 @@ Calls recorded here:
   sample the whole tree, not its first letters; a file goes to val when the sha1 of its text says so
   (--val-percent), so identical files land in the same split.
 - the default --max-bytes (64 MB) takes a whole stdlib (Python 3.11: ~1,870 files, 32 MB, ~8.2M tokens at vocab
-  8192; about 30 s on 2 cores); lower it (or --max-files) for a quicker, smaller corpus.
+  8192; 6-8 s on 2 cores); lower it (or --max-files) for a quicker, smaller corpus.
 - index.json records, per shard, the exact files it holds, so shards.py refetch can re-make it.
 """
 
