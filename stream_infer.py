@@ -40,7 +40,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
   13.7 while blobs were read in the background, on this VM). `bench/prefetch_oracle.py` (guesses from a
   recorded future, each right with a chosen probability) puts break-even near 65-70% right: at 1.5G 60% right
   lost ~10%, 80% won 3-5% one layer ahead (13% two ahead), 100% 18%; `bench/route_guess.py CKPT` says how often
-  a model's router is right (a trained tiny: 89%, its random twin 72%; random micro 59-62%, so auto stays off
+  a model's router is right (a trained tiny: 87-92%, its random twin 72-73%; random micro 59-62%, so auto stays off
   there, at no measurable cost). `--prefetch` alone forces it on, `--prefetch off` off. Unmeasured on a trained
   model big enough to stream, and on a laptop whose NVMe reads by DMA.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part

@@ -34,7 +34,8 @@ device = "cpu"
 dtype = "float32"
 compile = False
 
-# seq_len must equal prepare.py's --max-len (rows of whole conversations); the tiny model's max_seq_len is 256
+# seq_len should equal prepare.py's --max-len (rows of whole conversations; another length cuts conversations at
+# window edges, warned once); the tiny model's max_seq_len is 256
 batch_size = 8
 seq_len = 256
 grad_accum = 1
