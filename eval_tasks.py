@@ -376,14 +376,15 @@ def task_docs(task, lm, args):
         repo, _, split = TASKS[task][1]
         print(f"warning: task {task}: {len(rows)} examples, but {repo}'s {split} split has {SPLIT_ROWS[task]}: a "
               f"partial or other copy; its scores are not comparable with published ones", file=sys.stderr)
-    docs = build_docs(task, rows[:limit] if limit else rows, "example")
+    docs = build_docs(task, rows[:limit] if limit else rows, "example", args.data_dir)
     if num_fewshot(task, args):
         add_fewshot(task, docs, num_fewshot(task, args), args)
     return docs
 
 
-def build_docs(task, rows, what):
+def build_docs(task, rows, what, data_dir=None):
     build = TASKS[task][2]
+    where = f" in {data_dir}" if data_dir else ""  # (the task named, not whose copy of its data)
     docs = []
     for i, row in enumerate(rows):
         try:
@@ -391,7 +392,7 @@ def build_docs(task, rows, what):
         except EvalError as e:
             raise EvalError(f"task {task}: {what} {i}: {e}") from None
         except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
-            raise EvalError(f"task {task}: {what} {i} does not have the dataset's schema ({type(e).__name__}: "
+            raise EvalError(f"task {task}: {what} {i}{where} does not have the dataset's schema ({type(e).__name__}: "
                             f"{e}); the data file must hold the Hub dataset's own fields") from None
     return docs
 
@@ -410,7 +411,7 @@ def add_fewshot(task, docs, n, args):
     if len(rows) < n:  # (random.sample's ValueError)
         raise EvalError(f"task {task}: --num-fewshot {n}, but its {split} split has only {len(rows)} examples; "
                         f"pass --num-fewshot {len(rows)} or fewer, or the full {split} split")
-    shots = build_docs(task, rows, f"{split} example")
+    shots = build_docs(task, rows, f"{split} example", args.data_dir)
     rnd = random.Random(args.seed)
     for d in docs:
         d["prompt"] = "".join(s["prompt"] + TARGET_DELIMITER + s["target"] + FEWSHOT_DELIMITER

@@ -325,7 +325,8 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "piqa.jsonl").write_text('{"goal": "x"}\n')
-    cases.append(([model_dir, "--tasks", "piqa", "--data-dir", str(bad)], "does not have the dataset's schema"))
+    cases.append(([model_dir, "--tasks", "piqa", "--data-dir", str(bad)],
+                  f"example 0 in {bad} does not have the dataset's schema"))  # (which copy: it named none)
     unlabelled = tmp_path / "unlabelled"  # PIQA's test split: label -1 on every row (was scored as acc 0.0)
     unlabelled.mkdir()
     rows = [json.loads(line) for line in open(os.path.join(data_dir, "piqa.jsonl"))]
