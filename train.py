@@ -138,8 +138,11 @@ _CONFIG_KEYS = sorted(k for k, v in globals().items() if not k.startswith("_") a
 
 EXIT_OK, EXIT_ERROR, EXIT_DATA, EXIT_DENIED, EXIT_UNREACHABLE, EXIT_DISK, EXIT_NONFINITE, EXIT_HANG = 0, 1, 3, 4, 5, 6, 7, 8
 EXIT_CRASH = 10  # anything unforeseen (a CUDA or NCCL error, an I/O error on a network mount): the guardian restarts
-PEAK_BF16_FLOPS = [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("4090", 165e12), ("L40S", 362e12),
-                   ("A10", 125e12), ("L4", 121e12)]  # dense bf16 peaks (vendor datasheets)
+# dense bf16 peaks (vendor datasheets; H100/H200 SXM 989e12 per REFERENCES.md), the first name found in the card's
+# name wins: a variant before its family (an H200 NVL or H100 PCIe was given the SXM peak, an L40 the L4's)
+PEAK_BF16_FLOPS = [("H200 NVL", 835e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H200", 989e12),
+                   ("H100", 989e12), ("A100", 312e12), ("4090", 165e12), ("L40S", 362e12), ("L40", 181e12),
+                   ("A10", 125e12), ("L4", 121e12)]
 
 
 class TrainError(Exception):

@@ -210,6 +210,28 @@ def test_bootstrap_and_mean_stderr_match_harness():
     assert ev.mean_stderr(accs) == pytest.approx(hm.mean_stderr(accs), rel=1e-12)
 
 
+
+def test_gsm8k_scores_are_the_harness_filters_and_exact_match():
+    """gsm8k's strict-match / flexible-extract regex filters then exact_match (ignore_case, regexes_to_ignore), run by
+    the installed harness's own code, on generations that hit each rule: no match, several, $ and , and a final '.'."""
+    import yaml
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters.extraction import RegexFilter
+    cfg = yaml.safe_load(open(os.path.join(os.path.dirname(__import__("lm_eval").__file__), "tasks", "gsm8k",
+                                           "gsm8k.yaml")))
+    em = next(m for m in cfg["metric_list"] if m["metric"] == "exact_match")
+    kw = {k: em[k] for k in ("ignore_case", "ignore_punctuation", "regexes_to_ignore")}
+    filters = {f["name"]: RegexFilter(regex_pattern=f["filter"][0]["regex_pattern"],
+                                      group_select=f["filter"][0].get("group_select", 0)) for f in cfg["filter_list"]}
+    gens = ["The answer is 18.\n#### 18", "so $1,234.50 total", "#### -3.", "no numbers here", "x 12 y 7.5.",
+            "#### 1,000\nQuestion:", "it is 42", "$5", "-7 apples", "#### 18 and 19", "#### 7.5"]
+    for target in ("Natalia sold 18.\n#### 18", "#### 1000", "#### -7", "#### 7.5", "#### 42", "#### -3", "#### 5",
+                   "#### 1234.50"):
+        for g in gens:
+            want = {f"exact_match_{name.split('-')[0]}": exact_match_hf_evaluate(
+                [list(f.apply([[g]], [None]))[0][0]], [target], **kw)["exact_match"] for name, f in filters.items()}
+            assert et.gsm8k_scores(g, target) == want, (g, target)
+
 def test_generation_ignores_shipped_repetition_penalty(hf_setup, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     _, _, data_dir, _ = hf_setup

@@ -486,6 +486,20 @@ def test_param_counts_by_hand():
     assert tied.active_params(include_embedding=False) == body + emb - inactive  # the lm_head still works
 
 
+
+def test_flops_per_token_is_palms_formula_by_hand():
+    """MFU's numerator (PaLM app. B, REFERENCES): 6 x active matmul params (lm_head in, embedding lookup, norms and the
+    k routed experts not chosen out) + 12 x n_layer x n_head x head_dim x seq_len."""
+    c = SMALL_CFG
+    D, hd = c.d_model, c.head_dim
+    attn = D * c.n_head * hd * 2 + D * c.n_kv_head * hd * 2
+    n_moe = c.n_layer - c.n_dense_layers
+    moe = c.n_experts * D + c.top_k * 3 * D * c.expert_ffn + 3 * D * c.n_shared * c.expert_ffn
+    matmul = c.n_layer * attn + c.n_dense_layers * 3 * D * c.dense_ffn + n_moe * moe + c.vocab_size * D
+    for T in (1, 48):
+        assert M.Picaflor(c).flops_per_token(T) == 6 * matmul + 12 * c.n_layer * c.n_head * hd * T
+    assert M.Picaflor(replace(c, tie_embeddings=True)).flops_per_token(48) == M.Picaflor(c).flops_per_token(48)
+
 def test_meta_model_matches_and_skips_random_init():
     """meta_model: the same tree and shapes as Picaflor, tied weights tied, and no random init on meta tensors, which
     would import torch._dynamo (+180 MB RSS, paid out of stream_infer's --ram-budget); a fresh interpreter checks."""

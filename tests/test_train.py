@@ -1321,3 +1321,16 @@ def test_an_invocations_last_step_is_logged_whatever_log_interval(data_root, thr
     run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND, "--init_from=resume",
                 "--log_interval=10", "--stop_after_steps=3"])
     assert [s for s in metrics(out) if s > 3] == [4, 6]
+
+
+def test_mfu_peak_is_the_cards_own_variant(monkeypatch):
+    """REFERENCES: 989e12 is the H100/H200 SXM dense bf16 peak. A PCIe or NVL card (the field's 3B ran on an H200 NVL)
+    was given the SXM figure, its MFU understated by 15-24%; an L40 took the L4's 121e12 (a prefix of its name)."""
+    want = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA GH200 480GB": 989e12,
+            "NVIDIA H200 NVL": 835e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100 PCIe": 756e12,
+            "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA L40S": 362e12,
+            "NVIDIA L40": 181e12, "NVIDIA L4": 121e12, "NVIDIA A10": 125e12, "Some Other GPU": None}
+    for name, peak in want.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
+        assert train.gpu_peak_flops("cuda") == (name, peak), name
+    assert train.gpu_peak_flops("cpu") == (None, None)
