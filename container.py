@@ -409,9 +409,11 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
     if widths:  # an input width that is no multiple of the group is padded to one (--group-size 4096: 5x the file)
         true = sum(n * k for n, k in shapes)
         padded = sum(math.prod(int4_padded_shape((n, k), group_size)) for n, k in shapes)
+        g = math.gcd(*[k for _, k in shapes])  # (odd widths: it said "a group size dividing 1", and groups are even)
+        avoid = (f"a group size dividing {g} avoids it" if g % 2 == 0 else
+                 "no group size avoids it: groups are even, and odd widths (d_model, dense_ffn, expert_ffn) are not")
         print(f"WARNING: group size {group_size} does not divide input widths {widths}: they are padded, "
-              f"{(padded / true - 1) * 100:.0f}% more int4 weights; a group size dividing "
-              f"{math.gcd(*[k for _, k in shapes])} avoids it", file=sys.stderr)
+              f"{(padded / true - 1) * 100:.0f}% more int4 weights; {avoid}", file=sys.stderr)
     err = {}  # class -> [sum sq error, sum sq weight, count]
 
     def account(cls, w, wq):

@@ -144,6 +144,9 @@ def passkey_docs(lm, lengths, n, seed):
             key = str(rng.randint(10000, 99999))
             needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
             fixed = len(lm.encode(head + needle + tail))
+            if fixed + 16 > lm.max_length:  # (it said to pass a longer --passkey-lengths, which was then refused)
+                raise EvalError(f"passkey needs a context of at least {fixed + 16} tokens (the prompt without filler "
+                                f"is already {fixed}); this model's is {lm.max_length}: leave passkey out of --tasks")
             if fixed + 16 > length:
                 raise EvalError(f"passkey length {length} is too short: the prompt without filler is already "
                                 f"{fixed} tokens; use --passkey-lengths of at least {fixed + 16}")

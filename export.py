@@ -595,6 +595,14 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
             sh = [shape[0], shape[1] // 2, shape[2]] if part else shape
             plan.append((gname, name, part, gguf_tensor_type(gname, sh, gguf_type), sh))
 
+    T = gguf.GGMLQuantizationType
+    asked = {"q8_0": T.Q8_0, "q4_0": T.Q4_0}.get(gguf_type)
+    kept = [(g, sh) for g, _, _, qtype, sh in plan if asked is not None and qtype == T.F16]
+    if kept:  # (d_model 200 at q4_0: 31 of 38 matrices stayed f16, the file f16's size, and the report said q4_0)
+        share = sum(int(np.prod(sh)) for _, sh in kept) / sum(int(np.prod(sh)) for *_, sh in plan)
+        print(f"WARNING: --gguf-type {gguf_type}: {len(kept)} weight tensors ({share:.0%} of the weights) stay f16: "
+              f"their rows ({', '.join(map(str, sorted({sh[-1] for _, sh in kept})))} wide) are no multiple of "
+              f"32, the quant block; d_model, dense_ffn and expert_ffn multiples of 32 avoid it", file=sys.stderr)
     if not 1 <= cfg.n_experts <= 512 or cfg.top_k > cfg.n_experts:  # llama.cpp's loader asserts these, and aborts
         raise ExportError(f"{src.dir}: n_experts={cfg.n_experts}, top_k={cfg.top_k}: llama.cpp's hy_v3 loads 1-512 "
                           f"experts with top_k <= n_experts; export --format hf for this model")
@@ -657,7 +665,6 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"gguf {gguf_type}", disable=not progress)
-        T = gguf.GGMLQuantizationType
         for gname, sname, part, qtype, sh in plan:  # pass 2: data, one tensor at a time
             t = src.get(sname)
             if part:
@@ -691,7 +698,8 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    return {"format": "gguf", "out": out, "type": gguf_type, "bytes": os.path.getsize(out), "tensors": len(plan)}
+    return {"format": "gguf", "out": out, "type": gguf_type, "bytes": os.path.getsize(out), "tensors": len(plan),
+            "f16_fallback": len(kept)}
 
 
 # ----------------------------------------------------------------------------------------------------------

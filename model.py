@@ -253,6 +253,8 @@ def grouped_mm_ok(x, w):
         return False
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False  # its meta (compile-time) kernel takes bf16 only (torch 2.13)
+    if any(n * x.element_size() % 16 for n in w.shape[-2:]):  # forward and backward need 16-byte row strides
+        return False  # ("strides should be multiple of 16 bytes": d_model or expert_ffn not a multiple of 8 in bf16)
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16)
     if x.device.type == "cuda":
@@ -798,6 +800,9 @@ def to_hf_config(cfg: ModelConfig, **extra):
         mlp_layer_types=["dense"] * cfg.n_dense_layers + ["sparse"] * (cfg.n_layer - cfg.n_dense_layers),
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
     )  # (floats as floats: HYV3Config is strict, an int route_scale=2 in config.json failed the whole load)
+    if cfg.n_dense_layers < cfg.n_layer and (cfg.d_model % 8 or cfg.expert_ffn % 8):
+        # transformers' default experts (torch._grouped_mm) need 16-byte rows: "strides should be multiple of 16 bytes"
+        d["experts_implementation"] = "eager"
     d.update(extra)
     return d
 

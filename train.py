@@ -707,6 +707,10 @@ def main(argv):
     for k in ("quarantine_shards", "release_shards"):
         if not all(isinstance(n, str) and n.count("/") == 1 for n in cfg[k]):
             die(f"--{k}={cfg[k]!r}: a list of \"corpus/file\" names, e.g. \"['local/train_000003.bin']\"")
+    if cfg["init_from"] == "scratch" and cfg["top_k"] == 1 and cfg["n_dense_layers"] < cfg["n_layer"]:
+        # (it trained: the router's weights moved only by weight decay and Adam's epsilon, its picks at random)
+        die("--top_k=1: the router gets no gradient (a lone pick's weight, normalised over the top-k, is always "
+            "route_scale), so it never learns; train with --top_k=2 and serve top-1 with --experts-per-token 1")
     if cfg["device"] not in ("cpu", "cuda"):  # cuda:1 or mps would have trained on the CPU
         die(f"--device={cfg['device']}: must be cpu or cuda (pick a GPU with CUDA_VISIBLE_DEVICES; torchrun gives "
             f"each process its own)")
@@ -923,8 +927,12 @@ def main(argv):
         if master and (note := shards.interrupted_prepare(cdir)):
             log(f"WARNING: {note}")
         if indexes[c].get("vocab_size", 0) > mcfg.vocab_size:  # a config mistake, not corrupt data (no restart)
+            # (from weights, the vocab is theirs: "set --vocab_size" was ignored, and said the same again)
+            fix = (f"set --vocab_size={indexes[c]['vocab_size']}" if cfg["init_from"] == "scratch" else
+                   f"the weights of {ck} fix the vocab; train on a corpus made by their tokenizer (python "
+                   f"data/{c}/prepare.py{tok_arg} --out DIR, then --data_root and --dataset)")
             raise TrainError(f"corpus {c} has vocab_size {indexes[c]['vocab_size']} > model vocab_size "
-                             f"{mcfg.vocab_size}; set --vocab_size={indexes[c]['vocab_size']}")
+                             f"{mcfg.vocab_size}; {fix}")
     for q in list(quarantined):  # a mistyped name quarantined nothing while the log said it was skipped
         c, _, f = q.partition("/")
         if not f:

@@ -336,6 +336,11 @@ def test_a_group_size_that_pads_the_widths_is_said(built, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "group size 96 does not divide input widths" in err and "more int4 weights" in err
     assert os.path.getsize(tmp_path / "g.pcf4") > os.path.getsize(out)
+    odd = ModelConfig(**{**asdict(m.cfg), "expert_ffn": 33})  # it said "a group size dividing 1 avoids it"
+    ck_odd = save_checkpoint(Picaflor(odd), str(tmp_path / "odd"), 1)
+    C.write_container(ck_odd, str(tmp_path / "odd.pcf4"), group_size=16, progress=False)
+    err = capsys.readouterr().err
+    assert "33" in err and "no group size avoids it" in err and "dividing 1 " not in err, err
 
 
 def test_a_malformed_config_or_checkpoint_is_one_line_error(tmp_path, capsys):

@@ -333,6 +333,14 @@ def test_passkey_reported_per_length(tmp_path, monkeypatch):
     assert ev.main([run_dir, "--tasks", "passkey", "--passkey-lengths", "64", "--device", "cpu"]) == 2
 
 
+def test_passkey_on_a_context_too_short_for_it_says_so(tmp_path, capsys):
+    """max_seq_len 64: it said to pass --passkey-lengths of at least ~100, which the next run refused (over 64)."""
+    run_dir, _ = make_picaflor_ckpt(tmp_path, max_seq_len=64)
+    assert ev.main([run_dir, "--tasks", "passkey", "--limit", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "this model's is 64: leave passkey out of --tasks" in err and "--passkey-lengths" not in err, err
+
+
 def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
     _, model_dir, data_dir, _ = hf_setup
     empty = tmp_path / "empty"

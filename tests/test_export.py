@@ -669,6 +669,33 @@ def test_an_option_for_another_format_is_refused(ckpt, tmp_path, capsys):
     assert e.value.code == 2 and "--group-size 7: an even count" in capsys.readouterr().err and not os.listdir(tmp_path)
 
 
+def test_hf_export_of_widths_grouped_mm_refuses_runs_in_transformers(ckpt, tmp_path):
+    """expert_ffn 10 (no multiple of 8): the export loaded, and its first forward raised "strides should be multiple
+    of 16 bytes" in transformers' default experts; it names the eager experts, and gives picaflor's logits."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    m = M.Picaflor(M.ModelConfig(**{**CFG, "expert_ffn": 10})).eval()
+    path = M.save_checkpoint(m, str(tmp_path / "run"), 1, tokenizer_file=str(ckpt["dir"] / "tok.json"))
+    run_export([path, "--format", "hf", "--dtype", "float32", "--out", str(tmp_path / "hf")])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    idx = torch.randint(1, 400, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (hf(idx).logits - m(idx)).abs().max().item() <= 1e-4
+
+
+def test_gguf_quant_type_says_which_rows_stay_f16(ckpt, tmp_path, capsys):
+    """d_model 48 at q8_0: every matrix reading the residual stayed f16 (rows not a multiple of 32), without a word,
+    and the report said q8_0; a model whose widths are multiples of 32 is quantized whole, and says nothing."""
+    torch.manual_seed(0)
+    m = M.Picaflor(M.ModelConfig(**{**CFG, "d_model": 48})).eval()
+    path = M.save_checkpoint(m, str(tmp_path / "run"), 1, tokenizer_file=str(ckpt["dir"] / "tok.json"))
+    rep = run_export([path, "--format", "gguf", "--gguf-type", "q8_0", "--out", str(tmp_path / "m.gguf")])
+    err = capsys.readouterr().err
+    assert rep["f16_fallback"] > 0 and "WARNING: --gguf-type q8_0:" in err and "(48 wide)" in err, err
+    rep = run_export([ckpt["path"], "--format", "gguf", "--gguf-type", "q8_0", "--out", str(tmp_path / "ok.gguf")])
+    assert rep["f16_fallback"] == 0 and "WARNING" not in capsys.readouterr().err
+
+
 def test_gguf_refuses_what_llama_cpp_aborts_on_and_a_huge_stale_number_is_not_a_pid(ckpt, tmp_path):
     """An all-dense model with n_experts=0 wrote a GGUF (expert_count 0, expert_used_count 2) that llama.cpp's loader
     asserts on; OUT.tmp-<20 digits> beside --out crashed the stale-output cleanup with an OverflowError traceback."""

@@ -260,6 +260,24 @@ def test_grouped_dispatch_bf16_cpu(expert_parallel, monkeypatch):
     assert_dispatch_matches_reference(moe, x, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("dtype,d_model,expert_ffn", [(torch.bfloat16, 36, 16), (torch.float32, 32, 9)])
+def test_grouped_dispatch_with_widths_grouped_mm_refuses(dtype, d_model, expert_ffn, monkeypatch):
+    """torch._grouped_mm (the CUDA training path) wants 16-byte row strides: d_model 100 in bf16 or expert_ffn 33 was
+    "strides should be multiple of 16 bytes" at the first step; such widths take the padded bmm instead."""
+    monkeypatch.setattr(M, "CPU_EXPERT_PARALLEL", False)
+    cfg = replace(MOE_CFG, d_model=d_model, n_head=2, expert_ffn=expert_ffn)
+    torch.manual_seed(8)
+    moe = M.MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.15)
+    moe.to(dtype)
+    moe.gate.float()
+    x = torch.randn(2, 11, d_model, generator=torch.Generator().manual_seed(9)).to(dtype)
+    tol = 3e-2 if dtype == torch.bfloat16 else 2e-5
+    assert_dispatch_matches_reference(moe, x, atol=tol, rtol=tol)
+
+
 def test_compile_model_on_cpu_keeps_dispatch_eager(monkeypatch):
     """train.py's --compile on CPU: compile_model equals the eager model (loss and grads), and its MoE layers run
     the eager ExpertFFNCPU path (traced, the dispatch broke the graph at bincount and .item(), 22 graphs against 7

@@ -752,7 +752,7 @@ def two_of_four_steps(data_root, tmp_path_factory):
                                   "resume_a_step_without_state", "quarantine_typo", "finetune_from_unread",
                                   "grow_from_unread", "resume_another_runs_step", "finetune_from_stateless",
                                   "unprepared_dataset", "finetune_on_an_unprepared_dataset",
-                                  "finetune_from_an_untrained_run"])
+                                  "finetune_from_an_untrained_run", "top_k_one", "finetune_from_a_smaller_vocab"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -856,6 +856,14 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         edit = tmp_path / "edit.py"
         edit.write_text("lr_mult['old'] = 'fast'\n")
         args = args + [str(edit)]
+    elif case == "finetune_from_a_smaller_vocab":  # it said "set --vocab_size=320", which the weights' 300 overrode
+        import model as M
+        M.save_checkpoint(M.Picaflor(M.ModelConfig(vocab_size=300, n_layer=3, d_model=32, n_head=4, n_kv_head=1,
+                                                   dense_ffn=64, n_experts=8, expert_ffn=16, n_shared=1,
+                                                   max_seq_len=64)), str(tmp_path / "src"), 2)
+        args = args + ["--init_from=finetune", f"--finetune_from={tmp_path / 'src'}", "--vocab_size=320"]
+    elif case == "top_k_one":  # trained a router that got no gradient (top-1 weights are normalised to 1)
+        args = args + ["--top_k=1"]
     elif case == "zero_heads":  # a ZeroDivisionError traceback
         args = args + ["--n_head=0"]
     elif case == "max_iters_with_stages":  # the stages make the plan; the override did nothing
@@ -891,6 +899,7 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
     fix = {"seq_len_over_max": "--max_seq_len", "lr_mult_typo": "embedding, old and new", "cuda_index": "cpu or cuda",
            "float16": "bfloat16", "max_iters_with_stages": "stages", "zero_batch_size": "at least 1",
            "zero_heads": "n_head=0 must be at least 1", "shard_list": "corpus/file",
+           "top_k_one": "router gets no gradient", "finetune_from_a_smaller_vocab": "fix the vocab; train on a corpus",
            "quarantine_typo": "'local/train_00001.bin' is not a shard of local (its index.json lists",
            "finetune_from_unread": "is read only with --init_from=finetune", "grow_from_unread": "--init_from=grow",
            "resume_another_runs_step": "is a checkpoint of another run than the one in",
