@@ -106,9 +106,12 @@ class NativeRead:
         try:
             self.ops.blob_read(ticket, pool, direct, c.fd, self.offset, ctypes.addressof(pin), c.expert_nbytes,
                                n_parts, C.ALIGN, crc, n_parts)
-        except BaseException:
-            self.waited = True  # nothing was queued (blob_read queues last)
+        except Exception:
+            self.waited = True  # nothing was queued (blob_read queues last; an error raises before)
             _READS_IN_FLIGHT.pop(ticket, None)
+            raise
+        except BaseException:  # Ctrl-C raised as the op returned, maybe after it queued: buf stays held until
+            self.cancel()      # the parts being read land (__del__ waits; an unknown ticket is no error there)
             raise
 
     def done(self):
@@ -134,11 +137,13 @@ class NativeRead:
                                           f"ended at interpreter exit")
         if not self.waited:
             # in slices, without the GIL: a Ctrl-C is raised between them (one wait took every read queued ahead of
-            # this one), leaving the read in flight and its buffer held
+            # this one), leaving the read in flight and its buffer held; the slices keep the ticket (a Ctrl-C raised
+            # as the one the read landed in returns lost its status), a last wait that returns at once forgets it
             try:
                 status = -1
                 while status == -1:
-                    status, err, landed, buffered = self.ops.blob_wait(self.ticket, WAIT_SLICE_MS)
+                    status = self.ops.blob_wait(self.ticket, WAIT_SLICE_MS, False)[0]
+                status, err, landed, buffered = self.ops.blob_wait(self.ticket, 0)
             except Exception:  # (a forked child's copy of a parent's read: an unknown ticket)
                 self.waited = True
                 _READS_IN_FLIGHT.pop(self.ticket, None)
@@ -393,19 +398,25 @@ class ExpertCache:
         self.stamp[key] = -1
         expert = self.entries.pop(key)
         buf = expert.buf
-        refs = [weakref.ref(expert)] + [weakref.ref(t) for t in expert.tensors]
-        del expert
-        rec = self.views_of_buf.get(id(buf))
-        if rec is not None:
-            if self._view_refs(rec) == rec[3]:
+        try:
+            refs = [weakref.ref(expert)] + [weakref.ref(t) for t in expert.tensors]
+            del expert
+            rec = self.views_of_buf.get(id(buf))
+            if rec is not None:
+                if self._view_refs(rec) == rec[3]:
+                    self.free_bufs.append(buf)
+                else:  # someone still holds the expert or a tensor over its buffer: both stay theirs
+                    del self.views_of_buf[id(buf)]
+                    self.orphans.add(id(buf))
+            elif buf is not None and all(r() is None for r in refs):
                 self.free_bufs.append(buf)
-            else:  # someone still holds the expert or a tensor over its buffer: both stay theirs
-                del self.views_of_buf[id(buf)]
+            elif buf is not None:
                 self.orphans.add(id(buf))
-        elif buf is not None and all(r() is None for r in refs):
-            self.free_bufs.append(buf)
-        elif buf is not None:
-            self.orphans.add(id(buf))
+        except BaseException:  # Ctrl-C mid-way: the buffer leaves as a failed read's (given back once let go)
+            if buf is not None:
+                self.views_of_buf.pop(id(buf), None)
+                self.orphans.add(id(buf))
+            raise
 
     def _ensure_room(self, protect, wait):
         """Evict entries not in `protect` (by the policy) until one more blob fits (a free buffer is one: the next
@@ -441,9 +452,8 @@ class ExpertCache:
                    None)
         if key is None:
             return False
-        fut, buf = self.guesses.pop(key)
-        wait_quietly(fut)
-        self.free_bufs.append(buf)
+        wait_quietly(self.guesses[key][0])  # still a guess while waited for (a Ctrl-C here leaves it one)
+        self.free_bufs.append(self.guesses.pop(key)[1])
         return True
 
     def _read(self, key, buf, guess=False):
@@ -508,14 +518,15 @@ class ExpertCache:
         try:
             for f in fut:
                 f.result()
-        except BaseException:  # a failed read (or Ctrl-C while waiting): the buffer leaves the cache, its views too
-            for f in fut:  # (and its parts not started are dropped)
+            self.read_wait_s += time.perf_counter() - t0  # the decoding thread stalled on the disk (the bench's split)
+            expert = self._expert_over(buf)  # crc checked by its last reader
+        except BaseException:  # a failed read (or Ctrl-C while waiting, or while the expert is made): the buffer
+            for f in fut:  # leaves the cache, its views too (and its parts not started are dropped)
                 f.cancel()
             self.views_of_buf.pop(id(buf), None)
             self.orphans.add(id(buf))
             raise
-        self.read_wait_s += time.perf_counter() - t0  # the decoding thread stalled on the disk (the bench's split)
-        self.entries[key] = self._expert_over(buf)  # crc checked by its last reader
+        self.entries[key] = expert
         self._touch(key)
         return prefetch
 

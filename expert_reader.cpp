@@ -323,8 +323,10 @@ bool blob_done(int64_t ticket) {
 // buffered], status 0 ok, 1 crc mismatch, 2 short read (end of file), 3 an OS error (errno), 4 cancelled (blob_cancel);
 // buffered 1 when O_DIRECT failed and a part was read through the page cache instead. With timeout_ms >= 0, at most
 // that long: [-1, 0, 0, 0] (the ticket kept) if it has not landed, so the caller sees a Ctrl-C between waits (one
-// wait for a read queued behind many took them all).
-std::vector<int64_t> blob_wait(int64_t ticket, int64_t timeout_ms) {
+// wait for a read queued behind many took them all). forget=false keeps the ticket even once landed: a Ctrl-C is
+// raised as the op returns, which lost the status of a read that landed in that wait (the caller then forgets it
+// with a wait that returns at once).
+std::vector<int64_t> blob_wait(int64_t ticket, int64_t timeout_ms, bool forget) {
   std::unique_lock<std::mutex> lock(state->done_mu);
   auto b = ticket_blob(ticket);
   auto landed = [&] { return b->status != PENDING; };
@@ -332,7 +334,7 @@ std::vector<int64_t> blob_wait(int64_t ticket, int64_t timeout_ms) {
     state->done_cv.wait(lock, landed);
   else if (!state->done_cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), landed))
     return {PENDING, 0, 0, 0};
-  state->tickets.erase(ticket);
+  if (forget) state->tickets.erase(ticket);
   return {b->status, b->first_errno.load(), b->landed.load(), b->buffered.load() ? 1 : 0};
 }
 
@@ -399,7 +401,7 @@ TORCH_LIBRARY_FRAGMENT(picaflor_int4, m) {
   m.def("blob_read(int ticket, int pool, int direct_fd, int fd, int offset, int addr, int nbytes, int n_parts, "
         "int align, int expected_crc, int n_threads) -> ()", &blob_read);
   m.def("blob_done(int ticket) -> bool", &blob_done);
-  m.def("blob_wait(int ticket, int timeout_ms=-1) -> int[]", &blob_wait);
+  m.def("blob_wait(int ticket, int timeout_ms=-1, bool forget=True) -> int[]", &blob_wait);
   m.def("blob_cancel(int ticket) -> ()", &blob_cancel);
   m.def("reader_stats() -> int[]", &reader_stats);
   m.def("reader_delay_us(int pool, int us) -> ()", &reader_delay_us);

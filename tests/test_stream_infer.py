@@ -2893,3 +2893,190 @@ def test_vs_llamacpp_records_whether_its_page_cache_drop_worked(tmp_path, monkey
     monkeypatch.setattr(B, "page_cache_resident_bytes", lambda p: 1 << 20)  # as on a tmpfs: every page stayed
     res = V.run_llama(args, None, "mmap")
     assert res["page_cache_resident_after_drop_bytes"] == 1 << 20 and res["page_cache_dropped"] is False, res
+
+
+class CtrlCAsBlobReadReturns:
+    """expert_reader's ops, but the first blob_read raises KeyboardInterrupt after it queued its parts (a SIGINT that
+    arrived during the op is raised as it returns to Python), or with before=True before it queued anything."""
+
+    def __init__(self, ops, before=False):
+        self.ops, self.armed, self.before = ops, True, before
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def blob_read(self, *a):
+        if not self.before:
+            self.ops.blob_read(*a)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        if self.before:
+            self.ops.blob_read(*a)
+
+
+def test_ctrl_c_as_a_native_read_is_queued_keeps_its_buffer_until_it_lands(tiny):
+    """NativeRead took any exception out of blob_read for 'nothing was queued' and let go of its buffer: a Ctrl-C
+    raised as the op returned (the parts queued) put the buffer back while the readers still wrote into it, so
+    the next miss read another expert into it and the late parts overwrote it after its crc passed (chat.py goes
+    on after a Ctrl-C)."""
+    import mmap
+    m, path = tiny
+    ops = kernels.native_reader()
+    assert ops is not None, "expert_reader.cpp did not build: install g++ and ninja"
+    cont = C.load_container(path)
+    EC.NativeRead(cont, (1, 0), mmap.mmap(-1, cont.expert_nbytes), 0, 8, ops).result()  # 8 demand readers
+    eng = S.load(path, prefetch=False, preload=False)
+    c = eng.cache
+    c.budget = 2 * c.nbytes
+    x = torch.randn(1, eng.cfg.d_model)
+    c.reader_ops = CtrlCAsBlobReadReturns(ops)
+    ops.reader_delay_us(0, 400_000)  # a slow disk for the interrupted read's parts
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            c.get((1, 0), set())
+        time.sleep(0.1)  # its parts are being read
+        ops.reader_delay_us(0, 0)
+        got = c.get((1, 1), set())  # on the other readers, into a buffer nobody writes into
+        time.sleep(0.6)  # the interrupted read has landed by now, wherever it went
+    finally:
+        ops.reader_delay_us(0, 0)
+    assert torch.equal(got(x), S.Expert(cont, cont.read_expert_blob(1, 1), eng.kernel)(x))
+    assert not EC._READS_IN_FLIGHT and c.used <= c.budget
+    assert torch.equal(c.get((1, 0), set())(x), S.Expert(cont, cont.read_expert_blob(1, 0), eng.kernel)(x))
+    c.reader_ops = CtrlCAsBlobReadReturns(ops, before=True)  # nothing queued: no wait for it hangs
+    with pytest.raises(KeyboardInterrupt):
+        c.get((1, 2), set())
+    assert not EC._READS_IN_FLIGHT and c.used <= c.budget
+    assert torch.equal(c.get((1, 2), set())(x), S.Expert(cont, cont.read_expert_blob(1, 2), eng.kernel)(x))
+
+
+def test_ctrl_c_while_a_landed_read_becomes_an_expert_leaves_no_buffer_outside_the_count(tiny):
+    """_finish's cleanup covered only the wait: a Ctrl-C (or any error) while the landed buffer was made an expert
+    (make_expert: ~0.1 ms of Python on the fallback kernels) left the buffer held by its views record for good, in
+    no count (3.5 MB per Ctrl-C for the rest of a chat session, outside the budget)."""
+    m, path = tiny
+    eng = S.load(path, prefetch=False, preload=False)
+    c = eng.cache
+    assert c.reuse_views
+    c.budget = 2 * c.nbytes
+    c.get((1, 0), set())
+    c.get((1, 1), set())
+    real = c.make_expert
+
+    def interrupted(buf, views):
+        raise KeyboardInterrupt
+    c.make_expert = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        c.get((1, 2), set())  # evicts (1, 0), reads into its buffer, then Ctrl-C
+    c.make_expert = real
+    counted = {id(e.buf) for e in c.entries.values()} | {id(b) for b in c.free_bufs}
+    assert set(c.views_of_buf) <= counted, "a buffer held outside the cache's count"
+    x = torch.randn(1, eng.cfg.d_model)
+    cont = C.load_container(path)
+    assert torch.equal(c.get((1, 2), set())(x), S.Expert(cont, cont.read_expert_blob(1, 2), eng.kernel)(x))
+    assert c.used <= c.budget and len(c.views_of_buf) * c.nbytes <= c.used
+
+
+def test_ctrl_c_while_a_miss_waits_for_a_guess_keeps_the_guess_counted(tiny):
+    """A miss with no room but a guess's buffer waits for that guess's read (_drop_guess): the guess left the
+    cache's books before the wait, so a Ctrl-C there (the decoding thread waits on the disk: where a Ctrl-C lands)
+    left its buffer held by its views record in no count, for good (outside the budget)."""
+    import _thread
+    import threading
+    m, path = tiny
+    eng = S.load(path, prefetch=False, preload=False)
+    c, ops = eng.cache, kernels.native_reader()
+    assert c.native_reads, "expert_reader.cpp did not build: install g++ and ninja"
+    c.budget = 4 * c.nbytes
+    c.set_slots(2)
+    for e in range(4):
+        c.get((1, e), set())
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a handler an earlier test left)
+    ops.reader_delay_us(1, 1_000_000)  # a slow guess
+    try:
+        c.guess([(2, 0)], set())  # its buffer: (1, 0)'s, evicted for the slot
+        assert list(c.guesses) == [(2, 0)] and (1, 0) not in c.entries
+        threading.Timer(0.2, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            c.get((1, 4), {(1, 1), (1, 2), (1, 3), (1, 4)})  # room only in the guess's buffer: waits for it
+    finally:
+        ops.reader_delay_us(1, 0)
+        signal.signal(signal.SIGINT, previous)
+    counted = ({id(e.buf) for e in c.entries.values()} | {id(b) for b in c.free_bufs + c.slot_bufs}
+               | {id(buf) for _, buf in c.guesses.values()} | {id(buf) for *_, buf in c.inflight.values()})
+    assert set(c.views_of_buf) <= counted, "a buffer held outside the cache's count"
+    c.cancel()  # what the engine does on Ctrl-C; then the cache goes on
+    x = torch.randn(1, eng.cfg.d_model)
+    cont = C.load_container(path)
+    assert torch.equal(c.get((1, 4), set())(x), S.Expert(cont, cont.read_expert_blob(1, 4), eng.kernel)(x))
+    assert c.used <= c.budget and len(c.views_of_buf) * c.nbytes <= c.used
+
+
+def test_ctrl_c_mid_eviction_leaves_no_buffer_outside_the_count(tiny):
+    """_evict takes the entry out before it checks who holds the expert's tensors (Python: a Ctrl-C is raised there
+    too): a Ctrl-C then left the buffer held by its views record in no count, for good."""
+    m, path = tiny
+    eng = S.load(path, prefetch=False, preload=False)
+    c = eng.cache
+    assert c.reuse_views
+    c.budget = 2 * c.nbytes
+    c.get((1, 0), set())
+    c.get((1, 1), set())
+
+    def interrupted(rec):
+        raise KeyboardInterrupt
+    c._view_refs = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        c.get((1, 2), set())  # evicts (1, 0)
+    del c._view_refs
+    counted = {id(e.buf) for e in c.entries.values()} | {id(b) for b in c.free_bufs}
+    assert set(c.views_of_buf) <= counted, "a buffer held outside the cache's count"
+    x = torch.randn(1, eng.cfg.d_model)
+    cont = C.load_container(path)
+    assert torch.equal(c.get((1, 2), set())(x), S.Expert(cont, cont.read_expert_blob(1, 2), eng.kernel)(x))
+    assert c.used <= c.budget and len(c.views_of_buf) * c.nbytes <= c.used
+
+
+class CtrlCAsBlobWaitLands:
+    """expert_reader's ops, but the first blob_wait that returns a landed read raises KeyboardInterrupt as it returns:
+    a SIGINT that arrived while the decoding thread waited (a native wait is not interrupted: the signal is raised
+    when the op returns, so in the wait's last slice whenever the read lands within one)."""
+
+    def __init__(self, ops):
+        self.ops, self.armed = ops, True
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def blob_wait(self, *a):
+        got = self.ops.blob_wait(*a)
+        if self.armed and got[0] != -1:
+            self.armed = False
+            raise KeyboardInterrupt
+        return got
+
+
+def test_ctrl_c_raised_as_a_native_wait_returns_loses_no_read(tiny):
+    """blob_wait forgot a ticket when it returned its landed status: a Ctrl-C raised as it returned lost the status,
+    and the guess it was waited for (settle) stayed in the cache with a ticket the readers no longer knew: the next
+    token's guess() asked whether it was done and raised 'blob_wait: unknown ticket'."""
+    m, path = tiny
+    ops = kernels.native_reader()
+    assert ops is not None, "expert_reader.cpp did not build: install g++ and ninja"
+    eng = S.load(path, prefetch=False, preload=False)
+    c = eng.cache
+    c.budget = 8 * c.nbytes
+    c.set_slots(2)
+    c.reader_ops = CtrlCAsBlobWaitLands(ops)
+    c.guess([(2, 0), (2, 1)], set())
+    with pytest.raises(KeyboardInterrupt):
+        c.settle()  # Ctrl-C while it waits for the guesses
+    c.guess([(3, 0)], set())  # the next token's guess: replaces a landed one
+    c.settle()
+    x = torch.randn(1, eng.cfg.d_model)
+    cont = C.load_container(path)
+    for key in list(c.guesses) + [(2, 0)]:
+        assert torch.equal(c.get(key, {key})(x), S.Expert(cont, cont.read_expert_blob(*key), eng.kernel)(x)), key
+    c.settle()
+    assert not EC._READS_IN_FLIGHT and c.used <= c.budget
