@@ -1033,6 +1033,9 @@ def main(argv):
     log(f"model: {n_params / 1e6:.1f}M params, {model.active_params() / 1e6:.1f}M active per token; memory plan per "
         f"process: " + ", ".join(f"{k} {fmt_size(v)}" for k, v in parts.items()) + f" = {fmt_size(need)}"
         + (f" of {fmt_size(have)}" if have else ""))
+    if device_type != "cuda" and ptdtype != torch.float32:  # (a bfloat16 config on a CPU trained fp32 without a word)
+        log(f"dtype {cfg['dtype']}: autocast runs on CUDA only; this {device_type} run computes in float32 "
+            f"(--dtype=float32 says so)")
     if have and need > 0.95 * have:
         raise TrainError(f"memory plan {fmt_size(need)} exceeds the {fmt_size(have)} of {device}: lower batch_size "
                          f"(activations {fmt_size(parts['activations'])}) and raise grad_accum, shorten seq_len, or "

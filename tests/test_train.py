@@ -80,7 +80,9 @@ def three_steps(data_root, tmp_path_factory):
 def test_loss_falls(data_root, tmp_path):
     out = str(tmp_path / "run")
     r = run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=60", "--warmup_iters=5",
-                    "--eval_interval=30", "--learning_rate=1e-2"])
+                    "--eval_interval=30", "--learning_rate=1e-2", "--dtype=bfloat16"])
+    # bfloat16 is autocast on CUDA only: a CPU run computes in float32, and says so (it did not)
+    assert "dtype bfloat16: autocast runs on CUDA only; this cpu run computes in float32" in r.stdout, r.stdout[:3000]
     # tiny's memory plan read "params 0.0 GiB, grads 0.0 GiB, adamw 0.0 GiB": below a GiB it is in MiB
     plan = next(ln for ln in r.stdout.splitlines() if "memory plan per process" in ln)
     assert "0.0 GiB" not in plan and " MiB" in plan, plan
