@@ -26,7 +26,8 @@ Loss masks (chat corpora, data/smoltalk/prepare.py): index.json "loss_mask": tru
 "mask_sha256". TokenStream.next_batch then sets y = -1 wherever the target token's mask is 0, so train.py's
 cross_entropy(ignore_index=-1) trains on assistant tokens only with no change. "row_tokens": R says the shards
 are made of rows of exactly R tokens (conversations never cross a row): batches of seq_len R (or a multiple)
-read whole rows; another seq_len still works but cuts conversations at window edges (warned once).
+read whole rows; another seq_len still works but cuts conversations at window edges (warned once), and a batch of
+seq_len R (or a multiple) that finds the position mid-row (left so by another seq_len) starts at the next row (warned).
 
 TokenStream position is {"shard": i, "offset": o, "epoch": e} in tokens (i indexes the split's shard list
 in index.json), so changing batch_size or seq_len keeps it exact.
@@ -911,11 +912,21 @@ class TokenStream:
 
     def next_batch(self, batch_size, seq_len, rank=0, world_size=1, device=None):
         """(x, y) int64 (B, T). Global row j is stream[p + j*T : p + j*T + T + 1] (x its first T, y its last T);
-        rank r takes rows r*B .. r*B+B-1. The call consumes world_size*B*T tokens on every rank."""
+        rank r takes rows r*B .. r*B+B-1. The call consumes world_size*B*T tokens on every rank (a chat corpus's
+        rows: and the rest of a row the position was left in the middle of, when T is a multiple of row_tokens)."""
         import torch
 
         B, T = batch_size, seq_len
-        shard, offset, _ = self._advance(self._shard, self._offset, 0, rank * B * T)
+        start = (self._shard, self._offset, self._epoch)
+        R = self.row_tokens
+        if R and T % R == 0 and self._offset % R:  # (shards hold whole rows: a row starts at offset % R == 0)
+            # mid-row, left by an earlier seq_len that cut rows: every window went on cutting conversations, unsaid
+            skip = R - self._offset % R
+            print(f"WARNING: {self.corpus_dir} {self.split}: the data position {self.position} is mid-row (an earlier "
+                  f"seq_len was not a multiple of the {R}-token rows): {skip} tokens skipped to the next row start, so "
+                  f"windows hold whole conversations again", file=sys.stderr)
+            start = self._advance(*start, skip)
+        shard, offset, _ = self._advance(start[0], start[1], 0, rank * B * T)
         masks = np.empty(B * T + 1, dtype=np.uint8) if self.has_mask else None
         span = torch.from_numpy(self._read(shard, offset, B * T + 1, masks))
         x, y = span[:-1].view(B, T), span[1:].view(B, T)
@@ -926,8 +937,7 @@ class TokenStream:
                 print(f"WARNING: {self.corpus_dir} packs conversations in rows of {self.row_tokens} tokens but batches "
                       f"use seq_len {T}: conversations get cut at window edges; set seq_len = {self.row_tokens}",
                       file=sys.stderr)
-        self._shard, self._offset, self._epoch = self._advance(self._shard, self._offset, self._epoch,
-                                                               world_size * B * T)
+        self._shard, self._offset, self._epoch = self._advance(*start, world_size * B * T)
         if device is not None and str(device).startswith("cuda"):
             x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         elif device is not None:

@@ -1193,11 +1193,22 @@ def main(argv):
                                  f"checkpoint is intact; free space and resume", EXIT_DISK)
             raise
 
+    # which val shards the val loss reads: a quarantined one (the guardian's, or by hand), another val corpus (a
+    # --replan) or a val split prepared again measure another val set
+    val_shards = [val_corpus, val_stream.split_sha, sorted(set(skip_of[val_corpus]) & {
+        e["file"] for e in val_stream.entries})] if val_stream is not None else None
+
     def val_set():
-        """[rows, seq_len] the val loss is measured on now: another one (batch_size, eval_iters, a stage's seq_len)
-        gives a val loss not comparable with the best's."""
+        """[rows, seq_len, [corpus, split_sha, quarantined val shards]] the val loss is measured on now: another one
+        (batch_size, eval_iters, a stage's seq_len, the val shards read) gives a val loss not comparable with the
+        best's."""
         return [cfg["eval_iters"] * cfg["batch_size"],
-                st["plan"][min(stage_at(st["plan"], st["tokens"])[0], len(st["plan"]) - 1)]["seq_len"]]
+                st["plan"][min(stage_at(st["plan"], st["tokens"])[0], len(st["plan"]) - 1)]["seq_len"], val_shards]
+
+    def same_val_set(saved):
+        """Whether the best's val set is the one measured now (a checkpoint from before the shards were recorded:
+        its rows and seq_len, as it was compared then; its best did not restart on the upgrade)."""
+        return saved is not None and saved == val_set()[:len(saved)] and len(saved) >= 2
 
     @torch.no_grad()
     def evaluate():
@@ -1395,11 +1406,13 @@ def main(argv):
                 + f" | load cv {rec['load_cv'] if rec['load_cv'] is None else round(rec['load_cv'], 3)}"
                 + f" | ETA {fmt_time(eta)} | ${st['usd_spent']:.2f}")
             window_load, window_loss, window_t, window_tokens = None, [], time.time(), 0
-        if val_loss is not None and math.isfinite(val_loss) and st.get("best_val_set") != val_set():
+        if val_loss is not None and math.isfinite(val_loss) and not same_val_set(st.get("best_val_set")):
             if st["best_val_loss"] is not None:  # BEST would name a step measured on other rows
-                log(f"val set changed ({st.get('best_val_set') or 'unrecorded'} -> {val_set()} rows, seq_len): best "
-                    f"val loss {st['best_val_loss']:.4f} (step {st.get('best_step')}) is not comparable; the best "
-                    f"restarts")
+                was, now = st.get("best_val_set") or [], val_set()
+                said = f"{was[:2] or 'unrecorded'} -> {now[:2]} rows, seq_len" + (
+                    f"; val shards {(was[2:3] or ['unrecorded'])[0]} -> {now[2]}" if was[2:3] != now[2:3] else "")
+                log(f"val set changed ({said}): best val loss {st['best_val_loss']:.4f} (step {st.get('best_step')}) "
+                    f"is not comparable; the best restarts")
             st["best_val_loss"] = None
         best = (val_loss is not None and math.isfinite(val_loss)  # (a NaN first val loss stuck as the best)
                 and (st["best_val_loss"] is None or val_loss < st["best_val_loss"]))

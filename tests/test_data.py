@@ -1011,3 +1011,52 @@ def test_smoltalk_prepare_shows_progress_on_a_terminal(tok, tmp_path):
     os.close(master)
     assert p.wait(timeout=60) == 0, seen[-2000:]
     assert b"train conversations" in seen and b"val conversations" in seen, seen[-2000:]
+
+
+def make_chat_corpus(d, tok, n_rows, row, rows_per_shard, seed=0):
+    """A loss-masked corpus of whole rows of `row` tokens, each starting with <|bos|> (as data/smoltalk/prepare.py
+    packs them); returns the concatenated stream."""
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    w = shards.ShardWriter(d, "train", rows_per_shard * row, lambda refs: {}, with_mask=True)
+    parts = []
+    for i in range(n_rows):
+        t = rng.integers(1, tok.bos_id, row).astype(np.uint16)
+        t[0] = tok.bos_id
+        w.add(t, i, (t != tok.bos_id).astype(np.uint8))
+        parts.append(t)
+    tok.save(d / "tokenizer.json")
+    shards.write_index(d, {"version": 1, "tokenizer": "tokenizer.json", "tokenizer_sha256": tok.hash,
+                           "vocab_size": tok.vocab_size, "source": {}, "loss_mask": True, "row_tokens": row,
+                           "splits": {"train": w.close()}})
+    return np.concatenate(parts)
+
+
+def test_a_chat_stream_left_mid_row_by_another_seq_len_reads_whole_rows_again_at_the_rows_seq_len(tok, tmp_path,
+                                                                                                    capsys):
+    """A run at a seq_len that is not the corpus's row length (warned: conversations cut) left the position mid-row;
+    resumed with seq_len = row_tokens, as the warning says, every window went on starting mid-row (each conversation
+    cut at its window's edge for the rest of the run) without a word. The stream moves on to the next row start."""
+    R = 16
+    ref = make_chat_corpus(tmp_path / "c", tok, 40, R, 7)
+    s = shards.TokenStream(tmp_path / "c")
+    s.next_batch(3, 12)  # 36 tokens: mid-row
+    assert "conversations get cut" in capsys.readouterr().err
+    pos = dict(s.position)
+    for world in (1, 2):  # a fresh process at the saved position, one or two ranks
+        ranks = [shards.TokenStream(tmp_path / "c") for _ in range(world)]
+        for r in ranks:
+            r.set_position(pos)
+        for _ in range(6):  # across shard ends (7 rows a shard) and the wrap
+            for rank, r in enumerate(ranks):
+                x, y = r.next_batch(2, 2 * R, rank, world)
+                assert (x[:, ::R] == tok.bos_id).all(), (world, r.position)  # every window whole rows
+        assert len({str(r.position) for r in ranks}) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()  # once a stream (three here), each line naming what it skipped: 36 -> 48
+    assert len(lines) == 3 and all("mid-row" in ln and "12 tokens skipped" in ln for ln in lines), err
+    # one row past where it stood, then whole windows: nothing else skipped or read twice
+    s = shards.TokenStream(tmp_path / "c")
+    s.set_position(pos)
+    x, _ = s.next_batch(1, R)
+    assert (x.numpy().ravel() == ref[48:48 + R]).all() and s.position == {"shard": 0, "offset": 48 + R, "epoch": 0}
