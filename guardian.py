@@ -11,10 +11,12 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   quarantine it (skipped with a loud warning, counted in metrics) if it cannot be re-fetched or the crash
   repeats at the same place; then restart.
 - storage denied (4), out of disk (6), non-finite loss (7), config or checkpoint errors (1, 2): restarting cannot
-  help; stop with a report naming the cause. storage unreachable (5), from the trainer or while re-fetching or
-  verifying a shard (a mount that dropped; never quarantined for it): retry with backoff (unreachable_backoff_s x 2,
-  4, 8, ..., at most 60 s apart, each try said) until one outage's waits would pass unreachable_give_up_s (30 min),
-  then stop; a shard's read failing otherwise (EIO: the disk itself) stops at once with 5, naming the file.
+  help; stop with a report naming the cause (an exit 1 while another trainer holds out_dir's lock, a killed
+  guardian's still saving: wait for it to exit, then restart). storage unreachable (5), from the trainer or while
+  re-fetching or verifying a shard (a mount that dropped; never quarantined for it): retry with backoff
+  (unreachable_backoff_s x 2, 4, 8, ..., at most 60 s apart, each try said) until one outage's waits would pass
+  unreachable_give_up_s (30 min), then stop; a shard's read failing otherwise (EIO: the disk itself) stops at once
+  with 5, naming the file.
 - a quarantined shard whose files changed since (replaced, or the corpus prepared again) and now verify against
   index.json, or that index.json no longer lists, is released before the next start, in one loud line (one that
   verified when quarantined is released only when index.json's hashes for it changed: the same bytes crash again).
@@ -147,6 +149,11 @@ class Guardian:
         self.woken = threading.Event()  # set by a signal: cuts a backoff or a re-fetch wait short
         self.unrepaired = []  # (corpus dir, problem) the last on_stuck verify left
         self.n_started, self.first_step, self.t_first = 0, None, None  # this invocation's first start
+        # a rollback's old timeline (out_dir's steps past the one gone back to) until a start sets it aside: a first
+        # start that died before (storage unreachable mid-verify) had its restart resume the old timeline's newest
+        m = self.rollback() and checkpoint.STEP_RE.match(os.path.basename(os.path.normpath(self.cfg["resume_from"])))
+        self.old_timeline = {p: sig for s, p in checkpoint.list_checkpoints(self.out)
+                             if m and s > int(m.group(1)) and (sig := files_signature(p)) is not None}
 
     def save(self):
         """A log that cannot be written (a full disk) warns and supervision goes on: the trainer meets the same disk
@@ -376,7 +383,7 @@ class Guardian:
         (steps by the newest checkpoint, so steps lost in a crash are trained again)."""
         left = {}
         if self.cfg["stop_after_steps"] >= 0:
-            done = (latest_step(self.out) or 0) - (self.first_step or 0)
+            done = (self.newest_step() or 0) - (self.first_step or 0)
             left["stop_after_steps"] = self.cfg["stop_after_steps"] - done
         if self.cfg["stop_after_hours"] >= 0:
             # to the 6 decimals child_argv passes (3.6 ms): a few ms left would otherwise start a trainer for nothing
@@ -390,13 +397,22 @@ class Guardian:
         rf = self.cfg["resume_from"]
         return self.cfg["init_from"] == "resume" and bool(rf) and checkpoint.in_run_dir(rf, self.out)
 
+    def rollback_pending(self):
+        """Whether the rollback asked for still has its old timeline in out_dir (no start has set it aside yet)."""
+        return any(files_signature(p) == sig for p, sig in self.old_timeline.items() if os.path.isdir(p))
+
+    def newest_step(self):
+        """out_dir's newest checkpoint step, or, while a rollback is pending, the step it goes back to."""
+        return self.first_step if self.rollback_pending() else latest_step(self.out)
+
     def child_argv(self, left=None, first=False):
         """first: this invocation's first start, which honours an explicit --resume_from; every other start resumes
-        the run's own newest checkpoint (after a rollback, the new timeline's: train.py set the later ones aside)."""
+        the run's own newest checkpoint (after a rollback, the new timeline's: train.py set the later ones aside; until
+        a start has, the rollback again)."""
         args = list(self.argv)
         for k, v in (left or {}).items():  # after the invocation's own: the later value wins
             args.append(f"--{k}={v}" if k == "stop_after_steps" else f"--{k}={v:.6f}")
-        if latest_step(self.out) is not None and not (first and self.rollback()):
+        if latest_step(self.out) is not None and not ((first or self.rollback_pending()) and self.rollback()):
             args += ["--init_from=resume", "--resume_from="]
         mine = {x["shard"] for x in self.log["quarantined"]}
         q = sorted(set(self.cfg["quarantine_shards"]) | mine)
@@ -449,7 +465,7 @@ class Guardian:
                 self.save()
                 self.say(f"stopped by {self.stopping} between starts")
                 return 0
-            before = latest_step(self.out)
+            before = latest_step(self.out) if self.n_started == 0 else self.newest_step()
             t0 = time.time()
             left = None
             if self.n_started == 0:
@@ -493,7 +509,7 @@ class Guardian:
             rc, killed = self.wait_child()
             for t in pumps:  # (a grandchild holding a pipe open does not hold the guardian)
                 t.join(5)
-            after = latest_step(self.out)
+            after = self.newest_step()  # (a rollback not yet done: its old timeline's newest is no progress)
             rep_name, rep = newest_crash_report(self.out, t0)
             cause = "ok" if rc == 0 else killed or (train.CAUSES.get(rc) or NO_RESTART.get(rc) or
                                                     (killed_by(-rc) if rc < 0 else f"exit {rc}"))
@@ -519,7 +535,10 @@ class Guardian:
                                  f"stopped by {self.stopping}, but the trainer ended with {cause}, not a checkpoint: "
                                  f"the newest is step {after if after is not None else 'none'} and the steps after it "
                                  f"are lost", status=f"stopped ({self.stopping}), trainer {cause}")
-            if rc in NO_RESTART:
+            if rc == train.EXIT_ERROR and self.wait_for_lock_holder():
+                if self.stopping:  # (while waiting: the loop's top says it stopped, and starts none)
+                    continue  # else locked out, not a fault of the run: restarted (a start with no new checkpoint)
+            elif rc in NO_RESTART:
                 return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
                                      f"restarting cannot fix this")
             progressed = after is not None and (before is None or after > before)
@@ -583,6 +602,19 @@ class Guardian:
                 self.save()
             if not self.stopping:
                 self.say("restarting")
+
+    def wait_for_lock_holder(self):
+        """Whether another trainer holds out_dir's lock (a killed guardian's, still writing and mirroring its SIGTERM
+        checkpoint past lock_wait_s: this start exited 1, and supervision stopped for good); if so, wait until it is
+        out (or a stop signal comes)."""
+        holder = rundir.lock_holder(self.out)
+        if holder is None:
+            return False
+        self.say(f"the trainer was locked out: another trainer (pid {holder}) holds {self.out}; restarting once it "
+                 f"exits")
+        while rundir.lock_holder(self.out) is not None and not self.wait(1.0):
+            pass
+        return True
 
     def wait_child(self):
         """(exit code, cause if the guardian killed it). After a stop signal the trainer has stop_grace_s to save and

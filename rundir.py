@@ -2,6 +2,7 @@
 from (a rollback's or a corrupt step's later steps set aside, a mirror copy of the very checkpoint brought back),
 which checkpoints are kept (retention), and the copy of logs and the newest checkpoint kept elsewhere (mirror_dir).
 Used by train.py (rank 0) and guardian.py; errors are RunDirError, one line each."""
+import errno
 import json
 import os
 import re
@@ -263,11 +264,10 @@ def hold_run_lock(out_dir, wait_s, log, who="trainer"):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f".{who}.lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    deadline, said = time.monotonic() + wait_s, False
+    deadline, said, reopened = time.monotonic() + wait_s, False, 0
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             if time.monotonic() >= deadline:
@@ -279,9 +279,21 @@ def hold_run_lock(out_dir, wait_s, log, who="trainer"):
                 log(f"waiting up to {wait_s:g} s for the {who} holding {path} (pid {holder}) to exit")
                 said = True
             time.sleep(0.5)
+            continue
         except OSError as e:  # a filesystem without locks (some network mounts): as before, unguarded
             log(f"WARNING: {path}: cannot lock ({e.strerror}); make sure only one trainer writes {out_dir}")
             return fd
+        try:  # the file locked is still the one at path (a refused start's undo_fresh_run_dir deletes it)
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same or reopened >= 3:  # (a filesystem whose inode numbers are not stable: taken after a few tries)
+            break
+        # a deleted lock file: holding it, a next trainer created a new one and held that too
+        os.close(fd)
+        reopened += 1
+        os.makedirs(out_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
@@ -324,6 +336,16 @@ def copy_ticking(tick):
     return copy
 
 
+def fsync_dir_if_it_can(path):
+    """checkpoint.fsync_dir on a mirror, whose mount may refuse a directory's fsync (EINVAL on some network
+    filesystems): that is no failed copy."""
+    try:
+        checkpoint.fsync_dir(path)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+
+
 def mirror(out_dir, dest, checkpoints=True, keep=1, tick=None):
     """Copy logs (and the newest checkpoint, atomically) to dest, so they outlive the machine's disk; retention
     as in out_dir (keep_last). A failure (a bucket mount's hiccup, a full mirror disk) warns and training goes on:
@@ -346,9 +368,21 @@ def mirror(out_dir, dest, checkpoints=True, keep=1, tick=None):
                 tmp = os.path.join(dest, ".tmp-" + os.path.basename(newest))
                 try:
                     shutil.copytree(newest, tmp, copy_function=copy_ticking(tick) if tick else shutil.copy2)
+                    # on disk before it replaces the old copy (a power loss left the mirror with no valid step)
+                    for root, _, names in os.walk(tmp):  # (read-only fds: copy2 keeps a read-only file's mode)
+                        for name in names:
+                            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                            try:
+                                os.fsync(fd)
+                            finally:
+                                os.close(fd)
+                            if tick:  # (GBs flushed to a slow mount are no hang)
+                                tick()
+                        fsync_dir_if_it_can(root)
                     if os.path.exists(there):  # the old copy goes only once the new one is in place
                         os.replace(there, os.path.join(dest, f".trash-{os.path.basename(there)}"))
                     os.replace(tmp, there)
+                    fsync_dir_if_it_can(dest)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                     shutil.rmtree(os.path.join(dest, f".trash-{os.path.basename(there)}"), ignore_errors=True)

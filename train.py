@@ -526,9 +526,7 @@ def undo_fresh_run_dir():
     names = os.listdir(out)
     if not all(n == ".trainer.lock" or (n.startswith("crash-") and n.endswith(".json")) for n in names):
         return
-    if _RUN_INFO.get("lock") is not None:
-        os.close(_RUN_INFO.pop("lock"))
-    try:
+    try:  # the lock file goes while still held: a trainer waiting on it then sees it deleted and makes its own
         for n in names:
             os.remove(os.path.join(out, n))
         out = os.path.abspath(out)
@@ -539,6 +537,9 @@ def undo_fresh_run_dir():
             out = os.path.dirname(out)
     except OSError:
         pass  # (another process wrote there meanwhile: it stays)
+    finally:
+        if _RUN_INFO.get("lock") is not None:
+            os.close(_RUN_INFO.pop("lock"))
 
 
 # -----------------------------------------------------------------------------------------------------------

@@ -626,6 +626,56 @@ def test_the_guardians_first_start_rolls_back_only_within_its_run(tmp_path):
     assert "--resume_from=" in g.child_argv(first=False)  # a restart: the new timeline's newest
 
 
+def test_a_rollback_whose_first_start_died_before_setting_aside_is_not_dropped_by_the_restart(tmp_path):
+    """A supervised rollback (--resume_from=RUN/step_4 with step_8 in RUN) whose first start ended before train.py
+    set step_8 aside (storage unreachable while it verified step_4, exit 5): the restart resumed the old timeline's
+    newest, step_8, silently undoing the rollback; with stop_after_steps=2 the leg was even taken for done."""
+    import guardian
+    out = tmp_path / "run"
+    for step in (4, 8):
+        checkpoint.save(str(out), step, {"state.json": lambda p, s=step: json.dump({"step": s}, open(p, "w"))})
+    target = str(out / "step_0000004")
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}", "--init_from=resume", f"--resume_from={target}",
+                           "--stop_after_steps=2"])
+    g.n_started, g.first_step, g.t_first = 1, 4, time.time()  # the first start died before its set-aside
+    argv = g.child_argv(g.leg_left(), first=False)
+    assert [a for a in argv if a.startswith("--resume_from")][-1] == f"--resume_from={target}", argv  # again
+    assert g.leg_left() == {"stop_after_steps": 2}
+    os.makedirs(out / "abandoned" / "x")
+    os.replace(out / "step_0000008", out / "abandoned" / "x" / "step_0000008")  # a start set the old timeline aside
+    checkpoint.save(str(out), 5, {"state.json": lambda p: json.dump({"step": 5}, open(p, "w"))})
+    argv = g.child_argv(g.leg_left(), first=False)
+    assert [a for a in argv if a.startswith("--resume_from")][-1] == "--resume_from=", argv  # the new timeline's
+    assert g.leg_left() == {"stop_after_steps": 1}
+
+
+def test_a_trainer_locked_out_by_a_killed_guardians_trainer_is_restarted_once_that_one_exits(tmp_path):
+    """A guardian relaunched after a kill: its trainer waited lock_wait_s for the killed guardian's trainer, still
+    writing (and mirroring) its SIGTERM checkpoint, then exited 1, and the guardian stopped for good ("restarting
+    cannot fix this") though the run was fine once that trainer was out."""
+    import threading
+    import guardian
+    import rundir
+    out = str(tmp_path / "run")
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}"])
+    held = rundir.hold_run_lock(out, 0, lambda m: None)  # the killed guardian's trainer, saving
+    children = []
+
+    def child_argv(left=None, first=False):  # a stand-in trainer: the first is locked out (exit 1), the next trains
+        children.append(1)
+        return [sys.executable, "-c", f"raise SystemExit({1 if len(children) == 1 else 0})"]
+    g.child_argv = child_argv
+    timer = threading.Timer(1.5, lambda: os.close(held))
+    signal_before = signal.getsignal(signal.SIGTERM)
+    try:
+        timer.start()
+        assert g.run() == 0
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, signal_before)
+    assert len(children) == 2
+
+
 def test_sigterm_between_starts_starts_no_trainer(tmp_path):
     """A SIGTERM while no trainer runs (the backoff after unreachable storage, a repair) ends supervision: before,
     the next start ran a whole new trainer (under relay: training on after the lease was gone)."""

@@ -1368,3 +1368,53 @@ def test_a_val_set_changed_by_a_quarantined_val_shard_restarts_the_best(tmp_path
     st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
     assert "val set changed" in r.stdout + r.stderr and st["best_step"] == 2, r.stdout[-2000:]
     assert st["best_val_set"][:2] == first["best_val_set"][:2]  # the same rows and seq_len: the shards differ
+
+
+def test_a_lock_file_deleted_under_a_waiting_trainer_is_not_held_twice(tmp_path, monkeypatch):
+    """A refused fresh start removes the out_dir it made, lock file and all (undo_fresh_run_dir): a second trainer
+    waiting on that lock file then locked the deleted inode, and a third one created a new lock file and locked it
+    too: two trainers writing one run dir."""
+    import threading
+    import time
+    out = str(tmp_path / "run")
+    monkeypatch.setattr(train, "_RUN_INFO", {"out_dir": out, "out_made_from": os.path.abspath(out)})
+    train._RUN_INFO["lock"] = rundir.hold_run_lock(out, 0, lambda m: None)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(fd=rundir.hold_run_lock(out, 10, lambda m: None)))
+    waiter.start()
+    time.sleep(0.3)  # the waiter has opened the lock file and polls it
+    train.undo_fresh_run_dir()  # the first trainer's start was refused: its lock and run dir go
+    waiter.join(15)
+    assert "fd" in got
+    try:
+        with pytest.raises(rundir.RunLocked):
+            os.close(rundir.hold_run_lock(out, 0, lambda m: None))
+        assert rundir.lock_holder(out) == str(os.getpid())
+    finally:
+        os.close(got["fd"])
+
+
+def test_the_mirror_copy_is_on_disk_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+    """The mirror renamed its copy into place (and deleted the old copy, and retention the older steps) with none of
+    its files fsynced: a power loss then left the mirror, the copy meant to outlive the machine, with no valid step."""
+    out, mirror = str(tmp_path / "run"), str(tmp_path / "mirror")
+    checkpoint.save(out, 4, {"state.json": lambda p: open(p, "w").write(json.dumps({"kind": "periodic", "step": 4})),
+                             "model.safetensors": lambda p: open(p, "wb").write(b"w" * 100)})
+    synced, unsynced_at_rename = set(), []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        synced.add(os.fstat(fd).st_ino)
+        return real_fsync(fd)
+
+    def replace(src, dst, *a, **kw):
+        if os.path.basename(str(dst)) == "step_0000004" and os.path.isdir(src):
+            unsynced_at_rename.extend(n for n in os.listdir(src) if os.stat(os.path.join(src, n)).st_ino not in synced)
+            if os.stat(src).st_ino not in synced:
+                unsynced_at_rename.append("(its directory)")
+        return real_replace(src, dst, *a, **kw)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    assert rundir.mirror(out, mirror, keep=1)
+    assert checkpoint.is_valid(os.path.join(mirror, "step_0000004"))
+    assert unsynced_at_rename == []
