@@ -303,9 +303,15 @@ def push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0)
 # run: claim -> pull -> train a leg (heartbeat thread) -> push -> release
 
 
+def lease_clock():
+    """Seconds, counting time the machine was suspended (CLOCK_BOOTTIME): time.monotonic (CLOCK_MONOTONIC) stops
+    then, and a laptop or VM resumed past the ttl trained on as if renewed while another could claim the baton."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
+
+
 class Heartbeat(threading.Thread):
     """Renews the lease every heartbeat_s. On a fenced renewal, or no successful renewal for ttl - margin seconds
-    (monotonic clock), sets `failed` and calls on_fail() (which stops the trainer); overdue, it keeps renewing until
+    (lease_clock), sets `failed` and calls on_fail() (which stops the trainer); overdue, it keeps renewing until
     stopped (a store back after an outage renews the lease the leg's push needs; it stopped for good). Its clock starts at the lease's
     last renewal (heartbeat_at, written just before that commit), not at this thread's start: a second heartbeat
     (the trainer's, after the pull's) would otherwise grant itself up to heartbeat_s past the TTL."""
@@ -316,7 +322,7 @@ class Heartbeat(threading.Thread):
         self.stop = threading.Event()
         self.failed, self.fenced = None, False  # fenced: someone else's commit landed (else only overdue)
         renewed_age = max(0.0, time.time() - float(lease.relay.get("heartbeat_at") or time.time()))
-        self.last_ok = time.monotonic() - renewed_age
+        self.last_ok = lease_clock() - renewed_age
         self.deadline_s = lease.ttl_s - max(lease.ttl_s / 5, 0.5)  # stop ourselves before anyone may take over
 
     def fail(self, msg):
@@ -325,25 +331,30 @@ class Heartbeat(threading.Thread):
             self.on_fail()
 
     def overdue(self):
-        return time.monotonic() - self.last_ok > self.deadline_s
+        return lease_clock() - self.last_ok > self.deadline_s
 
     def run(self):
-        wait = max(0.0, self.lease.heartbeat_s - (time.monotonic() - self.last_ok))  # the next beat is due then
+        wait = max(0.0, self.lease.heartbeat_s - (lease_clock() - self.last_ok))  # the next beat is due then
         while not self.stop.wait(wait):
             if self.overdue():  # the trainer stops; renewals go on (once the store is back, the push still lands)
-                self.fail(f"lease not renewed for {time.monotonic() - self.last_ok:.0f}s (ttl {self.lease.ttl_s:.0f}s): "
+                self.fail(f"lease not renewed for {lease_clock() - self.last_ok:.0f}s (ttl {self.lease.ttl_s:.0f}s): "
                           f"stopped training before anyone else may take the baton")
-            sent = time.monotonic()  # the renewal counts from its request: its answer may come seconds later
+            sent = lease_clock()
             try:
                 renew(self.store, self.lease)
-                self.last_ok, wait = sent, max(0.0, self.lease.heartbeat_s - (time.monotonic() - sent))
+                # from its request (its answer may come seconds later), or from the first try of it (heartbeat_at):
+                # a retry may find a try of an earlier call or thread landed, whose time the store's clock counts from
+                age = max(0.0, time.time() - float(self.lease.relay.get("heartbeat_at") or time.time()))
+                self.last_ok = min(sent, lease_clock() - age)
+                wait = max(0.0, self.lease.heartbeat_s - (lease_clock() - self.last_ok))
             except Fenced as e:
                 self.fenced = True
                 self.fail(str(e))
                 self.failed = str(e)  # (after an overdue stop: the fence is what the caller must say)
                 return
             except Exception as e:  # anything else too: a dead thread renewed nothing and told no one
-                print(f"relay: heartbeat failed, retrying: {type(e).__name__}: {e}", file=sys.stderr)
+                with contextlib.suppress(OSError):  # a dead pipe or terminal (tee gone) killed the thread, no renewals
+                    print(f"relay: heartbeat failed, retrying: {type(e).__name__}: {e}", file=sys.stderr)
                 wait = max(self.lease.heartbeat_s / 4, 0.1)
 
 
@@ -632,7 +643,7 @@ def cmd_run(args):
                 saved_at = time.time()
                 leg_wall(run_dir, wall_before + saved_at - t0)
             if hb.overdue():  # also covers a heartbeat stuck in a hung request, or this process being paused
-                hb.fail(f"lease not renewed for {time.monotonic() - hb.last_ok:.0f}s (ttl {lease.ttl_s:.0f}s): "
+                hb.fail(f"lease not renewed for {lease_clock() - hb.last_ok:.0f}s (ttl {lease.ttl_s:.0f}s): "
                         f"stopped training before anyone else may take the baton")
         rc = proc.wait()
         wall = leg_wall(run_dir, wall_before + time.time() - t0)

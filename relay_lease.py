@@ -77,7 +77,7 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
                 # call's given the same write_id again), landed after we looked
                 landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
                 if landed and landed.get("write_id") == relay["write_id"]:
-                    return head, relay
+                    return head, landed  # (its heartbeat_at says when: the heartbeat's deadline counts from it)
                 # our own renewal, landed unseen (adopt_own_renewal could not look): not someone else's
                 if lease is not None and attempt < tries - 1 and adopt_landed_write(lease, head, landed, RENEWAL):
                     parent = lease.sha
@@ -100,7 +100,7 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
         else:
             raise Transient(f"{err}; the store stayed unreachable, so it is unknown whether the commit landed")
         if landed and landed.get("write_id") == relay["write_id"]:
-            return head, relay
+            return head, landed  # (what landed: a try of an earlier call with this write_id, built and sent earlier)
         if head != parent:
             if lease is not None and (adopt_landed_write(lease, head, landed, RENEWAL)
                                       or adopt_foreign_head(store, lease)):
@@ -374,7 +374,9 @@ def adopt_own_renewal(store, lease):
         head, _, _ = store.head()
         landed = parse_json(store.read(head, "RELAY.json"), "RELAY.json", store, head)
     except Transient:
-        return  # still unknown: the commit below fails or conflicts as it would have
+        if getattr(lease, "pending_claim", None):  # a write now is refused by our own claim if it landed: taken for
+            raise  # someone else's (release dropped LEASE.json, the claim a ghost holder for a ttl); unknown, say so
+        return  # a renewal still unknown: the commit below chains from it if it landed (commit_cas)
     if not adopt_landed_write(lease, head, landed) and getattr(lease, "pending_claim", None):
         # the claim did not land (or was overtaken): its lease chains from the head before it, which a "heartbeat"
         # of that old RELAY.json renewed with nobody holding the baton, and pull said "train"

@@ -268,8 +268,8 @@ def test_a_second_heartbeat_counts_from_the_last_renewal(tmp_path, hub):
     trainer = relay.Heartbeat(store, lease, lambda: None)
     trainer.start()
     other, claimed_while_training = relay.open_store(url), False
-    t0 = time.monotonic()
-    while not trainer.overdue() and time.monotonic() - t0 < 6:
+    t0 = relay.lease_clock()
+    while not trainer.overdue() and relay.lease_clock() - t0 < 6:
         try:
             relay.claim(other, str(tmp_path / "wb"), "bob", ttl=3.0, heartbeat=1.0)
             claimed_while_training = True
@@ -1232,12 +1232,12 @@ def test_the_heartbeat_deadline_counts_from_the_request(tmp_path, monkeypatch):
         time.sleep(1.0)
     monkeypatch.setattr(relay, "renew", slow_answer)
     hb = relay.Heartbeat(store, lease, lambda: None)
-    t0 = time.monotonic()
+    t0 = relay.lease_clock()
     hb.start()
     wait_for(lambda: hb.last_ok > t0, 10, "a renewal")
     hb.stop.set()
     hb.join()
-    assert time.monotonic() - hb.last_ok >= 0.9 and not hb.failed
+    assert relay.lease_clock() - hb.last_ok >= 0.9 and not hb.failed
 
 
 def test_an_overdue_heartbeat_stops_the_trainer_but_still_pushes(tmp_path, rl, monkeypatch):
@@ -2235,3 +2235,115 @@ def test_commands_that_only_read_or_write_the_store_offer_no_workdir_or_who():
     for cmd, sp in subs.items():
         opts = {o for a in sp._actions for o in a.option_strings}
         assert ("--workdir" in opts and "--who" in opts) == (cmd not in ("status", "decay", "dashboard")), cmd
+
+
+def test_a_renewal_found_landed_later_counts_from_when_it_was_sent(tmp_path, no_backoff, monkeypatch):
+    """A heartbeat lands, its answer is lost and the store stays dark for a few retries; a later retry (of this
+    thread, or of the next heartbeat: the trainer's after the pull's) finds it landed by its write_id. The store's
+    lease clock started when it landed, but the holder counted from the retry that found it: its self-stop deadline
+    then lay past the lease's expiry (another could claim while it trained)."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = lost_answers_store(str(tmp_path / "store"))
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=30, heartbeat=0.4)
+    plain_commit, landed_at = store.commit, []
+
+    def commit(parent, adds, deletes, message):
+        if store.drop_answer_of and store.drop_answer_of in message:
+            landed_at.append(relay.lease_clock())
+            try:
+                return plain_commit(parent, adds, deletes, message)
+            finally:
+                store.dark_heads = 8  # dark past the try's own look (5 reads), then for a few retries
+        return plain_commit(parent, adds, deletes, message)
+    store.commit = commit
+    real = relay.renew
+
+    def one_heartbeat():
+        hb = relay.Heartbeat(store, lease, lambda: None)
+
+        def renew_once(store_, lease_):  # the first renewal that succeeds ends the heartbeat (the next is new)
+            real(store_, lease_)
+            hb.stop.set()
+        monkeypatch.setattr(relay, "renew", renew_once)
+        hb.start()
+        hb.join(10)
+        assert not hb.is_alive() and not hb.failed and not getattr(lease, "pending_renewal", None)
+        assert lease.sha == store.head()[0]
+        return hb
+    store.drop_answer_of = "heartbeat"  # lost in this heartbeat's own first renewal
+    hb = one_heartbeat()
+    assert hb.last_ok <= landed_at[-1] + 0.05  # was: the time of the retry that found it, ~1 s later
+    store.drop_answer_of = "heartbeat"  # lost in a renewal before this heartbeat started
+    with pytest.raises(relay.Transient):
+        real(store, lease)
+    time.sleep(0.3)
+    hb = one_heartbeat()
+    assert hb.last_ok <= landed_at[-1] + 0.05  # was: this heartbeat's first try, 0.3 s and more later
+
+
+def test_a_claim_landed_unseen_is_not_released_as_lost_on_one_failed_look(tmp_path, no_backoff):
+    """A claim lands, its answer is lost; at `release` the store failed the one read that would have found it, so
+    the release's commit was refused by our own claim and taken for someone else's: "lease already lost", LEASE.json
+    deleted, and the claim held the baton as a ghost for a whole ttl (`claim` from the same workdir: busy)."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = lost_answers_store(str(tmp_path / "store"))
+    work = str(tmp_path / "wa")
+    store.drop_answer_of = "claim"
+    with pytest.raises(relay.Transient):
+        relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    store.dark_heads = 1  # the store still flaky: one more read fails
+    lease = relay.Lease.load(work, store)
+    with pytest.raises(relay.Transient):  # was: Fenced, "release: lease already lost"
+        relay.release(store, lease)
+    relay.release(store, relay.Lease.load(work, store))  # the store back: the claim is found and handed back
+    assert not relay.Snapshot(store).held and not os.path.exists(os.path.join(work, "LEASE.json"))
+
+
+def test_a_machine_suspended_past_the_ttl_finds_its_lease_overdue(tmp_path, monkeypatch):
+    """A laptop or VM suspended mid-leg for longer than the ttl: time.monotonic (CLOCK_MONOTONIC) does not count the
+    suspend, so on resume the holder was not overdue and trained on while another contributor could claim. The
+    kernel's CLOCK_BOOTTIME does count it (simulated here: it runs ahead of CLOCK_MONOTONIC by the suspend)."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=20)
+    hb = relay.Heartbeat(store, lease, lambda: None)
+    assert not hb.overdue()
+    real, suspended_s = time.clock_gettime, 120.0
+    monkeypatch.setattr(time, "clock_gettime", lambda c: real(c) + (suspended_s if c == time.CLOCK_BOOTTIME else 0))
+    assert hb.overdue()  # was: not overdue for another 120 s of training
+
+
+def test_a_heartbeat_whose_stderr_is_gone_keeps_renewing(tmp_path, monkeypatch):
+    """relay's stderr piped into a `tee` that died: the heartbeat's note about one failed renewal raised
+    BrokenPipeError, which ended the thread; nothing renewed the lease for the rest of the leg."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=3, heartbeat=0.2)
+    real, calls = relay.renew, []
+
+    def flaky(store_, lease_):
+        calls.append(1)
+        if len(calls) == 1:
+            raise relay.Transient("HTTP 503 (a test)")
+        real(store_, lease_)
+
+    class DeadPipe:
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(relay, "renew", flaky)
+    monkeypatch.setattr(sys, "stderr", DeadPipe())
+    hb = relay.Heartbeat(store, lease, lambda: None)
+    first = lease.sha
+    hb.start()
+    wait_for(lambda: lease.sha != first or not hb.is_alive(), 5, "a renewal or the thread's end")
+    alive = hb.is_alive()
+    hb.stop.set()
+    hb.join()
+    assert alive and lease.sha != first  # was: the thread dead after the first failed renewal
