@@ -115,8 +115,16 @@ def quantize_int4(w, group_size, symmetric=False):
         zero = torch.zeros_like(scale)
     else:  # min/max asymmetric: q = round((w - min) / scale), expressed in the kernel's (q - 8) form
         mn, mx = wg.amin(dim=-1).double(), wg.amax(dim=-1).double()  # float64: mx - mn overflowed fp32 above 1.7e38
-        scale = ((mx - mn) / 15.0).clamp_min(1e-8).to(torch.bfloat16).float()
-        zero = (mn + 8.0 * scale).to(torch.bfloat16).float()  # rounded first, so q is chosen against it
+        scale = ((mx - mn) / 15.0).to(torch.bfloat16).double()
+        zero = (mn + 8.0 * scale).to(torch.bfloat16).double()  # rounded first, so q is chosen against it
+        # zero's bf16 rounding (2^-9 of |zero|) shifts the grid: where |zero| >> max - min it clipped the group's min
+        # or max by several steps (a 1e-8 floor did the same to tiny groups); widen the step to reach both, half a
+        # step past the end levels as any weight may lie, rounded up in bf16
+        need = torch.maximum((zero - mn) / 8.5, (mx - zero) / 7.5)
+        wide = need.to(torch.bfloat16)
+        wide = torch.where(wide.double() < need, (wide.view(torch.int16) + 1).view(torch.bfloat16), wide).double()
+        scale = torch.where(need > scale, wide, scale).clamp_min(torch.finfo(torch.bfloat16).tiny).float()
+        zero = zero.float()
     q = torch.round((wg - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8.0).clamp_(0, 15).to(torch.uint8)
     q = q.view(Np // ROW_BLOCK, 2, 16, Kp)
     packed = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 1).contiguous().view(-1)

@@ -374,3 +374,16 @@ def test_a_malformed_config_or_checkpoint_is_one_line_error(tmp_path, capsys):
         err = capsys.readouterr().err
         assert want in err and ck in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / (name + ".pcf4")).exists()
+
+
+def test_int4_asymmetric_never_clips_a_groups_extremes():
+    """zero = min + 8 * scale is rounded to bf16 (2^-9 of |zero|): for a group far from 0 relative to its spread that
+    shift exceeded a step and its min was clipped by 3.7 steps; a 1e-8 scale floor lost tiny groups whole."""
+    ramp = torch.arange(32).float() / 31
+    for w in (1.0 + 0.01 * ramp, -3.1 + 0.004 * ramp, 1e-9 * (ramp - 0.3), torch.full((32,), 0.37)):
+        w = w.repeat(32, 1)
+        p, sz = C.quantize_int4(w, 32)
+        err = (C.dequantize_int4(p, sz, w.shape, 32) - w).abs().max().item()
+        # half a step, the step widened by the bf16 zero's own rounding (2^-9 of it) to reach both ends
+        bound = 0.5 * ((w.max() - w.min()).item() / 15 + w.abs().max().item() * 2 ** -9 / 7) * 1.1
+        assert err <= bound, (w[0, 0].item(), err, bound)
