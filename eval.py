@@ -184,6 +184,10 @@ class HFModel:
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def stop_text(self, ids):
+        # the harness's stop check (MultiTokenEOSCriteria) keeps special tokens: a stop string "<|im_end|>" stops
+        return self.tok.decode(ids, skip_special_tokens=False)
+
     def run(self, ids, cache=None, mask=None, positions=None):
         kw = dict(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None)
         return self.model.base_model(**kw).last_hidden_state if self.split_head else self.model(**kw).logits
@@ -565,13 +569,13 @@ def greedy_generate(lm, prompt, until, max_gen_toks):
             step = torch.tensor([[nxt]], device=lm.device)
     # the int4 engine streams its own tokens (its generate knows one eos id); both stop alike
     tokens = lm.engine.stream(ids, max_gen_toks, temperature=0) if not hasattr(lm, "run") else batched_greedy()
-    new = []
+    new, stop_text = [], getattr(lm, "stop_text", lm.decode)
     with contextlib.closing(tokens):
         for nxt in tokens:
             if nxt in lm.stop_ids:
                 break
             new.append(nxt)
-            if any(u in lm.decode(new) for u in until):
+            if any(u in stop_text(new) for u in until):
                 break
     new = [t for t in new if t not in lm.stop_ids]
     text = lm.decode(new)

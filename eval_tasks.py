@@ -30,9 +30,18 @@ def hellaswag_pre(text):
     return text.replace("  ", " ")
 
 
+def str_list(x):
+    """A row's list of strings; a string (a copy whose list was written as text, "['a', 'b']") had each of its
+    characters scored as a choice, silently."""
+    if not isinstance(x, (list, tuple)) or not all(isinstance(c, str) for c in x):
+        raise TypeError(f"expected a list of strings, not {x!r:.60}")
+    return list(x)
+
+
 def mc(context, choices, gold):
     """Multiple choice: one request (context, " " + choice) per choice (target_delimiter " "). A gold outside the
     choices (PIQA's unlabelled test split has -1 on every row) is an error, not a silent miss."""
+    choices = str_list(choices)
     g = int(gold)
     if not 0 <= g < len(choices):
         raise EvalError(f"gold label {gold!r} is outside 0..{len(choices) - 1} (an unlabelled split? use the "
@@ -69,7 +78,7 @@ def doc_openbookqa(d):
 
 def doc_hellaswag(d):
     ctx = d["ctx_a"] + " " + d["ctx_b"].capitalize()
-    return mc(hellaswag_pre(d["activity_label"] + ": " + ctx), [hellaswag_pre(e) for e in d["endings"]],
+    return mc(hellaswag_pre(d["activity_label"] + ": " + ctx), [hellaswag_pre(e) for e in str_list(d["endings"])],
               int(d["label"]))
 
 

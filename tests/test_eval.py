@@ -1005,3 +1005,46 @@ def test_num_fewshot_errors_and_summary(hf_setup, tmp_path, capsys):
     row = next(line for line in table.splitlines() if line.startswith("| gsm8k | exact_match_strict |"))
     assert "(0-shot vs 3-shot !)" in row and "~" not in row and "*" not in row, row
     assert "shots: gsm8k 3, counting 0" in table and "shots: gsm8k 0" in table
+
+
+def test_hf_generation_stops_at_a_stop_string_that_is_a_special_token(tmp_path):
+    """gsm8k's until has "<|im_end|>", a special token (not the eos) of chat-style tokenizers (SmolLM2's). The harness's
+    stop check (MultiTokenEOSCriteria) decodes with special tokens kept and stops there; eval.py's check decoded with
+    them skipped, never saw it, and glued the text generated after it onto the answer (a later number)."""
+    from lm_eval.models.utils_hf import MultiTokenEOSCriteria
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d = es.make_tiny_hf_model(str(tmp_path / "m"), vocab_size=300, d_model=32, n_layer=2, n_positions=64,
+                              head_vocab=320)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    lm = ev.HFModel(AutoModelForCausalLM.from_pretrained(d), tok, "m", "cpu")
+    assert im_end not in lm.stop_ids and im_end < 320
+    scripted = (tok.encode(" 12", add_special_tokens=False) + [im_end]
+                + tok.encode(" 99 bottles", add_special_tokens=False))
+    it = iter(scripted)
+
+    def head(h):  # the model's greedy choices, scripted
+        logits = torch.zeros(h.shape[0], 320)
+        logits[:, next(it)] = 1.0
+        return logits
+    lm.head = head
+    lm.run = lambda ids, cache=None, **kw: torch.zeros(ids.shape[0], ids.shape[1], 32)
+    upto = scripted.index(im_end) + 1
+    assert MultiTokenEOSCriteria("<|im_end|>", tok, 0, 1)(torch.tensor([scripted[:upto]]), None)  # the harness stops
+    assert ev.greedy_generate(lm, "Question: how many?\nAnswer:", ["Question:", "</s>", "<|im_end|>"],
+                             len(scripted)) == " 12"
+
+
+def test_a_choices_field_that_is_text_is_a_schema_error():
+    """A local copy whose list field was written as text (hellaswag endings "['a', 'b']", a CSV round trip) was scored
+    with each character as a choice, silently; now it is the one-line schema error of any malformed row."""
+    rows = {"hellaswag": {"activity_label": "x", "ctx_a": "a", "ctx_b": "b", "endings": "['one', 'two']",
+                          "label": "1"},
+            "arc_easy": {"question": "q", "choices": {"text": "ab", "label": ["A", "B"]}, "answerKey": "B"},
+            "piqa": {"goal": "g", "sol1": "a", "sol2": None, "label": 0}}
+    for task, row in rows.items():
+        with pytest.raises(et.EvalError, match="does not have the dataset's schema"):
+            et.build_docs(task, [row], "example")
+    assert et.build_docs("arc_easy", [dict(rows["arc_easy"], choices={"text": ["a", "b"], "label": ["A", "B"]})],
+                         "example")[0]["gold"] == 1
