@@ -29,7 +29,9 @@ Implementer's calls (recorded here as DESIGN.md asks):
 - on CPU, `tune_cpu_malloc()` (call once at start-up) keeps glibc from unmapping and page-faulting the big
   expert-grad tensors every step; with it a nano-width MoE layer's backward took ~20% less CPU time here.
 - the per-expert token counts of training forwards accumulate in a non-persistent buffer (`load_accum`) so
-  gradient accumulation and DDP all-reduce see the load of the whole optimizer step.
+  gradient accumulation and DDP all-reduce see the load of the whole optimizer step; tokens a forward's load_mask
+  leaves out (train.py: packed chat rows' <|bos|> padding, identical tokens that all pick the same experts) are
+  routed but not counted, so they steer no bias.
 """
 
 import difflib
@@ -435,6 +437,7 @@ class MoE(nn.Module):
         self.register_buffer("load_accum", torch.zeros(cfg.n_experts, dtype=torch.int64), persistent=False)
         self.top_k = cfg.top_k  # may be lowered at serve time
         self.last_load = None
+        self.load_rows = None  # (N,) bool: the rows load_accum counts (None: all); set by Picaflor.forward
 
     def route(self, x):
         return self.gate(x, self.e_score_correction_bias, self.top_k, self.cfg.route_scale)
@@ -452,10 +455,16 @@ class MoE(nn.Module):
         N, k = idx.shape
         E = self.cfg.n_experts
         flat = idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=E)
+        if self.training and self.load_rows is not None:  # rows not counted (chat padding): routed, steer no bias
+            # one bincount, uncounted slots as E..2E-1 (a second one cost a graph break per layer under compile)
+            both = torch.bincount(flat + E * (~self.load_rows).repeat_interleave(k), minlength=2 * E).view(2, E)
+            counts = both.sum(0)
+            self.load_accum += both[0]
+        else:
+            counts = torch.bincount(flat, minlength=E)
+            if self.training:
+                self.load_accum += counts
         self.last_load = counts.detach()
-        if self.training:
-            self.load_accum += counts
         # slots (token, choice) sorted by expert (torchtitan-style dispatch); slot_of_choice is the inverse
         order = torch.argsort(flat, stable=True)
         token_of_slot = order // k
@@ -560,11 +569,13 @@ class Picaflor(nn.Module):
         for m in self.moe_layers():
             m.top_k = k
 
-    def forward(self, idx, targets=None, cache=None, return_load=False, loss_mask=None, doc_ids=None):
+    def forward(self, idx, targets=None, cache=None, return_load=False, loss_mask=None, doc_ids=None, load_mask=None):
         """idx (B, T) -> logits (B, T, V); with targets returns (logits, loss) where loss ignores -1 targets
         (and positions where loss_mask is 0). With return_load also returns per-MoE-layer token counts (L, E).
         doc_ids (B, T), non-decreasing along T: a token attends only to earlier tokens of its own document (packed
-        SFT rows: one conversation never sees another; RoPE is relative, so positions need no reset)."""
+        SFT rows: one conversation never sees another; RoPE is relative, so positions need no reset).
+        load_mask (B, T): the tokens a training forward counts in the expert load (0: padding, routed but not counted:
+        its identical <|bos|> tokens all pick the same experts, and the bias then steered real tokens off them)."""
         B, T = idx.shape
         attn_mask = None
         if doc_ids is not None:
@@ -572,6 +583,9 @@ class Picaflor(nn.Module):
                 raise ValueError("doc_ids is for training windows, not with a KV cache")
             same = doc_ids[:, :, None] == doc_ids[:, None, :]
             attn_mask = (same & torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()).unsqueeze(1)
+        if self.training:
+            for m in self.moe_layers():
+                m.load_rows = None if load_mask is None else load_mask.reshape(-1).bool()
         start = cache.pos if cache is not None else 0
         if start + T > self.cfg.max_seq_len and cache is None:
             raise ValueError(f"sequence of {T} tokens is longer than max_seq_len={self.cfg.max_seq_len}")

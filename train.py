@@ -199,6 +199,14 @@ def load_weights(ck):
                          f"start from another (an earlier step_* dir)")
 
 
+def chat_padding(x, bos):
+    """(B, T) bool: the <|bos|> padding that fills the end of a packed chat row (data/smoltalk/prepare.py): a <|bos|>
+    followed by another or last in the window (a conversation's own <|bos|> is followed by its text)."""
+    import torch
+    nxt = torch.cat([x[:, 1:], torch.full_like(x[:, :1], bos)], dim=1)
+    return (x == bos) & (nxt == bos)
+
+
 def origin_of(name, layer_origin):
     """Origin tag of a parameter: embedding (embeddings, lm_head, final norm), or its layer's old/new."""
     if name.startswith("layers."):
@@ -994,10 +1002,12 @@ def main(argv):
                              f"with --tokenizer {src_tok}, or start a new run")
     # packed SFT rows hold several conversations, each starting with <|bos|>: without a mask one attended to the
     # conversations packed before it in its row, which it never sees when served
-    doc_bos = None
+    doc_bos = pad_bos = None
     masked = sorted(c for c in corpora if indexes[c].get("loss_mask"))
+    if masked:  # <|bos|>: each packed conversation's start, and the padding after a row's last one
+        pad_bos = shards.load_corpus_tokenizer(os.path.join(cfg["data_root"], masked[0]), indexes[masked[0]]).bos_id
     if cfg["doc_mask"] and masked:
-        doc_bos = shards.load_corpus_tokenizer(os.path.join(cfg["data_root"], masked[0]), indexes[masked[0]]).bos_id
+        doc_bos = pad_bos
         log(f"doc_mask: each conversation packed in {', '.join(masked)}'s rows attends only to itself "
             f"(--doc_mask=False: to the whole row)")
 
@@ -1307,22 +1317,28 @@ def main(argv):
             docs = None  # doc_mask: rows of loss-masked corpora attend within their conversation; the others as ever
             if doc_bos is not None and any(p[2] for p in parts_xy):
                 docs = torch.cat([doc_ids_of(p[0], p[2]) for p in parts_xy]).to(device)
-            batches.append((x.to(device), torch.cat([p[1] for p in parts_xy]).to(device), docs))
+            # the tokens the expert load counts: not chat rows' padding (identical tokens, all routed to the same
+            # experts: counted, the bias steered real tokens off those experts in every layer)
+            counted = None
+            if pad_bos is not None and any(p[2] for p in parts_xy):
+                counted = torch.cat([~chat_padding(p[0], pad_bos) if p[2] else torch.ones_like(p[0], dtype=torch.bool)
+                                     for p in parts_xy]).to(device)
+            batches.append((x.to(device), torch.cat([p[1] for p in parts_xy]).to(device), docs, counted))
         # loss-masked data (SFT): every target token of the step weighs the same, whatever micro-step or rank it is in
         # (each micro-step's mean weighed equally made the gradient depend on batch_size x grad_accum x world: the
         # gradient-accumulation bug of transformers' Trainer, 2024); unmasked data keeps the plain mean, bit for bit
         n_targets = None  # the step's target tokens, over every micro-step and rank
         if any(streams[c].has_mask for c in stage["mix"]):
-            counts = [(y != -1).sum() for _, y, _ in batches]
+            counts = [(y != -1).sum() for _, y, _, _ in batches]
             n_targets = torch.stack(counts).sum().to(torch.float32)
             if ddp:
                 dist.all_reduce(n_targets)
             n_targets = n_targets.clamp(min=1.0)
-        for micro, (x, y, docs) in enumerate(batches):
+        for micro, (x, y, docs, counted) in enumerate(batches):
             sync = (not ddp) or micro == cfg["grad_accum"] - 1
             with (model.no_sync() if ddp and not sync else nullcontext()):
                 with autocast:
-                    _, loss = model(x, y, doc_ids=docs)
+                    _, loss = model(x, y, doc_ids=docs, load_mask=counted)
                 if n_targets is None:
                     (loss / cfg["grad_accum"]).backward()
                 else:  # the model's loss is its own rows' mean: back to their sum, over the step's targets (DDP averages)

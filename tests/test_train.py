@@ -1418,3 +1418,28 @@ def test_the_mirror_copy_is_on_disk_before_it_replaces_the_old_one(tmp_path, mon
     assert rundir.mirror(out, mirror, keep=1)
     assert checkpoint.is_valid(os.path.join(mirror, "step_0000004"))
     assert unsynced_at_rename == []
+
+
+def test_chat_padding_is_routed_but_not_counted_in_the_expert_load():
+    """Packed chat rows end in <|bos|> padding; under doc_mask each pad token attends only to itself, so all of them
+    pick the same top_k experts in every MoE layer. Counted, they made those experts look overloaded and the bias
+    steered the real tokens off them. The pads still run through the experts; the load counts the real tokens."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=96, n_layer=3, n_dense_layers=1, d_model=32, n_head=4, n_kv_head=2, dense_ffn=64,
+                      n_experts=8, expert_ffn=16, n_shared=1, top_k=2, max_seq_len=64)
+    m = Picaflor(cfg).train()
+    bos = 1
+    x = torch.randint(2, 96, (4, 32))
+    x[:, 0] = bos
+    x[:2, 11] = bos  # two conversations in rows 0 and 1, one in rows 2 and 3
+    x[:, 20:] = bos  # then 12 tokens of padding a row
+    pad = train.chat_padding(x, bos)
+    assert pad.sum() == 4 * 12 and not pad[:, :20].any()
+    docs = (x == bos).cumsum(1)  # train.py's doc_ids of a masked corpus
+    m(x[:, 20:], x[:, 20:], doc_ids=docs[:, 20:])
+    assert all((layer > 0).sum() == cfg.top_k for layer in m.take_expert_load())  # every pad on the same experts
+    _, _, routed = m(x, x, doc_ids=docs, return_load=True, load_mask=~pad)
+    counted = m.take_expert_load()
+    assert (routed.sum(1) == 4 * 32 * cfg.top_k).all() and (counted.sum(1) == 4 * 20 * cfg.top_k).all()
+    m(x[:, :20], x[:, :20], doc_ids=docs[:, :20])  # the real tokens alone (causal: pads after them change nothing)
+    assert torch.equal(counted, m.take_expert_load())
