@@ -192,35 +192,40 @@ class Conversation:
         note = self._fit(user_ids, max_new_tokens)
         if note and on_text:
             on_text(note + "\n")
-        self.ids += user_ids
-        self.messages.append({"role": "user", "content": text})
-        max_new_tokens = min(max_new_tokens, self.max_len - len(self.ids))
-        out, shown = [], ""
+        user = {"role": "user", "content": text}
+        start = len(self.ids) + len(user_ids)  # the answer is self.ids[start:]: one list, no token in one but not the other
+        max_new_tokens = min(max_new_tokens, self.max_len - start)
+        shown = ""
         self.last_stop = "interrupted"  # how the last reply ended: end (a stop token), max_new_tokens, interrupted
-        try:
+        try:  # (a Ctrl-C lands between any two statements: the history changes from here on, under the finally)
+            self.ids += user_ids
+            self.messages.append(user)
             logits = self._feed()
             while True:
                 t = int(sample_next(logits, temperature, None, top_p, generator).item())
                 if t in self.stop_ids:
                     self.last_stop = "end"
                     break
-                out.append(t)
                 self.ids.append(t)
-                text_now = self.tok.decode_generated(out)  # decode() raised on an id with no text
+                text_now = self.tok.decode_generated(self.ids[start:])  # decode() raised on an id with no text
                 if on_text and not text_now.endswith("\ufffd"):  # wait for the rest of a multi-byte character
                     on_text(text_now[len(shown):])
                     shown = text_now
-                if len(out) >= max_new_tokens:
+                if len(self.ids) - start >= max_new_tokens:
                     self.last_stop = "max_new_tokens"
                     break
                 logits = self._feed()
         finally:  # also on Ctrl-C: close the turn as render_conversation would, keep the cache consistent
-            self.ids.append(self.tok.special_ids["<|end|>"])
-            answer = self.tok.decode_generated(out)
-            if on_text and answer[len(shown):]:  # a multi-byte character cut short: show what the history keeps
-                on_text(answer[len(shown):])
-            self.last_tokens = len(out)
-            self.messages.append({"role": "assistant", "content": answer})
+            if len(self.ids) >= start:  # the user's turn is in ids (else the history is as it was)
+                if self.messages[-1:] != [user]:
+                    self.messages.append(user)
+                out = self.ids[start:]
+                self.ids.append(self.tok.special_ids["<|end|>"])
+                answer = self.tok.decode_generated(out)
+                if on_text and answer[len(shown):]:  # a multi-byte character cut short: show what the history keeps
+                    on_text(answer[len(shown):])
+                self.last_tokens = len(out)
+                self.messages.append({"role": "assistant", "content": answer})
             if self.b["after_reply"]:
                 self.b["after_reply"](self.last_stop == "interrupted")
         return answer

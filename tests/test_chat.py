@@ -989,3 +989,62 @@ def test_a_message_too_long_for_the_context_names_the_fix_that_helps(tok):
     with pytest.raises(ValueError, match=f"shorten it or lower --max-new-tokens to {room}$"):
         conv.reply(text, 256)
     assert conv.reply(text, room) == "" and conv.last_stop == "end"  # the limit it named fits
+
+
+def test_a_ctrl_c_anywhere_in_a_reply_leaves_ids_cache_and_messages_agreeing(tok):
+    """A Ctrl-C lands between any two statements, not only inside a forward. Between `out.append(t)` and
+    `self.ids.append(t)` it kept a token in the text history that the cache never saw; between the user's tokens going
+    into ids and its message into messages, it left an unclosed <|assistant|> (the next turn followed it) and a user
+    turn missing from messages. At every line of reply before its finally: ids, messages and cache agree."""
+    import inspect
+    import types
+    lines, first = inspect.getsourcelines(chat.Conversation.reply)
+    end_line = first + next(i for i, s in enumerate(lines) if s.strip().startswith("finally:"))
+    script = tok.encode("pong 3 pong") + [tok.special_ids["<|end|>"]]
+    step = {"n": 0}
+
+    def forward(ids, cache):  # a model that answers "pong 3 pong"; the cache records what it was fed
+        cache.toks[cache.pos:] = ids[0].tolist()
+        cache.pos += ids.shape[1]
+        logits = torch.full((1, MODEL["vocab_size"]), -1e9)
+        logits[0, script[min(step["n"], len(script) - 1)]] = 0.0
+        step["n"] += 1
+        return logits
+    backend = dict(forward=forward, new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n, toks=[]), max_len=64,
+                   device="cpu", after_reply=None)
+
+    def rendered(conv):
+        return [tok.bos_id] + [i for m in conv.messages for i in chat.render_turn(tok, m["role"], m["content"])[0]]
+    k, hit = 0, True
+    while hit:  # the k-th line run in reply (before its finally) gets the Ctrl-C, for every k until none is left
+        conv, hit, seen = chat.Conversation(tok, backend), False, {"n": 0}  # (no system: messages start empty)
+        step["n"] = 0
+
+        def tracer(frame, event, arg):
+            if frame.f_code is not chat.Conversation.reply.__code__:
+                return None
+
+            def local(frame, event, arg):
+                nonlocal hit
+                if event == "line" and frame.f_lineno < end_line:
+                    seen["n"] += 1
+                    if seen["n"] == k + 1:
+                        hit = True
+                        raise KeyboardInterrupt
+                return local
+            return local
+        sys.settrace(tracer)
+        try:
+            conv.reply("ping 1", 8)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert conv.ids == rendered(conv), (k, conv.messages)
+        assert conv.cache.toks[:conv.cache.pos] == conv.ids[:conv.cache.pos]
+        roles = [m["role"] for m in conv.messages]
+        assert roles in ([], ["user", "assistant"]), (k, roles)
+        step["n"] = 0
+        assert conv.reply("ping 4", 8) == "pong 3 pong" and conv.ids == rendered(conv), k
+        k += 1
+    assert k > 10  # every line of reply was tried
