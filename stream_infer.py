@@ -894,6 +894,14 @@ class Engine:
         """Threads may share the engine: one forward at a time (the lock), see _forward."""
         if positions is not None:  # (it was taken and ignored: RoPE always counts from the cache's position)
             raise StreamError("Engine.forward: positions are not supported; positions follow the KV cache")
+        T = ids.shape[-1]
+        # checked before any chunk runs: the chunks that fit advanced the cache, then model.py's ValueError
+        if cache is not None and cache.pos + T > cache.max_len:
+            raise StreamError(f"Engine.forward: {T} tokens do not fit the KV cache ({cache.pos} of {cache.max_len} "
+                              f"positions used); nothing was run: use a larger cache or a new one")
+        if cache is None and T > self.context:  # (model.py refuses past max_seq_len; the budget reserved context)
+            raise StreamError(f"Engine.forward: {T} tokens exceed the reserved context {self.context} (max_seq_len "
+                              f"{self.cfg.max_seq_len}); shorten the input or load with a larger context")
         with self.lock:
             try:
                 return self._forward(ids, cache, last_only)

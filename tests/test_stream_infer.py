@@ -78,6 +78,33 @@ def test_engine_equals_dequantized_model(tiny):
             assert (eng.logits(h[:, -1]) - got[:, -1]).abs().max() < 1e-4
 
 
+def test_engine_equals_dequantized_model_at_other_top_k_and_the_whole_context(tiny):
+    """What test_engine_equals_dequantized_model leaves out: serving with fewer or more experts per token than
+    training (weights renormalised over the picks, as model.set_top_k and HF's HYV3 router do), and a prompt that
+    fills max_seq_len exactly (its one new token is never fed back; one more is refused)."""
+    m, path = tiny
+    c = C.load_container(path)
+    q = Picaflor(c.config)
+    q.load_state_dict(c.dequantized_state_dict(), strict=False)
+    q.eval()
+    eng = S.load(path, kernel="reference")
+    ids = torch.randint(1, 300, (1, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        for k in (1, 3):
+            q.set_top_k(k)
+            ref = q(ids)
+            want = q.generate(ids, 4, temperature=0)[0, 20:].tolist()
+            eng.set_experts_per_token(k)
+            got = eng.logits(eng.forward(ids))
+            assert (got - ref).abs().max() < 1e-5 * ref.abs().max(), k
+            eng.set_experts_per_token(None)
+            assert eng.generate(ids[0].tolist(), 4, experts_per_token=k) == want, k
+        q.set_top_k(CFG["top_k"])
+        full = torch.randint(1, 300, (1, CFG["max_seq_len"]), generator=torch.Generator().manual_seed(7))
+        assert eng.generate(full[0].tolist(), 1) == [int(q(full)[0, -1].argmax())]
+    with pytest.raises(S.StreamError, match="exceeds the reserved context"):
+        eng.generate(full[0].tolist(), 2)
+
 def test_budgeted_greedy_equals_resident_token_for_token(tiny):
     m, path = tiny
     prompt = list(range(5, 25))
@@ -1055,6 +1082,27 @@ def test_prefill_in_chunks_equals_one_pass(tiny):
     with pytest.raises(S.StreamError, match="prefill_chunk"):
         S.load(path, prefill_chunk=0)
 
+
+
+def test_forward_refuses_what_does_not_fit_before_running_anything(tiny):
+    """Engine.forward into a KV cache without room for the whole input ran the prefill chunks that fit, then raised
+    a bare ValueError with the cache advanced past half the input (a retry then ran on that half-prompt); without a
+    cache it ran inputs longer than the reserved context (model.py refuses them), past the positions trained on."""
+    m, path = tiny
+    eng = S.load(path, prefill_chunk=7)
+    ids = torch.randint(1, 300, (1, 30), generator=torch.Generator().manual_seed(3))
+    kv = S.KVCache(eng.cfg, 1, 20, "cpu", torch.float32)
+    with pytest.raises(S.StreamError, match="30 tokens.*0 of 20"):
+        eng.forward(ids, kv)
+    assert kv.pos == 0  # nothing ran: the cache is as it was
+    h = eng.forward(ids[:, :20], kv)  # and takes what fits, as a fresh cache would
+    assert torch.equal(h, eng.forward(ids[:, :20], S.KVCache(eng.cfg, 1, 20, "cpu", torch.float32)))
+    with pytest.raises(S.StreamError, match="1 tokens.*20 of 20"):
+        eng.forward(ids[:, :1], kv)
+    too_long = torch.randint(1, 300, (1, CFG["max_seq_len"] + 1))
+    with pytest.raises(S.StreamError, match=f"context {CFG['max_seq_len']}"):
+        eng.forward(too_long)
+    assert eng.forward(too_long[:, 1:]).shape == (1, CFG["max_seq_len"], CFG["d_model"])
 
 ODD_SHAPES = [((1, 64), (32, 64), 32), ((3, 100), (40, 100), 32), ((16, 48), (33, 48), 16), ((5, 256), (96, 256), 128),
               ((17, 70), (64, 70), 64)]
