@@ -115,7 +115,8 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
     if not paths:
         raise RelayError(f"{store.url}: holds no checkpoint/ at {snap_sha[:10]}; nothing to pull")
     os.makedirs(dest_dir, exist_ok=True)
-    tmp = os.path.join(dest_dir, f".pull-{uuid.uuid4().hex[:8]}")
+    remove_dead_pulls(dest_dir)
+    tmp = os.path.join(dest_dir, f".pull-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         store.download(snap_sha, paths, tmp)
         got = os.path.join(tmp, CKPT_PREFIX)
@@ -140,6 +141,21 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         return final
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_dead_pulls(dest_dir):
+    """Remove the temporary folders of pulls killed mid-download (their process is gone): partial checkpoint copies,
+    many GB each, that a leg resumed in the same dir never looked at again."""
+    for name in os.listdir(dest_dir):
+        m = re.fullmatch(r"\.pull-(\d+)-[0-9a-f]+", name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(dest_dir, name), ignore_errors=True)
+        except (PermissionError, OverflowError):  # alive (another user's), or no such pid at all
+            continue
 
 
 def read_metrics(path, after_step=None, offset=0, until_step=None):
@@ -507,6 +523,20 @@ def leg_wall(run_dir, add_s=None):
         return 0.0
 
 
+def leg_usd_per_hour(run_dir, set_to=None):
+    """The $ per GPU hour `run` trained this leg at (LEG.json: the config's, or the run's --gpu_hourly_usd=), or None
+    (a leg trained by hand); with set_to, stored first."""
+    path = os.path.join(run_dir, "LEG.json")
+    try:
+        rec = json.load(open(path))
+        if set_to is not None:
+            write_atomic(path, json.dumps(dict(rec, usd_per_hour=float(set_to))))
+        v = rec.get("usd_per_hour") if set_to is None else set_to
+        return float(v) if isinstance(v, (int, float)) else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def unpushed_step(run_dir):
     """The newest valid step of run_dir past what its PUSHED marker says was pushed (None: nothing unpushed). A marker
     without a step (an older relay.py's) counts as nothing pushed."""
@@ -614,6 +644,8 @@ def cmd_run(args):
         stop_trainer()
     cmd = train_command(args, os.path.join(run_dir, "relay_config.py"), run_dir)
     wall_before = leg_wall(run_dir)  # this leg's trainer time before a crash or a reboot (resumed here)
+    usd_per_hour = config_usd_per_hour(cmd[2], args.overrides)  # (overrides checked in main: this raises nothing)
+    leg_usd_per_hour(run_dir, usd_per_hour)  # the `push` that finishes a failed or killed leg bills this rate too
     t0 = saved_at = time.time()
     # set just before the try that puts them back: an error above left this process's Ctrl-C going to on_signal
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -651,8 +683,7 @@ def cmd_run(args):
         lease.save()
         if not hb.fenced:  # an overdue lease stopped the trainer; the push below is a compare-and-swap either way
             try:  # verify and upload while the heartbeat still renews the lease (after a crash too: see below)
-                plan = prepare_push(store, lease, run_dir, wall_s=wall,
-                                    usd_per_hour=config_usd_per_hour(cmd[2], args.overrides))
+                plan = prepare_push(store, lease, run_dir, wall_s=wall, usd_per_hour=usd_per_hour)
             except RelayError as e:
                 failure = e
             except OSError as e:  # the store's disk (the checkpoint was verified): kept for a retry, as any upload
@@ -974,11 +1005,14 @@ def cmd_push(args):
     cfg = os.path.join(run_dir, "relay_config.py")
     earlier = adopt_landed_push(store, lease)
     adopt_own_renewal(store, lease)  # a claim whose answer was lost: the heartbeat below renews from it
+    # a leg `run` trained bills its trainer's time, not the hours until this retry; after a `run` killed mid-leg
+    # (nothing in LEASE.json), the trainer time its LEG.json kept (a reboot's idle hours were billed)
+    wall_s = getattr(lease, "leg_wall_s", None) or leg_wall(run_dir) or None
     try:
         with renewing(store, lease, run_dir):  # the upload may outlast the ttl: renewed meanwhile, as `run` does
-            # a leg `run` trained bills its trainer's time, not the hours until this retry
-            plan = prepare_push(store, lease, run_dir, wall_s=getattr(lease, "leg_wall_s", None),
+            plan = prepare_push(store, lease, run_dir, wall_s=wall_s,
                                 usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
+                                else leg_usd_per_hour(run_dir) if leg_usd_per_hour(run_dir) is not None
                                 else config_usd_per_hour(cfg, []))
     except NothingToPush:
         if earlier is None:

@@ -16,7 +16,7 @@ import relay
 
 def dashboard_data(target, log_cache=None):
     """Everything the page shows, from a store URL or a local run dir (metrics.jsonl only). log_cache keeps the
-    parsed logs/leg-N.jsonl between refreshes (a pushed leg's log never changes)."""
+    parsed logs/leg-N.jsonl between refreshes, by name and content id (a name comes back after a revert)."""
     d = {"source": target, "generated_at": time.time(), "metrics": [], "ledger": [], "baton": None, "state": None}
     log_cache = {} if log_cache is None else log_cache
     if "://" in target:
@@ -25,11 +25,15 @@ def dashboard_data(target, log_cache=None):
         d["baton"] = {k: st[k] for k in ("holder", "expired_holder", "generation", "leg", "claimed_at", "lease_age_s", "ttl_s")}
         d["state"] = {k: st[k] for k in ("step", "tokens", "stage", "legs", "decay_requested", "decay", "usd_total")}
         d["ledger"] = st["ledger"]
-        for p in store.list(st["head"], "logs/"):
+        # keyed by content, not name: a push reverted on the Hub gives the next leg the same logs/leg-NNNN.jsonl
+        ids = store.file_ids(st["head"], "logs/")
+        for p in sorted(ids):
             if p.endswith(".jsonl"):
-                if p not in log_cache:
-                    log_cache[p] = [m for m in (safe_json(l) for l in (store.read(st["head"], p) or b"").decode(errors="replace").splitlines()) if m]
-                d["metrics"] += log_cache[p]
+                if (p, ids[p]) not in log_cache:
+                    log_cache[(p, ids[p])] = [m for m in (safe_json(l) for l in (store.read(st["head"], p) or b"").decode(errors="replace").splitlines()) if m]
+                d["metrics"] += log_cache[(p, ids[p])]
+        for gone in [k for k in log_cache if ids.get(k[0]) != k[1]]:  # a reverted leg's log: not kept for months
+            del log_cache[gone]
     else:
         if not os.path.isdir(target):
             raise relay.RelayError(f"{target}: not a store URL nor a run directory; pass hf://owner/name, file:///path or a train.py out_dir")

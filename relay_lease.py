@@ -418,7 +418,9 @@ def chain_lease_to(lease, sha, new_relay, step, run_dir):
         try:  # a leg dir's steps now stand on this push (relay.prepare_push refuses a dir the run moved past)
             rec = json.load(open(os.path.join(run_dir, "LEG.json")))
             ours = open(os.path.join(run_dir, f"step_{step:07d}", "MANIFEST.json"), "rb").read()
-            write_atomic(os.path.join(run_dir, "LEG.json"), json.dumps(dict(rec, base_manifest=manifest_id(ours))))
+            # its trainer time is billed now: a later push from this dir (steps trained after this one) bills its own
+            write_atomic(os.path.join(run_dir, "LEG.json"), json.dumps(dict(rec, base_manifest=manifest_id(ours),
+                                                                             wall_s=0.0)))
         except (OSError, ValueError, TypeError):
             pass  # not a leg dir (a train.py out_dir given to push), or its pushed step is gone: nothing recorded
 

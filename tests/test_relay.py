@@ -2347,3 +2347,81 @@ def test_a_heartbeat_whose_stderr_is_gone_keeps_renewing(tmp_path, monkeypatch):
     hb.stop.set()
     hb.join()
     assert alive and lease.sha != first  # was: the thread dead after the first failed renewal
+
+
+def test_a_push_after_a_killed_run_bills_the_trainers_time_not_the_hours_since_the_pull(tmp_path, rl):
+    """`run` killed mid-leg (relay SIGKILLed, the machine rebooted) never saved the leg's wall time in LEASE.json, only
+    in LEG.json (every 30 s); the `relay.py push` that finishes the leg billed the hours from the pull to the push
+    instead, idle time after the crash included."""
+    url = store_url("file", tmp_path, None)
+    fake = init_run(url, tmp_path, base_env(), cli=rl)
+    work = str(tmp_path / "wa")
+    store = relay.open_store(url)
+    lease = relay.claim(store, work, "alice", ttl=3, heartbeat=1)
+    run_dir = relay.prepare_leg(store, lease, work)
+    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
+                        "--init_from=resume", "--stop_after_steps=5"], env=base_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert t.returncode == 0, t.stderr
+    relay.leg_wall(run_dir, 100.0)  # what `run` had saved of its trainer's time before it was killed
+    lease = relay.Lease.load(work, store)
+    lease.pulled_at -= 2 * 3600  # the push comes two hours after the pull
+    lease.save()
+    r = rl(["push", url, "--workdir", work])
+    assert r.returncode == 0, r.stderr
+    rows, snap = ledger_rows(store)
+    assert [(x["step_range"], x["wall"], x["usd"]) for x in rows] == [("0-5", "0h01m40s", round(100 / 3600 * 2, 2))]
+    assert abs(snap.state["usd_total"] - 100 / 3600 * 2) < 1e-9
+    # steps trained by hand in the same dir after that push, pushed too: billed from the first push, not 100 s again
+    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
+                        "--init_from=resume", "--stop_after_steps=2"], env=base_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert t.returncode == 0, t.stderr
+    r = rl(["push", url, "--workdir", work, "--run-dir", run_dir])
+    assert r.returncode == 0, r.stderr
+    rows, snap = ledger_rows(store)
+    assert [x["step_range"] for x in rows] == ["0-5", "5-7"] and rows[1]["wall"].startswith("0h00m0"), rows
+
+
+def test_a_pull_killed_mid_download_leaves_no_partial_copy_behind(tmp_path):
+    """A pull killed mid-download (SIGKILL, a reboot) left its temporary folder, a partial copy of a checkpoint of
+    many GB, in the leg dir, and every `run` resuming that leg downloaded into a new one beside it."""
+    url = store_url("file", tmp_path, None)
+    env = base_env()
+    init_run(url, tmp_path, env)
+    store = relay.open_store(url)
+    dest = tmp_path / "pulled"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = dest / f".pull-{dead.pid}-0123abcd" / "checkpoint"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"w" * 10)
+    live = dest / f".pull-{os.getppid()}-4567abcd"  # a pull of a live process (another `pull --out` here): kept
+    live.mkdir()
+    relay.pull(store, str(dest))
+    assert sorted(p.name for p in dest.iterdir() if p.name.startswith(".pull-")) == [live.name]
+
+
+def test_the_push_that_finishes_a_run_bills_the_runs_hourly_rate(tmp_path, rl, monkeypatch):
+    """`run --gpu_hourly_usd=36` (this contributor's GPU) whose commit failed: the `relay.py push` its error names
+    billed the leg at the config's rate (2.0), the run's override forgotten."""
+    url = store_url("file", tmp_path, None)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    with open(fake) as f:  # a trainer with train.py's gpu_hourly_usd key, which a run's override may set
+        src = f.read()
+    with open(fake, "w") as f:
+        f.write("gpu_hourly_usd = 0.0\n" + src)
+    real = relay.commit_push
+
+    def refused(*a, **k):
+        raise relay.Transient("the store timed out (a test)")
+    monkeypatch.setattr(relay, "commit_push", refused)
+    work = tmp_path / "wa"
+    r = rl(["run", url, "--steps", "4", "--train-script", fake, "--workdir", work, "--gpu_hourly_usd=36"], env)
+    assert r.returncode == 3 and f"relay.py push {url} --workdir {work}" in r.stderr, r.stderr
+    monkeypatch.setattr(relay, "commit_push", real)
+    wall = relay.Lease.load(str(work), relay.open_store(url)).leg_wall_s
+    assert rl(["push", url, "--workdir", work], env).returncode == 0
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert abs(snap.state["usd_total"] - wall / 3600 * 36) < 1e-9, (snap.state["usd_total"], wall)

@@ -145,3 +145,22 @@ def test_dashboard_data_of_a_run_with_no_legs_then_hand_edited_ledger_and_log(tm
     json.dumps(relay.status_dict(store), allow_nan=False)
     assert [(r["leg"], r["usd"], r["loss_start"], r["loss_end"]) for r in d["ledger"]] == [(1, None, None, None)]
     assert [m["step"] for m in d["metrics"]] == [3, 4]
+
+
+def test_dashboard_refresh_shows_a_leg_log_rewritten_under_the_same_name(tmp_path, monkeypatch):
+    """The parsed leg logs were cached by path alone ("a pushed leg's log never changes"), but a push reverted on the
+    Hub (what a damaged checkpoint's error tells the user to do) gives the next leg the same number, so the same
+    logs/leg-NNNN.jsonl name: a running dashboard showed the reverted leg's metrics until it was restarted."""
+    for k, v in base_env().items():
+        monkeypatch.setenv(k, v)
+    url = f"file://{tmp_path}/store"
+    fake, cfg = write_fake_train(tmp_path), write_config(tmp_path)
+    assert relay.main(["init", url, cfg, "--train-script", fake, "--workdir", str(tmp_path / "w0")]) == 0
+    store = relay.open_store(url)
+    cache = {}
+    for steps in ([1, 2], [1, 2, 3]):  # leg 1 pushed, reverted, then pushed again by someone else
+        snap = relay.Snapshot(store)
+        log = "".join(json.dumps({"step": s, "tokens": 100 * s, "loss": 5.0}) + "\n" for s in steps).encode()
+        relay.commit_cas(store, snap.sha, {"logs/leg-0001.jsonl": log}, [], "relay: a leg", snap.relay)
+        d = relay_dashboard.dashboard_data(url, cache)
+        assert [m["step"] for m in d["metrics"]] == steps
