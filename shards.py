@@ -323,9 +323,11 @@ def install_corpus(out_dir, stage, index):
         with signals_held():  # a Ctrl-C between the deletions and the last rename: the old corpus gone, the new one too
             remove_old_shards(out_dir)
             for name in sorted((n for n in os.listdir(stage) if n != RESUME_JOURNAL), key=lambda n: n == "index.json"):
+                if name == "index.json" and os.path.exists(os.path.join(stage, RESUME_JOURNAL)):
+                    # (its shards are installed: nothing to resume; removed after the index, a kill between the two
+                    # left a complete corpus beside a journal: "re-run to resume", and the re-run started over)
+                    os.remove(os.path.join(stage, RESUME_JOURNAL))
                 os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
-            if os.path.exists(os.path.join(stage, RESUME_JOURNAL)):  # (its shards are installed: nothing to resume)
-                os.remove(os.path.join(stage, RESUME_JOURNAL))
     except KeyboardInterrupt:  # the Ctrl-C held above: "the corpus is as it was" and "re-run to resume" were wrong
         raise KeyboardInterrupt(f"interrupted after the new corpus was installed in {out_dir}; it is complete") from None
 
@@ -459,9 +461,27 @@ def parquet_column(path, name, column, batch_rows=1024):
     pf = parquet_file(path, name, column)
     try:
         for batch in pf.iter_batches(batch_size=batch_rows, columns=[column]):
-            yield from batch.column(0).to_pylist()
+            yield from utf8_values(batch.column(0))
     except (OSError, pa.ArrowException) as e:
         raise corrupt_parquet(path, name, e) from None
+    except UnicodeDecodeError as e:  # (in a nested column: a ValueError, taken for wrong arguments, naming no file)
+        real = os.path.realpath(path)
+        raise DataError(f"{name}: column {column!r} holds text that is not UTF-8 ({e.reason}); a corrupt download? "
+                        f"delete {real} from the Hugging Face cache and run again, else leave the file out (--pattern)",
+                        real, None, "source") from None
+
+
+def utf8_values(col):
+    """col.to_pylist(), a string column's invalid UTF-8 (pyarrow reads it unchecked) as U+FFFD, as read_document
+    does: it raised UnicodeDecodeError, a ValueError that a resumable prepare took for wrong arguments (build deleted)."""
+    import pyarrow as pa
+    try:
+        return col.to_pylist()
+    except UnicodeDecodeError:
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            raise
+        as_bytes = col.cast(pa.binary() if pa.types.is_string(col.type) else pa.large_binary())
+        return [None if b is None else b.decode("utf-8", "replace") for b in as_bytes.to_pylist()]
 
 
 def text_column(pf, name, column):
@@ -508,7 +528,7 @@ def parquet_texts(path, column, start=0, stop=None):
             if first < stop and first + n > start:
                 col = pf.read_row_group(g, columns=[column]).column(column)
                 lo, hi = max(start, first) - first, min(stop, first + n) - first
-                texts.extend(col.slice(lo, hi - lo).to_pylist())
+                texts.extend(utf8_values(col.slice(lo, hi - lo)))
             first += n
     except (OSError, pa.ArrowException) as e:  # (a refetch's ArrowInvalid was a traceback in the guardian)
         raise corrupt_parquet(path, os.path.basename(path), e) from None

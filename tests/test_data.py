@@ -1060,3 +1060,98 @@ def test_a_chat_stream_left_mid_row_by_another_seq_len_reads_whole_rows_again_at
     s.set_position(pos)
     x, _ = s.next_batch(1, R)
     assert (x.numpy().ravel() == ref[48:48 + R]).all() and s.position == {"shard": 0, "offset": 48 + R, "epoch": 0}
+
+
+def test_a_parquet_row_that_is_not_utf8_reads_replaced_in_prepare_and_refetch(tok, tmp_path):
+    """pyarrow does not check a string column's UTF-8 when it reads a parquet file: one row of bad bytes (a file some
+    tool wrote, a flipped bit) was a UnicodeDecodeError, a ValueError: prepare.py took it for wrong arguments, deleted
+    its resumable build (hours of tokenizing) and said only "'utf-8' codec can't decode byte 0xff", naming no file.
+    Now such bytes read as U+FFFD (as a local text file's do), the same in prepare and in refetch."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from hub_server import FakeHub
+
+    good = [f"document {i} about the cell and its energy" for i in range(40)]
+    raw = [t.encode() for t in good]
+    raw[25] = b"bad bytes \xff\xfe in the cell " + "日本".encode()[:4]  # (a character cut short at the end, too)
+    want = raw[25].decode("utf-8", "replace")
+    col = pa.array(raw, pa.binary()).view(pa.string())  # (pyarrow writes it unchecked, as another tool may)
+    d = tmp_path / "hub" / "datasets" / "me" / "badutf8" / "sample" / "10BT"
+    d.mkdir(parents=True)
+    pq.write_table(pa.table({"text": col}), d / "000_00000.parquet", row_group_size=8)
+    texts = list(shards.parquet_column(str(d / "000_00000.parquet"), "000_00000.parquet", "text", batch_rows=8))
+    assert texts == good[:25] + [want] + good[26:]
+    assert shards.parquet_texts(str(d / "000_00000.parquet"), "text", 24, 27) == [good[24], want, good[26]]
+    # in a nested column (chat messages) there is no string to replace: one line naming the file, not a ValueError
+    chat = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    msgs = pa.array([[{"role": b"user", "content": b"hi"}, {"role": b"assistant", "content": b"\xff"}]],
+                    pa.list_(pa.struct([("role", pa.binary()), ("content", pa.binary())]))).view(chat)
+    pq.write_table(pa.table({"messages": msgs}), tmp_path / "chat.parquet")
+    with pytest.raises(shards.DataError, match=f"chat.parquet: column 'messages' holds text that is not UTF-8 .*"
+                                               f"delete {tmp_path / 'chat.parquet'}"):
+        list(shards.parquet_column(str(tmp_path / "chat.parquet"), "chat.parquet", "messages"))
+    tok_file = tmp_path / "tok.json"
+    tok.save(tok_file)
+    out = tmp_path / "fw"
+    with FakeHub(tmp_path / "hub") as hub:
+        env = hub.client_env(tmp_path / "hf_home")
+        _run(["data/fineweb_edu/prepare.py", "--repo", "me/badutf8", "--tokenizer", str(tok_file), "--val-tokens", "20",
+              "--shard-tokens", "60", "--threads", "2", "--out", str(out)], env=env)
+        docs = [doc for split in ("val", "train") for _, ds in read_split_docs(out, tok, split) for doc in ds]
+        assert docs == good[:25] + [want] + good[26:] and shards.verify_corpus(out) == []
+        victim = next(e["file"] for e in shards.load_index(out)["splits"]["train"]
+                      if any(r["start"] <= 25 < r["stop"] for r in e["source"]["rows"]))
+        _poke(out / victim, 0, bytes(2))
+        _run(["shards.py", "refetch", str(out), victim], env=env)
+        assert shards.verify_corpus(out) == []
+
+
+def test_a_fineweb_tokenizer_does_not_train_on_later_copies_of_val_pages(tmp_path):
+    """val must be text the tokenizer never saw: its training skipped the held-out (val) documents, but not a later
+    copy of one (web crawls repeat pages; the copy is already left out of train)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from hub_server import FakeHub
+
+    page = "photosynthesis turns light energy into chemical energy."
+    others = [f"document {i} about the cell, {i * 7} cells" for i in range(40)]
+    docs = [page] + others[:20] + [page] * 15 + others[20:]
+    d = tmp_path / "hub" / "datasets" / "me" / "repeats" / "sample" / "10BT"
+    d.mkdir(parents=True)
+    pq.write_table(pa.table({"text": docs}), d / "000_00000.parquet")
+    out = tmp_path / "fw"
+    with FakeHub(tmp_path / "hub") as hub:
+        _run(["data/fineweb_edu/prepare.py", "--repo", "me/repeats", "--vocab-size", "300", "--max-tokens", "400",
+              "--val-tokens", "2", "--threads", "2", "--out", str(out)], env=hub.client_env(tmp_path / "hf_home"))
+    tok = tokmod.Tokenizer.load(out / "tokenizer.json")
+    assert [doc for _, ds in read_split_docs(out, tok, "val") for doc in ds] == [page]
+    assert tok.hash == tokmod.train_tokenizer(others, 300).hash  # (with the copies: another tokenizer)
+    assert tok.hash != tokmod.train_tokenizer(docs[1:], 300).hash
+
+
+def test_a_build_killed_just_after_its_index_is_installed_leaves_nothing_to_resume(tmp_path, monkeypatch):
+    """install_corpus removed a resumable build's journal after the index was in place: a kill (SIGKILL, power) between
+    the two left a complete corpus beside a journal whose shards were gone: train.py warned "re-run the same prepare
+    command to resume" and that re-run started over (hours). The journal now goes before the index is renamed in."""
+    out = tmp_path / "c"
+
+    class Killed(BaseException):  # a SIGKILL: no handler, no cleanup of its own
+        pass
+    with pytest.raises(Killed), shards.staging(str(out), resumable=True) as stage:
+        shards.save_journal(stage, {"splits": {}})
+        open(os.path.join(stage, "train_000000.bin"), "wb").write(b"new!")
+        real = os.replace
+
+        def replace_then_die(a, b):
+            real(a, b)
+            if b == os.path.join(str(out), "index.json"):
+                raise Killed
+        monkeypatch.setattr(shards.os, "replace", replace_then_die)
+        try:
+            shards.install_corpus(str(out), stage, {"version": shards.INDEX_VERSION, "splits": {"train": []}})
+        finally:
+            monkeypatch.setattr(shards.os, "replace", real)
+    assert os.path.exists(out / "index.json") and (out / "train_000000.bin").read_bytes() == b"new!"
+    assert shards.interrupted_prepare(out) is None and not os.path.exists(out / ".staging")

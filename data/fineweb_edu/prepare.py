@@ -16,7 +16,8 @@ Calls recorded here:
   left out are not counted as dropped tokens: nothing is truncated, the cap just ends the corpus.
 - the first --val-tokens tokens of documents (default 0.5% of --max-tokens, at most 10M, at least one
   document) form the val split; the rest is train. Empty rows are skipped. A tokenizer trained here skips
-  those documents (the first ones up to VAL_CHARS_PER_TOKEN characters per val token), so val is unseen text.
+  those documents (the first ones up to VAL_CHARS_PER_TOKEN characters per val token) and later copies of them,
+  so val is unseen text.
   A later document identical to a val one (sha1 of its text; web crawls repeat pages) is left out of train and
   counted (in the closing summary, when there are any).
 - index.json records, per shard, the repo, commit sha and parquet row ranges its documents came from, so
@@ -149,13 +150,17 @@ def build(args, revision, files, stage, t0):
         print(f"reusing tokenizer {args.tokenizer} (vocab {tok.vocab_size})")
     else:
         def training_texts():
-            chars, skipped, n_skipped = 0, 0, 0
+            chars, skipped, n_skipped, held = 0, 0, 0, set()
             with tqdm(total=args.tokenizer_chars, desc="tokenizer text", unit="char", unit_scale=True) as bar:
                 for _, _, text in documents(args.repo, revision, files, args.column):
+                    digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).digest()
                     if n_skipped == 0 or skipped < VAL_CHARS_PER_TOKEN * val_target:  # held out for val
                         skipped += len(text)
                         n_skipped += 1
                         val_docs[0] = n_skipped
+                        held.add(digest)
+                        continue
+                    if digest in held:  # a later copy of a held-out page (it was trained on: val was not unseen)
                         continue
                     if chars >= args.tokenizer_chars:
                         return
