@@ -26,7 +26,7 @@ INSTALL = "apt-get install g++-aarch64-linux-gnu qemu-user (.ci/run does it)"
 # (M, N, K, G): rows of x 1..9 (the loops take 4 at a time), N past a 32-row block, K past the last group, group sizes
 # the integer loop takes (G % 4 == 0) and ones it leaves to the portable loop
 INT4_CASES = [(1, 64, 64, 32), (3, 40, 100, 32), (5, 96, 256, 128), (9, 65, 130, 64), (2, 70, 200, 64),
-              (4, 32, 96, 48), (1, 2048, 512, 64), (2, 32, 90, 30), (6, 31, 33, 32)]
+              (4, 32, 96, 48), (1, 2048, 512, 64), (2, 32, 90, 30), (6, 31, 33, 32), (5, 33, 9, 12), (3, 40, 44, 4)]
 # (M, N, K): K past the last 32-column block (the tail stays fp32), shorter than a block, several blocks
 INT8_CASES = [(1, 300, 64), (3, 70, 37), (6, 129, 200), (2, 33, 20), (5, 50, 160)]
 

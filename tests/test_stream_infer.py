@@ -1109,7 +1109,8 @@ ODD_SHAPES = [((1, 64), (32, 64), 32), ((3, 100), (40, 100), 32), ((16, 48), (33
 # the native kernel takes rows of x 4 at a time and reads any group size: M = 1..9 and groups the int4pack kernel lacks
 NATIVE_SHAPES = ODD_SHAPES + [((2, 200), (70, 200), 64), ((4, 96), (32, 96), 48), ((6, 33), (31, 33), 32),
                               ((9, 130), (65, 130), 128), ((7, 512), (256, 512), 256), ((2, 90), (32, 90), 30),
-                              ((3, 60), (40, 60), 20)]
+                              ((3, 60), (40, 60), 20), ((5, 9), (33, 9), 12), ((6, 40), (64, 40), 8),
+                              ((1, 3), (1, 3), 4)]  # K below one group, G % 8 != 0, G = 4, one row
 
 
 def int4_case(xs, ws, g):
@@ -1133,7 +1134,8 @@ def test_native_int4_kernel_equals_reference(xs, ws, g):
     xq = q8_activations(x, g) if int8_loops(op) and g % 4 == 0 else x
     want = kernels.int4_matmul_reference(xq, p, sz, ws, g)
     for got in (op.int4_mm(x, p, sz, ws[0], g), op.int4_mm(torch.cat([x, x], 1)[:, :ws[1]], p, sz, ws[0], g),
-                op.int4_mm(x.view(1, *xs), p, sz, ws[0], g)[0]):  # non-contiguous and 3-D inputs
+                op.int4_mm(x.view(1, *xs), p, sz, ws[0], g)[0],  # non-contiguous and 3-D inputs
+                op.int4_mm(torch.cat([x.new_full((3,), 1e30), x.flatten()])[3:].view(xs), p, sz, ws[0], g)):  # offset
         assert got.shape == ref.shape and got.dtype == torch.float32
         assert (got - want).abs().max() < 1e-5 * ref.abs().max()
         assert (got - ref).norm() < 2e-2 * ref.norm()
