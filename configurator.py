@@ -22,9 +22,13 @@ class ConfigError(Exception):
     pass
 
 
+PLAIN_VALUES = (int, float, complex, str, bytes, bool, list, tuple, set, frozenset, dict, type(None))
+
+
 def config_keys(g):
-    """The globals that count as config: plain values, not modules, functions, classes or _private names."""
-    return {k for k, v in g.items() if not k.startswith("_") and isinstance(v, (int, float, str, bool, list, tuple, dict, type(None)))}
+    """The globals that count as config: plain values (a misspelt key set to a {set}, 1j or b'' was ignored, unsaid),
+    not modules, functions, classes or _private names."""
+    return {k for k, v in g.items() if not k.startswith("_") and isinstance(v, PLAIN_VALUES)}
 
 
 def closest(key, keys):
@@ -160,7 +164,7 @@ def not_data(text):
     def shown(node):  # ast.unparse recurses as deep as the tree: a RecursionError from ~500 levels, so the text as written
         try:
             return ast.unparse(node).splitlines()[0][:60]
-        except RecursionError:
+        except (RecursionError, ValueError):  # (ValueError: an int literal past 4300 digits, 0xfff...: a traceback)
             return (ast.get_source_segment(text, node) or "").split("\n")[0][:60]
 
     class Refused(Exception):

@@ -411,14 +411,16 @@ def config_usd_per_hour(config_path, overrides):
                 return float(a.split("=", 1)[1])
             except ValueError:
                 raise RelayError(f"{a}: not a number")
-    usd = 0.0
-    try:  # the last assignment, as train.py's exec keeps it (init appends its overrides after the config's own)
-        for node in ast.parse(open(config_path).read()).body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "gpu_hourly_usd" for t in node.targets):
-                usd = float(ast.literal_eval(node.value))
-    except (OSError, SyntaxError, ValueError, TypeError):
-        pass
-    return usd
+    try:  # its value as train.py's exec leaves it: the last assignment (init appends its overrides after the config's
+        # own), arithmetic included (literal_eval took none: `2.5 * 8` trained at $20/h, the ledger said $0)
+        text = open(config_path, encoding="utf-8").read()
+        scope = {"__builtins__": {}, "dict": dict}
+        if configurator.not_data(text) is None:  # (plain data: quick to evaluate, nothing run)
+            exec(compile(text, config_path, "exec"), scope)
+        usd = scope.get("gpu_hourly_usd", 0.0)
+        return float(usd) if isinstance(usd, (int, float)) and not isinstance(usd, bool) else 0.0
+    except Exception:  # (train.py says what is wrong with the file)
+        return 0.0
 
 
 def train_command(args, config_path, run_dir):
@@ -481,6 +483,10 @@ def prepare_leg(store, lease, workdir):
     if bad:  # train.py execs it: from the store, only data (any repo writer could put code there)
         raise RelayError(f"{store.url}: config.py at {lease.sha[:10]}, line {bad[0]}: `{bad[1]}` is not plain data, "
                          f"and relay runs no code from the store; commit a config.py of literal assignments")
+    if own := contributor_keys_set(cfg.decode("utf-8", errors="replace")):
+        raise RelayError(f"{store.url}: config.py at {lease.sha[:10]} sets {own[0]}, which is each contributor's own "
+                         f"(a shell command or a local folder); relay takes it from no store: remove it from "
+                         f"config.py, and pass --{own[0]}=... to your own `relay.py run`")
     open(os.path.join(run_dir, "relay_config.py"), "wb").write(cfg)
     state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha)
     if state.get("decay_requested"):
@@ -743,6 +749,8 @@ def cmd_run(args):
 
 INVOCATION_KEYS = {"out_dir", "init_from", "resume_from", "grow_from", "grow_layers", "stop_after_steps",
                    "stop_after_hours", "mirror_dir"}  # per-run-of-train.py keys, not part of the run's config
+CONTRIBUTOR_KEYS = ("on_stuck", "mirror_dir")  # each contributor's own (--key=value): a shell command the guardian
+# runs and a folder the trainer writes into; set in the store's config.py, data ran code on every contributor's machine
 START_KEYS = {"init_from", "grow_from", "grow_layers"}  # how the run's first checkpoint is made: init takes them
 SOURCE_KEY = {"grow": "grow_from", "finetune": "finetune_from"}  # init_from -> the key naming its source checkpoint
 
@@ -757,6 +765,16 @@ def read_config_text(path):
         raise RelayError(f"{path}: cannot read it ({e.strerror or e}); pass a config file you can read")
 
 
+def contributor_keys_set(text):
+    """The CONTRIBUTOR_KEYS a plain-data config (passed configurator.not_data) sets to a non-empty value."""
+    scope = {"__builtins__": {}, "dict": dict}
+    try:
+        exec(compile(text, "config.py", "exec"), scope)
+    except Exception:  # ({[1]}: train.py says what is wrong with it)
+        return []
+    return [k for k in CONTRIBUTOR_KEYS if scope.get(k)]
+
+
 def config_from_checkpoint(ck):
     """config.py text for a run started from a checkpoint: its state.json "config" (what train.py trained it with)."""
     try:
@@ -767,7 +785,8 @@ def config_from_checkpoint(ck):
         raise RelayError(f"{ck}/state.json has no \"config\"; pass the train.py CONFIG it was trained with")
     unread = schedule.unused_with_stages(cfg)  # beside stages, train.py refuses them: every leg of an SFT run exited 1
     return "# from the checkpoint's state.json\n" + "".join(
-        f"{k} = {v!r}\n" for k, v in sorted(cfg.items()) if k not in INVOCATION_KEYS and k not in unread)
+        f"{k} = {v!r}\n" for k, v in sorted(cfg.items())
+        if k not in INVOCATION_KEYS and k not in unread and k not in CONTRIBUTOR_KEYS)
 
 
 def config_values(text):
@@ -837,6 +856,10 @@ def cmd_init(args):
         bad = configurator.not_data(cfg_text)
         if bad:
             raise RelayError(f"init refused: the overrides, line {bad[0]}: `{bad[1]}` is not plain data")
+    if own := contributor_keys_set(cfg_text):
+        raise RelayError(f"init refused: the config sets {own[0]}, which is each contributor's own (a shell command or "
+                         f"a local folder, run on every machine of the run); remove it, and pass --{own[0]}=... to "
+                         f"`relay.py run`")
     train_cwd = os.path.dirname(os.path.abspath(args.train_script))
     tmp = os.path.join(workdir_for(args), f"init-{uuid.uuid4().hex[:8]}")
     cfg_path = os.path.join(tmp, "relay_config.py")

@@ -1270,6 +1270,7 @@ def main(argv):
     steps_this_run, t_start, t_last_ckpt = 0, time.time(), time.time()
     window_load, window_loss, window_t, window_tokens = None, [], time.time(), 0
     elapsed_base = st["elapsed_seconds"]
+    usd_base = st.get("usd_spent", 0.0)  # earlier legs at their own price and world size (repriced at this leg's)
     last_saved_step = st["step"] if state is not None else None
     last_saved_kind = (state or {}).get("kind")
     if state is None and cfg["stop_after_steps"] == 0:
@@ -1383,7 +1384,7 @@ def main(argv):
         window_loss.append(loss_val)
         window_tokens += step_tokens
         st["elapsed_seconds"] = elapsed_base + (time.time() - t_start)
-        st["usd_spent"] = cfg["gpu_hourly_usd"] * world * st["elapsed_seconds"] / 3600
+        st["usd_spent"] = usd_base + cfg["gpu_hourly_usd"] * world * (st["elapsed_seconds"] - elapsed_base) / 3600
 
         # log
         val_loss = None

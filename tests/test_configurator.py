@@ -58,6 +58,9 @@ def test_config_file(tmp_path):
     ("x = 1 / 0\n", ["c.py", "ZeroDivisionError"]),
     ("del batch_size\n", ["c.py", "deletes config key 'batch_size'"]),  # was a KeyError traceback
     ("steps_per_stage = 3\n", ["unknown config key 'steps_per_stage'", "call it _steps_per_stage"]),  # a helper
+    ("lerning_rate = {3e-4}\n", ["unknown config key 'lerning_rate'", "learning_rate"]),  # a set: silently ignored
+    ("lerning_rate = 3e-4j\n", ["unknown config key 'lerning_rate'"]),  # (complex, bytes: not data types it knew)
+    ("device_name = b'cpu'\n", ["unknown config key 'device_name'"]),
 ])
 def test_bad_config_file(tmp_path, body, words):
     f = tmp_path / "c.py"
@@ -133,6 +136,8 @@ def test_configure_or_exit_is_one_line(tmp_path):
     ("x = " + "1 + " * 1000 + "1", False),  # a RecursionError (relay's pull: a traceback, the lease kept)
     ("x.y = " + "1 + " * 600 + "1", False),
     ("x = " + "-" * 10000 + "1", False),  # a MemoryError from the parser
+    ("x = 0x" + "f" * 5000, False),  # a ValueError traceback: unparse of an int past Python's 4300 digits
+    ("x = [0x" + "f" * 5000 + "]\nimport os", False),
 ])
 def test_a_config_from_another_machine_must_be_quick_plain_data(body, ok):
     """configurator.not_data, which relay.py applies to the run's config.py before train.py execs it: literals and
@@ -167,3 +172,4 @@ def test_none_only_where_the_default_is_none_and_string_keys_take_the_text():
     assert h["out_dir"] == "2024" and h["mirror_dir"] == "True" and h["maybe"] is None
     configure(h, ["--out_dir='runs/a b'"])
     assert h["out_dir"] == "runs/a b"
+

@@ -660,6 +660,33 @@ def test_a_config_with_code_is_never_run(tmp_path, hub, rl):
     assert r.returncode == 3 and "init refused" in r.stderr and "int('4')" in r.stderr, r.stderr
 
 
+def test_a_store_config_cannot_set_a_shell_command_or_a_local_path(tmp_path, hub, rl):
+    """A data-only config.py still ran code: on_stuck is a shell command the guardian runs (`relay.py run --supervise`
+    trains under it) and mirror_dir a folder every contributor's trainer writes into; from the store, both refused
+    (a contributor passes their own with --on_stuck= / --mirror_dir=), and init puts neither into config.py."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    store = relay.open_store(url)
+    marker = tmp_path / "PWNED"
+    for i, line in enumerate([f"on_stuck = 'touch {marker}'", f"mirror_dir = {str(tmp_path / 'theirs')!r}"]):
+        snap = relay.Snapshot(store)
+        relay.commit_cas(store, snap.sha, {"config.py": f"gpu_hourly_usd = 2.0\n{line}\n".encode()}, [], "a test",
+                         snap.relay)
+        r = rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", tmp_path / f"wb{i}", "--supervise"],
+               env)
+        key = line.split()[0]
+        assert r.returncode == 3 and f"sets {key}" in r.stderr and "--" + key in r.stderr, r.stderr
+        assert relay.Snapshot(store).relay["holder"] is None and not (tmp_path / "theirs").exists()
+    cfg = write_config(tmp_path / "x", "on_stuck = 'rm -rf data'\n") if (tmp_path / "x").mkdir() is None else None
+    r = rl(["init", f"file://{tmp_path}/store2", cfg, "--workdir", tmp_path / "wi"], env)
+    assert r.returncode == 3 and "init refused" in r.stderr and "sets on_stuck" in r.stderr, r.stderr
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "state.json").write_text(json.dumps({"config": {"on_stuck": "remount.sh", "batch_size": 4}}))
+    text = relay.config_from_checkpoint(str(tmp_path / "ck"))
+    assert "on_stuck" not in text and "batch_size = 4" in text
+
+
 def test_trainer_failure_releases_and_pushes_nothing(tmp_path, hub, rl):
     url = store_url("file", tmp_path, hub)
     env = base_env()
@@ -1315,6 +1342,14 @@ def test_hand_edited_state_and_small_relay_faults_are_one_line(tmp_path, rl, mon
     cfg = write_config(tmp_path, "gpu_hourly_usd = 2.0\n# relay.py init overrides\ngpu_hourly_usd = 10\n")
     assert relay.config_usd_per_hour(cfg, []) == 10.0
     assert relay.config_usd_per_hour(cfg, ["--gpu_hourly_usd=1", "--gpu_hourly_usd=2.5"]) == 2.5  # the last, as train.py
+
+
+def test_the_ledger_price_is_the_one_train_py_computes_from_the_config(tmp_path):
+    """config_usd_per_hour read gpu_hourly_usd with ast.literal_eval, which takes no arithmetic: a config.py that
+    not_data accepts (`gpu_hourly_usd = 2.5 * 8`, or a name assigned above) trained at $20/h and the ledger said $0."""
+    for text in ("gpu_hourly_usd = 2.5 * 8\n", "_per_gpu = 2.5\n_n = 8\ngpu_hourly_usd = _per_gpu * _n\n"):
+        assert relay.config_usd_per_hour(write_config(tmp_path, text), []) == 20.0, text
+    assert relay.config_usd_per_hour(write_config(tmp_path, "gpu_hourly_usd = 'x'\n"), []) == 0.0
 
 
 def test_ctrl_c_while_waiting_or_pulling_is_one_line_and_releases(tmp_path, rl, monkeypatch):

@@ -397,6 +397,22 @@ def test_grow_starts_as_identity_and_groups_get_their_lr(data_root, tmp_path):
     assert any(int(n.split(".")[1]) in new_layers for gr in groups if gr["origin"] == "new" for n in gr["names"])
 
 
+def test_a_resume_at_another_price_or_world_size_does_not_reprice_the_past(data_root, three_steps, tmp_path):
+    """usd_spent was gpu_hourly_usd x world size x all the run's elapsed time: a leg on another GPU (relay legs run on
+    contributors' machines at their own prices) or another world size repriced every earlier hour, $ spent going down
+    as well as up. Each leg adds its own hours at its own price."""
+    out = str(tmp_path / "run")
+    shutil.copytree(three_steps, out)  # trained at gpu_hourly_usd=0: $0 so far
+    before = json.load(open(os.path.join(out, "step_0000003", "state.json")))
+    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND, "--init_from=resume",
+                "--stop_after_steps=1", "--gpu_hourly_usd=3600.0"])  # $1 a second
+    after = json.load(open(os.path.join(out, "step_0000004", "state.json")))
+    leg_s = after["elapsed_seconds"] - before["elapsed_seconds"]
+    assert before["usd_spent"] == 0.0 and leg_s > 0
+    assert abs(after["usd_spent"] - (before["usd_spent"] + leg_s)) < 1e-6, (after["usd_spent"], leg_s)
+    assert abs(metrics(out)[4]["usd"] - after["usd_spent"]) < 1e-6
+
+
 def test_a_checkpoint_whose_model_config_lacks_a_field_is_refused(data_root, three_steps, tmp_path):
     """A state.json without rope_theta trained on: resume and finetune took the config's value, grow the default's
     (another model than the one saved, without a word). Now a one-line error naming the file, exit 1, for each."""
