@@ -172,4 +172,3 @@ def test_none_only_where_the_default_is_none_and_string_keys_take_the_text():
     assert h["out_dir"] == "2024" and h["mirror_dir"] == "True" and h["maybe"] is None
     configure(h, ["--out_dir='runs/a b'"])
     assert h["out_dir"] == "runs/a b"
-
