@@ -11,7 +11,8 @@ or a local directory), fenced by compare-and-swap commits.
 (grow_from=CHECKPOINT, grow_layers=N: config/grow.py) or finetune (finetune_from=CHECKPOINT: config/sft.py), the source
 a local run or step dir, relative to train.py's folder (`relay.py pull STORE --out DIR` fetches a relay run's latest);
 set in the config or as --key=value, e.g. `relay.py init STORE config/sft.py --finetune_from=out/nano`. Or
-`init STORE --from-checkpoint DIR` starts the run from a checkpoint as it is (the config's init_from unread).
+`init STORE --from-checkpoint DIR` starts the run from a checkpoint as it is (the config's init_from unread; a
+config that grows or fine-tunes is refused unless DIR is from that grown / fine-tuned run).
 
 STORE is `hf://owner/name` (huggingface_hub; HF_ENDPOINT and HF_TOKEN as usual) or `file:///abs/path` (a local
 directory with the same compare-and-swap semantics, safe across processes; for offline use and tests): relay_store.py.
@@ -799,6 +800,28 @@ def config_values(text):
     return scope
 
 
+def check_start_done(mode, ck, config):
+    """A config that grows or fine-tunes, with --from-checkpoint: DIR must be that grown / fine-tuned run's checkpoint
+    (config/sft.py's recipe). A base run's checkpoint started the relay as it was, the growth or fine-tune never done,
+    and each leg refused the config's plan with advice (--replan) that trained it on the base run's step, tokens and
+    AdamW moments. Only growth makes "old" layers; checkpoint.chat_tuned knows a fine-tune (None: cannot tell)."""
+    if mode not in SOURCE_KEY:
+        return
+    try:
+        st = json.load(open(os.path.join(ck, "state.json")))
+    except (OSError, ValueError):
+        return
+    origin = st.get("layer_origin") if isinstance(st, dict) else None
+    done = (checkpoint.chat_tuned(st) if mode == "finetune" else
+            None if not isinstance(origin, list) else "old" in origin)
+    if done is False:
+        verb = "fine-tune" if mode == "finetune" else "grow"
+        raise RelayError(f"init refused: {config} says init_from={mode!r}, but {ck} is not from a "
+                         f"{'fine-tuned' if mode == 'finetune' else 'grown'} run, and --from-checkpoint starts the run "
+                         f"from it as it is; drop --from-checkpoint to {verb} it (init runs train.py "
+                         f"--init_from={mode} with the config's {SOURCE_KEY[mode]}), or pass that run's checkpoint")
+
+
 def start_command(args, cfg_text, cfg_path, out_dir, cwd):
     """train.py's command that writes the run's step-0 checkpoint: as the config's init_from says (scratch, or grow /
     finetune from a local checkpoint, resolved and verified here, before the store is touched)."""
@@ -867,6 +890,8 @@ def cmd_init(args):
     if args.from_checkpoint and start:  # (the run would start from DIR as it is, the growth silently not done)
         raise RelayError(f"init refused: --{start[0]} with --from-checkpoint, which starts the run from that checkpoint "
                          f"as it is; drop one")
+    if args.from_checkpoint and args.config:
+        check_start_done(config_values(cfg_text).get("init_from", "scratch"), ck, args.config)
     cmd = None if args.from_checkpoint else start_command(args, cfg_text, cfg_path, tmp, train_cwd)
     if not store.exists():
         store.create()

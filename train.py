@@ -675,10 +675,14 @@ def main(argv):
     if cfg["resume_from"] and cfg["init_from"] != "resume":  # (it trained a fresh model, the flag unread)
         die(f"--resume_from={cfg['resume_from']} is read only with --init_from=resume (init_from is "
             f"{cfg['init_from']!r}); add --init_from=resume")
-    for k, mode in (("finetune_from", "finetune"), ("grow_from", "grow"), ("grow_layers", "grow")):
-        if cfg["init_from"] == "scratch" and cfg[k]:  # (as resume_from: a fresh model trained, the flag unread;
-            die(f"--{k}={cfg[k]} is read only with --init_from={mode} (init_from is 'scratch'); add "  # a resume
-                f"--init_from={mode}")  # keeps them: config/sft.py and config/grow.py are reused to resume)
+    # as resume_from: the other start's keys went unread (a fresh model trained; a fine-tune asked to grow did not;
+    # a grow given finetune_from was taken by chat.py for a chat model); a resume keeps them (config/sft.py and
+    # config/grow.py are reused to resume). grow_where: only another than its default (a config written from a
+    # checkpoint's saved config holds every key)
+    for k, mode in (("finetune_from", "finetune"), ("grow_from", "grow"), ("grow_layers", "grow"), ("grow_where", "grow")):
+        if cfg["init_from"] not in (mode, "resume") and (cfg[k] != "interleave" if k == "grow_where" else cfg[k]):
+            die(f"--{k}={cfg[k]} is read only with --init_from={mode} (init_from is {cfg['init_from']!r}); add "
+                f"--init_from={mode}, or drop --{k}")
     for k, fix in (("out_dir", "a run directory"), ("dataset", "a corpus folder under data_root")):
         if not cfg[k].strip():  # (an empty out_dir was a traceback; an empty dataset read data/index.json)
             die(f"--{k} is empty; pass {fix}")

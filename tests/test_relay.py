@@ -4,6 +4,7 @@ RelayHub), lease + fencing, contention, stale / killed holders, 5xx-after-commit
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -1034,10 +1035,11 @@ def solo_run(tmp_path, env, steps):
     return fake, out
 
 
-def saved_with_config(out, step, config):
-    """Step `step` of run dir `out` saved again with `config` as its state.json's "config"; its path."""
+def saved_with_config(out, step, config, **state):
+    """Step `step` of run dir `out` saved again with `config` as its state.json's "config" (and the `state` fields
+    given); its path."""
     d = out / checkpoint.step_dir_name(step)
-    st = dict(json.load(open(d / "state.json")), config=config)
+    st = dict(json.load(open(d / "state.json")), config=config, **state)
     blobs = {n: open(d / n, "rb").read() for n in ("model.safetensors", "optimizer.pt", "tokenizer.json")}
     blobs["state.json"] = json.dumps(st).encode()
     return checkpoint.save(str(out), step, {n: (lambda p, b=b: open(p, "wb").write(b)) for n, b in blobs.items()})
@@ -1154,6 +1156,25 @@ def test_init_start_refusals_are_followable(tmp_path, rl):
     r = rl(["init", url, write_config(tmp_path), "--from-checkpoint", out, "--workdir", tmp_path / "w0",
             f"--grow_from={out}"], env)
     assert r.returncode == 3 and "--grow_from with --from-checkpoint" in r.stderr, r.stderr
+    # so does a config file that grows or fine-tunes, given with a checkpoint of a base run: the run started from it as
+    # it was, and each leg refused the config's plan with advice (--replan) that would fine-tune on the pretraining's
+    # step, tokens and AdamW moments
+    base = saved_with_config(out, 0, {"init_from": "scratch", "finetune_from": ""}, layer_origin=["new"] * 3)
+    for text, mode in (("init_from = 'finetune'\nfinetune_from = 'out/nano'\n", "fine-tune"),
+                       ("init_from = 'grow'\ngrow_from = 'out/nano'\ngrow_layers = 2\n", "grow")):
+        r = rl(["init", url, write_config(tmp_path, text), "--from-checkpoint", base, "--workdir", tmp_path / "w0"], env)
+        assert r.returncode == 3 and f"drop --from-checkpoint to {mode} it" in r.stderr, r.stderr
+        assert not os.path.exists(tmp_path / "store")
+    # a checkpoint of the fine-tuned (grown) run itself is what --from-checkpoint is for (config/sft.py's recipe)
+    for text, st in (("init_from = 'finetune'\nfinetune_from = 'out/nano'\n",
+                      ({"init_from": "resume", "finetune_from": "out/nano"}, ["new"] * 3)),
+                     ("init_from = 'grow'\ngrow_from = 'out/nano'\ngrow_layers = 1\n",
+                      ({"init_from": "resume"}, ["old", "new", "old"]))):
+        tuned = saved_with_config(out, 0, st[0], layer_origin=st[1])
+        r = rl(["init", url, write_config(tmp_path, text), "--from-checkpoint", tuned, "--workdir", tmp_path / "w0"],
+               env)
+        assert r.returncode == 0, r.stderr
+        shutil.rmtree(tmp_path / "store")
     r = rl(["init", url, write_config(tmp_path, f"init_from = 'grow'\ngrow_from = '{out}'\ngrow_layers = 1\n"),
             "--train-script", fake, "--workdir", tmp_path / "w0"], env)
     assert r.returncode == 0, r.stderr

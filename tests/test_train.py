@@ -770,7 +770,8 @@ def two_of_four_steps(data_root, tmp_path_factory):
                                   "resume_a_step_without_state", "quarantine_typo", "finetune_from_unread",
                                   "grow_from_unread", "resume_another_runs_step", "finetune_from_stateless",
                                   "unprepared_dataset", "finetune_on_an_unprepared_dataset",
-                                  "finetune_from_an_untrained_run", "top_k_one", "finetune_from_a_smaller_vocab"])
+                                  "finetune_from_an_untrained_run", "top_k_one", "finetune_from_a_smaller_vocab",
+                                  "grow_keys_on_a_finetune", "finetune_from_on_a_grow", "grow_where_on_a_finetune"])
 def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
     out = str(tmp_path / "run")
     args = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=4", "--warmup_iters=1"]
@@ -820,6 +821,16 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         args = args + ["--init_from=finetune", f"--finetune_from={tmp_path / 'src'}"]
     elif case == "grow_from_unread":
         args = args + [f"--grow_from={tmp_path}", "--grow_layers=2"]
+    elif case in ("grow_keys_on_a_finetune", "finetune_from_on_a_grow", "grow_where_on_a_finetune"):
+        # the other start's keys went unread: a 3-layer fine-tune asked to grow 2 layers trained 3 layers, without a
+        # word (and a grow given finetune_from was a base model that chat.py took for a chat-tuned one)
+        src = request.getfixturevalue("three_steps")
+        args = args + ["--stop_after_steps=0"] + {
+            "grow_keys_on_a_finetune": ["--init_from=finetune", f"--finetune_from={src}", f"--grow_from={src}",
+                                        "--grow_layers=2"],
+            "finetune_from_on_a_grow": ["--init_from=grow", f"--grow_from={src}", "--grow_layers=1",
+                                        f"--finetune_from={src}"],
+            "grow_where_on_a_finetune": ["--init_from=finetune", f"--finetune_from={src}", "--grow_where=top"]}[case]
     elif case == "resume_another_runs_step":  # another run's step resumed in out_dir: out_dir's steps set aside
         other = str(tmp_path / "other")
         shutil.copytree(request.getfixturevalue("three_steps"), other)  # another run (any will do), trained once
@@ -920,6 +931,9 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
            "top_k_one": "router gets no gradient", "finetune_from_a_smaller_vocab": "fix the vocab; train on a corpus",
            "quarantine_typo": "'local/train_00001.bin' is not a shard of local (its index.json lists",
            "finetune_from_unread": "is read only with --init_from=finetune", "grow_from_unread": "--init_from=grow",
+           "grow_keys_on_a_finetune": "is read only with --init_from=grow (init_from is 'finetune')",
+           "finetune_from_on_a_grow": "is read only with --init_from=finetune (init_from is 'grow')",
+           "grow_where_on_a_finetune": "--grow_where=top is read only with --init_from=grow (init_from is 'finetune')",
            "resume_another_runs_step": "is a checkpoint of another run than the one in",
            "finetune_from_stateless": "no state.json with a model_config",
            "swapped_tokenizer": "differs from index.json's",
