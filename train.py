@@ -1,6 +1,8 @@
 """
 Train a picaflor MoE model. One process:            python train.py config/tiny.py
                             torchrun DDP:           torchrun --standalone --nproc_per_node=8 train.py config/nano.py
+                            (torchrun SIGKILLs its workers 30 s after passing a SIGTERM on: a big checkpoint's save
+                            needs more, --shutdown_timeout=900)
                             progress of a run:      python train.py --status out/nano
                             supervised (guardian):  python train.py config/nano.py --supervise   (guardian.py)
 Any config global can be overridden: --key=value (configurator.py). Formats: checkpoint.py (run and step dirs), shards.py (corpora), container.py (int4).
@@ -509,17 +511,22 @@ def detach_from_lost_terminal(tty=True):
 
 
 def write_crash_report(cause, code, message, **extra):
-    """crash-<time>.json in the run dir: what the guardian and a person read first."""
-    out = _RUN_INFO.get("out_dir")
-    if not out or not _RUN_INFO.get("master", True):
+    """crash-<time>.json in the run dir: what the guardian and a person read first. Under torchrun every rank writes
+    its own (crash-<time>-rank<r>.json): a fault in one rank's rows (a corrupt batch) left only rank 0's report, a
+    "crash" of the collective that rank's exit broke. Before the loop a rank's error is rank 0's too (one config, the
+    same files): rank 0 alone reports it (and may remove an out_dir its refused start made)."""
+    out, master = _RUN_INFO.get("out_dir"), _RUN_INFO.get("master", True)
+    if not out or (not master and "state" not in _RUN_INFO):
         return
     st = _RUN_INFO.get("state") or {}
     rep = {"cause": cause, "exit_code": code, "message": message, "time": time.time(), "step": st.get("step"),
-           "tokens": st.get("tokens"), **extra}
+           "tokens": st.get("tokens"), **({} if master else {"rank": int(os.environ.get("RANK", -1))}), **extra}
     try:
         rep["data_position"] = {c: s.position for c, s in (_RUN_INFO.get("streams") or {}).items()}
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"crash-{int(time.time() * 1000)}.json"), "w") as f:
+        if master:
+            os.makedirs(out, exist_ok=True)
+        rank = "" if master else f"-rank{os.environ.get('RANK', '?')}"
+        with open(os.path.join(out, f"crash-{int(time.time() * 1000)}{rank}.json"), "w") as f:
             json.dump(rep, f, indent=1)
     except Exception:
         pass  # the report must never hide the error it reports
@@ -1116,6 +1123,15 @@ def main(argv):
         dist.broadcast(t, 0)
         return tuple(bool(v) for v in t.tolist())
 
+    def rank0_clock_any_signal(clock, signalled):
+        """(rank 0's clock decision, whether any rank was signalled), in one collective: a SIGTERM to one rank other
+        than 0 (its pid, as nvidia-smi lists it) was swallowed by its handler while the run trained on."""
+        if not ddp:
+            return clock, signalled
+        t = torch.tensor([int(bool(clock) and master), int(bool(signalled))], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0].item()), bool(t[1].item())
+
     control_said = set()  # the complaints about control.json already logged (said once, not every check)
     control_due = [-1]  # the step a decay taken before a crash is taken again at (-1: none), known to every rank
 
@@ -1287,9 +1303,10 @@ def main(argv):
         if cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]:
             break
         hours = cfg["stop_after_hours"]
-        hours_up, signalled = on_rank0(hours >= 0 and time.time() - t_invoked >= hours * 3600, stop["signal"] is not None)
+        hours_up, signalled = rank0_clock_any_signal(hours >= 0 and time.time() - t_invoked >= hours * 3600,
+                                                     stop["signal"] is not None)
         if signalled:
-            stop["signal"] = stop["signal"] or signal.SIGTERM  # a rank torchrun did not signal stops with rank 0
+            stop["signal"] = stop["signal"] or signal.SIGTERM  # the ranks not signalled stop with the one that was
             break
         if hours_up:
             break

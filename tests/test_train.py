@@ -3,6 +3,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -1473,3 +1474,49 @@ def test_chat_padding_is_routed_but_not_counted_in_the_expert_load():
     assert (routed.sum(1) == 4 * 32 * cfg.top_k).all() and (counted.sum(1) == 4 * 20 * cfg.top_k).all()
     m(x[:, :20], x[:, :20], doc_ids=docs[:, :20])  # the real tokens alone (causal: pads after them change nothing)
     assert torch.equal(counted, m.take_expert_load())
+
+
+def test_ddp_a_stop_signal_or_a_fault_on_another_rank_than_0_is_not_lost(data_root, tmp_path):
+    """torchrun, 2 ranks. A SIGTERM to rank 1 alone (its pid, as nvidia-smi lists it): only rank 0's flag was
+    broadcast, so rank 1's handler swallowed the signal and the run trained on to its end with no preemption
+    checkpoint. And a corrupt batch read by rank 1 alone (its rows): crash reports were rank 0's only, so the run dir
+    held only rank 0's "crash" (its collective broken by rank 1's exit), never the shard and offset at fault."""
+    wrapper = tmp_path / "ranked.py"
+    wrapper.write_text("import os, runpy, sys\n"
+                       "sys.path.insert(0, os.getcwd())\n"
+                       "import shards\n"
+                       "rank = os.environ['RANK']\n"
+                       "pid = os.path.join(os.environ['PICAFLOR_TEST_LOG'], 'pid-rank' + rank)\n"
+                       "open(pid, 'w').write(str(os.getpid()))\n"
+                       "real, reads = shards.TokenStream.next_batch, [0]\n"
+                       "def bad(self, *a, **k):  # rank 1's third train batch: a token id past the vocab\n"
+                       "    reads[0] += self.split == 'train'\n"
+                       "    if rank == '1' and reads[0] == 3 and os.environ.get('PICAFLOR_TEST_BAD_READ'):\n"
+                       "        raise shards.DataError('token id 999 >= vocab_size', path='x/train_000000.bin',"
+                       " offset=77, kind='vocab')\n"
+                       "    return real(self, *a, **k)\n"
+                       "shards.TokenStream.next_batch = bad\n"
+                       "sys.argv = ['train.py'] + sys.argv[1:]\n"
+                       "runpy.run_path('train.py', run_name='__main__')\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PICAFLOR_TEST_LOG=str(tmp_path), PICAFLOR_INJECT_RANK0_LAG_S="0.3")
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(wrapper), *TINY,
+           "--batch_size=2", f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=60", "--warmup_iters=1",
+           "--eval_interval=1000", "--ckpt_interval=1000"]
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    import time
+    deadline = time.time() + 90
+    while not (os.path.exists(os.path.join(out, "metrics.jsonl")) and metrics(out)) and time.time() < deadline:
+        time.sleep(0.2)
+    os.kill(int(open(tmp_path / "pid-rank1").read()), signal.SIGTERM)
+    said = p.communicate(timeout=120)[0]
+    assert p.returncode == 0, said[-3000:]
+    st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+    assert st["step"] < 60 and "SIGTERM: checkpoint saved at step" in said, (st["kind"], st["step"], said[-2000:])
+    bad = str(tmp_path / "bad")
+    r = subprocess.run([a.replace(f"--out_dir={out}", f"--out_dir={bad}") for a in cmd] + ["--max_iters=4"], cwd=REPO,
+                       capture_output=True, text=True, env=dict(env, PICAFLOR_TEST_BAD_READ="1"), timeout=120)
+    assert r.returncode != 0 and os.path.isdir(bad), r.stderr[-5000:]
+    reports = [json.load(open(os.path.join(bad, n))) for n in os.listdir(bad) if n.startswith("crash-")]
+    assert [(x["cause"], x["path"], x["offset"]) for x in reports if x["exit_code"] == 3] == [
+        ("corrupt data", "x/train_000000.bin", 77)], (reports, r.stderr[-3000:])
