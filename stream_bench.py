@@ -12,11 +12,12 @@ so (page_cache_excluded false) and the figures are not disk-bound. The parent me
 and after the child (outside the cgroup: its buffers would count against the budget and the child's peak RSS; the
 bound takes the faster, as some VMs' memory switches between two rates); the child measures the disk
 (expert blobs read as the cache reads them) before loading, decodes, measures the disk again on blobs it never
-read (the bound takes the mean, or the rate decode's own reads ran at if higher), and reports: prefill / decode tok/s, p50 / p99 token latency, hit rate, disk bytes per token from
-/proc/self/io (and as counted), peak RSS, and the lower bound 1 / max(disk time, memory time) per token, the disk
-time being the reads decode needed (its misses; with --prefetch its right guesses too, never its wrong ones) at
-the measured rate, the memory time the weights one token touches at the rate this machine reads a working set of
-their size (in cache where they fit, from DRAM where not).
+read (the bound takes the mean, or the rate decode's own reads ran at if higher), and reports: prefill / decode
+tok/s, p50 / p99 token latency, hit rate (lookups decode found cached; right prefetch guesses, read from the disk,
+apart), disk bytes per token from /proc/self/io (and as counted), peak RSS, and the lower bound 1 / max(disk time,
+memory time) per token, the disk time being the reads decode needed (its misses; with --prefetch its right guesses
+too, never its wrong ones) at the measured rate, the memory time the weights one token touches at the rate this
+machine reads a working set of their size (in cache where they fit, from DRAM where not).
 A sweep writes a table, the same rows as a markdown table beside its JSON (OUT.md, what README.md shows) and a PNG
 (decode tok/s, hit rate and disk bytes per token against the budget, with llama.cpp's curve from
 bench/vs_llamacpp.py's JSON when there is one).
@@ -231,7 +232,7 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     rb1 = S.io_counters()
     majflt0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     cpu0, own0, wall0 = cpu_times(), time.process_time(), time.perf_counter()
-    lookups0, hits0 = eng.cache.lookups, eng.cache.hits + eng.cache.prefetch_hits
+    lookups0, hits0, guess_hits0 = eng.cache.lookups, eng.cache.hits, eng.cache.prefetch_hits
     demanded0 = eng.cache.misses + eng.cache.prefetch_hits  # reads decode needed (a right guess is one)
     bytes0, wait0, busy0 = eng.cache.bytes_read, eng.cache.read_wait_s, eng.cache.disk_busy_s
     tally0 = list(eng.guess_tally)
@@ -243,7 +244,10 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
     n_dec = len(decode_lat)
     st = eng.cache.stats()
     dec_lookups = st["lookups"] - lookups0
-    dec_hit = (st["hits"] + st["prefetch_hits"] - hits0) / max(dec_lookups, 1)
+    # a hit: an expert decode found cached, no read for it; a right guess was read from the disk this token (a
+    # prefetch hit, counted as a hit, put 0.73 on a run whose reads left 0.38 of its lookups unread)
+    dec_hit = (st["hits"] - hits0) / max(dec_lookups, 1)
+    dec_guess_hit = (st["prefetch_hits"] - guess_hits0) / max(dec_lookups, 1)
     dec_bytes = st["bytes_read"] - bytes0
     counted_per_tok = dec_bytes / max(n_dec, 1)
     # storage reads as the kernel counts them; without /proc/self/io (macOS) the cache's own count stands in
@@ -269,7 +273,8 @@ def run_bench(eng, n_prompt=32, n_new=32, experts_per_token=None, seed=0, disk_b
         "prompt_tokens": n_prompt, "new_tokens": len(out),
         "prefill_tok_s": n_prompt / prefill_s, "decode_tok_s": n_dec / max(sum(decode_lat), 1e-9),
         "p50_token_latency_s": pct(0.5), "p99_token_latency_s": pct(0.99),
-        "hit_rate": dec_hit, "hit_rate_with_prefill": st["hit_rate"], "prefill_reads": st_prefill["reads"],
+        "hit_rate": dec_hit, "prefetch_hit_rate": dec_guess_hit, "hit_rate_with_prefill": st["cache_hit_rate"],
+        "prefill_reads": st_prefill["reads"],
         "disk_bytes_per_token": disk_per_tok, "counted_bytes_per_token": counted_per_tok,
         "prefill_disk_bytes": rb1[0] - rb0[0] if rb0 and rb1 else st_prefill["bytes_read"],
         "disk_bytes_source": "/proc/self/io" if rb1 and rb2 else "counted (no /proc/self/io here)",
@@ -452,6 +457,8 @@ def limited_cgroup(budget):
     cg, ver = cgroup_memory_dir()
     if cg:
         try:
+            if filesystem_type(cg) not in (None, "cgroup", "cgroup2"):  # a plain folder (a tmpfs where a cgroup mount
+                raise OSError  # was expected) took the limit and the pid as files and limited nothing, said limited
             if ver == "v2":
                 write("memory.max", str(budget))
                 try:
@@ -666,7 +673,9 @@ def print_bench(res):
     print(f"prefill {res['prefill_tok_s']:.2f} tok/s ({S.plural(res['prompt_tokens'], 'token')}) | decode "
           f"{res['decode_tok_s']:.2f} tok/s "
           f"| token latency p50 {res['p50_token_latency_s'] * 1e3:.1f} ms p99 {res['p99_token_latency_s'] * 1e3:.1f} ms")
-    print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode), "
+    guess = res.get("prefetch_hit_rate")
+    print(f"expert cache: hit rate {res['hit_rate']:.3f} (decode" + (f"; {guess:.3f} more were right guesses, read "
+          f"ahead" if guess else "") + "), "
           f"capacity {S.plural(res['cache_capacity_experts'], 'expert')} "
           f"(the model has {res.get('model_experts', '?')}) of {res['expert_bytes'] / 1e6:.2f} MB | "
           f"disk read per token {res['disk_bytes_per_token'] / 1e6:.2f} MB "
@@ -811,13 +820,17 @@ def run_sweep(args, argv):
 
 def sweep_markdown(rows):
     """A sweep's rows as a markdown table (what README.md shows): each budget's median run, with the range of %
-    of the bound and of CPU steal over its runs."""
+    of the bound and of CPU steal over its runs, and how many of its runs failed."""
     def ranged(r, key, scale=100):
         runs = [x[key] for x in r.get("runs", []) if x.get(key) is not None]
         return f" ({min(runs) * scale:.0f}-{max(runs) * scale:.0f})" if len(runs) > 1 else ""
 
     def opt(v, f):
         return "n/a" if v is None else f(v)
+
+    def failed(r):  # as the console table: a budget that was OOM-killed in 2 of 3 rounds read as a clean row
+        n = len(r.get("failed_runs") or [])
+        return f", {n} of {n + len(r.get('runs', []))} failed" if n else ""
 
     gb = lambda v: f"{v / 1e9:.2f}"  # noqa: E731
     head = ["budget", "decode tok/s", "prefill tok/s", "p50 / p99 ms", "hit rate", "experts cached", "disk MB / token",
@@ -840,7 +853,7 @@ def sweep_markdown(rows):
             opt(r.get("huge_page_bytes"), S.fmt_size), disk, f"{r['mem_bw_bytes_s'] / 1e9:.1f}" + (
                 f" ({r['mem_bw_before_bytes_s'] / 1e9:.1f} / {r['mem_bw_after_bytes_s'] / 1e9:.1f})"
                 if r.get("mem_bw_after_bytes_s") is not None else ""),
-            f"{r['bound_tok_s']:.2f}", f"**{r['pct_of_bound'] * 100:.0f}%**{ranged(r, 'pct_of_bound')}",
+            f"{r['bound_tok_s']:.2f}", f"**{r['pct_of_bound'] * 100:.0f}%**{ranged(r, 'pct_of_bound')}{failed(r)}",
             f"{r['decode_tok_s'] / r['bound_tok_s_serial'] * 100:.0f}%",
             opt(r.get("cpu_steal_fraction"), lambda v: f"{v * 100:.0f}%") + ranged(r, "cpu_steal_fraction"),
             opt(r.get("others_cpu_fraction"), lambda v: f"{v * 100:.0f}%")]) + " |")
@@ -867,6 +880,9 @@ def plot_sweep(rows, plot, llamacpp_json, container):
               if r.get("llamacpp_tok_s") and r.get("budget_bytes")]  # the unlimited row has no x position
         ax[0].plot([r["budget_bytes"] / (1 << 30) for r in lc], [r["llamacpp_tok_s"] for r in lc], "s-",
                    label="llama.cpp")
+    bad = [r["ram_budget"] / (1 << 30) for r in rows if "error" in r and r.get("ram_budget")]
+    if bad:  # a budget that failed or was refused: marked, not a gap the curve's line runs across unseen
+        ax[0].plot(bad, [0] * len(bad), "rx", markersize=9, label="failed or refused (see the table)")
     ax[0].set_ylabel("tok/s")
     ax[0].legend()
     ax[1].plot(x, [r["hit_rate"] for r in ok], "o-")

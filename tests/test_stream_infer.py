@@ -2156,7 +2156,9 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     assert len(md) == 5 and md[1].count("---") == md[0].count("|") - 1
     cells = [c.strip() for c in md[2].strip("|").split("|")]
     assert cells[:5] == ["2G", "4.00 (3-5)", "1.00", "250 / 500", "0.500"] and cells[6:8] == ["1.0", "10"]
-    assert cells[10] == "n/a / n/a / 1.50" and cells[13:] == ["**40%** (30-50)", "80%", "4% (3-5)", "2%"]
+    # the round that failed is said in the row, as on the console (README's table read as four clean runs)
+    assert cells[10] == "n/a / n/a / 1.50"
+    assert cells[13:] == ["**40%** (30-50), 1 of 4 failed", "80%", "4% (3-5)", "2%"]
     assert md[3].startswith("| 1G | x.pcf4: benchmark child failed") and md[3].count("|") == md[0].count("|")
     decode["2G"] = iter([5.0, 3.0])
     args.sweep, args.repeat = "2G", 2
@@ -2168,6 +2170,23 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     decode["2G"] = iter([12.0, 11.0])
     args.repeat = 2
     assert B.run_sweep(args, [])[0]["decode_tok_s"] == 11.0
+
+
+def test_bench_hit_rate_counts_only_experts_no_read_was_made_for(tiny, capsys):
+    """--bench's hit rate: the decode lookups served from the cache. A right prefetch guess was read from the disk
+    that token; counted as a hit, it put 0.73 on this run, where 0.38 of the lookups needed no read."""
+    m, path = tiny
+    eng = S.load(path, ram_budget=None, prefetch="on", preload=False)
+    eng.cache.budget = 12 * eng.container.expert_nbytes
+    res = B.run_bench(eng, n_prompt=6, n_new=12, mem_bw=1e10)
+    lookups_per_token = (CFG["n_layer"] - CFG["n_dense_layers"]) * CFG["top_k"]  # distinct picks, one lookup each
+    read_per_token = res["demanded_bytes_per_token"] / res["expert_bytes"]  # misses and right guesses
+    assert res["hit_rate"] == pytest.approx(1 - read_per_token / lookups_per_token)
+    assert res["prefetch_hit_rate"] > 0  # guesses were right: what the old figure counted as hits
+    assert res["hit_rate"] + res["prefetch_hit_rate"] <= 1
+    B.print_bench(res)
+    assert f"hit rate {res['hit_rate']:.3f} (decode; {res['prefetch_hit_rate']:.3f} more were right guesses" in \
+        capsys.readouterr().out
 
 
 def test_print_bench_says_one_of_a_thing_in_the_singular(tiny, capsys):
@@ -2206,6 +2225,23 @@ def test_sweep_markdown_memory_in_the_budgets_units():
     cells = dict(zip(head, (c.strip() for c in md[2].strip("|").split("|"))))
     assert cells["peak RSS"] == S.fmt_size(peak) and cells["in huge pages"] == S.fmt_size(huge)
     assert S.parse_size(cells["peak RSS"]) <= S.parse_size(cells["budget"])
+
+
+def test_sweep_plot_marks_a_budget_that_failed(tmp_path, monkeypatch):
+    """The sweep's PNG (README's): a budget whose every run failed or was refused is marked on the tok/s axis; it
+    was left out, and the curve's line ran from the budget above it to the one below as if it had been measured."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+    drawn, real = [], Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda ax, *a, **kw: drawn.append((a, kw.get("label"))) or real(ax, *a, **kw))
+    ok = {"ram_budget": 3 << 30, "decode_tok_s": 20.0, "bound_tok_s": 40.0, "hit_rate": 0.9,
+          "disk_bytes_per_token": 1e7, "container_bytes": 4e9, "random_weights": True, "threads": 2}
+    failed = {"ram_budget": 2 << 30, "budget_str": "2G", "error": "x.pcf4: benchmark child failed (killed)"}
+    B.plot_sweep([ok, failed, dict(ok, ram_budget=1 << 30)], str(tmp_path / "s.png"), None, "x.pcf4")
+    assert (tmp_path / "s.png").stat().st_size > 0
+    marks = [a for a, label in drawn if label and "failed" in label]
+    assert len(marks) == 1 and list(marks[0][0]) == [2.0], drawn
 
 
 def test_others_cpu_fraction_needs_a_long_enough_window():
@@ -2481,6 +2517,13 @@ def test_cli_prints_generated_text_without_specials(tmp_path, monkeypatch, capsy
     big = CFG["max_seq_len"] * 4  # --context past the model's was capped without a word
     assert S.main([path, "--prompt", "hello", "--max-new-tokens", "4", "--context", str(big)]) == 0
     assert f"--context {big} is capped at the model's max_seq_len {CFG['max_seq_len']}" in capsys.readouterr().err
+    # the closing line's hit rate: experts found cached; right prefetch guesses (read from the disk) apart (they were
+    # counted as hits: 0.73 on a run whose reads left 0.38 of the lookups unread)
+    real_stats = EC.ExpertCache.stats
+    monkeypatch.setattr(EC.ExpertCache, "stats", lambda self: dict(real_stats(self), lookups=100, hits=38,
+                                                                   prefetch_hits=35, hit_rate=0.73, cache_hit_rate=0.38))
+    assert S.main([path, "--prompt", "hello", "--max-new-tokens", "4"]) == 0
+    assert "expert hit rate 0.380 (+0.350 right guesses, read ahead)" in capsys.readouterr().err
 
 
 def test_cli_output_the_terminal_cannot_encode_is_shown_not_a_traceback(tmp_path, monkeypatch):
@@ -2696,7 +2739,16 @@ def test_bench_cgroup_limit_join_and_child_refusal_are_said(tiny, tmp_path, monk
         (d / name).symlink_to("/dev/full")  # a write that fails when flushed (ENOSPC)
         with monkeypatch.context() as mp:
             mp.setattr(B, "cgroup_memory_dir", lambda: (str(d), ver))
+            mp.setattr(B, "filesystem_type", lambda p: "cgroup2" if ver == "v2" else "cgroup")  # as the kernel's
             assert B.limited_cgroup(1 << 30) == (None, None), ver
+    # a folder that is no cgroup (a tmpfs where the cgroup mount was expected) takes the limit and the pid as plain
+    # files and limits nothing: not a cgroup, not reported as memory-limited
+    for ver in ("v1", "v2"):
+        d = tmp_path / f"plain-{ver}"
+        d.mkdir()
+        with monkeypatch.context() as mp:
+            mp.setattr(B, "cgroup_memory_dir", lambda: (str(d), ver))
+            assert B.limited_cgroup(1 << 30) == (None, None) and not d.exists(), ver
     # the child's pid not written into the cgroup: one line, the cgroup still closed
     bad = tmp_path / "cg-nojoin"
     (bad / "cgroup.procs").mkdir(parents=True)  # opening it for writing fails in the child, before exec
