@@ -29,6 +29,7 @@ Terminal chat (the implementer's calls):
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -377,9 +378,10 @@ PICK_PROMPTS = [
 ]
 
 
-def val_assistant_loss(model, corpus_dir, max_rows=256, batch_rows=8):
+def val_assistant_loss(model, corpus_dir, max_rows=256, batch_rows=8, seq_len=None):
     """Mean cross-entropy over the assistant tokens (mask 1) of the val split, whole rows, each packed conversation
-    attending only to itself (as train.py's val loss and as served); (loss, n targets)."""
+    attending only to itself (as train.py's val loss and as served); (loss, n targets). seq_len: a cap on the
+    windows (pick's, the same for every checkpoint it compares)."""
     import torch
     import torch.nn.functional as F
     import shards
@@ -388,7 +390,8 @@ def val_assistant_loss(model, corpus_dir, max_rows=256, batch_rows=8):
     if not ts.has_mask:
         raise ChatError(f"{corpus_dir}/index.json: not a chat corpus (no loss masks); run data/smoltalk/prepare.py")
     bos = shards.load_corpus_tokenizer(corpus_dir, ts.index).bos_id  # each packed conversation starts at <|bos|>
-    T = min(ts.row_tokens or model.cfg.max_seq_len, model.cfg.max_seq_len)
+    cap = min(seq_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
+    T = min(ts.row_tokens or cap, cap)
     rows = max(1, min(max_rows, ts.total_tokens // T))
     dev = model.embed_tokens.weight.device
     total, count = 0.0, 0
@@ -401,6 +404,16 @@ def val_assistant_loss(model, corpus_dir, max_rows=256, batch_rows=8):
                                      reduction="sum").item()
             count += int((y != -1).sum())
     return (total / count if count else float("nan")), count
+
+
+def saved_max_seq_len(ckpt_dir):
+    """A checkpoint's model max_seq_len from its state.json, or None where it does not say."""
+    try:
+        with open(os.path.join(ckpt_dir, "state.json")) as f:
+            n = json.load(f)["model_config"]["max_seq_len"]
+        return n if isinstance(n, int) and n > 0 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def repeated_ngrams(ids, n=3):
@@ -441,12 +454,15 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
         if toks[path].hash != index.get("tokenizer_sha256"):
             raise ChatError(f"{path}/tokenizer.json differs from {data_dir}'s tokenizer; pass the --data corpus "
                             f"prepared with this model's tokenizer")
+    # one window length for all: a resume may raise max_seq_len, and each checkpoint's own cut the rows elsewhere
+    # (losses over other windows ranked as one); load_checkpoint says what is wrong with a state.json this cannot read
+    seq_len = min([n for n in map(saved_max_seq_len, (p for _, p in ckpts)) if n] or [None])
     results = []
     for step, path in ckpts:
         t0 = time.time()
         model = load_checkpoint(path, device=device, dtype=dtype)
         tok = toks[path]
-        loss, n = val_assistant_loss(model, data_dir, max_rows)
+        loss, n = val_assistant_loss(model, data_dir, max_rows, 8, seq_len)
         answers = []
         for p in prompts:
             conv = Conversation(tok, picaflor_backend(model))
@@ -469,7 +485,8 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
 
 def write_pick_report(run_dir, data_dir, prompts, max_new_tokens, results, skipped, done):
     import checkpoint
-    lowest = min(results, key=lambda r: r["val_loss"])["checkpoint"]
+    scored = [r for r in results if not math.isnan(r["val_loss"])]  # (a NaN first compared below nothing: "lowest")
+    lowest = min(scored, key=lambda r: r["val_loss"])["checkpoint"] if scored else None
     best_file = os.path.join(run_dir, "BEST")
     report = {"run_dir": os.path.abspath(run_dir), "data": os.path.abspath(data_dir), "greedy": True,
               "max_new_tokens": max_new_tokens, "lowest_val_loss": lowest,

@@ -39,7 +39,8 @@ int4 weights; bits per weight include the bf16 scale and zero of each group):
     group  32: asym 0.0749 / sym 0.0812        asym 0.0782 / sym 0.0859     5.00 bpw
     group  64: asym 0.0846 / sym 0.0886        asym 0.0895 / sym 0.0950     4.50 bpw
     group 128: asym 0.0925 / sym 0.0949        asym 0.0993 / sym 0.1028     4.25 bpw
-Asymmetric (min/max) beats symmetric (absmax, Q4_0 style) at every group size for the same bytes (the kernel's
+Asymmetric (min/max; the zero is rounded to bf16 first, and where that clips the group's min or max the step is
+widened to reach both) beats symmetric (absmax, Q4_0 style) at every group size for the same bytes (the kernel's
 format carries a zero per group anyway, so symmetric saves nothing); halving the group buys ~9% less error for
 +0.25..0.5 bpw. Default: group 64, asymmetric (4.5 bpw, llama.cpp Q4_0's size); --group-size 128 gives the
 4.25 bpw GPTQ/AWQ size. Perplexity on a trained tiny checkpoint: README, "int4 quality"

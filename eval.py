@@ -54,23 +54,31 @@ DIR/<task>.jsonl (one JSON object per line), DIR/<task>.json (a list), DIR/<task
 of such files (read in name order; where their names name splits, as a Hub snapshot's train-*, validation-*,
 test-* do, only the files of the split the task scores on the Hub). Few-shot examples come from the train split:
 downloaded likewise, or DIR/<task>/ files whose names name it (DIR/gsm8k/train.jsonl; the Hub's 7473 rows).
+A choices / endings field that is not a list of strings (a list written as text) is refused as not the schema.
 
 Generation never inherits sampling settings from a model: decoding is greedy with no repetition / presence /
 frequency penalty, by eval.py's own loop; if the model ships such settings they are printed as a loud warning
-and recorded in summary.json as ignored.
+and recorded in summary.json as ignored. A stop string (the task's `until`) is looked for in the text decoded with
+special tokens kept, as the harness's stop check does: "<|im_end|>" stops an HF model whose tokenizer has it.
 
 Outputs (--out DIR): <task>.jsonl per example (requests, per-choice log-likelihoods, prediction, gold, scores),
 summary.json {"results": {task: {metric, metric_stderr, "n"}}, "model", "harness_version", "seed", "dtype",
-"num_fewshot": {task: N}, "sampling", "tasks_done", ...} and results.md (a markdown table), both rewritten after every
-task so a failure later keeps the finished ones. An --out that already holds a summary of the same model scored the
-same way keeps its other tasks' results (rerun a failed task alone); one of another model or settings is refused.
+"num_fewshot": {task: N}, "examples": {task: sha256 of its prompts}, "sampling", "tasks_done", ...} and results.md (a
+markdown table), both rewritten after every task so a failure later keeps the finished ones. An --out that already
+holds a summary of the same model scored the same way keeps its other tasks' results (rerun a failed task alone), and
+a task asked again keeps its own until it is scored; one of another model or settings is refused. "The same model":
+model_source (a run dir's step scored, a Hub id's commit), model_weights (a checkpoint's MANIFEST.json hashes, else
+its files' sizes and times: a rollback's new step_N or an export over the same path is another model) and the
+tokenizer's sha256 (--tokenizer).
 A diverged model's perplexity is inf, not an overflow. --compare prints several summaries side by side and marks
 each difference from the first column as within noise (~, |diff| <= 2 * sqrt(se_a^2 + se_b^2)) or not (*), and not
-at all (!) between other numbers of examples or of shots.
+at all (!) between other numbers of examples, other examples (summary.json's "examples"), shots or generation caps
+(--max-gen-toks).
 """
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -262,8 +270,36 @@ def check_vocab(tok, model_vocab, where):
                         f"this model (pass the one it was trained with: --tokenizer)")
 
 
+def sha256_text(text):
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def weights_identity(path):
+    """Which weights a local model path held when it was scored: a picaflor checkpoint's MANIFEST.json file hashes,
+    else its files' sizes and modification times (an int4 container or HF dir exported again over the same path).
+    A run dir's rollback trains a new step_NNNNNNN under an old name: the path alone mixed two models' results."""
+    man = os.path.join(path, "MANIFEST.json")
+    if os.path.isfile(man):
+        with open(man) as f:
+            files = json.load(f)["files"]  # (verified by the load that precedes this)
+        return "manifest " + sha256_text(json.dumps({n: m["sha256"] for n, m in files.items()}, sort_keys=True))
+    names = [path] if os.path.isfile(path) else sorted(os.path.join(path, n) for n in os.listdir(path))
+    own = ("summary.json", "results.md", ".writable")  # (an --out inside the model dir: its own files are not weights)
+    stats = [(os.path.basename(n), st.st_size, st.st_mtime_ns) for n in names
+             if os.path.isfile(n) and not n.endswith(own + (".jsonl",)) and (st := os.stat(n))]
+    return "files " + sha256_text(json.dumps(stats))
+
+
 def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False, ram_budget=None):
-    """MODEL string -> one of the LM kinds above. One-line EvalError when it is none of them."""
+    """MODEL string -> one of the LM kinds above. One-line EvalError when it is none of them. lm.weights: which
+    weights a local path held (weights_identity); a Hub id's commit is in lm.source."""
+    lm = load_model_kind(spec, device, dtype_name, tokenizer_path, int4_engine, ram_budget)
+    local = getattr(lm, "source", None) if getattr(lm, "kind", "") == "picaflor" else spec
+    lm.weights = weights_identity(local) if local and os.path.exists(local) else None
+    return lm
+
+
+def load_model_kind(spec, device, dtype_name, tokenizer_path=None, int4_engine=False, ram_budget=None):
     dtype = resolve_dtype(dtype_name, device)
     if os.path.isdir(spec):
         if os.path.isfile(os.path.join(spec, "config.json")):
@@ -680,6 +716,18 @@ def run_task(lm, task, args):
     return docs, results, seconds
 
 
+def examples_fingerprints(task, docs):
+    """{result name: sha256 of the examples it scored, as prompted} (--compare: another data copy, --limit, seed or
+    shots of the same n scored other questions)."""
+    def sha(ds):
+        return sha256_text(json.dumps([[d["requests"], d.get("gold")] if "requests" in d else
+                                       [d["prompt"], d["target"], d.get("until")] for d in ds], default=str))
+    if task == "passkey":
+        lengths = sorted({d["length"] for d in docs})
+        return {f"passkey@{n}": sha([d for d in docs if d["length"] == n]) for n in lengths}
+    return {task: sha(docs)}
+
+
 def example_record(i, d):
     rec = {"doc_id": i}
     if "requests" in d:
@@ -751,12 +799,18 @@ def compare(paths):
                 cells.append("-")
                 continue
             cell = f"{fmt(v)} ± {fmt(se)}" if se is not None else fmt(v)
+            cap = s.get("max_gen_toks") if ET.TASKS.get(task.split("@")[0], ("",))[0] == "generate_until" else None
+            examples = (s.get("examples") or {}).get(task)  # (None in summaries before it was recorded)
             if col == 0:  # the first column is the reference: a row it lacks is compared against nothing
-                ref = (v, se, res.get("n"), summary_fewshot(s, task))
+                ref = (v, se, res.get("n"), summary_fewshot(s, task), cap, examples)
             elif ref is not None and res.get("n") != ref[2]:  # other examples (--limit, other data): no verdict
                 cell += f" (n={res.get('n')} vs {ref[2]} !)"
             elif ref is not None and summary_fewshot(s, task) != ref[3]:  # other prompts (0- vs 5-shot gsm8k): none
                 cell += f" ({summary_fewshot(s, task)}-shot vs {ref[3]}-shot !)"
+            elif ref is not None and cap != ref[4]:  # generations cut at another length (--max-gen-toks): none
+                cell += f" (max-gen-toks {cap or 'default'} vs {ref[4] or 'default'} !)"
+            elif ref is not None and None not in (examples, ref[5]) and examples != ref[5]:  # another test set
+                cell += " (other examples !)"
             elif ref is not None and ref[1] is not None and se is not None:
                 noise = 2 * math.sqrt(ref[1] ** 2 + se ** 2)
                 cell += f" ({v - ref[0]:+.4f} {'~' if abs(v - ref[0]) <= noise else '*'})"
@@ -764,15 +818,16 @@ def compare(paths):
         lines.append(f"| {task} | {m} | " + " | ".join(cells) + " |")
     lines.append("\n~ = difference from the first column within noise (|diff| <= 2 * sqrt(se1^2 + se2^2)); "
                  "* = outside it; ! = scored on another number of examples than the first column (--limit, other "
-                 "data) or with other few-shot prompts: not compared; a row without a first-column value is not "
-                 "compared")
+                 "data), on other examples, with other few-shot prompts or generation caps: not compared; a row "
+                 "without a first-column value is not compared")
     for name, s, p in zip(names, sums, paths):  # what each column scored (a run dir's name says neither step nor data)
         shots = ", ".join(f"{t} {summary_fewshot(s, t)}" for t in s["results"])
         # synthetic tasks alone (counting, passkey@N) read no data: "data hub" sent a reader after a download
         made = s["results"] and all(ET.TASKS.get(t.split("@")[0], ("", ""))[1] is None for t in s["results"])
         data = f"generated (seed {s.get('seed', '?')})" if made else s.get("data", "?")
         kind = f"{s['model_kind']}, " if s.get("model_kind") else ""  # an int4 container's said "dtype float32" only
-        lines.append(f"- {name}: {p}: {s.get('model_source', '?')}, {kind}data {data}, "
+        weights = f" ({s['model_weights']})" if s.get("model_weights") else ""  # a path whose weights were replaced
+        lines.append(f"- {name}: {p}: {s.get('model_source', '?')}{weights}, {kind}data {data}, "
                      f"dtype {s.get('dtype', '?')}, limit {s.get('limit')}, shots: {shots}")
     return "\n".join(lines)
 
@@ -821,8 +876,10 @@ def parse_args(argv):
 
 
 # (num_fewshot is per task: a task rerun with other shots replaces its own results only)
-SAME_EVALUATION = ("model_source", "data", "dtype", "limit", "max_gen_toks", "harness_version", "seed")  # (seed: the
-# synthetic tasks' examples and the few-shot draws)
+# (seed: the synthetic tasks' examples and the few-shot draws; model_weights: a path's weights, which a rollback or a
+# new export replaces under the same name)
+SAME_EVALUATION = ("model_source", "model_weights", "tokenizer", "data", "dtype", "limit", "max_gen_toks",
+                   "harness_version", "seed")
 
 
 def keep_earlier_results(out, summary, tasks):
@@ -843,13 +900,20 @@ def keep_earlier_results(out, summary, tasks):
         if earlier.get(key) != summary[key]:
             raise EvalError(f"--out {out} holds results of another evaluation ({key} {earlier.get(key)!r}, now "
                             f"{summary[key]!r}); pass another --out, or delete {path} to start over")
-    kept = [t for t in earlier.get("tasks_done", []) if t not in tasks and t in ET.TASKS]
-    summary["results"] = {n: r for n, r in (earlier.get("results") or {}).items()
-                          if any(n == t or n.startswith(t + "@") for t in kept)}
-    summary["seconds"] = {t: (earlier.get("seconds") or {}).get(t) for t in kept}
-    summary["num_fewshot"] = {t: summary_fewshot(earlier, t) for t in kept}
+    # a task asked again keeps its earlier results until it is scored (a Ctrl-C before that dropped them)
+    done = [t for t in earlier.get("tasks_done", []) if t in ET.TASKS]
+    summary["results"] = {n: r for n, r in (earlier.get("results") or {}).items() if result_task(n) in done}
+    summary["examples"] = {n: h for n, h in (earlier.get("examples") or {}).items() if result_task(n) in done}
+    summary["seconds"] = {t: (earlier.get("seconds") or {}).get(t) for t in done}
+    summary["num_fewshot"] = {t: summary_fewshot(earlier, t) for t in done}
+    kept = [t for t in done if t not in tasks]
     if kept:
         print(f"--out {out}: keeping the earlier results of {', '.join(kept)} (the same model, scored the same way)")
+
+
+def result_task(name):
+    """The task a results entry belongs to (passkey@4096: passkey)."""
+    return name.split("@")[0]
 
 
 def summary_fewshot(summary, task):
@@ -900,6 +964,9 @@ def evaluate(args):
         warn_shipped_settings(lm)
     summary = {"results": {}, "model": args.model, "model_kind": lm.kind,
                "model_source": getattr(lm, "source", os.path.abspath(args.model)),
+               "model_weights": getattr(lm, "weights", None),
+               # a picaflor tokenizer's sha256 (--tokenizer or the model's own; an HF model's is among its files)
+               "tokenizer": getattr(lm.tok, "hash", None) if lm.kind != "hf" else None,
                "data": os.path.abspath(args.data_dir) if args.data_dir else "hub", "harness_version": HARNESS_VERSION,
                "seed": args.seed, "dtype": lm.dtype, "device": str(args.device), "max_length": lm.max_length,
                "num_fewshot": {}, "limit": args.limit, "bootstrap_iters": args.bootstrap_iters,
@@ -908,7 +975,7 @@ def evaluate(args):
                "sampling": {"method": "greedy", "temperature": 0.0, "repetition_penalty": 1.0,
                             "presence_penalty": 0.0, "frequency_penalty": 0.0,
                             "ignored_model_settings": lm.generation_settings},
-               "seconds": {}}
+               "seconds": {}, "examples": {}}
     made = []  # the folders this run makes for --out, deepest first: a failure that leaves them empty removes them
     d = os.path.abspath(args.out) if args.out else None
     while d and not os.path.exists(d):
@@ -939,7 +1006,12 @@ def score_tasks(lm, args, tasks, summary):
     args.tasks_left, args.tasks_asked = list(tasks), list(tasks)
     for task in tasks:
         docs, results, seconds = run_task(lm, task, args)
+        # its earlier results (kept until now) go: another --passkey-lengths leaves none of their lengths behind
+        summary["results"] = {n: r for n, r in summary["results"].items() if result_task(n) != task}
         summary["results"].update(results)
+        summary["examples"] = {n: h for n, h in summary["examples"].items() if result_task(n) != task}
+        summary["examples"].update(examples_fingerprints(task, docs))
+        summary["seconds"].pop(task, None)  # (tasks_done in the order they finished)
         summary["seconds"][task] = round(seconds, 3)
         summary["num_fewshot"][task] = ET.num_fewshot(task, args)
         for name, res in results.items():

@@ -17,6 +17,8 @@ the vocab.
   (sharded with model.safetensors.index.json above --max-shard-size), generation_config.json (greedy, no
   repetition or other sampling penalty), tokenizer.json + tokenizer_config.json for AutoTokenizer (with the
   chat template), and picaflor_tokenizer.json (our own tiktoken file, what tokenizer.Tokenizer.load reads).
+  Where d_model or expert_ffn is not a multiple of 8, config.json sets experts_implementation "eager":
+  transformers' default experts (torch._grouped_mm) need 16-byte row strides.
 - gguf: one file for llama.cpp, arch `hy_v3`, tokenizer embedded.
 
 Implementer's calls (DESIGN.md asks to record them here):
@@ -45,7 +47,8 @@ Implementer's calls (DESIGN.md asks to record them here):
 - GGUF: names and keys from llama.cpp's hy_v3 loader (src/models/hy-v3.cpp, llama-arch.cpp). No Q/K
   permutation: hy_v3 uses NEOX RoPE, which is HF's rotate_half layout (the llama.cpp converter does not
   permute either). The selection bias is `blk.N.exp_probs_b` (the loader's name, no ".bias" suffix).
-  Norms, router and bias stay F32; q8_0/q4_0 need rows divisible by 32 (others fall back to F16); with
+  Norms, router and bias stay F32; q8_0/q4_0 need rows divisible by 32 (others fall back to F16, warned with their
+  share of the weights; "f16_fallback" in the printed JSON counts them); with
   q4_0 the token embedding and output matrices are Q8_0 (they are the most sensitive). Pre-tokenizer name
   "llama-bpe": its regex splits text the same way as our rustbpe (GPT-4 style) pattern (tested), with one known
   exception: our (?i:'s) also matches the long s (U+017F, Unicode case folding), llama.cpp's '[sS] does not.

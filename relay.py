@@ -23,7 +23,9 @@ Files in the store (DESIGN.md, Relay):
                          decay_requested, legs (legs pushed so far), checkpoint (folder name)
     config.py            the run's train.py config (init writes it; every leg trains with it); data only:
                          literal assignments (configurator.not_data), since train.py execs it on every
-                         contributor's machine, so a config.py holding code is refused before anything runs
+                         contributor's machine, so a config.py holding code is refused before anything runs;
+                         init and pull refuse one setting on_stuck or mirror_dir (each contributor's own: a shell
+                         command the guardian runs, a local folder), which go on `run`'s command line
     checkpoint/          the latest checkpoint dir (MANIFEST.json verified before upload and after download)
     logs/leg-NNNN.jsonl  the metrics.jsonl lines of every leg
     LEDGER.md            one row per leg: who, GPU, steps, tokens, wall time, $, loss at start and end
@@ -45,8 +47,10 @@ in its own local folder WORKDIR/leg-NNNN-genG/ (default WORKDIR ./relay-work/<st
 checkpoint is never touched again (leg dirs are removed only once pushed, and only when nothing was trained there
 after the push: PUSHED records the step; LEG.json names the lease a leg dir is for, another lease's same-named dir is
 set aside, never resumed); `decay` refuses while someone holds the
-baton (its commit would fence them out); `claim` by the current holder renews; $ = wall hours x gpu_hourly_usd
-(the config's, or --gpu_hourly_usd=); defaults ttl 1200 s, heartbeat 300 s (Hub rate limits). One relay.py at a time
+baton (its commit would fence them out); `claim` by the current holder renews; $ = the leg's trainer hours x
+gpu_hourly_usd (the config's, or --gpu_hourly_usd=; kept in LEG.json, so a `push` that finishes a killed `run` bills
+the trainer time and rate LEG.json kept); a pull downloads into .pull-<pid>-*, and removes those whose pid is gone;
+defaults ttl 1200 s, heartbeat 300 s (Hub rate limits). One relay.py at a time
 works in a WORKDIR (flock on WORKDIR/.relay.lock). HTTP requests time out after RELAY_HTTP_TIMEOUT_S (60 s) without
 progress (huggingface_hub's client waits forever), as a Transient. A failed upload or commit of a finished leg keeps
 the lease and names the `push` / `release` that finish it. A heartbeat that found the lease overdue (the store too
@@ -1177,7 +1181,8 @@ def build_parser():
         if name == "init":
             sp.add_argument("config", nargs="?", default=None, help="train.py config file (config/*.py)")
             sp.add_argument("--from-checkpoint", default=None, help="start from this checkpoint as it is (run dir or "
-                            "step dir; the config's init_from is not read)")
+                            "step dir; the config's init_from is not read, but a config that grows or fine-tunes "
+                            "needs DIR from that grown / fine-tuned run)")
     add("status", "who holds the baton, lease age, step, tokens, stage, last legs", local=False).add_argument(
         "--json", action="store_true")
     sp = add("pull", "download and verify the latest checkpoint (into the leg dir when you hold the lease)")

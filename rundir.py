@@ -258,7 +258,8 @@ def file_in_the_way(out_dir):
 def hold_run_lock(out_dir, wait_s, log, who="trainer"):
     """One trainer per out_dir (an flock on out_dir/.trainer.lock, held until exit): a second one deleted the first's
     checkpoint temp dir mid-save. It waits up to wait_s for the first to exit (a relaunched guardian's trainer,
-    while the killed guardian's finishes its SIGTERM checkpoint), then errors. Returns the open lock file.
+    while the killed guardian's finishes its SIGTERM checkpoint), then errors; a lock file deleted while it waited
+    (a refused start's cleanup) is opened again, so two trainers never hold two files. Returns the open lock file.
     who="guardian": the same for guardians (.guardian.lock; a second one rewrote the first's guardian.json)."""
     import fcntl
     os.makedirs(out_dir, exist_ok=True)
@@ -347,9 +348,10 @@ def fsync_dir_if_it_can(path):
 
 
 def mirror(out_dir, dest, checkpoints=True, keep=1, tick=None):
-    """Copy logs (and the newest checkpoint, atomically) to dest, so they outlive the machine's disk; retention
-    as in out_dir (keep_last). A failure (a bucket mount's hiccup, a full mirror disk) warns and training goes on:
-    out_dir still holds everything. Returns whether it worked. tick: called as the copy goes (the hang watchdog)."""
+    """Copy logs (and the newest checkpoint, atomically: fsynced before it replaces the old copy) to dest, so they
+    outlive the machine's disk; retention as in out_dir (keep_last). A failure (a bucket mount's hiccup, a full
+    mirror disk) warns and training goes on: out_dir still holds everything. Returns whether it worked. tick: called
+    as the copy goes (the hang watchdog)."""
     try:
         os.makedirs(dest, exist_ok=True)
         for name in os.listdir(out_dir):

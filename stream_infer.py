@@ -13,6 +13,8 @@ Python API (eval.py, bench/quant_quality.py):
     tokens[1:] of context_ids; eng.loglikelihood_batch([(ctx, cont), ...])
     Threads may share an engine: its lock (eng.lock) lets one request step run at a time, and a request takes its
     KV positions from the --context the budget reserved (eng.kv_reserve), waiting while other threads' hold them.
+    eng.forward(ids, cache) refuses, before any chunk runs, input that does not fit the KV cache (or, with no cache,
+    the reserved context): nothing advanced.
 
 How it works (the implementer's calls, as DESIGN.md asks):
 - The model is model.py's Picaflor built on the meta device (model.meta_model: no random init, which would import
@@ -891,7 +893,8 @@ class Engine:
 
     # --- forward ---
     def forward(self, ids, cache=None, positions=None, last_only=False):
-        """Threads may share the engine: one forward at a time (the lock), see _forward."""
+        """Threads may share the engine: one forward at a time (the lock), see _forward. Input that does not fit the KV
+        cache (without one: the reserved context) is refused before any chunk runs."""
         if positions is not None:  # (it was taken and ignored: RoPE always counts from the cache's position)
             raise StreamError("Engine.forward: positions are not supported; positions follow the KV cache")
         T = ids.shape[-1]

@@ -19,14 +19,16 @@ stage on the current stage's mix and seq_len).
 
 Checkpoints (checkpoint.py): permanent every ckpt_interval steps and at each stage end, a temporary one every
 checkpoint_minutes (replaced by the next), one on SIGTERM (preemption: save, exit 0), the best by val loss
-(pointer file BEST; another val set, from batch_size, eval_iters or a stage's seq_len, restarts the best).
+(pointer file BEST; another val set, from batch_size, eval_iters, a stage's seq_len or the val shards read,
+restarts the best).
 Retention keeps the last keep_last permanent ones, every stage final, the best, and the newest; it never deletes the
 only valid checkpoint. An out_dir that holds checkpoints is continued only by
 --init_from=resume (any other start is refused: its saves would overwrite them). A rollback, --init_from=resume
 --resume_from=OUT/step_N with later steps in OUT, moves those later ones to OUT/abandoned/ first, so neither a later
 resume nor retention mistakes the old timeline for the new one.
 
-Exit codes (one line on stderr each, and a crash-<ms>.json report in out_dir): 0 done / leg done / preempted
+Exit codes (one line on stderr each, and a crash-<ms>.json report in out_dir; under torchrun, once the loop is set
+up, every rank its own, crash-<ms>-rank<r>.json for ranks other than 0): 0 done / leg done / preempted
 (SIGTERM: checkpoint, then exit), 1 error (bad config, bad checkpoint, missing data; an out_dir that this refused
 start made is removed again, not left holding a lock file and a crash report), 2 bad config syntax or key
 (before out_dir is read: no crash report), 3 corrupt data (shard, offset, what), 4 storage denied (HTTP 401/403: credentials or billing; a run dir it may not write), 5 storage
@@ -70,6 +72,7 @@ grow_from = ""               # with init_from=grow: the checkpoint (dir) to grow
 grow_layers = 0              # new layers added by growth
 finetune_from = ""           # with init_from=finetune: start from these weights (fresh optimizer, plan and data)
 grow_where = "interleave"    # interleave (LLaMA Pro: new blocks evenly spaced, the last after the top block) | top
+# (grow_* and finetune_from set for another start than theirs are refused; a resume keeps them)
 # model (ModelConfig fields)
 vocab_size = 32768
 n_layer = 24
@@ -81,7 +84,7 @@ dense_ffn = 4096
 n_experts = 64
 expert_ffn = 512
 n_shared = 4
-top_k = 2
+top_k = 2                    # >= 2 for a new run (top-1: the router learns nothing); serve top-1: --experts-per-token 1
 route_scale = 1.0
 bias_update_rate = 1e-3
 rope_theta = 10000.0
@@ -130,10 +133,10 @@ stop_after_steps = -1        # >=0: stop after this many optimizer steps (a rela
 stop_after_hours = -1.0     # stop (checkpointed) this many hours after the trainer started, start-up included (-1: off)
 # system
 device = "cuda"
-dtype = "bfloat16"           # autocast dtype on GPU; float32 everywhere on CPU
+dtype = "bfloat16"           # autocast dtype on CUDA; a CPU run computes in float32 (said at the start)
 compile = False
 seed = 1337
-gpu_hourly_usd = 0.0
+gpu_hourly_usd = 0.0         # $ per GPU-hour: usd_spent adds each start's hours at its own price and world size
 CONTROL_KEYS = ("start_decay", "start_decay_taken_at_step")  # what control.json may hold (the second is written here)
 _CONFIG_KEYS = sorted(k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool, list, dict)))
 # -----------------------------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def main():
     outer = sum(spent["cache." + k] for k in ("observe", "request", "get"))
     st = cache.stats()
     print(f"{args.container} at {args.ram_budget}, prefetch {'on' if args.prefetch else 'off'}: {n / total:.2f} tok/s, "
-          f"{total / n * 1e3:.1f} ms a token, hit rate {st['hit_rate']:.3f}, CPU steal {'n/a' if steal is None else f'{steal * 100:.0f}%'}")
+          f"{total / n * 1e3:.1f} ms a token, hit rate {st['cache_hit_rate']:.3f}, CPU steal {'n/a' if steal is None else f'{steal * 100:.0f}%'}")
     print(f"  waiting for reads   {cache.read_wait_s / n * 1e3:6.2f} ms/token")
     print(f"  int4_cpu.cpp ops    {ops / n * 1e3:6.2f} ms/token")
     print(f"  cache bookkeeping   {outer / n * 1e3:6.2f} ms/token (observe + request + get, waits excluded)")

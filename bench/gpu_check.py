@@ -129,7 +129,7 @@ def check_engine(path, device, n_new, prompt_tokens=16):
     if device.startswith("cuda"):
         small.cache.reset_counters()  # the timed decode's hit rate, not the check's generate before it
         res["quarter_cache_decode_tok_s"] = decode_tok_s(small, prompt, n_new)
-        res["quarter_cache_hit_rate"] = small.cache.stats()["hit_rate"]
+        res["quarter_cache_hit_rate"] = small.cache.stats()["cache_hit_rate"]
         print(f"  decode {res['resident_decode_tok_s']:.1f} tok/s fully resident, "
               f"{res['quarter_cache_decode_tok_s']:.1f} tok/s with a quarter cached (hit rate "
               f"{res['quarter_cache_hit_rate']:.2f})")

@@ -26,6 +26,7 @@
 # the plan and the data position start fresh. Masks: shards.py sets the targets of non-assistant tokens to -1,
 # so train.py's loss and its val loss are over assistant tokens only; doc_mask (on by default) keeps each packed
 # conversation's attention to itself (a row holds several; served, a conversation never sees another).
+# A row's <|bos|> padding is routed but not counted in the expert load (it would steer the balancing bias).
 init_from = "finetune"
 finetune_from = "out/tiny"
 out_dir = "out/sft"
@@ -35,7 +36,8 @@ dtype = "float32"
 compile = False
 
 # seq_len should equal prepare.py's --max-len (rows of whole conversations; another length cuts conversations at
-# window edges, warned once); the tiny model's max_seq_len is 256
+# window edges, warned once; back at a multiple of the rows, a position left mid-row skips to the next row start,
+# warned); the tiny model's max_seq_len is 256
 batch_size = 8
 seq_len = 256
 grad_accum = 1

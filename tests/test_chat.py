@@ -1048,3 +1048,25 @@ def test_a_ctrl_c_anywhere_in_a_reply_leaves_ids_cache_and_messages_agreeing(tok
         assert conv.reply("ping 4", 8) == "pong 3 pong" and conv.ids == rendered(conv), k
         k += 1
     assert k > 10  # every line of reply was tried
+
+
+def test_pick_measures_every_checkpoint_on_the_same_windows(tok, corpus, tmp_path):
+    """A resume may raise max_seq_len (train.py's RESUME_CONFIG_WINS): pick cut the val rows at each checkpoint's own
+    max_seq_len, so one run's checkpoints were ranked by losses over windows of other lengths (here: the same weights
+    scored 16- and 32-token windows, two losses); a diverged (NaN) first checkpoint was named the lowest loss."""
+    torch.manual_seed(0)
+    short = Picaflor(ModelConfig(**{**MODEL, "max_seq_len": 16}))
+    run = str(tmp_path / "run")
+    save_checkpoint(short, run, 1, tokenizer_file=tok.path)
+    long = Picaflor(ModelConfig(**MODEL))
+    long.load_state_dict(short.state_dict())
+    save_checkpoint(long, run, 2, tokenizer_file=tok.path)
+    rep = chat.pick(run, str(corpus[0]), prompts=["ping 4"], max_new_tokens=2, max_rows=8, log=lambda *a: None)
+    a, b = rep["checkpoints"]
+    assert a["val_targets"] == b["val_targets"] and abs(a["val_loss"] - b["val_loss"]) < 1e-5, (a["val_loss"],
+                                                                                                b["val_loss"])
+    results = [dict(a, checkpoint="step_0000001", val_loss=float("nan")), dict(b, checkpoint="step_0000002")]
+    report = chat.write_pick_report(run, str(corpus[0]), ["ping 4"], 2, results, [], done=True)
+    assert report["lowest_val_loss"] == "step_0000002"
+    md = open(os.path.join(run, "sft_pick.md")).read()
+    assert "| step_0000001 | nan |" in md and "| step_0000001 | nan | 0/1 | 0.00 | lowest loss |" not in md, md

@@ -1048,3 +1048,105 @@ def test_a_choices_field_that_is_text_is_a_schema_error():
             et.build_docs(task, [row], "example")
     assert et.build_docs("arc_easy", [dict(rows["arc_easy"], choices={"text": ["a", "b"], "label": ["A", "B"]})],
                          "example")[0]["gold"] == 1
+
+
+def test_a_rerun_into_out_refuses_other_weights_under_the_same_path(hf_setup, tmp_path, capsys):
+    """A rollback (rundir.set_aside_after) trains a new step_0000001 under the same name: the second call's
+    model_source was the same path, so its arc_easy was kept beside the old weights' piqa as one model's summary."""
+    import shutil
+    import model as picaflor
+    _, _, data_dir, _ = hf_setup
+    run_dir, _ = make_picaflor_ckpt(tmp_path)
+    out = tmp_path / "res"
+    common = ["--data-dir", data_dir, "--limit", "2", "--out", str(out), "--device", "cpu"]
+    assert ev.main([run_dir, "--tasks", "piqa", *common]) == 0
+    first = json.load(open(out / "summary.json"))
+    assert first["model_weights"].startswith("manifest ")
+    step = os.path.join(run_dir, "step_0000001")
+    m = picaflor.load_checkpoint(step)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(2.0)  # the new timeline's weights
+    shutil.move(step, str(tmp_path / "abandoned"))
+    picaflor.save_checkpoint(m, run_dir, 1, tokenizer_file=os.path.join(str(tmp_path / "abandoned"), "tokenizer.json"))
+    assert ev.main([run_dir, "--tasks", "arc_easy", *common]) == 2
+    err = capsys.readouterr().err
+    assert "holds results of another evaluation (model_weights" in err, err
+    assert json.load(open(out / "summary.json")) == first
+    # the same weights again: kept (a rerun of one task)
+    shutil.rmtree(step)
+    shutil.move(str(tmp_path / "abandoned"), step)
+    assert ev.main([run_dir, "--tasks", "arc_easy", *common]) == 0
+    assert sorted(json.load(open(out / "summary.json"))["results"]) == ["arc_easy", "piqa"]
+
+
+def test_compare_gives_no_verdict_between_other_generation_caps(tmp_path, capsys):
+    """gsm8k scored with --max-gen-toks 8 (answers cut before their number) and with the task's 256 was marked
+    against the first column as if one scoring: the same n and shots, other outputs."""
+    paths = []
+    for name, cap, em in (("full", None, 0.30), ("cut", 8, 0.02)):
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps({"model": name, "max_gen_toks": cap, "num_fewshot": {"gsm8k": 5}, "results": {
+            "gsm8k": {"exact_match": em, "exact_match_stderr": 0.01, "n": 100}}}))
+        paths.append(str(p))
+    assert ev.main(["--compare", *paths]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| gsm8k |"))
+    assert "!" in row and "*" not in row and "~" not in row, row
+
+
+def test_a_rerun_stopped_before_a_task_keeps_that_tasks_earlier_result(hf_setup, tmp_path, capsys, monkeypatch):
+    """Rescoring piqa,arc_easy into an --out that held both: the earlier arc_easy was dropped from summary.json at
+    the start, so a Ctrl-C (or a fault) in arc_easy left a summary without it, beside its arc_easy.jsonl."""
+    _, model_dir, data_dir, _ = hf_setup
+    out = tmp_path / "res"
+    common = ["--data-dir", data_dir, "--out", str(out), "--limit", "2"]
+    assert ev.main([model_dir, "--tasks", "piqa,arc_easy", *common]) == 0
+    first = json.load(open(out / "summary.json"))
+    real = ev.run_task
+
+    def interrupted_on_arc(lm, task, args):
+        if task == "arc_easy":
+            raise KeyboardInterrupt
+        return real(lm, task, args)
+    monkeypatch.setattr(ev, "run_task", interrupted_on_arc)
+    assert ev.main([model_dir, "--tasks", "piqa,arc_easy", *common]) == 130
+    after = json.load(open(out / "summary.json"))
+    assert after["results"] == first["results"] and sorted(after["tasks_done"]) == ["arc_easy", "piqa"], after
+    assert after["num_fewshot"] == first["num_fewshot"] and "arc_easy" in (out / "results.md").read_text()
+
+
+def test_a_rerun_with_another_tokenizer_is_another_evaluation(hf_setup, tmp_path, capsys):
+    """--tokenizer was in no summary: a rerun of one task with another tokenizer (of no larger vocab) kept the first
+    call's results beside it as one model scored one way."""
+    import tokenizer
+    _, _, data_dir, _ = hf_setup
+    run_dir, _ = make_picaflor_ckpt(tmp_path)
+    other = tokenizer.train_tokenizer([f"zeta {i} omega {i * 3} " * 5 for i in range(300)], 300)
+    other_path = other.save(str(tmp_path / "other.json"))
+    out = tmp_path / "res"
+    common = ["--data-dir", data_dir, "--limit", "2", "--out", str(out), "--device", "cpu"]
+    assert ev.main([run_dir, "--tasks", "piqa", *common]) == 0
+    first = json.load(open(out / "summary.json"))
+    assert ev.main([run_dir, "--tasks", "arc_easy", "--tokenizer", other_path, *common]) == 2
+    assert "holds results of another evaluation (tokenizer" in capsys.readouterr().err
+    assert json.load(open(out / "summary.json")) == first
+
+
+def test_compare_gives_no_verdict_between_other_examples(hf_setup, tmp_path, capsys):
+    """Two --data-dir copies of piqa holding other questions, both --limit 2: the same n and shots, so --compare
+    marked the difference ~ or * as if one test set; summary.json now says which examples each task scored."""
+    _, model_dir, data_dir, _ = hf_setup
+    rows = open(os.path.join(data_dir, "piqa.jsonl")).read().splitlines()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "piqa.jsonl").write_text("\n".join(rows[::-1]) + "\n")
+    sums = []
+    for name, d in (("a", data_dir), ("b", str(other)), ("c", data_dir)):
+        assert ev.main([model_dir, "--tasks", "piqa", "--data-dir", d, "--limit", "2",
+                        "--out", str(tmp_path / name)]) == 0
+        sums.append(str(tmp_path / name / "summary.json"))
+    capsys.readouterr()
+    assert ev.main(["--compare", *sums]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| piqa | acc |"))
+    cells = row.split(" | ")
+    assert "other examples !" in cells[3] and "~" not in cells[3] and "*" not in cells[3], row
+    assert "~" in cells[4] or "*" in cells[4], row  # the same examples from the same file: compared

@@ -15,9 +15,9 @@ Calls recorded here:
   the total (val + train) past --max-tokens, so the corpus holds at most --max-tokens tokens. The documents
   left out are not counted as dropped tokens: nothing is truncated, the cap just ends the corpus.
 - the first --val-tokens tokens of documents (default 0.5% of --max-tokens, at most 10M, at least one
-  document) form the val split; the rest is train. Empty rows are skipped. A tokenizer trained here skips
-  those documents (the first ones up to VAL_CHARS_PER_TOKEN characters per val token) and later copies of them,
-  so val is unseen text.
+  document) form the val split; the rest is train. Empty rows are skipped; text that is not UTF-8 reads as U+FFFD.
+  A tokenizer trained here skips those documents (the first ones up to VAL_CHARS_PER_TOKEN characters per val
+  token) and later copies of them, so val is unseen text.
   A later document identical to a val one (sha1 of its text; web crawls repeat pages) is left out of train and
   counted (in the closing summary, when there are any).
 - index.json records, per shard, the repo, commit sha and parquet row ranges its documents came from, so

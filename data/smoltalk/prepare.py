@@ -16,7 +16,8 @@ Calls recorded here:
 - Rendering is chat.py's render_conversation (the one chat format); the mask is 1 on assistant content and its
   closing <|end|> (shards.py applies it: y = -1 elsewhere).
 - Packing: conversations go whole into rows of exactly --max-len tokens (best fit among a few open rows); the
-  rest of a row is padding <|bos|> tokens with mask 0. Shards hold whole rows, so train.py with
+  rest of a row is padding <|bos|> tokens with mask 0 (train.py routes them but leaves them out of the expert
+  load). Shards hold whole rows, so train.py with
   seq_len = --max-len reads every conversation whole in one window (index.json "row_tokens"); train.py's doc_mask
   keeps each conversation's attention within itself (each starts with <|bos|>).
 - A conversation longer than --max-len is split at exchange boundaries (an exchange = a user turn and the
