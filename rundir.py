@@ -255,12 +255,13 @@ def file_in_the_way(out_dir):
     return None if os.path.isdir(path) else path
 
 
-def hold_run_lock(out_dir, wait_s, log, who="trainer"):
+def hold_run_lock(out_dir, wait_s, log, who="trainer", alive=None):
     """One trainer per out_dir (an flock on out_dir/.trainer.lock, held until exit): a second one deleted the first's
     checkpoint temp dir mid-save. It waits up to wait_s for the first to exit (a relaunched guardian's trainer,
     while the killed guardian's finishes its SIGTERM checkpoint), then errors; a lock file deleted while it waited
     (a refused start's cleanup) is opened again, so two trainers never hold two files. Returns the open lock file.
-    who="guardian": the same for guardians (.guardian.lock; a second one rewrote the first's guardian.json)."""
+    who="guardian": the same for guardians (.guardian.lock; a second one rewrote the first's guardian.json).
+    alive: called as it waits (the trainer's watchdog: a wait bounded by wait_s is no hang)."""
     import fcntl
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f".{who}.lock")
@@ -279,6 +280,8 @@ def hold_run_lock(out_dir, wait_s, log, who="trainer"):
             if not said:
                 log(f"waiting up to {wait_s:g} s for the {who} holding {path} (pid {holder}) to exit")
                 said = True
+            if alive:
+                alive()
             time.sleep(0.5)
             continue
         except OSError as e:  # a filesystem without locks (some network mounts): as before, unguarded

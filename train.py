@@ -430,20 +430,38 @@ class Watchdog:
         self.done.set()
 
     def watch(self):
-        import faulthandler
         while not self.done.wait(min(5.0, self.timeout / 4)):
             limit = self.timeout * (3 if self.ticks == 0 else 1)
             if time.monotonic() - self.last > limit:
-                os.makedirs(self.out_dir, exist_ok=True)
-                path = os.path.join(self.out_dir, f"hang-{int(time.time())}-rank{os.environ.get('RANK', '0')}.txt")
-                with open(path, "w") as f:
-                    f.write(f"no step progress for {limit:.0f} s; stacks of all threads:\n")
-                    f.flush()
-                    faulthandler.dump_traceback(file=f, all_threads=True)
-                msg = f"hang: no step progress for {limit:.0f} s (hang_timeout); thread stacks in {path}"
-                write_crash_report("hang", EXIT_HANG, msg)
-                print(f"train.py: error: {msg}", file=sys.stderr, flush=True)
-                os._exit(EXIT_HANG)
+                try:
+                    self.report(limit)
+                finally:  # the exit, whatever the report met: this thread dying on its error left the hang for ever
+                    os._exit(EXIT_HANG)
+
+    def report(self, limit):
+        """hang-*.txt, the crash report and a line on stderr, each on its own: the hang-*.txt on the stalled (or full)
+        mount the main thread hangs on, or stderr a dead pipe, took the rest with it; a write blocked there: 60 s."""
+        import faulthandler
+        import threading
+        self.backstop = threading.Timer(60.0, os._exit, (EXIT_HANG,))
+        self.backstop.daemon = True
+        self.backstop.start()
+        path = os.path.join(self.out_dir, f"hang-{int(time.time())}-rank{os.environ.get('RANK', '0')}.txt")
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(f"no step progress for {limit:.0f} s; stacks of all threads:\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            where = f"thread stacks in {path}"
+        except OSError as e:
+            where = f"thread stacks not written ({path}: {e.strerror or e})"
+        msg = f"hang: no step progress for {limit:.0f} s (hang_timeout); {where}"
+        write_crash_report("hang", EXIT_HANG, msg)
+        try:
+            print(f"train.py: error: {msg}", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # (a dead pipe, a hung-up terminal; a closed stderr)
+            pass
 
 
 CAUSES = {EXIT_ERROR: "error", EXIT_DATA: "corrupt data", EXIT_DENIED: "storage denied",
@@ -489,6 +507,14 @@ def print_or_detach(*args, **kwargs):
         print(*args, **kwargs)
     except OSError:
         detach_from_lost_terminal()
+    except RuntimeError:  # a signal handler's line (Ctrl-C's) run inside an interrupted print: "reentrant call", raised
+        # into the main thread wherever it was (exit 10, no checkpoint); the line goes out unbuffered instead
+        sep, end = kwargs.get("sep"), kwargs.get("end")
+        text = (" " if sep is None else sep).join(map(str, args)) + ("\n" if end is None else end)
+        try:
+            os.write((kwargs.get("file") or sys.stdout).fileno(), text.encode(errors="replace"))
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def detach_from_lost_terminal(tty=True):
@@ -825,7 +851,7 @@ def main(argv):
         try:
             if _RUN_INFO.get("lock") is not None:  # an earlier main() of this process (a test, a notebook) is over
                 os.close(_RUN_INFO.pop("lock"))
-            _RUN_INFO["lock"] = hold_run_lock(out, cfg["lock_wait_s"], log)
+            _RUN_INFO["lock"] = hold_run_lock(out, cfg["lock_wait_s"], log, alive=watchdog.alive)
             if cfg["mirror_dir"]:
                 check_mirror()
             ck = prepare_run_dir(cfg, out, log)
@@ -840,7 +866,11 @@ def main(argv):
             msg = str(failure) if ours else f"{type(failure).__name__}: {failure}"
         data = json.dumps([ck, source, msg, code]).encode() if master else b""
         n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        dist.broadcast(n, 0)
+        work = dist.broadcast(n, 0, async_op=True)
+        while not work.is_completed():  # rank 0's lock wait is no hang here either (its watchdog sees a stalled mount)
+            watchdog.alive()
+            time.sleep(0.05)
+        work.wait()
         buf = (torch.tensor(list(data), dtype=torch.uint8, device=device) if master
                else torch.zeros(int(n.item()), dtype=torch.uint8, device=device))
         dist.broadcast(buf, 0)
@@ -1145,6 +1175,11 @@ def main(argv):
                 ctl = read_json(control_path, {})
             except TrainError as e:
                 log(f"WARNING: {e}; read again at the next check")
+            except OSError as e:  # (a folder, another user's file, a mount's blip: a traceback and exit 10 each start)
+                why = f"cannot read it ({e.strerror or e})"
+                if why not in control_said:
+                    control_said.add(why)
+                    log(f"WARNING: {control_path}: {why}; read again at each check")
             ctl = ctl if isinstance(ctl, dict) else {}
             # the run's one irreversible switch: only JSON true starts it ("false" was a non-empty string, so true)
             bad = [f"unknown key {k!r}" for k in ctl if k not in CONTROL_KEYS]
