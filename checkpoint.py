@@ -69,7 +69,10 @@ def fmt_size(n):
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def sha256_file(path, bufsize=1 << 20):
+HASH_CHUNK = 64 << 20  # bytes save() hashes between two ticks (~1 s of a 50 MB/s network disk), as copy_ticking
+
+
+def sha256_file(path, bufsize=1 << 20, tick=None):
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -77,6 +80,8 @@ def sha256_file(path, bufsize=1 << 20):
             if not b:
                 break
             h.update(b)
+            if tick:
+                tick()
     return h.hexdigest()
 
 
@@ -294,10 +299,11 @@ def recover(out_dir):
     return back
 
 
-def save(out_dir, step, writers, extra_manifest=None):
+def save(out_dir, step, writers, extra_manifest=None, tick=None):
     """Write a checkpoint atomically. writers: {filename: fn(path)} each writing one file. Returns its path.
     On any failure (disk full included) the temp dir is removed and the error re-raised; nothing older is
-    touched."""
+    touched. tick: called as the save goes (the hang watchdog: a 31 GB save to a slow disk is no hang)."""
+    tick = tick or (lambda: None)
     os.makedirs(out_dir, exist_ok=True)
     recover(out_dir)
     for name in os.listdir(out_dir):  # leftovers of a save that died
@@ -310,16 +316,21 @@ def save(out_dir, step, writers, extra_manifest=None):
         files = {}
         for name, write in writers.items():
             p = os.path.join(tmp, name)
+            # a writer (torch.save, safetensors) and one fsync cannot tick from inside; between them, and the hash, do
+            tick()
             write(p)
+            tick()
             with open(p, "rb+") as f:
                 os.fsync(f.fileno())
-            files[name] = {"sha256": sha256_file(p), "bytes": os.path.getsize(p)}
+            tick()
+            files[name] = {"sha256": sha256_file(p, HASH_CHUNK, tick), "bytes": os.path.getsize(p)}
         manifest = {"step": step, "written_at": time.time(), "files": files, **(extra_manifest or {})}
         with open(os.path.join(tmp, "MANIFEST.json"), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
+        tick()
         if os.path.exists(final):  # re-saving a step (e.g. after a resume): move the old one aside first
             old = final + f".old-{os.getpid()}"
             os.replace(final, old)

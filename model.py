@@ -852,9 +852,10 @@ def from_hf_config(hf):
 # ----------------------------------------------------------------------------------------------------------
 # checkpoints (format, writing and manifests: checkpoint.py; retention: rundir.py)
 
-def save_checkpoint(model, out_dir, step, state=None, extra_writers=None, tokenizer_file=None):
+def save_checkpoint(model, out_dir, step, state=None, extra_writers=None, tokenizer_file=None, tick=None):
     """Write out_dir/step_NNNNNNN/ atomically: model.safetensors, state.json (state + model_config), a copy
-    of the tokenizer file as tokenizer.json (so every consumer finds it in the checkpoint), extra files."""
+    of the tokenizer file as tokenizer.json (so every consumer finds it in the checkpoint), extra files. tick: as
+    checkpoint.save's."""
     import pathlib
     import shutil
     import checkpoint
@@ -871,7 +872,7 @@ def save_checkpoint(model, out_dir, step, state=None, extra_writers=None, tokeni
     if tokenizer_file:
         writers["tokenizer.json"] = lambda p: shutil.copyfile(tokenizer_file, p)
     writers.update(extra_writers or {})
-    return checkpoint.save(out_dir, step, writers)
+    return checkpoint.save(out_dir, step, writers, tick=tick)
 
 
 def device_problem(device):

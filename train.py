@@ -1254,8 +1254,10 @@ def main(argv):
         from model import save_checkpoint
         extra = {"optimizer.pt": lambda p: torch.save(optimizer.state_dict(), p)}
         try:
+            # (every save: periodic, best, stage end, SIGTERM) its hash pass ticks: a 31 GB save on a 50 MB/s disk
+            # outlasted a small hang_timeout, and the watchdog ended a healthy run mid-save
             return save_checkpoint(m, out_dir, state_dict["step"], state=dict(state_dict), extra_writers=extra,
-                                   tokenizer_file=tok_file if os.path.exists(tok_file) else None)
+                                   tokenizer_file=tok_file if os.path.exists(tok_file) else None, tick=watchdog.alive)
         except OSError as e:  # checkpoint.save names a full disk so, whatever the writer raised
             if e.errno in DISK_ERRNOS:
                 raise TrainError(f"out of disk while writing a checkpoint in {out_dir} ({e.strerror}); the previous "

@@ -282,6 +282,26 @@ def test_a_resave_interrupted_between_its_renames_puts_the_old_step_back(tmp_pat
     assert open(os.path.join(s, "w.bin"), "rb").read() == b"old"
 
 
+def test_a_save_ticks_the_watchdog_while_it_hashes_and_between_files(tmp_path, monkeypatch):
+    """A 31 GB save hashed on a 50 MB/s network disk outlasted a small hang_timeout with no tick: the watchdog ended a
+    healthy run mid-save (exit 8, the steps since the last checkpoint lost)."""
+    import model
+    monkeypatch.setattr(checkpoint, "HASH_CHUNK", 1024)  # (64 MB in a real save)
+    events = []
+    blob = os.urandom(10 * 1024)
+    path = checkpoint.save(str(tmp_path), 1, {"w.bin": lambda p: open(p, "wb").write(blob),
+                                              "b.bin": lambda p: events.append("b") or open(p, "wb").write(b"b")},
+                           tick=lambda: events.append("tick"))
+    assert checkpoint.is_valid(path)
+    # w.bin's 10 chunks hashed, each with its tick, before the next file is written
+    assert events.index("b") >= 10 and set(events[:events.index("b")]) == {"tick"} and events[-1] == "tick"
+    ticks = []  # model.save_checkpoint (train.py's every save) passes it on
+    tiny = model.ModelConfig(vocab_size=300, n_layer=3, d_model=32, n_head=4, n_kv_head=1, dense_ffn=64, n_experts=8,
+                             expert_ffn=16, n_shared=1, max_seq_len=64)
+    model.save_checkpoint(model.Picaflor(tiny), str(tmp_path / "m"), 1, tick=lambda: ticks.append(1))
+    assert len(ticks) >= 4
+
+
 def test_a_full_disk_under_any_writer_error_is_named_out_of_disk(tmp_path, monkeypatch):
     """torch.save and safetensors raise their own errors on a full disk; the probe that told it apart ran after the
     temp dir was removed, found room again, and a real full disk became an unforeseen crash (exit 10, restarts)."""
