@@ -36,7 +36,8 @@ were lost) is relay_lease.py's.
 `run` renews the lease from a heartbeat thread during the pull, the training and the upload of the leg's files
 (uploaded before the commit that names them: preupload_lfs_files on the Hub), then stops it for the one push
 commit. The trainer runs in its own session: Ctrl-C (SIGINT) or SIGTERM to relay ends the leg cleanly (trainer
-checkpoints, push, release); if relay itself dies, the kernel SIGTERMs the trainer (PR_SET_PDEATHSIG).
+checkpoints, push, release), and so does SIGHUP (a dropped ssh session: relay's lines then go to WORKDIR/relay.log);
+if relay itself dies, the kernel SIGTERMs the trainer (PR_SET_PDEATHSIG).
 Exit status: 0 done, 2 usage, 3 error (one line, nothing overwritten), 4 lease lost (local checkpoint kept), 130 a
 claim, pull, push or release cut short by Ctrl-C (local files kept; run again, its write id finds what landed). A
 trainer that fails after checkpointing gets its newest checkpoint pushed (verified as any push) before exit 3;
@@ -584,6 +585,21 @@ def pdeathsig_setter():
     return setter
 
 
+def detach_from_lost_terminal(log_path):
+    """After SIGHUP (an ssh session dropped): stdout / stderr on the gone terminal fail every write (EIO; EPIPE for
+    pipes nobody reads), and relay's next print would end it before its push and release; they go to log_path."""
+    try:
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:  # (this machine's disk): nowhere to keep them
+        log = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(log, fd)  # what Python still buffers for the terminal is written here too
+    os.close(log)
+    with contextlib.suppress(OSError):  # (a full disk): raised in a signal handler, it would end the push it asks for
+        os.write(2, f"relay: {time.strftime('%Y-%m-%d %H:%M:%S')} hangup (SIGHUP): ending the leg; lines from here "
+                    f"on go to this file\n".encode())
+
+
 def release_quietly(store, lease):
     """Release after a failure that is being reported anyway: says whether it worked."""
     try:
@@ -650,7 +666,9 @@ def cmd_run(args):
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)  # the trainer checkpoints, then exits 0
 
-    def on_signal(signum, frame):  # Ctrl-C / SIGTERM: end the leg early but cleanly (checkpoint, push, release)
+    def on_signal(signum, frame):  # Ctrl-C, SIGTERM, SIGHUP: end the leg early but cleanly (checkpoint, push, release)
+        if signum == signal.SIGHUP and "SIGHUP" not in stop_reason:
+            detach_from_lost_terminal(os.path.join(workdir, "relay.log"))
         stop_reason.append(signal.Signals(signum).name)
         stop_trainer()
     cmd = train_command(args, os.path.join(run_dir, "relay_config.py"), run_dir)
@@ -659,7 +677,7 @@ def cmd_run(args):
     leg_usd_per_hour(run_dir, usd_per_hour)  # the `push` that finishes a failed or killed leg bills this rate too
     t0 = saved_at = time.time()
     # set just before the try that puts them back: an error above left this process's Ctrl-C going to on_signal
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         # own session: a terminal's Ctrl-C reaches only relay, which ends the leg cleanly (SIGTERM -> checkpoint ->
         # push); PR_SET_PDEATHSIG: if relay itself is killed, the trainer gets SIGTERM instead of training on unleased
@@ -700,8 +718,8 @@ def cmd_run(args):
             except OSError as e:  # the store's disk (the checkpoint was verified): kept for a retry, as any upload
                 failure = StoreError(f"{e.filename or store.url}: {e.strerror}; local files kept in {run_dir}")
     finally:
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
+        for s, h in old_handlers.items():  # a hangup's second SIGHUP (the shell's, then the kernel's) ends no push
+            signal.signal(s, signal.SIG_IGN if s == signal.SIGHUP and "SIGHUP" in stop_reason else h)
         stop_heartbeat(hb, run_dir, training=True)
     crashed = f"trainer exited with status {rc} ({' '.join(cmd[:3])} ...)"
     if rc != 0 and plan is not None:

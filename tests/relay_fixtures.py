@@ -64,7 +64,10 @@ with open(os.path.join(out, "metrics.jsonl"), "a") as mf:
         if s == int(os.environ.get("FAKE_CRASH_AT_STEP", "-1")):  # a crash after some checkpoints
             print(f"fake train: crashing at step {s}", file=sys.stderr); os._exit(1)
 save()
-print(f"fake train: stopped at step {st['step']}", flush=True)
+try:  # a lost terminal (ssh dropped, pipes closed) ends no run: train.py's print_or_detach
+    print(f"fake train: stopped at step {st['step']}", flush=True)
+except OSError:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 '''
 
 

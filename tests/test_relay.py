@@ -1199,6 +1199,26 @@ def test_ctrl_c_ends_the_leg_cleanly(tmp_path, hub):
     assert snap.state["step"] == rows[0]["steps"]
 
 
+def test_a_hangup_with_its_terminal_gone_ends_the_leg_cleanly(tmp_path, hub):
+    """SIGHUP to `relay run` (an ssh session without tmux dropped) killed relay: nothing pushed, the lease left to
+    expire. Now as SIGTERM: the trainer checkpoints, the leg is pushed, the baton released; its terminal gone (here
+    pipes nobody reads), relay's lines go to relay.log in the workdir instead of failing (EPIPE / EIO)."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env({"FAKE_STEP_S": "0.03"})
+    fake = init_run(url, tmp_path, env)
+    p = start_run(url, tmp_path, env, tmp_path / "wa", fake, 100000, 30, 10)
+    leg = tmp_path / "wa" / "leg-0001-gen1"
+    wait_for(lambda: ckpt_step(leg) >= 5, 20, "training")
+    p.stdout.close()
+    p.stderr.close()
+    p.send_signal(signal.SIGHUP)
+    rc, log = p.wait(timeout=30), tmp_path / "wa" / "relay.log"
+    assert rc == 0 and "released the baton (SIGHUP)" in log.read_text(), (rc, log.is_file() and log.read_text())
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert len(rows) == 1 and rows[0]["steps"] >= 5 and snap.relay["holder"] is None
+    assert snap.state["step"] == rows[0]["steps"]
+
+
 def lost_answers_store(path):
     """A file store whose next commit with drop_answer_of in its message lands but answers 504, and whose next 20
     head reads then answer 503: the store went dark right after our commit (its outcome unknown to relay)."""
