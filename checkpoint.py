@@ -70,6 +70,32 @@ def fmt_size(n):
 
 
 HASH_CHUNK = 64 << 20  # bytes save() hashes between two ticks (~1 s of a 50 MB/s network disk), as copy_ticking
+GROW_POLL_S = 1.0  # seconds between two looks at the size of the file a save's writer is writing
+
+
+@contextlib.contextmanager
+def ticking_while_it_grows(path, tick):
+    """Ticks each time the file at path has grown since the last look (every GROW_POLL_S), until the block ends."""
+    # a writer (torch.save of a 20 GB optimizer.pt) cannot tick from inside; a stalled one stops growing: still a hang
+    done = threading.Event()
+
+    def watch():
+        seen = 0
+        while not done.wait(GROW_POLL_S):
+            try:
+                size = os.path.getsize(path)
+            except OSError:  # not created yet
+                continue
+            if size > seen:
+                seen = size
+                tick()
+    watcher = threading.Thread(target=watch, daemon=True, name="save-growth-ticks")
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def sha256_file(path, bufsize=1 << 20, tick=None):
@@ -316,12 +342,13 @@ def save(out_dir, step, writers, extra_manifest=None, tick=None):
         files = {}
         for name, write in writers.items():
             p = os.path.join(tmp, name)
-            # a writer (torch.save, safetensors) and one fsync cannot tick from inside; between them, and the hash, do
+            # ticks between writers, while one's file grows, and per HASH_CHUNK hashed (not while one fsync flushes)
             tick()
-            write(p)
-            tick()
-            with open(p, "rb+") as f:
-                os.fsync(f.fileno())
+            with ticking_while_it_grows(p, tick):
+                write(p)
+                tick()
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
             tick()
             files[name] = {"sha256": sha256_file(p, HASH_CHUNK, tick), "bytes": os.path.getsize(p)}
         manifest = {"step": step, "written_at": time.time(), "files": files, **(extra_manifest or {})}

@@ -302,6 +302,42 @@ def test_a_save_ticks_the_watchdog_while_it_hashes_and_between_files(tmp_path, m
     assert len(ticks) >= 4
 
 
+def test_a_save_ticks_while_a_writer_s_file_grows_and_not_while_it_stalls(tmp_path, monkeypatch):
+    """torch.save of a 20 GB optimizer.pt to a slow disk ran with no tick from its start to its end: past hang_timeout
+    the watchdog ended a healthy save as a hang (exit 8). A writer that stops writing must still go unticked."""
+    import threading
+    monkeypatch.setattr(checkpoint, "GROW_POLL_S", 0.01)  # (1 s in a real save)
+    events = []
+
+    def chunked(p):  # 5 chunks, 0.05 s apart: a slow disk's torch.save
+        events.append("start")
+        with open(p, "wb") as f:
+            for _ in range(5):
+                f.write(os.urandom(1024))
+                f.flush()
+                time.sleep(0.05)
+        events.append("end")
+
+    def stalling(p):  # writes, then hangs without writing
+        with open(p, "wb") as f:
+            f.write(b"x" * 1024)
+            f.flush()
+            events.append("wrote")
+            deadline = time.monotonic() + 5
+            while events[-1] != "tick" and time.monotonic() < deadline:  # its growth seen (and ticked) once
+                time.sleep(0.005)
+            events.append("stalled")
+            time.sleep(0.3)
+            events.append("end")
+    path = checkpoint.save(str(tmp_path), 1, {"a.bin": chunked, "b.bin": stalling}, tick=lambda: events.append("tick"))
+    assert checkpoint.is_valid(path)
+    during = events[events.index("start") + 1:events.index("end")]
+    assert during.count("tick") >= 3, events  # one per growth seen, not only before and after the writer
+    stall = events[events.index("stalled") + 1:]
+    assert events[events.index("wrote") + 1] == "tick" and stall.index("end") == 0, events  # no growth: no tick
+    assert not [t for t in threading.enumerate() if t.name == "save-growth-ticks"]  # stopped with its file
+
+
 def test_a_full_disk_under_any_writer_error_is_named_out_of_disk(tmp_path, monkeypatch):
     """torch.save and safetensors raise their own errors on a full disk; the probe that told it apart ran after the
     temp dir was removed, found room again, and a real full disk became an unforeseen crash (exit 10, restarts)."""
