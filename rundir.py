@@ -340,6 +340,54 @@ def copy_ticking(tick):
     return copy
 
 
+MIRROR_MARKER = "MIRROR_OF.json"  # in a mirror_dir: the run it mirrors (two runs sharing one pruned each other's steps)
+
+
+def mirror_owner_error(mirror_dir, out, created_at):
+    """Why this start may not mirror into mirror_dir (one line), or None. created_at: the run's identity as its
+    checkpoints carry it (state.json), None for a new run (scratch, grow, finetune)."""
+    marker = read_json(os.path.join(mirror_dir, MIRROR_MARKER), None)
+    steps = checkpoint.list_checkpoints(mirror_dir) if os.path.isdir(mirror_dir) else []
+    fix = f"pass another --mirror_dir, or delete {mirror_dir}'s contents if that run is gone"
+    if isinstance(marker, dict):
+        if created_at is not None and marker.get("created_at") == created_at:
+            return None  # this run again: a resume, a restart, a rollback
+        if created_at is None and not steps and same_dir(marker.get("out_dir", ""), out):
+            return None  # a new start in the same out_dir before any step was mirrored: nothing of the old run lost
+        return (f"mirror_dir {mirror_dir} mirrors another run (out_dir {marker.get('out_dir')}, created_at "
+                f"{marker.get('created_at')}); {fix}")
+    if not steps:
+        return None
+    if created_at is None:
+        return f"mirror_dir {mirror_dir} holds another run's checkpoints ({os.path.basename(steps[-1][1])}); {fix}"
+    theirs = set()
+    for _, p in steps:
+        try:
+            st = read_json(os.path.join(p, "state.json"), None)
+        except RunDirError:
+            continue
+        if isinstance(st, dict) and "created_at" in st:
+            theirs.add(st["created_at"])
+    # a mirror from before the marker: its steps' run; none readable: cannot say, accepted (the marker is written)
+    if theirs and created_at not in theirs:
+        return (f"mirror_dir {mirror_dir} holds another run's checkpoints ({os.path.basename(steps[-1][1])}, "
+                f"created_at {sorted(theirs)[0]}); {fix}")
+    return None
+
+
+def claim_mirror(mirror_dir, out, created_at):
+    """Write mirror_dir's marker naming this run (before its first copy), unless it already does."""
+    path = os.path.join(mirror_dir, MIRROR_MARKER)
+    try:
+        marker = read_json(path, None)
+    except RunDirError:
+        marker = None
+    if isinstance(marker, dict) and marker.get("created_at") == created_at:
+        return
+    os.makedirs(mirror_dir, exist_ok=True)
+    checkpoint.write_atomic_text(path, json.dumps({"created_at": created_at, "out_dir": os.path.realpath(out)}) + "\n")
+
+
 def fsync_dir_if_it_can(path):
     """checkpoint.fsync_dir on a mirror, whose mount may refuse a directory's fsync (EINVAL on some network
     filesystems): that is no failed copy."""

@@ -39,8 +39,8 @@ report; the guardian restarts on it).
 Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step (a resume moves rows past
 its step to metrics.abandoned.jsonl, so each step is logged once); mirror_dir copies them
 and the newest checkpoint elsewhere (keep_last applies there too; a failed copy warns, training goes on; a mirror
-that cannot be written is refused at the start). Documents are never cut (shards pack them whole), so no token is
-dropped.
+that cannot be written, or that another run mirrors into (DIR/MIRROR_OF.json), is refused at the start). Documents
+are never cut (shards pack them whole), so no token is dropped.
 """
 
 import os
@@ -836,6 +836,20 @@ def main(argv):
             # a resume (a guardian's restart in a bucket mount's blip): as a failed copy mid-run, a warning
             log(f"WARNING: mirror_dir {cfg['mirror_dir']} is not writable now ({e.strerror}); training goes on, "
                 f"{out} holds every checkpoint")
+            return
+        created_at = None  # a new run (scratch, grow, finetune): its own created_at comes with its state below
+        if cfg["init_from"] == "resume":
+            try:
+                ck_ = checkpoint.resolve(cfg["resume_from"]) if cfg["resume_from"] else checkpoint.latest_valid(out)
+                st_ = rundir.read_json(os.path.join(ck_, "state.json"), None) if ck_ else None
+            except (OSError, RunDirError, checkpoint.CheckpointError):
+                st_ = None
+            if not isinstance(st_, dict) or "created_at" not in st_:
+                return  # nothing to resume, or no state: prepare_run_dir says so in its own words
+            created_at = st_["created_at"]
+        why = rundir.mirror_owner_error(cfg["mirror_dir"], out, created_at)
+        if why:  # its retention deleted the other run's steps, its copies overwrote that run's logs
+            raise TrainError(why)
 
     # --- state: scratch | resume | grow -------------------------------------------------------------------
     state, sd, opt_sd, layer_origin, ck = None, None, None, None, None
@@ -1130,6 +1144,11 @@ def main(argv):
     gpu_name, peak = gpu_peak_flops(device_type)
     if master:
         os.makedirs(out, exist_ok=True)
+        if cfg["mirror_dir"]:  # before its first copy: another run given this mirror_dir is refused at its start
+            try:
+                rundir.claim_mirror(cfg["mirror_dir"], out, st["created_at"])
+            except OSError as e:  # (a resume's unwritable mirror: warned above; mirror() says it again when it fails)
+                log(f"WARNING: could not mark {cfg['mirror_dir']} as this run's mirror ({e})")
     metrics_f = open_metrics(os.path.join(out, "metrics.jsonl"), st["step"]) if master else None
     stop = {"signal": None}
 

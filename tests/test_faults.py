@@ -1042,6 +1042,40 @@ def test_a_corrupt_newest_step_comes_back_from_the_mirror_and_a_rollback_sets_th
         json.load(open(os.path.join(fresh, "step_0000006", "state.json")))["tokens"]
 
 
+def test_a_second_run_given_the_same_mirror_dir_is_refused_and_the_same_run_resumed_is_not(data_root, tmp_path,
+                                                                                           ten_steps_mirrored):
+    """Two runs with one mirror_dir: the second's retention there deleted the first's steps and its copies overwrote
+    the first's metrics.jsonl: the off-machine copy lost without a word. The mirror names its run (MIRROR_OF.json);
+    another run is refused at its start, nothing there touched; the same run resumed goes on (a pre-marker mirror:
+    its steps' state.json says whose it is)."""
+    import rundir
+    out, mirror = str(tmp_path / "run"), str(tmp_path / "mirror")
+    for name in ("run", "mirror"):
+        shutil.copytree(os.path.join(ten_steps_mirrored, name), tmp_path / name)
+    before = {n: open(os.path.join(mirror, n), "rb").read() for n in ("metrics.jsonl", "LATEST")}
+    steps_before = sorted(os.listdir(mirror))
+    common = [f"--data_root={data_root}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000",
+              f"--mirror_dir={mirror}", "--keep_last=1", "--ckpt_interval=1", "--stop_after_steps=1"]
+    r = train(common + [f"--out_dir={tmp_path / 'other'}"])
+    err = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(err) == 1, r.stderr[-2000:]
+    named = os.path.realpath(os.path.join(ten_steps_mirrored, "run"))  # the run that mirrored there (out/ is its copy)
+    assert mirror in err[0] and named in err[0] and "another --mirror_dir" in err[0], err[0]
+    assert sorted(os.listdir(mirror)) == steps_before and not os.path.exists(tmp_path / "other" / "step_0000001")
+    assert all(open(os.path.join(mirror, n), "rb").read() == b for n, b in before.items())
+    # a mirror from before the marker: its steps' run may claim it, a new run may not
+    os.remove(os.path.join(mirror, "MIRROR_OF.json"))
+    created_at = json.load(open(os.path.join(out, "step_0000010", "state.json")))["created_at"]
+    assert "another --mirror_dir" in rundir.mirror_owner_error(mirror, str(tmp_path / "other"), None)
+    assert "another --mirror_dir" in rundir.mirror_owner_error(mirror, str(tmp_path / "other"), created_at + 1)
+    assert rundir.mirror_owner_error(mirror, out, created_at) is None
+    assert rundir.mirror_owner_error(str(tmp_path / "absent"), out, None) is None
+    r = train(common + [f"--out_dir={out}", "--init_from=resume"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.load(open(os.path.join(mirror, "MIRROR_OF.json")))["created_at"] == created_at
+    assert checkpoint.is_valid(os.path.join(mirror, "step_0000011"))  # mirrored on: no warning, no refusal
+
+
 def test_a_run_dir_resolved_past_a_corrupt_newest_step_says_so(tmp_path, capsys):
     """export.py / eval.py of a run dir whose newest step (the one LATEST names) fails verification used an older
     step without a word."""
