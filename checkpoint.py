@@ -69,6 +69,15 @@ def fmt_size(n):
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def warn(msg):
+    """A library warning on stderr that cannot end the run: a hung-up terminal (EIO) or a dead pipe (EPIPE) would
+    raise into training from a mirror or a batch read, and train.py would take it for a storage error or a crash."""
+    try:
+        print(msg, file=sys.stderr)
+    except (OSError, ValueError):  # (ValueError: stderr closed)
+        pass
+
+
 HASH_CHUNK = 64 << 20  # bytes save() hashes between two ticks (~1 s of a 50 MB/s network disk), as copy_ticking
 GROW_POLL_S = 1.0  # seconds between two looks at the size of the file a save's writer is writing
 

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 
 import checkpoint
@@ -446,12 +445,13 @@ def mirror(out_dir, dest, checkpoints=True, keep=1, tick=None):
         why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         said = _MIRROR_SAID.get(dest)
         if said is None or said[0] != why or time.time() - said[1] > 600:  # (it was said at every log step)
-            print(f"WARNING: mirror to {dest} failed ({why}); training goes on, {out_dir} holds every checkpoint"
-                  + (" (said again in 10 min if it goes on failing so)" if said is None else ""), file=sys.stderr)
+            again = " (said again in 10 min if it goes on failing so)" if said is None else ""
+            checkpoint.warn(f"WARNING: mirror to {dest} failed ({why}); training goes on, {out_dir} holds every "
+                            f"checkpoint{again}")
             _MIRROR_SAID[dest] = (why, time.time())
         return False
     if _MIRROR_SAID.pop(dest, None) is not None:
-        print(f"mirror to {dest} works again", file=sys.stderr)
+        checkpoint.warn(f"mirror to {dest} works again")
     return True
 
 

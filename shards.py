@@ -47,7 +47,7 @@ import sys
 import numpy as np
 
 from checkpoint import (DISK_ERRNOS, UNREACHABLE_ERRNOS, dir_size, fmt_size, sha256_file,  # one copy of each
-                        write_atomic as _atomic_write)
+                        warn, write_atomic as _atomic_write)
 SHARD_DTYPE = np.dtype("<u2")  # uint16, little endian: vocab_size <= 65535
 INDEX_VERSION = 1
 
@@ -848,7 +848,7 @@ class TokenStream:
                             index_path, None, "index")
         skip = set(skip_shards) & {e["file"] for e in self.entries}  # the other split's files: not said here
         for f in sorted(skip):
-            print(f"WARNING: shard {os.path.join(self.corpus_dir, f)} is quarantined: skipped", file=sys.stderr)
+            warn(f"WARNING: shard {os.path.join(self.corpus_dir, f)} is quarantined: skipped")
         self.lengths = [0 if e["file"] in skip else int(e["tokens"]) for e in self.entries]
         for e in self.entries:
             if e["file"] not in skip:
@@ -942,9 +942,9 @@ class TokenStream:
         if R and T % R == 0 and self._offset % R:  # (shards hold whole rows: a row starts at offset % R == 0)
             # mid-row, left by an earlier seq_len that cut rows: every window went on cutting conversations, unsaid
             skip = R - self._offset % R
-            print(f"WARNING: {self.corpus_dir} {self.split}: the data position {self.position} is mid-row (an earlier "
-                  f"seq_len was not a multiple of the {R}-token rows): {skip} tokens skipped to the next row start, so "
-                  f"windows hold whole conversations again", file=sys.stderr)
+            warn(f"WARNING: {self.corpus_dir} {self.split}: the data position {self.position} is mid-row (an earlier "
+                 f"seq_len was not a multiple of the {R}-token rows): {skip} tokens skipped to the next row start, so "
+                 f"windows hold whole conversations again")
             start = self._advance(*start, skip)
         shard, offset, _ = self._advance(start[0], start[1], 0, rank * B * T)
         masks = np.empty(B * T + 1, dtype=np.uint8) if self.has_mask else None
@@ -954,9 +954,8 @@ class TokenStream:
             y = y.masked_fill(torch.from_numpy(masks[1:] == 0).view(B, T), -1)  # no loss on non-target tokens
             if self.row_tokens and T % self.row_tokens and not self._warned_rows:
                 self._warned_rows = True
-                print(f"WARNING: {self.corpus_dir} packs conversations in rows of {self.row_tokens} tokens but batches "
-                      f"use seq_len {T}: conversations get cut at window edges; set seq_len = {self.row_tokens}",
-                      file=sys.stderr)
+                warn(f"WARNING: {self.corpus_dir} packs conversations in rows of {self.row_tokens} tokens but batches "
+                     f"use seq_len {T}: conversations get cut at window edges; set seq_len = {self.row_tokens}")
         self._shard, self._offset, self._epoch = self._advance(*start, world_size * B * T)
         if device is not None and str(device).startswith("cuda"):
             x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)

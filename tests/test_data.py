@@ -1062,6 +1062,25 @@ def test_a_chat_stream_left_mid_row_by_another_seq_len_reads_whole_rows_again_at
     assert (x.numpy().ravel() == ref[48:48 + R]).all() and s.position == {"shard": 0, "offset": 48 + R, "epoch": 0}
 
 
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), BrokenPipeError(32, "Broken pipe")])
+def test_stream_warnings_on_a_lost_terminal_do_not_end_the_run(tok, tmp_path, monkeypatch, error):
+    """TokenStream's warnings (quarantined shard, conversations cut, mid-row) went to stderr with a bare print: with
+    the terminal gone (EIO) or its pipe dead (EPIPE), reading a batch raised and ended a healthy run."""
+    R = 16
+    make_chat_corpus(tmp_path / "c", tok, 40, R, 7)
+
+    def lost(text):
+        tries.append(text)
+        raise error
+    tries = []
+    monkeypatch.setattr(sys, "stderr", type("LostTerminal", (), {"write": staticmethod(lost), "flush": lambda s: 0})())
+    first = shards.load_index(tmp_path / "c")["splits"]["train"][0]["file"]
+    s = shards.TokenStream(tmp_path / "c", skip_shards=[first])  # quarantined
+    s.next_batch(3, 12)  # conversations cut; leaves the position mid-row
+    s.next_batch(2, 2 * R)  # mid-row: skipped to the next row start
+    assert sum("WARNING" in t for t in tries) == 3, tries
+
+
 def test_a_parquet_row_that_is_not_utf8_reads_replaced_in_prepare_and_refetch(tok, tmp_path):
     """pyarrow does not check a string column's UTF-8 when it reads a parquet file: one row of bad bytes (a file some
     tool wrote, a flipped bit) was a UnicodeDecodeError, a ValueError: prepare.py took it for wrong arguments, deleted

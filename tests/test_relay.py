@@ -1219,6 +1219,22 @@ def test_a_hangup_with_its_terminal_gone_ends_the_leg_cleanly(tmp_path, hub):
     assert snap.state["step"] == rows[0]["steps"]
 
 
+def test_a_pipe_that_died_without_a_hangup_ends_no_release(tmp_path, hub):
+    """`ssh host relay.py run ... | tee log` and tee died (no SIGHUP): relay's "pushed" line, printed before the
+    release, raised EPIPE and ended relay with the lease left to expire for a ttl. (Unbuffered, as `python -u`: lines
+    show live.)"""
+    url = store_url("file", tmp_path, hub)
+    env = base_env({"FAKE_STEP_S": "0.03", "PYTHONUNBUFFERED": "1"})
+    fake = init_run(url, tmp_path, env)
+    p = start_run(url, tmp_path, env, tmp_path / "wa", fake, 20, 30, 10)
+    wait_for(lambda: ckpt_step(tmp_path / "wa" / "leg-0001-gen1") >= 5, 20, "training")  # before the leg ends
+    p.stdout.close()
+    rc, err = p.wait(timeout=30), p.stderr.read()
+    p.stderr.close()
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert rc == 0 and len(rows) == 1 and rows[0]["steps"] == 20 and snap.relay["holder"] is None, (rc, err)
+
+
 def lost_answers_store(path):
     """A file store whose next commit with drop_answer_of in its message lands but answers 504, and whose next 20
     head reads then answer 503: the store went dark right after our commit (its outcome unknown to relay)."""

@@ -1327,6 +1327,35 @@ def test_a_failing_mirror_is_said_once_not_at_every_log_step(tmp_path, capsys):
     assert "works again" in capsys.readouterr().err
 
 
+class LostTerminal:
+    """stderr on a terminal that hung up (EIO) or a pipe nobody reads (EPIPE): every write fails."""
+
+    def __init__(self, error):
+        self.error, self.tries = error, 0
+
+    def write(self, text):
+        self.tries += 1
+        raise self.error
+
+    def flush(self):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), BrokenPipeError(32, "Broken pipe")])
+def test_a_mirror_warning_on_a_lost_terminal_does_not_end_the_run(tmp_path, monkeypatch, error):
+    """mirror()'s warnings went to stderr with a bare print: with the terminal gone, the failing mirror's warning
+    raised EIO / EPIPE into train.py (taken for a storage error, exit 5), ending a healthy run."""
+    out, dest = str(tmp_path / "run"), str(tmp_path / "blocked")
+    os.makedirs(out)
+    open(os.path.join(out, "metrics.jsonl"), "w").write("{}\n")
+    open(dest, "w").write("a file where the mirror dir should be")
+    monkeypatch.setattr(sys, "stderr", LostTerminal(error))
+    assert not rundir.mirror(out, dest, checkpoints=False)
+    os.remove(dest)
+    assert rundir.mirror(out, dest, checkpoints=False)  # "works again"
+    assert sys.stderr.tries >= 2  # both warnings were tried
+
+
 def test_a_run_dir_resolves_to_a_newer_whole_step_than_its_lagging_latest(tmp_path, capsys):
     """A save killed between its step's rename and LATEST's write: export, eval and chat of the run dir silently
     used the older step."""
