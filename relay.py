@@ -420,10 +420,8 @@ def config_usd_per_hour(config_path, overrides):
     try:  # its value as train.py's exec leaves it: the last assignment (init appends its overrides after the config's
         # own), arithmetic included (literal_eval took none: `2.5 * 8` trained at $20/h, the ledger said $0)
         text = open(config_path, encoding="utf-8").read()
-        scope = {"__builtins__": {}, "dict": dict}
-        if configurator.not_data(text) is None:  # (plain data: quick to evaluate, nothing run)
-            exec(compile(text, config_path, "exec"), scope)
-        usd = scope.get("gpu_hourly_usd", 0.0)
+        # (plain data only: quick to evaluate, nothing run)
+        usd = (config_values(text) if configurator.not_data(text) is None else {}).get("gpu_hourly_usd", 0.0)
         return float(usd) if isinstance(usd, (int, float)) and not isinstance(usd, bool) else 0.0
     except Exception:  # (train.py says what is wrong with the file)
         return 0.0
@@ -803,10 +801,9 @@ def read_config_text(path):
 
 def contributor_keys_set(text):
     """The CONTRIBUTOR_KEYS a plain-data config (passed configurator.not_data) sets to a non-empty value."""
-    scope = {"__builtins__": {}, "dict": dict}
     try:
-        exec(compile(text, "config.py", "exec"), scope)
-    except Exception:  # ({[1]}: train.py says what is wrong with it)
+        scope = config_values(text)
+    except RelayError:  # ({[1]}: train.py says what is wrong with it)
         return []
     return [k for k in CONTRIBUTOR_KEYS if scope.get(k)]
 
@@ -1091,12 +1088,11 @@ def cmd_push(args):
     # a leg `run` trained bills its trainer's time, not the hours until this retry; after a `run` killed mid-leg
     # (nothing in LEASE.json), the trainer time its LEG.json kept (a reboot's idle hours were billed)
     wall_s = getattr(lease, "leg_wall_s", None) or leg_wall(run_dir) or None
+    usd_per_hour = args.gpu_hourly_usd if args.gpu_hourly_usd is not None else leg_usd_per_hour(run_dir)
     try:
         with renewing(store, lease, run_dir):  # the upload may outlast the ttl: renewed meanwhile, as `run` does
-            plan = prepare_push(store, lease, run_dir, wall_s=wall_s,
-                                usd_per_hour=args.gpu_hourly_usd if args.gpu_hourly_usd is not None
-                                else leg_usd_per_hour(run_dir) if leg_usd_per_hour(run_dir) is not None
-                                else config_usd_per_hour(cfg, []))
+            plan = prepare_push(store, lease, run_dir, wall_s=wall_s, usd_per_hour=usd_per_hour
+                                if usd_per_hour is not None else config_usd_per_hour(cfg, []))
     except NothingToPush:
         if earlier is None:
             raise

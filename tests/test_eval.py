@@ -900,17 +900,22 @@ def test_review_round_reruns_keep_results_wrong_tokenizers_and_diverged_models(h
     assert res["perplexity"] == float("inf") and res["perplexity_stderr"] is None and res["acc"] == 0.0
 
 
+def interrupt_at_task(monkeypatch, name):
+    """A Ctrl-C as eval.py starts scoring task `name` (the tasks before it scored as ever)."""
+    real = ev.run_task
+
+    def interrupted(lm, task, args):
+        if task == name:
+            raise KeyboardInterrupt
+        return real(lm, task, args)
+    monkeypatch.setattr(ev, "run_task", interrupted)
+
+
 def test_ctrl_c_is_one_line_naming_the_tasks_left(hf_setup, tmp_path, capsys, monkeypatch):
     """Ctrl-C was a traceback; now one line, exit 130, naming the tasks to go on with (the finished ones are kept)."""
     _, model_dir, data_dir, _ = hf_setup
     out = tmp_path / "res"
-    real = ev.run_task
-
-    def interrupted_on_arc(lm, task, args):
-        if task == "arc_easy":
-            raise KeyboardInterrupt
-        return real(lm, task, args)
-    monkeypatch.setattr(ev, "run_task", interrupted_on_arc)
+    interrupt_at_task(monkeypatch, "arc_easy")
     assert ev.main([model_dir, "--tasks", "piqa,arc_easy,winogrande", "--data-dir", data_dir, "--out", str(out),
                     "--limit", "2"]) == 130
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning: task")]
@@ -1101,13 +1106,7 @@ def test_a_rerun_stopped_before_a_task_keeps_that_tasks_earlier_result(hf_setup,
     common = ["--data-dir", data_dir, "--out", str(out), "--limit", "2"]
     assert ev.main([model_dir, "--tasks", "piqa,arc_easy", *common]) == 0
     first = json.load(open(out / "summary.json"))
-    real = ev.run_task
-
-    def interrupted_on_arc(lm, task, args):
-        if task == "arc_easy":
-            raise KeyboardInterrupt
-        return real(lm, task, args)
-    monkeypatch.setattr(ev, "run_task", interrupted_on_arc)
+    interrupt_at_task(monkeypatch, "arc_easy")
     assert ev.main([model_dir, "--tasks", "piqa,arc_easy", *common]) == 130
     after = json.load(open(out / "summary.json"))
     assert after["results"] == first["results"] and sorted(after["tasks_done"]) == ["arc_easy", "piqa"], after

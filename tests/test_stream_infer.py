@@ -3053,6 +3053,22 @@ def test_ctrl_c_as_a_native_read_is_queued_keeps_its_buffer_until_it_lands(tiny)
     assert torch.equal(c.get((1, 2), set())(x), S.Expert(cont, cont.read_expert_blob(1, 2), eng.kernel)(x))
 
 
+def assert_no_buffer_outside_the_count_and_reads_right(c, eng, path, key, waits=False, before_read=None):
+    """The Ctrl-C tests' check: every buffer the cache holds views over is in its count (entries and free buffers;
+    waits: slots, guesses and reads in flight too), then `key` reads back as the container's bytes, within budget."""
+    counted = {id(e.buf) for e in c.entries.values()} | {id(b) for b in c.free_bufs}
+    if waits:
+        counted |= ({id(b) for b in c.slot_bufs} | {id(buf) for _, buf in c.guesses.values()}
+                    | {id(buf) for *_, buf in c.inflight.values()})
+    assert set(c.views_of_buf) <= counted, "a buffer held outside the cache's count"
+    if before_read:
+        before_read()
+    x = torch.randn(1, eng.cfg.d_model)
+    cont = C.load_container(path)
+    assert torch.equal(c.get(key, set())(x), S.Expert(cont, cont.read_expert_blob(*key), eng.kernel)(x))
+    assert c.used <= c.budget and len(c.views_of_buf) * c.nbytes <= c.used
+
+
 def test_ctrl_c_while_a_landed_read_becomes_an_expert_leaves_no_buffer_outside_the_count(tiny):
     """_finish's cleanup covered only the wait: a Ctrl-C (or any error) while the landed buffer was made an expert
     (make_expert: ~0.1 ms of Python on the fallback kernels) left the buffer held by its views record for good, in
@@ -3072,12 +3088,7 @@ def test_ctrl_c_while_a_landed_read_becomes_an_expert_leaves_no_buffer_outside_t
     with pytest.raises(KeyboardInterrupt):
         c.get((1, 2), set())  # evicts (1, 0), reads into its buffer, then Ctrl-C
     c.make_expert = real
-    counted = {id(e.buf) for e in c.entries.values()} | {id(b) for b in c.free_bufs}
-    assert set(c.views_of_buf) <= counted, "a buffer held outside the cache's count"
-    x = torch.randn(1, eng.cfg.d_model)
-    cont = C.load_container(path)
-    assert torch.equal(c.get((1, 2), set())(x), S.Expert(cont, cont.read_expert_blob(1, 2), eng.kernel)(x))
-    assert c.used <= c.budget and len(c.views_of_buf) * c.nbytes <= c.used
+    assert_no_buffer_outside_the_count_and_reads_right(c, eng, path, (1, 2))
 
 
 def test_ctrl_c_while_a_miss_waits_for_a_guess_keeps_the_guess_counted(tiny):
@@ -3105,14 +3116,8 @@ def test_ctrl_c_while_a_miss_waits_for_a_guess_keeps_the_guess_counted(tiny):
     finally:
         ops.reader_delay_us(1, 0)
         signal.signal(signal.SIGINT, previous)
-    counted = ({id(e.buf) for e in c.entries.values()} | {id(b) for b in c.free_bufs + c.slot_bufs}
-               | {id(buf) for _, buf in c.guesses.values()} | {id(buf) for *_, buf in c.inflight.values()})
-    assert set(c.views_of_buf) <= counted, "a buffer held outside the cache's count"
-    c.cancel()  # what the engine does on Ctrl-C; then the cache goes on
-    x = torch.randn(1, eng.cfg.d_model)
-    cont = C.load_container(path)
-    assert torch.equal(c.get((1, 4), set())(x), S.Expert(cont, cont.read_expert_blob(1, 4), eng.kernel)(x))
-    assert c.used <= c.budget and len(c.views_of_buf) * c.nbytes <= c.used
+    # then c.cancel(), what the engine does on Ctrl-C; then the cache goes on
+    assert_no_buffer_outside_the_count_and_reads_right(c, eng, path, (1, 4), waits=True, before_read=c.cancel)
 
 
 def test_ctrl_c_mid_eviction_leaves_no_buffer_outside_the_count(tiny):
@@ -3132,12 +3137,7 @@ def test_ctrl_c_mid_eviction_leaves_no_buffer_outside_the_count(tiny):
     with pytest.raises(KeyboardInterrupt):
         c.get((1, 2), set())  # evicts (1, 0)
     del c._view_refs
-    counted = {id(e.buf) for e in c.entries.values()} | {id(b) for b in c.free_bufs}
-    assert set(c.views_of_buf) <= counted, "a buffer held outside the cache's count"
-    x = torch.randn(1, eng.cfg.d_model)
-    cont = C.load_container(path)
-    assert torch.equal(c.get((1, 2), set())(x), S.Expert(cont, cont.read_expert_blob(1, 2), eng.kernel)(x))
-    assert c.used <= c.budget and len(c.views_of_buf) * c.nbytes <= c.used
+    assert_no_buffer_outside_the_count_and_reads_right(c, eng, path, (1, 2))
 
 
 class CtrlCAsBlobWaitLands:
