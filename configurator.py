@@ -6,6 +6,9 @@ nanoGPT-style configuration: a script defines its config as plain globals, then 
 A bare argument is a config file exec'd into those globals; `--key=value` overrides one global, parsed with
 ast.literal_eval (where the global is a string, the text as written unless it is a quoted string) and must keep the
 global's type (None only where the default is None).
+Arguments apply in order, as in nanoGPT; an override given before a config file that sets the same key is refused
+(the file's value would silently replace it). A dict override updates the dict it is given over, entry by entry
+(--lr_mult="{'new': 2.0}" keeps a config file's 'old'); a config file's assignment replaces the dict, as Python does.
 Unknown keys (on the command line or assigned in a config file) are refused with the closest valid key, so a
 typo never silently trains with a default. Errors are one line: `configure_or_exit` prints it and exits 2.
 """
@@ -239,17 +242,25 @@ def configure(g, argv):
     """Apply config files and --key=value overrides from argv to the globals dict g; returns what set which key,
     in order: (key, config file path), or (key, None) for a --key=value override."""
     keys = config_keys(g)
-    changed = []
+    changed, overridden = [], {}  # overridden: key -> the --key=value given for it so far
     for arg in argv:
         if not arg.startswith("--"):
-            changed += [(k, arg) for k in exec_config_file(arg, g)]
+            set_keys = exec_config_file(arg, g)
+            lost = [k for k in set_keys if k in overridden]
+            if lost:  # (applied in order, the file's value replaced the user's override without a word)
+                raise ConfigError(f"{overridden[lost[0]]} is given before {arg}, which sets {lost[0]} too and would "
+                                  f"replace it; put {overridden[lost[0]]} after {arg}")
+            changed += [(k, arg) for k in set_keys]
             continue
         if "=" not in arg:
             raise ConfigError(f"{arg}: overrides are written --key=value")
         key, text = arg[2:].split("=", 1)
         if key not in keys:
             raise ConfigError(f"unknown config key {key!r}{closest(key, keys)}")
-        g[key] = coerce(key, parse_value(key, text, g[key]), g[key])
+        value = coerce(key, parse_value(key, text, g[key]), g[key])
+        # a dict updates the one there: --lr_mult="{'new': 2.0}" over a config's {'old': 0.1, ...} dropped 'old'
+        g[key] = {**g[key], **value} if isinstance(g[key], dict) and isinstance(value, dict) else value
+        overridden[key] = arg
         changed.append((key, None))
     return changed
 

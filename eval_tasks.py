@@ -378,6 +378,23 @@ def cached_task_files(listing, repo):
 
 def task_docs(task, lm, args):
     """The task's examples as dicts of requests (loglikelihood kinds) or prompts (generation)."""
+    docs = all_task_docs(task, lm, args)
+    if TASKS[task][0] == "generate_until":
+        check_stop_strings(task, docs)
+    return docs
+
+
+def check_stop_strings(task, docs):
+    """A generation's stop strings (`until`) must be a list of non-empty strings: "" is in every text, so it stopped
+    each generation at its first token and then crashed the cut (str.split(""): ValueError: empty separator)."""
+    for i, d in enumerate(docs):
+        until = d.get("until")
+        if not isinstance(until, (list, tuple)) or not all(isinstance(u, str) and u for u in until):
+            raise EvalError(f"task {task}: example {i}: until={until!r}: stop strings must be a list of non-empty "
+                            f"strings; drop the empty one (or use [] for no stop string)")
+
+
+def all_task_docs(task, lm, args):
     limit = args.limit
     if task == "counting":
         return counting_docs(limit or 100, args.seed)

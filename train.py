@@ -236,6 +236,32 @@ def param_groups(model, layer_origin, cfg):
     return [groups[k] for k in sorted(groups)]
 
 
+def router_bias_load(load, model, layer_origin, lr_mult):
+    """The load the router bias update steers by: a frozen layer's row zeroed (lr_mult 0 for its origin means "do not
+    change this layer"; a row of zeros moves its bias by sign(0) = 0), so its routing stays as it was."""
+    moe = [i for i, b in enumerate(model.layers) if b.is_moe]
+    keep = load.new_tensor([float(lr_mult.get(layer_origin[i], 1.0) != 0) for i in moe])
+    return load * keep[:, None] if load.numel() else load
+
+
+def open_val_stream(corpus_dir, vocab_size, skip):
+    """(the val split's TokenStream, None), or (None, the line that says why no val loss is logged): a corpus prepared
+    without a val split (--val-percent 0), or one whose val shards are all quarantined (named, with the fix; this was
+    said as "has no val split", and prepare.py, the fix that says, leaves the quarantine in place)."""
+    import shards
+    try:  # quarantine holds for val shards too (the guardian names them as it names train ones)
+        return shards.TokenStream(corpus_dir, "val", vocab_size=vocab_size, skip_shards=skip), None
+    except shards.DataError as e:
+        if e.kind != "index":  # a missing or truncated val shard: the guardian's repair, not "no val split", silently
+            raise
+        entries = shards.load_index(corpus_dir)["splits"].get("val") or []
+        if set(skip) & {v["file"] for v in entries}:
+            return None, f"WARNING: no val loss will be logged: {e}"
+        name = os.path.basename(os.path.normpath(corpus_dir))
+        return None, (f"note: corpus {name} has no val split (prepared with no val share, e.g. --val-percent 0); no "
+                      f"val loss will be logged and no checkpoint is kept as the best by val loss")
+
+
 def source_checkpoint(cfg):
     """The checkpoint dir a grow / finetune starts from, verified (None otherwise). Rank 0 picks it for every rank:
     a source run still training could otherwise hand ranks different steps (a new LATEST between their reads)."""
@@ -1032,13 +1058,8 @@ def main(argv):
                 f"data/{c}/prepare.py --help) or plan fewer tokens if that is not meant")
     first = plan[0]["mix"]
     val_corpus = max(sorted(first), key=lambda c: first[c])
-    try:  # quarantine holds for val shards too (the guardian names them as it names train ones)
-        val_stream = shards.TokenStream(os.path.join(cfg["data_root"], val_corpus), "val", vocab_size=mcfg.vocab_size,
-                                        skip_shards=skip_of[val_corpus])
-    except shards.DataError as e:
-        if e.kind != "index":  # a missing or truncated val shard: the guardian's repair, not "no val split", silently
-            raise
-        val_stream = None  # a corpus without a val split: no val loss, said once below
+    val_stream, no_val_note = open_val_stream(os.path.join(cfg["data_root"], val_corpus), mcfg.vocab_size,
+                                              skip_of[val_corpus])  # None: no val loss, said once below
     index = indexes[val_corpus]
     tokenizer_file = os.path.join(cfg["data_root"], val_corpus, index.get("tokenizer", "tokenizer.json"))
     if index.get("tokenizer_sha256"):  # (copied into every checkpoint below)
@@ -1337,7 +1358,7 @@ def main(argv):
         return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan")
 
     if val_stream is None:
-        log(f"note: corpus {val_corpus} has no val split; no val loss will be logged")
+        log(no_val_note)
     check_control()
     total_tokens = plan_tokens(st["plan"])
     i_stage = stage_at(st["plan"], st["tokens"])[0]
@@ -1454,7 +1475,7 @@ def main(argv):
         if ddp and load.numel():
             load = load.to(device)
             dist.all_reduce(load)
-        raw_model.update_router_bias(load)
+        raw_model.update_router_bias(router_bias_load(load, raw_model, layer_origin, cfg["lr_mult"]))
         window_load = load.cpu() if window_load is None else window_load + load.cpu()
         step_tokens = tokens_per_step(T)
         watchdog.tick()

@@ -155,7 +155,7 @@ def test_the_items_of_a_list_tuple_or_dict_keep_the_default_items_kind(tmp_path)
             configure(dict(g), [arg])
     h = dict(g)
     configure(h, ["--betas=[1, 0.5]", "--lr_mult={'new': 2}"])
-    assert h["betas"] == (1.0, 0.5) and h["lr_mult"] == {"new": 2.0}
+    assert h["betas"] == (1.0, 0.5) and h["lr_mult"] == {"old": 1.0, "new": 2.0}
     f = tmp_path / "c.py"  # a config file's mistake names the file
     f.write_text("batch_size = '16'\n")
     with pytest.raises(ConfigError, match=re.escape(f"{f}: batch_size must be an int")):
@@ -172,3 +172,31 @@ def test_none_only_where_the_default_is_none_and_string_keys_take_the_text():
     assert h["out_dir"] == "2024" and h["mirror_dir"] == "True" and h["maybe"] is None
     configure(h, ["--out_dir='runs/a b'"])
     assert h["out_dir"] == "runs/a b"
+
+
+def test_an_override_before_a_config_file_that_sets_it_is_refused(tmp_path):
+    """Applied in order, `--batch_size=4 c.py` trained at c.py's batch size: the user's override lost, unsaid."""
+    f = tmp_path / "c.py"
+    f.write_text("batch_size = 16\ndevice = 'cuda'\n")
+    with pytest.raises(ConfigError) as e:
+        configure(fresh(), ["--batch_size=4", str(f)])
+    assert str(e.value) == f"--batch_size=4 is given before {f}, which sets batch_size too and would replace it; put " \
+                           f"--batch_size=4 after {f}"
+    g = fresh()  # an override the file leaves alone may come first; one after the file wins, as before
+    assert configure(g, ["--learning_rate=0.5", str(f), "--batch_size=4"]) == [
+        ("learning_rate", None), ("batch_size", str(f)), ("device", str(f)), ("batch_size", None)]
+    assert (g["learning_rate"], g["batch_size"], g["device"]) == (0.5, 4, "cuda")
+
+
+def test_a_dict_override_updates_the_dict_a_config_file_set(tmp_path):
+    """--lr_mult="{'new': 2.0}" replaced the whole dict: the config file's 'old': 0.1 (a grown model's old layers at a
+    tenth of the LR) silently went back to 1.0. An override updates the entries it names; a file's assignment is
+    Python's (it replaces)."""
+    g = {"lr_mult": {"embedding": 1.0, "old": 1.0, "new": 1.0}}
+    f = tmp_path / "grow.py"
+    f.write_text("lr_mult = {'embedding': 0.5, 'old': 0.1, 'new': 1.0}\n")
+    configure(g, [str(f), "--lr_mult={'new': 2}"])
+    assert g["lr_mult"] == {"embedding": 0.5, "old": 0.1, "new": 2.0}
+    f.write_text("lr_mult = {'new': 3.0}\n")
+    configure(g, [str(f)])
+    assert g["lr_mult"] == {"new": 3.0}

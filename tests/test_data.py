@@ -489,11 +489,18 @@ def test_one_prepare_per_out_and_a_tiny_folders_val_takes_every_copy(tmp_path):
     for name, text in (("a.txt", "alpha beta " * 20), ("b.txt", "gamma delta " * 20), ("c.txt", "the same text " * 20),
                        ("d.txt", "epsilon " * 30), ("e.txt", "the same text " * 20)):
         (src / name).write_text(text)
-    _run(["data/local/prepare.py", "--src", str(src), "--out", out, "--vocab-size", "300", "--val-percent", "0"])
+    # a val share too small for any of 5 documents: the fallback val document
+    _run(["data/local/prepare.py", "--src", str(src), "--out", out, "--vocab-size", "300", "--val-percent", "0.01"])
     tok = tokmod.Tokenizer.load(os.path.join(out, "tokenizer.json"))
     where = {f: split for split in ("train", "val") for entry, _ in read_split_docs(tmp_path / "corpus", tok, split)
              for f in entry["source"]["files"]}
     assert where["c.txt"] == where["e.txt"] and "val" in where.values() and "train" in where.values(), where
+    # --val-percent 0 asks for no val split: the fallback moved one document there anyway
+    r = _run(["data/local/prepare.py", "--src", str(src), "--out", out, "--val-percent", "0",
+              "--tokenizer", os.path.join(out, "tokenizer.json")])
+    index = shards.load_index(out)
+    assert index["splits"]["val"] == [] and "--val-percent 0: no val split" in r.stdout, r.stdout
+    assert sum(len(e["source"]["files"]) for e in index["splits"]["train"]) == 5
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -597,14 +604,23 @@ def test_fineweb_prepare_from_fake_hub(tok, tmp_path):
             held += 1
         assert val and val == texts[:len(val)] and len(val) <= held
 
-        def after_val(budget=3000):  # what the script's tokenizer trained on: the documents after the held-out ones
+        def after_val(budget=3000, first=None):  # what the script's tokenizer trained on: the documents after val's
             used = 0
-            for t in texts[held:]:
+            for t in texts[held if first is None else first:]:
                 if used >= budget:
                     return
                 used += len(t)
                 yield t
         assert tokmod.train_tokenizer(after_val(), 300).hash == tok3.hash
+        # --val-tokens 0 asks for no val split: it still took the first document (and kept it from the tokenizer)
+        r = _run(["data/fineweb_edu/prepare.py", "--vocab-size", "300", "--tokenizer-chars", "3000",
+                  "--val-tokens", "0", "--max-tokens", "1500", "--shard-tokens", "400", "--threads", "2",
+                  "--out", str(tmp_path / "fw4")],
+                 env=env)
+        assert shards.load_index(tmp_path / "fw4")["splits"]["val"] == [], r.stdout
+        tok4 = tokmod.Tokenizer.load(tmp_path / "fw4" / "tokenizer.json")
+        train4 = [d for _, docs in read_split_docs(tmp_path / "fw4", tok4, "train") for d in docs]
+        assert train4 == texts[:len(train4)] and tok4.hash == tokmod.train_tokenizer(after_val(first=0), 300).hash
         # a page the crawl holds twice, once among val's first documents: its later copy is not trained on
         import pyarrow as pa
         import pyarrow.parquet as pq

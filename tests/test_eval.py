@@ -1149,3 +1149,14 @@ def test_compare_gives_no_verdict_between_other_examples(hf_setup, tmp_path, cap
     cells = row.split(" | ")
     assert "other examples !" in cells[3] and "~" not in cells[3] and "*" not in cells[3], row
     assert "~" in cells[4] or "*" in cells[4], row  # the same examples from the same file: compared
+
+
+def test_an_empty_stop_string_is_refused_at_task_load(monkeypatch):
+    """"" is in every text: a task whose `until` held it stopped each generation at its first token, then the cut
+    (text.split("")) crashed with ValueError: empty separator. Now the task load refuses it, naming the task."""
+    args = ev.parse_args(["m", "--tasks", "counting", "--limit", "2"])
+    assert all(d["until"] for d in et.task_docs("counting", None, args))  # the built-in tasks pass
+    built = et.counting_docs
+    monkeypatch.setattr(et, "counting_docs", lambda n, seed: [dict(d, until=["\n", ""]) for d in built(n, seed)])
+    with pytest.raises(et.EvalError, match=r"task counting: example 0: until=\['\\n', ''\]: stop strings must be"):
+        et.task_docs("counting", None, args)

@@ -118,7 +118,7 @@ def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, thre
     assert {g["lr_mult"] for g in opt_sd["param_groups"]} == {0.0}
     from safetensors.torch import load_file
     w3, w6 = (load_file(os.path.join(out, f"step_000000{s}", "model.safetensors")) for s in (3, 6))
-    moved = [k for k in w3 if "correction_bias" not in k and not torch.equal(w3[k], w6[k])]  # the bias is no parameter
+    moved = [k for k in w3 if not torch.equal(w3[k], w6[k])]  # the router bias too: no parameter, but frozen with them
     assert not moved, moved[:3]
     # the corpus prepared again (a new tokenizer, by default): the resume is refused, naming the fix
     other = tmp_path / "data2"
@@ -396,6 +396,41 @@ def test_grow_starts_as_identity_and_groups_get_their_lr(data_root, tmp_path):
             assert train.origin_of(n, st["layer_origin"]) == gr["origin"]
     new_layers = {i for i, o in enumerate(st["layer_origin"]) if o == "new"}
     assert any(int(n.split(".")[1]) in new_layers for gr in groups if gr["origin"] == "new" for n in gr["names"])
+
+
+def test_a_frozen_layers_router_bias_stays():
+    """lr_mult 0 froze a layer's weights, but its router's selection bias (DeepSeek-V3's balancing: no parameter, no
+    optimizer) went on moving, so a "frozen" old layer of a grown model routed its tokens elsewhere step by step."""
+    model = Picaflor(ModelConfig(vocab_size=64, n_layer=4, n_dense_layers=1, d_model=16, n_head=2, n_kv_head=1,
+                                 dense_ffn=32, n_experts=4, expert_ffn=8, n_shared=1, top_k=2, max_seq_len=16))
+    layer_origin = ["old", "old", "new", "old"]  # MoE layers 1, 2, 3
+    load = torch.tensor([[9.0, 1.0, 1.0, 1.0]] * 3)
+    before = [m.e_score_correction_bias.clone() for m in model.moe_layers()]
+    model.update_router_bias(train.router_bias_load(load, model, layer_origin, {"old": 0.0, "new": 1.0}), gamma=0.1)
+    moved = [not torch.equal(b, m.e_score_correction_bias) for b, m in zip(before, model.moe_layers())]
+    assert moved == [False, True, False]
+    model.update_router_bias(train.router_bias_load(load, model, layer_origin, {"new": 2.0}), gamma=0.1)
+    assert all(not torch.equal(b, m.e_score_correction_bias) for b, m in zip(before, model.moe_layers()))
+
+
+def test_no_val_loss_says_why_quarantined_val_shards_or_no_val_split(data_root, tmp_path):
+    """Every val shard quarantined was logged as "corpus local has no val split": the quarantined shards went unnamed,
+    and the fix it implied (prepare.py again) left the quarantine in place. A corpus prepared with no val share says
+    so, and that no val loss (nor a best-by-val checkpoint) comes."""
+    corpus = os.path.join(data_root, "local")
+    val = [e["file"] for e in json.load(open(os.path.join(corpus, "index.json")))["splits"]["val"]]
+    stream, note = train.open_val_stream(corpus, 320, [])
+    assert stream is not None and note is None
+    stream, note = train.open_val_stream(corpus, 320, val + ["train_000000.bin"])
+    assert stream is None and "no val split" not in note and "quarantined" in note, note
+    assert all(f"local/{f}" in note for f in val) and "--release_shards=" in note and "shards.py verify" in note, note
+    bare = tmp_path / "local"  # the same corpus, its val split empty (data/local/prepare.py --val-percent 0)
+    shutil.copytree(corpus, bare)
+    index = json.load(open(bare / "index.json"))
+    index["splits"]["val"] = []
+    (bare / "index.json").write_text(json.dumps(index))
+    stream, note = train.open_val_stream(str(bare), 320, [])
+    assert stream is None and "local has no val split" in note and "no val loss will be logged" in note, note
 
 
 def test_a_resume_at_another_price_or_world_size_does_not_reprice_the_past(data_root, three_steps, tmp_path):

@@ -15,7 +15,8 @@ Calls recorded here:
   the total (val + train) past --max-tokens, so the corpus holds at most --max-tokens tokens. The documents
   left out are not counted as dropped tokens: nothing is truncated, the cap just ends the corpus.
 - the first --val-tokens tokens of documents (default 0.5% of --max-tokens, at most 10M, at least one
-  document) form the val split; the rest is train. Empty rows are skipped; text that is not UTF-8 reads as U+FFFD.
+  document; --val-tokens 0: no val split, and no val loss in training) form the val split; the rest is train.
+  Empty rows are skipped; text that is not UTF-8 reads as U+FFFD.
   A tokenizer trained here skips those documents (the first ones up to VAL_CHARS_PER_TOKEN characters per val
   token) and later copies of them, so val is unseen text.
   A later document identical to a val one (sha1 of its text; web crawls repeat pages) is left out of train and
@@ -80,7 +81,8 @@ def main():
     ap.add_argument("--pattern", default="sample/10BT/*.parquet", help="parquet files to use (glob, in name order)")
     ap.add_argument("--column", default="text", help="text column of the parquet files")
     ap.add_argument("--max-tokens", type=int, default=100_000_000, help="corpus size cap (whole documents only)")
-    ap.add_argument("--val-tokens", type=int, default=None, help="tokens of val documents (default 0.5%% of max, <=10M)")
+    ap.add_argument("--val-tokens", type=int, default=None,
+                    help="tokens of val documents (default 0.5%% of max, <=10M; 0: no val split)")
     ap.add_argument("--vocab-size", type=int, default=None, help="vocab when training a tokenizer (default 32768)")
     ap.add_argument("--tokenizer", default=None, help="reuse this tokenizer file instead of training one")
     ap.add_argument("--tokenizer-chars", type=int, default=1_000_000_000, help="characters of text to train it on")
@@ -133,6 +135,7 @@ def build(args, revision, files, stage, t0):
     """Tokenizer and shards into `stage`, then swapped in for the corpus in args.out (shards.install_corpus)."""
     tok_path = os.path.join(stage, "tokenizer.json")
     val_target = args.val_tokens if args.val_tokens is not None else min(10_000_000, args.max_tokens // 200)
+    no_val = args.val_tokens == 0  # asked for no val split (the default's share keeps one document, however small)
     val_docs = [float("inf")]  # val comes from the first documents; a tokenizer trained here never sees them
     key = corpus_key(args, revision)
     journal, note = shards.resume_journal(stage, key, args.fresh, JOURNAL_FIELDS)
@@ -154,7 +157,7 @@ def build(args, revision, files, stage, t0):
             with tqdm(total=args.tokenizer_chars, desc="tokenizer text", unit="char", unit_scale=True) as bar:
                 for _, _, text in documents(args.repo, revision, files, args.column):
                     digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).digest()
-                    if n_skipped == 0 or skipped < VAL_CHARS_PER_TOKEN * val_target:  # held out for val
+                    if not no_val and (n_skipped == 0 or skipped < VAL_CHARS_PER_TOKEN * val_target):  # val's
                         skipped += len(text)
                         n_skipped += 1
                         val_docs[0] = n_skipped
@@ -204,7 +207,8 @@ def build(args, revision, files, stage, t0):
                 stop_reason = f"--max-tokens {args.max_tokens:,} reached (next document: {len(toks):,} tokens)"
                 done = True
                 break
-            split = "val" if n_docs < val_docs[0] and (counts["val"] < val_target or counts["val"] == 0) else "train"
+            split = ("val" if not no_val and n_docs < val_docs[0] and (counts["val"] < val_target or counts["val"] == 0)
+                     else "train")
             digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).digest()
             if split == "val":
                 val_texts.add(digest)

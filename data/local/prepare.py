@@ -11,7 +11,8 @@ Calls recorded here:
 - the default vocab is 8192, config/tiny.py's; the nano run uses 32768 (on FineWeb-Edu).
 - files are taken in a fixed pseudo-random order (sha1 of the relative path) so --max-files/--max-bytes caps
   sample the whole tree, not its first letters; a file goes to val when the sha1 of its text says so
-  (--val-percent), so identical files land in the same split.
+  (--val-percent), so identical files land in the same split; a folder too small for any to land in val gives
+  val one document (with its copies), unless --val-percent 0 asked for no val split.
 - the default --max-bytes (64 MB) takes a whole stdlib (Python 3.11: ~1,870 files, 32 MB, ~8.2M tokens at vocab
   8192; 6-8 s on 2 cores); lower it (or --max-files) for a quicker, smaller corpus.
 - index.json records, per shard, the exact files it holds, so shards.py refetch can re-make it.
@@ -67,7 +68,8 @@ def main():
                     help="tokenizer vocab incl. id 0 and specials (default 8192; nano: 32768)")
     ap.add_argument("--tokenizer", default=None, help="reuse this tokenizer file instead of training one")
     ap.add_argument("--shard-tokens", type=int, default=1 << 22, help="tokens per shard (whole documents, so about)")
-    ap.add_argument("--val-percent", type=float, default=2.0, help="percent of documents held out for val")
+    ap.add_argument("--val-percent", type=float, default=2.0,
+                    help="percent of documents held out for val (0: no val split, no val loss in training)")
     ap.add_argument("--threads", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="tokenizer threads")
     args = ap.parse_args()
     t0 = time.time()
@@ -111,7 +113,8 @@ def main():
         split = "val" if sha1_number(text.encode("utf-8", "surrogatepass")) % 10000 < args.val_percent * 100 else "train"
         docs.append((rel, text, split))
         total_bytes += len(text.encode("utf-8"))
-    if sum(s == "val" for _, _, s in docs) == 0 and len(docs) > 1:  # tiny folders still get a val document
+    # tiny folders still get a val document; --val-percent 0 asked for none (it moved one anyway)
+    if args.val_percent > 0 and sum(s == "val" for _, _, s in docs) == 0 and len(docs) > 1:
         held = docs[-1][1]  # with every identical copy (one left in train leaked val into training)
         docs = [(rel, text, "val" if text == held else split) for rel, text, split in docs]
     n_train = sum(s == "train" for _, _, s in docs)
@@ -120,6 +123,8 @@ def main():
     print(f"{len(docs):,} documents ({n_train:,} train, {len(docs) - n_train:,} val), {total_bytes / 1e6:.1f} MB "
           f"from {args.src}" + (f"; {capped[0]:,} more files left out by {capped[1]} (raise it to include them)"
                                 if capped else ""))
+    if args.val_percent == 0:
+        print("--val-percent 0: no val split; train.py will log no val loss")
 
     try:
         with shards.staging(args.out, "data/local/prepare.py") as stage:  # a failed run leaves --out as it was
