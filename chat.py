@@ -425,11 +425,16 @@ def repeated_ngrams(ids, n=3):
 def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, device="cpu", dtype=None, log=print):
     """Score every valid checkpoint of run_dir; write run_dir/sft_pick.json and sft_pick.md. Returns the report."""
     import checkpoint
+    import rundir
     import shards
     from model import load_checkpoint
     from tokenizer import Tokenizer
 
     prompts = prompts or PICK_PROMPTS
+    try:  # a step a killed re-save left as step_N.old-PID: scored too (it was missed without a word)
+        rundir.recover_for_reader(run_dir)
+    except checkpoint.CheckpointError as e:
+        raise ChatError(str(e)) from None
     ckpts, skipped = [], []
     for s, p in checkpoint.list_checkpoints(run_dir):
         try:

@@ -10,7 +10,8 @@ Checkpoint directories on disk: atomic writes, manifests, LATEST (retention is r
 A checkpoint without a valid manifest does not exist. A save writes into a hidden temp dir, fsyncs every file
 and the dir, then renames it into place; a crash (or a full disk) at any moment leaves the previous checkpoint
 untouched and, at worst, a `.tmp-*` dir that the next save removes (or a step moved aside for its re-save,
-`step_N.old-PID`, which the next save or resume puts back: `recover`).
+`step_N.old-PID`, which the next save or resume puts back: `recover`; a reader of the run dir too, when no trainer
+holds it: rundir.recover_for_reader).
 """
 
 import contextlib
@@ -25,6 +26,7 @@ import threading
 import time
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
+ASIDE_RE = re.compile(r"^(step_\d{7,})\.old-\d+$")  # a step save() moved aside to re-save it
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for lack of space (or a size limit)
 # a read of a network or bucket mount that dropped: storage to wait for, not corrupt data
 UNREACHABLE_ERRNOS = (errno.ENOTCONN, errno.ETIMEDOUT, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN,
@@ -251,6 +253,9 @@ def resolve(path):
         raise CheckpointError(f"{path}: no such file or directory; pass a run dir or a step_NNNNNNN dir")
     if os.path.isfile(os.path.join(path, "MANIFEST.json")) or STEP_RE.match(os.path.basename(os.path.normpath(path))):
         return path
+    if stranded(path):  # its newest step may be there only as step_N.old-PID: back in place before one is picked
+        import rundir  # (the trainer's lock is rundir's; rundir imports this module)
+        rundir.recover_for_reader(path)
     try:
         steps = list_checkpoints(path)
     except OSError as e:  # a run dir it may not read: a traceback out of chat.py and eval.py
@@ -313,14 +318,26 @@ def write_atomic_text(path, text):
     write_atomic(path, text.encode())
 
 
+def stranded(out_dir):
+    """(step dir name, aside name) of each step in out_dir left only as step_N.old-PID: a re-save killed between its
+    two renames (save() below), or one between them now. Nothing is changed."""
+    try:
+        names = os.listdir(out_dir)
+    except OSError:  # (resolve says why it cannot read the dir)
+        return []
+    return sorted((m.group(1), name) for name in names
+                  if (m := ASIDE_RE.match(name)) and not os.path.exists(os.path.join(out_dir, m.group(1))))
+
+
 def recover(out_dir):
     """Finish a re-save that died between its two renames (save() below): a step moved aside as step_N.old-PID with
-    no step_N goes back in place; one whose replacement landed is removed. Returns the steps put back."""
+    no step_N goes back in place; one whose replacement landed is removed. Returns the steps put back. Only with
+    the run's lock held (train.py; a reader: rundir.recover_for_reader)."""
     back = []
     if not os.path.isdir(out_dir):
         return back
     for name in sorted(os.listdir(out_dir)):
-        m = re.match(r"^(step_\d{7,})\.old-\d+$", name)
+        m = ASIDE_RE.match(name)
         if not m:
             continue
         aside, final = os.path.join(out_dir, name), os.path.join(out_dir, m.group(1))

@@ -152,7 +152,8 @@ def dequantize_int4(packed, sz, shape, group_size):
 def quantize_int8(w):
     """Per-row symmetric int8: w ~= q * scale[:, None]."""
     w = w.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    # floored only at float32's (and bf16's) smallest normal, not at 1e-12: a row of values under ~1e-12 became zeros
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous().view(-1), scale.contiguous()
 

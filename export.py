@@ -344,6 +344,12 @@ def hf_tokenizer_files(tok, max_len):
 # ----------------------------------------------------------------------------------------------------------
 # Hugging Face HYV3ForCausalLM
 
+# what the HF export's generation stops at (generation_config.json, said in its model card): the end of a turn, a new
+# document, or a turn the model starts on its own (chat.py stops at every special token: generation ran on into an
+# invented <|user|> turn)
+GENERATION_STOPS = ("<|end|>", "<|bos|>", "<|user|>", "<|assistant|>", "<|system|>")
+
+
 def model_card(src, dtype_name, with_tokenizer):
     """README.md for the Hub: what the model is, its size, how to load it, the chat format."""
     c = src.cfg
@@ -355,6 +361,9 @@ def model_card(src, dtype_name, with_tokenizer):
     tok_use = ("tok = AutoTokenizer.from_pretrained(path)\n"
                "ids = tok(\"The history of\", return_tensors=\"pt\").input_ids  # starts with <|bos|>\n"
                if with_tokenizer else "ids = torch.tensor([[...token ids...]])\n")
+    stops = (f"Generation stops at any of {', '.join(f'`{t}`' for t in GENERATION_STOPS)} (its `eos_token_id` "
+             f"list): the end of a turn, a new document, or a turn the model starts on its own." if with_tokenizer
+             else "It names no stop token (exported without a tokenizer): pass `eos_token_id` to `generate`.")
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
@@ -383,8 +392,8 @@ model = AutoModelForCausalLM.from_pretrained(path)
 ```
 
 `generation_config.json` is greedy with no repetition penalty or any other sampling penalty: scoring and
-evaluation must see the model's own distribution. Generation stops at `<|end|>` (end of a turn) or `<|bos|>`
-(start of a new document).
+evaluation must see the model's own distribution.
+{stops}
 
 Tokenizer: `tokenizer.json` (for AutoTokenizer) encodes exactly like `picaflor_tokenizer.json`, the
 tiktoken-based file picaflor trains and serves with (`tokenizer.Tokenizer.load`). Id 0 (`<|pad|>`) is
@@ -478,10 +487,8 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_cfg, f, indent=1)
         gen = {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
-        if tok is not None:  # stop at the end of a turn, at a new document, or at a turn the model starts on its own
-            # (chat.py stops at every special token: generation ran on into an invented <|user|> turn here)
-            stops = [tok.special_ids["<|end|>"], tok.bos_id] + [tok.special_ids[t] for t in
-                                                                 ("<|user|>", "<|assistant|>", "<|system|>")]
+        if tok is not None:
+            stops = [tok.special_ids[t] for t in GENERATION_STOPS]
             gen.update(bos_token_id=tok.bos_id, eos_token_id=stops, pad_token_id=0)
         with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump(gen, f, indent=1)
@@ -769,10 +776,11 @@ def pid_alive(pid):
 
 
 def clean_stale_outputs(out):
-    """What a killed export of out left beside it (OUT.tmp-HOST-PID, OUT.old-HOST-PID of this host whose process is
-    gone; OUT.tmp-PID, OUT.tmpPID from before hosts were named): temp output is removed (GBs at nano size, silently),
-    and an earlier export set aside just before the kill is put back when out is missing. Another host's (a shared
-    filesystem) is left, with a note: its pid says nothing here, and its export may be running."""
+    """What a killed export of out left beside it (OUT.tmp-HOST-PID, OUT.old-HOST-PID, container.writer_tag's names,
+    of this host whose process is gone): temp output is removed (GBs at nano size, silently), and an earlier export
+    set aside just before the kill is put back when out is missing. Another host's (a shared filesystem) is left,
+    with a note: its pid says nothing here, and its export may be running. Nothing else is touched: a user's own
+    OUT.tmp123 or OUT.tmp-2 (the tag-less names of older exports too) is no proof of a writer of ours."""
     parent, base = os.path.dirname(os.path.abspath(out)), os.path.basename(os.path.abspath(out))
     try:
         names = sorted(os.listdir(parent))
@@ -780,11 +788,11 @@ def clean_stale_outputs(out):
         return
     here = container.writer_tag().rsplit("-", 1)[0]
     for name in names:
-        m = re.fullmatch(re.escape(base) + r"\.(tmp-?|old-)(?:(.+)-)?(\d+)", name)
+        m = re.fullmatch(re.escape(base) + r"\.(tmp-|old-)([A-Za-z0-9._-]+)-(\d+)", name)
         if not m:
             continue
         path = os.path.join(parent, name)
-        if m.group(2) is not None and m.group(2) != here:
+        if m.group(2) != here:
             print(f"warning: {path}: left by an export on host {m.group(2)}, or still being written there; remove it "
                   f"once no export of {out} runs there", file=sys.stderr)
             continue

@@ -170,8 +170,8 @@ NATIVE = None
 
 def native_int4():
     """torch.ops of int4_cpu.cpp (the fast CPU int4 matmul, over int4_loops.h's loops), compiled on first use
-    (~15 s, then cached under ~/.cache/torch_extensions, rebuilt when the source changes) or None when it cannot be
-    built here."""
+    (~15 s, then cached under ~/.cache/torch_extensions, rebuilt when a source or the compiler changes) or None when
+    it cannot be built here."""
     global NATIVE
     if NATIVE is None:
         import hashlib
@@ -196,9 +196,10 @@ def native_int4():
                     code += f.read()
             except OSError:
                 pass
-        # and by this checkout's folder: two checkouts (a fork beside main, a CI clone) rebuilt over each other
-        name = ("picaflor_int4_cpu_" + hashlib.sha1((cpu + torch.__version__ + here).encode() + code).hexdigest()[:10]
-                + ("" if use_omp else "_pool"))
+        # and by this checkout's folder: two checkouts (a fork beside main, a CI clone) rebuilt over each other; and
+        # by the compiler: another CXX (or an upgraded one) loaded the .so the previous compiler had built
+        key = (cpu + torch.__version__ + here + compiler_identity(cpp_extension.get_cxx_compiler())).encode() + code
+        name = "picaflor_int4_cpu_" + hashlib.sha1(key).hexdigest()[:10] + ("" if use_omp else "_pool")
         # ARM compilers name the host CPU with -mcpu (gcc and clang: dot products where the core has them)
         arch = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else ["-march=native"]
         # ninja is a pip dependency: make the venv's bin findable when python runs without activating it
@@ -222,6 +223,24 @@ def native_int4():
                   file=sys.stderr)
             NATIVE = False
     return NATIVE or None
+
+
+def compiler_identity(cxx):
+    """The C++ compiler cpp_extension builds with (CXX, else c++), as part of the extension's build name: its command,
+    the file that runs and what its --version says (none of them: the build fails, loudly, as before)."""
+    import shlex
+    import shutil
+    import subprocess
+    try:
+        argv = shlex.split(cxx) or [cxx]
+    except ValueError:  # (an unbalanced quote: the build says what is wrong with it)
+        argv = [cxx]
+    exe = shutil.which(argv[0])
+    try:
+        version = subprocess.run(argv + ["--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, ValueError, subprocess.SubprocessError):
+        version = ""
+    return "\n".join([cxx, os.path.realpath(exe) if exe else "", version])
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """The run directory train.py writes (out_dir) and its mirror: one trainer at a time (an flock), what a resume starts
 from (a rollback's or a corrupt step's later steps set aside, a mirror copy of the very checkpoint brought back),
 which checkpoints are kept (retention), and the copy of logs and the newest checkpoint kept elsewhere (mirror_dir).
-Used by train.py (rank 0) and guardian.py; errors are RunDirError, one line each."""
+Used by train.py (rank 0) and guardian.py, and by a reader of a run dir (checkpoint.resolve: chat, eval, export) for a
+step a killed re-save left aside; errors are RunDirError, one line each."""
 import errno
 import json
 import os
@@ -320,6 +321,51 @@ def lock_holder(out_dir, who="trainer"):
         return None
     finally:
         os.close(fd)
+
+
+RESAVE_WAIT_S = 10.0  # how long a reader waits for a live trainer's re-save to do its second rename
+
+
+def recover_for_reader(run_dir, wait_s=None):
+    """checkpoint.recover for a reader of run_dir (chat, eval, export, train.py --status) that finds a step there only
+    as step_N.old-PID: put back under the trainer's lock, taken for that moment (a trainer starting meanwhile waits,
+    as for another trainer), never while a trainer holds it (its own re-save between its renames: waited for up to
+    wait_s, then refused). Returns the steps put back; raises checkpoint.CheckpointError, one line."""
+    import fcntl
+    deadline = time.monotonic() + (RESAVE_WAIT_S if wait_s is None else wait_s)
+    path = os.path.join(run_dir, ".trainer.lock")
+    while True:
+        left = checkpoint.stranded(run_dir)
+        if not left:
+            return []
+        step, aside = left[-1]
+        what = f"{run_dir}: {step} is there only as {aside} (a save killed between its renames)"
+        by_hand = (f"once no trainer writes {run_dir}, rename {aside} back to {step} (or resume the run: train.py "
+                   f"puts it back)")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # (a read-only copy of the run)
+            raise checkpoint.CheckpointError(f"{what}, and {path} cannot be opened ({e.strerror}); {by_hand}") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live trainer: read nothing of its run until its save is whole
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    raise checkpoint.CheckpointError(f"{run_dir}: {step} is being re-saved by the trainer holding "
+                                                     f"{path} (pid {holder}); retry once its save is done") from None
+                time.sleep(0.1)
+                continue
+            except OSError as e:  # a filesystem without locks: whether a trainer runs cannot be told
+                raise checkpoint.CheckpointError(f"{what}, and {path} cannot be locked ({e.strerror}); "
+                                                 f"{by_hand}") from None
+            try:
+                return checkpoint.recover(run_dir)
+            except OSError as e:
+                why = checkpoint.os_error_line(e, os.path.join(run_dir, aside))
+                raise checkpoint.CheckpointError(f"{what}: {why}; {by_hand}") from None
+        finally:
+            os.close(fd)  # (the lock goes with it)
 
 
 def copy_ticking(tick):

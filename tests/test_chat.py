@@ -329,6 +329,25 @@ def test_pick_keeps_what_it_scored_names_what_it_skipped_and_refuses_a_long_prom
         assert f"{flag} -5: at least 1" in capsys.readouterr().err
 
 
+def test_pick_does_not_skip_a_step_a_killed_resave_left_aside(corpus, sft_run, tmp_path, monkeypatch):
+    """pick scored every step_* dir but one a re-save killed between its renames left as step_N.old-PID (the newest,
+    often): it was missed without a word. It goes through rundir.recover_for_reader now, which does not touch a run
+    whose trainer is live (refused here: a trainer holds the lock)."""
+    import rundir
+    run = tmp_path / "run"
+    shutil.copytree(sft_run, run, ignore=shutil.ignore_patterns("sft_pick.*", ".trainer.lock"))
+    newest = checkpoint.list_checkpoints(str(run))[-1][1]
+    os.replace(newest, newest + ".old-4242")
+    monkeypatch.setattr(rundir, "RESAVE_WAIT_S", 0.0, raising=False)
+    lock = rundir.hold_run_lock(str(run), 0, print)
+    try:
+        with pytest.raises(chat.ChatError, match="being re-saved by the trainer holding"):
+            chat.pick(str(run), str(corpus[0]), prompts=["ping 4"], max_new_tokens=2, max_rows=2, log=print)
+    finally:
+        os.close(lock)
+    assert rundir.recover_for_reader(str(run)) == [newest] and checkpoint.is_valid(newest)
+
+
 def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path, capsys):
     """chat.py's own advice (copy the corpus's tokenizer.json into the checkpoint) with the wrong corpus's: an
     IndexError on the first message."""

@@ -95,6 +95,18 @@ def test_hf_export_loads_and_matches_logits_fp32(ckpt, hf_fp32):
     assert (a - b).abs().max().item() <= 1e-4
 
 
+def test_model_card_names_the_tokens_generation_stops_at(ckpt, hf_fp32):
+    """The card said generation stops at <|end|> or <|bos|>; generation_config.json stops at all five specials (a
+    turn the model opens on its own too). The card's stop sentence names exactly the ids the settings hold."""
+    import re
+    gen = json.load(open(os.path.join(hf_fp32[0], "generation_config.json")))
+    names = {name for name, i in ckpt["tok"].special_ids.items() if i in gen["eos_token_id"]}
+    assert len(names) == len(gen["eos_token_id"]) == len(T.SPECIAL_TOKENS)
+    card = open(os.path.join(hf_fp32[0], "README.md")).read()
+    said = card[card.index("Generation stops"):].split("\n\n")[0]  # that paragraph, from the sentence on
+    assert set(re.findall(r"<\|[a-z]+\|>", said)) == names, said
+
+
 def test_hf_export_bf16_within_bf16_tolerance(ckpt):
     from transformers import AutoModelForCausalLM
     out = str(ckpt["dir"] / "hf16")
@@ -624,20 +636,22 @@ def test_review_round_export_faults(ckpt, tmp_path, capsys, monkeypatch):
     assert "interrupted" in str(e.value.code) and sorted(os.listdir(out)) == first
     assert not [n for n in os.listdir(tmp_path) if n.startswith("hf.")]
     # what a killed export left: temp output removed, a set-aside earlier export put back
+    import container
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    os.makedirs(tmp_path / f"hf.tmp-{dead.pid}")
-    (tmp_path / f"x.pcf4.tmp{dead.pid}").write_bytes(b"half")
-    os.replace(out, tmp_path / f"hf.old-{dead.pid}")
+    host = container.writer_tag().rsplit("-", 1)[0]
+    os.makedirs(tmp_path / f"hf.tmp-{host}-{dead.pid}")
+    (tmp_path / f"x.pcf4.tmp-{host}-{dead.pid}").write_bytes(b"half")
+    os.replace(out, tmp_path / f"hf.old-{host}-{dead.pid}")
     capsys.readouterr()
     export.clean_stale_outputs(out)
     export.clean_stale_outputs(str(tmp_path / "x.pcf4"))
     err = capsys.readouterr().err
     assert sorted(os.listdir(out)) == first and "put back" in err and err.count("left by a killed export") == 2
     assert sorted(os.listdir(tmp_path)) == sorted(n for n in os.listdir(tmp_path) if ".tmp" not in n and ".old-" not in n)
-    os.makedirs(tmp_path / f"hf.tmp-{os.getpid()}")  # a live export's temp dir is left alone
+    os.makedirs(tmp_path / f"hf.tmp-{container.writer_tag()}")  # a live export's temp dir is left alone
     export.clean_stale_outputs(out)
-    assert os.path.isdir(tmp_path / f"hf.tmp-{os.getpid()}")
+    assert os.path.isdir(tmp_path / f"hf.tmp-{container.writer_tag()}")
     # no tokenizer: the int4 export says so, stream_infer refuses a text prompt for trained weights; --out x/ works
     notok = M.save_checkpoint(M.Picaflor(M.ModelConfig(**CFG)), str(tmp_path / "notok"), 1)
     rep = run_export([notok, "--format", "int4", "--out", str(tmp_path / "notok.pcf4") + "/"])
@@ -705,7 +719,8 @@ def test_gguf_refuses_what_llama_cpp_aborts_on_and_a_huge_stale_number_is_not_a_
         run_export([dense, "--format", "gguf", "--out", str(tmp_path / "d.gguf")])
     assert "n_experts=0" in str(e.value.code) and "--format hf" in str(e.value.code)
     assert not [n for n in os.listdir(tmp_path) if n.startswith("d.gguf")]
-    stray = tmp_path / ("g.gguf.tmp-" + "9" * 20)
+    import container
+    stray = tmp_path / (f"g.gguf.tmp-{container.writer_tag().rsplit('-', 1)[0]}-" + "9" * 20)
     stray.write_bytes(b"half")
     export.clean_stale_outputs(str(tmp_path / "g.gguf"))
     assert not stray.exists()
@@ -757,3 +772,22 @@ def test_stale_output_cleanup_judges_only_this_hosts_pids(tmp_path, capsys, monk
     assert sorted(os.listdir(tmp_path)) == sorted([f"hf.tmp-gpu-node-8-{dead.pid}", f"hf.old-gpu-node-8-{dead.pid}",
                                                    f"hf.tmp-gpu-node-7-{os.getpid()}"]), os.listdir(tmp_path)
     assert err.count("on host gpu-node-8") == 2 and err.count("left by a killed export; removed") == 1, err
+
+
+def test_stale_output_cleanup_leaves_a_users_own_look_alikes(tmp_path, capsys):
+    """clean_stale_outputs also took OUT.tmpNNN, OUT.tmp-NNN and OUT.old-NNN (names of no writer of ours since they
+    hold its host) for a killed export's whenever NNN was no live pid: a user's own hf.tmp2 was deleted, and their
+    hf.old-7 renamed to --out. Only container.writer_tag's names (this host, a dead pid) are judged now."""
+    import container
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = str(tmp_path / "hf")
+    mine = [f"hf.tmp{dead.pid}", "hf.tmp2", f"hf.tmp-{dead.pid}", f"hf.old-{dead.pid}", "hf.tmp-", "hf.tmpdir"]
+    for name in mine:
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "notes.txt").write_text("the user's")
+    ours = f"hf.tmp-{container.writer_tag().rsplit('-', 1)[0]}-{dead.pid}"
+    os.makedirs(tmp_path / ours)
+    export.clean_stale_outputs(out)
+    assert sorted(os.listdir(tmp_path)) == sorted(mine), os.listdir(tmp_path)
+    assert "left by a killed export; removed" in capsys.readouterr().err

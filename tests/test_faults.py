@@ -264,6 +264,38 @@ def test_recover_puts_back_a_step_moved_aside_and_drops_a_replaced_one(tmp_path)
     assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path))] == [2, 4, 6]
 
 
+def test_a_reader_of_a_run_dir_puts_back_a_step_a_killed_resave_left_aside(tmp_path, monkeypatch):
+    """chat, eval and export (checkpoint.resolve) given a run dir whose newest step was there only as step_N.old-PID
+    (a re-save killed between its renames) used an older step, or found none at all. It goes back in place under
+    the trainer's lock; while a trainer holds that lock (its own re-save mid-way) it is waited for, then refused."""
+    import threading
+    import rundir
+    out = str(tmp_path)
+
+    def write(step):
+        return checkpoint.save(out, step, {"w.bin": lambda p: open(p, "wb").write(b"x" * step)})
+    s1, s2 = write(1), write(2)
+    os.replace(s2, s2 + ".old-4242")
+    monkeypatch.setattr(rundir, "RESAVE_WAIT_S", 0.3, raising=False)  # (10 s in use)
+    lock = rundir.hold_run_lock(out, 0, print)  # a live trainer: nothing of its run is touched
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.resolve(out)
+    assert "being re-saved by the trainer" in str(e.value) and "\n" not in str(e.value)
+    assert os.path.isdir(s2 + ".old-4242") and not os.path.exists(s2)
+    # its second rename lands while the reader waits: that step is read
+    threading.Timer(0.1, os.replace, (s2 + ".old-4242", s2)).start()
+    monkeypatch.setattr(rundir, "RESAVE_WAIT_S", 5.0, raising=False)
+    assert checkpoint.resolve(out) == s2
+    os.close(lock)
+    os.replace(s2, s2 + ".old-4242")  # no trainer: put back, and the lock free again afterwards
+    assert checkpoint.resolve(out) == s2 and checkpoint.is_valid(s2)
+    assert not [n for n in os.listdir(out) if ".old-" in n]
+    os.close(rundir.hold_run_lock(out, 0, print))
+    shutil.rmtree(s1)  # the run's only step left aside: found, not "holds no valid checkpoint"
+    os.replace(s2, s2 + ".old-7")
+    assert checkpoint.resolve(out) == s2
+
+
 def test_a_resave_interrupted_between_its_renames_puts_the_old_step_back(tmp_path, monkeypatch):
     """A KeyboardInterrupt on the second rename left the only checkpoint as step_N.old-PID: eval, export, chat and
     the guardian saw none until train.py's next recover()."""

@@ -1415,6 +1415,33 @@ def test_a_rebuild_after_a_source_changed_is_said(tmp_path, monkeypatch, capsys)
     assert len(set(built)) == 3
 
 
+def test_another_compiler_gets_a_build_of_its_own(tmp_path, monkeypatch, capsys):
+    """The extension's build name held the sources, CPU flags, torch and checkout, not the compiler: switching CXX (or
+    upgrading the compiler) loaded the .so the previous one had built, without a word. Its identity names it now."""
+    import shutil
+    from torch.utils import cpp_extension
+    for name in ("int4_cpu.cpp", "expert_reader.cpp", "int4_loops.h"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    monkeypatch.setattr(kernels, "__file__", str(tmp_path / "kernels.py"))  # a checkout of its own
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(cpp_extension, "load", lambda name, **kw: open(  # a build: the .so lands in its folder
+        os.path.join(cpp_extension._get_build_directory(name, False), name + ".so"), "w").close())
+
+    def compiler(name, version):  # a stand-in whose --version says which it is
+        path = tmp_path / name
+        path.write_text(f"#!/bin/sh\necho '{name} (fake) {version}'\n")
+        path.chmod(0o755)
+        return str(path)
+    gcc, clang = compiler("g++-12", "12.2.0"), compiler("clang++", "16.0.6")
+    for cxx, compiles in ((gcc, True), (gcc, False), (clang, True), (gcc, False), ("upgraded", True)):
+        if cxx == "upgraded":  # the same path, a newer compiler
+            cxx = compiler("g++-12", "12.3.0")
+        monkeypatch.setenv("CXX", cxx)
+        monkeypatch.setattr(kernels, "NATIVE", None)
+        kernels.native_int4()
+        assert ("stream_infer: compiling int4_cpu.cpp" in capsys.readouterr().err) == compiles, (cxx, compiles)
+
+
 def test_a_build_waited_on_is_said_and_a_filesystem_without_flock_still_builds(tmp_path, capsys, monkeypatch):
     """A build stopped mid-way (kill -STOP) held the flock and later loads waited on it without a word; where flock
     is refused (NFS -o nolock: ENOLCK) the native kernel was never used, with advice to install a compiler."""
