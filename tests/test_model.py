@@ -141,6 +141,93 @@ def test_from_hf_config_rejects_interleaved_layer_types():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the model against a plain reference written from DESIGN.md / REFERENCES.md (head by head, token by token)
+
+def reference_logits(model, idx):
+    """Logits of a Picaflor computed the slow, obvious way from its state dict. Independent of model.py's code paths:
+    query head h reads kv head h // (n_head // n_kv_head); RoPE rotates dims (i, i + hd/2) by pos * theta^(-2i/hd);
+    the router's bias only selects, the weights are the unbiased sigmoids normalised then times route_scale."""
+    c, sd, hd = model.cfg, model.state_dict(), model.cfg.head_dim
+    T = idx.shape[1]
+
+    def norm(x, w):
+        return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps)
+
+    def rope(x):  # (T, hd)
+        half = hd // 2
+        ang = torch.arange(T, dtype=torch.float64)[:, None] * c.rope_theta ** (-2 * torch.arange(half) / hd)
+        cos, sin, a, b = ang.cos().float(), ang.sin().float(), x[:, :half], x[:, half:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=1)
+
+    def swiglu(x, gate, up, down):
+        return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+    out = []
+    for row in idx:
+        x = sd["embed_tokens.weight"][row]
+        for layer in range(c.n_layer):
+            p = f"layers.{layer}."
+            h = norm(x, sd[p + "input_layernorm.weight"])
+            q, k, v = (h @ sd[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+            heads = []
+            for i in range(c.n_head):
+                j = i // (c.n_head // c.n_kv_head)
+                qi = rope(norm(q[:, i * hd:(i + 1) * hd], sd[p + "self_attn.q_norm.weight"]))
+                kj = rope(norm(k[:, j * hd:(j + 1) * hd], sd[p + "self_attn.k_norm.weight"]))
+                s = (qi @ kj.T / hd ** 0.5).masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+                heads.append(s.softmax(-1) @ v[:, j * hd:(j + 1) * hd])
+            x = x + torch.cat(heads, dim=1) @ sd[p + "self_attn.o_proj.weight"].T
+            h = norm(x, sd[p + "post_attention_layernorm.weight"])
+            if layer < c.n_dense_layers:
+                x = x + swiglu(h, *(sd[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
+                continue
+            f = swiglu(h, *(sd[p + f"mlp.shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down")))
+            for t in range(T):
+                s = torch.sigmoid(sd[p + "mlp.gate.weight"] @ h[t])
+                chosen = torch.topk(s + sd[p + "mlp.e_score_correction_bias"], c.top_k).indices
+                for e in chosen:
+                    gu = sd[p + "mlp.experts.gate_up_proj"][e] @ h[t]
+                    y = sd[p + "mlp.experts.down_proj"][e] @ (F.silu(gu[:c.expert_ffn]) * gu[c.expert_ffn:])
+                    f[t] = f[t] + s[e] / s[chosen].sum() * c.route_scale * y
+            x = x + f
+        out.append(norm(x, sd["norm.weight"]) @ sd["lm_head.weight"].T)
+    return torch.stack(out)
+
+
+def test_forward_and_cached_decode_equal_a_plain_reference():
+    """GQA groups of 3 over 2 kv heads, a norm_eps large enough to matter (the HF parity tests use HF's default 1e-6,
+    so a QK norm with a hard-coded eps passed them), rope_theta, top-3 of 6 with a random selection bias."""
+    cfg = M.ModelConfig(vocab_size=50, n_layer=3, n_dense_layers=1, d_model=48, n_head=6, n_kv_head=2, dense_ffn=40,
+                        n_experts=6, expert_ffn=16, n_shared=2, top_k=3, route_scale=1.7, rope_theta=300.0,
+                        max_seq_len=16, norm_eps=0.25)
+    model = randomise(M.Picaflor(cfg), seed=7).eval()
+    idx = torch.randint(1, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = reference_logits(model, idx)
+        torch.testing.assert_close(model(idx), want, atol=2e-5, rtol=0)
+        cache = M.KVCache(cfg, 2, 9, "cpu", torch.float32)  # one token at a time: RoPE offsets and the T == 1 path
+        torch.testing.assert_close(torch.cat([model(idx[:, t:t + 1], cache=cache) for t in range(9)], 1), want,
+                                   atol=2e-5, rtol=0)
+
+
+def test_init_scales():
+    """GPT-2 init: N(0, 0.02), the residual-output projections (attention o_proj, dense / shared / routed down_proj)
+    N(0, 0.02 / sqrt(2 n_layer)), norms 1, selection bias 0."""
+    cfg = M.ModelConfig(vocab_size=256, n_layer=8, n_dense_layers=1, d_model=64, n_head=4, n_kv_head=2, dense_ffn=128,
+                        n_experts=8, expert_ffn=32, n_shared=2, max_seq_len=16)
+    torch.manual_seed(0)
+    model = M.Picaflor(cfg)
+    out_std = 0.02 / (2 * cfg.n_layer) ** 0.5
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            want = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 0.02
+            assert abs(p.float().std().item() / want - 1) < 0.1 and abs(p.float().mean().item()) < want / 10, name
+    assert all(torch.equal(m.e_score_correction_bias, torch.zeros(cfg.n_experts)) for m in model.moe_layers())
+
+
+# ----------------------------------------------------------------------------------------------------------
 # grouped dispatch vs the plain per-expert loop
 
 MOE_CFG = M.ModelConfig(vocab_size=64, n_layer=2, n_dense_layers=1, d_model=48, n_head=4, n_kv_head=2,
@@ -670,9 +757,10 @@ def test_device_problem_names_what_cannot_run_here(monkeypatch):
 
 
 def test_doc_ids_keep_each_packed_document_to_itself():
-    # a row packing two documents: with doc_ids the second one's logits are those of it alone (RoPE is relative)
+    # a row packing two documents: with doc_ids the second one's logits are those of it alone (RoPE is relative);
+    # two kv heads, so the masked path's k/v repeat must map query heads to kv heads as the unmasked GQA path does
     torch.manual_seed(0)
-    cfg = M.ModelConfig(vocab_size=64, n_layer=2, n_dense_layers=1, d_model=32, n_head=4, n_kv_head=1, dense_ffn=64,
+    cfg = M.ModelConfig(vocab_size=64, n_layer=2, n_dense_layers=1, d_model=32, n_head=4, n_kv_head=2, dense_ffn=64,
                         n_experts=4, expert_ffn=16, n_shared=1, max_seq_len=32, tie_embeddings=True)
     m = M.Picaflor(cfg).eval()
     a, b = torch.randint(1, 64, (1, 7)), torch.randint(1, 64, (1, 9))
