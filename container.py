@@ -252,6 +252,7 @@ class CheckpointSource:
                                  f"train.py") from None
         self.f = open_safetensors(os.path.join(self.dir, "model.safetensors"))
         self.names = set(self.f.keys())
+        check_tensors_match_config(self.f, self.cfg, os.path.join(self.dir, "model.safetensors"))
         tok = os.path.join(self.dir, "tokenizer.json")
         self.tokenizer_json = open(tok, encoding="utf-8").read() if os.path.exists(tok) else None
         self.random = False
@@ -273,6 +274,17 @@ def open_safetensors(path):
     except SafetensorError as e:
         raise ContainerError(f"{path}: not a readable safetensors file ({(str(e).splitlines() or [''])[0]}); re-copy "
                              f"the checkpoint from where it was saved, or export an earlier step_* dir") from None
+
+
+def check_tensors_match_config(f, cfg, path):
+    """Every tensor the config implies, with its shape, and nothing else, in the open safetensors f (its header only):
+    a lost tensor was a SafetensorError traceback half-way through a write, and a routed expert a few rows short was
+    zero-padded into the container without a word."""
+    want, have = expected_shapes(cfg), {n: list(f.get_slice(n).get_shape()) for n in f.keys()}
+    bad = sorted(set(want) ^ set(have)) + sorted(n for n in want if n in have and want[n] != have[n])
+    if bad:
+        raise ContainerError(f"{path}: tensors do not match state.json's model_config (first: {bad[0]}); the "
+                             f"checkpoint is inconsistent, use another step_* dir")
 
 
 def check_finite(t, what):

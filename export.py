@@ -44,6 +44,9 @@ Implementer's calls (DESIGN.md asks to record them here):
   `<|assistant|>`. AutoTokenizer(text) prepends <|bos|> like training documents; apply_chat_template adds it
   through the template. eos = <|end|> (end of a turn); generation also stops at <|bos|> (a new document) and at
   the turn openers (GGUF: as eom and the FIM pad/rep/sep ids, llama.cpp's other end-of-generation keys).
+  `{% generation %}` marks an assistant's content and its <|end|> (chat.py's loss mask) for transformers'
+  return_assistant_tokens_mask (TRL's assistant-only loss); it renders nothing, and the GGUF copy goes without it
+  (a transformers-only tag other jinja engines do not parse).
 - GGUF: names and keys from llama.cpp's hy_v3 loader (src/models/hy-v3.cpp, llama-arch.cpp). No Q/K
   permutation: hy_v3 uses NEOX RoPE, which is HF's rotate_half layout (the llama.cpp converter does not
   permute either). The selection bias is `blk.N.exp_probs_b` (the loader's name, no ".bias" suffix).
@@ -68,7 +71,7 @@ from tqdm import tqdm
 
 import checkpoint
 import container
-from model import ModelConfig, hf_name, meta_model, to_hf_config
+from model import ModelConfig, hf_name, to_hf_config
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ST_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -126,14 +129,10 @@ class Source:
 
     def check_against_config(self):
         """Every tensor the config implies, with its shape, and nothing else (else exports would be broken)."""
-        want = {k: list(v.shape) for k, v in meta_model(self.cfg).state_dict().items() if not k.endswith("load_accum")}
-        if self.cfg.tie_embeddings:
-            want.pop("lm_head.weight")
-        have = {n: self.shape(n) for n in self.names}
-        bad = sorted(set(want) ^ set(have)) + sorted(n for n in want if n in have and want[n] != have[n])
-        if bad:
-            raise ExportError(f"{self.weights}: tensors do not match state.json's model_config (first: {bad[0]}); "
-                              f"the checkpoint is inconsistent, use another step_* dir")
+        try:
+            container.check_tensors_match_config(self.f, self.cfg, self.weights)
+        except container.ContainerError as e:
+            raise ExportError(str(e)) from None
 
     def get(self, name):
         """One tensor; the last one read is kept so slicing experts out of a stacked tensor reads it once."""
@@ -305,10 +304,17 @@ CHAT_TEMPLATE = (
     "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
     "{{- raise_exception('roles must be system, user or assistant, got ' + message['role']) }}"
     "{%- endif %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|assistant|>' }}{% generation %}{{- message['content'] + '<|end|>' }}{% endgeneration %}"
+    "{%- else %}"
     "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
 )
+# {% generation %} (transformers' return_assistant_tokens_mask, TRL's assistant-only loss) marks what chat.py trains
+# on: an assistant's content and its <|end|>. It is a transformers-only tag, so llama.cpp gets the template without it
+GGUF_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
 
 def hf_tokenizer_files(tok, max_len):
@@ -663,7 +669,7 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
         w.add_pad_token_id(0)
         w.add_add_bos_token(True)
         w.add_add_eos_token(False)
-        w.add_chat_template(CHAT_TEMPLATE)
+        w.add_chat_template(GGUF_CHAT_TEMPLATE)
 
         total = 0
         for gname, _, _, qtype, sh in plan:  # pass 1: tensor infos only, no data read

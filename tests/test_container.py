@@ -409,3 +409,25 @@ def test_int4_asymmetric_never_clips_a_groups_extremes():
         # half a step, the step widened by the bf16 zero's own rounding (2^-9 of it) to reach both ends
         bound = 0.5 * ((w.max() - w.min()).item() / 15 + w.abs().max().item() * 2 ** -9 / 7) * 1.1
         assert err <= bound, (w[0, 0].item(), err, bound)
+
+
+def test_checkpoint_tensors_not_matching_its_config_are_one_line_errors(tmp_path, capsys):
+    """container.py CKPT --out on a model.safetensors (its manifest intact) that lost a tensor raised a SafetensorError
+    traceback half-way through the write; routed experts two rows short were zero-padded into a container that loaded
+    (gate and up split at the wrong row), and a stray tensor was ignored. export.py refused all three in one line."""
+    from safetensors.torch import save_file
+    import checkpoint
+    sd = {k: v for k, v in Picaflor(ModelConfig(**TINY)).state_dict().items() if not k.endswith("load_accum")}
+    lost = {k: v for k, v in sd.items() if k != "layers.2.mlp.experts.down_proj"}
+    narrow = {**sd, "layers.1.mlp.experts.gate_up_proj": sd["layers.1.mlp.experts.gate_up_proj"][:, :-2].contiguous()}
+    extra = {**sd, "layers.9.mlp.gate.weight": torch.zeros(8, 64)}
+    state = {"step": 1, "model_config": asdict(ModelConfig(**TINY))}
+    for name, weights, want in [("lost", lost, "layers.2.mlp.experts.down_proj"),
+                                ("narrow", narrow, "layers.1.mlp.experts.gate_up_proj"),
+                                ("extra", extra, "layers.9.mlp.gate.weight")]:
+        ck = checkpoint.save(str(tmp_path / name), 1, {"model.safetensors": lambda p, w=weights: save_file(w, p),
+                                                       "state.json": lambda p: open(p, "w").write(json.dumps(state))})
+        assert C.main([ck, "--out", str(tmp_path / (name + ".pcf4"))]) == 1
+        err = capsys.readouterr().err
+        assert want in err and "model.safetensors" in err and len(err.strip().splitlines()) == 1, err
+        assert not any(n.startswith(name + ".pcf4") for n in os.listdir(tmp_path))

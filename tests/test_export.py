@@ -177,6 +177,35 @@ def test_hf_tokenizer_encodes_identically(ckpt, hf_fp32):
         T.Tokenizer.load(os.path.join(hf_fp32[0], "tokenizer.json"))  # (was: "corrupt tokenizer file")
 
 
+def test_hf_chat_template_marks_the_assistant_tokens_chat_py_trains_on(ckpt, hf_fp32):
+    """TRL's assistant-only loss takes return_assistant_tokens_mask, which needs {% generation %} in the template:
+    the mask must be chat.py's (an assistant's content and its <|end|>), and the rendering unchanged without it."""
+    import chat
+    from transformers import AutoTokenizer
+    ht = AutoTokenizer.from_pretrained(hf_fp32[0])
+    convs = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello there, don't worry"}, {"role": "user", "content": "café?"},
+              {"role": "assistant", "content": "東京 😀"}],
+             [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]]
+    for msgs in convs:
+        ids, mask = chat.render_conversation(ckpt["tok"], msgs)
+        out = ht.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert list(out["input_ids"]) == ids
+        assert list(out["assistant_masks"]) == mask
+        plain = ht.apply_chat_template(msgs, tokenize=True, return_dict=True)
+        assert list(plain["input_ids"]) == ids
+        assert ht.apply_chat_template(msgs, tokenize=False) == "<|bos|>" + "".join(
+            f"<|{m['role']}|>{m['content']}<|end|>" for m in msgs)
+    # llama.cpp gets the template without the transformers-only tags, rendering the same text
+    import jinja2
+    assert "generation %}" not in export.GGUF_CHAT_TEMPLATE and "{% generation %}" in export.CHAT_TEMPLATE
+    gguf_tmpl = jinja2.Environment().from_string(export.GGUF_CHAT_TEMPLATE)
+    for msgs in convs:
+        for gen in (False, True):
+            assert gguf_tmpl.render(messages=msgs, bos_token="<|bos|>", add_generation_prompt=gen) == \
+                ht.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+
 def expected_gguf_tensors(c):
     """name -> shape in ggml order (ne0 first), as llama.cpp's hy_v3 loader creates them (src/models/hy-v3.cpp)."""
     hd, E, F, Fs = c.head_dim, c.n_experts, c.expert_ffn, c.n_shared * c.expert_ffn
@@ -248,6 +277,7 @@ def test_gguf_has_loader_names_keys_and_dequantizes(ckpt, gtype, tol):
     assert kv[A + "rope.freq_base"] == pytest.approx(c.rope_theta)
     assert kv[A + "attention.layer_norm_rms_epsilon"] == pytest.approx(c.norm_eps)
     assert kv["tokenizer.ggml.pre"] == "llama-bpe"
+    assert kv["tokenizer.chat_template"] == export.GGUF_CHAT_TEMPLATE  # (no transformers-only {% generation %})
     tokens = kv["tokenizer.ggml.tokens"]
     assert len(tokens) == c.vocab_size and len(kv["tokenizer.ggml.token_type"]) == c.vocab_size
     inv = {ch: b for b, ch in export.byte_to_unicode().items()}
