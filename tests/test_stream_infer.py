@@ -2081,7 +2081,7 @@ def test_bench_and_sweep_from_the_command_line(tiny, tmp_path):
     assert res["mem_bw_bytes_s"] == max(both) and min(both) > 0, both
     t_disk = res["demanded_bytes_per_token"] / res["disk_bw_bytes_s"] if res["disk_bw_bytes_s"] else 0.0
     assert res["bound_tok_s"] == pytest.approx(1 / max(res["weight_bytes_per_token"] / max(both), t_disk))
-    assert f"(before {both[0] / 1e9:.1f}, after {both[1] / 1e9:.1f})" in r.stdout
+    assert f"(faster of before and after: before {both[0] / 1e9:.1f}, after {both[1] / 1e9:.1f})" in r.stdout
     assert "other processes' CPU" in r.stdout
     for key in ("decode_tok_s", "prefill_tok_s", "hit_rate", "disk_bytes_per_token", "peak_rss_bytes", "bound_tok_s"):
         assert isinstance(res[key], (int, float)) and res[key] >= 0, key
@@ -2184,7 +2184,7 @@ def test_sweep_repeat_median_and_failed_rounds(monkeypatch, tmp_path, capsys):
     cells = [c.strip() for c in md[2].strip("|").split("|")]
     assert cells[:5] == ["2G", "4.00 (3-5)", "1.00", "250 / 500", "0.500"] and cells[6:8] == ["1.0", "10"]
     # the round that failed is said in the row, as on the console (README's table read as four clean runs)
-    assert cells[10] == "n/a / n/a / 1.50"
+    assert cells[10] == "1.00 (n/a / n/a / 1.50)"  # the bound's figure, then what it came from
     assert cells[13:] == ["**40%** (30-50), 1 of 4 failed", "80%", "4% (3-5)", "2%"]
     assert md[3].startswith("| 1G | x.pcf4: benchmark child failed") and md[3].count("|") == md[0].count("|")
     decode["2G"] = iter([5.0, 3.0])
@@ -3209,3 +3209,165 @@ def test_ctrl_c_raised_as_a_native_wait_returns_loses_no_read(tiny):
         assert torch.equal(c.get(key, {key})(x), S.Expert(cont, cont.read_expert_blob(*key), eng.kernel)(x)), key
     c.settle()
     assert not EC._READS_IN_FLIGHT and c.used <= c.budget
+
+
+def bench_with_the_child_here(monkeypatch, mem_probe=lambda: 2e10, cgroup=(None, None)):
+    """stream_bench's parent as it runs (S.main -> bench_in_cgroup), its child's code (bench_child) run in this process
+    instead of a subprocess in a real cgroup, and the memory probe given: a second or two, no root."""
+    import subprocess as sp
+    seen, real_bench = {}, B.bench_in_cgroup
+
+    def bench(args, argv):
+        seen["args"] = args
+        return real_bench(args, argv)
+
+    def run(argv, env=None, preexec_fn=None, **k):
+        monkeypatch.setenv("PICAFLOR_BENCH_MEM_BW", env["PICAFLOR_BENCH_MEM_BW"])
+        return sp.CompletedProcess(argv, B.bench_child(seen["args"], env["PICAFLOR_BENCH_CHILD"]))
+    monkeypatch.setattr(B, "bench_in_cgroup", bench)
+    monkeypatch.setattr(sp, "run", run)
+    monkeypatch.setattr(B, "memory_bandwidth_elsewhere", lambda threads, nbytes: mem_probe())
+    if cgroup is not None:
+        monkeypatch.setattr(B, "limited_cgroup", lambda budget: cgroup)
+    monkeypatch.setattr(B, "close_cgroup", lambda cg: None)
+
+
+BENCH_ARGS = ["--max-new-tokens", "3", "--bench-prompt-tokens", "2", "--threads", "1"]
+
+
+def test_swap_the_cgroup_cannot_shut_out_is_said_and_marks_the_result(tiny, tmp_path, monkeypatch, capsys):
+    """A v2 cgroup whose memory.swap.max 0 the kernel refused (no swap accounting) limited RAM alone: with swap on,
+    the child could hold more than the budget, the rest swapped out, and the result still read as under it. The
+    limit is read back; swap on and not limited is a field, a warning and a mark in the sweep's tables."""
+    m, path = tiny
+    cg = tmp_path / "cg"
+    (cg / "memory.swap.max").mkdir(parents=True)  # a write the kernel refuses (here: a folder)
+    real_fs = B.filesystem_type
+    monkeypatch.setattr(B, "cgroup_memory_dir", lambda: (str(cg), "v2"))
+    monkeypatch.setattr(B, "filesystem_type", lambda p: "cgroup2" if p == str(cg) else real_fs(p))
+    swaps, meminfo = tmp_path / "swaps", tmp_path / "meminfo"
+    monkeypatch.setattr(B, "PROC_SWAPS", str(swaps), raising=False)
+    monkeypatch.setattr(B, "PROC_MEMINFO", str(meminfo), raising=False)
+    head = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
+    swaps.write_text(head + "/swapfile                               file\t\t2097148\t\t0\t\t-2\n")
+    meminfo.write_text("MemTotal:        8000000 kB\nSwapTotal:       2097148 kB\n")
+    bench_with_the_child_here(monkeypatch, cgroup=None)  # (the real limited_cgroup, over the folder above)
+    out = tmp_path / "b.json"
+    assert S.main([path, "--bench", "--ram-budget", "3G", "--json", str(out)] + BENCH_ARGS) == 0
+    res, err = json.loads(out.read_text()), capsys.readouterr().err
+    assert res["memory_limited"] and res.get("swap_limited") is False and res.get("swap_past_budget") is True, res
+    assert res["swap_total_bytes"] == 2097148 * 1024 and "swap is on" in err and "NOT under --ram-budget" in err, err
+    assert B.swap_total_bytes() == 2097148 * 1024 and not B.swap_limited(str(cg), "v2")
+    row = dict(res, budget_str="3G", pct_of_bound=0.5)
+    assert "| 3G (NOT under it: swap not limited) |" in B.sweep_markdown([row])
+    # no swap on: nothing changes (no warning, no mark), limited or not
+    swaps.write_text(head)
+    meminfo.write_text("MemTotal:        8000000 kB\nSwapTotal:             0 kB\n")
+    assert B.swap_total_bytes() == 0
+    assert S.main([path, "--bench", "--ram-budget", "3G", "--json", str(out)] + BENCH_ARGS) == 0
+    res, err = json.loads(out.read_text()), capsys.readouterr().err
+    assert res["swap_past_budget"] is False and "swap" not in err, err
+    assert "| 3G |" in B.sweep_markdown([dict(res, budget_str="3G", pct_of_bound=0.5)])
+    # v2 with swap limited (the write taken) and v1 with memory + swap at the limit, or not settable
+    (cg / "memory.swap.max").rmdir()
+    assert B.limited_cgroup(1 << 30) == (str(cg), "v2") and B.swap_limited(str(cg), "v2")
+    for memsw_refused in (False, True):
+        d = tmp_path / f"v1-{memsw_refused}"
+        d.mkdir()
+        if memsw_refused:
+            (d / "memory.memsw.limit_in_bytes").mkdir()
+        monkeypatch.setattr(B, "cgroup_memory_dir", lambda: (str(d), "v1"))
+        monkeypatch.setattr(B, "filesystem_type", lambda p: "cgroup")
+        assert B.limited_cgroup(1 << 30) == (str(d), "v1") and B.swap_limited(str(d), "v1") is not memsw_refused
+
+
+def test_the_bound_says_which_rule_set_its_disk_and_memory_figures(tiny, tmp_path, monkeypatch, capsys):
+    """The bound takes the mean of the disk's two probes (or decode's own read rate when higher) but the faster of the
+    memory's two: the result and the printed line gave the figures without the rules, and a reader took one rule
+    for both. The figures are unchanged; each rule is a field, and printed beside them."""
+    m, path = tiny
+    mem = iter([3e10, 5e10])
+    disk = iter([1e9, 2e9])
+    monkeypatch.setattr(B, "measure_disk_bandwidth", lambda *a, **k: next(disk))
+    bench_with_the_child_here(monkeypatch, mem_probe=lambda: next(mem))
+    out = tmp_path / "b.json"
+    assert S.main([path, "--bench", "--ram-budget", "3G", "--json", str(out)] + BENCH_ARGS) == 0
+    res, printed = json.loads(out.read_text()), capsys.readouterr().out
+    assert res["disk_bw_decode_bytes_s"] is None and res["disk_bw_bytes_s"] == 1.5e9  # all preloaded: decode read none
+    assert res["disk_bw_rule"] == "mean of before and after" and res["mem_bw_bytes_s"] == 5e10
+    assert res["mem_bw_rule"] == "faster of before and after"
+    assert "disk 1.50 GB/s (mean of before and after: before 1.00, after 2.00)" in printed, printed
+    assert "memory 50.00 GB/s (faster of before and after: before 30.0, after 50.0)" in printed, printed
+    md = B.sweep_markdown([dict(res, budget_str="3G", pct_of_bound=0.5)])
+    assert "| 1.50 (mean of before and after; 1.00 / 2.00 / n/a) | 50.0 (faster of before and after; 30.0 / 50.0) |" \
+        in md, md
+    # decode's own reads ran faster than the probes' mean: that rate, said so
+    monkeypatch.setattr(B, "measure_disk_bandwidth", lambda *a, **k: 1.0)
+    eng = S.load(path, ram_budget=None, preload=False)
+    eng.cache.budget = 5 * eng.container.expert_nbytes
+    res = B.run_bench(eng, n_prompt=4, n_new=4, mem_bw=1e10)
+    assert res["disk_bw_bytes_s"] == res["disk_bw_decode_bytes_s"] > 1.0
+    assert res["disk_bw_rule"] == "decode's reads (faster than mean of before and after)"
+    assert res["mem_bw_rule"] == "the parent's probe before loading"
+    B.print_bench(res)
+    assert "(decode's reads (faster than mean of before and after): before 0.00, after 0.00" in capsys.readouterr().out
+
+
+def test_a_probe_that_fails_once_is_tried_again_and_twice_is_a_failure_not_a_refusal(tiny, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """One disk probe's read failing (EINTR) or the memory probe's momentary ENOMEM made the whole budget a refusal:
+    a sweep never ran it again. A probe is tried once more; failing twice, the run failed (with the error), and the
+    next round runs the budget again."""
+    m, path = tiny
+    calls = {"mem": 0, "disk": 0}
+
+    def mem_probe():
+        calls["mem"] += 1
+        if calls["mem"] == 1:
+            raise S.StreamError("measuring memory bandwidth failed (exit 1): OSError: [Errno 12] Cannot allocate "
+                                "memory")
+        return 2e10
+    real_disk = B.measure_disk_bandwidth
+
+    def disk_probe(*a, **k):  # round 1: the probe before loading fails twice; round 2: the one after decode once
+        calls["disk"] += 1
+        if calls["disk"] in (1, 2, 4):
+            raise C.ContainerError(f"{path}: read error at offset 4096: Interrupted system call; check the disk")
+        return real_disk(*a, **k)
+    monkeypatch.setattr(B, "measure_disk_bandwidth", disk_probe)
+    bench_with_the_child_here(monkeypatch, mem_probe=mem_probe)
+    monkeypatch.setattr(B, "plot_sweep", lambda *a: None)  # (the PNG: ~1 s, another test's)
+    rows = tmp_path / "s.json"
+    assert S.main([path, "--sweep", "3G", "--repeat", "2", "--json", str(rows), "--plot", str(tmp_path / "s.png")]
+                  + BENCH_ARGS) == 0
+    err = capsys.readouterr().err
+    row = json.loads(rows.read_text())[0]
+    assert calls == {"mem": 4, "disk": 5}, calls  # mem: 1 failed + 1 (round 1), 2 (round 2); disk: 2, then 1 + 2
+    assert "error" not in row and len(row["runs"]) == 1 and row["decode_tok_s"] > 0, row
+    assert len(row["failed_runs"]) == 1 and "the disk probe before loading failed twice" in row["failed_runs"][0]
+    assert "Interrupted system call" in row["failed_runs"][0]
+    assert "the memory probe before the child failed (" in err and "trying it once more" in err
+    assert "the disk probe after decode failed (" in err
+
+
+def test_a_sweep_row_run_without_a_memory_cgroup_is_marked_not_under_its_budget(tmp_path, monkeypatch, capsys):
+    """Without root (no memory cgroup) --ram-budget bounds the engine's own accounting, not the page cache: --bench
+    warned once on stderr, but the sweep's console table and its markdown (README's) showed the row as any other."""
+    import types
+    row = {"decode_tok_s": 5.0, "bound_tok_s": 10.0, "prefill_tok_s": 1.0, "hit_rate": 0.5,
+           "disk_bytes_per_token": 1e6, "read_wait_s_per_token": 0.01, "bound_tok_s_serial": 5.0,
+           "disk_bw_bytes_s": 1e9,
+           "mem_bw_bytes_s": 1e10,
+           "peak_rss_bytes": 1 << 30, "page_cache_excluded": True, "cpu_steal_fraction": 0.0,
+           "p50_token_latency_s": 0.2, "p99_token_latency_s": 0.3, "cache_capacity_experts": 300}
+    limited = {"2G": True, "1G": False}
+    monkeypatch.setattr(B, "bench_in_cgroup", lambda args, argv: dict(
+        row, ram_budget=S.parse_size(args.ram_budget), memory_limited=limited[args.ram_budget]))
+    monkeypatch.setattr(B, "print_bench", lambda res: None)
+    monkeypatch.setattr(B, "plot_sweep", lambda *a: None)
+    args = types.SimpleNamespace(sweep="2G,1G", repeat=1, json=str(tmp_path / "s.json"), plot=None,
+                                 llamacpp_json=None, container="x.pcf4", ram_budget=None)
+    B.run_sweep(args, [])
+    assert "NOT under their budget: 1G (no memory cgroup)" in capsys.readouterr().out
+    md = (tmp_path / "s.md").read_text()
+    assert "| 2G | 5.00 |" in md and "| 1G (NOT under it: no memory cgroup) | 5.00 |" in md, md
