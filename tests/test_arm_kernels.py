@@ -128,14 +128,15 @@ def test_arm_crc32_equals_zlib(harness):
 
 def test_extension_compiles_for_aarch64():
     """The torch ops around the loops (int4_cpu.cpp, with expert_reader.cpp, which it includes), as stream_infer
-    builds them on an ARM machine, compile for AArch64 with and without dot products: syntax and types against this
-    torch's headers."""
+    builds them on an ARM machine, compile for AArch64: syntax and types against this torch's headers. With dot
+    products only: without them the ops differ in has_sdot's return alone, and the harness above builds int4_loops.h
+    and expert_reader.cpp both ways (a second parse of torch's headers cost ~25 s of CI)."""
     assert shutil.which(CXX), f"{CXX} not found: {INSTALL}"
     from torch.utils import cpp_extension
     inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     jobs = {(src, march): subprocess.Popen([CXX, "-fsyntax-only", "-std=c++20", f"-march={march}", "-fopenmp", "-Wall",
                                             *inc, os.path.join(ROOT, src)], stderr=subprocess.PIPE, text=True)
-            for src, march in (("int4_cpu.cpp", "armv8.2-a+dotprod"), ("int4_cpu.cpp", "armv8-a"))}
+            for src, march in (("int4_cpu.cpp", "armv8.2-a+dotprod"),)}
     for (src, march), job in jobs.items():
         err = job.communicate(timeout=300)[1]
         assert job.returncode == 0 and " warning: " not in err, f"{src} ({march}): {err[-3000:]}"

@@ -65,10 +65,10 @@ def test_a_wait_for_the_runs_lock_is_not_a_hang(data_root, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     lock = open(out / ".trainer.lock", "a+")
-    fcntl.flock(lock, fcntl.LOCK_EX)  # another trainer's, for 3.5 s: past 3x hang_timeout
-    threading.Timer(3.5, lock.close).start()
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another trainer's, for 5 s: past 3x hang_timeout
+    threading.Timer(5.0, lock.close).start()  # (the start after the wait has 3x hang_timeout, 4.5 s: a loaded CI)
     r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=3", "--warmup_iters=1",
-               "--eval_interval=1000", "--lock_wait_s=60", "--hang_timeout=1", "--sample_tokens=0"], env=ENV,
+               "--eval_interval=1000", "--lock_wait_s=60", "--hang_timeout=1.5", "--sample_tokens=0"], env=ENV,
               timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert not [n for n in os.listdir(out) if n.startswith("hang-")]
