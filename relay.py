@@ -25,7 +25,8 @@ Files in the store (DESIGN.md, Relay):
                          literal assignments (configurator.not_data), since train.py execs it on every
                          contributor's machine, so a config.py holding code is refused before anything runs;
                          init and pull refuse one setting on_stuck or mirror_dir (each contributor's own: a shell
-                         command the guardian runs, a local folder), which go on `run`'s command line
+                         command the guardian runs, a local folder), which go on `run`'s command line, or
+                         resume_from, stop_after_steps or stop_after_hours (each leg's, which `run` sets)
     checkpoint/          the latest checkpoint dir (MANIFEST.json verified before upload and after download)
     logs/leg-NNNN.jsonl  the metrics.jsonl lines of every leg
     LEDGER.md            one row per leg: who, GPU, steps, tokens, wall time, $, loss at start and end
@@ -51,6 +52,9 @@ set aside, never resumed); `decay` refuses while someone holds the
 baton (its commit would fence them out); `claim` by the current holder renews; $ = the leg's trainer hours x
 gpu_hourly_usd (the config's, or --gpu_hourly_usd=; kept in LEG.json, so a `push` that finishes a killed `run` bills
 the trainer time and rate LEG.json kept); a pull downloads into .pull-<pid>-*, and removes those whose pid is gone;
+`pull STORE` (no lease, no --out) keeps in WORKDIR/pulled only the newest step it pulled there (PULLED.json; steps put
+there otherwise stay); init builds in WORKDIR/init-HOST-PID-*, which the next init or run removes once that pid is gone
+on this host; a push first puts back a step a re-save killed between its renames left as step_N.old-PID;
 defaults ttl 1200 s, heartbeat 300 s (Hub rate limits). One relay.py at a time
 works in a WORKDIR (flock on WORKDIR/.relay.lock). HTTP requests time out after RELAY_HTTP_TIMEOUT_S (60 s) without
 progress (huggingface_hub's client waits forever), as a Transient. A failed upload or commit of a finished leg keeps
@@ -149,6 +153,51 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def pid_alive(pid):
+    """Whether process pid (of this machine) still runs: another user's counts as alive, a number past any pid not."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def recover_killed_resave(run_dir):
+    """A trainer killed between a re-save's two renames left step_N.old-PID and no step_N (checkpoint.recover puts it
+    back): a push without it pushed the step before (or nothing), the leg's newest step left out. Refused while PID
+    runs: its save may still be under way."""
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+    for name in names:
+        m = re.fullmatch(r"(step_\d{7,})\.old-(\d+)", name)
+        if m and not os.path.exists(os.path.join(run_dir, m.group(1))) and pid_alive(int(m.group(2))):
+            raise RelayError(f"push refused: {os.path.join(run_dir, name)} is {m.group(1)} set aside by process "
+                             f"{m.group(2)}, still running, for its re-save; stop that trainer (it puts the step back "
+                             f"or finishes the save), then push again; nothing was uploaded")
+    for path in checkpoint.recover(run_dir):
+        print(f"relay: {path}: put back (a re-save of it was killed between its two renames)", file=sys.stderr)
+
+
+def host_tag():
+    """This machine's name as a file name part (container.writer_tag's): a pid judges only its own host's files."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+
+
+def remove_dead_inits(workdir):
+    """Remove the temp dirs of `init`s killed mid-way (init-HOST-PID-*: train.py's step-0 checkpoint, GBs at nano
+    size) whose process on this host is gone; another host's (a shared filesystem) and a live one's are left."""
+    try:
+        names = os.listdir(workdir)
+    except OSError:  # (no workdir yet)
+        return
+    for name in names:
+        m = re.fullmatch(r"init-(.+)-(\d+)-[0-9a-f]{8}", name)
+        if m and m.group(1) == host_tag() and not pid_alive(int(m.group(2))):
+            shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
+            print(f"relay: removed {os.path.join(workdir, name)}, left by a killed `relay.py init`", file=sys.stderr)
+
+
 def remove_dead_pulls(dest_dir):
     """Remove the temporary folders of pulls killed mid-download (their process is gone): partial checkpoint copies,
     many GB each, that a leg resumed in the same dir never looked at again."""
@@ -231,6 +280,7 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     """Everything a push commits, built and verified, with the big files already uploaded (store.stage): that
     can take long, so `run` does it while the heartbeat still renews the lease. Nothing is visible until
     commit_push."""
+    recover_killed_resave(run_dir)
     ckpts = checkpoint.list_checkpoints(run_dir)
     if not ckpts:
         raise RelayError(f"push refused: {run_dir} holds no step_* checkpoint dir; nothing was uploaded")
@@ -363,7 +413,7 @@ class Heartbeat(threading.Thread):
                           f"stopped training before anyone else may take the baton")
             sent = lease_clock()
             try:
-                renew(self.store, self.lease)
+                renew(self.store, self.lease, stop=self.stop)  # stopped, it ends between the commit's tries
                 # from its request (its answer may come seconds later), or from the first try of it (heartbeat_at):
                 # a retry may find a try of an earlier call or thread landed, whose time the store's clock counts from
                 age = max(0.0, time.time() - float(self.lease.relay.get("heartbeat_at") or time.time()))
@@ -375,6 +425,8 @@ class Heartbeat(threading.Thread):
                 self.failed = str(e)  # (after an overdue stop: the fence is what the caller must say)
                 return
             except Exception as e:  # anything else too: a dead thread renewed nothing and told no one
+                if self.stop.is_set():  # (a renewal cut short by the stop: nothing to retry or report)
+                    return
                 with contextlib.suppress(OSError):  # a dead pipe or terminal (tee gone) killed the thread, no renewals
                     print(f"relay: heartbeat failed, retrying: {type(e).__name__}: {e}", file=sys.stderr)
                 wait = max(self.lease.heartbeat_s / 4, 0.1)
@@ -488,9 +540,8 @@ def prepare_leg(store, lease, workdir):
         raise RelayError(f"{store.url}: config.py at {lease.sha[:10]}, line {bad[0]}: `{bad[1]}` is not plain data, "
                          f"and relay runs no code from the store; commit a config.py of literal assignments")
     if own := contributor_keys_set(cfg.decode("utf-8", errors="replace")):
-        raise RelayError(f"{store.url}: config.py at {lease.sha[:10]} sets {own[0]}, which is each contributor's own "
-                         f"(a shell command or a local folder); relay takes it from no store: remove it from "
-                         f"config.py, and pass --{own[0]}=... to your own `relay.py run`")
+        raise RelayError(f"{store.url}: config.py at {lease.sha[:10]} sets {own[0]}, which relay takes from no "
+                         f"store: it is {own_key_fix(own[0], 'config.py (a commit to the store)')}")
     open(os.path.join(run_dir, "relay_config.py"), "wb").write(cfg)
     state = parse_json(store.read(lease.sha, "training_state.json"), "training_state.json", store, lease.sha)
     if state.get("decay_requested"):
@@ -631,6 +682,7 @@ def cmd_run(args):
             raise RelayError(f"run: {flag} {v}: the leg's length must be positive")
     if args.poll < 0:
         raise RelayError(f"run: --poll {args.poll}: seconds between tries, 0 or more")
+    remove_dead_inits(workdir)
     while True:
         try:
             state = Snapshot(store).state
@@ -785,6 +837,11 @@ INVOCATION_KEYS = {"out_dir", "init_from", "resume_from", "grow_from", "grow_lay
                    "stop_after_hours", "mirror_dir"}  # per-run-of-train.py keys, not part of the run's config
 CONTRIBUTOR_KEYS = ("on_stuck", "mirror_dir")  # each contributor's own (--key=value): a shell command the guardian
 # runs and a folder the trainer writes into; set in the store's config.py, data ran code on every contributor's machine
+LEG_KEYS = {"resume_from": "a local checkpoint path, which `relay.py run` sets for each leg (every leg resumes its own "
+                           "leg dir)",
+            "stop_after_steps": "a leg's length, which `relay.py run --steps N` sets for each leg",
+            "stop_after_hours": "a leg's length, which `relay.py run --hours H` sets for each leg"}
+# set in the store's config.py, one (a local path, another leg's length) applied to every contributor's legs
 START_KEYS = {"init_from", "grow_from", "grow_layers"}  # how the run's first checkpoint is made: init takes them
 SOURCE_KEY = {"grow": "grow_from", "finetune": "finetune_from"}  # init_from -> the key naming its source checkpoint
 
@@ -800,12 +857,24 @@ def read_config_text(path):
 
 
 def contributor_keys_set(text):
-    """The CONTRIBUTOR_KEYS a plain-data config (passed configurator.not_data) sets to a non-empty value."""
+    """The CONTRIBUTOR_KEYS and LEG_KEYS a plain-data config (passed configurator.not_data) sets: to a non-empty
+    value, or a stop_after_* to one train.py acts on (>= 0; -1 is its default, off)."""
     try:
         scope = config_values(text)
     except RelayError:  # ({[1]}: train.py says what is wrong with it)
         return []
-    return [k for k in CONTRIBUTOR_KEYS if scope.get(k)]
+
+    def acts(key, v):  # a stop_after_* of -1 (train.py's default) is off
+        return v >= 0 if key.startswith("stop_after_") and isinstance(v, (int, float)) else bool(v)
+    return [k for k in (*CONTRIBUTOR_KEYS, *LEG_KEYS) if acts(k, scope.get(k))]
+
+
+def own_key_fix(key, source):
+    """What a key a run's config may not set is, and the fix (the end of a one-line error)."""
+    if key in LEG_KEYS:
+        return f"{LEG_KEYS[key]}; remove it from {source}"
+    return (f"each contributor's own (a shell command or a local folder); remove it from {source}, and pass "
+            f"--{key}=... to your own `relay.py run`")
 
 
 def config_from_checkpoint(ck):
@@ -912,11 +981,12 @@ def cmd_init(args):
         if bad:
             raise RelayError(f"init refused: the overrides, line {bad[0]}: `{bad[1]}` is not plain data")
     if own := contributor_keys_set(cfg_text):
-        raise RelayError(f"init refused: the config sets {own[0]}, which is each contributor's own (a shell command or "
-                         f"a local folder, run on every machine of the run); remove it, and pass --{own[0]}=... to "
-                         f"`relay.py run`")
+        src = (args.config or f"{ck}/state.json's config") + (" with its --key=value overrides" if run_level else "")
+        raise RelayError(f"init refused: {src} sets {own[0]}, which a run's config (used on every machine of the run) "
+                         f"may not set: it is {own_key_fix(own[0], 'there')}")
     train_cwd = os.path.dirname(os.path.abspath(args.train_script))
-    tmp = os.path.join(workdir_for(args), f"init-{uuid.uuid4().hex[:8]}")
+    remove_dead_inits(workdir_for(args))
+    tmp = os.path.join(workdir_for(args), f"init-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     cfg_path = os.path.join(tmp, "relay_config.py")
     start = sorted(k for k in run_level if k in START_KEYS | {"finetune_from"})
     if args.from_checkpoint and start:  # (the run would start from DIR as it is, the growth silently not done)
@@ -1071,9 +1141,40 @@ def cmd_pull(args):
         print(f"relay: pulled step {lease.base_step} into {run_dir}; train with "
               f"`python train.py {run_dir}/relay_config.py --out_dir={run_dir} --init_from=resume`, then `relay.py push`")
         return 0
-    path = pull(store, os.path.abspath(args.out or os.path.join(workdir, "pulled")))
+    dest = os.path.abspath(args.out or os.path.join(workdir, "pulled"))
+    path = pull(store, dest)
     print(f"relay: pulled {path} (manifest verified)")
+    if not args.out:  # relay's own folder (a --out DIR is the user's: what is in it stays)
+        drop_earlier_pulls(dest, path)
     return 0
+
+
+def drop_earlier_pulls(dest, path):
+    """`pull STORE` (no lease, no --out) into WORKDIR/pulled kept every step it ever pulled, GBs each leg: the earlier
+    steps it pulled there (PULLED.json: their manifests, still unchanged) are removed once a newer one is in; a step
+    trained or copied there by hand is not in PULLED.json and stays."""
+    record = os.path.join(dest, "PULLED.json")
+    try:
+        pulled = json.load(open(record))
+        pulled = pulled if isinstance(pulled, dict) else {}
+    except (OSError, ValueError):
+        pulled = {}
+    new_step = int(os.path.basename(path).split("_")[1])
+    keep = {}
+    for name, mid in pulled.items():
+        d = os.path.join(dest, str(name))
+        try:
+            same = manifest_id(open(os.path.join(d, "MANIFEST.json"), "rb").read()) == mid
+        except OSError:
+            continue  # gone (removed by hand): forgotten
+        m = checkpoint.STEP_RE.match(str(name))
+        if same and m and int(m.group(1)) < new_step:
+            shutil.rmtree(d, ignore_errors=True)
+            print(f"relay: removed {d}, an earlier pull (the store's history keeps it)")
+        else:
+            keep[name] = mid
+    keep[os.path.basename(path)] = manifest_id(open(os.path.join(path, "MANIFEST.json"), "rb").read())
+    write_atomic(record, json.dumps(keep, indent=1))
 
 
 def cmd_push(args):

@@ -2,13 +2,16 @@
 relay_dashboard: `python relay.py dashboard STORE_OR_RUN_DIR` serves one read-only page of a relay run (or a local
 train.py out_dir): loss and val loss against tokens, tokens/s, MFU, expert load balance per layer, the baton, the
 ledger. The data is inlined in the page (works offline, no CDN) and refreshed from /data.json; every value from
-the store is escaped before it reaches the HTML.
+the store is escaped before it reaches the HTML. Given a relay workdir, the curves are its pushed legs' steps (up to
+each push); the leg its lease trains now is a "not pushed" loss series of its own; a fenced, failed or set-aside leg
+is left out, and named.
 """
 
 import html
 import json
 import math
 import os
+import re
 import threading
 import time
 
@@ -37,14 +40,57 @@ def dashboard_data(target, log_cache=None):
     else:
         if not os.path.isdir(target):
             raise relay.RelayError(f"{target}: not a store URL nor a run directory; pass hf://owner/name, file:///path or a train.py out_dir")
-        for root in [target] + sorted(os.path.join(target, n) for n in os.listdir(target) if n.startswith("leg-")):
-            d["metrics"] += relay.read_metrics(os.path.join(root, "metrics.jsonl"))
+        d["metrics"] += relay.read_metrics(os.path.join(target, "metrics.jsonl"))
+        d["left_out"] = []
+        lease = relay_lease_record(target)
+        for name in sorted(n for n in os.listdir(target) if n.startswith("leg-")):
+            rows, why = leg_history(os.path.join(target, name), lease)
+            d["metrics"] += rows
+            if why:
+                d["left_out"].append(f"{name} ({why})")
         usd = [m["usd"] for m in d["metrics"] if isinstance(m.get("usd"), (int, float))]
         d["state"] = {"step": d["metrics"][-1].get("step") if d["metrics"] else None,
                       "tokens": d["metrics"][-1].get("tokens") if d["metrics"] else None, "usd_total": usd[-1] if usd else 0.0}
     d["metrics"] = [c for c in map(clean_metric, d["metrics"]) if c is not None]
     d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))
     return d
+
+
+def relay_lease_record(workdir):
+    """The lease a relay workdir holds now (its LEASE.json as a dict), or None."""
+    try:
+        rec = json.load(open(os.path.join(workdir, "LEASE.json")))
+        return rec if isinstance(rec, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def leg_history(leg_dir, lease):
+    """The metrics of a relay workdir's leg dir that are the run's history, and why the rest is left out (or None).
+    A pushed leg's steps up to its push (PUSHED) count; the leg this workdir's lease trains now is shown marked
+    not_pushed; a fenced or failed leg (never pushed, its lease gone), steps trained after a push, and a leg dir set
+    aside (.other-*: another lease's) were plotted as if the run had trained them, over the steps it did train."""
+    name = os.path.basename(leg_dir)
+    if not re.fullmatch(r"leg-\d+-gen\d+", name):
+        return [], "set aside: another lease's leg" if ".other-" in name else "not a leg dir's name"
+    rows = relay.read_metrics(os.path.join(leg_dir, "metrics.jsonl"))
+    owned = {os.path.abspath(str(lease[k])) for k in ("run_dir", "push_dir") if lease and lease.get(k)}
+    current = os.path.abspath(leg_dir) in owned and (relay.leg_owner(leg_dir) or (None, None))[1] == lease.get("nonce")
+    try:
+        parts = open(os.path.join(leg_dir, "PUSHED")).read().split()
+        pushed = int(parts[1]) if len(parts) > 1 else math.inf  # (an older relay.py's marker: no step)
+    except (OSError, ValueError):
+        pushed = None
+    if pushed is None and not current:
+        return [], "never pushed: a lost lease's or a failed leg's" if rows else None
+    history, later = [], []
+    for m in rows:
+        step = m.get("step")
+        pushed_step = pushed is not None and isinstance(step, (int, float)) and step <= pushed
+        (history if pushed_step else later).append(m)
+    if current:
+        return history + [dict(m, not_pushed=True) for m in later], None
+    return history, "steps after its push, never pushed" if later else None
 
 
 def clean_metric(m):
@@ -152,9 +198,13 @@ function heatmap(id, rows) { // rows: [{x, vals:[per layer]}]
 function thin(a, n) { if (a.length <= n) return a; var k = Math.ceil(a.length / n); return a.filter(function (x, i) { return i % k === 0 || i === a.length - 1; }); }
 function pts(ms, key) { return thin(ms.filter(function (m) { return num(m.tokens) && num(mean(m[key])); }).map(function (m) { return [m.tokens, mean(m[key])]; }), 2000); }
 function render(D) {
-  var ms = D.metrics || [];
+  // this workdir's leg not pushed yet: its own loss series, outside the run's curves
+  var ms = (D.metrics || []).filter(function (m) { return !m.not_pushed; });
+  var fresh = (D.metrics || []).filter(function (m) { return m.not_pushed; });
   document.getElementById("src").textContent = D.source;
-  document.getElementById("updated").textContent = "data read " + new Date(D.generated_at * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC, " + ms.length + " log points";
+  document.getElementById("updated").textContent = "data read " + new Date(D.generated_at * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC, " + ms.length + " log points"
+    + (fresh.length ? ", " + fresh.length + " of this workdir's leg not pushed yet" : "")
+    + (D.left_out && D.left_out.length ? "; left out: " + D.left_out.join(", ") : "");
   var b = D.baton, s = D.state || {}, h = [];
   if (b) {
     if (b.holder) h.push("<span>baton: <b id='holder'>" + esc(b.holder) + "</b> since " + (b.claimed_at ? new Date(b.claimed_at * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC" : "?") + " (leg " + esc(b.leg) + ", generation " + esc(b.generation) + ", renewed " + Math.round(b.lease_age_s) + "s ago)</span>");
@@ -167,7 +217,8 @@ function render(D) {
   if (s.decay_requested) h.push("<span><b>decay requested</b></span>");
   else if (s.decay !== undefined && s.decay !== null && s.decay !== false) h.push("<span><b>decaying</b></span>");
   document.getElementById("baton").innerHTML = h.join("");
-  lineChart("loss", [{name: "loss", pts: pts(ms, "loss")}, {name: "val loss", pts: pts(ms, "val_loss")}], "tokens");
+  lineChart("loss", [{name: "loss", pts: pts(ms, "loss")}, {name: "val loss", pts: pts(ms, "val_loss")}].concat(
+    fresh.length ? [{name: "loss (not pushed)", pts: pts(fresh, "loss")}] : []), "tokens");
   lineChart("tps", [{name: "tok/s", pts: pts(ms, "tok_per_s")}], "tokens");
   lineChart("lr", [{name: "lr", pts: pts(ms, "lr")}], "tokens");
   lineChart("dead", [{name: "dead frac", pts: pts(ms, "dead_frac")}], "tokens");

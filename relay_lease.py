@@ -54,11 +54,26 @@ def now_iso(t=None):
     return dt.datetime.fromtimestamp(time.time() if t is None else t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=None, lease=None):
+def backoff(delay, stop):
+    """Sleep between a commit's tries; stop (a threading.Event: the heartbeat's) set, a Transient instead: the leg's
+    push waited out a renewal's whole retry loop (minutes). Its write_id stays recorded: the push finds it if landed."""
+    while True:
+        if stop is not None and stop.is_set():
+            raise Transient("stopped between the tries of a commit (the heartbeat was stopped); whether it landed is "
+                            "found by its write id")
+        if delay <= 0:
+            return
+        step = delay if stop is None else min(delay, 0.05)  # (time.sleep, in slices: stop looked at every 50 ms)
+        time.sleep(step)
+        delay -= step
+
+
+def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=None, lease=None, stop=None):
     """One fenced commit. `relay` (the new RELAY.json) gets a fresh write_id (or the one given); after a transient
     failure the head is re-read and, if it holds our write_id, the commit landed (no retry, no duplicate). A
     holder's commit (lease given) refused by commits that touched none of the run's files, or by its own renewal whose
-    answer was lost, chains from them instead (adopt_foreign_head, adopt_landed_write). Returns the new head sha."""
+    answer was lost, chains from them instead (adopt_foreign_head, adopt_landed_write). stop: an Event that ends the
+    retries (backoff). Returns the new head sha."""
     relay = dict(relay, write_id=write_id or uuid.uuid4().hex)
     adds = dict(adds, **{"RELAY.json": (json.dumps(relay, indent=1) + "\n").encode()})
     delay = 0.2
@@ -69,7 +84,7 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
             head, _, _ = store.head()
             if head == parent:  # a 412 from a request before the commit (an upload's): nothing moved, so try again
                 err = e
-                time.sleep(delay)
+                backoff(delay, stop)
                 delay = min(delay * 2, 10)
                 continue
             if not (attempt == 0 and write_id is None):
@@ -89,7 +104,7 @@ def commit_cas(store, parent, adds, deletes, message, relay, tries=5, write_id=N
         except Transient as e:
             err = e
         for _ in range(tries):  # find out whether it landed
-            time.sleep(delay)
+            backoff(delay, stop)
             delay = min(delay * 2, 10)
             try:
                 head, _, _ = store.head()
@@ -318,10 +333,11 @@ def claim(store, workdir, who, ttl=None, heartbeat=None):
     return lease
 
 
-def renew(store, lease):
+def renew(store, lease, stop=None):
     """Heartbeat: a commit of RELAY.json chained from our last commit. Raises Fenced if anything else landed. Its
     write_id is recorded first and reused until one lands: a renewal whose answer was lost (the store unreachable
-    after it landed) is then found at the head by the next try, not taken for someone else's commit."""
+    after it landed) is then found at the head by the next try, not taken for someone else's commit. stop: the
+    heartbeat's Event, which ends the commit's retries (a Transient)."""
     wid = getattr(lease, "pending_renewal", None)
     if not wid:
         lease.pending_renewal = wid = uuid.uuid4().hex
@@ -329,7 +345,7 @@ def renew(store, lease):
     new = dict(lease.relay, heartbeat_at=time.time())
     try:
         sha, new = commit_cas(store, lease.sha, {}, [], f"relay: heartbeat leg {lease.leg} by {lease.who}", new,
-                              write_id=wid, lease=lease)
+                              write_id=wid, lease=lease, stop=stop)
     except Conflict as e:
         lease.pending_renewal = None
         lease.save()

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -1311,8 +1312,8 @@ def test_the_heartbeat_deadline_counts_from_the_request(tmp_path, monkeypatch):
     lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=6, heartbeat=0.5)
     real = relay.renew
 
-    def slow_answer(store_, lease_):
-        real(store_, lease_)
+    def slow_answer(store_, lease_, **kw):
+        real(store_, lease_, **kw)
         time.sleep(1.0)
     monkeypatch.setattr(relay, "renew", slow_answer)
     hb = relay.Heartbeat(store, lease, lambda: None)
@@ -1333,8 +1334,8 @@ def test_an_overdue_heartbeat_stops_the_trainer_but_still_pushes(tmp_path, rl, m
     fake = init_run(url, tmp_path, env, cli=rl)
     real, slow = relay.renew, [True]
 
-    def renew_once_slow(store_, lease_):
-        real(store_, lease_)
+    def renew_once_slow(store_, lease_, **kw):
+        real(store_, lease_, **kw)
         if slow and lease_.run_dir:  # the trainer's heartbeat, not the pull's
             slow.clear()
             time.sleep(3.0)  # past ttl - ttl/5 of the 3 s lease
@@ -1526,10 +1527,10 @@ def test_review_round_leases_survive_outages_card_edits_and_manual_steps(tmp_pat
     # an outage past the deadline (ttl 3 - 0.6 s): the trainer stops, and the renewals resume with the store
     real, dark, stopped = relay.renew, [True], []
 
-    def flaky(store_, lease_):
+    def flaky(store_, lease_, **kw):
         if dark:
             raise relay.Transient("HTTP 503 (a test)")
-        real(store_, lease_)
+        real(store_, lease_, **kw)
     monkeypatch.setattr(relay, "renew", flaky)
     hb = relay.Heartbeat(store, lease, lambda: stopped.append(1))
     hb.start()
@@ -1724,11 +1725,11 @@ def test_hub_errors_are_judged_by_what_happened(tmp_path, hub, hf_env, monkeypat
     # the heartbeat outlives an unexpected error and renews once the store answers again
     real, calls = relay.renew, []
 
-    def html_once(store_, lease_):
+    def html_once(store_, lease_, **kw):
         calls.append(1)
         if len(calls) == 1:
             raise ValueError("Expecting value: line 1 column 1 (char 0)")
-        real(store_, lease_)
+        real(store_, lease_, **kw)
     monkeypatch.setattr(relay, "renew", html_once)
     lease.heartbeat_s = 0.2
     hb = relay.Heartbeat(store, lease, lambda: None)
@@ -2216,7 +2217,7 @@ def test_a_push_or_pull_fenced_while_renewing_does_not_say_training_stopped(tmp_
     store = relay.open_store(url)
     lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=3, heartbeat=1)
 
-    def taken(store_, lease_):
+    def taken(store_, lease_, **kw):
         raise relay.Fenced("lease lost: someone else's commit (a test)")
     monkeypatch.setattr(relay, "renew", taken)
     with pytest.raises(relay.Fenced) as e:
@@ -2354,8 +2355,8 @@ def test_a_renewal_found_landed_later_counts_from_when_it_was_sent(tmp_path, no_
     def one_heartbeat():
         hb = relay.Heartbeat(store, lease, lambda: None)
 
-        def renew_once(store_, lease_):  # the first renewal that succeeds ends the heartbeat (the next is new)
-            real(store_, lease_)
+        def renew_once(store_, lease_, **kw):  # the first renewal that succeeds ends the heartbeat (the next is new)
+            real(store_, lease_, **kw)
             hb.stop.set()
         monkeypatch.setattr(relay, "renew", renew_once)
         hb.start()
@@ -2417,11 +2418,11 @@ def test_a_heartbeat_whose_stderr_is_gone_keeps_renewing(tmp_path, monkeypatch):
     lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=3, heartbeat=0.2)
     real, calls = relay.renew, []
 
-    def flaky(store_, lease_):
+    def flaky(store_, lease_, **kw):
         calls.append(1)
         if len(calls) == 1:
             raise relay.Transient("HTTP 503 (a test)")
-        real(store_, lease_)
+        real(store_, lease_, **kw)
 
     class DeadPipe:
         def write(self, s):
@@ -2517,3 +2518,129 @@ def test_the_push_that_finishes_a_run_bills_the_runs_hourly_rate(tmp_path, rl, m
     assert rl(["push", url, "--workdir", work], env).returncode == 0
     rows, snap = ledger_rows(relay.open_store(url))
     assert abs(snap.state["usd_total"] - wall / 3600 * 36) < 1e-9, (snap.state["usd_total"], wall)
+
+
+def test_a_push_after_a_re_save_killed_between_its_renames_pushes_the_newest_step(tmp_path, rl):
+    """A trainer killed between a re-save's two renames leaves step_N.old-PID and no step_N (checkpoint.recover puts it
+    back, as train.py's next resume does): `relay.py push` pushed the step before it, the leg's newest step left out."""
+    url = store_url("file", tmp_path, None)
+    fake = init_run(url, tmp_path, base_env(), cli=rl)
+    work = str(tmp_path / "wa")
+    store = relay.open_store(url)
+    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, work)
+    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
+                        "--init_from=resume", "--stop_after_steps=10"], env=base_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert t.returncode == 0, t.stderr
+    newest = os.path.join(run_dir, checkpoint.step_dir_name(10))
+    os.replace(newest, newest + f".old-{os.getpid()}")  # the re-save's first rename, by a process still running
+    r = rl(["push", url, "--workdir", work])
+    assert r.returncode == 3, r.stderr
+    assert f"{newest}.old-{os.getpid()} is step_0000010 set aside by process" in r.stderr, r.stderr
+    assert relay.Snapshot(store).state["step"] == 0
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    os.replace(newest + f".old-{os.getpid()}", newest + f".old-{dead.pid}")  # ... whose process was killed
+    r = rl(["push", url, "--workdir", work])
+    assert r.returncode == 0 and f"{newest}: put back" in r.stderr, r.stderr
+    assert relay.Snapshot(store).state["step"] == 10 and os.path.isdir(newest)
+
+
+def test_a_store_config_cannot_set_a_legs_resume_path_or_length(tmp_path, rl):
+    """resume_from (a local step dir: every leg resumed there, not from its own leg dir) and stop_after_steps /
+    stop_after_hours (a leg's length, set by `run --steps / --hours`; the other one applied to every leg) in the run's
+    shared config.py: refused by pull and by init, one line naming the key, the file and the fix; -1 (off) is not."""
+    url = store_url("file", tmp_path, None)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    store = relay.open_store(url)
+    for i, line in enumerate(["resume_from = '/home/me/out/step_0000005'", "stop_after_steps = 3",
+                              "stop_after_hours = 0.5"]):
+        snap = relay.Snapshot(store)
+        relay.commit_cas(store, snap.sha, {"config.py": f"gpu_hourly_usd = 2.0\n{line}\n".encode()}, [], "a test",
+                         snap.relay)
+        r = rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", tmp_path / f"wb{i}"], env)
+        key = line.split()[0]
+        assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"sets {key}, which relay takes from no store" in r.stderr and "remove it from config.py" in r.stderr
+        assert relay.Snapshot(store).relay["holder"] is None and relay.Snapshot(store).state["step"] == 0
+    (tmp_path / "x").mkdir()
+    for text in ("resume_from = 'out/step_0000005'\n", "stop_after_hours = 2\n"):
+        cfg = write_config(tmp_path / "x", text)
+        r = rl(["init", f"file://{tmp_path}/store2", cfg, "--train-script", fake, "--workdir", tmp_path / "wi"], env)
+        assert r.returncode == 3 and f"init refused: {cfg} sets {text.split()[0]}" in r.stderr, r.stderr
+        assert not (tmp_path / "store2").exists()
+    cfg = write_config(tmp_path / "x", "gpu_hourly_usd = 2.0\nstop_after_steps = -1\nstop_after_hours = -1.0\n")
+    r = rl(["init", f"file://{tmp_path}/store2", cfg, "--train-script", fake, "--workdir", tmp_path / "wi"], env)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_killed_inits_temp_dir_is_removed_by_the_next_init_or_run_a_live_ones_kept(tmp_path, rl):
+    """A `relay.py init` killed while train.py wrote its step-0 checkpoint left WORKDIR/init-* (GBs at nano size) for
+    good; the next init or run removes those whose process on this host is gone, never a live one's or another
+    host's."""
+    url = store_url("file", tmp_path, None)
+    env = base_env()
+    work = tmp_path / "w-init"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())  # as container.writer_tag names it
+    stale, live, other = (work / f"init-{host}-{dead.pid}-0123abcd", work / f"init-{host}-{os.getpid()}-4567abcd",
+                          work / f"init-elsewhere-{dead.pid}-89abcdef")
+    for d in (stale, live, other):
+        (d / "step_0000000").mkdir(parents=True)
+    fake = init_run(url, tmp_path, env, cli=rl)  # (its workdir: w-init)
+    assert sorted(p.name for p in work.iterdir() if p.name.startswith("init-")) == sorted([live.name, other.name])
+    stale.mkdir()
+    r = rl(["run", url, "--steps", "1", "--train-script", fake, "--workdir", work], env)
+    assert r.returncode == 0 and f"removed {stale}, left by a killed `relay.py init`" in r.stderr, r.stderr
+    assert not stale.exists() and live.is_dir() and other.is_dir()
+
+
+def test_pull_without_out_keeps_only_the_newest_step_it_pulled(tmp_path, rl):
+    """`relay.py pull STORE` (no lease, no --out) pulls into WORKDIR/pulled and kept every step it ever pulled there,
+    GBs each leg; now the earlier steps it pulled there are removed once a newer one is in. A step written there by
+    hand (a trainer run in that folder) stays, and so does everything in a --out DIR, the user's own."""
+    url = store_url("file", tmp_path, None)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    common = ["--train-script", fake, "--workdir", tmp_path / "wa"]
+    pulled = tmp_path / "wp" / "pulled"
+    assert rl(["pull", url, "--workdir", tmp_path / "wp"]).returncode == 0
+    assert rl(["pull", url, "--out", tmp_path / "mine"]).returncode == 0
+    assert rl(["run", url, "--steps", "3", *common], env).returncode == 0
+    checkpoint.save(str(pulled), 1, {"model.safetensors": lambda p: open(p, "w").write("mine"),  # trained by hand
+                                     "state.json": lambda p: json.dump({"step": 1}, open(p, "w"))})
+    r = rl(["pull", url, "--workdir", tmp_path / "wp"])
+    assert r.returncode == 0 and f"removed {pulled / 'step_0000000'}, an earlier pull" in r.stdout, r.stdout
+    assert sorted(p.name for p in pulled.glob("step_*")) == ["step_0000001", "step_0000003"]
+    assert checkpoint.resolve(str(pulled)).endswith("step_0000003")
+    assert rl(["run", url, "--steps", "2", *common], env).returncode == 0
+    assert rl(["pull", url, "--workdir", tmp_path / "wp"]).returncode == 0
+    assert rl(["pull", url, "--out", tmp_path / "mine"]).returncode == 0
+    assert sorted(p.name for p in pulled.glob("step_*")) == ["step_0000001", "step_0000005"]
+    assert sorted(p.name for p in (tmp_path / "mine").glob("step_*")) == ["step_0000000", "step_0000005"]
+
+
+def test_stopping_the_heartbeat_does_not_wait_out_a_renewals_retries(tmp_path):
+    """The store failing every renewal (HTTP 503s): stop_heartbeat (the leg is over, its push waits) joined the thread
+    only after the renewal's whole retry loop (backoff 0.2 s doubling to 10 s, 5 tries: seconds to minutes, the lease
+    running out meanwhile); the heartbeat now ends between two tries, its write id kept for the push to look for."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=0.1)
+    tries = []
+
+    def unavailable(*a, **k):
+        tries.append(time.time())
+        raise relay.Transient("HTTP 503 (a test)")
+    store.commit = unavailable
+    hb = relay.Heartbeat(store, lease, lambda: None)
+    relay.start_heartbeat(hb)
+    wait_for(lambda: tries, 10, "a renewal's first try")
+    t0 = time.time()
+    relay.stop_heartbeat(hb, str(tmp_path / "wa"))
+    assert time.time() - t0 < 0.5 and len(tries) == 1 and not hb.failed
+    assert json.load(open(tmp_path / "wa" / "LEASE.json"))["pending_renewal"]

@@ -164,3 +164,34 @@ def test_dashboard_refresh_shows_a_leg_log_rewritten_under_the_same_name(tmp_pat
         relay.commit_cas(store, snap.sha, {"logs/leg-0001.jsonl": log}, [], "relay: a leg", snap.relay)
         d = relay_dashboard.dashboard_data(url, cache)
         assert [m["step"] for m in d["metrics"]] == steps
+
+
+def test_dashboard_of_a_workdir_plots_only_the_runs_history(tmp_path):
+    """`relay.py dashboard WORKDIR` read the metrics of every leg-* dir there: a fenced leg's (never pushed, its steps
+    trained again by whoever took the baton), a set-aside one's (another lease's) and steps trained after a push were
+    drawn as the run's own curve. Now: pushed legs up to their pushed step; this workdir's lease's leg in progress
+    marked not_pushed (its own series); the rest left out, and named."""
+    def leg(name, steps, pushed=None, nonce="n-old"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "tokens": 10 * s, "loss": 5.0}) + "\n"
+                                                 for s in steps))
+        (d / "LEG.json").write_text(json.dumps({"store": "file:///s", "nonce": nonce}))
+        if pushed is not None:
+            (d / "PUSHED").write_text(f"abc123 {pushed}\n")
+        return d
+    leg("leg-0001-gen1", [1, 2, 3, 4], pushed=3)  # step 4 trained after the push
+    leg("leg-0002-gen2", [4, 5, 6])  # fenced: never pushed, its lease gone
+    leg("leg-0002-gen2.other-20260101-000000", [4, 5])  # set aside: another lease's
+    leg("leg-0002-gen3", [4, 5, 6], pushed=6)
+    current = leg("leg-0003-gen4", [7, 8], nonce="n-now")
+    (tmp_path / "LEASE.json").write_text(json.dumps({"nonce": "n-now", "run_dir": str(current)}))
+    d = relay_dashboard.dashboard_data(str(tmp_path))
+    json.dumps(d, allow_nan=False)
+    assert [(m["step"], bool(m.get("not_pushed"))) for m in d["metrics"]] == [
+        (1, False), (2, False), (3, False), (4, False), (5, False), (6, False), (7, True), (8, True)]
+    assert d["left_out"] == ["leg-0001-gen1 (steps after its push, never pushed)",
+                             "leg-0002-gen2 (never pushed: a lost lease's or a failed leg's)",
+                             "leg-0002-gen2.other-20260101-000000 (set aside: another lease's leg)"]
+    (tmp_path / "LEASE.json").unlink()  # the lease is gone (lost): its leg is no longer shown either
+    assert [m["step"] for m in relay_dashboard.dashboard_data(str(tmp_path))["metrics"]] == [1, 2, 3, 4, 5, 6]
