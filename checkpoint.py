@@ -80,6 +80,24 @@ def warn(msg):
         pass
 
 
+def pid_alive(pid):
+    """Whether process pid (of this machine) still runs: another user's counts as alive, a number past any pid not."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # (a number past any pid: OUT.tmp-99999999999999999999)
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def host_tag():
+    """This machine's name as a file name part: a temp output named HOST-PID is judged by its own host alone (another
+    machine's live export on a shared filesystem looked dead here and was deleted)."""
+    import socket
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+
+
 HASH_CHUNK = 64 << 20  # bytes save() hashes between two ticks (~1 s of a 50 MB/s network disk), as copy_ticking
 GROW_POLL_S = 1.0  # seconds between two looks at the size of the file a save's writer is writing
 

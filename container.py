@@ -408,9 +408,8 @@ def layout_header(cfg, source, group_size, embed_bits, dense_bits, symmetric):
 def writer_tag():
     """HOST-PID, the name of a temp output's writer: a cleanup on a shared filesystem judges only its own host's pids
     (another machine's live export looked dead here and was deleted)."""
-    import re
-    import socket
-    return f"{re.sub(r'[^A-Za-z0-9._-]', '_', socket.gethostname()) or 'host'}-{os.getpid()}"
+    import checkpoint
+    return f"{checkpoint.host_tag()}-{os.getpid()}"
 
 
 def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, progress=True, dense_bits=4,

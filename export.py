@@ -771,16 +771,6 @@ def is_gguf_export(path):
         return False
 
 
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # (a number past any pid: OUT.tmp-99999999999999999999)
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
-
-
 def clean_stale_outputs(out):
     """What a killed export of out left beside it (OUT.tmp-HOST-PID, OUT.old-HOST-PID, container.writer_tag's names,
     of this host whose process is gone): temp output is removed (GBs at nano size, silently), and an earlier export
@@ -802,7 +792,7 @@ def clean_stale_outputs(out):
             print(f"warning: {path}: left by an export on host {m.group(2)}, or still being written there; remove it "
                   f"once no export of {out} runs there", file=sys.stderr)
             continue
-        if pid_alive(int(m.group(3))):
+        if checkpoint.pid_alive(int(m.group(3))):
             continue
         if m.group(1) == "old-" and not os.path.exists(out):
             os.replace(path, out)

@@ -85,6 +85,7 @@ import uuid
 
 import checkpoint
 import configurator
+import rundir
 import schedule
 from relay_store import Conflict, RelayError, StoreError, Transient, open_store, write_atomic
 from relay_lease import (CKPT_PREFIX, DEFAULT_HEARTBEAT, DEFAULT_TTL, RELAY_FORMAT, RELAY_VERSION,
@@ -153,35 +154,16 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def pid_alive(pid):
-    """Whether process pid (of this machine) still runs: another user's counts as alive, a number past any pid not."""
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def recover_killed_resave(run_dir):
     """A trainer killed between a re-save's two renames left step_N.old-PID and no step_N (checkpoint.recover puts it
-    back): a push without it pushed the step before (or nothing), the leg's newest step left out. Refused while PID
-    runs: its save may still be under way."""
-    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
-    for name in names:
-        m = re.fullmatch(r"(step_\d{7,})\.old-(\d+)", name)
-        if m and not os.path.exists(os.path.join(run_dir, m.group(1))) and pid_alive(int(m.group(2))):
-            raise RelayError(f"push refused: {os.path.join(run_dir, name)} is {m.group(1)} set aside by process "
-                             f"{m.group(2)}, still running, for its re-save; stop that trainer (it puts the step back "
-                             f"or finishes the save), then push again; nothing was uploaded")
-    for path in checkpoint.recover(run_dir):
+    back): a push without it pushed the step before (or nothing), the leg's newest step left out. Put back under the
+    trainer's lock as any reader of a run dir does (rundir.recover_for_reader); refused while a trainer holds it."""
+    try:
+        back = rundir.recover_for_reader(run_dir)
+    except checkpoint.CheckpointError as e:
+        raise RelayError(f"push refused: {e}; nothing was uploaded") from None
+    for path in back:
         print(f"relay: {path}: put back (a re-save of it was killed between its two renames)", file=sys.stderr)
-
-
-def host_tag():
-    """This machine's name as a file name part (container.writer_tag's): a pid judges only its own host's files."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
 
 
 def remove_dead_inits(workdir):
@@ -193,7 +175,7 @@ def remove_dead_inits(workdir):
         return
     for name in names:
         m = re.fullmatch(r"init-(.+)-(\d+)-[0-9a-f]{8}", name)
-        if m and m.group(1) == host_tag() and not pid_alive(int(m.group(2))):
+        if m and m.group(1) == checkpoint.host_tag() and not checkpoint.pid_alive(int(m.group(2))):
             shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
             print(f"relay: removed {os.path.join(workdir, name)}, left by a killed `relay.py init`", file=sys.stderr)
 
@@ -986,7 +968,7 @@ def cmd_init(args):
                          f"may not set: it is {own_key_fix(own[0], 'there')}")
     train_cwd = os.path.dirname(os.path.abspath(args.train_script))
     remove_dead_inits(workdir_for(args))
-    tmp = os.path.join(workdir_for(args), f"init-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(workdir_for(args), f"init-{checkpoint.host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     cfg_path = os.path.join(tmp, "relay_config.py")
     start = sorted(k for k in run_level if k in START_KEYS | {"finetune_from"})
     if args.from_checkpoint and start:  # (the run would start from DIR as it is, the growth silently not done)

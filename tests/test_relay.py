@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -2520,9 +2519,12 @@ def test_the_push_that_finishes_a_run_bills_the_runs_hourly_rate(tmp_path, rl, m
     assert abs(snap.state["usd_total"] - wall / 3600 * 36) < 1e-9, (snap.state["usd_total"], wall)
 
 
-def test_a_push_after_a_re_save_killed_between_its_renames_pushes_the_newest_step(tmp_path, rl):
+def test_a_push_after_a_re_save_killed_between_its_renames_pushes_the_newest_step(tmp_path, rl, monkeypatch):
     """A trainer killed between a re-save's two renames leaves step_N.old-PID and no step_N (checkpoint.recover puts it
-    back, as train.py's next resume does): `relay.py push` pushed the step before it, the leg's newest step left out."""
+    back, as train.py's next resume does): `relay.py push` pushed the step before it, the leg's newest step left out.
+    Put back under the trainer's lock (rundir.recover_for_reader); refused while a trainer holds it."""
+    import fcntl
+    import rundir
     url = store_url("file", tmp_path, None)
     fake = init_run(url, tmp_path, base_env(), cli=rl)
     work = str(tmp_path / "wa")
@@ -2534,15 +2536,15 @@ def test_a_push_after_a_re_save_killed_between_its_renames_pushes_the_newest_ste
                        timeout=60)
     assert t.returncode == 0, t.stderr
     newest = os.path.join(run_dir, checkpoint.step_dir_name(10))
-    os.replace(newest, newest + f".old-{os.getpid()}")  # the re-save's first rename, by a process still running
-    r = rl(["push", url, "--workdir", work])
+    os.replace(newest, newest + f".old-{os.getpid()}")  # the re-save's first rename, by a trainer still running
+    monkeypatch.setattr(rundir, "RESAVE_WAIT_S", 0.3)
+    with open(os.path.join(run_dir, ".trainer.lock"), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        r = rl(["push", url, "--workdir", work])
     assert r.returncode == 3, r.stderr
-    assert f"{newest}.old-{os.getpid()} is step_0000010 set aside by process" in r.stderr, r.stderr
-    assert relay.Snapshot(store).state["step"] == 0
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    os.replace(newest + f".old-{os.getpid()}", newest + f".old-{dead.pid}")  # ... whose process was killed
-    r = rl(["push", url, "--workdir", work])
+    assert "push refused:" in r.stderr and "is being re-saved by the trainer holding" in r.stderr, r.stderr
+    assert relay.Snapshot(store).state["step"] == 0 and not os.path.isdir(newest)
+    r = rl(["push", url, "--workdir", work])  # ... whose trainer was killed: no one holds the lock
     assert r.returncode == 0 and f"{newest}: put back" in r.stderr, r.stderr
     assert relay.Snapshot(store).state["step"] == 10 and os.path.isdir(newest)
 
@@ -2585,7 +2587,7 @@ def test_a_killed_inits_temp_dir_is_removed_by_the_next_init_or_run_a_live_ones_
     work = tmp_path / "w-init"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())  # as container.writer_tag names it
+    host = checkpoint.host_tag()
     stale, live, other = (work / f"init-{host}-{dead.pid}-0123abcd", work / f"init-{host}-{os.getpid()}-4567abcd",
                           work / f"init-elsewhere-{dead.pid}-89abcdef")
     for d in (stale, live, other):
