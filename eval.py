@@ -27,9 +27,11 @@ Tasks (lm-evaluation-harness v0.4.x definitions, checked against the installed l
   context, reported per length as task "passkey@LEN").
 Scoring as the harness: request (context, " " + choice); continuation tokens = enc(ctx + cont)[len(enc(ctx)):],
 with the context's trailing spaces moved into the continuation; inputs longer than the model's context are cut
-on the left; acc = argmax of summed log-likelihood (first index on ties), acc_norm = argmax of log-likelihood /
-len(choice in characters); stderr of a mean = sample std / sqrt(n); lambada perplexity = exp(-mean ll) with the
-harness's bootstrap stderr (100000 resamples, chunk i drawn by random.Random(i), reproduced here with numpy).
+on the left; acc = argmax of summed log-likelihood (first index on ties; a choice repeated within a question is
+scored once, as the harness does, so it ties exactly), acc_norm = argmax of log-likelihood / len(choice in characters,
+not bytes: the harness's acc_bytes is another metric); stderr of a mean = sample std / sqrt(n); lambada perplexity =
+exp(-mean ll) with the harness's bootstrap stderr (100000 resamples, chunk i drawn by random.Random(i), reproduced
+here with numpy).
 Shots (--num-fewshot N, default the harness's per task: its gsm8k YAML's 5, 0 for every other task here): the prompt
 strings the harness builds for the same split, seed and N. Its default sampler draws, for each scored example in order,
 random.Random(--seed, the harness's fewshot_random_seed 1234).sample(the train split, N); each shot is
@@ -557,22 +559,31 @@ def score_shared_prefix(lm, groups, out, batch_size, max_batch_tokens):
 
 
 def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768):
-    """Fill doc["lls"], doc["greedy"] for every request of every doc (the one scoring path of every kind)."""
-    enc_cache, reqs, groups, flat = {}, [], [], []
+    """Fill doc["lls"], doc["greedy"] for every request of every doc (the one scoring path of every kind). A doc's
+    request whose tokens repeat an earlier one of it is scored once, as the harness's HFLM scores repeats: a repeated
+    choice (a dataset's duplicate answer) ties exactly and argmax takes the first (scored twice, float noise picked either)."""
+    enc_cache, groups, flat = {}, [], []
+    same = {}  # (doc, request) -> the doc's earlier request of identical tokens
     for d_i, d in enumerate(docs):
         pairs = [encode_pair(lm, c, x, enc_cache) for c, x in d["requests"]]
+        reqs, first = [], {}
         for r_i, (ctx, cont) in enumerate(pairs):
             if not cont:
                 raise EvalError(f"request {d['requests'][r_i]!r} has an empty continuation after tokenisation")
             if len(cont) > lm.max_length:
                 raise EvalError(f"a continuation of {len(cont)} tokens exceeds the model's {lm.max_length}")
-            reqs.append(((d_i, r_i), ctx, cont))
-        shared = (len(pairs) > 1 and all(p[0] == pairs[0][0] for p in pairs)
+            key = (tuple(ctx), tuple(cont))
+            if key in first:
+                same[(d_i, r_i)] = first[key]
+            else:
+                first[key] = (d_i, r_i)
+                reqs.append(((d_i, r_i), ctx, cont))
+        shared = (len(reqs) > 1 and all(p[0] == pairs[0][0] for p in pairs)
                   and len(pairs[0][0]) + max(len(p[1]) for p in pairs) - 1 <= lm.max_length)
         if shared and hasattr(lm, "new_cache"):
-            groups.append((pairs[0][0], [((d_i, r_i), cont) for r_i, (_, cont) in enumerate(pairs)]))
+            groups.append((pairs[0][0], [(idx, cont) for idx, _, cont in reqs]))
         else:
-            flat += reqs[-len(pairs):]
+            flat += reqs
     out = {}
     if hasattr(lm, "run"):
         score_flat(lm, flat, out, batch_size, max_batch_tokens)
@@ -582,6 +593,8 @@ def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768):
             inp = (ctx + cont)[-(lm.max_length + 1):]
             ll, greedy = lm.engine.loglikelihood(inp[:len(inp) - len(cont)], cont)
             out[idx] = (float(ll), bool(greedy))
+    for idx, earlier in same.items():
+        out[idx] = out[earlier]
     for d_i, d in enumerate(docs):
         d["lls"] = [out[(d_i, r)][0] for r in range(len(d["requests"]))]
         d["greedy"] = [out[(d_i, r)][1] for r in range(len(d["requests"]))]

@@ -1160,3 +1160,44 @@ def test_an_empty_stop_string_is_refused_at_task_load(monkeypatch):
     monkeypatch.setattr(et, "counting_docs", lambda n, seed: [dict(d, until=["\n", ""]) for d in built(n, seed)])
     with pytest.raises(et.EvalError, match=r"task counting: example 0: until=\['\\n', ''\]: stop strings must be"):
         et.task_docs("counting", None, args)
+
+
+def test_a_repeated_choice_ties_exactly_and_the_first_wins(hf_setup):
+    """A question that lists one answer twice: the harness scores a repeated request once (HFLM's Collator), so the
+    two tie exactly and argmax takes the first; eval.py scored each copy in its own batch row, and float noise between
+    rows picked either (seen on CPU here: gold 1, the second copy, was scored right on some)."""
+    _, model_dir, _, _ = hf_setup
+    rows = es.task_rows("piqa", 24)
+    for r in rows:
+        r["sol2"], r["label"] = r["sol1"], 1
+    lm = ev.load_model(model_dir, "cpu", "float32")
+    for batch_size in (1, 3):
+        docs = et.build_docs("piqa", rows, "example")
+        ev.loglikelihoods(lm, docs, batch_size)
+        assert [d["lls"][0] for d in docs] == [d["lls"][1] for d in docs], batch_size
+        assert [ev.doc_scores("piqa", d) for d in docs] == [{"acc": 0.0, "acc_norm": 0.0}] * len(docs)
+
+
+def test_acc_and_acc_norm_are_the_harness_s_on_ties_empty_and_non_ascii_choices():
+    """The installed harness's own multiple-choice process_results on hand-made scores: acc_norm divides by the
+    choice's length in characters (len(str); bytes are its separate acc_bytes), ties go to the first choice, and an
+    empty choice's 0 length gives -inf (never chosen) as in numpy there."""
+    import types
+    import warnings
+    from lm_eval.api.task import ConfigurableTask
+    cases = [([-2.0, -2.0, -3.0], ["ab", "cd", "ef"], 1),  # exact tie: first
+             ([-4.0, -4.0], ["abcd", "wxyz"], 1),  # tie in acc and in acc_norm
+             ([-1.0, -1.9], ["é", "ab"], 0),  # 1 character vs 2 bytes: acc_norm picks "ab" by characters
+             ([-3.0, -6.1], ["日本", "ascii!"], 0),  # 2 characters (6 bytes) vs 6
+             ([-0.5, -5.0, -6.0], ["", "xy", "xyz"], 2),  # the empty choice: -inf after the division
+             ([-1.0, -1.0], ["a\u0301", "á"], 1)]  # combining accent: 2 code points vs 1
+    for lls, choices, gold in cases:
+        harness_self = types.SimpleNamespace(
+            OUTPUT_TYPE="multiple_choice", config=types.SimpleNamespace(process_results=None),
+            _metric_fn_list={"acc": None, "acc_norm": None}, multiple_input=False, multiple_target=False,
+            doc_to_choice=lambda doc: doc["choices"], doc_to_target=lambda doc: doc["gold"])
+        doc = {"choices": choices, "gold": gold, "lls": lls}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (numpy's divide by zero, both sides)
+            want = ConfigurableTask.process_results(harness_self, doc, [(x, False) for x in lls])
+            assert ev.doc_scores("piqa", doc) == want, (lls, choices)
