@@ -267,6 +267,7 @@ def chat_loop(tok, backend, system=None, max_new_tokens=256, temperature=0.0, to
         except (EOFError, KeyboardInterrupt):
             out.write("\n")
             break
+        line = line.removesuffix("\r")  # a piped file's Windows line ends: input() kept the \r, unlike any trained turn
         cmd = line.strip()
         if not cmd:
             continue

@@ -222,6 +222,30 @@ def test_bad_rows_counted_and_long_conversations_split(corpus):
     assert r2.returncode != 0 and "Traceback" not in r2.stderr and "no usable conversation" in r2.stderr
 
 
+def test_a_jsonl_line_that_is_not_utf8_is_a_bad_row_not_replacement_characters(tok, tmp_path, monkeypatch, capsys):
+    """A conversation written in Latin-1 (or a line with one stray byte) was read with errors="replace": its corpus
+    trained the model on U+FFFD for every accented letter, and the report said "bad rows skipped: 0"."""
+    import runpy
+    good = [json.dumps([{"role": "user", "content": f"ping {n}"}, {"role": "assistant", "content": f"pong {n}"}])
+            for n in range(12)]
+    latin1 = json.dumps([{"role": "user", "content": "caf\u00e9"}, {"role": "assistant", "content": "d\u00e9j\u00e0"}],
+                        ensure_ascii=False).encode("latin-1")
+    src = tmp_path / "c.jsonl"
+    src.write_bytes(b"\n".join(g.encode() for g in good[:6]) + b"\n" + latin1 + b"\n" + b"\n".join(
+        g.encode() for g in good[6:]) + b"\n")
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["prepare.py", "--tokenizer", tok.path, "--jsonl", str(src), "--max-len", str(ROW),
+                                      "--val-conversations", "1", "--out", str(out)])
+    runpy.run_path(os.path.join(REPO, "data/smoltalk/prepare.py"), run_name="__main__")
+    captured = capsys.readouterr()
+    rep = shards.load_index(out)["source"]["report"]
+    assert rep.get("bad_not_utf8") == 1 and "bad rows skipped: 1" in captured.out, (rep, captured.out)
+    assert f"{src}:7: not valid UTF-8" in captured.err and "iconv" in captured.err, captured.err
+    text = "".join(tok.decode_generated(np.fromfile(out / e["file"], dtype="<u2").tolist())
+                   for s in ("train", "val") for e in shards.load_index(out)["splits"][s])
+    assert "\ufffd" not in text and "pong 11" in text
+
+
 def test_sft_learns_the_pattern_and_chat_keeps_history_in_cache(tok, sft_run):
     model = load_checkpoint(sft_run)
     sp = tok.special_ids
@@ -1008,6 +1032,26 @@ def test_a_message_too_long_for_the_context_names_the_fix_that_helps(tok):
     with pytest.raises(ValueError, match=f"shorten it or lower --max-new-tokens to {room}$"):
         conv.reply(text, 256)
     assert conv.reply(text, room) == "" and conv.last_stop == "end"  # the limit it named fits
+
+
+def test_a_piped_crlf_line_is_the_message_the_model_was_trained_on(tok):
+    """`chat.py CKPT < prompts.txt` with Windows line ends: input() keeps the \\r, so every user turn ended "...\\r"
+    before its <|end|>, a token no training conversation has there."""
+    import types
+    end = tok.special_ids["<|end|>"]
+    fed = []
+
+    def forward(ids, cache):  # a model that ends its answer at once; what it was fed is recorded
+        fed.extend(ids[0].tolist())
+        cache.pos += ids.shape[1]
+        logits = torch.full((1, MODEL["vocab_size"]), -1e9)
+        logits[0, end] = 0.0
+        return logits
+    backend = dict(forward=forward, new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n), max_len=64,
+                   device="cpu", after_reply=None)
+    lines = iter(["ping 1\r", "/exit\r"])
+    assert chat.chat_loop(tok, backend, input_fn=lambda prompt: next(lines), out=io.StringIO()) == 0
+    assert fed == chat.render_prompt(tok, [{"role": "user", "content": "ping 1"}])
 
 
 def test_a_ctrl_c_anywhere_in_a_reply_leaves_ids_cache_and_messages_agreeing(tok):

@@ -24,7 +24,8 @@ Calls recorded here:
   replies up to the next user turn); each piece starts with <|bos|> and the system prompt if it fits. Splits are
   counted. An exchange that alone exceeds --max-len is dropped (counted, its tokens reported): never cut.
 - Bad rows are counted by kind and skipped, never a crash: unknown role, empty assistant turn, no assistant
-  turn, malformed row (not a list of {role, content} strings), malformed JSON (--jsonl).
+  turn, malformed row (not a list of {role, content} strings), malformed JSON or a line that is not UTF-8
+  (--jsonl; such a line was trained on as U+FFFD characters).
 - val: the Hub's test file(s) (at most --val-conversations conversations); without one the first
   --val-conversations conversations are held out; with --jsonl the first --val-conversations, at most 10% of
   its lines (a Hub repo is streamed, its size unknown up front: a small one needs a smaller --val-conversations).
@@ -52,6 +53,7 @@ import shards  # noqa: E402
 from chat import ChatFormatError, check_messages, render_conversation  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
+NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of a byte that is not UTF-8
 OPEN_ROWS = 16  # rows kept open for best-fit packing (more: less padding, a little more memory)
 
 
@@ -79,9 +81,10 @@ def load_tokenizer_arg(path):
 # sources: (reference, messages) or (reference, ChatFormatError) per conversation
 
 def jsonl_lines(path):
-    """(line number, line) of a JSONL file; a read error names the file (an EIO said only "Input/output error")."""
-    try:
-        with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a BOM (Windows) cost the first row
+    """(line number, line) of a JSONL file; a read error names the file (an EIO said only "Input/output error").
+    A byte that is not UTF-8 is kept as a lone surrogate (surrogateescape), for jsonl_conversations to refuse."""
+    try:  # (errors="replace" trained a Latin-1 file's every accented letter as U+FFFD, reporting no bad row)
+        with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:  # -sig: a BOM (Windows) cost row 1
             yield from enumerate(f, 1)
     except OSError as e:
         raise ValueError(f"{path}: cannot be read ({e.strerror or e}); copy it to a readable disk and pass that "
@@ -91,6 +94,12 @@ def jsonl_lines(path):
 def jsonl_conversations(path):
     for n, line in jsonl_lines(path):
         if not line.strip():
+            continue
+        if bad := NOT_UTF8.search(line):
+            byte = ord(bad.group()) - 0xDC00
+            yield (path, n), ChatFormatError(f"not valid UTF-8 (byte 0x{byte:02x} at column {bad.start() + 1}); "
+                                             f"convert the file to UTF-8 (iconv -f latin1 -t utf-8, or its own "
+                                             f"encoding)", "not_utf8")
             continue
         try:
             row = json.loads(line)
