@@ -125,7 +125,9 @@ class PicaflorModel:
         self.dtype = str(model.embed_tokens.weight.dtype).replace("torch.", "")
         self.max_length = model.cfg.max_seq_len
         self.prefix_id = tok.bos_id
-        self.stop_ids = {tok.bos_id, tok.special_ids.get("<|end|>")} - {None}
+        # every special, as the HF export's generation_config and chat.py (bos and <|end|> alone glued a turn the
+        # model went on into, <|user|> ..., onto its answer, and scored it otherwise than its export)
+        self.stop_ids = set(tok.special_ids.values())
         self.generation_settings = {}
 
     def encode(self, text, add_special_tokens=None):
@@ -176,8 +178,8 @@ class HFModel:
             self.max_length = int(mml) if mml is not None and mml < 1e29 else 2048
         self.prefix_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         self.bos_text = tok.decode(self.prefix_id) if self.prefix_id is not None else None
-        # the tokenizer's eos and the generation config's (export.py lists <|end|> and <|bos|>; HF's generate stops
-        # at both)
+        # the tokenizer's eos and the generation config's (export.py lists every special, GENERATION_STOPS; HF's
+        # generate stops at each)
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         gen_eos = gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
         self.stop_ids = ({tok.eos_token_id} | set(gen_eos)) - {None}
@@ -223,7 +225,7 @@ class EngineModel:
         self.dtype = "int4"
         self.max_length = int(getattr(engine, "context", None) or engine.max_seq_len)
         self.prefix_id = tok.bos_id
-        self.stop_ids = {tok.bos_id, tok.special_ids.get("<|end|>")} - {None}
+        self.stop_ids = set(tok.special_ids.values())  # as PicaflorModel's
         self.generation_settings = {}
 
     encode = PicaflorModel.encode

@@ -670,9 +670,10 @@ class Picaflor(nn.Module):
         B, T = idx.shape
         if T == 0:  # (a reshape error deep in attention otherwise)
             raise ValueError("empty prompt: give at least one token (a document starts with the tokenizer's bos_id)")
-        total = T + max_new_tokens
+        total = T + max(max_new_tokens - 1, 0)  # positions run: the last new token is never fed back
         if total > self.cfg.max_seq_len:
-            raise ValueError(f"prompt {T} + {max_new_tokens} new tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+            raise ValueError(f"prompt {T} + {max_new_tokens} new tokens exceeds max_seq_len={self.cfg.max_seq_len}: "
+                             f"they run {total} positions (the last new token is never fed back)")
         cache = KVCache(self.cfg, B, total, idx.device, self.embed_tokens.weight.dtype) if use_cache else None
         seq, step_in = idx, idx
         done = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
@@ -723,6 +724,7 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # keep the smallest set with mass >= top_p: a token after exactly top_p is dropped too (> kept it)
         drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p
+        drop[:, 0] = False  # the most likely token stays (a top_p below float32's smallest number compared as 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
     probs = torch.softmax(logits, dim=-1)

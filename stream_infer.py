@@ -1295,7 +1295,8 @@ def main(argv=None):
         tok = eng.tokenizer
         if tok is not None:
             ids = [tok.bos_id] + tok.encode(args.prompt)
-            eos = tok.bos_id
+            # every special, as chat.py and the exports (bos alone: a chat model's answer ran on into a turn it made up)
+            eos = set(tok.special_ids.values())
         else:
             try:
                 ids = [int(t) for t in args.prompt.split(",")]

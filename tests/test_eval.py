@@ -1201,3 +1201,31 @@ def test_acc_and_acc_norm_are_the_harness_s_on_ties_empty_and_non_ascii_choices(
             warnings.simplefilter("ignore", RuntimeWarning)  # (numpy's divide by zero, both sides)
             want = ConfigurableTask.process_results(harness_self, doc, [(x, False) for x in lls])
             assert ev.doc_scores("piqa", doc) == want, (lls, choices)
+
+
+def test_picaflor_generation_stops_at_every_special_token_as_its_exports_do(tmp_path):
+    """A picaflor checkpoint or int4 engine stopped at <|bos|> and <|end|> only, while the same model's HF export
+    (generation_config, export.GENERATION_STOPS) and chat.py stop at every special token: a chat model that went on
+    into a turn of its own (<|user|> ...) had that turn glued onto its answer here (the special dropped from the text),
+    and scored otherwise than its export."""
+    import export
+    run_dir, tok = make_picaflor_ckpt(tmp_path, max_seq_len=64)
+    for name in export.GENERATION_STOPS:
+        script = tok.encode(" 12") + [tok.special_ids[name]] + tok.encode(" 99 bottles")
+        lm = ev.load_model(run_dir, "cpu", "float32")
+        it = iter(script)
+
+        def head(h):  # the model's greedy choices, scripted
+            logits = torch.zeros(h.shape[0], lm.model.cfg.vocab_size)
+            logits[:, next(it, script[-1])] = 1.0
+            return logits
+        lm.head = head
+        assert ev.greedy_generate(lm, "Question: how many?\nAnswer:", ["Question:"], 8) == " 12", name
+
+        class Engine:  # the int4 engine's stream: the same scripted tokens
+            context = 64
+
+            def stream(self, ids, n, temperature=0):
+                yield from script[:n]
+        engine_lm = ev.EngineModel(Engine(), tok, "e")
+        assert ev.greedy_generate(engine_lm, "Question: how many?\nAnswer:", ["Question:"], 8) == " 12", name

@@ -526,6 +526,22 @@ def test_generate_stops_each_row_at_eos_and_refuses_an_empty_prompt(monkeypatch)
         model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
 
 
+def test_generate_may_fill_the_whole_context():
+    """The last new token is never fed back, so generation needs prompt + max_new_tokens - 1 positions (stream_infer's
+    engine serves a prompt of max_seq_len with one new token); generate refused every request one position short."""
+    model = randomise(M.Picaflor(SMALL_CFG), seed=4).eval()
+    L = SMALL_CFG.max_seq_len
+    full = torch.randint(1, SMALL_CFG.vocab_size, (1, L), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(full)[0, -1].argmax()
+    for use_cache in (True, False):
+        assert model.generate(full, 1, temperature=0, use_cache=use_cache)[0, -1] == want
+        out = model.generate(full[:, :L - 4], 5, temperature=0, use_cache=use_cache)
+        assert out.shape == (1, L + 1) and torch.equal(out[:, :L - 4], full[:, :L - 4])
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        model.generate(full, 2)
+
+
 def test_loss_is_the_mean_over_targets_and_zero_without_any():
     """A window whose targets are all masked (an SFT window of prompt tokens) has loss 0, not NaN (which stopped
     training as a non-finite loss); otherwise the mean over the targets left, as cross_entropy's ignore_index."""

@@ -2553,6 +2553,56 @@ def test_cli_prints_generated_text_without_specials(tmp_path, monkeypatch, capsy
     assert "expert hit rate 0.380 (+0.350 right guesses, read ahead)" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def tok_container(tmp_path_factory):
+    """(tokenizer, path) of a small random container that carries a tokenizer."""
+    import tokenizer as T
+    tmp = tmp_path_factory.mktemp("tok")
+    tok = T.train_tokenizer(["the hummingbird flies over the flowers, hello world"] * 40, 300)
+    tok.save(str(tmp / "tok.json"))
+    torch.manual_seed(0)
+    ck = save_checkpoint(Picaflor(ModelConfig(**dict(CFG, vocab_size=tok.vocab_size, n_layer=2))), str(tmp / "run"), 1,
+                         tokenizer_file=str(tmp / "tok.json"))
+    C.write_container(ck, str(tmp / "t.pcf4"), group_size=32, progress=False)
+    return tok, str(tmp / "t.pcf4")
+
+
+def scripted_logits(monkeypatch, vocab_size, script):
+    """The model's choices, scripted (then the last one again); the engine's own loop samples them greedily."""
+    it = iter(script)
+
+    def logits(self, h):
+        out = torch.zeros(h.shape[0], vocab_size)
+        out[:, next(it, script[-1])] = 1.0
+        return out
+    monkeypatch.setattr(S.Engine, "logits", logits)
+
+
+def test_cli_generation_stops_at_every_special_token_as_the_exports_do(tok_container, monkeypatch, capsys):
+    """The command line stopped at <|bos|> only: a chat model's answer ran on past <|end|> into a turn it made up
+    (<|user|> ...), the specials dropped from the text, so the turns printed as one answer. It stops at every special
+    token now, as chat.py and the HF and GGUF exports' generation do (export.GENERATION_STOPS)."""
+    tok, path = tok_container
+    for name in ("<|end|>", "<|user|>", "<|bos|>"):
+        script = tok.encode(" world") + [tok.special_ids[name]] + tok.encode(" hello the flowers")
+        scripted_logits(monkeypatch, tok.vocab_size, script)
+        assert S.main([path, "--prompt", "hello", "--max-new-tokens", str(len(script))]) == 0
+        assert capsys.readouterr().out == "hello world\n", name
+
+
+def test_cli_streamed_text_is_the_decoded_text_of_characters_split_across_tokens(tok_container, monkeypatch, capsys):
+    """What the command line writes token by token adds up to the decoded answer: characters of 2 to 4 UTF-8 bytes
+    cut across byte tokens (ids 1..256), a byte that starts no character, an id with no text (0), the tail held back
+    until the answer ends."""
+    tok, path = tok_container
+    text = "caf\u00e9 \u2615\U0001f642 na\u00efve"
+    script = [b + 1 for b in text.encode()] + [0x80 + 1] + tok.encode(" hello") + [0, 0xf0 + 1, 0x9f + 1]
+    scripted_logits(monkeypatch, tok.vocab_size, script)
+    assert S.main([path, "--prompt", "hello", "--max-new-tokens", str(len(script))]) == 0
+    want = tok.decode_generated(script)
+    assert want.startswith(text + "\ufffd hello\ufffd") and capsys.readouterr().out == "hello" + want + "\n"
+
+
 def test_cli_output_the_terminal_cannot_encode_is_shown_not_a_traceback(tmp_path, monkeypatch):
     """A stdout whose encoding lacks a character of the prompt or the answer (an emoji in Latin-1, U+FFFD in ASCII):
     a UnicodeEncodeError traceback mid-answer. Such a character shows as '?' now (as chat.py does), and it goes on."""
@@ -3005,6 +3055,16 @@ def test_top_p_keeps_the_smallest_set_reaching_it(tiny, monkeypatch):
         seen = {eng.generate([5, 6], 1, temperature=1.0, top_p=top_p, seed=s)[0] for s in range(200)}
         assert len(seen) == n and seen <= set(range(len(head))), (head, top_p, seen)
     assert seen == set(range(4))
+
+
+def test_a_top_p_below_float32s_smallest_number_samples_the_most_likely_token(tiny):
+    """top_p is compared with float32 masses: 1e-46 (which check_sampling takes, being > 0) compared as 0, every token
+    was dropped, and torch.multinomial raised on the NaN probabilities (a traceback from the command line). The most
+    likely token always stays in the nucleus."""
+    m, path = tiny
+    eng = S.load(path)
+    for top_p in (1e-46, 1e-300):
+        assert eng.generate([5, 6], 3, temperature=1.0, top_p=top_p, seed=0) == eng.generate([5, 6], 3)
 
 
 def test_vs_llamacpp_records_whether_its_page_cache_drop_worked(tmp_path, monkeypatch):
