@@ -72,6 +72,7 @@ a task asked again keeps its own until it is scored; one of another model or set
 model_source (a run dir's step scored, a Hub id's commit), model_weights (a checkpoint's MANIFEST.json hashes, else
 its files' sizes and times: a rollback's new step_N or an export over the same path is another model) and the
 tokenizer's sha256 (--tokenizer).
+A task says how far it is on stderr once a minute (PROGRESS_EVERY_S) until it is done.
 A diverged model's perplexity is inf, not an overflow. --compare prints several summaries side by side and marks
 each difference from the first column as within noise (~, |diff| <= 2 * sqrt(se_a^2 + se_b^2)) or not (*), and not
 at all (!) between other numbers of examples, other examples (summary.json's "examples"), shots or generation caps
@@ -107,6 +108,9 @@ from eval_tasks import EvalError
 
 HARNESS_VERSION = "lm-evaluation-harness v0.4.x task definitions (checked against lm-eval 0.4.13)"
 BOOTSTRAP_ITERS = 100000  # the harness's default for bootstrapped stderrs (perplexity)
+# a task says how far it is this often on stderr (hellaswag's 10k examples on a CPU, an int4 engine's one request
+# at a time: hours that printed nothing)
+PROGRESS_EVERY_S = 60
 # generation settings a model may ship that change greedy outputs, with their neutral values
 NEUTRAL_SETTINGS = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
                     "presence_penalty": 0.0, "frequency_penalty": 0.0, "no_repeat_ngram_size": 0, "do_sample": False}
@@ -463,7 +467,24 @@ def token_logprobs(lm, h, targets):
     return torch.cat(lps).double().cpu(), torch.cat(greedy).cpu()
 
 
-def score_flat(lm, reqs, out, batch_size, max_batch_tokens):
+def progress_printer(task, total, unit):
+    """A callable(n) that counts n more of total done and, at most every PROGRESS_EVERY_S, says so on stderr."""
+    t0 = last = time.time()
+    done = 0
+
+    def tick(n=1):
+        nonlocal done, last
+        done += n
+        now = time.time()
+        if done < total and now - last >= PROGRESS_EVERY_S:
+            last = now
+            left = (now - t0) * (total - done) / done
+            print(f"{task}: {done:,}/{total:,} {unit} ({100 * done // total}%), {(now - t0) / 60:.1f} min so far, "
+                  f"~{left / 60:.1f} min left", file=sys.stderr, flush=True)
+    return tick
+
+
+def score_flat(lm, reqs, out, batch_size, max_batch_tokens, tick=None):
     """reqs: [(index, ctx_ids, cont_ids)]; the harness's input: (ctx + cont)[-(max_length+1):][:-1]."""
     reqs = sorted(reqs, key=lambda r: -(len(r[1]) + len(r[2])))  # longest first, like the harness
     i = 0
@@ -488,6 +509,8 @@ def score_flat(lm, reqs, out, batch_size, max_batch_tokens):
                                     torch.tensor(tgts, device=h.device))
         for (idx, _, _), seg_lp, seg_gr in zip(batch, lp.split(counts), gr.split(counts)):
             out[idx] = (float(seg_lp.sum()), bool(seg_gr.all()))
+        if tick:
+            tick(len(batch))
 
 
 def shared_prefix_batches(lm, groups, batch_size, max_batch_tokens):
@@ -509,7 +532,7 @@ def shared_prefix_batches(lm, groups, batch_size, max_batch_tokens):
         yield batch
 
 
-def score_shared_prefix(lm, groups, out, batch_size, max_batch_tokens):
+def score_shared_prefix(lm, groups, out, batch_size, max_batch_tokens, tick=None):
     """groups: [(ctx_ids, [(index, cont_ids), ...])] with 2+ continuations of one context. A batch of contexts
     runs once with a KV cache; the cache is repeated per choice and only the continuations (right-padded) run
     on it. The last context position predicts every choice's first token."""
@@ -558,9 +581,11 @@ def score_shared_prefix(lm, groups, out, batch_size, max_batch_tokens):
                     all_greedy[r] = all_greedy[r] and bool(seg_gr.all())
         for r, (idx, _) in enumerate(flat):
             out[idx] = (lp_sum[r], all_greedy[r])
+        if tick:
+            tick(len(flat))
 
 
-def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768):
+def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768, task=None):
     """Fill doc["lls"], doc["greedy"] for every request of every doc (the one scoring path of every kind). A doc's
     request whose tokens repeat an earlier one of it is scored once, as the harness's HFLM scores repeats: a repeated
     choice (a dataset's duplicate answer) ties exactly and argmax takes the first (scored twice, float noise picked either)."""
@@ -587,14 +612,18 @@ def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768):
         else:
             flat += reqs
     out = {}
+    n_scored = len(flat) + sum(len(members) for _, members in groups)
+    tick = progress_printer(task, n_scored, "requests") if task else None
     if hasattr(lm, "run"):
-        score_flat(lm, flat, out, batch_size, max_batch_tokens)
-        score_shared_prefix(lm, groups, out, batch_size, max_batch_tokens)
+        score_flat(lm, flat, out, batch_size, max_batch_tokens, tick)
+        score_shared_prefix(lm, groups, out, batch_size, max_batch_tokens, tick)
     else:  # an engine that scores one request at a time
         for idx, ctx, cont in flat:
             inp = (ctx + cont)[-(lm.max_length + 1):]
             ll, greedy = lm.engine.loglikelihood(inp[:len(inp) - len(cont)], cont)
             out[idx] = (float(ll), bool(greedy))
+            if tick:
+                tick()
     for idx, earlier in same.items():
         out[idx] = out[earlier]
     for d_i, d in enumerate(docs):
@@ -712,12 +741,14 @@ def run_task(lm, task, args):
             raise EvalError(f"task {task}: generates up to {max(caps)} tokens, but the model's context is "
                             f"{lm.max_length}, which leaves no room for the prompt; pass --max-gen-toks below "
                             f"{lm.max_length} (e.g. {lm.max_length // 4})")
+        tick = progress_printer(task, len(docs), "examples")
         for d, cap in zip(docs, caps):
             # a cap, not a replacement: a larger one raised passkey's 10 and its left truncation cut the needle out
             d["generation"] = greedy_generate(lm, d["prompt"], d["until"], cap)
             d["scores"] = ET.SCORERS[task](d["generation"], d["target"])
+            tick()
     else:
-        loglikelihoods(lm, docs, args.batch_size, args.max_batch_tokens)
+        loglikelihoods(lm, docs, args.batch_size, args.max_batch_tokens, task)
         for d in docs:
             d["scores"] = doc_scores(task, d)
     seconds = time.time() - t0
@@ -881,7 +912,8 @@ def parse_args(argv):
                     f"{', '.join(f'{t} {v[0]}' for t, v in ET.FEWSHOT.items())}, the others 0); N > 0 only for "
                     f"{', '.join(ET.FEWSHOT)}, drawn from its {'/'.join(sorted({v[1] for v in ET.FEWSHOT.values()}))} split "
                     f"(--data-dir: DIR/<task>/train.jsonl)")
-    ap.add_argument("--passkey-lengths", default=None, help="e.g. 4096,8192 (default: 4K doubling to the context)")
+    ap.add_argument("--passkey-lengths", default=None,
+                    help="e.g. 4096,8192 (default: 4K doubling, and the context itself; the context alone under 4K)")
     ap.add_argument("--passkey-n", type=int, default=10, help="passkey examples per length")
     ap.add_argument("--max-gen-toks", type=int, default=None,
                     help="cap on generated tokens (default: the task's, e.g. the harness's 256 for gsm8k)")
@@ -911,12 +943,16 @@ def keep_earlier_results(out, summary, tasks):
     except (OSError, ValueError, AssertionError) as e:
         raise EvalError(f"{path}: not a summary this script wrote ({e or 'not a JSON object'}); move it aside or pass "
                         f"another --out") from None
+    done = [t for t in earlier.get("tasks_done", []) if t in ET.TASKS]
     for key in SAME_EVALUATION:
+        if key == "data" and (reads_no_data(done) or reads_no_data(tasks)):
+            if reads_no_data(tasks):  # (counting, passkey alone: the summary's data stays the other tasks')
+                summary["data"] = earlier.get("data", summary["data"])
+            continue
         if earlier.get(key) != summary[key]:
             raise EvalError(f"--out {out} holds results of another evaluation ({key} {earlier.get(key)!r}, now "
                             f"{summary[key]!r}); pass another --out, or delete {path} to start over")
     # a task asked again keeps its earlier results until it is scored (a Ctrl-C before that dropped them)
-    done = [t for t in earlier.get("tasks_done", []) if t in ET.TASKS]
     summary["results"] = {n: r for n, r in (earlier.get("results") or {}).items() if result_task(n) in done}
     summary["examples"] = {n: h for n, h in (earlier.get("examples") or {}).items() if result_task(n) in done}
     summary["seconds"] = {t: (earlier.get("seconds") or {}).get(t) for t in done}
@@ -924,6 +960,11 @@ def keep_earlier_results(out, summary, tasks):
     kept = [t for t in done if t not in tasks]
     if kept:
         print(f"--out {out}: keeping the earlier results of {', '.join(kept)} (the same model, scored the same way)")
+
+
+def reads_no_data(tasks):
+    """Whether these tasks are all synthetic (counting, passkey): their results do not depend on --data-dir."""
+    return all(ET.TASKS[t][1] is None for t in tasks)
 
 
 def result_task(name):

@@ -493,7 +493,7 @@ class Guardian:
                 start["leg_left"] = left
             self.log["starts"].append(start)
             self.save()
-            self.say(f"start {len(self.log['starts'])} (checkpoint step {before})")
+            self.say(f"start {len(self.log['starts'])} (checkpoint step {'none' if before is None else before})")
             argv = self.child_argv(left, first=self.n_started == 0)
             self.n_started += 1
             # its output through pipes, passed on as it comes, the tail kept for a crash log (unbuffered: live)

@@ -805,7 +805,8 @@ def cmd_run(args):
     release(store, lease)
     say(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")
     say(f"relay: {run_dir} ({checkpoint.fmt_size(checkpoint.dir_size(run_dir))}) stays on disk until the next "
-        f"`relay.py run` from this workdir removes it (its checkpoint is in the store); to free it now: rm -r {run_dir}")
+        f"`relay.py run` (or `relay.py pull` holding the baton) from this workdir removes it (its checkpoint is in "
+        f"the store); to free it now: rm -r {run_dir}")
     if hb.failed:
         say(f"relay: warning: {hb.failed}; the leg ended early, its checkpoint was pushed", file=sys.stderr)
     return 0

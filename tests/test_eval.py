@@ -10,6 +10,7 @@ Plus: generation ignores a shipped repetition penalty, passkey per length, bad i
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -1229,3 +1230,37 @@ def test_picaflor_generation_stops_at_every_special_token_as_its_exports_do(tmp_
                 yield from script[:n]
         engine_lm = ev.EngineModel(Engine(), tok, "e")
         assert ev.greedy_generate(engine_lm, "Question: how many?\nAnswer:", ["Question:"], 8) == " 12", name
+
+
+def test_synthetic_tasks_share_an_out_with_data_dir_tasks(hf_setup, tmp_path, capsys):
+    """counting scored into --out, then piqa with --data-dir into the same --out, was refused as "another evaluation
+    (data 'hub', now DIR)": counting reads no data, so its result does not depend on where the data came from."""
+    _, model_dir, data_dir, _ = hf_setup
+    out = str(tmp_path / "res")
+    common = [model_dir, "--limit", "2", "--max-gen-toks", "4", "--out", out, "--device", "cpu"]
+    assert ev.main(common + ["--tasks", "counting"]) == 0
+    assert ev.main(common + ["--tasks", "piqa", "--data-dir", data_dir]) == 0, capsys.readouterr().err
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert set(summary["results"]) == {"counting", "piqa"} and summary["data"] == os.path.abspath(data_dir)
+    assert ev.main(common + ["--tasks", "counting"]) == 0  # rescored without --data-dir: piqa's data is still DIR
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert set(summary["results"]) == {"counting", "piqa"} and summary["data"] == os.path.abspath(data_dir)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "arc_easy.jsonl").write_text(open(os.path.join(data_dir, "arc_easy.jsonl")).read())
+    assert ev.main(common + ["--tasks", "arc_easy", "--data-dir", str(other)]) == 2  # data tasks still checked
+    assert "(data " in capsys.readouterr().err
+
+
+def test_a_long_task_says_how_far_it_is(hf_setup, tmp_path, capsys, monkeypatch):
+    """A task printed nothing until it was done: hellaswag's 10k examples on a CPU, or an int4 engine's one request
+    at a time, sat silent for hours. Now a line on stderr every PROGRESS_EVERY_S (here: every batch / example)."""
+    _, model_dir, data_dir, _ = hf_setup
+    monkeypatch.setattr(ev, "PROGRESS_EVERY_S", 0)
+    common = [model_dir, "--data-dir", data_dir, "--limit", "3", "--batch-size", "1", "--device", "cpu"]
+    assert ev.main(common + ["--tasks", "piqa,counting", "--max-gen-toks", "4"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"piqa: \d+/6 requests \(\d+%\)", err) and re.search(r"counting: \d+/3 examples", err), err
+    monkeypatch.setattr(ev, "PROGRESS_EVERY_S", 3600)  # the default spacing: a quick task says nothing
+    assert ev.main(common + ["--tasks", "piqa"]) == 0
+    assert "requests (" not in capsys.readouterr().err

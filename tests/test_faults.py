@@ -1446,6 +1446,7 @@ def test_review_round_guardian_ends_say_what_happened(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert err.count("restarting") == 1 and "crash x2" in err and log()["report"]["cause"] == "stuck", err
     assert "guardian: summary: 2 starts (crash x2); newest checkpoint step none -> none; exit 9 (stopped)" in err, err
+    assert "(checkpoint step none)" in err and "None" not in err, err  # (its start line said "None" too)
     # on_stuck that does not end is killed after ON_STUCK_TIMEOUT_S (not a fix), or at once by a SIGTERM
     monkeypatch.setattr(guardian, "ON_STUCK_TIMEOUT_S", 0.5)
     g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--max_stuck_starts=1", "--on_stuck=sleep 30"])

@@ -96,7 +96,8 @@ def test_init_run_two_legs_status_pull(kind, tmp_path, hub, monkeypatch, rl):
     assert r.returncode == 0, r.stderr
     leg1 = tmp_path / "wa" / "leg-0001-gen1"  # pushed, kept till the next run: the leg's last line says so
     assert re.search(rf"relay: {re.escape(str(leg1))} \(\d+\.\d MiB\) stays on disk until the next `relay.py run` "
-                     rf"from this workdir removes it .*; to free it now: rm -r {re.escape(str(leg1))}\n", r.stdout), r.stdout
+                     rf"\(or `relay.py pull` holding the baton\) from this workdir removes it .*; to free it now: "
+                     rf"rm -r {re.escape(str(leg1))}\n", r.stdout), r.stdout
     assert leg1.is_dir()
     r = relay_cli(["run", url, "--steps", "4", "--workdir", tmp_path / "wb", *common], dict(env, RELAY_WHO="bob"))
     assert r.returncode == 0, r.stderr

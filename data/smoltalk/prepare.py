@@ -272,7 +272,8 @@ def main():
     ap.add_argument("--max-len", type=int, default=None, help="row length in tokens = train seq_len (default: the "
                     "--tokenizer checkpoint's max_seq_len, at most 2048; 2048 for a tokenizer file)")
     ap.add_argument("--max-conversations", type=int, default=None, help="cap on train conversations (default: all)")
-    ap.add_argument("--val-conversations", type=int, default=1000, help="val conversations held out")
+    ap.add_argument("--val-conversations", type=int, default=1000,
+                    help="val conversations held out (1000; of a --jsonl file, at most a tenth)")
     ap.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (whole rows)")
     ap.add_argument("--keep-val-copies", action="store_true", help="keep train conversations identical to a val one "
                     "(left out by default: val loss would measure memorised text)")
