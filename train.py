@@ -345,14 +345,18 @@ def read_json(path, default=None):
     return rundir.read_json(path, default, error=TrainError)
 
 
-def gpu_peak_flops(device_type):
+def gpu_peak_flops(device_type, dtype="bfloat16"):
+    """(card name, dense peak FLOP/s for the dtype the matmuls run in): bf16 autocast, or with --dtype=float32 TF32
+    (enabled below), half the bf16 rate on every card listed (a float32 run's MFU was against the bf16 peak: half)."""
     import torch
+    if os.environ.get("PICAFLOR_INJECT_PEAK_FLOPS"):  # a peak on any device: the MFU test on a CPU
+        return "injected", float(os.environ["PICAFLOR_INJECT_PEAK_FLOPS"])
     if device_type != "cuda":
         return None, None
     name = torch.cuda.get_device_name()
     for key, peak in PEAK_BF16_FLOPS:
         if key in name:
-            return name, peak
+            return name, peak / 2 if dtype == "float32" else peak
     return name, None
 
 
@@ -1162,7 +1166,7 @@ def main(argv):
     _RUN_INFO.update(out_dir=out, state=st, streams=streams, master=master)
     st["plan_source"] = {k: cfg[k] for k in PLAN_SOURCE_KEYS} if not cfg["stages"] else {"dataset": cfg["dataset"]}
     control_path = os.path.join(out, "control.json")
-    gpu_name, peak = gpu_peak_flops(device_type)
+    gpu_name, peak = gpu_peak_flops(device_type, cfg["dtype"])
     if master:
         os.makedirs(out, exist_ok=True)
         if cfg["mirror_dir"]:  # before its first copy: another run given this mirror_dir is refused at its start
@@ -1170,6 +1174,14 @@ def main(argv):
                 rundir.claim_mirror(cfg["mirror_dir"], out, st["created_at"])
             except OSError as e:  # (a resume's unwritable mirror: warned above; mirror() says it again when it fails)
                 log(f"WARNING: could not mark {cfg['mirror_dir']} as this run's mirror ({e})")
+    # $ already spent: a resume after a crash (the guardian's restart) or a rollback took the checkpoint's usd_spent,
+    # and the hours its start trained past that checkpoint, paid for, went from the run's $ (rows logged: the newest)
+    newest_row = last_metrics_row(os.path.join(out, "metrics.jsonl")) if master and state is not None else None
+    logged_usd = newest_row.get("usd") if newest_row else None
+    if isinstance(logged_usd, (int, float)) and math.isfinite(logged_usd) and logged_usd > st.get("usd_spent", 0.0):
+        log(f"resume: ${logged_usd - st.get('usd_spent', 0.0):.2f} spent past step {st['step']} (logged at step "
+            f"{newest_row.get('step')}) stays in $ spent")
+        st["usd_spent"] = float(logged_usd)
     metrics_f = open_metrics(os.path.join(out, "metrics.jsonl"), st["step"]) if master else None
     stop = {"signal": None}
 
@@ -1368,9 +1380,13 @@ def main(argv):
     # --- the loop -------------------------------------------------------------------------------------------
     model.train()
     steps_this_run, t_start, t_last_ckpt = 0, time.time(), time.time()
-    window_load, window_loss, window_t, window_tokens = None, [], time.time(), 0
+    # tok/s and MFU time the training steps only: a window's evaluation and saves (a best save went into the next
+    # window) are paused out (an eval step logged 178 tok/s beside 2,000); elapsed_s, ETA and $ keep the wall clock
+    window_load, window_loss, window_t = None, [], time.time()
+    window_tokens, window_flops, window_paused = 0, 0.0, 0.0
+    flops_of_len = {}  # seq_len -> training FLOPs per token (a window across a stage boundary: each step at its own)
     elapsed_base = st["elapsed_seconds"]
-    usd_base = st.get("usd_spent", 0.0)  # earlier legs at their own price and world size (repriced at this leg's)
+    usd_base = st.get("usd_spent", 0.0)  # earlier starts at their own price and world size (not repriced at this one's)
     last_saved_step = st["step"] if state is not None else None
     last_saved_kind = (state or {}).get("kind")
     if state is None and cfg["stop_after_steps"] == 0:
@@ -1484,6 +1500,9 @@ def main(argv):
         steps_this_run += 1
         window_loss.append(loss_val)
         window_tokens += step_tokens
+        if T not in flops_of_len:
+            flops_of_len[T] = raw_model.flops_per_token(T)
+        window_flops += flops_of_len[T] * step_tokens
         st["elapsed_seconds"] = elapsed_base + (time.time() - t_start)
         st["usd_spent"] = usd_base + cfg["gpu_hourly_usd"] * world * (st["elapsed_seconds"] - elapsed_base) / 3600
 
@@ -1491,13 +1510,15 @@ def main(argv):
         val_loss = None
         finished_stage = stage_at(st["plan"], st["tokens"])[0] != idx_stage
         if st["step"] % cfg["eval_interval"] == 0 or stage_at(st["plan"], st["tokens"])[1] is None:
+            t_eval = time.time()
             val_loss = evaluate()
+            window_paused += time.time() - t_eval
         # and this invocation's last step (a relay leg of 3 steps logged only its first: the ledger's loss end was it)
         last_step = cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]
         if st["step"] % cfg["log_interval"] == 0 or val_loss is not None or steps_this_run == 1 or last_step:
-            dt = time.time() - window_t
+            dt = time.time() - window_t - window_paused
             tok_s = window_tokens / dt if dt > 0 else 0.0
-            mfu = (raw_model.flops_per_token(T) * tok_s / (peak * world)) if peak else None
+            mfu = (window_flops / dt / (peak * world)) if peak and dt > 0 else None
             cv, dead = load_stats(window_load) if window_load is not None and window_load.numel() else (None, None)
             rate = (st["tokens"] / st["elapsed_seconds"]) if st["elapsed_seconds"] > 0 else None
             eta = (plan_tokens(st["plan"]) - st["tokens"]) / rate if rate else None
@@ -1524,7 +1545,8 @@ def main(argv):
                 + f" | lr {lr:.2e} | {tok_s:,.0f} tok/s | MFU {f'{100 * mfu:.1f}%' if mfu is not None else '-'}"
                 + f" | load cv {rec['load_cv'] if rec['load_cv'] is None else round(rec['load_cv'], 3)}"
                 + f" | ETA {fmt_time(eta)} | ${st['usd_spent']:.2f}")
-            window_load, window_loss, window_t, window_tokens = None, [], time.time(), 0
+            window_load, window_loss, window_t = None, [], time.time()
+            window_tokens, window_flops, window_paused = 0, 0.0, 0.0
         if val_loss is not None and math.isfinite(val_loss) and not same_val_set(st.get("best_val_set")):
             if st["best_val_loss"] is not None:  # BEST would name a step measured on other rows
                 was, now = st.get("best_val_set") or [], val_set()
@@ -1552,7 +1574,9 @@ def main(argv):
         elif cfg["checkpoint_minutes"] > 0 and on_rank0(time.time() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60)[0]:
             kind = "temporary"
         if kind:
+            t_save = time.time()
             save(kind, best=best)
+            window_paused += time.time() - t_save
             last_saved_step, last_saved_kind, t_last_ckpt = st["step"], kind, time.time()
         if (st["step"] % cfg["log_interval"] == 0 and (ddp or os.path.exists(control_path))) or st["step"] == control_due[0]:
             check_control()  # under DDP every rank joins its broadcast

@@ -436,17 +436,25 @@ def test_no_val_loss_says_why_quarantined_val_shards_or_no_val_split(data_root, 
 def test_a_resume_at_another_price_or_world_size_does_not_reprice_the_past(data_root, three_steps, tmp_path):
     """usd_spent was gpu_hourly_usd x world size x all the run's elapsed time: a leg on another GPU (relay legs run on
     contributors' machines at their own prices) or another world size repriced every earlier hour, $ spent going down
-    as well as up. Each leg adds its own hours at its own price."""
+    as well as up. Each leg adds its own hours at its own price.
+    And a start that crashed (the guardian restarts it), or a timeline a rollback left, trained and logged steps past
+    the checkpoint the next start resumes; that start took the checkpoint's usd_spent, and the hours paid for those
+    steps went from the run's $ spent, $ per billion tokens and projection (relay's ledger bills them)."""
     out = str(tmp_path / "run")
     shutil.copytree(three_steps, out)  # trained at gpu_hourly_usd=0: $0 so far
+    rows = open(os.path.join(out, "metrics.jsonl")).read().splitlines()
+    crashed = dict(json.loads(rows[-1]), step=5, usd=2.5)  # steps 4-5 logged at $2.50 in all, then a crash
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(crashed) + "\n")
     before = json.load(open(os.path.join(out, "step_0000003", "state.json")))
-    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND, "--init_from=resume",
-                "--stop_after_steps=1", "--gpu_hourly_usd=3600.0"])  # $1 a second
+    r = run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND, "--init_from=resume",
+                    "--stop_after_steps=1", "--gpu_hourly_usd=3600.0"])  # $1 a second
     after = json.load(open(os.path.join(out, "step_0000004", "state.json")))
     leg_s = after["elapsed_seconds"] - before["elapsed_seconds"]
     assert before["usd_spent"] == 0.0 and leg_s > 0
-    assert abs(after["usd_spent"] - (before["usd_spent"] + leg_s)) < 1e-6, (after["usd_spent"], leg_s)
-    assert abs(metrics(out)[4]["usd"] - after["usd_spent"]) < 1e-6
+    assert "$2.50 spent past step 3 (logged at step 5)" in r.stdout, r.stdout[-1500:]
+    assert abs(after["usd_spent"] - (2.5 + leg_s)) < 1e-6, (after["usd_spent"], leg_s)
+    assert abs(metrics(out)[4]["usd"] - after["usd_spent"]) < 1e-6 and 5 not in metrics(out)
 
 
 def test_a_checkpoint_whose_model_config_lacks_a_field_is_refused(data_root, three_steps, tmp_path):
@@ -1259,11 +1267,13 @@ def test_a_config_file_on_resume_wins_as_its_flags_do(data_root, three_steps, tm
     """max_seq_len set in a config file lost to the checkpoint's (only flags counted as given), and the longer
     seq_len was then refused, asking to raise the max_seq_len the file had raised."""
     out = str(tmp_path / "run")
-    base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND]
-    shutil.copytree(three_steps, out)
     longer = tmp_path / "longer.py"
     longer.write_text("max_seq_len = 128\nseq_len = 128\n")
-    run(base + [str(longer), "--init_from=resume", "--stop_after_steps=1"])
+    # (after the config file, before the flags: a flag given before a file that sets its key is refused)
+    flags = [a for a in TINY[1:] if not a.startswith(("--max_seq_len=", "--seq_len="))]
+    base = [TINY[0], str(longer), *flags, f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND]
+    shutil.copytree(three_steps, out)
+    run(base + ["--init_from=resume", "--stop_after_steps=1"])
     st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
     assert st["step"] == 4 and st["model_config"]["max_seq_len"] == 128
 
@@ -1440,6 +1450,36 @@ def test_mfu_peak_is_the_cards_own_variant(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
         assert train.gpu_peak_flops("cuda") == (name, peak), name
     assert train.gpu_peak_flops("cpu") == (None, None)
+
+
+def test_mfu_of_a_float32_run_is_against_the_tf32_peak(monkeypatch):
+    """--dtype=float32 on CUDA runs its matmuls in TF32 (train.py enables it), whose dense peak is half the bf16 one on
+    every card listed (H100 SXM 494.5e12 vs 989e12, A100 156e12 vs 312e12): its MFU was against the bf16 peak, half."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    assert train.gpu_peak_flops("cuda", "float32") == ("NVIDIA A100-SXM4-80GB", 156e12)
+    assert train.gpu_peak_flops("cuda", "bfloat16") == ("NVIDIA A100-SXM4-80GB", 312e12)
+
+
+def test_tok_per_s_and_mfu_time_the_training_steps_of_their_window(data_root, tmp_path):
+    """A log window's tok/s and MFU counted its evaluation (an eval step of tiny logged 178 tok/s beside 2,000) and the
+    save of the step before it; and its MFU took every step at the last step's seq_len (a window across a stage
+    boundary). Now: the window's training time only, and each step's FLOPs at its own seq_len."""
+    out = str(tmp_path / "run")
+    stages = ("--stages=[{'name': 'short', 'steps': 2, 'seq_len': 16, 'lr_phase': 'stable'}, "
+              "{'name': 'long', 'steps': 2, 'seq_len': 32, 'lr_phase': 'decay'}]")
+    # 0.6 s of injected evaluation at the plan's end (step 4, whose window is steps 2-4)
+    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}", stages,
+                        "--log_interval=4", "--eval_interval=1000", "--eval_iters=1"], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PICAFLOR_INJECT_EVAL_BATCH_S="0.6",
+                                PICAFLOR_INJECT_PEAK_FLOPS="1e9"), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = metrics(out)[4]
+    window_tokens = 4 * 16 + 2 * 4 * 32  # steps 2, 3, 4
+    assert "val_loss" in row and row["tokens"] - metrics(out)[1]["tokens"] == window_tokens
+    assert window_tokens / row["tok_per_s"] < 0.6, row  # the window's seconds, less than its evaluation slept
+    m = load_checkpoint(os.path.join(out, "step_0000004"))
+    flops = 4 * 16 * m.flops_per_token(16) + 2 * 4 * 32 * m.flops_per_token(32)
+    assert row["mfu"] == pytest.approx(flops / (window_tokens / row["tok_per_s"]) / 1e9, rel=1e-6), row
 
 
 def test_a_val_set_changed_by_a_quarantined_val_shard_restarts_the_best(tmp_path):
