@@ -957,7 +957,10 @@ def cmd_init(args):
         raise RelayError(f"init refused: {args.config or 'the config'}, line {bad[0]}: `{bad[1]}` is not plain data; a "
                          f"relay run's config runs on every contributor's machine, so it holds only literal "
                          f"assignments (x = 1, stages = [dict(...)])")
-    run_level = getattr(args, "override_values", {})
+    # (parsed again over the config's values: --lr_mult="{'new': 2.0}" baked over train.py's defaults dropped the
+    # config's other lr_mult entries, which every leg then trained without)
+    given = getattr(args, "overrides", None)
+    run_level = train_overrides(args.train_script, given, config_values(cfg_text)) if given else {}
     if run_level:
         cfg_text += "\n# relay.py init overrides\n" + "".join(f"{k} = {v!r}\n" for k, v in run_level.items())
         bad = configurator.not_data(cfg_text)
@@ -1047,10 +1050,12 @@ def train_defaults(train_script):
     return defaults
 
 
-def train_overrides(train_script, overrides):
+def train_overrides(train_script, overrides, config=None):
     """{key: value} of --key=value overrides, parsed as train.py parses them (by the type of its default), so a
-    relay_config.py line holds what train.py would have taken (--mirror_dir=2024 is the string '2024')."""
+    relay_config.py line holds what train.py would have taken (--mirror_dir=2024 is the string '2024'); over the
+    config's values where given (a dict override updates the config's dict, as train.py's configurator does)."""
     g = train_defaults(train_script)
+    g.update({k: v for k, v in (config or {}).items() if k in g})
     try:
         given = configurator.configure(g, overrides)
     except configurator.ConfigError as e:

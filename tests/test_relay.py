@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from relay_fixtures import ROOT, base_env, init_run, relay_cli, wait_for, write_config, write_fake_train
+from relay_fixtures import FAKE_TRAIN, ROOT, base_env, init_run, relay_cli, wait_for, write_config, write_fake_train
 
 import checkpoint  # noqa: E402
 import relay  # noqa: E402
@@ -2647,3 +2647,19 @@ def test_stopping_the_heartbeat_does_not_wait_out_a_renewals_retries(tmp_path):
     relay.stop_heartbeat(hb, str(tmp_path / "wa"))
     assert time.time() - t0 < 0.5 and len(tries) == 1 and not hb.failed
     assert json.load(open(tmp_path / "wa" / "LEASE.json"))["pending_renewal"]
+
+
+def test_a_dict_override_at_init_updates_the_configs_dict(tmp_path, rl):
+    """`relay.py init CONFIG --lr_mult="{'new': 2.0}"` baked the override parsed over train.py's defaults: the run's
+    config then set lr_mult to the defaults plus 'new', and every leg trained the config's 'old' layers at 1.0 instead
+    of its 0.1. It updates the config's dict now, as train.py's configurator does."""
+    fake = tmp_path / "fake_train.py"
+    fake.write_text('lr_mult = {"embedding": 1.0, "old": 1.0, "new": 1.0}\n' + FAKE_TRAIN)
+    cfg = write_config(tmp_path, "gpu_hourly_usd = 2.0\nlr_mult = {'embedding': 0.3, 'old': 0.1, 'new': 1.0}\n")
+    url = f"file://{tmp_path}/store"
+    r = rl(["init", url, cfg, "--train-script", fake, "--workdir", tmp_path / "w0", "--lr_mult={'new': 2.0}"],
+           base_env())
+    assert r.returncode == 0, r.stderr
+    store = relay.open_store(url)
+    baked = relay.config_values(store.read(relay.Snapshot(store).sha, "config.py").decode())["lr_mult"]
+    assert baked == {"embedding": 0.3, "old": 0.1, "new": 2.0}, baked
