@@ -145,7 +145,17 @@ class Conversation:
         if self.system and len(self.ids) + 16 > self.max_len:  # else every message was refused as too long
             raise ChatError(f"the system prompt ({len(self.ids)} tokens) leaves no room in the context of "
                             f"{self.max_len} tokens; shorten --system or raise --context")
-        self.cache = self.b["new_cache"](self.max_len)
+        self.cache = self.new_cache()
+
+    def new_cache(self):
+        """An empty KV cache of max_len positions; one past this machine's memory (a long-context model, or a saved
+        max_seq_len of 10^12) is a one-line error, not torch's allocation traceback."""
+        try:
+            return self.b["new_cache"](self.max_len)
+        except (RuntimeError, MemoryError, ValueError, OverflowError, TypeError) as e:  # (2^63: a TypeError)
+            raise ChatError(f"a KV cache of {self.max_len} positions (the model's max_seq_len, or --context) cannot be "
+                            f"allocated ({(str(e).splitlines() or [type(e).__name__])[0][:100]}); pass a smaller "
+                            f"--context") from None
 
     def _feed(self):
         import torch
@@ -181,7 +191,7 @@ class Conversation:
             raise ValueError(f"this message ({len(user_ids)} tokens) + {max_new_tokens} new tokens does not fit the "
                              f"context of {self.max_len} tokens; shorten it" +
                              (f" or lower --max-new-tokens to {room}" if room >= 1 else ""))
-        cache = self.b["new_cache"](self.max_len)  # first: a Ctrl-C here leaves ids and cache as they were
+        cache = self.new_cache()  # first: a Ctrl-C here leaves ids and cache as they were
         self.messages, self.ids, self.cache = system + turns, ids, cache
         return f"[context full: dropped the {dropped} oldest exchange(s)]"
 

@@ -280,7 +280,16 @@ def check_tensors_match_config(f, cfg, path):
     """Every tensor the config implies, with its shape, and nothing else, in the open safetensors f (its header only):
     a lost tensor was a SafetensorError traceback half-way through a write, and a routed expert a few rows short was
     zero-padded into the container without a word."""
-    want, have = expected_shapes(cfg), {n: list(f.get_slice(n).get_shape()) for n in f.keys()}
+    have = {n: list(f.get_slice(n).get_shape()) for n in f.keys()}
+    held = len({n.split(".")[1] for n in have if n.startswith("layers.")})
+    if cfg.n_layer > held:  # (a state.json's n_layer of 10^12 built a meta model of it until memory ran out)
+        raise ContainerError(f"{path}: holds {held} layers, state.json's model_config says n_layer {cfg.n_layer}; the "
+                             f"checkpoint is inconsistent, use another step_* dir")
+    try:
+        want = expected_shapes(cfg)
+    except ValueError as e:
+        raise ContainerError(f"{path}: state.json's model_config is not this file's: {e}; use another "
+                             f"step_* dir") from None
     bad = sorted(set(want) ^ set(have)) + sorted(n for n in want if n in have and want[n] != have[n])
     if bad:
         raise ContainerError(f"{path}: tensors do not match state.json's model_config (first: {bad[0]}); the "
@@ -340,8 +349,12 @@ class RandomSource:
 
 
 def expected_shapes(cfg):
-    """name -> shape of every tensor a picaflor checkpoint holds (lm_head omitted when tied)."""
-    sd = {k: list(v.shape) for k, v in meta_model(cfg).state_dict().items() if not k.endswith("load_accum")}
+    """name -> shape of every tensor a picaflor checkpoint holds (lm_head omitted when tied); ValueError for a config
+    whose tensors are past torch's sizes (a saved d_model of 10^12: a RuntimeError traceback)."""
+    try:
+        sd = {k: list(v.shape) for k, v in meta_model(cfg).state_dict().items() if not k.endswith("load_accum")}
+    except RuntimeError as e:
+        raise ValueError(f"its model config gives tensors past torch's sizes ({str(e).splitlines()[0][:80]})") from None
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
@@ -865,23 +878,32 @@ def load_container(path):
         # with its crc32 recomputed (or a writer's bug) passed --check, then decoded wrong or raised a traceback
         if layout != expert_layout(cfg, group):
             raise ValueError("expert_layout is not the one its model config and group size give")
+        def count(v, what):  # offsets and sizes are read as given: "4096" or Infinity was a traceback later
+            if type(v) is not int or v < 0:
+                raise ValueError(f"{what} {v!r}: not a byte count")
+            return v
         for name, t in tensors.items():
             if t["kind"] not in ("f32", "int8", "int4"):
                 raise ValueError(f"{name}: kind {t['kind']!r}")
-            parts, nb = resident_parts(t["kind"], list(t["shape"]), group)
-            if t["parts"] != parts or int(t["nbytes"]) < nb or (t["kind"] == "int4") != ("group_size" in t) or \
-                    t.get("group_size", group) != group:
+            if not (type(t["shape"]) is list and t["shape"] and all(type(n) is int and n > 0 for n in t["shape"])):
+                raise ValueError(f"{name}: shape {t['shape']!r}")
+            parts, nb = resident_parts(t["kind"], t["shape"], group)
+            if t["parts"] != parts or count(t["nbytes"], f"{name}: nbytes") < nb or \
+                    (t["kind"] == "int4") != ("group_size" in t) or t.get("group_size", group) != group:
                 raise ValueError(f"{name}: its parts or group size are not the ones its kind and shape give")
-        spans = [(int(t["offset"]), int(t["nbytes"]), name) for name, t in tensors.items()]
-        spans += [(int(ent["offset"]), int(layout["nbytes"]), f"layer {l} expert {e}") for l, ents in experts.items()
-                  for e, ent in enumerate(ents)]
-        for ents in experts.values():
-            for ent in ents:
-                int(ent["crc32"], 16)
+        spans = [(count(t["offset"], f"{name}: offset"), t["nbytes"], name) for name, t in tensors.items()]
+        spans += [(count(ent["offset"], f"layer {l} expert {e}: offset"), int(layout["nbytes"]),
+                   f"layer {l} expert {e}") for l, ents in experts.items() for e, ent in enumerate(ents)]
+        for ent in [*tensors.values(), *(ent for ents in experts.values() for ent in ents)]:
+            int(ent["crc32"], 16)  # (a tensor's missing crc32 was a KeyError traceback at its first read)
+        # every layer holds resident norms: a header's n_layer of 10^12 built a meta model of it until memory ran out
+        if cfg.n_layer > len(tensors):
+            raise ValueError(f"n_layer {cfg.n_layer} is more layers than its {len(tensors)} resident tensors hold")
         shapes = expected_shapes(cfg)
         bad_shape = next((n for n, t in tensors.items() if n in shapes and list(t["shape"]) != shapes[n]), None)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ContainerError(f"{path}: corrupt container header ({str(e).splitlines()[0][:120]}); re-export it") from None
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError) as e:
+        raise ContainerError(f"{path}: corrupt container header ({str(e).splitlines()[0][:120]}); "
+                             f"re-export it") from None
     if bad_shape:
         raise ContainerError(f"{path}: corrupt container header ({bad_shape} has shape {tensors[bad_shape]['shape']}, its "
                              f"model config says {shapes[bad_shape]}); re-export it")

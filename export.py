@@ -622,6 +622,9 @@ def export_gguf(src, out, gguf_type="f16", progress=True):
     if not 1 <= cfg.n_experts <= 512 or cfg.top_k > cfg.n_experts:  # llama.cpp's loader asserts these, and aborts
         raise ExportError(f"{src.dir}: n_experts={cfg.n_experts}, top_k={cfg.top_k}: llama.cpp's hy_v3 loads 1-512 "
                           f"experts with top_k <= n_experts; export --format hf for this model")
+    if cfg.max_seq_len >= 2 ** 32:  # (a struct.error traceback half-way through the header)
+        raise ExportError(f"{src.dir}: max_seq_len={cfg.max_seq_len} does not fit GGUF's 32-bit context_length; "
+                          f"export --format hf for this model")
     tmp = f"{out}.tmp-{container.writer_tag()}"
     w = gguf.GGUFWriter(tmp, arch="hy_v3")
     try:

@@ -89,11 +89,14 @@ class ModelConfig:
             problems.append(f"n_dense_layers={self.n_dense_layers} must be in [0, n_layer={self.n_layer}]")
         if self.n_dense_layers < self.n_layer and not 1 <= self.top_k <= self.n_experts:
             problems.append(f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
-        for k in ("rope_theta", "norm_eps", "route_scale"):  # (a negative rope_theta surfaced as a NaN loss at step 0)
-            if not (math.isfinite(getattr(self, k)) and getattr(self, k) > 0):
-                problems.append(f"{k}={getattr(self, k)} must be a finite number > 0")
-        if not (math.isfinite(self.bias_update_rate) and self.bias_update_rate >= 0):
-            problems.append(f"bias_update_rate={self.bias_update_rate} must be a finite number >= 0")
+        # finite in float32, which the model computes in (a negative rope_theta surfaced as a NaN loss at step 0; 1e308
+        # was inf there, and an OverflowError traceback in the GGUF export)
+        f32_max = torch.finfo(torch.float32).max
+        for k in ("rope_theta", "norm_eps", "route_scale"):
+            if not (0 < getattr(self, k) <= f32_max):
+                problems.append(f"{k}={getattr(self, k)} must be a finite number > 0 (float32's)")
+        if not 0 <= self.bias_update_rate <= f32_max:
+            problems.append(f"bias_update_rate={self.bias_update_rate} must be a finite number >= 0 (float32's)")
         if problems:
             raise ValueError("bad model config: " + "; ".join(problems))
         return self
@@ -113,6 +116,13 @@ class ModelConfig:
         missing = cls.missing_keys(d) if complete else []
         if missing:
             raise ValueError(f"model config lacks keys {missing}")
+        # each field of its default's type (a float may be written as a whole number): n_dense_layers 0.5 or n_layer
+        # "3" from a saved dict passed validate and was a TypeError traceback in range() later
+        wrong = [f"{f.name}={d[f.name]!r}" for f in fields(cls) if f.name in d and not (
+            type(d[f.name]) is type(f.default) or type(f.default) is float and type(d[f.name]) is int)]
+        if wrong:
+            raise ValueError(f"model config field {wrong[0]} is not of its kind (a whole number, a number or "
+                             f"true/false, as {cls.__name__} defines)")
         return cls(**d).validate()
 
 
@@ -891,6 +901,21 @@ def device_problem(device):
     return None
 
 
+def weights_misfit(cfg, shapes):
+    """Why weights (name -> shape) cannot load into a model of cfg (a layer count or a shape; names are left to
+    load_state_dict), or None; judged before any memory is taken: a saved config's n_layer of 10^12 built modules
+    until memory ran out, and a vocab_size of 2^31 asked for 274 GB before the shapes were compared."""
+    held = len({k.split(".")[1] for k in shapes if k.startswith("layers.")})
+    if cfg.n_layer > held:
+        return f"n_layer {cfg.n_layer}, the weights hold {held} layers"
+    try:
+        want = meta_model(cfg).state_dict()
+    except RuntimeError as e:  # (a d_model of 10^12: "Storage size calculation overflowed")
+        return f"its config gives tensors past torch's sizes ({str(e).splitlines()[0][:80]})"
+    bad = next((k for k, s in shapes.items() if k in want and list(s) != list(want[k].shape)), None)
+    return f"{bad} is {list(shapes[bad])}, its config gives {list(want[bad].shape)}" if bad else None
+
+
 def load_checkpoint(path, device="cpu", dtype=None):
     """Model in eval mode from a checkpoint dir `step_NNNNNNN/` or a run dir (its LATEST). Verifies the
     manifest first; weights come from safetensors, nothing is unpickled."""
@@ -904,7 +929,6 @@ def load_checkpoint(path, device="cpu", dtype=None):
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise checkpoint.CheckpointError(f"{ckpt_dir}/state.json: no model config this picaflor can build "
                                          f"({type(e).__name__}: {str(e)[:160]}); use the picaflor that wrote it")
-    model = meta_model(cfg)
     from safetensors import SafetensorError
     try:
         sd = load_file(os.path.join(ckpt_dir, "model.safetensors"), device=str(device))
@@ -912,6 +936,11 @@ def load_checkpoint(path, device="cpu", dtype=None):
         raise checkpoint.CheckpointError(f"{ckpt_dir}/model.safetensors: not a readable safetensors file "
                                          f"({(str(e).splitlines() or [''])[0]}); re-copy the checkpoint from where "
                                          f"it was saved, or point at another checkpoint (an earlier step_* dir)")
+    why = weights_misfit(cfg, {k: t.shape for k, t in sd.items()})
+    if why:
+        raise checkpoint.CheckpointError(f"{ckpt_dir}/model.safetensors: does not fit its state.json config ({why}); "
+                                         f"use the checkpoint as train.py wrote it, or another one")
+    model = meta_model(cfg)
     model.to_empty(device=device)
     try:
         missing, unexpected = model.load_state_dict(sd, strict=False)

@@ -32,6 +32,8 @@ SPECIAL_TOKENS = ["<|bos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>
 FORMAT = "picaflor-tokenizer"
 VERSION = 1
 MAX_VOCAB = 65535  # ids must be < vocab_size <= 65535 to fit uint16 shards
+# letters, digits, punctuation, whitespace runs, control bytes, CJK and an emoji: every pattern must cover them all
+PATTERN_PROBE = "Hello, World! It's 2024: x=3.14;\n\n\t  (a)[b]{c} \x00\x7f caf\u00e9 \u4e2d\u6587 \U0001F600 end  "
 
 
 class Tokenizer:
@@ -100,9 +102,13 @@ class Tokenizer:
             # ids 1..256 are the 256 single bytes (encode falls back on them: otherwise it panics in the BPE library)
             if token_bytes[:256] != [bytes([b]) for b in range(256)] or len(set(token_bytes)) != len(token_bytes):
                 raise ValueError("ids 1..256 are not the 256 single bytes, or a token appears twice")
-            tok = cls(doc["pattern"], token_bytes, int(doc["vocab_size"]))
+            if type(doc["vocab_size"]) is not int:  # (int() took "4096" and 300.7)
+                raise ValueError(f"vocab_size {doc['vocab_size']!r} is not a whole number")
+            tok = cls(doc["pattern"], token_bytes, doc["vocab_size"])
             if doc["special_ids"] != tok.special_ids:
                 raise ValueError("special ids do not match the token list")
+            if not tok.pattern_covers(PATTERN_PROBE):
+                raise ValueError("its pattern does not split every text into pieces that cover it")
         except Exception as e:  # any parse/shape problem is the same fault to the user: a corrupt file
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(f"{path}: corrupt tokenizer file ({msg}); re-run the corpus's "
@@ -110,6 +116,22 @@ class Tokenizer:
         tok._file_bytes = raw
         tok.hash = hashlib.sha256(raw).hexdigest()
         return tok
+
+    def pattern_covers(self, text):
+        """Whether text encodes and decodes back to itself: a pattern that matches only some characters ("a")
+        drops the rest of every text without a word, and "" panics inside tiktoken (a BaseException)."""
+        import regex  # tiktoken's own dependency
+        try:  # an empty match ("", "a*") panics inside tiktoken, its backtrace on stderr: refused before encoding
+            if any(m.start() == m.end() for m in regex.finditer(self.pattern, text)):
+                return False
+        except regex.error:  # (syntax only tiktoken's fancy_regex reads: the encode below decides)
+            pass
+        try:
+            return self.enc.decode_bytes(self.enc.encode_ordinary(text)) == text.encode()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # pyo3's PanicException
+            return False
 
     # ---- encode / decode ----
     def encode(self, text):

@@ -48,6 +48,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep
 import base64
 import json
 import math
+import pickle
 import signal
 import sys
 import time
@@ -191,17 +192,70 @@ def stored_model_config(ck, state):
     return stored
 
 
-def load_weights(ck):
+def check_resume_state(ck, state, n_layer):
+    """The state.json fields a resume reads, each of the kind train.py writes them: a hand-edited or foreign one (no
+    "tokens", a layer_origin of another length, a data_position or rng of another shape) was a KeyError / TypeError
+    traceback, exit 10, which the guardian restarted into the same crash."""
+    def whole(v):
+        return type(v) is int and v >= 0
+
+    def number(v):
+        return type(v) in (int, float) and math.isfinite(v) and v >= 0
+
+    def stage(s):
+        return (isinstance(s, dict) and isinstance(s.get("name"), str) and whole(s.get("tokens")) and
+                whole(s.get("seq_len")) and s["seq_len"] > 0 and s.get("lr_phase") in ("warmup", "stable", "decay")
+                and isinstance(s.get("mix"), dict) and bool(s["mix"]) and all(isinstance(c, str) and number(w)
+                                                                              for c, w in s["mix"].items()))
+
+    def position(p):
+        return isinstance(p, dict) and "shard" in p and "offset" in p and all(whole(p.get(k, 0))
+                                                                                for k in ("shard", "offset", "epoch"))
+    get = state.get
+    checks = {"step": whole(get("step")), "tokens": whole(get("tokens")),
+              "elapsed_seconds": number(get("elapsed_seconds")), "usd_spent": number(get("usd_spent", 0)),
+              "best_val_loss": get("best_val_loss") is None or type(get("best_val_loss")) in (int, float),
+              "seq_len_history": isinstance(get("seq_len_history"), list) and all(
+                  isinstance(h, dict) and whole(h.get("seq_len")) for h in get("seq_len_history")),
+              "plan": isinstance(get("plan"), list) and bool(get("plan")) and all(stage(s) for s in get("plan")),
+              "layer_origin": isinstance(get("layer_origin"), list) and len(get("layer_origin")) == n_layer and all(
+                  isinstance(o, str) for o in get("layer_origin")),
+              "data_position": isinstance(get("data_position", {}), dict) and all(
+                  isinstance(c, str) and position(p) for c, p in get("data_position", {}).items()),
+              "plan_source": isinstance(get("plan_source") or {}, dict),
+              "data_split_sha": isinstance(get("data_split_sha") or {}, dict) and all(
+                  isinstance(h, str) for h in (get("data_split_sha") or {}).values()),
+              "rng": "rng" not in state or isinstance(get("rng"), dict) and isinstance(get("rng").get("torch"), str),
+              "quarantined_shards": isinstance(get("quarantined_shards", []), list) and all(
+                  isinstance(f, str) for f in get("quarantined_shards", [])),
+              "decay_started_at_tokens": get("decay_started_at_tokens") is None or whole(
+                  get("decay_started_at_tokens"))}
+    bad = next((k for k, ok in checks.items() if not ok), None)
+    if bad:
+        said = repr(state[bad])[:80] if bad in state else "missing"
+        raise TrainError(f"{ck}/state.json: its {bad} is not what train.py writes ({said}); resume another checkpoint "
+                         f"(--resume_from=STEP_DIR), or the run's own copy of this one")
+
+
+def load_weights(ck, mcfg):
     """A checkpoint's model.safetensors; one that its manifest verifies but safetensors cannot read (damaged before
-    the manifest was written, or written by another tool) was a SafetensorError traceback, exit 10, restarted."""
+    the manifest was written, or written by another tool) was a SafetensorError traceback, exit 10, restarted. Its
+    shapes are checked against its config mcfg before a model is built (a state.json's vocab_size of 2^31: a 274 GB
+    allocation, its MemoryError exit 10)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+    from model import weights_misfit
     try:
-        return load_file(os.path.join(ck, "model.safetensors"))
+        sd = load_file(os.path.join(ck, "model.safetensors"))
     except SafetensorError as e:
         raise TrainError(f"{ck}/model.safetensors: not a readable safetensors file "
                          f"({(str(e).splitlines() or [''])[0]}); re-copy the checkpoint from where it was saved, or "
                          f"start from another (an earlier step_* dir)")
+    why = weights_misfit(mcfg, {k: t.shape for k, t in sd.items()})
+    if why:
+        raise TrainError(f"{ck}/model.safetensors: does not fit its state.json model_config ({why}); use the "
+                         f"checkpoint as train.py wrote it, or another one")
+    return sd
 
 
 def chat_padding(x, bos):
@@ -925,11 +979,21 @@ def main(argv):
         raise failure
     if cfg["init_from"] == "resume":
         state = read_json(os.path.join(ck, "state.json"))
+        if not isinstance(state, dict) or not isinstance(state.get("model_config"), dict):
+            raise TrainError(f"{ck}/state.json: no model_config in it (not a checkpoint train.py wrote); resume "
+                             f"another checkpoint (--resume_from=STEP_DIR)")
         stored = stored_model_config(ck, state)
         mcfg = model_config_from({**cfg, **stored, **config_wins(stored, "resume")})
-        sd = load_weights(ck)
+        check_resume_state(ck, state, mcfg.n_layer)
+        sd = load_weights(ck, mcfg)
         if os.path.exists(os.path.join(ck, "optimizer.pt")):
-            opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
+            try:  # (its manifest verified: damaged before it was written, or the manifest rewritten) an EOFError /
+                # UnpicklingError traceback, exit 10, which the guardian restarted into the same crash
+                opt_sd = torch.load(os.path.join(ck, "optimizer.pt"), map_location="cpu", weights_only=True)
+            except (EOFError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+                raise TrainError(f"{ck}/optimizer.pt: not a readable optimizer state ({type(e).__name__}: "
+                                 f"{(str(e).splitlines() or [''])[0][:100]}); resume another checkpoint "
+                                 f"(--resume_from=STEP_DIR)") from None
         else:  # (train.py always writes one: a checkpoint made by hand, or by another tool)
             log(f"WARNING: {ck} has no optimizer.pt: AdamW starts fresh (its moments at zero), not an exact resume")
         layer_origin = state["layer_origin"]
@@ -939,7 +1003,7 @@ def main(argv):
         src_state = source_state(ck, "grow_from")
         from model import ModelConfig
         old = ModelConfig.from_dict(stored_model_config(ck, src_state))
-        sd, layer_origin = grow_state_dict(load_weights(ck), old, cfg["grow_layers"], cfg["grow_where"])
+        sd, layer_origin = grow_state_dict(load_weights(ck, old), old, cfg["grow_layers"], cfg["grow_where"])
         mcfg = ModelConfig.from_dict({**asdict(old), "n_layer": old.n_layer + cfg["grow_layers"],
                                       **config_wins(src_state["model_config"], "grow")})
         log(f"growing {ck}: {old.n_layer} -> {mcfg.n_layer} layers (new blocks start as identity)")
@@ -948,7 +1012,7 @@ def main(argv):
         src_state = source_state(ck, "finetune_from")
         stored = stored_model_config(ck, src_state)
         mcfg = model_config_from({**cfg, **stored, **config_wins(stored, "finetune")})
-        sd = load_weights(ck)
+        sd = load_weights(ck, mcfg)
         layer_origin = src_state.get("layer_origin") or ["new"] * mcfg.n_layer
         log(f"fine-tuning from {ck} (step {src_state.get('step')}); fresh optimizer and plan")
     elif cfg["init_from"] != "scratch":
@@ -1138,7 +1202,12 @@ def main(argv):
     opt = torch.optim.AdamW([{k: v for k, v in gr.items() if k != "names"} for gr in groups], lr=cfg["learning_rate"],
                             betas=(cfg["beta1"], cfg["beta2"]), fused=True)  # fused on CPU too: ~14x faster step there
     if opt_sd is not None:
-        opt.load_state_dict(opt_sd)  # brings back the saved groups' lr_mult, weight_decay, betas: the config's win
+        try:  # brings back the saved groups' lr_mult, weight_decay, betas: the config's win
+            opt.load_state_dict(opt_sd)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # another model's (was exit 10)
+            raise TrainError(f"{ck}/optimizer.pt: not this model's optimizer state ({type(e).__name__}: "
+                             f"{(str(e).splitlines() or [''])[0][:100]}); resume another checkpoint "
+                             f"(--resume_from=STEP_DIR)") from None
         for gr, want in zip(opt.param_groups, groups):
             for k, v in (("lr_mult", want["lr_mult"]), ("weight_decay", want["weight_decay"]),
                          ("betas", (cfg["beta1"], cfg["beta2"]))):

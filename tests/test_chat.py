@@ -619,6 +619,17 @@ def test_interrupt_reset_and_full_context(tok, sft_run):
     assert any("context full" in s for s in notes) and small.messages[0]["content"] != "ping 1"
 
 
+def test_a_kv_cache_past_the_memory_is_one_line(tok):
+    """(found by fuzzing) a checkpoint whose max_seq_len is 2^40 (a state.json edited, or a long-context model on a
+    small machine): chat allocated its whole KV cache, a RuntimeError traceback. Now a ChatError naming --context."""
+    model = Picaflor(ModelConfig(**{**MODEL, "max_seq_len": 2 ** 40}))
+    for n in (2 ** 40, 2 ** 63):  # past the memory; past torch's sizes (a TypeError)
+        model.cfg.max_seq_len = n
+        with pytest.raises(chat.ChatError, match=f"KV cache of {n} positions .* pass a smaller --context"):
+            chat.Conversation(tok, chat.picaflor_backend(model))
+    assert chat.Conversation(tok, chat.picaflor_backend(model), context=64).cache.max_len == 64
+
+
 def test_chat_cli_with_checkpoint(sft_run, monkeypatch, capsys):
     """python chat.py CKPT (in-process): a person types two turns and Ctrl-D."""
     lines = iter(["ping 1", "ping 8"])

@@ -199,7 +199,7 @@ def test_corrupt_containers_give_one_line_errors(built, tmp_path):
     assert "no such file" in _one_line_error(lambda: C.load_container(str(tmp_path / "nope.pcf4")))
 
 
-def test_header_edits_are_caught(built, tmp_path):
+def test_header_edits_are_caught(built, tmp_path, monkeypatch):
     """The header's crc32 (in the prefix's once-reserved field) catches an edit that still parses: rope_theta
     changed in place loaded and decoded differently, and `--check` said ok. Without the crc (a container written
     before it: the field is 0) a header that lost a field, has a non-hex crc32 or a wrong shape is still a one-line
@@ -254,7 +254,19 @@ def test_header_edits_are_caught(built, tmp_path):
              "tensor_part": lambda h: h["tensors"][first]["parts"]["q"].__setitem__(1, 10 ** 7),
              "file_bytes": lambda h: h.update(file_bytes=-1),
              # an exporter's header without a model field: the field's default decoded the model, silently
-             "no_rope_theta": lambda h: h["model_config"].pop("rope_theta")}
+             "no_rope_theta": lambda h: h["model_config"].pop("rope_theta"),
+             # values of the wrong type (found by fuzzing): TypeError / IndexError / OverflowError / KeyError
+             # tracebacks at load or at the tensor's first read, or a NaN max_seq_len that loaded
+             "n_dense_float": lambda h: h["model_config"].update(n_dense_layers=0.5),
+             "seq_len_nan": lambda h: h["model_config"].update(max_seq_len=float("nan")),
+             "shape_empty": lambda h: h["tensors"][first].update(shape=[]),
+             "offset_inf": lambda h: h["tensors"][first].update(offset=float("inf")),
+             "nbytes_str": lambda h: h["tensors"][first].update(nbytes=str(h["tensors"][first]["nbytes"])),
+             "no_tensor_crc": lambda h: h["tensors"][first].pop("crc32"),
+             # a header's n_layer of 10^12 built a meta model that large (minutes, then out of memory)
+             "n_layer_huge": lambda h: h["model_config"].update(n_layer=10 ** 12)}
+    shapes = C.expected_shapes
+    monkeypatch.setattr(C, "expected_shapes", lambda cfg: shapes(cfg) if cfg.n_layer < 100 else pytest.fail("built"))
     for name, edit in edits.items():
         path = rewritten(name + ".pcf4", edit)
         msg = _one_line_error(lambda: C.load_container(path))
@@ -411,7 +423,7 @@ def test_int4_asymmetric_never_clips_a_groups_extremes():
         assert err <= bound, (w[0, 0].item(), err, bound)
 
 
-def test_checkpoint_tensors_not_matching_its_config_are_one_line_errors(tmp_path, capsys):
+def test_checkpoint_tensors_not_matching_its_config_are_one_line_errors(tmp_path, capsys, monkeypatch):
     """container.py CKPT --out on a model.safetensors (its manifest intact) that lost a tensor raised a SafetensorError
     traceback half-way through the write; routed experts two rows short were zero-padded into a container that loaded
     (gate and up split at the wrong row), and a stray tensor was ignored. export.py refused all three in one line."""
@@ -431,3 +443,12 @@ def test_checkpoint_tensors_not_matching_its_config_are_one_line_errors(tmp_path
         err = capsys.readouterr().err
         assert want in err and "model.safetensors" in err and len(err.strip().splitlines()) == 1, err
         assert not any(n.startswith(name + ".pcf4") for n in os.listdir(tmp_path))
+    # a state.json whose n_layer is 10^12 (its manifest made to fit) built a meta model of it until memory ran out
+    huge = {**state, "model_config": {**state["model_config"], "n_layer": 10 ** 12}}
+    ck = checkpoint.save(str(tmp_path / "huge"), 1, {"model.safetensors": lambda p: save_file(sd, p),
+                                                     "state.json": lambda p: open(p, "w").write(json.dumps(huge))})
+    shapes = C.expected_shapes
+    monkeypatch.setattr(C, "expected_shapes", lambda cfg: shapes(cfg) if cfg.n_layer < 100 else pytest.fail("built"))
+    assert C.main([ck, "--out", str(tmp_path / "huge.pcf4")]) == 1
+    err = capsys.readouterr().err
+    assert "n_layer 1000000000000" in err and "model.safetensors" in err and len(err.strip().splitlines()) == 1, err

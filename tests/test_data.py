@@ -116,6 +116,15 @@ def test_tokenizer_save_load_hash(tok, tmp_path):
     bad.write_text(js.dumps(doc))
     with pytest.raises(ValueError, match="256 single bytes"):
         tokmod.Tokenizer.load(bad)
+    # (found by fuzzing) a pattern that splits only some text: "a" or "\\p{L}+" loaded and encoded a prompt's other
+    # characters as nothing, without a word; "" loaded and panicked inside tiktoken at the first encode
+    for pattern in ["a", r"\p{L}+", ""]:
+        bad.write_text(js.dumps(dict(js.loads(p.read_bytes()), pattern=pattern)))
+        with pytest.raises(ValueError, match="corrupt tokenizer file.*pattern"):
+            tokmod.Tokenizer.load(bad)
+    bad.write_text(js.dumps(dict(js.loads(p.read_bytes()), vocab_size=str(tok.vocab_size))))  # (it loaded)
+    with pytest.raises(ValueError, match="corrupt tokenizer file.*vocab_size '400' is not a whole number"):
+        tokmod.Tokenizer.load(bad)
 
 
 def test_tokenizer_vocab_bounds():

@@ -447,7 +447,7 @@ def test_gguf_alone_reproduces_the_logits(ckpt, tmp_path):
     assert (ref.argmax(-1) == got.argmax(-1)).float().mean().item() >= 0.9
 
 
-def test_weights_not_matching_config_is_one_line_error(tmp_path):
+def test_weights_not_matching_config_is_one_line_error(ckpt, tmp_path):
     import checkpoint
     from safetensors.torch import save_file
     m = M.Picaflor(M.ModelConfig(**CFG))
@@ -463,6 +463,14 @@ def test_weights_not_matching_config_is_one_line_error(tmp_path):
     msg = str(e.value.code)
     assert "state.json" in msg and "lacks keys" in msg and "rope_theta" in msg and "\n" not in msg, msg
     assert not os.path.exists(tmp_path / "hf")
+    # (found by fuzzing) a max_seq_len past GGUF's 32-bit context_length, and a d_model whose tensors overflow torch's
+    # sizes: a struct.error and a RuntimeError traceback
+    for name, cfg, fmt, words in [("long", {**FULL_CFG, "max_seq_len": 2 ** 32}, "gguf", "32-bit context_length"),
+                                  ("wide", {**FULL_CFG, "d_model": 10 ** 12}, "hf", "past torch's sizes")]:
+        with pytest.raises(SystemExit) as e:
+            run_export([saved(name, cfg), "--format", fmt, "--out", str(tmp_path / f"{name}.{fmt}"),
+                        "--tokenizer", str(ckpt["dir"] / "tok.json")])
+        assert words in str(e.value.code) and "\n" not in str(e.value.code), e.value.code
     del sd["layers.2.mlp.experts.down_proj"]  # a file that lost a tensor but has an intact manifest
     path = saved("run", FULL_CFG)
     with pytest.raises(SystemExit) as e:

@@ -691,7 +691,7 @@ def test_checkpoint_tampered_file_is_refused(tmp_path):
         M.load_checkpoint(path)
 
 
-def test_checkpoint_of_another_config_is_one_checkpoint_error(tmp_path):
+def test_checkpoint_of_another_config_is_one_checkpoint_error(tmp_path, monkeypatch):
     """A state.json from a newer picaflor (a config key this one lacks) raised ValueError, weights whose shapes
     differ from the config RuntimeError: eval.py and chat.py catch CheckpointError, so the user saw a traceback.
     A config missing a key is refused too: every picaflor checkpoint holds them all."""
@@ -704,11 +704,22 @@ def test_checkpoint_of_another_config_is_one_checkpoint_error(tmp_path):
         json.dump(dict(state, model_config=model_config), open(state_path, "w"))
         man["files"]["state.json"] = {"sha256": checkpoint.sha256_file(state_path), "bytes": os.path.getsize(state_path)}
         json.dump(man, open(man_path, "w"))
+    meta = M.meta_model
+    monkeypatch.setattr(M, "meta_model", lambda cfg: meta(cfg) if cfg.n_layer < 100 else pytest.fail("built"))
     for model_config, words in [(dict(state["model_config"], qk_gate=True), "state.json: no model config"),
                                 (dict(state["model_config"], expert_ffn=2 * SMALL_CFG.expert_ffn), "does not fit"),
                                 # a config without a key: the field's default stood in for the model's value, silently
                                 ({k: v for k, v in state["model_config"].items() if k != "rope_theta"},
-                                 r"state.json: no model config.*lacks keys \['rope_theta'\]")]:
+                                 r"state.json: no model config.*lacks keys \['rope_theta'\]"),
+                                # (found by fuzzing) a TypeError traceback in range(); to_empty asking for 2^48 bytes
+                                # (a RuntimeError traceback); a meta model of 10^12 layers built until memory ran out
+                                (dict(state["model_config"], n_dense_layers=0.5), "n_dense_layers=0.5 is not of its"),
+                                (dict(state["model_config"], vocab_size=2 ** 40), "does not fit.*embed_tokens.weight"),
+                                (dict(state["model_config"], n_layer=10 ** 12), "does not fit.*n_layer 1000000000000"),
+                                # inf in the float32 the model computes in (the GGUF export's OverflowError), and
+                                # tensors past torch's sizes (a RuntimeError traceback)
+                                (dict(state["model_config"], rope_theta=1e308), r"rope_theta=1e\+308 must be a finite"),
+                                (dict(state["model_config"], d_model=10 ** 12), "does not fit.*past torch's sizes")]:
         rewrite(model_config)
         with pytest.raises(checkpoint.CheckpointError, match=words):
             M.load_checkpoint(path)

@@ -485,6 +485,51 @@ def test_a_checkpoint_whose_model_config_lacks_a_field_is_refused(data_root, thr
         assert f"{ck}/state.json: its model_config lacks ['rope_theta']" in err[0], (how, err[0])
 
 
+def test_a_resumed_state_json_of_another_shape_is_one_line_exit_1(data_root, three_steps, tmp_path):
+    """(found by fuzzing) a state.json (its manifest made to fit) without "tokens", with a layer_origin of another
+    length, a data_position or rng of another shape: a KeyError / IndexError / TypeError traceback, exit 10, which the
+    guardian restarted into the same crash. Now one line naming the file and the field, exit 1."""
+    out = str(tmp_path / "run")
+    shutil.copytree(three_steps, out)
+    ck = checkpoint.latest_valid(out)
+    state = json.load(open(os.path.join(ck, "state.json")))
+    train.check_resume_state(ck, state, 3)  # as train.py wrote it
+    for field, value in [("tokens", None), ("layer_origin", []), ("data_position", []), ("rng", -1),
+                         ("plan", [{"name": "x"}]), ("elapsed_seconds", []), ("data_split_sha", 1.5),
+                         ("plan_source", -1)]:
+        bad = {k: v for k, v in state.items() if k != field or value is not None} | ({} if value is None else
+                                                                                      {field: value})
+        with pytest.raises(train.TrainError, match=f"state.json: its {field} is not what train.py writes"):
+            train.check_resume_state(ck, bad, 3)
+    # weights against a config of another size before a model is built: 2^31 embedding rows asked for 274 GB (a
+    # MemoryError, exit 10), 10^12 layers built modules until memory ran out
+    from model import ModelConfig
+    for field, value, words in [("vocab_size", 2 ** 31, "embed_tokens.weight is"), ("n_layer", 10 ** 12, "n_layer")]:
+        with pytest.raises(train.TrainError, match=f"model.safetensors: does not fit its state.json .*{words}"):
+            train.load_weights(ck, ModelConfig.from_dict({**state["model_config"], field: value}))
+    # the same, resumed: no "tokens" in state.json; an optimizer.pt of zeros (an UnpicklingError traceback, exit 10)
+    opt_out = str(tmp_path / "opt_run")
+    shutil.copytree(out, opt_out)
+    opt_ck = os.path.join(opt_out, os.path.basename(ck))
+    del state["tokens"]
+    for d, name, data in [(ck, "state.json", json.dumps(state).encode()), (opt_ck, "optimizer.pt", bytes(64))]:
+        open(os.path.join(d, name), "wb").write(data)
+        m = json.load(open(os.path.join(d, "MANIFEST.json")))
+        m["files"][name] = {"sha256": checkpoint.sha256_file(os.path.join(d, name)), "bytes": len(data)}
+        json.dump(m, open(os.path.join(d, "MANIFEST.json"), "w"))
+    procs = {d: subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={o}",
+                                  *ON_DEMAND, "--init_from=resume", "--stop_after_steps=0"], cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+             for d, o in ((ck, out), (opt_ck, opt_out))}  # at once: each refuses before its first step
+    for d, words in [(ck, f"{ck}/state.json: its tokens is not what train.py writes (missing)"),
+                     (opt_ck, f"{opt_ck}/optimizer.pt: not a readable optimizer state (UnpicklingError")]:
+        stderr = procs[d].communicate(timeout=120)[1]
+        err = [line for line in stderr.strip().splitlines() if line.strip()]
+        assert procs[d].returncode == 1 and len(err) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert words in err[0], err[0]
+
+
 def stage_file(tmp_path, name, decay_steps):
     f = tmp_path / name
     f.write_text("stages = [dict(name='warm', steps=3, lr_phase='warmup'), dict(name='flat', steps=4, lr_phase='stable'),"
@@ -983,7 +1028,8 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
            "swapped_tokenizer": "differs from index.json's",
            "missing_tokenizer": "tokenizer.json: cannot read tokenizer file (No such file or directory); re-run",
            "finetune_unreadable_weights": "model.safetensors: not a readable safetensors file",
-           "resume_a_config_of_another_type": "state.json: no model config this picaflor can build (TypeError",
+           "resume_a_config_of_another_type": "state.json: no model config this picaflor can build (ValueError: model "
+                                              "config field n_layer='3' is not of its kind",
            "beta_out_of_range": "[0, 1)",
            "negative_warmup": "warmup_iters=-5: must be >= 0", "empty_out_dir": "--out_dir is empty",
            "negative_rope_theta": "rope_theta=-10000.0 must be", "init_from_typo": "scratch, resume, grow or finetune",
