@@ -177,6 +177,9 @@ def step_dir_name(step):
     return f"step_{step:07d}"
 
 
+PAYLOAD_FILES = ("model.safetensors", "optimizer.pt", "state.json", "tokenizer.json")  # what readers load from a step
+
+
 def verify(ckpt_dir, check_hashes=True):
     """Raise CheckpointError unless ckpt_dir holds a manifest whose every file is present and intact."""
     man_path = os.path.join(ckpt_dir, "MANIFEST.json")
@@ -205,6 +208,11 @@ def verify(ckpt_dir, check_hashes=True):
     if m and isinstance(step, int) and step != int(m.group(1)):
         raise CheckpointError(f"{ckpt_dir}: its MANIFEST.json is step {step}'s (renamed or copied under another "
                               f"name); rename it back to {step_dir_name(step)}")
+    # a file a reader loads that the manifest leaves out was loaded unchecked (a hand-edited MANIFEST.json)
+    unlisted = [n for n in PAYLOAD_FILES if n not in files and os.path.lexists(os.path.join(ckpt_dir, n))]
+    if unlisted:
+        raise CheckpointError(f"{os.path.join(ckpt_dir, unlisted[0])}: not listed in MANIFEST.json, so unchecked; "
+                              f"use an earlier step_* dir (or one as train.py wrote it)")
     for name, meta in files.items():
         p = os.path.join(ckpt_dir, name)
         if not os.path.isfile(p):

@@ -413,6 +413,22 @@ def test_a_manifest_of_another_shape_is_an_invalid_step_not_a_crash(tmp_path):
         assert checkpoint.latest_valid(str(tmp_path)) == good, files
 
 
+def test_a_weights_file_the_manifest_leaves_out_is_not_a_valid_step(tmp_path):
+    """A MANIFEST.json rewritten without model.safetensors (or optimizer.pt, state.json, tokenizer.json) still
+    verified, and readers loaded that file unchecked; a file no reader loads may stay unlisted."""
+    good = checkpoint.save(str(tmp_path), 1, {"model.safetensors": lambda p: open(p, "wb").write(b"x")})
+    bad = checkpoint.save(str(tmp_path), 2, {"model.safetensors": lambda p: open(p, "wb").write(b"y"),
+                                              "state.json": lambda p: open(p, "w").write("{}")})
+    open(os.path.join(bad, "notes.txt"), "w").write("mine")
+    checkpoint.verify(bad)
+    man = json.load(open(os.path.join(bad, "MANIFEST.json")))
+    del man["files"]["model.safetensors"]
+    json.dump(man, open(os.path.join(bad, "MANIFEST.json"), "w"))
+    with pytest.raises(checkpoint.CheckpointError, match="model.safetensors: not listed in MANIFEST.json"):
+        checkpoint.verify(bad)
+    assert checkpoint.latest_valid(str(tmp_path)) == good
+
+
 def test_an_unreadable_or_renamed_step_is_an_invalid_step_not_a_crash(tmp_path, monkeypatch):
     """An OSError while verifying (a MANIFEST.json that is a directory, EIO from a failing disk) came out of is_valid
     as a traceback, so latest_valid and resume's search stopped at it; a step dir copied under another step's name
