@@ -180,6 +180,13 @@ def step_dir_name(step):
 PAYLOAD_FILES = ("model.safetensors", "optimizer.pt", "state.json", "tokenizer.json")  # what readers load from a step
 
 
+def plain_file_name(name):
+    """A name a checkpoint (a flat folder) may hold: no folder part, no .., no control characters (a manifest or a
+    store listing from another machine names what is read, hashed and uploaded)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+            and "\\" not in name and name.isprintable())
+
+
 def verify(ckpt_dir, check_hashes=True):
     """Raise CheckpointError unless ckpt_dir holds a manifest whose every file is present and intact."""
     man_path = os.path.join(ckpt_dir, "MANIFEST.json")
@@ -191,7 +198,7 @@ def verify(ckpt_dir, check_hashes=True):
         files = manifest["files"]
     except FileNotFoundError:
         raise CheckpointError(f"{man_path}: missing, so this checkpoint is incomplete; use an earlier step_* dir")
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:  # (RecursionError: [[[[... a hand-made one)
         raise CheckpointError(f"{man_path}: unreadable manifest ({e}); use an earlier step_* dir")
     except OSError as e:  # (permissions, EIO, a directory): a traceback from is_valid, so from resume's search too
         if e.errno in UNREACHABLE_ERRNOS:
@@ -202,6 +209,10 @@ def verify(ckpt_dir, check_hashes=True):
             and isinstance(meta.get("bytes"), int) for name, meta in files.items())):
         raise CheckpointError(f"{man_path}: not a picaflor manifest (files must map each name to its sha256 and "
                               f"bytes); use an earlier step_* dir")
+    bad = next((name for name in files if not plain_file_name(name)), None)
+    if bad is not None:  # ../../secret or /abs/path: a file outside the checkpoint, hashed and taken for part of it
+        raise CheckpointError(f"{man_path}: names {bad!r}, not a plain file name in the checkpoint's folder; "
+                              f"use an earlier step_* dir")
     m = STEP_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
     step = manifest.get("step")
     # a step dir renamed or copied under another step's name: resume would take it for that step, retention too

@@ -149,13 +149,17 @@ def exec_config_file(path, g):
 DATA_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 MAX_INT_BITS, MAX_ITEMS = 4096, 100_000  # what a plain config needs, far below what takes long to compute
+# a whole value's size (items, characters, 64-bit words of ints; a part held twice counted twice, as repr and
+# json.dump walk it) and nesting: [[x] * 10**5] * 10**5 has small containers only, and 10**10 items to print
+MAX_WEIGHT, MAX_DEPTH = 1_000_000, 32
 
 
 def not_data(text):
     """None if a config file's text is plain data, else (line, what): a file from another machine (relay's
     config.py) is exec'd by train.py, so it may hold no code. Plain data: assignments to names (not to dict) of
     literals, names assigned above, arithmetic and dict(key=value); evaluated here on bounded values (ints of
-    at most 4096 bits, strings and containers of at most 100,000 items), so nothing in it takes long to compute."""
+    at most 4096 bits, strings and containers of at most 100,000 items, a whole value of at most 1,000,000 items
+    nested at most 32 deep), so nothing in it takes long to compute, print or save."""
     try:
         tree = ast.parse(text)
     except SyntaxError as e:
@@ -173,12 +177,31 @@ def not_data(text):
     class Refused(Exception):
         pass
 
+    weighed = {}  # id(container) -> (container, weight, depth); the container kept, so its id is not reused
+
+    def weight(v):  # (its size as repr walks it, its depth); a container's items were weighed when built
+        if id(v) in weighed:
+            return weighed[id(v)][1:]
+        if isinstance(v, (str, bytes)):
+            return 1 + len(v), 0
+        if isinstance(v, int) and not isinstance(v, bool):
+            return 1 + v.bit_length() // 64, 0
+        if not isinstance(v, (list, tuple, set, dict)):
+            return 1, 0
+        parts = [weight(x) for x in (list(v) + list(v.values()) if isinstance(v, dict) else v)]
+        w, d = 1 + sum(p[0] for p in parts), 1 + max((p[1] for p in parts), default=0)
+        if w > MAX_WEIGHT or d > MAX_DEPTH:
+            raise Refused
+        weighed[id(v)] = (v, w, d)
+        return w, d
+
     def small(v):
         if v is None or isinstance(v, (bool, float, complex)):
             return v
         if isinstance(v, int) and v.bit_length() <= MAX_INT_BITS:
             return v
         if isinstance(v, (str, bytes, list, tuple, set, dict)) and len(v) <= MAX_ITEMS:
+            weight(v)
             return v
         raise Refused
 

@@ -125,6 +125,10 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
     paths = store.list(snap_sha, CKPT_PREFIX + "/")
     if not paths:
         raise RelayError(f"{store.url}: holds no checkpoint/ at {snap_sha[:10]}; nothing to pull")
+    bad = next((p for p in paths if not checkpoint.plain_file_name(p[len(CKPT_PREFIX) + 1:])), None)
+    if bad is not None:  # checkpoint/../../x was written (joined to the pull's folder) outside it: anywhere at all
+        raise RelayError(f"{store.url}: checkpoint at {snap_sha[:10]} holds {bad!r}, not a plain file name (a "
+                         f"checkpoint is one flat folder); nothing downloaded. Revert the commit that added it")
     os.makedirs(dest_dir, exist_ok=True)
     remove_dead_pulls(dest_dir)
     tmp = os.path.join(dest_dir, f".pull-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -139,12 +143,27 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
                              f"nothing installed locally. Retry; if it fails again, the store's copy is damaged: "
                              f"revert the push that wrote it (git revert on the Hub repo): the run goes on from the leg "
                              f"before")
-        final = os.path.join(dest_dir, checkpoint.step_dir_name(int(manifest["step"])))
+        step = manifest.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # ("x": a traceback; -5: step_-000005)
+            raise RelayError(f"{store.url}: checkpoint at {snap_sha[:10]}: MANIFEST.json's step {step!r} is not a step "
+                             f"number; nothing installed locally. Revert the push that wrote it")
+        if "state.json" in manifest["files"]:  # read by relay (the leg's base step, its config) and by train.py
+            try:
+                with open(os.path.join(got, "state.json"), "rb") as f:
+                    state = json.load(f)
+                if not isinstance(state, dict):
+                    raise ValueError("not a JSON object")
+                if isinstance(state.get("step"), bool) or not isinstance(state.get("step", 0), int):
+                    raise ValueError(f"step {state['step']!r} is not a step number")
+            except (ValueError, RecursionError) as e:  # (RecursionError: [[[[... nested past the decoder's depth)
+                raise RelayError(f"{store.url}: checkpoint at {snap_sha[:10]}: its state.json is malformed ({e}); "
+                                 f"nothing installed locally. Revert the push that wrote it")
+        final = os.path.join(dest_dir, checkpoint.step_dir_name(step))
         if os.path.exists(final):
             if checkpoint.is_valid(final) and json.load(open(os.path.join(final, "MANIFEST.json")))["files"] == manifest["files"]:
                 return final
             os.replace(final, final + f".replaced-{int(time.time())}")  # never delete a local checkpoint
-        newer = keep_newer and any(s > int(manifest["step"]) and checkpoint.is_valid(p, check_hashes=False)
+        newer = keep_newer and any(s > step and checkpoint.is_valid(p, check_hashes=False)
                                    for s, p in checkpoint.list_checkpoints(dest_dir))
         os.replace(got, final)
         if not newer:  # (retention had removed the pulled step: the re-pull pointed LATEST back at it)
@@ -211,6 +230,12 @@ def read_metrics(path, after_step=None, offset=0, until_step=None):
                     until_step is None or m.get("step", 0) <= until_step):
                 out.append(m)
     return out
+
+
+def printable(text):
+    """Text from the store as a terminal is to show it: control characters (a holder's or ledger row's ESC sequences,
+    which cleared the screen or set the title of a contributor's terminal; \\r) written escaped, as \\x1b."""
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
 
 
 def fmt_wall(s):
@@ -677,7 +702,7 @@ def cmd_run(args):
         except (Busy, Transient) as e:
             if not args.wait:
                 raise
-            print(f"relay: {e}; waiting {args.poll:.0f}s", file=sys.stderr)
+            print(printable(f"relay: {e}; waiting {args.poll:.0f}s"), file=sys.stderr)
             try:
                 time.sleep(args.poll)
             except KeyboardInterrupt:
@@ -1096,14 +1121,16 @@ def cmd_status(args):
         who = f"free (lease of {d['expired_holder']} expired {d['lease_age_s'] - d['ttl_s']:.0f}s ago)"
     else:
         who = "free"
-    print(f"{d['store']} @ {d['head'][:10]}\n  baton: {who}\n  step {d['step']}, tokens {d['tokens']}, stage "
-          f"{d['stage']}, legs {d['legs']}, ${d['usd_total']:.2f} so far"
-          f"{', decay requested' if d['decay_requested'] else ''}"
-          f"{', FINISHED' if d['finished'] else ', decaying' if d['decay'] is not None and d['decay'] is not False else ''}")
+    decaying = d["decay"] is not None and d["decay"] is not False
+    print(printable(f"{d['store']} @ {d['head'][:10]}\n  baton: {who}\n  step {d['step']}, tokens {d['tokens']}, "
+                    f"stage {d['stage']}, legs {d['legs']}, ${d['usd_total']:.2f} so far"
+                    f"{', decay requested' if d['decay_requested'] else ''}"
+                    f"{', FINISHED' if d['finished'] else ', decaying' if decaying else ''}"))
     num = lambda x, spec: "-" if x is None else format(x, spec)  # as the ledger writes them (it said "$0.0", "None")
     for row in d["ledger"][-5:]:
-        print(f"  leg {row['leg']}: {row['who']} on {row['gpu']}, steps {row['step_range']}, {row['wall']}, "
-              f"loss {num(row['loss_start'], '.4f')} -> {num(row['loss_end'], '.4f')}, ${num(row['usd'], '.2f')}")
+        print(printable(f"  leg {row['leg']}: {row['who']} on {row['gpu']}, steps {row['step_range']}, "
+                        f"{row['wall']}, loss {num(row['loss_start'], '.4f')} -> {num(row['loss_end'], '.4f')}, "
+                        f"${num(row['usd'], '.2f')}"))
     return 0
 
 
@@ -1343,7 +1370,7 @@ def main(argv=None):
                 return globals()["cmd_" + args.cmd](args)
         return globals()["cmd_" + args.cmd](args)
     except (RelayError, checkpoint.CheckpointError) as e:
-        print(f"relay.py {args.cmd}: error: {e}", file=sys.stderr)
+        print(printable(f"relay.py {args.cmd}: error: {e}"), file=sys.stderr)  # (errors quote the store's text)
         return 4 if isinstance(e, Fenced) else 3
     except KeyboardInterrupt:  # (run ends its leg cleanly on Ctrl-C; here a claim, push or release was cut short)
         print(f"relay.py {args.cmd}: interrupted; local files are kept. `relay.py status {args.store}` shows where the "

@@ -113,7 +113,7 @@ def safe_json(line):
     try:
         m = json.loads(line)
         return m if isinstance(m, dict) else None
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: a line of [[[[... a hostile leg log pushed)
         return None
 
 

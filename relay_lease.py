@@ -155,7 +155,7 @@ def parse_json(data, name, store, sha):
         if not isinstance(obj, dict):
             raise ValueError("not a JSON object")
         return obj
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # (RecursionError: [[[[... nested past the decoder's depth)
         raise RelayError(f"{store.url}: {name} at {sha[:10]} is malformed ({e}); restore it from the previous commit "
                          f"(git revert on the repo); relay changed nothing")
 

@@ -103,7 +103,18 @@ class FileStore:
             if not self.exists():
                 self._write_commit(None, {}, "create store")
 
+    def _object(self, sha, path, oid):
+        """An object's file: oid is a sha256 hex digest (a shared store's commit record naming /home/x/.ssh/id_rsa or
+        ../x made every reader read that file of their own, and a push commit it to the store)."""
+        if not (isinstance(oid, str) and re.fullmatch(r"[0-9a-f]{64}", oid)):
+            raise StoreError(f"{self._p('commits', sha + '.json')}: {path} names object {str(oid)[:80]!r}, not a "
+                             f"sha256; the store is damaged (or edited by hand): restore that commit record")
+        return self._p("objects", oid[:2], oid)
+
     def _load_commit(self, cid):
+        if not (isinstance(cid, str) and re.fullmatch(r"[0-9a-f]{40}", cid)):  # HEAD naming ../x: any .json read
+            raise StoreError(f"{self.url}: names commit {str(cid)[:80]!r}, not a commit id; the store is damaged "
+                             f"(or edited by hand): restore HEAD or that commit record")
         try:
             with open(self._p("commits", cid + ".json")) as f:
                 return json.load(f)
@@ -131,7 +142,7 @@ class FileStore:
         obj = self._load_commit(sha)["tree"].get(path)  # commits are immutable: no cache needed, a local read is cheap
         if obj is None:
             return None
-        with open(self._p("objects", obj[:2], obj), "rb") as f:
+        with open(self._object(sha, path, obj), "rb") as f:
             return f.read()
 
     def list(self, sha, prefix=""):
@@ -145,8 +156,9 @@ class FileStore:
         tree = self._load_commit(sha)["tree"]
         for p in paths:
             out = os.path.join(dest, p)
+            src = self._object(sha, p, tree[p])
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            shutil.copyfile(self._p("objects", tree[p][:2], tree[p]), out)
+            shutil.copyfile(src, out)
 
     def _put_object(self, data=None, path=None):
         oid = checkpoint.sha256_file(path) if path is not None else hashlib.sha256(data).hexdigest()

@@ -138,6 +138,13 @@ def test_configure_or_exit_is_one_line(tmp_path):
     ("x = " + "-" * 10000 + "1", False),  # a MemoryError from the parser
     ("x = 0x" + "f" * 5000, False),  # a ValueError traceback: unparse of an int past Python's 4300 digits
     ("x = [0x" + "f" * 5000 + "]\nimport os", False),
+    # each container small, the whole a billion laughs: train.py's repr of it (its error names the value), a
+    # json.dump into state.json, hung or filled the memory of every contributor that pulled it
+    ("_a = ['a/b'] * 100000\n_b = [_a] * 100000\nquarantine_shards = _b", False),
+    ("s = 'x' * 100000\nt = [s] * 100000", False),
+    ("a = [0x" + "f" * 1000 + "] * 100000", False),  # 1,200 digits each
+    ("a = [0]\n" + "a = [a]\n" * 5000, False),  # nested past repr's and json's depth: a RecursionError traceback
+    ("a = [0] * 100000\nb = [1, a, a]\nrates = dict(a=b, c={'k': [b]})", True),
 ])
 def test_a_config_from_another_machine_must_be_quick_plain_data(body, ok):
     """configurator.not_data, which relay.py applies to the run's config.py before train.py execs it: literals and

@@ -1,6 +1,7 @@
 """relay.py: stores (file:// and hf:// through the real huggingface_hub client against tests/hub_server.py's
 RelayHub), lease + fencing, contention, stale / killed holders, 5xx-after-commit, bad input, decay."""
 
+import hashlib
 import json
 import os
 import re
@@ -2663,3 +2664,145 @@ def test_a_dict_override_at_init_updates_the_configs_dict(tmp_path, rl):
     store = relay.open_store(url)
     baked = relay.config_values(store.read(relay.Snapshot(store).sha, "config.py").decode())["lr_mult"]
     assert baked == {"embedding": 0.3, "old": 0.1, "new": 2.0}, baked
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A hostile contributor: the store is shared, and whatever it holds was written by someone else
+
+
+@pytest.fixture(scope="module")
+def hostile_base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    init_run(f"file://{d}/store", d, base_env())
+    return d
+
+
+@pytest.fixture
+def hostile(hostile_base, tmp_path):
+    """(url, store, head) of a fresh copy of one run initialised once per module: the hostile edits go on top."""
+    shutil.copytree(hostile_base / "store", tmp_path / "store")
+    url = f"file://{tmp_path}/store"
+    store = relay.open_store(url)
+    return url, store, store.head()[0]
+
+
+def one_line_error(r):
+    return r.returncode == 3 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_pull_writes_nothing_outside_its_dir_for_a_store_path_naming_dotdot(tmp_path, hostile, rl):
+    """A store listing checkpoint/../../../evil.txt (a hand-made commit) made `pull --out OUT/a/b` write evil.txt in
+    OUT/a: with more ../ anywhere the user can write (~/.bashrc). The checkpoint is flat: a path under checkpoint/
+    that is not one plain file name is refused before anything is downloaded."""
+    url, store, head = hostile
+    for i, bad in enumerate(["checkpoint/../../../evil.txt", "checkpoint/sub/../../../../evil.txt",
+                             "checkpoint/evil\n.txt", "checkpoint/..", "checkpoint/evil\x1b[2J.txt"]):
+        sha = store.commit(head, {bad: b"pwned"}, [], "relay: a hostile commit")
+        r = rl(["pull", url, "--out", tmp_path / f"out{i}" / "a" / "b"])
+        assert one_line_error(r) and "not a plain file name" in r.stderr and "\x1b" not in r.stderr, (bad, r.stderr)
+        found = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if "evil" in f]
+        assert not found, (bad, found)
+        head = store.commit(sha, {}, [bad], "relay: undo")
+
+
+def test_verify_refuses_manifest_names_that_are_not_plain_file_names(tmp_path):
+    """A MANIFEST.json naming ../../secret or /abs/path (with its true sha256 and size) verified: checkpoint.verify
+    hashed a file outside the checkpoint, and whatever then read or uploaded the manifest's files took it along."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cret")
+    ck = checkpoint.save(str(tmp_path / "run"), 3, {"state.json": lambda p: open(p, "w").write("{}")})
+    good = json.load(open(os.path.join(ck, "MANIFEST.json")))
+    meta = {"sha256": checkpoint.sha256_file(str(secret)), "bytes": 6}
+    for name in ["../../secret.txt", str(secret), "sub/../../../secret.txt", "", ".", "a\x00b"]:
+        json.dump({**good, "files": {**good["files"], name: meta}}, open(os.path.join(ck, "MANIFEST.json"), "w"))
+        with pytest.raises(checkpoint.CheckpointError, match="not a plain file name"):
+            checkpoint.verify(ck)
+    json.dump(good, open(os.path.join(ck, "MANIFEST.json"), "w"))
+    checkpoint.verify(ck)
+
+
+def test_a_pull_refuses_a_manifest_step_that_is_not_a_step_number(tmp_path, hostile, rl):
+    """MANIFEST.json's step "x" or null stopped `pull` with a ValueError / TypeError traceback; -5 installed
+    step_-000005, 1.5 and true installed step_0000001 (another step's name)."""
+    url, store, head = hostile
+    manifest = json.loads(store.read(head, "checkpoint/MANIFEST.json"))
+    for i, bad in enumerate(["x", None, -5, 1.5, True]):
+        store.commit(store.head()[0], {"checkpoint/MANIFEST.json": json.dumps({**manifest, "step": bad}).encode()}, [],
+                     "relay: a hostile commit")
+        out = tmp_path / f"out{i}"
+        r = rl(["pull", url, "--out", out])
+        assert one_line_error(r) and "step" in r.stderr, (bad, r.stderr)
+        assert not [n for n in os.listdir(out) if n.startswith("step_")], (bad, os.listdir(out))
+
+
+def test_a_json_nesting_bomb_in_the_lease_file_is_a_one_line_error(hostile, rl):
+    """RELAY.json (or training_state.json) of 100,000 nested [ stopped every command with a RecursionError
+    traceback."""
+    url, store, head = hostile
+    for name in ("RELAY.json", "training_state.json"):
+        sha = store.commit(store.head()[0], {name: b"[" * 100000 + b"]" * 100000}, [], "relay: a hostile commit")
+        r = rl(["status", url])
+        assert one_line_error(r) and f"{name} at {sha[:10]} is malformed" in r.stderr, r.stderr
+        store.commit(sha, {name: store.read(head, name)}, [], "relay: restored")
+
+
+def test_status_prints_no_terminal_escapes_from_the_store(hostile, rl):
+    """A holder or ledger row named with ESC sequences (clear the screen, set the title, recolour) reached
+    the contributor's terminal as written through `relay.py status`; now shown escaped."""
+    url, store, head = hostile
+    lease = json.loads(store.read(head, "RELAY.json"))
+    row = "| 9 | ev\x1b[31mil | g\x1b]0;title\x07pu | 1 | 1 | 0h00m01s | 0.00 | 1 | 1 | 0-1 | 1 | x\x1b[0m |\n"
+    hostile_lease = {**lease, "holder": "mal\x1b[2Jlory\r", "claimed_at": time.time()}
+    store.commit(head, {"RELAY.json": json.dumps(hostile_lease).encode(),
+                        "LEDGER.md": store.read(head, "LEDGER.md") + row.encode()}, [], "relay: a hostile commit")
+    r = rl(["status", url])
+    assert r.returncode == 0 and not {"\x1b", "\x07", "\r"} & set(r.stdout), repr(r.stdout)
+    assert "mal\\x1b[2Jlory" in r.stdout and "ev\\x1b[31mil" in r.stdout, r.stdout
+    r = rl(["claim", url, "--workdir", "wa"])  # the holder named in claim's error too
+    assert r.returncode == 3 and "\x1b" not in r.stderr and "mal\\x1b[2Jlory" in r.stderr, repr(r.stderr)
+
+
+def test_a_pull_refuses_a_manifest_or_state_json_that_is_not_what_it_says(tmp_path, hostile, rl):
+    """A checkpoint whose MANIFEST.json nests 100,000 [ stopped `pull` with a RecursionError traceback; one whose
+    state.json (listed in the manifest, hashes right) was such a bomb, not JSON, a list or named step "x" passed the
+    pull and stopped `run` with a traceback after the claim, the baton held till its ttl ran out."""
+    url, store, head = hostile
+    bomb = b"[" * 100000 + b"]" * 100000
+    sha = store.commit(head, {"checkpoint/MANIFEST.json": bomb}, [], "relay: a hostile commit")
+    r = rl(["pull", url, "--out", tmp_path / "out"])
+    assert one_line_error(r) and "MANIFEST.json" in r.stderr, r.stderr
+    manifest = json.loads(store.read(head, "checkpoint/MANIFEST.json"))
+    for i, state in enumerate([bomb, b"{not json", b"[]", json.dumps({"step": "x", "tokens": 0}).encode()]):
+        files = {**manifest["files"], "state.json": {"sha256": hashlib.sha256(state).hexdigest(), "bytes": len(state)}}
+        sha = store.commit(sha, {"checkpoint/MANIFEST.json": json.dumps({**manifest, "files": files}).encode(),
+                                 "checkpoint/state.json": state}, [], "relay: a hostile commit")
+        r = rl(["pull", url, "--out", tmp_path / f"out{i}"])
+        assert one_line_error(r) and "state.json" in r.stderr, (state[:20], r.stderr)
+        assert not [n for n in os.listdir(tmp_path / f"out{i}") if n.startswith("step_")]
+    r = rl(["run", url, "--steps", "2", "--train-script", write_fake_train(tmp_path), "--workdir", tmp_path / "wa"])
+    assert one_line_error(r) and "state.json" in r.stderr, r.stderr
+    assert relay.Snapshot(store).relay["holder"] is None
+
+
+def test_a_file_store_reads_no_file_outside_it_for_a_commit_record_naming_one(tmp_path, hostile, rl):
+    """A file:// store shared by several users: a commit record whose tree mapped LEDGER.md to /home/alice/.ssh/id_rsa
+    (or ../../x) had every reader read that file of their own as the ledger, and a push append its row to it and commit
+    it to the store for all to read. A HEAD or parent naming ../x read any .json as a commit. Object and commit ids are
+    hex digests, nothing else."""
+    url, store, head = hostile
+    secret = tmp_path / "id_rsa"
+    secret.write_text("| 1 | PRIVATE KEY | g | 1 | 1 | 0h00m01s | 0.00 | 1 | 1 | 0-1 | 1 | now |\n")
+    record = json.load(open(tmp_path / "store" / "commits" / f"{head}.json"))
+    for oid in (str(secret), "../" * 8 + str(secret)[1:]):
+        record["tree"]["LEDGER.md"] = oid
+        json.dump(record, open(tmp_path / "store" / "commits" / f"{head}.json", "w"))
+        with pytest.raises(relay.StoreError, match="damaged"):
+            store.read(head, "LEDGER.md")
+        r = rl(["status", url])
+        assert one_line_error(r) and "PRIVATE" not in r.stdout + r.stderr, (r.stdout, r.stderr)
+        with pytest.raises(relay.StoreError, match="damaged"):
+            store.download(head, ["LEDGER.md"], str(tmp_path / "dl"))
+    shutil.copy(tmp_path / "store" / "commits" / f"{head}.json", tmp_path / "elsewhere.json")
+    (tmp_path / "store" / "HEAD").write_text("../../elsewhere\n")
+    r = rl(["status", url])
+    assert one_line_error(r) and "damaged" in r.stderr, r.stderr

@@ -195,3 +195,18 @@ def test_dashboard_of_a_workdir_plots_only_the_runs_history(tmp_path):
                              "leg-0002-gen2.other-20260101-000000 (set aside: another lease's leg)"]
     (tmp_path / "LEASE.json").unlink()  # the lease is gone (lost): its leg is no longer shown either
     assert [m["step"] for m in relay_dashboard.dashboard_data(str(tmp_path))["metrics"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_dashboard_skips_a_leg_log_line_nested_past_the_json_decoders_depth(tmp_path, monkeypatch):
+    """A leg log line of 100,000 nested [ (any contributor can push one) stopped the dashboard with a RecursionError
+    traceback, at start and at every refresh; it is skipped as a line cut by a kill is."""
+    for k, v in base_env().items():
+        monkeypatch.setenv(k, v)
+    url = f"file://{tmp_path}/store"
+    fake, cfg = write_fake_train(tmp_path), write_config(tmp_path)
+    assert relay.main(["init", url, cfg, "--train-script", fake, "--workdir", str(tmp_path / "w0")]) == 0
+    store = relay.open_store(url)
+    snap = relay.Snapshot(store)
+    log = b'{"step": 3, "tokens": 300, "loss": 5.0}\n' + b"[" * 100000 + b"]" * 100000 + b"\n"
+    relay.commit_cas(store, snap.sha, {"logs/leg-0001.jsonl": log}, [], "relay: a hostile leg", snap.relay)
+    assert [m["step"] for m in relay_dashboard.dashboard_data(url)["metrics"]] == [3]
