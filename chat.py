@@ -124,7 +124,8 @@ def engine_backend(eng, experts_per_token=None):
         else:
             eng.cache.settle()
 
-    return dict(forward=lambda ids, cache: eng.logits(eng.forward(ids, cache)[:, -1]),
+    # the last position's hidden state only: a turn's every one was T x d_model floats outside the working reserve
+    return dict(forward=lambda ids, cache: eng.logits(eng.forward(ids, cache, last_only=True)[:, -1]),
                 new_cache=lambda n: KVCache(eng.cfg, 1, n, eng.device, torch.float32),
                 max_len=eng.context, device=eng.device, after_reply=after_reply, engine=eng)
 
@@ -140,12 +141,17 @@ class Conversation:
         self.reset()
 
     def reset(self):
+        # the cache is reused from position 0 (it then holds ids[:0] of any history): a new one made while the old
+        # was held was two KV caches at once, where --ram-budget reserves one
+        if getattr(self, "cache", None) is not None:
+            self.cache.pos = 0
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.ids = [self.tok.bos_id] + (render_turn(self.tok, "system", self.system)[0] if self.system else [])
         if self.system and len(self.ids) + 16 > self.max_len:  # else every message was refused as too long
             raise ChatError(f"the system prompt ({len(self.ids)} tokens) leaves no room in the context of "
                             f"{self.max_len} tokens; shorten --system or raise --context")
-        self.cache = self.new_cache()
+        if getattr(self, "cache", None) is None:
+            self.cache = self.new_cache()
 
     def new_cache(self):
         """An empty KV cache of max_len positions; one past this machine's memory (a long-context model, or a saved
@@ -191,8 +197,10 @@ class Conversation:
             raise ValueError(f"this message ({len(user_ids)} tokens) + {max_new_tokens} new tokens does not fit the "
                              f"context of {self.max_len} tokens; shorten it" +
                              (f" or lower --max-new-tokens to {room}" if room >= 1 else ""))
-        cache = self.new_cache()  # first: a Ctrl-C here leaves ids and cache as they were
-        self.messages, self.ids, self.cache = system + turns, ids, cache
+        # the one cache re-prefilled from position 0 (a new one beside it went a KV cache over --ram-budget); first:
+        # a Ctrl-C after it leaves a cache that holds ids[:0] of either history
+        self.cache.pos = 0
+        self.messages, self.ids = system + turns, ids
         return f"[context full: dropped the {dropped} oldest exchange(s)]"
 
     def reply(self, text, max_new_tokens=256, temperature=0.0, top_p=None, generator=None, on_text=None):

@@ -569,15 +569,20 @@ class Engine:
         widest = max(cfg.d_model, 2 * cfg.dense_ffn, 2 * cfg.n_shared * cfg.expert_ffn, 2 * cfg.expert_ffn)
         temporaries = 2 if self.kernel == "native" else 4
         # the widest (padded) row of any matrix: the reference kernel's chunk of rows is sized by it
+        quantized = [v for v in list(c.header["tensors"].values()) + c.layout["parts"] if v["kind"] in ("int4", "int8")]
         widest_k = max([C.int4_padded_shape(v["shape"], v["group_size"])[1] if v["kind"] == "int4" else v["shape"][-1]
-                        for v in list(c.header["tensors"].values()) + c.layout["parts"] if v["kind"] in ("int4", "int8")]
-                       + [1])
+                        for v in quantized] + [1])
+        # int4pack runs the reference path on a group size torch's kernel does not take (and int8 rows of a width not
+        # a multiple of 16): budgeted as --kernel reference (a group-16 container went 23 MiB over without it)
+        self.reference_path = self.kernel == "reference" or (self.kernel == "int4pack" and any(
+            v["group_size"] not in kernels.INT4PACK_GROUPS if v["kind"] == "int4" else v["shape"][-1] % 16
+            for v in quantized))
         # + a prefill chunk's attention scores against the whole context (measured: about one copy), growing with
         # --context: a 4000-token prompt at context 4096 went 62 MiB over the budget without them
         self.working_bytes = ((32 << 20) + 2 * 4 * LOGIT_CHUNK * cfg.vocab_size
                               + temporaries * 4 * self.prefill_chunk * widest
                               + 4 * cfg.n_head * min(self.prefill_chunk, self.context) * self.context
-                              + (kernels.reference_scratch_bytes(widest_k) if self.kernel == "reference" else 0))
+                              + (kernels.reference_scratch_bytes(widest_k) if self.reference_path else 0))
         n_moe = cfg.n_layer - cfg.n_dense_layers
         self.min_cache = 2 * cfg.top_k * c.expert_nbytes if n_moe else 0
         needed = self.baseline_rss + self.resident_bytes + self.kv_bytes + self.working_bytes + self.min_cache
@@ -709,7 +714,7 @@ class Engine:
         trim_above = (0.9 * self.budget if self.budget and kernel in ("int4pack", "reference") and dev == "cpu"
                       else None)
 
-        self.trim_above = trim_above if kernel == "reference" else None  # its per-call copies: after each forward too
+        self.trim_above = trim_above if self.reference_path else None  # its per-call copies: after each forward too
 
         def make_expert(buf, views):
             e = Expert(c, buf, kernel, dev, views)
@@ -894,7 +899,8 @@ class Engine:
     # --- forward ---
     def forward(self, ids, cache=None, positions=None, last_only=False):
         """Threads may share the engine: one forward at a time (the lock), see _forward. Input that does not fit the KV
-        cache (without one: the reserved context) is refused before any chunk runs."""
+        cache (without one: the reserved context) is refused before any chunk runs. Without a cache, input longer
+        than a prefill chunk takes its KV positions from the reserve (kv_reserve), as a request does."""
         if positions is not None:  # (it was taken and ignored: RoPE always counts from the cache's position)
             raise StreamError("Engine.forward: positions are not supported; positions follow the KV cache")
         T = ids.shape[-1]
@@ -905,7 +911,11 @@ class Engine:
         if cache is None and T > self.context:  # (model.py refuses past max_seq_len; the budget reserved context)
             raise StreamError(f"Engine.forward: {T} tokens exceed the reserved context {self.context} (max_seq_len "
                               f"{self.cfg.max_seq_len}); shorten the input or load with a larger context")
-        with self.lock:
+        # a long input without a cache gets one of T positions (_forward): out of the reserve, as a request's (made
+        # beside another thread's request it was two KV caches where the budget counts one); before the lock, which
+        # the reserve's holders need to finish
+        reserve = self.kv_reserve(T) if cache is None and T > self.prefill_chunk else contextlib.nullcontext()
+        with reserve, self.lock:
             try:
                 return self._forward(ids, cache, last_only)
             finally:

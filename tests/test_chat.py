@@ -1144,3 +1144,65 @@ def test_pick_measures_every_checkpoint_on_the_same_windows(tok, corpus, tmp_pat
     assert report["lowest_val_loss"] == "step_0000002"
     md = open(os.path.join(run, "sft_pick.md")).read()
     assert "| step_0000001 | nan |" in md and "| step_0000001 | nan | 0/1 | 0.00 | lowest loss |" not in md, md
+
+
+def test_reset_and_a_full_context_never_hold_two_kv_caches(tok):
+    """/reset and a full context made a new KV cache of the whole context while the old one was still held: two
+    caches at once, where --ram-budget reserves one (a kv-heavy container at the budget its refusal named went from
+    379 to 440 MiB of RSS against a 437M budget at the first dropped exchange, and again at /reset)."""
+    import types
+    import weakref
+    end = tok.special_ids["<|end|>"]
+    made, alive_at_new = [], []
+
+    class Cache(types.SimpleNamespace):  # (a SimpleNamespace takes no weak reference)
+        pass
+
+    def forward(ids, cache):  # a model that answers "ping" tokens until told to stop
+        cache.pos += ids.shape[1]
+        logits = torch.full((1, MODEL["vocab_size"]), -1e9)
+        logits[0, end if cache.pos >= cache.max_len - 1 else 5] = 0.0
+        return logits
+
+    def new_cache(n):
+        alive_at_new.append(sum(r() is not None for r in made))
+        c = Cache(pos=0, max_len=n)
+        made.append(weakref.ref(c))
+        return c
+
+    conv = chat.Conversation(tok, dict(forward=forward, new_cache=new_cache, max_len=64, device="cpu",
+                                       after_reply=None))
+    notes = []
+    for _ in range(4):
+        conv.reply("ping pong ping", 20, on_text=notes.append)
+    conv.reset()
+    conv.reply("ping", 4)
+    assert any("context full" in s for s in notes)
+    assert alive_at_new and max(alive_at_new) == 0, alive_at_new
+
+
+def test_the_engine_backend_keeps_only_the_last_hidden_state_of_a_turn(tok):
+    """A turn's prefill asked stream_infer's engine for every position's hidden state (T x d_model floats, 32 MiB for
+    a full 4096-token context on micro, outside the budget's working reserve) to use the last one."""
+    import types
+    rows = []
+
+    def forward(ids, cache, last_only=False):
+        cache.pos += ids.shape[1]
+        h = torch.zeros(1, 1 if last_only else ids.shape[1], 8)
+        rows.append(h.shape[1])
+        return h
+
+    end = tok.special_ids["<|end|>"]
+
+    def logits(h):
+        out = torch.full((h.shape[0], MODEL["vocab_size"]), -1e9)
+        out[:, end if len(rows) > 2 else 5] = 0.0
+        return out
+    eng = types.SimpleNamespace(set_experts_per_token=lambda k: None, forward=forward, logits=logits, context=64,
+                                device="cpu", cfg=None, stop_probes=lambda: None,
+                                cache=types.SimpleNamespace(settle=lambda: None, cancel=lambda: None))
+    backend = dict(chat.engine_backend(eng), new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n))
+    conv = chat.Conversation(tok, backend)
+    conv.reply("ping pong ping pong", 8)
+    assert len(rows) == 3 and rows == [1, 1, 1], rows

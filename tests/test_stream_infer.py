@@ -2026,6 +2026,31 @@ def test_requests_share_the_kv_reserve_the_budget_counted(tiny):
     assert eng.kv_free == 40 and eng.loglikelihood(p1, p2[:5])[0] < 0
 
 
+def test_a_long_forward_without_a_cache_takes_its_kv_from_the_reserve(tiny):
+    """Engine.forward of a prompt longer than a prefill chunk, without a KV cache, made its own cache of the prompt's
+    length outside the reserve: beside another thread's request holding the whole reserve, two KV caches where the
+    budget counts one (a kv-heavy container at the budget its refusal named: 381 -> 438 MiB against 437M). It now
+    waits for the reserve like a request; this thread's own open request holding it is an error."""
+    import threading
+    m, path = tiny
+    eng = S.load(path, context=40, prefill_chunk=8)
+    ids = torch.tensor([list(range(7, 27))])
+    want = S.load(path, prefill_chunk=8).forward(ids)
+    g1 = eng.stream(list(range(5, 25)), 10)  # 29 of the 40 positions
+    first = next(g1)
+    with pytest.raises(S.StreamError, match="this thread's open requests hold 29 of the 40"):
+        eng.forward(ids)
+    got = {}
+    other = threading.Thread(target=lambda: got.update(h=eng.forward(ids)))
+    other.start()
+    other.join(timeout=0.5)
+    assert other.is_alive() and not got  # waits while this thread's request holds the reserve
+    rest = list(g1)
+    other.join(timeout=60)
+    assert not other.is_alive() and torch.equal(got["h"], want) and eng.kv_free == 40 and not eng.kv_held
+    assert [first] + rest == S.load(path).generate(list(range(5, 25)), 10)
+
+
 def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
     """Flags that used to fail deep inside (a ThreadPoolExecutor, a CUDA assert, a NaN in sampling, a benchmark's
     StopIteration, a JSON write after minutes of benchmarking) or were dropped silently (--chat's)."""
@@ -2872,6 +2897,24 @@ def test_fallback_kernels_hand_freed_heap_back_near_the_budget(tiny, monkeypatch
         near.setattr(S, "rss_bytes", lambda: budget)  # at the budget: every expert built hands memory back
         assert eng.generate([5, 6, 7, 8], 2) == far
     assert calls and len(calls) == eng.cache.stats()["misses"]
+
+
+def test_int4pack_on_groups_it_cannot_take_is_budgeted_as_the_reference_path(tiny, tmp_path, monkeypatch):
+    """--kernel int4pack runs the reference path for a group size torch's int4pack kernel does not take (16), but the
+    budget counted neither that path's scratch nor its per-forward heap hand-back: a kv-heavy container of group 16
+    at the budget its refusal named (445M) peaked at 468 MiB in a 4096-token loglikelihood."""
+    m, _ = tiny
+    path = str(tmp_path / "g16.pcf4")
+    C.write_container(save_checkpoint(m, str(tmp_path / "run"), 1), path, group_size=16, progress=False)
+    budget = S.rss_bytes() + (200 << 20)
+    ref = S.load(path, ram_budget=budget, kernel="reference", prefetch=False)
+    eng = S.load(path, ram_budget=budget, kernel="int4pack", prefetch=False)
+    assert eng.working_bytes == ref.working_bytes
+    calls = []
+    monkeypatch.setattr(kernels, "release_freed_heap", lambda: calls.append(1))
+    monkeypatch.setattr(S, "rss_bytes", lambda: budget)  # at the budget: each forward hands memory back
+    assert eng.generate([5, 6, 7, 8], 2) == ref.generate([5, 6, 7, 8], 2)
+    assert len(calls) >= 2
 
 
 def test_review_round_a_failed_read_and_ctrl_c_leave_no_stale_read_behind(tiny):
