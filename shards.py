@@ -356,7 +356,8 @@ def resume_journal(stage, key, fresh=False, fields=()):
     pruned to the files it lists; else (None, a one-line note or None when there was nothing to resume), with the
     stage emptied. key: {flag: value} of the arguments that determine the corpus; another key, a torn journal, or a
     listed shard or tokenizer gone or changed is a fresh start (never a silently wrong corpus). fields: the other keys
-    the caller's journal must hold."""
+    the caller's journal must hold, or {key: check(value) -> whether it is what the caller writes} (a wrong one is
+    torn)."""
     import shutil
     from tokenizer import Tokenizer
     path = os.path.join(stage, RESUME_JOURNAL)
@@ -367,10 +368,14 @@ def resume_journal(stage, key, fresh=False, fields=()):
         try:
             with open(path) as f:
                 journal = json.load(f)
-            old, missing = journal["key"], [k for k in ("tokenizer", "tokenizer_sha256", "splits", *fields)
-                                              if k not in journal]
+            old, missing = journal["key"], [k for k in dict.fromkeys(("tokenizer", "tokenizer_sha256",
+                                                                             "splits", *fields)) if k not in journal]
             if missing:  # (another version of the script wrote it)
                 raise ValueError(f"no {', '.join(missing)}")
+            # a hand-edited or foreign journal: caught here, not as a traceback mid-build
+            wrong = [k for k, ok in (fields.items() if isinstance(fields, dict) else ()) if not ok(journal[k])]
+            if wrong:
+                raise ValueError(", ".join(f"{k} is {json.dumps(journal[k])[:40]}" for k in wrong))
             differ = [k for k in key if old.get(k) != key[k]] + [k for k in old if k not in key]
             if differ:
                 journal, note = None, (f"{stage} holds an interrupted run with other arguments ({', '.join(differ)} "

@@ -994,14 +994,26 @@ class Engine:
             raise StreamError(f"eos_id {eos_id!r}: a token id or a collection of them") from None
         total = len(prompt_ids) + max_new_tokens - 1  # the last new token is never fed back
         if total > self.context:
-            fix = ("shorten the prompt or --max-new-tokens (the model's max_seq_len)" if self.context >= self.cfg.max_seq_len
-                   else "pass a larger --context")
             raise StreamError(f"prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceeds the reserved context "
-                              f"{self.context} (max_seq_len {self.cfg.max_seq_len}); {fix}")
+                              f"{self.context} (max_seq_len {self.cfg.max_seq_len}); "
+                              f"{self._context_fix(len(prompt_ids), total)}")
         # the request's own, else the engine's (set_experts_per_token): set for each of its steps (routing)
         k = self.checked_k(experts_per_token if experts_per_token is not None else self.experts_per_token)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         return self._stream_reserved(prompt_ids, max_new_tokens, temperature, top_p, k, gen, stop_ids, timings, total)
+
+    def _context_fix(self, n_prompt, total):
+        """What makes a request of n_prompt tokens and `total` KV positions fit, and only that (fewer new tokens do
+        nothing for a prompt longer than the context, a larger --context nothing past the model's max_seq_len)."""
+        top = self.cfg.max_seq_len
+        larger = (f"pass --context {total} or more (max_seq_len {top})" if total <= top
+                  else f"pass --context {top} (max_seq_len) with --max-new-tokens {top - n_prompt + 1} or fewer")
+        if n_prompt <= self.context:  # the prompt fits: fewer new tokens do
+            return (f"lower --max-new-tokens to {self.context - n_prompt + 1} or fewer"
+                    + (f", or {larger}" if self.context < top else ""))
+        if n_prompt <= top and self.context < top:
+            return f"the prompt alone is over the context: shorten the prompt, or {larger}"
+        return f"the prompt alone is over the model's max_seq_len {top}: shorten the prompt"
 
     def _stream_reserved(self, prompt_ids, max_new_tokens, temperature, top_p, k, gen, stop_ids, timings, total):
         with self.kv_reserve(max(total, 1)):

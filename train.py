@@ -1390,25 +1390,26 @@ def main(argv):
     val_shards = [val_corpus, val_stream.split_sha, sorted(set(skip_of[val_corpus]) & {
         e["file"] for e in val_stream.entries})] if val_stream is not None else None
 
-    def val_set():
-        """[rows, seq_len, [corpus, split_sha, quarantined val shards]] the val loss is measured on now: another one
-        (batch_size, eval_iters, a stage's seq_len, the val shards read) gives a val loss not comparable with the
-        best's."""
-        return [cfg["eval_iters"] * cfg["batch_size"],
-                st["plan"][min(stage_at(st["plan"], st["tokens"])[0], len(st["plan"]) - 1)]["seq_len"], val_shards]
+    def val_set(i_stage):
+        """[rows, seq_len, [corpus, split_sha, quarantined val shards]] the val loss of a step of stage i_stage is
+        measured on: another one (batch_size, eval_iters, a stage's seq_len, the val shards read) gives a val loss not
+        comparable with the best's."""
+        return [cfg["eval_iters"] * cfg["batch_size"], st["plan"][i_stage]["seq_len"], val_shards]
 
-    def same_val_set(saved):
-        """Whether the best's val set is the one measured now (a checkpoint from before the shards were recorded:
-        its rows and seq_len, as it was compared then; its best did not restart on the upgrade)."""
-        return saved is not None and saved == val_set()[:len(saved)] and len(saved) >= 2
+    def same_val_set(saved, i_stage):
+        """Whether the best's val set is the one stage i_stage measures (a checkpoint from before the shards were
+        recorded: its rows and seq_len, as it was compared then; its best did not restart on the upgrade)."""
+        return saved is not None and saved == val_set(i_stage)[:len(saved)] and len(saved) >= 2
 
     @torch.no_grad()
-    def evaluate():
+    def evaluate(i_stage):
+        """The val loss of a step of stage i_stage, at its seq_len (a stage's last step ran evaluate after the tokens
+        moved on: at the next stage's seq_len, logged beside this one's)."""
         if val_stream is None:
             return None
         model.eval()
         val_stream.set_position({"shard": 0, "offset": 0, "epoch": 0})
-        T = val_set()[1]
+        T = val_set(i_stage)[1]
         # token-weighted, as training's loss (n_targets): a mean of batch means weighed a masked (SFT) batch of 4
         # targets as one of 59; plain data has the same count in every batch, so nothing changes there
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # sum of loss x targets, targets
@@ -1580,7 +1581,7 @@ def main(argv):
         finished_stage = stage_at(st["plan"], st["tokens"])[0] != idx_stage
         if st["step"] % cfg["eval_interval"] == 0 or stage_at(st["plan"], st["tokens"])[1] is None:
             t_eval = time.time()
-            val_loss = evaluate()
+            val_loss = evaluate(idx_stage)
             window_paused += time.time() - t_eval
         # and this invocation's last step (a relay leg of 3 steps logged only its first: the ledger's loss end was it)
         last_step = cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]
@@ -1616,9 +1617,9 @@ def main(argv):
                 + f" | ETA {fmt_time(eta)} | ${st['usd_spent']:.2f}")
             window_load, window_loss, window_t = None, [], time.time()
             window_tokens, window_flops, window_paused = 0, 0.0, 0.0
-        if val_loss is not None and math.isfinite(val_loss) and not same_val_set(st.get("best_val_set")):
+        if val_loss is not None and math.isfinite(val_loss) and not same_val_set(st.get("best_val_set"), idx_stage):
             if st["best_val_loss"] is not None:  # BEST would name a step measured on other rows
-                was, now = st.get("best_val_set") or [], val_set()
+                was, now = st.get("best_val_set") or [], val_set(idx_stage)
                 said = f"{was[:2] or 'unrecorded'} -> {now[:2]} rows, seq_len" + (
                     f"; val shards {(was[2:3] or ['unrecorded'])[0]} -> {now[2]}" if was[2:3] != now[2:3] else "")
                 log(f"val set changed ({said}): best val loss {st['best_val_loss']:.4f} (step {st.get('best_step')}) "
@@ -1627,7 +1628,7 @@ def main(argv):
         best = (val_loss is not None and math.isfinite(val_loss)  # (a NaN first val loss stuck as the best)
                 and (st["best_val_loss"] is None or val_loss < st["best_val_loss"]))
         if best:
-            st["best_val_loss"], st["best_step"], st["best_val_set"] = val_loss, st["step"], val_set()
+            st["best_val_loss"], st["best_step"], st["best_val_set"] = val_loss, st["step"], val_set(idx_stage)
         if master and os.environ.get("PICAFLOR_INJECT_RANK0_LAG_S"):  # a slow rank 0 (fsync, mirror): the DDP test
             time.sleep(float(os.environ["PICAFLOR_INJECT_RANK0_LAG_S"]))
         # one save a step, under its strongest kind (the last step of a plan was written three times: best, stage

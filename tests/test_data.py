@@ -733,6 +733,37 @@ def test_fineweb_prepare_resumes_a_killed_run_to_the_same_bytes(tmp_path):
         assert "resuming" not in r.stdout and corpus() != whole and shards.verify_corpus(out) == []
 
 
+
+def test_fineweb_journal_of_the_wrong_shape_starts_over_with_a_note(tok, tmp_path):
+    """resume.json was checked only for its keys: one with a string, a list or null where the script writes a number or
+    a dict (hand-edited, another version's) resumed, then crashed mid-build with a traceback (AttributeError: 'list'
+    object has no attribute 'values'). It is now torn like a cut-short one: a one-line note naming it, a fresh start."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fineweb_prepare", os.path.join(ROOT, "data/fineweb_edu/prepare.py"))
+    fw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fw)
+    key = {"--repo": "me/corpus"}
+    good = {"key": key, "tokenizer": "tokenizer.json", "tokenizer_sha256": tok.hash, "val_docs": 3,
+            "next": {"file": "a.parquet", "row": 7}, "splits": {"val": [], "train": []},
+            "counts": {"val": 5, "train": 9}, "documents": 4, "files": ["a.parquet"], "val_digests": ["ab" * 20],
+            "val_copies": 0}
+    stage = tmp_path / "stage"
+    for field, bad in ((None, None), ("counts", [5, 9]), ("counts", None), ("next", ["a.parquet", 7]),
+                       ("next", {"file": "a.parquet", "row": "7"}), ("val_docs", "3"), ("documents", 4.0),
+                       ("files", {"a.parquet": 1}), ("val_digests", ["not hex"]), ("val_copies", None),
+                       ("splits", {"val": []})):
+        stage.mkdir(exist_ok=True)
+        tok.save(stage / "tokenizer.json")
+        shards.save_journal(str(stage), dict(good, **({field: bad} if field else {})))
+        got, note = shards.resume_journal(str(stage), key, fields=fw.JOURNAL_FIELDS)
+        if field is None:  # the shape the script writes resumes
+            assert got == good and note is None
+            continue
+        assert got is None and os.listdir(stage) == [], (field, bad)
+        torn = f"{stage / shards.RESUME_JOURNAL}: its journal or tokenizer is torn or corrupt ({field} is"
+        assert note.startswith(torn), note
+        assert note.endswith("starting over") and "\n" not in note, note
+
 def test_hub_errors_name_the_cause():
     """A full HF cache was a Hub outage (retried, then exit 5 instead of 6); a malformed repo id was 'unreachable'; a
     repo hf.co does not show (it answers 401) was 'denied, check billing'; a local file error was 'the network'."""

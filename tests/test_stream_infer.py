@@ -1942,6 +1942,31 @@ def test_api_requests_keep_their_own_settings_and_bad_arguments_are_stream_error
     assert r.returncode == 0 and r.stdout.strip().isdigit() and "Exception" not in r.stderr, r.stderr
 
 
+
+def test_a_request_over_the_context_is_told_only_the_fixes_that_fit(tiny):
+    """A prompt longer than the context was told to lower --max-new-tokens (no count of new tokens makes it fit), and
+    at a small --context to raise it past the model's max_seq_len. The error names only what makes the request fit."""
+    m, path = tiny
+    top = CFG["max_seq_len"]
+
+    def refusal(eng, n_prompt, new):
+        with pytest.raises(S.StreamError, match="exceeds the reserved context") as e:
+            eng.generate(list(range(1, n_prompt + 1)), new)
+        return str(e.value)
+    whole, small = S.load(path, kernel="reference"), S.load(path, kernel="reference", context=16)
+    said = refusal(whole, top + 2, 1)  # over max_seq_len: nothing but a shorter prompt
+    assert said.endswith(f"the prompt alone is over the model's max_seq_len {top}: shorten the prompt"), said
+    said = refusal(small, 20, 1)  # over the context, not max_seq_len
+    assert "shorten the prompt, or pass --context 20 or more" in said and "--max-new-tokens" not in said, said
+    said = refusal(small, 20, top)
+    assert said.endswith(f"shorten the prompt, or pass --context {top} (max_seq_len) with --max-new-tokens "
+                         f"{top - 19} or fewer"), said
+    said = refusal(whole, 20, top)  # the prompt fits: fewer new tokens do, and nothing else can
+    assert said.endswith(f"; lower --max-new-tokens to {top - 19} or fewer"), said
+    assert whole.generate(list(range(1, 21)), top - 19) is not None
+    said = refusal(small, 10, 10)
+    assert said.endswith("lower --max-new-tokens to 7 or fewer, or pass --context 19 or more (max_seq_len 128)"), said
+
 def test_one_engine_shared_by_threads_gives_each_its_own_tokens(tiny):
     """Threads sharing one engine (a server's requests) under a small cache, each with its own experts_per_token:
     without a lock they got one another's top_k, KeyErrors from the cache, and a cache over its budget."""

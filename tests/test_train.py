@@ -1283,6 +1283,23 @@ def test_the_last_step_of_a_plan_is_written_once(data_root, tmp_path):
     assert f"planned stages done (512 tokens); next: python eval.py {out} " in r.stdout, r.stdout[-1500:]
 
 
+
+def test_the_val_loss_of_a_stages_last_step_is_at_that_stages_seq_len(data_root, tmp_path):
+    """evaluate() read the seq_len of the stage the tokens are in after the step: a stage's last step was measured at
+    the next stage's seq_len (logged beside its own, best_val_set saying the next one's). Each step's val loss is at
+    the seq_len it trained at; the next stage's other seq_len is another val set, and the best restarts, said."""
+    plan = tmp_path / "plan.py"
+    plan.write_text("stages = [dict(name='short', steps=2, seq_len=16, lr_phase='warmup'),"
+                    " dict(name='long', steps=1, seq_len=32, lr_phase='stable')]\n")
+    out = str(tmp_path / "run")
+    r = run(TINY + [str(plan), f"--data_root={data_root}", f"--out_dir={out}", "--eval_interval=2"])
+    m = metrics(out)
+    assert [(m[s]["seq_len"], "val_loss" in m[s]) for s in (1, 2, 3)] == [(16, False), (16, True), (32, True)]
+    at_2, at_3 = (json.load(open(os.path.join(out, f"step_000000{s}", "state.json"))) for s in (2, 3))
+    assert at_2["best_step"] == 2 and at_2["best_val_set"][:2] == [2 * 4, 16], at_2["best_val_set"]
+    assert at_3["best_step"] == 3 and at_3["best_val_set"][:2] == [2 * 4, 32], at_3["best_val_set"]
+    assert "val set changed ([8, 16] -> [8, 32] rows, seq_len)" in r.stdout + r.stderr, r.stdout[-2000:]
+
 def test_a_corpus_a_replan_drops_keeps_its_position_for_a_plan_that_brings_it_back(data_root, tmp_path):
     """A --replan without corpus b saved no position for it, so a later plan with b again started b from its first
     token: the same documents trained twice, silently."""

@@ -48,8 +48,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokeniz
 import checkpoint  # noqa: E402
 import shards  # noqa: E402
 from tokenizer import Tokenizer, reuse_tokenizer, train_tokenizer  # noqa: E402
-# what a resumed build restores from its journal, besides the tokenizer and the shards so far
-JOURNAL_FIELDS = ("val_docs", "next", "counts", "documents", "files", "val_digests", "val_copies")
+
+
+def _count(v):
+    return type(v) is int and v >= 0  # (not a bool, a float or a string of digits)
+
+
+# what a resumed build restores from its journal, besides the tokenizer, and the shape this script writes it in (a
+# journal of another shape is torn: a fresh start with a note, not a traceback mid-build)
+JOURNAL_FIELDS = {
+    "splits": lambda v: type(v) is dict and set(v) == {"val", "train"} and all(type(es) is list for es in v.values()),
+    "val_docs": lambda v: v is None or _count(v),
+    "next": lambda v: v is None or type(v) is dict and type(v.get("file")) is str and _count(v.get("row")),
+    "counts": lambda v: type(v) is dict and set(v) == {"val", "train"} and all(map(_count, v.values())),
+    "documents": _count,
+    "files": lambda v: type(v) is list and all(type(f) is str for f in v),
+    "val_digests": lambda v: type(v) is list and all(type(h) is str and len(h) == 40
+                                                    and not h.strip("0123456789abcdef") for h in v),
+    "val_copies": _count,
+}
 
 
 def documents(repo, revision, files, column, start=None, batch_rows=1024):
