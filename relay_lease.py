@@ -194,9 +194,11 @@ class Snapshot:
                                           ("training_state.json", self.state, "usd_total", True)):
             v = d.get(key)
             if key in d and not (v is None and may_be_null) and (
-                    isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0
-                    or (key in ("legs", "step", "tokens") and v != int(v))):
-                raise RelayError(f"{store.url}: {name} at {self.sha[:10]}: {key} {v!r} is not a number >= 0; restore "
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf")
+                    or (key in ("legs", "step", "tokens") and v != int(v))):  # (Infinity: a lease never expired,
+                # and int(inf) an OverflowError traceback in every command)
+                raise RelayError(f"{store.url}: {name} at {self.sha[:10]}: {key} {v!r} is not a finite number >= 0; "
+                                 f"restore "
                                  f"it from the previous commit; relay changed nothing")
 
     @property

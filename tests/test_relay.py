@@ -1500,8 +1500,18 @@ def test_lost_answers_shared_workdirs_malformed_files_and_a_re_pulled_leg(tmp_pa
     # RELAY.json's run defaults are checked like its lease times
     snap = relay.Snapshot(store)
     relay.commit_cas(store, snap.sha, {}, [], "an edit", dict(snap.relay, default_ttl_s="20m"))
-    with pytest.raises(relay.RelayError, match="default_ttl_s '20m' is not a number"):
+    with pytest.raises(relay.RelayError, match="default_ttl_s '20m' is not a finite number"):
         relay.claim(store, work, "alice")
+    # ... and Infinity (JSON's extension Python writes): a lease that never expired; a step of it, int(inf)'s
+    # OverflowError traceback in every command
+    good_relay, good_state = snap.relay, snap.state  # (the snapshot before the '20m' edit)
+    relay.commit_cas(store, store.head()[0], {}, [], "an edit", dict(good_relay, ttl_s=float("inf")))
+    with pytest.raises(relay.RelayError, match="ttl_s inf is not a finite number"):
+        relay.Snapshot(store)
+    relay.commit_cas(store, store.head()[0], {"training_state.json": json.dumps(dict(good_state, step=float("inf")))
+                                              .encode()}, [], "an edit", good_relay)
+    with pytest.raises(relay.RelayError, match="step inf is not a finite number"):
+        relay.Snapshot(store)
 
 
 def test_review_round_leases_survive_outages_card_edits_and_manual_steps(tmp_path, rl, monkeypatch, capsys):
