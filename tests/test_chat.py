@@ -990,22 +990,29 @@ def test_pick_val_loss_keeps_each_packed_conversation_to_itself(tok, corpus):
     assert count == n and abs(loss - sums[True] / n) < 1e-5, (loss, sums[True] / n, sums[False] / n)
 
 
-def test_an_answer_the_terminal_cannot_encode_is_shown_whole(tok, monkeypatch):
-    """A terminal (or a redirected stdout) whose encoding lacks a character of the answer (Latin-1, Windows' cp1252:
-    an emoji, a euro sign in Latin-1): the UnicodeEncodeError, a ValueError, stopped the answer at that character and
-    showed the codec's message instead. Such a character shows as '?' now, and the answer goes on."""
+def scripted_backend(script, fed=None):
+    """A chat backend of a 64-token context whose model answers the ids in script, its last one from then on; the ids
+    it is fed are appended to fed."""
     import types
-    script = tok.encode("\u20ac ok") + [tok.special_ids["<|end|>"]]
     step = {"n": 0}
 
-    def forward(ids, cache):  # a model that answers "\u20ac ok"
+    def forward(ids, cache):
+        if fed is not None:
+            fed.extend(ids[0].tolist())
         cache.pos += ids.shape[1]
         logits = torch.full((1, MODEL["vocab_size"]), -1e9)
         logits[0, script[min(step["n"], len(script) - 1)]] = 0.0
         step["n"] += 1
         return logits
-    backend = dict(forward=forward, new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n), max_len=64,
-                   device="cpu", after_reply=None)
+    return dict(forward=forward, new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n), max_len=64, device="cpu",
+                after_reply=None)
+
+
+def test_an_answer_the_terminal_cannot_encode_is_shown_whole(tok, monkeypatch):
+    """A terminal (or a redirected stdout) whose encoding lacks a character of the answer (Latin-1, Windows' cp1252:
+    an emoji, a euro sign in Latin-1): the UnicodeEncodeError, a ValueError, stopped the answer at that character and
+    showed the codec's message instead. Such a character shows as '?' now, and the answer goes on."""
+    backend = scripted_backend(tok.encode("\u20ac ok") + [tok.special_ids["<|end|>"]])  # a model answering "\u20ac ok"
     out = io.TextIOWrapper(io.BytesIO(), encoding="latin-1", write_through=True)
     monkeypatch.setattr(sys, "stdout", out)
     lines = iter(["ping 1"])
@@ -1023,16 +1030,7 @@ def test_an_answer_the_terminal_cannot_encode_is_shown_whole(tok, monkeypatch):
 def test_a_message_too_long_for_the_context_names_the_fix_that_helps(tok):
     """Every refused message said "shorten it or lower --max-new-tokens": a message longer than the whole context no
     limit helps (it said so anyway), and one that fits with a smaller limit did not say which limit."""
-    import types
-    end = tok.special_ids["<|end|>"]
-
-    def forward(ids, cache):  # a model that ends its answer at once
-        cache.pos += ids.shape[1]
-        logits = torch.full((1, MODEL["vocab_size"]), -1e9)
-        logits[0, end] = 0.0
-        return logits
-    backend = dict(forward=forward, new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n), max_len=64,
-                   device="cpu", after_reply=None)
+    backend = scripted_backend([tok.special_ids["<|end|>"]])  # a model that ends its answer at once
     conv = chat.Conversation(tok, backend)
     with pytest.raises(ValueError) as e:
         conv.reply("hello " * 100, 256)
@@ -1048,18 +1046,8 @@ def test_a_message_too_long_for_the_context_names_the_fix_that_helps(tok):
 def test_a_piped_crlf_line_is_the_message_the_model_was_trained_on(tok):
     """`chat.py CKPT < prompts.txt` with Windows line ends: input() keeps the \\r, so every user turn ended "...\\r"
     before its <|end|>, a token no training conversation has there."""
-    import types
-    end = tok.special_ids["<|end|>"]
     fed = []
-
-    def forward(ids, cache):  # a model that ends its answer at once; what it was fed is recorded
-        fed.extend(ids[0].tolist())
-        cache.pos += ids.shape[1]
-        logits = torch.full((1, MODEL["vocab_size"]), -1e9)
-        logits[0, end] = 0.0
-        return logits
-    backend = dict(forward=forward, new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n), max_len=64,
-                   device="cpu", after_reply=None)
+    backend = scripted_backend([tok.special_ids["<|end|>"]], fed)  # a model that ends its answer at once
     lines = iter(["ping 1\r", "/exit\r"])
     assert chat.chat_loop(tok, backend, input_fn=lambda prompt: next(lines), out=io.StringIO()) == 0
     assert fed == chat.render_prompt(tok, [{"role": "user", "content": "ping 1"}])

@@ -78,6 +78,14 @@ def rl(monkeypatch, capsys):
     return call
 
 
+def train_leg(fake, run_dir, steps, env=None):
+    """The stand-in trainer resumes the leg in run_dir (relay.prepare_leg's) for `steps` steps, as `run` starts it."""
+    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
+                        "--init_from=resume", f"--stop_after_steps={steps}"], env=env or base_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert t.returncode == 0, t.stderr
+
+
 def ledger_rows(store):
     snap = relay.Snapshot(store)
     return relay.parse_ledger(snap.ledger()), snap
@@ -1619,10 +1627,7 @@ def test_manual_push_renews_during_its_upload_and_a_resumed_leg_bills_all_its_ti
     store = relay.open_store(url)
     lease = relay.claim(store, work, "alice", ttl=3, heartbeat=1)
     run_dir = relay.prepare_leg(store, lease, work)
-    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
-                        "--init_from=resume", "--stop_after_steps=7"], env=env, capture_output=True, text=True,
-                       timeout=60)
-    assert t.returncode == 0, t.stderr
+    train_leg(fake, run_dir, 7, env)
     real_stage, claims = relay_store.FileStore.stage, []
 
     def slow_stage(self, adds):  # an upload of 4 s against a 3 s lease, while bob tries to claim
@@ -1648,10 +1653,7 @@ def test_manual_push_renews_during_its_upload_and_a_resumed_leg_bills_all_its_ti
     # leg 2 crashes at step 12 after 100 s of trainer time (as LEG.json counts it); `run` resumes it and bills both
     lease = relay.Lease.load(work, store)
     run_dir = relay.prepare_leg(store, lease, work)
-    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
-                        "--init_from=resume", "--stop_after_steps=5"], env=env, capture_output=True, text=True,
-                       timeout=60)
-    assert t.returncode == 0, t.stderr
+    train_leg(fake, run_dir, 5, env)
     relay.leg_wall(run_dir, 100.0)
     r = rl(["run", url, "--steps", "3", "--train-script", fake, "--workdir", work])
     assert r.returncode == 0, r.stderr
@@ -2463,10 +2465,7 @@ def test_a_push_after_a_killed_run_bills_the_trainers_time_not_the_hours_since_t
     store = relay.open_store(url)
     lease = relay.claim(store, work, "alice", ttl=3, heartbeat=1)
     run_dir = relay.prepare_leg(store, lease, work)
-    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
-                        "--init_from=resume", "--stop_after_steps=5"], env=base_env(), capture_output=True, text=True,
-                       timeout=60)
-    assert t.returncode == 0, t.stderr
+    train_leg(fake, run_dir, 5)
     relay.leg_wall(run_dir, 100.0)  # what `run` had saved of its trainer's time before it was killed
     lease = relay.Lease.load(work, store)
     lease.pulled_at -= 2 * 3600  # the push comes two hours after the pull
@@ -2477,10 +2476,7 @@ def test_a_push_after_a_killed_run_bills_the_trainers_time_not_the_hours_since_t
     assert [(x["step_range"], x["wall"], x["usd"]) for x in rows] == [("0-5", "0h01m40s", round(100 / 3600 * 2, 2))]
     assert abs(snap.state["usd_total"] - 100 / 3600 * 2) < 1e-9
     # steps trained by hand in the same dir after that push, pushed too: billed from the first push, not 100 s again
-    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
-                        "--init_from=resume", "--stop_after_steps=2"], env=base_env(), capture_output=True, text=True,
-                       timeout=60)
-    assert t.returncode == 0, t.stderr
+    train_leg(fake, run_dir, 2)
     r = rl(["push", url, "--workdir", work, "--run-dir", run_dir])
     assert r.returncode == 0, r.stderr
     rows, snap = ledger_rows(store)
@@ -2543,10 +2539,7 @@ def test_a_push_after_a_re_save_killed_between_its_renames_pushes_the_newest_ste
     store = relay.open_store(url)
     lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
     run_dir = relay.prepare_leg(store, lease, work)
-    t = subprocess.run([sys.executable, fake, os.path.join(run_dir, "relay_config.py"), f"--out_dir={run_dir}",
-                        "--init_from=resume", "--stop_after_steps=10"], env=base_env(), capture_output=True, text=True,
-                       timeout=60)
-    assert t.returncode == 0, t.stderr
+    train_leg(fake, run_dir, 10)
     newest = os.path.join(run_dir, checkpoint.step_dir_name(10))
     os.replace(newest, newest + f".old-{os.getpid()}")  # the re-save's first rename, by a trainer still running
     monkeypatch.setattr(rundir, "RESAVE_WAIT_S", 0.3)

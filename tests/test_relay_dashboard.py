@@ -38,15 +38,20 @@ def rendered_dom(url):
     return r.stdout
 
 
-@pytest.fixture
-def fixture_run(tmp_path, monkeypatch):
-    """A file:// run with two legs (tester, bob) of the stand-in trainer, and carol holding the baton now."""
+def new_run(tmp_path, monkeypatch, config="gpu_hourly_usd = 2.0\n"):
+    """A relay run on a file store under tmp_path, made by `relay.py init` with the stand-in trainer: (url, fake)."""
     for k, v in base_env().items():
         monkeypatch.setenv(k, v)
     url = f"file://{tmp_path}/store"
-    fake = write_fake_train(tmp_path)
-    cfg = write_config(tmp_path, "gpu_hourly_usd = 3600.0\n")  # $1 per second of leg: visible in the ledger
+    fake, cfg = write_fake_train(tmp_path), write_config(tmp_path, config)
     assert relay.main(["init", url, cfg, "--train-script", fake, "--workdir", str(tmp_path / "w0")]) == 0
+    return url, fake
+
+
+@pytest.fixture
+def fixture_run(tmp_path, monkeypatch):
+    """A file:// run with two legs (tester, bob) of the stand-in trainer, and carol holding the baton now."""
+    url, fake = new_run(tmp_path, monkeypatch, "gpu_hourly_usd = 3600.0\n")  # $1 per second of leg: in the ledger
     monkeypatch.setenv("FAKE_STEP_S", "0.02")
     assert relay.main(["run", url, "--steps", "10", "--train-script", fake, "--workdir", str(tmp_path / "wa")]) == 0
     monkeypatch.setenv("RELAY_WHO", "bob")
@@ -126,11 +131,7 @@ def test_dashboard_data_of_a_run_with_no_legs_then_hand_edited_ledger_and_log(tm
     """A run with zero legs shows empty charts and ledger. A ledger cell "nan" / "inf" (a fork's trainer that logged a
     NaN loss, a hand edit) reached data.json and `status --json` as NaN, which the page's refresh cannot parse (it froze,
     silently); a leg log with a byte that is not UTF-8 (a hand edit) crashed the dashboard with a traceback."""
-    for k, v in base_env().items():
-        monkeypatch.setenv(k, v)
-    url = f"file://{tmp_path}/store"
-    fake, cfg = write_fake_train(tmp_path), write_config(tmp_path)
-    assert relay.main(["init", url, cfg, "--train-script", fake, "--workdir", str(tmp_path / "w0")]) == 0
+    url, _ = new_run(tmp_path, monkeypatch)
     d = relay_dashboard.dashboard_data(url)
     assert d["metrics"] == [] and d["ledger"] == [] and d["state"]["legs"] == 0
     store = relay.open_store(url)
@@ -151,11 +152,7 @@ def test_dashboard_refresh_shows_a_leg_log_rewritten_under_the_same_name(tmp_pat
     """The parsed leg logs were cached by path alone ("a pushed leg's log never changes"), but a push reverted on the
     Hub (what a damaged checkpoint's error tells the user to do) gives the next leg the same number, so the same
     logs/leg-NNNN.jsonl name: a running dashboard showed the reverted leg's metrics until it was restarted."""
-    for k, v in base_env().items():
-        monkeypatch.setenv(k, v)
-    url = f"file://{tmp_path}/store"
-    fake, cfg = write_fake_train(tmp_path), write_config(tmp_path)
-    assert relay.main(["init", url, cfg, "--train-script", fake, "--workdir", str(tmp_path / "w0")]) == 0
+    url, _ = new_run(tmp_path, monkeypatch)
     store = relay.open_store(url)
     cache = {}
     for steps in ([1, 2], [1, 2, 3]):  # leg 1 pushed, reverted, then pushed again by someone else
@@ -200,11 +197,7 @@ def test_dashboard_of_a_workdir_plots_only_the_runs_history(tmp_path):
 def test_dashboard_skips_a_leg_log_line_nested_past_the_json_decoders_depth(tmp_path, monkeypatch):
     """A leg log line of 100,000 nested [ (any contributor can push one) stopped the dashboard with a RecursionError
     traceback, at start and at every refresh; it is skipped as a line cut by a kill is."""
-    for k, v in base_env().items():
-        monkeypatch.setenv(k, v)
-    url = f"file://{tmp_path}/store"
-    fake, cfg = write_fake_train(tmp_path), write_config(tmp_path)
-    assert relay.main(["init", url, cfg, "--train-script", fake, "--workdir", str(tmp_path / "w0")]) == 0
+    url, _ = new_run(tmp_path, monkeypatch)
     store = relay.open_store(url)
     snap = relay.Snapshot(store)
     log = b'{"step": 3, "tokens": 300, "loss": 5.0}\n' + b"[" * 100000 + b"]" * 100000 + b"\n"
