@@ -69,7 +69,7 @@ from dataclasses import asdict, fields
 import torch
 
 import checkpoint
-from model import ModelConfig, meta_model
+from model import ModelConfig, expected_shapes, weights_misfit
 
 MAGIC = b"PCFLINT4"
 VERSION = 1
@@ -281,16 +281,12 @@ def check_tensors_match_config(f, cfg, path):
     a lost tensor was a SafetensorError traceback half-way through a write, and a routed expert a few rows short was
     zero-padded into the container without a word."""
     have = {n: list(f.get_slice(n).get_shape()) for n in f.keys()}
-    held = len({n.split(".")[1] for n in have if n.startswith("layers.")})
-    if cfg.n_layer > held:  # (a state.json's n_layer of 10^12 built a meta model of it until memory ran out)
-        raise ContainerError(f"{path}: holds {held} layers, state.json's model_config says n_layer {cfg.n_layer}; the "
-                             f"checkpoint is inconsistent, use another step_* dir")
-    try:
-        want = expected_shapes(cfg)
-    except ValueError as e:
-        raise ContainerError(f"{path}: state.json's model_config is not this file's: {e}; use another "
-                             f"step_* dir") from None
-    bad = sorted(set(want) ^ set(have)) + sorted(n for n in want if n in have and want[n] != have[n])
+    why = weights_misfit(cfg, have)  # (a state.json's n_layer of 10^12 built a meta model of it until memory ran out)
+    if why:
+        raise ContainerError(f"{path}: does not fit state.json's model_config ({why}); the checkpoint is inconsistent, "
+                             f"use another step_* dir")
+    want = expected_shapes(cfg)
+    bad = sorted(set(want) ^ set(have))
     if bad:
         raise ContainerError(f"{path}: tensors do not match state.json's model_config (first: {bad[0]}); the "
                              f"checkpoint is inconsistent, use another step_* dir")
@@ -346,18 +342,6 @@ class RandomSource:
     def get_expert(self, name, e):
         shape = expected_shapes(self.cfg)[name][1:]
         return torch.randn(shape, generator=self._gen(name, e)) * self._std(name)
-
-
-def expected_shapes(cfg):
-    """name -> shape of every tensor a picaflor checkpoint holds (lm_head omitted when tied); ValueError for a config
-    whose tensors are past torch's sizes (a saved d_model of 10^12: a RuntimeError traceback)."""
-    try:
-        sd = {k: list(v.shape) for k, v in meta_model(cfg).state_dict().items() if not k.endswith("load_accum")}
-    except RuntimeError as e:
-        raise ValueError(f"its model config gives tensors past torch's sizes ({str(e).splitlines()[0][:80]})") from None
-    if cfg.tie_embeddings:
-        sd.pop("lm_head.weight", None)
-    return sd
 
 
 def layer_of(name):

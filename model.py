@@ -901,19 +901,31 @@ def device_problem(device):
     return None
 
 
+def expected_shapes(cfg):
+    """name -> shape of every tensor a picaflor checkpoint holds (lm_head omitted when tied); ValueError for a config
+    whose tensors are past torch's sizes (a saved d_model of 10^12: "Storage size calculation overflowed")."""
+    try:
+        sd = {k: list(v.shape) for k, v in meta_model(cfg).state_dict().items() if not k.endswith("load_accum")}
+    except RuntimeError as e:
+        raise ValueError(f"its model config gives tensors past torch's sizes ({str(e).splitlines()[0][:80]})") from None
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
 def weights_misfit(cfg, shapes):
-    """Why weights (name -> shape) cannot load into a model of cfg (a layer count or a shape; names are left to
-    load_state_dict), or None; judged before any memory is taken: a saved config's n_layer of 10^12 built modules
-    until memory ran out, and a vocab_size of 2^31 asked for 274 GB before the shapes were compared."""
+    """Why weights (name -> shape) cannot load into a model of cfg (a layer count or a shape; names are left to the
+    caller), or None; judged before any memory is taken: a saved config's n_layer of 10^12 built modules until
+    memory ran out, and a vocab_size of 2^31 asked for 274 GB before the shapes were compared."""
     held = len({k.split(".")[1] for k in shapes if k.startswith("layers.")})
     if cfg.n_layer > held:
         return f"n_layer {cfg.n_layer}, the weights hold {held} layers"
     try:
-        want = meta_model(cfg).state_dict()
-    except RuntimeError as e:  # (a d_model of 10^12: "Storage size calculation overflowed")
-        return f"its config gives tensors past torch's sizes ({str(e).splitlines()[0][:80]})"
-    bad = next((k for k, s in shapes.items() if k in want and list(s) != list(want[k].shape)), None)
-    return f"{bad} is {list(shapes[bad])}, its config gives {list(want[bad].shape)}" if bad else None
+        want = expected_shapes(cfg)
+    except ValueError as e:
+        return str(e)
+    bad = next((k for k, s in shapes.items() if k in want and list(s) != want[k]), None)
+    return f"{bad} is {list(shapes[bad])}, its config gives {want[bad]}" if bad else None
 
 
 def load_checkpoint(path, device="cpu", dtype=None):
