@@ -275,8 +275,12 @@ def chat_loop(tok, backend, system=None, max_new_tokens=256, temperature=0.0, to
               f"Ctrl-C stops an answer\n")
     out.flush()
 
+    # a model's ESC sequences (random weights, a hostile fine-tune) drove the terminal: escaped there, exact in a file
+    from tokenizer import terminal_text
+    escape = terminal_text if getattr(out, "isatty", lambda: False)() else str
+
     def show(s):
-        out.write(s)
+        out.write(escape(s))
         out.flush()
 
     while True:

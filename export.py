@@ -10,7 +10,8 @@ CKPT is a checkpoint dir (step_NNNNNNN/) or a run dir (its LATEST); its MANIFEST
 place; --out may not be, hold or lie inside the checkpoint, and an existing --out is replaced only when picaflor
 exported it (an hf folder holding picaflor_export.json and only the files an export writes; a GGUF with the
 picaflor.export key; a container). Weights holding NaN or Inf are refused. --tokenizer FILE (any format) must fit
-the vocab.
+the vocab, and is for a checkpoint without a tokenizer: one that differs from the checkpoint's own (by content) is
+refused unless --force-tokenizer.
 
 - int4: the streaming container of stream_infer.py, written and read by container.py (one place only).
 - hf: a directory transformers loads as HYV3ForCausalLM with no custom code: config.json, model.safetensors
@@ -58,6 +59,7 @@ Implementer's calls (DESIGN.md asks to record them here):
 """
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -98,10 +100,22 @@ def load_fitting_tokenizer(path, vocab_size):
     return tok
 
 
+def check_own_tokenizer(given, own_path, own_sha256, force):
+    """A --tokenizer other than the one the checkpoint carries (its content, not its path) is refused: one of the same
+    vocab replaced it without a word, and the export decoded every answer to other text. force: replace it anyway."""
+    if not given or own_sha256 is None or force:
+        return
+    theirs = checkpoint.sha256_file(given)
+    if theirs != own_sha256:
+        raise ExportError(f"--tokenizer {given} (sha256 {theirs[:12]}) is not the tokenizer {own_path} carries "
+                          f"({own_sha256[:12]}), the one its weights were trained with; drop --tokenizer, or pass "
+                          f"--force-tokenizer to replace it anyway")
+
+
 class Source:
     """A verified checkpoint dir: config, tokenizer path, and tensors read lazily from model.safetensors."""
 
-    def __init__(self, path, tokenizer_path=None):
+    def __init__(self, path, tokenizer_path=None, force_tokenizer=False):
         self.dir = checkpoint.resolve(path)
         checkpoint.verify(self.dir)
         state_path = os.path.join(self.dir, "state.json")
@@ -119,10 +133,13 @@ class Source:
         self.check_against_config()
         if tokenizer_path and os.path.isdir(tokenizer_path):  # a corpus or checkpoint folder: the file it holds
             tokenizer_path = os.path.join(tokenizer_path, "tokenizer.json")
-        tp = tokenizer_path or os.path.join(self.dir, "tokenizer.json")
+        own = os.path.join(self.dir, "tokenizer.json")
+        tp = tokenizer_path or own
         self.tokenizer_path = tp if os.path.isfile(tp) else None
         if tokenizer_path and not self.tokenizer_path:
             raise ExportError(f"{tokenizer_path}: no such tokenizer file; pass the corpus's tokenizer file")
+        check_own_tokenizer(tokenizer_path, own, checkpoint.sha256_file(own) if os.path.isfile(own) else None,
+                            force_tokenizer)
 
     def shape(self, name):
         return list(self.f.get_slice(name).get_shape())
@@ -152,7 +169,7 @@ class ContainerSource:
     """An int4 container read as a source for GGUF: every tensor dequantized to fp32 on demand, so a model
     that only ever existed quantized (config/micro.py's random benchmark weights) can go to llama.cpp too."""
 
-    def __init__(self, path, tokenizer_path=None):
+    def __init__(self, path, tokenizer_path=None, force_tokenizer=False):
         import container
         try:
             self.cont = container.load_container(path)
@@ -172,6 +189,9 @@ class ContainerSource:
         self.tokenizer_path = tokenizer_path
         if tokenizer_path and not os.path.isfile(tokenizer_path):
             raise ExportError(f"{tokenizer_path}: no such tokenizer file; pass the corpus's tokenizer file")
+        own = self.cont.tokenizer_json  # (written as the checkpoint's tokenizer.json was read: its bytes, as text)
+        check_own_tokenizer(tokenizer_path, path, hashlib.sha256(own.encode()).hexdigest() if own else None,
+                            force_tokenizer)
         if not tokenizer_path and self.cont.tokenizer_json:
             import tempfile
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -842,13 +862,18 @@ def main(argv=None):
     ap.add_argument("--group-size", type=int, default=None, help="int4: quantization group size (container default)")
     ap.add_argument("--embed-bits", type=int, default=None, choices=[4, 8], help="int4: embeddings / lm_head bits (8)")
     ap.add_argument("--tokenizer", default=None,
-                    help="tokenizer file (or a corpus / checkpoint folder holding one), if not the checkpoint's")
+                    help="tokenizer file (or a corpus / checkpoint folder holding one) for a checkpoint that has none")
+    ap.add_argument("--force-tokenizer", action="store_true",
+                    help="let --tokenizer replace a different tokenizer the checkpoint carries (its answers then "
+                         "decode with the new one)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     for flag, fmt in (("dtype", "hf"), ("max_shard_size", "hf"), ("gguf_type", "gguf"), ("group_size", "int4"),
                       ("embed_bits", "int4")):  # (ignored without a word: --format hf --gguf-type q4_0 wrote bf16)
         if getattr(args, flag) is not None and args.format != fmt:
             ap.error(f"--{flag.replace('_', '-')} is for --format {fmt}, not {args.format}")
+    if args.force_tokenizer and not args.tokenizer:  # (nothing to force: the checkpoint's own was exported)
+        ap.error("--force-tokenizer goes with --tokenizer FILE (the tokenizer to export instead of the checkpoint's)")
     if args.group_size is not None and (args.group_size < 2 or args.group_size % 2):  # (it named the output file)
         ap.error(f"--group-size {args.group_size}: an even count of at least 2 (the container's default is 64)")
     args.dtype, args.max_shard_size = args.dtype or "bfloat16", args.max_shard_size or "5GB"
@@ -863,9 +888,9 @@ def main(argv=None):
             if args.format != "gguf":
                 raise ExportError(f"{args.ckpt}: an int4 container can only be re-exported as --format gguf; "
                                   f"export --format {args.format} from the training checkpoint")
-            src = ContainerSource(args.ckpt, args.tokenizer)
+            src = ContainerSource(args.ckpt, args.tokenizer, args.force_tokenizer)
         else:
-            src = Source(args.ckpt, args.tokenizer)
+            src = Source(args.ckpt, args.tokenizer, args.force_tokenizer)
         if args.format == "hf":
             rep = export_hf(src, args.out, args.dtype, args.max_shard_size, progress)
         elif args.format == "gguf":

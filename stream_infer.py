@@ -1335,7 +1335,11 @@ def main(argv=None):
         out, shown, step_s = [], "", []  # step_s[0]: the prompt's prefill (and the first token), then one per token
         tokens = eng.stream(ids, args.max_new_tokens, args.temperature, args.top_p, args.experts_per_token, args.seed,
                             eos, timings=step_s)  # (checked before the prompt is shown)
-        sys.stdout.write(args.prompt if tok is not None else "")
+        # a model's ESC sequences (random weights, a hostile fine-tune) drove the terminal: escaped there, exact piped
+        show = str
+        if tok is not None and sys.stdout.isatty():
+            from tokenizer import terminal_text as show  # (loaded already: the container's tokenizer)
+        sys.stdout.write(show(args.prompt) if tok is not None else "")
         answering = True
         for t in tokens:
             out.append(t)
@@ -1344,13 +1348,13 @@ def main(argv=None):
                 # with no text (reserved 0) a U+FFFD, not a ValueError
                 text = tok.decode_generated(out)
                 if not text.endswith("\ufffd"):
-                    sys.stdout.write(text[len(shown):])
+                    sys.stdout.write(show(text[len(shown):]))
                     shown = text
             else:
                 sys.stdout.write(f"{t} ")
             sys.stdout.flush()
         if tok is not None:  # what a trailing U+FFFD held back (an unfinished character, an id with no text)
-            sys.stdout.write(tok.decode_generated(out)[len(shown):])
+            sys.stdout.write(show(tok.decode_generated(out)[len(shown):]))
         st = eng.cache.stats()
         print()
         # (--max-new-tokens 0 runs nothing: no lookups, although the model has routed experts)

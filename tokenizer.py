@@ -184,6 +184,16 @@ class Tokenizer:
         return self.token_bytes[i - 1]
 
 
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but \t and \n, DEL, C1 (U+0080-U+009F)
+
+
+def terminal_text(text):
+    """Generated text as a terminal is to show it: every control character but \\n and \\t written as \\x1b, one by
+    one, so a model's ESC [ or OSC 52 (clipboard) sequence, \\r or BEL cannot drive the terminal, even cut across
+    two streamed pieces. Only for a terminal: text piped to a file stays exact."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 LONG_SPACE_RUN = 65536  # tiktoken's and rustbpe's pre-split regex overflow their stack on ~1M whitespace in a row
 _SPACE_RUNS = re.compile(r"\s{1024,}")  # (a lower floor than the run's: a failed match costs its run length squared)
 

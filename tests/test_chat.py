@@ -1027,6 +1027,33 @@ def test_an_answer_the_terminal_cannot_encode_is_shown_whole(tok, monkeypatch):
     assert "? ok\n" in text and "codec" not in text, text
 
 
+# what a model can write that drives a terminal: CSI (clear screen), OSC 52 (set the clipboard) ended by BEL, \r over
+# the line, C1 CSI (U+009B), a lone byte (U+FFFD); one byte token each, so every sequence is cut across pieces
+HOSTILE = "a\x1b[2J\x1b]52;c;cm0gLXJm\x07ok\rX\tY\nZ\u009b31m"
+
+
+def hostile_ids(tok):
+    return [b + 1 for b in HOSTILE.encode()] + [0xff + 1]  # ids 1..256 are the bytes
+
+
+def test_an_answer_s_control_characters_are_escaped_on_a_terminal_and_exact_in_a_file(tok):
+    """A model's answer went to the terminal raw: its ESC sequences cleared the screen, wrote the clipboard (OSC 52),
+    overwrote the line. On a terminal every control character but \\n and \\t is shown as \\x1b now; piped, the
+    answer is the exact text."""
+    answer = HOSTILE + "\ufffd"
+    for tty in (True, False):
+        out = type("Out", (io.StringIO,), {"isatty": lambda self, tty=tty: tty})()
+        backend = scripted_backend(hostile_ids(tok) + [tok.special_ids["<|end|>"]])
+        lines = iter(["ping 1", "/exit"])
+        assert chat.chat_loop(tok, backend, input_fn=lambda prompt: next(lines), out=out) == 0
+        text = out.getvalue()
+        if tty:
+            assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", text), repr(text)
+            assert ("a\\x1b[2J\\x1b]52;c;cm0gLXJm\\x07ok\\x0dX\tY\nZ\\x9b31m\ufffd\n") in text, repr(text)
+        else:
+            assert answer + "\n" in text, repr(text)
+
+
 def test_a_message_too_long_for_the_context_names_the_fix_that_helps(tok):
     """Every refused message said "shorten it or lower --max-new-tokens": a message longer than the whole context no
     limit helps (it said so anyway), and one that fits with a smaller limit did not say which limit."""

@@ -5,6 +5,7 @@ hy_v3 loader needs and dequantizes back to the weights; bad checkpoints give one
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -575,26 +576,44 @@ def test_out_never_replaces_the_source_or_a_foreign_folder(ckpt, tmp_path, capsy
 
 def test_tokenizer_flag_reaches_the_int4_container_and_is_checked_for_hf(ckpt, tmp_path):
     """--tokenizer was ignored by --format int4 (the checkpoint's own was embedded), and --format hf wrote a
-    tokenizer larger than the model's vocab (ids past the embedding: IndexError in transformers)."""
+    tokenizer larger than the model's vocab (ids past the embedding: IndexError in transformers). Then --tokenizer
+    replaced the checkpoint's own tokenizer with another of its vocab without a word (the export decoded to other
+    text): that is refused now (by content: the same tokenizer elsewhere is fine), unless --force-tokenizer."""
     import container as C
     rng = random.Random(1)
     other = T.train_tokenizer([" ".join(rng.choice(WORDS[::-1]) for _ in range(12)) for _ in range(300)], 400)
     other_path = str(tmp_path / "other.json")
     other.save(other_path)
+    own = os.path.join(checkpoint.resolve(ckpt["run"]), "tokenizer.json")
     out = str(tmp_path / "m.pcf4")
-    run_export([ckpt["run"], "--format", "int4", "--out", out, "--tokenizer", other_path])
+    with pytest.raises(SystemExit) as e:
+        run_export([ckpt["run"], "--format", "int4", "--out", out, "--tokenizer", other_path])
+    msg = str(e.value.code)
+    assert other_path in msg and own in msg and "drop --tokenizer" in msg and "--force-tokenizer" in msg, msg
+    assert "\n" not in msg and not os.path.exists(out)
+    run_export([ckpt["run"], "--format", "int4", "--out", out, "--tokenizer", other_path, "--force-tokenizer"])
     assert C.load_container(out).tokenizer_json == open(other_path, encoding="utf-8").read()
-    # a corpus folder holding it, as prepare's --tokenizer takes (it said "no such tokenizer file")
+    with pytest.raises(SystemExit) as e:  # (nothing to force: it was ignored)
+        run_export([ckpt["run"], "--format", "int4", "--out", out + "3", "--force-tokenizer"])
+    assert e.value.code == 2 and not os.path.exists(out + "3")
+    # a container that carries a tokenizer is held to it too (re-exported as GGUF)
+    with pytest.raises(SystemExit) as e:
+        run_export([out, "--format", "gguf", "--out", str(tmp_path / "m.gguf"), "--tokenizer", str(ckpt["dir"] /
+                                                                                                   "tok.json")])
+    assert "--force-tokenizer" in str(e.value.code) and not os.path.exists(tmp_path / "m.gguf"), e.value.code
+    # the checkpoint's own tokenizer from a corpus folder holding a copy, as prepare's --tokenizer takes (it said "no
+    # such tokenizer file")
     os.makedirs(tmp_path / "corpus")
-    other.save(str(tmp_path / "corpus" / "tokenizer.json"))
+    shutil.copyfile(own, tmp_path / "corpus" / "tokenizer.json")
     run_export([ckpt["run"], "--format", "int4", "--out", out + "2", "--tokenizer", str(tmp_path / "corpus")])
-    assert C.load_container(out + "2").tokenizer_json == open(other_path, encoding="utf-8").read()
+    assert C.load_container(out + "2").tokenizer_json == open(own, encoding="utf-8").read()
     big = T.train_tokenizer([" ".join(rng.choice(WORDS) for _ in range(30)) + str(i) for i in range(3000)], 900)
     big_path = str(tmp_path / "big.json")
     big.save(big_path)
     if big.vocab_size > CFG["vocab_size"]:
         with pytest.raises(SystemExit) as e:
-            run_export([ckpt["run"], "--format", "hf", "--out", str(tmp_path / "hf"), "--tokenizer", big_path])
+            run_export([ckpt["run"], "--format", "hf", "--out", str(tmp_path / "hf"), "--tokenizer", big_path,
+                        "--force-tokenizer"])
         assert "tokenizer vocab" in str(e.value) and not os.path.exists(tmp_path / "hf")
 
 

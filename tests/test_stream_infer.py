@@ -2653,6 +2653,23 @@ def test_cli_streamed_text_is_the_decoded_text_of_characters_split_across_tokens
     assert want.startswith(text + "\ufffd hello\ufffd") and capsys.readouterr().out == "hello" + want + "\n"
 
 
+def test_cli_answer_control_characters_are_escaped_on_a_terminal_and_exact_in_a_file(tok_container, monkeypatch):
+    """The command line wrote the model's text raw: its ESC sequences (random weights, a hostile fine-tune) cleared
+    the screen, wrote the clipboard (OSC 52), overwrote the line (\\r). On a terminal every control character but
+    \\n and \\t is shown as \\x1b now, even a sequence cut across tokens; piped to a file, the exact text."""
+    import io
+    tok, path = tok_container
+    hostile = "a\x1b[2J\x1b]52;c;cm0gLXJm\x07ok\rX\tY\nZ\u009b31m"  # CSI, OSC 52 + BEL, \r, C1 CSI
+    ids = [b + 1 for b in hostile.encode()] + [0xff + 1]  # one byte token each (ids 1..256); a lone byte: U+FFFD
+    monkeypatch.setattr(S.Engine, "stream", lambda self, *a, **k: iter(ids))
+    for tty in (True, False):
+        out = type("Out", (io.StringIO,), {"isatty": lambda self, tty=tty: tty})()
+        monkeypatch.setattr(sys, "stdout", out)
+        assert S.main([path, "--prompt", "hello", "--max-new-tokens", str(len(ids))]) == 0
+        want = ("hello" + "a\\x1b[2J\\x1b]52;c;cm0gLXJm\\x07ok\\x0dX\tY\nZ\\x9b31m" if tty else "hello" + hostile)
+        assert out.getvalue() == want + "\ufffd\n", repr(out.getvalue())
+
+
 def test_cli_output_the_terminal_cannot_encode_is_shown_not_a_traceback(tmp_path, monkeypatch):
     """A stdout whose encoding lacks a character of the prompt or the answer (an emoji in Latin-1, U+FFFD in ASCII):
     a UnicodeEncodeError traceback mid-answer. Such a character shows as '?' now (as chat.py does), and it goes on."""
