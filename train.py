@@ -49,6 +49,7 @@ import base64
 import json
 import math
 import pickle
+import re
 import signal
 import sys
 import time
@@ -144,11 +145,14 @@ _CONFIG_KEYS = sorted(k for k, v in globals().items() if not k.startswith("_") a
 
 EXIT_OK, EXIT_ERROR, EXIT_DATA, EXIT_DENIED, EXIT_UNREACHABLE, EXIT_DISK, EXIT_NONFINITE, EXIT_HANG = 0, 1, 3, 4, 5, 6, 7, 8
 EXIT_CRASH = 10  # anything unforeseen (a CUDA or NCCL error, an I/O error on a network mount): the guardian restarts
-# dense bf16 peaks (vendor datasheets; H100/H200 SXM 989e12 per REFERENCES.md), the first name found in the card's
-# name wins: a variant before its family (an H200 NVL or H100 PCIe was given the SXM peak, an L40 the L4's)
+# dense bf16 peaks (vendor datasheets; H100/H200 SXM 989e12 per REFERENCES.md) by the words of the card's name, the
+# entry naming most of them winning whatever the order: "A10" in "A10G" gave an A10G the A10's 125e12, "L4" in
+# "L40" an L40 the L4's. A10G (AWS G5, not an A10): 70e12 FP16/BF16 tensor, NVIDIA's A10G datasheet for AWS
+# (d1.awsstatic.com/product-marketing/ec2/NVIDIA_AWS_A10G_DataSheet_FINAL_02_17_2022.pdf, as tabled by
+# full-stack-deep-learning's cloud GPU page). GH200: its H100's peak
 PEAK_BF16_FLOPS = [("H200 NVL", 835e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H200", 989e12),
-                   ("H100", 989e12), ("A100", 312e12), ("4090", 165e12), ("L40S", 362e12), ("L40", 181e12),
-                   ("A10", 125e12), ("L4", 121e12)]
+                   ("GH200", 989e12), ("H100", 989e12), ("A100", 312e12), ("4090", 165e12), ("L40S", 362e12),
+                   ("L40", 181e12), ("A10", 125e12), ("A10G", 70e12), ("L4", 121e12)]
 
 
 class TrainError(Exception):
@@ -214,6 +218,7 @@ def check_resume_state(ck, state, n_layer):
     get = state.get
     checks = {"step": whole(get("step")), "tokens": whole(get("tokens")),
               "elapsed_seconds": number(get("elapsed_seconds")), "usd_spent": number(get("usd_spent", 0)),
+              "save_seconds": number(get("save_seconds", 0)),
               "best_val_loss": get("best_val_loss") is None or type(get("best_val_loss")) in (int, float),
               "seq_len_history": isinstance(get("seq_len_history"), list) and all(
                   isinstance(h, dict) and whole(h.get("seq_len")) for h in get("seq_len_history")),
@@ -408,10 +413,41 @@ def gpu_peak_flops(device_type, dtype="bfloat16"):
     if device_type != "cuda":
         return None, None
     name = torch.cuda.get_device_name()
-    for key, peak in PEAK_BF16_FLOPS:
-        if key in name:
-            return name, peak / 2 if dtype == "float32" else peak
-    return name, None
+    peak = card_peak(name)
+    return name, (peak / 2 if dtype == "float32" else peak) if peak else None
+
+
+def card_peak(name):
+    """PEAK_BF16_FLOPS of the entry whose words are all words of the card's name ("NVIDIA A100-SXM4-80GB": A100), the
+    one naming most of them (an H100 PCIe is no H100 SXM), or None."""
+    words = set(re.findall(r"[A-Z0-9]+", name.upper()))
+    found = [(len(key.split()), peak) for key, peak in PEAK_BF16_FLOPS if set(key.upper().split()) <= words]
+    return max(found)[1] if found else None
+
+
+def process_age_s():
+    """Seconds since this process started (Linux's /proc/self/stat: the interpreter's start and imports before main
+    are rented seconds too), or 0 where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+def spent(before, leg_s, gpu_hourly_usd, world):
+    """(elapsed_seconds, usd_spent) of a run whose earlier starts left before = (elapsed, usd), after leg_s seconds of
+    this start (its start-up included) at its own price and world size."""
+    return before[0] + leg_s, before[1] + gpu_hourly_usd * world * leg_s / 3600
+
+
+def eta_seconds(tokens_left, pace):
+    """Seconds to train tokens_left at pace = (tokens, seconds) this start trained them in (its evaluations and saves
+    included: they recur), or None. The run's whole history (tokens / elapsed_seconds) lagged: a leg on a faster GPU
+    took the earlier legs' slower rate, and their start-ups."""
+    tokens, seconds = pace
+    return tokens_left * seconds / tokens if tokens > 0 and seconds > 0 else None
 
 
 def fmt_time(s):
@@ -761,7 +797,9 @@ def split_flags(argv):
 
 
 def main(argv):
-    t_invoked = time.time()  # stop_after_hours counts the start-up too (a leg's rented hours: loading a checkpoint)
+    # this start's clock: stop_after_hours and $ / elapsed count its start-up too (a leg's rented hours: loading a
+    # checkpoint, building the model); durations on the monotonic clock (a wall-clock step, NTP, made them negative)
+    t_invoked = time.monotonic() - process_age_s()
     import configurator
     import checkpoint
 
@@ -1251,6 +1289,8 @@ def main(argv):
         log(f"resume: ${logged_usd - st.get('usd_spent', 0.0):.2f} spent past step {st['step']} (logged at step "
             f"{newest_row.get('step')}) stays in $ spent")
         st["usd_spent"] = float(logged_usd)
+    # earlier starts at their own price and world size (not repriced at this one's); this start's seconds are added
+    spent_before = (st["elapsed_seconds"], st.get("usd_spent", 0.0))
     metrics_f = open_metrics(os.path.join(out, "metrics.jsonl"), st["step"]) if master else None
     stop = {"signal": None}
 
@@ -1346,8 +1386,13 @@ def main(argv):
         retention runs: a kill between them left BEST on the old one, and the next save's retention deleted this)."""
         path = None
         watchdog.tick()
+        t_save = time.monotonic()
         if master:
             st["kind"] = kind
+            # $ and time to this save's end: it cannot time itself inside the state.json it writes, so it is charged
+            # at the last save's measured seconds (a leg's last save went unbilled; the next start counts from its own)
+            charged_s = t_save - t_invoked + st.get("save_seconds", 0.0)
+            st["elapsed_seconds"], st["usd_spent"] = spent(spent_before, charged_s, cfg["gpu_hourly_usd"], world)
             st["data_position"] = {**{c: p for c, (p, _) in idle_positions.items()},
                                    **{c: s.position for c, s in streams.items()}}
             st["data_split_sha"] = {**{c: h for c, (_, h) in idle_positions.items() if h},  # what the positions index
@@ -1369,6 +1414,7 @@ def main(argv):
                 watchdog.alive()
                 time.sleep(0.05)
             work.wait()
+        st["save_seconds"] = time.monotonic() - t_save
         return path
 
     def model_save(m, out_dir, state_dict, optimizer, tok_file):
@@ -1449,14 +1495,14 @@ def main(argv):
 
     # --- the loop -------------------------------------------------------------------------------------------
     model.train()
-    steps_this_run, t_start, t_last_ckpt = 0, time.time(), time.time()
+    steps_this_run, t_last_ckpt = 0, time.monotonic()
     # tok/s and MFU time the training steps only: a window's evaluation and saves (a best save went into the next
-    # window) are paused out (an eval step logged 178 tok/s beside 2,000); elapsed_s, ETA and $ keep the wall clock
-    window_load, window_loss, window_t = None, [], time.time()
+    # window) are paused out (an eval step logged 178 tok/s beside 2,000); elapsed_s and $ count every second of
+    # this start (its start-up, evaluations and saves), the ETA this start's pace with its evaluations and saves
+    window_load, window_loss, window_t = None, [], time.monotonic()
     window_tokens, window_flops, window_paused = 0, 0.0, 0.0
     flops_of_len = {}  # seq_len -> training FLOPs per token (a window across a stage boundary: each step at its own)
-    elapsed_base = st["elapsed_seconds"]
-    usd_base = st.get("usd_spent", 0.0)  # earlier starts at their own price and world size (not repriced at this one's)
+    pace_from = (st["tokens"], window_t)  # the ETA's: this start's pace from its first step's end (see eta_seconds)
     last_saved_step = st["step"] if state is not None else None
     last_saved_kind = (state or {}).get("kind")
     if state is None and cfg["stop_after_steps"] == 0:
@@ -1469,7 +1515,7 @@ def main(argv):
         if cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]:
             break
         hours = cfg["stop_after_hours"]
-        hours_up, signalled = rank0_clock_any_signal(hours >= 0 and time.time() - t_invoked >= hours * 3600,
+        hours_up, signalled = rank0_clock_any_signal(hours >= 0 and time.monotonic() - t_invoked >= hours * 3600,
                                                      stop["signal"] is not None)
         if signalled:
             stop["signal"] = stop["signal"] or signal.SIGTERM  # the ranks not signalled stop with the one that was
@@ -1573,25 +1619,28 @@ def main(argv):
         if T not in flops_of_len:
             flops_of_len[T] = raw_model.flops_per_token(T)
         window_flops += flops_of_len[T] * step_tokens
-        st["elapsed_seconds"] = elapsed_base + (time.time() - t_start)
-        st["usd_spent"] = usd_base + cfg["gpu_hourly_usd"] * world * (st["elapsed_seconds"] - elapsed_base) / 3600
+        t_step_end = time.monotonic()
+        st["elapsed_seconds"], st["usd_spent"] = spent(spent_before, t_step_end - t_invoked, cfg["gpu_hourly_usd"],
+                                                       world)
 
         # log
         val_loss = None
         finished_stage = stage_at(st["plan"], st["tokens"])[0] != idx_stage
         if st["step"] % cfg["eval_interval"] == 0 or stage_at(st["plan"], st["tokens"])[1] is None:
-            t_eval = time.time()
+            t_eval = time.monotonic()
             val_loss = evaluate(idx_stage)
-            window_paused += time.time() - t_eval
+            window_paused += time.monotonic() - t_eval
         # and this invocation's last step (a relay leg of 3 steps logged only its first: the ledger's loss end was it)
         last_step = cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]
         if st["step"] % cfg["log_interval"] == 0 or val_loss is not None or steps_this_run == 1 or last_step:
-            dt = time.time() - window_t - window_paused
+            dt = time.monotonic() - window_t - window_paused
             tok_s = window_tokens / dt if dt > 0 else 0.0
             mfu = (window_flops / dt / (peak * world)) if peak and dt > 0 else None
             cv, dead = load_stats(window_load) if window_load is not None and window_load.numel() else (None, None)
-            rate = (st["tokens"] / st["elapsed_seconds"]) if st["elapsed_seconds"] > 0 else None
-            eta = (plan_tokens(st["plan"]) - st["tokens"]) / rate if rate else None
+            eta = eta_seconds(plan_tokens(st["plan"]) - st["tokens"],
+                              (st["tokens"] - pace_from[0], t_step_end - pace_from[1]))
+            if steps_this_run == 1:  # (its own pace included the first step's compilation)
+                pace_from = (st["tokens"], t_step_end)
             rec = {"step": st["step"], "tokens": st["tokens"], "loss": sum(window_loss) / len(window_loss), "lr": lr,
                    "tok_per_s": tok_s, "mfu": mfu, "stage": stage["name"], "seq_len": T,
                    "load_cv": float(cv.mean()) if cv is not None else None,
@@ -1615,7 +1664,7 @@ def main(argv):
                 + f" | lr {lr:.2e} | {tok_s:,.0f} tok/s | MFU {f'{100 * mfu:.1f}%' if mfu is not None else '-'}"
                 + f" | load cv {rec['load_cv'] if rec['load_cv'] is None else round(rec['load_cv'], 3)}"
                 + f" | ETA {fmt_time(eta)} | ${st['usd_spent']:.2f}")
-            window_load, window_loss, window_t = None, [], time.time()
+            window_load, window_loss, window_t = None, [], time.monotonic()
             window_tokens, window_flops, window_paused = 0, 0.0, 0.0
         if val_loss is not None and math.isfinite(val_loss) and not same_val_set(st.get("best_val_set"), idx_stage):
             if st["best_val_loss"] is not None:  # BEST would name a step measured on other rows
@@ -1641,13 +1690,14 @@ def main(argv):
             kind = "periodic"
         elif best:
             kind = "best"
-        elif cfg["checkpoint_minutes"] > 0 and on_rank0(time.time() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60)[0]:
+        elif cfg["checkpoint_minutes"] > 0 and on_rank0(
+                time.monotonic() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60)[0]:
             kind = "temporary"
         if kind:
-            t_save = time.time()
+            t_save = time.monotonic()
             save(kind, best=best)
-            window_paused += time.time() - t_save
-            last_saved_step, last_saved_kind, t_last_ckpt = st["step"], kind, time.time()
+            window_paused += time.monotonic() - t_save
+            last_saved_step, last_saved_kind, t_last_ckpt = st["step"], kind, time.monotonic()
         if (st["step"] % cfg["log_interval"] == 0 and (ddp or os.path.exists(control_path))) or st["step"] == control_due[0]:
             check_control()  # under DDP every rank joins its broadcast
 

@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import time
 
 import pytest
 import torch
 
+IMPORTED_AT = time.monotonic()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import checkpoint  # noqa: E402
@@ -439,22 +441,36 @@ def test_a_resume_at_another_price_or_world_size_does_not_reprice_the_past(data_
     as well as up. Each leg adds its own hours at its own price.
     And a start that crashed (the guardian restarts it), or a timeline a rollback left, trained and logged steps past
     the checkpoint the next start resumes; that start took the checkpoint's usd_spent, and the hours paid for those
-    steps went from the run's $ spent, $ per billion tokens and projection (relay's ledger bills them)."""
+    steps went from the run's $ spent, $ per billion tokens and projection (relay's ledger bills them).
+    And a start's start-up (loading the checkpoint, building the model) and its last save went unbilled: elapsed and $
+    began at its first step and stopped before the save; and its ETA took the whole run's rate (a leg after slow
+    ones, on a faster GPU, was told the slow legs' pace)."""
     out = str(tmp_path / "run")
     shutil.copytree(three_steps, out)  # trained at gpu_hourly_usd=0: $0 so far
     rows = open(os.path.join(out, "metrics.jsonl")).read().splitlines()
     crashed = dict(json.loads(rows[-1]), step=5, usd=2.5)  # steps 4-5 logged at $2.50 in all, then a crash
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(crashed) + "\n")
-    before = json.load(open(os.path.join(out, "step_0000003", "state.json")))
+    ck = os.path.join(out, "step_0000003")
+    state_path, man_path = os.path.join(ck, "state.json"), os.path.join(ck, "MANIFEST.json")
+    before, man = json.load(open(state_path)), json.load(open(man_path))
+    before["elapsed_seconds"] = 1e6  # its 3 steps took 11 days on an earlier, slow machine
+    json.dump(before, open(state_path, "w"))
+    man["files"]["state.json"] = {"sha256": checkpoint.sha256_file(state_path), "bytes": os.path.getsize(state_path)}
+    json.dump(man, open(man_path, "w"))
+    t0 = time.monotonic()
     r = run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND, "--init_from=resume",
                     "--stop_after_steps=1", "--gpu_hourly_usd=3600.0"])  # $1 a second
+    wall_s = time.monotonic() - t0
     after = json.load(open(os.path.join(out, "step_0000004", "state.json")))
     leg_s = after["elapsed_seconds"] - before["elapsed_seconds"]
-    assert before["usd_spent"] == 0.0 and leg_s > 0
+    assert before["usd_spent"] == 0.0 and 0.5 * wall_s < leg_s < wall_s, (leg_s, wall_s)  # the start-up billed too
     assert "$2.50 spent past step 3 (logged at step 5)" in r.stdout, r.stdout[-1500:]
     assert abs(after["usd_spent"] - (2.5 + leg_s)) < 1e-6, (after["usd_spent"], leg_s)
-    assert abs(metrics(out)[4]["usd"] - after["usd_spent"]) < 1e-6 and 5 not in metrics(out)
+    # the state's $ runs to its save's end, the step's row to the step's end: a save's worth of seconds apart
+    assert 0 < after["usd_spent"] - metrics(out)[4]["usd"] < after["save_seconds"] + 1.0 and 5 not in metrics(out)
+    eta = next(ln for ln in r.stdout.splitlines() if "step      4 |" in ln).split("| ETA ")[1].split(" |")[0]
+    assert "h" not in eta, eta  # 96 steps at this leg's pace: minutes (at the run's 11 days for 3 steps: 8,900 hours)
 
 
 def test_a_checkpoint_whose_model_config_lacks_a_field_is_refused(data_root, three_steps, tmp_path):
@@ -1515,6 +1531,34 @@ def test_mfu_peak_is_the_cards_own_variant(monkeypatch):
     assert train.gpu_peak_flops("cpu") == (None, None)
 
 
+def test_mfu_peak_matches_the_cards_name_by_words_in_any_order(monkeypatch):
+    """"A10" in "NVIDIA A10G" gave an A10G (AWS G5; 70e12 dense bf16, its datasheet) the A10's 125e12; and only the
+    table's order kept an L40S from the L40's peak and an L40 from the L4's. Now an entry matches whole words of the
+    card's name, the one naming most of them winning, in whatever order the table lists them."""
+    want = {"NVIDIA A10G": 70e12, "NVIDIA A10": 125e12, "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12,
+            "NVIDIA L4": 121e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 80GB HBM3": 989e12,
+            "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA GH200 480GB": 989e12}
+    for table in (train.PEAK_BF16_FLOPS, train.PEAK_BF16_FLOPS[::-1]):
+        monkeypatch.setattr(train, "PEAK_BF16_FLOPS", table)
+        for name, peak in want.items():
+            monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
+            assert train.gpu_peak_flops("cuda") == (name, peak), (name, table[0])
+
+
+def test_a_starts_seconds_count_from_its_process_start():
+    """A start's elapsed and $ counted from main(): the interpreter's start and the imports before it went unbilled.
+    This process started before this file was imported."""
+    assert time.monotonic() - IMPORTED_AT < train.process_age_s() < 30 * 24 * 3600
+
+
+def test_eta_is_this_starts_pace_not_the_runs_history():
+    """The ETA was the tokens left at the run's whole rate (tokens / elapsed_seconds): a leg on an H100 after 100 hours
+    of legs on slower cards was told their pace. Now this start's: the tokens it trained in its seconds."""
+    assert train.eta_seconds(9_000_000, (1_000_000, 100.0)) == pytest.approx(900.0)
+    assert train.eta_seconds(0, (1_000_000, 100.0)) == 0.0
+    assert train.eta_seconds(1000, (0, 5.0)) is None and train.eta_seconds(1000, (10, 0.0)) is None
+
+
 def test_mfu_of_a_float32_run_is_against_the_tf32_peak(monkeypatch):
     """--dtype=float32 on CUDA runs its matmuls in TF32 (train.py enables it), whose dense peak is half the bf16 one on
     every card listed (H100 SXM 494.5e12 vs 989e12, A100 156e12 vs 312e12): its MFU was against the bf16 peak, half."""
@@ -1526,13 +1570,18 @@ def test_mfu_of_a_float32_run_is_against_the_tf32_peak(monkeypatch):
 def test_tok_per_s_and_mfu_time_the_training_steps_of_their_window(data_root, tmp_path):
     """A log window's tok/s and MFU counted its evaluation (an eval step of tiny logged 178 tok/s beside 2,000) and the
     save of the step before it; and its MFU took every step at the last step's seq_len (a window across a stage
-    boundary). Now: the window's training time only, and each step's FLOPs at its own seq_len."""
+    boundary). Now: the window's training time only, and each step's FLOPs at its own seq_len.
+    And durations were differences of time.time(): the wall clock stepped back (NTP) gave negative windows (0 tok/s)
+    and elapsed seconds. Here it steps back an hour at every reading: durations are on the monotonic clock."""
     out = str(tmp_path / "run")
     stages = ("--stages=[{'name': 'short', 'steps': 2, 'seq_len': 16, 'lr_phase': 'stable'}, "
               "{'name': 'long', 'steps': 2, 'seq_len': 32, 'lr_phase': 'decay'}]")
+    clock_steps_back = ("import itertools, runpy, sys, time\nreal, n = time.time, itertools.count(1)\n"
+                        "time.time = lambda: real() - 3600 * next(n)\nsys.argv[0] = 'train.py'\n"
+                        "runpy.run_path('train.py', run_name='__main__')")
     # 0.6 s of injected evaluation at the plan's end (step 4, whose window is steps 2-4)
-    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}", stages,
-                        "--log_interval=4", "--eval_interval=1000", "--eval_iters=1"], cwd=REPO, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", clock_steps_back, *TINY, f"--data_root={data_root}", f"--out_dir={out}",
+                        stages, "--log_interval=4", "--eval_interval=1000", "--eval_iters=1"], cwd=REPO, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PICAFLOR_INJECT_EVAL_BATCH_S="0.6",
                                 PICAFLOR_INJECT_PEAK_FLOPS="1e9"), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -1540,6 +1589,7 @@ def test_tok_per_s_and_mfu_time_the_training_steps_of_their_window(data_root, tm
     window_tokens = 4 * 16 + 2 * 4 * 32  # steps 2, 3, 4
     assert "val_loss" in row and row["tokens"] - metrics(out)[1]["tokens"] == window_tokens
     assert window_tokens / row["tok_per_s"] < 0.6, row  # the window's seconds, less than its evaluation slept
+    assert 0 < metrics(out)[1]["elapsed_s"] < row["elapsed_s"] < 300, row  # (negative, the clock stepped back)
     m = load_checkpoint(os.path.join(out, "step_0000004"))
     flops = 4 * 16 * m.flops_per_token(16) + 2 * 4 * 32 * m.flops_per_token(32)
     assert row["mfu"] == pytest.approx(flops / (window_tokens / row["tok_per_s"]) / 1e9, rel=1e-6), row
