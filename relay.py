@@ -54,7 +54,8 @@ gpu_hourly_usd (the config's, or --gpu_hourly_usd=; kept in LEG.json, so a `push
 the trainer time and rate LEG.json kept); a pull downloads into .pull-<pid>-*, and removes those whose pid is gone;
 `pull STORE` (no lease, no --out) keeps in WORKDIR/pulled only the newest step it pulled there (PULLED.json; steps put
 there otherwise stay); init builds in WORKDIR/init-HOST-PID-*, which the next init or run removes once that pid is gone
-on this host; a push first puts back a step a re-save killed between its renames left as step_N.old-PID;
+on this host; a push (and a release, which checks for unpushed steps) first puts back a step a re-save killed
+between its renames left as step_N.old-PID;
 defaults ttl 1200 s, heartbeat 300 s (Hub rate limits). One relay.py at a time
 works in a WORKDIR (flock on WORKDIR/.relay.lock). HTTP requests time out after RELAY_HTTP_TIMEOUT_S (60 s) without
 progress (huggingface_hub's client waits forever), as a Transient. A failed upload or commit of a finished leg keeps
@@ -87,7 +88,8 @@ import checkpoint
 import configurator
 import rundir
 import schedule
-from relay_store import Conflict, RelayError, StoreError, Transient, open_store, write_atomic
+from relay_store import (SMALL_FILE_CAP, Conflict, RelayError, StoreError, Transient, open_store, read_capped,
+                         write_atomic)
 from relay_lease import (CKPT_PREFIX, DEFAULT_HEARTBEAT, DEFAULT_TTL, RELAY_FORMAT, RELAY_VERSION,
                          STATE_FORMAT, Busy, Fenced, Lease, Snapshot, adopt_landed_push, adopt_own_renewal,
                          chain_lease_to, check_lease_times, claim, commit_cas, ledger_text, manifest_id, now_iso, parse_json,
@@ -135,6 +137,10 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
     try:
         store.download(snap_sha, paths, tmp)
         got = os.path.join(tmp, CKPT_PREFIX)
+        pulled_file = lambda name: f"{store.url}: {CKPT_PREFIX}/{name} at {snap_sha[:10]}"
+        not_installed = "nothing installed locally. Revert the push that wrote it"
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(got, "MANIFEST.json"), "rb") as f:
+            read_capped(f, SMALL_FILE_CAP, pulled_file("MANIFEST.json"), not_installed)  # verify reads it whole
         try:
             manifest = checkpoint.verify(got)
         except checkpoint.CheckpointError as e:  # named as the store's files: the temporary dir is removed below
@@ -149,8 +155,8 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
                              f"number; nothing installed locally. Revert the push that wrote it")
         if "state.json" in manifest["files"]:  # read by relay (the leg's base step, its config) and by train.py
             try:
-                with open(os.path.join(got, "state.json"), "rb") as f:
-                    state = json.load(f)
+                with open(os.path.join(got, "state.json"), "rb") as f:  # (its hash is right: any size passes)
+                    state = json.loads(read_capped(f, SMALL_FILE_CAP, pulled_file("state.json"), not_installed))
                 if not isinstance(state, dict):
                     raise ValueError("not a JSON object")
                 if isinstance(state.get("step"), bool) or not isinstance(state.get("step", 0), int):
@@ -173,14 +179,16 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def recover_killed_resave(run_dir):
+def recover_killed_resave(run_dir, cmd="push"):
     """A trainer killed between a re-save's two renames left step_N.old-PID and no step_N (checkpoint.recover puts it
-    back): a push without it pushed the step before (or nothing), the leg's newest step left out. Put back under the
-    trainer's lock as any reader of a run dir does (rundir.recover_for_reader); refused while a trainer holds it."""
+    back): a push without it pushed the step before (or nothing), the leg's newest step left out; a release took the
+    leg for one with nothing unpushed. Put back under the trainer's lock as any reader of a run dir does
+    (rundir.recover_for_reader); refused while a trainer holds it."""
     try:
         back = rundir.recover_for_reader(run_dir)
     except checkpoint.CheckpointError as e:
-        raise RelayError(f"push refused: {e}; nothing was uploaded") from None
+        done = "nothing was uploaded" if cmd == "push" else "the baton is still yours"
+        raise RelayError(f"{cmd} refused: {e}; {done}") from None
     for path in back:
         print(f"relay: {path}: put back (a re-save of it was killed between its two renames)", file=sys.stderr)
 
@@ -1240,6 +1248,8 @@ def cmd_release(args):
         print(f"relay: the earlier push had landed as {lease.sha[:10]}")
     pulled = getattr(lease, "run_dir", None)
     for run_dir in dict.fromkeys(d for d in (pulled, getattr(lease, "push_dir", None)) if d):  # pull's, push's
+        if not args.discard:  # a newest step a killed re-save left as step_N.old-PID is unpushed work too
+            recover_killed_resave(run_dir, "release")
         trained = newest_valid_step(run_dir)
         if trained is not None and trained > (lease.base_step or 0) and not args.discard:  # (it said "released", exit 0)
             if lease_taken(store, lease):  # a push could only be fenced: "push first" sent the user round in circles

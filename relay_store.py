@@ -8,6 +8,10 @@ relay_store.py: where a relay run lives, behind one small interface (relay.py ho
     store.list(sha, prefix) -> [path]                  store.download(sha, paths, dest)
     store.commit(parent, adds {path: bytes | local file path}, deletes, message) -> sha
 
+read holds at most read_cap(path) bytes in memory (TooBig past it: RELAY.json, the ledger, a leg's log, ... are
+small when relay.py writes them; a store's copy of GBs was read whole by every contributor's command); download, the
+checkpoint's payload, goes to disk uncapped (verified by its manifest's hashes).
+
 head's commit_time is the newest relay commit's ("relay: ..."), the lease's clock: a model card edited on the Hub
 after a holder died kept its lease alive for another ttl.
 
@@ -16,6 +20,7 @@ Hub, HTTP 412; a head check under flock for file://). Errors: StoreError for goo
 when the request may or may not have taken effect (relay.commit_cas finds out which).
 """
 
+import contextlib
 import datetime as dt
 import email.utils
 import hashlib
@@ -48,6 +53,53 @@ class NotFound(StoreError):
 
 class Conflict(StoreError):
     """The head is not the commit we chained from: someone else wrote (HTTP 412)."""
+
+
+class TooBig(StoreError):
+    """A file relay would read into memory is larger than it ever is when relay.py wrote it (read_capped)."""
+
+
+MiB = 2 ** 20
+# bytes of one store file relay reads into memory, by kind (read_cap): a contributor who pushed a multi-GB RELAY.json,
+# ledger or leg log made every volunteer's run / status / dashboard read it whole. Generous: relay's own are KBs to
+# MBs. Checkpoint payloads are downloaded to disk (store.download, hash-verified), never read through these.
+READ_CAPS = {"LEDGER.md": 32 * MiB, "logs/": 64 * MiB}  # ~150 B a leg's row; a leg's metrics lines
+SMALL_FILE_CAP = 4 * MiB  # RELAY.json, training_state.json, config.py, checkpoint/MANIFEST.json and state.json, ...
+COMMIT_RECORD_CAP = 64 * MiB  # a file:// commit record: the whole tree, ~100 B a file
+STORE_FIX = "restore it from the previous commit (git revert on the repo); relay changed nothing"
+
+
+def read_cap(path):
+    """The most bytes relay reads into memory of the store file at path (READ_CAPS, by name or folder)."""
+    return next((cap for key, cap in READ_CAPS.items() if path == key or (key.endswith("/") and path.startswith(key))),
+                SMALL_FILE_CAP)
+
+
+def fmt_bytes(n):
+    return f"{n} bytes" if n < MiB else f"{n / MiB:.1f} MiB" if n < 1024 * MiB else f"{n / 1024 / MiB:.1f} GiB"
+
+
+def read_capped(src, cap, name, fix, size=None):
+    """All of src (a binary file, or an iterable of byte chunks: an HTTP body) if it is at most cap bytes; else
+    TooBig naming it (name), its size (given, or the file's fstat), the cap and the fix. Refused on that size before
+    reading; read in chunks, never more than cap + 1 bytes whatever the size said (a file still growing, a
+    Content-Length that lied)."""
+    if size is None and hasattr(src, "fileno"):
+        with contextlib.suppress(OSError):  # (io.BytesIO: none)
+            size = os.fstat(src.fileno()).st_size
+    if size is None or size <= cap:
+        step = MiB if size is None else min(MiB, size + 4096)  # (a 41-byte HEAD: no MiB buffer for it)
+        parts, n = [], 0
+        for chunk in (iter(lambda: src.read(min(step, cap + 1 - n)), b"") if hasattr(src, "read") else src):
+            parts.append(chunk)
+            n += len(chunk)
+            if n > cap:
+                break
+        else:
+            return b"".join(parts)
+    is_ = f"is {fmt_bytes(size)}," if size is not None and size > cap else "is"  # (unknown, or grown past it)
+    raise TooBig(f"{name} {is_} more than the {fmt_bytes(cap)} relay reads of it (a file relay.py wrote is far "
+                 f"smaller: damaged, or pushed by hand); {fix}")
 
 
 # RELAY_FSYNC=0 skips fsync in relay's own writes (file:// store, lease file): for tests only, where durability
@@ -115,15 +167,17 @@ class FileStore:
         if not (isinstance(cid, str) and re.fullmatch(r"[0-9a-f]{40}", cid)):  # HEAD naming ../x: any .json read
             raise StoreError(f"{self.url}: names commit {str(cid)[:80]!r}, not a commit id; the store is damaged "
                              f"(or edited by hand): restore HEAD or that commit record")
+        path = self._p("commits", cid + ".json")
         try:
-            with open(self._p("commits", cid + ".json")) as f:
-                return json.load(f)
+            with open(path, "rb") as f:
+                return json.loads(read_capped(f, COMMIT_RECORD_CAP, path, "restore that commit record"))
         except (OSError, ValueError) as e:
             raise StoreError(f"{self._p('commits', cid + '.json')}: unreadable commit record ({e}); the store is damaged")
 
     def _head_id(self):
         try:
-            return open(self._p("HEAD")).read().strip()
+            with open(self._p("HEAD"), "rb") as f:  # a commit id: a multi-GB HEAD was read whole by every command
+                return read_capped(f, 4096, self._p("HEAD"), "restore HEAD").decode(errors="replace").strip()
         except (FileNotFoundError, NotADirectoryError):
             raise StoreError(f"{self.url}: not a relay store (no HEAD); create the run with `relay.py init {self.url} CONFIG`")
 
@@ -143,7 +197,7 @@ class FileStore:
         if obj is None:
             return None
         with open(self._object(sha, path, obj), "rb") as f:
-            return f.read()
+            return read_capped(f, read_cap(path), f"{self.url}: {path} at {sha[:10]}", STORE_FIX)
 
     def list(self, sha, prefix=""):
         return sorted(p for p in self._load_commit(sha)["tree"] if p.startswith(prefix))
@@ -326,11 +380,14 @@ class HfStore:
             if (sha, path) in self.cache:
                 return self.cache[(sha, path)]
 
-        def get():
-            r = get_session().get(hf_hub_url(self.repo_id, path, revision=sha, endpoint=self.api.endpoint),
-                                  headers=build_hf_headers(), follow_redirects=True)
-            hf_raise_for_status(r)
-            return r.content
+        def get():  # streamed: at most read_cap(path) bytes in memory, whatever the repo holds
+            with get_session().stream("GET", hf_hub_url(self.repo_id, path, revision=sha, endpoint=self.api.endpoint),
+                                      headers=build_hf_headers(), follow_redirects=True) as r:
+                hf_raise_for_status(r)
+                size = r.headers.get("Content-Length")
+                size = int(size) if size and size.isdigit() and "Content-Encoding" not in r.headers else None
+                return read_capped(r.iter_bytes(), read_cap(path), f"{self.url}: {path} at {sha[:10]}", STORE_FIX,
+                                   size)
         try:
             data = self._call(f"read {path}", get)
         except EntryNotFoundError:

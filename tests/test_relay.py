@@ -2809,3 +2809,108 @@ def test_a_file_store_reads_no_file_outside_it_for_a_commit_record_naming_one(tm
     (tmp_path / "store" / "HEAD").write_text("../../elsewhere\n")
     r = rl(["status", url])
     assert one_line_error(r) and "damaged" in r.stderr, r.stderr
+
+
+def test_store_files_past_their_read_cap_are_one_line_errors_never_read_whole(tmp_path, hostile, rl, monkeypatch):
+    """A contributor who pushed a multi-GB RELAY.json, LEDGER.md or leg log (valid, only big) had every volunteer's
+    `relay.py run / status / dashboard` read it whole into memory. Each kind of file has a cap (generous: MBs) checked
+    before reading (fstat for file://); past it, one line naming the file, its size, the cap and the fix."""
+    import relay_store
+    url, store, head = hostile
+    ledger = store.read(head, "LEDGER.md")  # (padded with JSON whitespace: still valid, only too big)
+    sha = store.commit(head, {"RELAY.json": store.read(head, "RELAY.json") + b" " * (4 << 20)}, [],
+                       "relay: a hostile commit")
+    r = rl(["status", url])
+    assert one_line_error(r), r.stderr
+    assert f"RELAY.json at {sha[:10]} is 4.0 MiB, more than the 4.0 MiB" in r.stderr, r.stderr
+    assert "restore it from the previous commit (git revert" in r.stderr, r.stderr
+    cap = 32 << 20
+    sha = store.commit(sha, {"RELAY.json": store.read(head, "RELAY.json"), "LEDGER.md": ledger + b"\n" * cap}, [],
+                       "relay: a hostile commit")
+    r = rl(["claim", url, "--workdir", tmp_path / "wa"])
+    assert one_line_error(r) and f"LEDGER.md at {sha[:10]} is 32.0 MiB, more than the 32.0 MiB" in r.stderr, r.stderr
+    assert json.loads(store.read(store.head()[0], "RELAY.json"))["holder"] is None
+    cap = 64 << 20
+    sha = store.commit(sha, {"LEDGER.md": ledger, "logs/leg-0001.jsonl": b'{"step": 1, "tokens": 1, "loss": 1}\n' +
+                             b"\n" * cap}, [], "relay: a hostile commit")
+    with pytest.raises(relay.RelayError, match=rf"logs/leg-0001.jsonl at {sha[:10]} is 64.0 MiB, more than the 64.0"):
+        relay_dashboard.dashboard_data(url)
+    head_file, sha = tmp_path / "store" / "HEAD", store.head()[0]  # the file:// store's own HEAD and commit records
+    head_file.write_text(sha + " " * 4096 + "\n")
+    r = rl(["status", url])
+    assert one_line_error(r) and f"{head_file} is 4137 bytes, more than the 4096 bytes" in r.stderr, r.stderr
+    head_file.write_text(sha + "\n")
+    record = tmp_path / "store" / "commits" / f"{sha}.json"
+    monkeypatch.setattr(relay_store, "COMMIT_RECORD_CAP", 1 << 20, raising=False)  # (64 MiB: a second to write)
+    record.write_bytes(record.read_bytes() + b" " * (1 << 20))
+    r = rl(["status", url])
+    assert one_line_error(r) and f"{record} is 1.0 MiB, more than the 1.0 MiB" in r.stderr, r.stderr
+    with open(tmp_path / "sparse", "wb") as f:  # 8 GiB that take no disk: refused on its size, nothing read
+        f.truncate(8 << 30)
+    with open(tmp_path / "sparse", "rb") as f:
+        with pytest.raises(relay_store.TooBig, match="x is 8.0 GiB, more than the 100 bytes relay reads of it"):
+            relay_store.read_capped(f, 100, "x", "fix it")
+        assert f.tell() == 0
+    chunks = iter([b"x" * 3, b"y" * 3, b"z" * 3])  # an HTTP body without a Content-Length: read to the cap, no further
+    with pytest.raises(relay_store.TooBig, match="a.json is more than the 4 bytes relay reads of it"):
+        relay_store.read_capped(chunks, 4, "a.json", "fix it")
+    assert next(chunks) == b"z" * 3
+
+
+def test_an_hf_store_file_past_its_read_cap_is_refused_without_reading_it(tmp_path, hub, hf_env, rl):
+    """The same on the Hub: read streams the body, refused on its Content-Length (or past the cap) before it is
+    held whole in memory."""
+    store = relay.open_store("hf://alice/big")
+    store.create()
+    sha = store.commit(store.head()[0], {"RELAY.json": b"{}" + b" " * (4 << 20)}, [], "relay: big")
+    with pytest.raises(relay.StoreError, match=rf"hf://alice/big: RELAY.json at {sha[:10]} is 4.0 MiB, more than"):
+        store.read(sha, "RELAY.json")
+    sha = store.commit(sha, {"RELAY.json": b"{}"}, [], "relay: small")
+    assert store.read(sha, "RELAY.json") == b"{}"
+
+
+def test_a_pull_refuses_a_checkpoint_manifest_or_state_json_past_its_read_cap(tmp_path, hostile, rl):
+    """A checkpoint's MANIFEST.json and state.json (its hash right, any size) are read whole by the pull (verify,
+    the leg's base step): GBs of either filled the volunteer's memory. The payload itself is not capped."""
+    url, store, head = hostile
+    manifest = json.loads(store.read(head, "checkpoint/MANIFEST.json"))
+    pad = {"pad": " " * (4 << 20)}
+    sha = store.commit(head, {"checkpoint/MANIFEST.json": json.dumps({**manifest, **pad}).encode()}, [],
+                       "relay: a hostile commit")
+    r = rl(["pull", url, "--out", tmp_path / "out0"])
+    assert one_line_error(r) and f"checkpoint/MANIFEST.json at {sha[:10]} is 4.0 MiB, more than" in r.stderr, r.stderr
+    assert "Revert the push that wrote it" in r.stderr and not os.path.exists(tmp_path / "out0" / "LATEST")
+    state = json.dumps({"step": 0, "tokens": 0, **pad}).encode()
+    files = {**manifest["files"], "state.json": {"sha256": hashlib.sha256(state).hexdigest(), "bytes": len(state)}}
+    sha = store.commit(sha, {"checkpoint/MANIFEST.json": json.dumps({**manifest, "files": files}).encode(),
+                             "checkpoint/state.json": state}, [], "relay: a hostile commit")
+    r = rl(["pull", url, "--out", tmp_path / "out1"])
+    assert one_line_error(r) and f"checkpoint/state.json at {sha[:10]} is 4.0 MiB, more than" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "out1" / "LATEST")
+
+
+def test_release_puts_back_a_step_a_killed_re_save_left_aside_and_counts_it_unpushed(tmp_path, hostile, rl,
+                                                                                    monkeypatch):
+    """A trainer killed between a re-save's two renames leaves its newest step only as step_N.old-PID: `release` saw
+    just the pulled step, said "released the baton" (exit 0) and the leg's steps were never pushed nor named. It puts
+    the step back as push does (rundir.recover_for_reader), so it refuses as for any unpushed step; refused while a
+    trainer holds the lock."""
+    import fcntl
+    import rundir
+    url, store, head = hostile
+    work = str(tmp_path / "wa")
+    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, work)
+    train_leg(write_fake_train(tmp_path), run_dir, 5)  # step 5: saved at 5, then re-saved at the leg's end
+    newest = os.path.join(run_dir, checkpoint.step_dir_name(5))
+    os.replace(newest, newest + f".old-{os.getpid()}")
+    monkeypatch.setattr(rundir, "RESAVE_WAIT_S", 0.2)
+    with open(os.path.join(run_dir, ".trainer.lock"), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        r = rl(["release", url, "--workdir", work])
+    assert one_line_error(r) and "release refused:" in r.stderr and "being re-saved" in r.stderr, r.stderr
+    r = rl(["release", url, "--workdir", work])
+    assert r.returncode == 3 and f"{newest}: put back" in r.stderr, r.stderr
+    assert "holds step 5, past the pulled step 0, never pushed" in r.stderr and os.path.isdir(newest), r.stderr
+    assert relay.Snapshot(store).relay["holder"] == "alice"
+    assert rl(["release", url, "--workdir", work, "--discard"]).returncode == 0
