@@ -507,9 +507,20 @@ def prepare_leg(store, lease, workdir):
     """Pull the run's checkpoint and config into a fresh leg dir. Leg dirs of earlier legs that were pushed are
     removed (their content is in the store); unpushed ones (fenced, crashed) are kept."""
     os.makedirs(workdir, exist_ok=True)
+    unsure = set()  # a pushed leg's newer step left as step_N.old-PID by a killed re-save was deleted with its dir
     for name in sorted(os.listdir(workdir)):
         d = os.path.join(workdir, name)
-        if name.startswith("leg-") and os.path.isfile(os.path.join(d, "PUSHED")):
+        if name.startswith("leg-") and os.path.isdir(d):
+            try:
+                for path in rundir.recover_for_reader(d):
+                    print(f"relay: {path}: put back (a re-save of it was killed between its two renames)",
+                          file=sys.stderr)
+            except checkpoint.CheckpointError as e:
+                unsure.add(d)
+                print(f"relay: warning: {e}; {d} kept as it is", file=sys.stderr)
+    for name in sorted(os.listdir(workdir)):
+        d = os.path.join(workdir, name)
+        if name.startswith("leg-") and os.path.isfile(os.path.join(d, "PUSHED")) and d not in unsure:
             newer = unpushed_step(d)
             if newer is None:
                 shutil.rmtree(d, ignore_errors=True)

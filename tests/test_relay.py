@@ -2914,3 +2914,26 @@ def test_release_puts_back_a_step_a_killed_re_save_left_aside_and_counts_it_unpu
     assert "holds step 5, past the pulled step 0, never pushed" in r.stderr and os.path.isdir(newest), r.stderr
     assert relay.Snapshot(store).relay["holder"] == "alice"
     assert rl(["release", url, "--workdir", work, "--discard"]).returncode == 0
+
+
+def test_the_next_leg_puts_back_a_pushed_legs_newer_step_a_killed_re_save_left_aside_and_keeps_the_dir(
+        tmp_path, hostile, rl, capsys):
+    """A pushed leg trained on past its push, its newest step left as step_N.old-PID by a killed re-save: the next
+    leg's prepare_leg saw only the pushed step and deleted the dir with the step that was nowhere else."""
+    url, store, head = hostile
+    work = str(tmp_path / "wa")
+    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, work)
+    fake = write_fake_train(tmp_path)
+    train_leg(fake, run_dir, 2)
+    relay.commit_push(store, lease, relay.prepare_push(store, lease, run_dir, wall_s=1), run_dir)
+    train_leg(fake, run_dir, 2)  # step 4, after the push
+    newest = os.path.join(run_dir, checkpoint.step_dir_name(4))
+    os.replace(newest, newest + f".old-{os.getpid()}")
+    assert rl(["release", url, "--workdir", work, "--discard"]).returncode == 0
+    lease2 = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    capsys.readouterr()
+    relay.prepare_leg(store, lease2, work)
+    err = capsys.readouterr().err
+    assert checkpoint.is_valid(newest) and f"{newest}: put back" in err, err
+    assert f"{run_dir} holds step 4, trained after its push; kept" in err, err
