@@ -20,8 +20,10 @@ Terminal chat (the implementer's calls):
 - The KV cache holds the whole conversation; each new user turn appends only its own tokens (plus the
   <|end|> that closed the last reply) to the cache: the history is never re-prefilled. When the context is full,
   the oldest exchanges are dropped and what is left is prefilled once (said on screen).
-- Output streams token by token. Stops at <|end|> (or any other special token) or --max-new-tokens; a reply
-  cut by the limit or by Ctrl-C is closed with <|end|> in the cache, as render_conversation would write it.
+- Output streams token by token, exact when piped; on a terminal the model's control characters (ESC sequences,
+  carriage return, BEL, C1) are written escaped (tokenizer.terminal_text), so an answer cannot drive it. Stops at
+  <|end|> (or any other special token) or --max-new-tokens; a reply cut by the limit or by Ctrl-C is closed with
+  <|end|> in the cache, as render_conversation would write it.
 - /reset starts a new conversation (same system prompt), /exit or Ctrl-D quits, Ctrl-C at the prompt quits,
   Ctrl-C while the model is answering stops that answer. Greedy by default (--temperature 0); --temperature T
   with --top-p P samples. No repetition penalty, ever.

@@ -135,6 +135,7 @@ svg text{font-size:10px;fill:#555} .muted{color:#888}
 <div class="grid">
  <div class="card"><h2>Loss over tokens</h2><svg id="loss" width="440" height="230"></svg></div>
  <div class="card"><h2>Throughput (tokens/s)</h2><svg id="tps" width="440" height="230"></svg></div>
+ <div class="card"><h2>MFU (share of the GPU's dense bf16 peak; none on CPU)</h2><svg id="mfu" width="440" height="230"></svg></div>
  <div class="card"><h2>Learning rate</h2><svg id="lr" width="440" height="230"></svg></div>
  <div class="card"><h2>Dead-expert fraction</h2><svg id="dead" width="440" height="230"></svg></div>
  <div class="card"><h2>Expert balance: load CV per MoE layer (green = even)</h2><svg id="heat" width="440" height="230"></svg></div>
@@ -220,6 +221,7 @@ function render(D) {
   lineChart("loss", [{name: "loss", pts: pts(ms, "loss")}, {name: "val loss", pts: pts(ms, "val_loss")}].concat(
     fresh.length ? [{name: "loss (not pushed)", pts: pts(fresh, "loss")}] : []), "tokens");
   lineChart("tps", [{name: "tok/s", pts: pts(ms, "tok_per_s")}], "tokens");
+  lineChart("mfu", [{name: "MFU", pts: pts(ms, "mfu")}], "tokens");
   lineChart("lr", [{name: "lr", pts: pts(ms, "lr")}], "tokens");
   lineChart("dead", [{name: "dead frac", pts: pts(ms, "dead_frac")}], "tokens");
   heatmap("heat", ms.map(function (m) { return {x: m.tokens, vals: Array.isArray(m.load_cv_layers) ? m.load_cv_layers : m.load_cv}; })

@@ -77,6 +77,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   starved the reader threads while streaming and 1 thread was faster; a machine whose cores are busy elsewhere still
   wants `--threads 1`.)
 - Output is identical whatever the budget: the compute order never depends on what was cached.
+- Printed text is exact when piped; on a terminal the model's control characters (ESC sequences, carriage
+  return, BEL, C1) are written escaped (tokenizer.terminal_text, as chat.py), so a generation cannot drive the terminal.
 - No repetition penalty or any other sampling penalty, ever.
 """
 

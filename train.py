@@ -35,7 +35,7 @@ start made is removed again, not left holding a lock file and a crash report), 2
 unreachable (a mount that dropped; an I/O error), 6 out of disk (previous checkpoint intact), 7 non-finite loss or gradient norm (the step is not applied and never
 reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread stacks in hang-*.txt), 9 stuck
 (--supervise only: the guardian gave up, guardian.py), 10 an unforeseen error (its traceback on stderr and in the crash
-report; the guardian restarts on it).
+report; the guardian restarts on it), 130 a second Ctrl-C (quits at once, no checkpoint).
 Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step (a resume moves rows past
 its step to metrics.abandoned.jsonl, so each step is logged once); mirror_dir copies them
 and the newest checkpoint elsewhere (keep_last applies there too; a failed copy warns, training goes on; a mirror

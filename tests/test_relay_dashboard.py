@@ -86,8 +86,8 @@ def test_dashboard_renders_run_in_chromium(fixture_run, tmp_path):
     assert "mallory" in dom and "&lt;b&gt;9&lt;/b&gt;" in dom  # the hand-edited row, as text
     assert "(leg 3, generation 3" in dom and "legs <b>2</b>" in dom and "step <b>16</b>" in dom
     assert "<b>decaying</b>" in dom  # (once the trainer took the flag, nothing said the run was decaying)
-    # the charts drew one series each (loss, val loss, tok/s, lr, dead frac) and the per-layer heatmap 3 x 16
-    for name in ("loss", "val loss", "tok/s", "lr", "dead frac"):
+    # the charts drew one series each (loss, val loss, tok/s, MFU, lr, dead frac) and the per-layer heatmap 3 x 16
+    for name in ("loss", "val loss", "tok/s", "MFU", "lr", "dead frac"):
         assert f'data-name="{name}"' in dom, name
     assert dom.count('class="cell"') == 3 * 16
     assert 'class="nodata"' not in dom
