@@ -80,6 +80,56 @@ def warn(msg):
         pass
 
 
+def print_or_detach(*args, **kwargs):
+    """print for a process that must outlive its output (train.py's log; relay.py run's lines from the push to the
+    release): the stream a print fails on (a dead pipe, a terminal that hung up, a full disk's file) goes to /dev/null
+    with pipes nobody reads, so later lines and the exit's flush fail no more. A BrokenPipeError ended the trainer
+    before the checkpoint a killed guardian's SIGTERM asked for, and relay before its release. (checkpoint.warn, for
+    library code, leaves the host's streams alone: a command piped into `head` should still end.)"""
+    try:
+        print(*args, **kwargs)
+    except (OSError, ValueError):  # (ValueError: the stream was closed)
+        detach_from_lost_terminal(tty=False, failed=kwargs.get("file") or sys.stdout)
+    except RuntimeError:  # a signal handler's line (Ctrl-C's) run inside an interrupted print: "reentrant call", raised
+        # into the main thread wherever it was (exit 10, no checkpoint); the line goes out unbuffered instead
+        sep, end = kwargs.get("sep"), kwargs.get("end")
+        text = (" " if sep is None else sep).join(map(str, args)) + ("\n" if end is None else end)
+        try:
+            os.write((kwargs.get("file") or sys.stdout).fileno(), text.encode(errors="replace"))
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def detach_from_lost_terminal(tty=True, failed=None):
+    """After SIGHUP: stdout / stderr on the terminal that hung up fail every write (EIO), which would end the
+    checkpoint the hangup asks for; they go to /dev/null (out_dir keeps metrics.jsonl and the crash reports). So do
+    pipes nobody reads any more (the guardian's, when it was killed: its death's SIGTERM asks for a checkpoint that
+    the first print would end with EPIPE); tty=False: those only (a SIGTERM leaves a live terminal as it is).
+    failed: a stream a write just failed on, which goes too (whatever it is), with stdout or stderr on the same file."""
+    import select
+    import stat
+    try:
+        gone = os.fstat(failed.fileno()) if failed is not None else None
+    except (OSError, ValueError, AttributeError):  # (closed, or no file behind it: nothing of it to detach)
+        gone = None
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+            if gone is not None and os.path.samestat(st, gone):
+                os.dup2(null, fd)
+            elif stat.S_ISFIFO(st.st_mode):
+                p = select.poll()
+                p.register(fd, select.POLLOUT)
+                if any(ev & select.POLLERR for _, ev in p.poll(0)):  # (Linux: its reading end is closed)
+                    os.dup2(null, fd)
+            elif tty and os.isatty(fd):
+                os.dup2(null, fd)
+        except OSError:
+            pass
+    os.close(null)
+
+
 def pid_alive(pid):
     """Whether process pid (of this machine) still runs: another user's counts as alive, a number past any pid not."""
     try:

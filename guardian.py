@@ -49,6 +49,7 @@ import time
 
 import checkpoint
 import configurator
+import faults
 import rundir
 import shards
 import train
@@ -58,8 +59,8 @@ EXIT_STUCK = 9
 ON_STUCK_TIMEOUT_S = 3600.0  # an on_stuck command (a remount, a re-sync) running longer is killed: not a fix
 CRASH_LOGS_KEPT = 20  # out_dir/guardian/crash-*.log: the newest are kept
 TAIL_BYTES = 64 << 10  # of each of the trainer's stdout and stderr, kept for its crash log
-NO_RESTART = {1: "error", 2: "config error", train.EXIT_DENIED: "storage denied", train.EXIT_DISK: "out of disk",
-              train.EXIT_NONFINITE: "non-finite loss"}
+NO_RESTART = {1: "error", 2: "config error", faults.EXIT_DENIED: "storage denied", faults.EXIT_DISK: "out of disk",
+              faults.EXIT_NONFINITE: "non-finite loss"}
 
 
 _VERIFIED = {}  # step dir -> its files' (name, size, mtime, inode) when its hashes last verified
@@ -281,9 +282,10 @@ class Guardian:
             except shards.StorageError as e:
                 wait = self.retry_wait(attempt + 1, waited) if e.kind == "unreachable" else None
                 if wait is None:
-                    code = {"denied": train.EXIT_DENIED, "disk": train.EXIT_DISK}.get(e.kind, train.EXIT_UNREACHABLE)
+                    code = {"denied": faults.EXIT_DENIED,
+                            "disk": faults.EXIT_DISK}.get(e.kind, faults.EXIT_UNREACHABLE)
                     tries = f" ({attempt + 1} tries)" if e.kind == "unreachable" else ""
-                    return None, (code, f"{train.CAUSES[code]} while {doing}{tries}: {e}")
+                    return None, (code, f"{faults.CAUSES[code]} while {doing}{tries}: {e}")
                 attempt, waited = attempt + 1, waited + wait
                 if record is not None:
                     self.log["repairs"].append(dict(record, error=str(e), wait_s=wait, at=time.time()))
@@ -291,7 +293,7 @@ class Guardian:
                 self.say(f"storage unreachable while {doing}; retrying in {wait:g} s "
                          f"({self.retry_said(attempt, waited)})")
                 if self.wait(wait):
-                    return None, (train.EXIT_OK, f"stopped by {self.stopping} while {doing}")
+                    return None, (faults.EXIT_OK, f"stopped by {self.stopping} while {doing}")
 
     def actions(self):
         """Entries of the repair log and the quarantine: a start or an on_stuck pass that grew them handled a shard."""
@@ -431,7 +433,7 @@ class Guardian:
         self.stopping = signal.Signals(signum).name
         self.t_stop = self.t_stop or time.monotonic()
         if signum == signal.SIGHUP:
-            train.detach_from_lost_terminal()
+            checkpoint.detach_from_lost_terminal()
         self.woken.set()
         if self.child and self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)
@@ -511,7 +513,7 @@ class Guardian:
                 t.join(5)
             after = self.newest_step()  # (a rollback not yet done: its old timeline's newest is no progress)
             rep_name, rep = newest_crash_report(self.out, t0)
-            cause = "ok" if rc == 0 else killed or (train.CAUSES.get(rc) or NO_RESTART.get(rc) or
+            cause = "ok" if rc == 0 else killed or (faults.CAUSES.get(rc) or NO_RESTART.get(rc) or
                                                     (killed_by(-rc) if rc < 0 else f"exit {rc}"))
             start.update(ended_at=time.time(), exit_code=rc, cause=cause, checkpoint_step_at_end=after,
                          crash_report=rep_name, message=(rep or {}).get("message"))
@@ -535,7 +537,7 @@ class Guardian:
                                  f"stopped by {self.stopping}, but the trainer ended with {cause}, not a checkpoint: "
                                  f"the newest is step {after if after is not None else 'none'} and the steps after it "
                                  f"are lost", status=f"stopped ({self.stopping}), trainer {cause}")
-            if rc == train.EXIT_ERROR and self.wait_for_lock_holder():
+            if rc == faults.EXIT_ERROR and self.wait_for_lock_holder():
                 if self.stopping:  # (while waiting: the loop's top says it stopped, and starts none)
                     continue  # else locked out, not a fault of the run: restarted (a start with no new checkpoint)
             elif rc in NO_RESTART:
@@ -546,7 +548,7 @@ class Guardian:
             self.say(f"start {len(self.log['starts'])} ended: {cause}"
                      + (f" ({(rep or {}).get('message')})" if (rep or {}).get("message") else "")
                      + f"; newest checkpoint {after if after is not None else 'none'}")
-            if not progressed and rc != train.EXIT_UNREACHABLE:  # (outages have their own retries, below)
+            if not progressed and rc != faults.EXIT_UNREACHABLE:  # (outages have their own retries, below)
                 fruitless += 1
                 fruitless_causes.append(cause)
             # restarts after starts that made no new checkpoint, in this invocation (guardian.json keeps every one):
@@ -555,9 +557,9 @@ class Guardian:
                 return self.stop(EXIT_STUCK, f"gave up: {fruitless} starts made no new checkpoint, more than "
                                              f"max_restarts={self.cfg['max_restarts']} (causes: "
                                              f"{summarize(fruitless_causes)}); look at {self.out}/crash-*.json")
-            if progressed or rc != train.EXIT_UNREACHABLE:  # the retries are per outage: a run that trains between
+            if progressed or rc != faults.EXIT_UNREACHABLE:  # the retries are per outage: a run that trains between
                 unreachable_tries, unreachable_waited = 0, 0.0  # short outages hours apart is not stopped by them
-            if rc == train.EXIT_UNREACHABLE:
+            if rc == faults.EXIT_UNREACHABLE:
                 wait = self.retry_wait(unreachable_tries + 1, unreachable_waited)
                 if wait is None:
                     return self.stop(rc, f"storage unreachable {unreachable_tries + 1} times, {unreachable_waited:g} s "
@@ -569,11 +571,11 @@ class Guardian:
                 if self.wait(wait):
                     continue  # (the loop's top says it stopped, and starts none)
             # no shard to fix (a missing index.json, kind "missing", was quarantined as shard "local/index.json")
-            if rc == train.EXIT_DATA and rep and (rep.get("kind") in ("index", "tokenizer") or
+            if rc == faults.EXIT_DATA and rep and (rep.get("kind") in ("index", "tokenizer") or
                                                   os.path.basename(str(rep.get("path"))) == "index.json"):
                 return self.stop(rc, f"{cause}: {rep.get('message')}; restarting cannot fix this")
             repaired = False
-            if rc == train.EXIT_DATA and rep and rep.get("path"):
+            if rc == faults.EXIT_DATA and rep and rep.get("path"):
                 fault = (rep["path"], rep.get("offset"))
                 acted = self.actions()
                 verdict = self.repair_shard(rep["path"], rep.get("offset"), repeated=fault == last_data_fault)
@@ -586,7 +588,7 @@ class Guardian:
                     return self.stop(*verdict)
             # unreachable storage has its own retries above (counted as stuck, its give-up never came); a start whose
             # named shard was re-fetched or newly quarantined is not stuck (3 bad shards, each fixed, ended in exit 9)
-            no_progress = ([] if progressed else no_progress if rc == train.EXIT_UNREACHABLE or repaired
+            no_progress = ([] if progressed else no_progress if rc == faults.EXIT_UNREACHABLE or repaired
                            else no_progress + [cause])
             if len(no_progress) >= self.cfg["max_stuck_starts"]:
                 helped = self.on_stuck(no_progress)
@@ -671,7 +673,7 @@ class Guardian:
 
     def stop(self, code, message, status="stopped"):
         self.log["status"] = status
-        self.log["report"] = {"exit_code": code, "cause": train.CAUSES.get(code) or NO_RESTART.get(code) or
+        self.log["report"] = {"exit_code": code, "cause": faults.CAUSES.get(code) or NO_RESTART.get(code) or
                               ("stuck" if code == EXIT_STUCK else "error"), "message": message, "at": time.time()}
         self.save()
         self.say(f"stopped: {message}")
@@ -739,7 +741,7 @@ def supervise(argv):
         return 2
     except rundir.RunLocked as e:
         print(f"guardian: error: {e}", file=sys.stderr)
-        return train.EXIT_ERROR
+        return faults.EXIT_ERROR
 
 
 if __name__ == "__main__":

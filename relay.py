@@ -675,19 +675,6 @@ def detach_from_lost_terminal(log_path):
                     f"on go to this file\n".encode())
 
 
-def say(text, file=None):
-    """print for the lines between a push and the release: a pipe that died without a hangup (`relay.py run | tee log`,
-    tee killed) raised EPIPE there and ended relay with the lease left to expire; the lines go to /dev/null instead."""
-    file = file or sys.stdout
-    try:
-        print(text, file=file)
-    except (OSError, ValueError):  # (ValueError: closed); later lines and exit's flush then fail no more
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, file.fileno())
-            os.close(null)
-
-
 def release_quietly(store, lease):
     """Release after a failure that is being reported anyway: says whether it worked."""
     try:
@@ -845,14 +832,17 @@ def cmd_run(args):
         raise
     except (RelayError, OSError) as e:  # the store failed the commit (unreachable, refused, its disk full)
         raise kept_for_retry(e, plan["ck"], committing=True) from None
-    say(f"relay: pushed {sha[:10]}: {row.strip()}")
+    # from here to the release, a pipe that died without a hangup (`relay.py run | tee log`, tee killed) ends nothing
+    checkpoint.print_or_detach(f"relay: pushed {sha[:10]}: {row.strip()}")
     release(store, lease)
-    say(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")
-    say(f"relay: {run_dir} ({checkpoint.fmt_size(checkpoint.dir_size(run_dir))}) stays on disk until the next "
+    checkpoint.print_or_detach(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")
+    checkpoint.print_or_detach(
+        f"relay: {run_dir} ({checkpoint.fmt_size(checkpoint.dir_size(run_dir))}) stays on disk until the next "
         f"`relay.py run` (or `relay.py pull` holding the baton) from this workdir removes it (its checkpoint is in "
         f"the store); to free it now: rm -r {run_dir}")
     if hb.failed:
-        say(f"relay: warning: {hb.failed}; the leg ended early, its checkpoint was pushed", file=sys.stderr)
+        checkpoint.print_or_detach(f"relay: warning: {hb.failed}; the leg ended early, its checkpoint was pushed",
+                                   file=sys.stderr)
     return 0
 
 

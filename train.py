@@ -57,6 +57,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, fields
 
 from checkpoint import DISK_ERRNOS, fmt_size  # a write refused for lack of space; MiB / GiB
+from checkpoint import detach_from_lost_terminal, print_or_detach  # output that a lost terminal cannot end the run on
 import rundir
 from rundir import RunDirError, RunLocked, hold_run_lock, mirror, prepare_run_dir, retain
 from schedule import (PLAN_SOURCE_KEYS, PlanError, align_plan, build_plan, decay_now, is_on_demand, keep_on_demand_decay,
@@ -143,8 +144,9 @@ CONTROL_KEYS = ("start_decay", "start_decay_taken_at_step")  # what control.json
 _CONFIG_KEYS = sorted(k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool, list, dict)))
 # -----------------------------------------------------------------------------------------------------------
 
-EXIT_OK, EXIT_ERROR, EXIT_DATA, EXIT_DENIED, EXIT_UNREACHABLE, EXIT_DISK, EXIT_NONFINITE, EXIT_HANG = 0, 1, 3, 4, 5, 6, 7, 8
-EXIT_CRASH = 10  # anything unforeseen (a CUDA or NCCL error, an I/O error on a network mount): the guardian restarts
+# exit codes per fault cause (faults.py; imported below _CONFIG_KEYS: ints and dicts above it are config keys)
+from faults import (CAUSES, EXIT_CRASH, EXIT_DATA, EXIT_DENIED, EXIT_DISK, EXIT_ERROR, EXIT_NONFINITE, EXIT_UNREACHABLE,
+                    RUN_INFO as _RUN_INFO, Watchdog, write_crash_report)
 # dense bf16 peaks (vendor datasheets; H100/H200 SXM 989e12 per REFERENCES.md) by the words of the card's name, the
 # entry naming most of them winning whatever the order: "A10" in "A10G" gave an A10G the A10's 125e12, "L4" in
 # "L40" an L40 the L4's. A10G (AWS G5, not an A10): 70e12 FP16/BF16 tensor, NVIDIA's A10G datasheet for AWS
@@ -488,10 +490,7 @@ def device_memory(device_type):
 
 
 # -----------------------------------------------------------------------------------------------------------
-# durability: metrics file, hang watchdog, crash reports, mirror
-
-_RUN_INFO = {}  # what a crash report needs: out_dir, state, streams
-
+# durability: metrics file, what a crash says to do next (the hang watchdog and crash reports: faults.py)
 
 def source_state(ck, flag):
     """A grow / finetune source's state.json, which must say its model_config (without one: a TypeError traceback,
@@ -528,67 +527,6 @@ def open_metrics(path, resumed_step):
     return open(path, "a")
 
 
-class Watchdog:
-    """Exit 8 when no step progress for `timeout` s (3x that before the first step: compile, data warm-up),
-    after dumping every thread's stack to out_dir/hang-<time>.txt."""
-
-    def __init__(self, timeout, out_dir, master):
-        import threading
-        self.timeout, self.out_dir, self.last, self.ticks = timeout, out_dir, time.monotonic(), 0
-        self.done = threading.Event()
-        if timeout > 0:
-            threading.Thread(target=self.watch, daemon=True, name="hang-watchdog").start()
-
-    def tick(self):
-        self.last, self.ticks = time.monotonic(), self.ticks + 1
-
-    def alive(self):
-        """Progress that is not a step (an evaluation batch): a long evaluation is not a hang, one stuck batch is."""
-        self.last = time.monotonic()
-
-    def stop(self):
-        self.done.set()
-
-    def watch(self):
-        while not self.done.wait(min(5.0, self.timeout / 4)):
-            limit = self.timeout * (3 if self.ticks == 0 else 1)
-            if time.monotonic() - self.last > limit:
-                try:
-                    self.report(limit)
-                finally:  # the exit, whatever the report met: this thread dying on its error left the hang for ever
-                    os._exit(EXIT_HANG)
-
-    def report(self, limit):
-        """hang-*.txt, the crash report and a line on stderr, each on its own: the hang-*.txt on the stalled (or full)
-        mount the main thread hangs on, or stderr a dead pipe, took the rest with it; a write blocked there: 60 s."""
-        import faulthandler
-        import threading
-        self.backstop = threading.Timer(60.0, os._exit, (EXIT_HANG,))
-        self.backstop.daemon = True
-        self.backstop.start()
-        path = os.path.join(self.out_dir, f"hang-{int(time.time())}-rank{os.environ.get('RANK', '0')}.txt")
-        try:
-            os.makedirs(self.out_dir, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(f"no step progress for {limit:.0f} s; stacks of all threads:\n")
-                f.flush()
-                faulthandler.dump_traceback(file=f, all_threads=True)
-            where = f"thread stacks in {path}"
-        except OSError as e:
-            where = f"thread stacks not written ({path}: {e.strerror or e})"
-        msg = f"hang: no step progress for {limit:.0f} s (hang_timeout); {where}"
-        write_crash_report("hang", EXIT_HANG, msg)
-        try:
-            print(f"train.py: error: {msg}", file=sys.stderr, flush=True)
-        except (OSError, ValueError):  # (a dead pipe, a hung-up terminal; a closed stderr)
-            pass
-
-
-CAUSES = {EXIT_ERROR: "error", EXIT_DATA: "corrupt data", EXIT_DENIED: "storage denied",
-          EXIT_UNREACHABLE: "storage unreachable", EXIT_DISK: "out of disk", EXIT_NONFINITE: "non-finite loss",
-          EXIT_HANG: "hang", EXIT_CRASH: "crash"}
-
-
 def relay_store_of(out_dir):
     """The store of the relay run a dir relay.py made trains for: a leg's LEG.json names it; "" for init's dir (only
     relay_config.py: its step 0 is committed, then the dir deleted); None: not relay.py's dir."""
@@ -618,67 +556,6 @@ def crashed(e):
     write_crash_report("crash", EXIT_CRASH, f"{type(e).__name__}: {e}", traceback=tb)
     die(f"unexpected {type(e).__name__}: {e} (traceback above and in {_RUN_INFO.get('out_dir') or 'out_dir'}'s "
         f"crash report); checkpoints are intact: {next_step(_RUN_INFO.get('out_dir'))}", EXIT_CRASH)
-
-
-def print_or_detach(*args, **kwargs):
-    """print, and on a dead pipe or terminal (the guardian killed after its SIGTERM reached us, an ssh drop) stdout and
-    stderr go to /dev/null: the BrokenPipeError ended the run before the checkpoint the signal asked for."""
-    try:
-        print(*args, **kwargs)
-    except OSError:
-        detach_from_lost_terminal()
-    except RuntimeError:  # a signal handler's line (Ctrl-C's) run inside an interrupted print: "reentrant call", raised
-        # into the main thread wherever it was (exit 10, no checkpoint); the line goes out unbuffered instead
-        sep, end = kwargs.get("sep"), kwargs.get("end")
-        text = (" " if sep is None else sep).join(map(str, args)) + ("\n" if end is None else end)
-        try:
-            os.write((kwargs.get("file") or sys.stdout).fileno(), text.encode(errors="replace"))
-        except (OSError, ValueError, AttributeError):
-            pass
-
-
-def detach_from_lost_terminal(tty=True):
-    """After SIGHUP: stdout / stderr on the terminal that hung up fail every write (EIO), which would end the
-    checkpoint the hangup asks for; they go to /dev/null (out_dir keeps metrics.jsonl and the crash reports). So do
-    pipes nobody reads any more (the guardian's, when it was killed: its death's SIGTERM asks for a checkpoint that
-    the first print would end with EPIPE); tty=False: those only (a SIGTERM leaves a live terminal as it is)."""
-    import select
-    import stat
-    null = os.open(os.devnull, os.O_WRONLY)
-    for fd in (1, 2):
-        try:
-            if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                p = select.poll()
-                p.register(fd, select.POLLOUT)
-                if any(ev & select.POLLERR for _, ev in p.poll(0)):  # (Linux: its reading end is closed)
-                    os.dup2(null, fd)
-            elif tty and os.isatty(fd):
-                os.dup2(null, fd)
-        except OSError:
-            pass
-    os.close(null)
-
-
-def write_crash_report(cause, code, message, **extra):
-    """crash-<time>.json in the run dir: what the guardian and a person read first. Under torchrun every rank writes
-    its own (crash-<time>-rank<r>.json): a fault in one rank's rows (a corrupt batch) left only rank 0's report, a
-    "crash" of the collective that rank's exit broke. Before the loop a rank's error is rank 0's too (one config, the
-    same files): rank 0 alone reports it (and may remove an out_dir its refused start made)."""
-    out, master = _RUN_INFO.get("out_dir"), _RUN_INFO.get("master", True)
-    if not out or (not master and "state" not in _RUN_INFO):
-        return
-    st = _RUN_INFO.get("state") or {}
-    rep = {"cause": cause, "exit_code": code, "message": message, "time": time.time(), "step": st.get("step"),
-           "tokens": st.get("tokens"), **({} if master else {"rank": int(os.environ.get("RANK", -1))}), **extra}
-    try:
-        rep["data_position"] = {c: s.position for c, s in (_RUN_INFO.get("streams") or {}).items()}
-        if master:
-            os.makedirs(out, exist_ok=True)
-        rank = "" if master else f"-rank{os.environ.get('RANK', '?')}"
-        with open(os.path.join(out, f"crash-{int(time.time() * 1000)}{rank}.json"), "w") as f:
-            json.dump(rep, f, indent=1)
-    except Exception:
-        pass  # the report must never hide the error it reports
 
 
 def undo_fresh_run_dir():

@@ -1,4 +1,5 @@
-"""train.py's stop and hang machinery, called directly (no train.py start): the watchdog, the lock wait."""
+"""train.py's stop and hang machinery, called directly (no train.py start): the watchdog (faults.py), the lock wait,
+printing that a lost terminal cannot end (checkpoint.py)."""
 import os
 import sys
 import threading
@@ -6,7 +7,8 @@ import threading
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
-import train as train_py  # noqa: E402
+import checkpoint  # noqa: E402
+import faults  # noqa: E402
 from test_faults import ENV, make_corpus, train  # noqa: E402
 
 import pytest  # noqa: E402
@@ -30,9 +32,9 @@ def watch_until_exit(monkeypatch, out_dir, timeout=0.08):
         exited.set()
         raise Exited  # ends the watch thread as os._exit would have ended the process
 
-    monkeypatch.setattr(train_py.os, "_exit", fake_exit)
+    monkeypatch.setattr(faults.os, "_exit", fake_exit)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # (the thread ended by Exited, or by the bug)
-    dog = train_py.Watchdog(timeout, out_dir, True)
+    dog = faults.Watchdog(timeout, out_dir, True)
     exited.wait(5)
     dog.stop()
     if getattr(dog, "backstop", None):
@@ -44,7 +46,7 @@ def test_a_hang_exits_8_even_when_its_report_cannot_be_written(tmp_path, monkeyp
     """The watchdog's thread died on the first error of its report (a hang-*.txt on the stalled or full mount the main
     thread hung on; stderr a dead pipe or a hung-up terminal) and never reached os._exit: the hung run hung for ever."""
     (tmp_path / "file").write_text("")
-    assert watch_until_exit(monkeypatch, str(tmp_path / "file" / "run")) == train_py.EXIT_HANG  # out_dir unwritable
+    assert watch_until_exit(monkeypatch, str(tmp_path / "file" / "run")) == faults.EXIT_HANG  # out_dir unwritable
 
     class DeadPipe:
         def write(self, s):
@@ -54,7 +56,7 @@ def test_a_hang_exits_8_even_when_its_report_cannot_be_written(tmp_path, monkeyp
             raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(sys, "stderr", DeadPipe())
-    assert watch_until_exit(monkeypatch, str(tmp_path / "run")) == train_py.EXIT_HANG
+    assert watch_until_exit(monkeypatch, str(tmp_path / "run")) == faults.EXIT_HANG
     assert [n for n in os.listdir(tmp_path / "run") if n.startswith("hang-")]  # the stacks still written
 
 
@@ -106,13 +108,43 @@ def test_a_line_from_a_signal_handler_inside_a_print_is_no_crash(monkeypatch):
         def write(self, b):
             if not SlowTerminal.handled:  # the signal arrives during this write
                 SlowTerminal.handled = True
-                train_py.print_or_detach("Ctrl-C: saving a checkpoint")
+                checkpoint.print_or_detach("Ctrl-C: saving a checkpoint")
             return os.write(w, bytes(b))
 
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(SlowTerminal()), line_buffering=True))
-    train_py.print_or_detach("step 1 | loss 3.0")
+    checkpoint.print_or_detach("step 1 | loss 3.0")
     sys.stdout.flush()
     os.close(w)
     got = os.read(r, 1000).decode()
     os.close(r)
     assert got == "Ctrl-C: saving a checkpoint\nstep 1 | loss 3.0\n"
+
+
+def test_a_print_that_fails_detaches_its_own_stream_and_leaves_a_live_terminal(monkeypatch):
+    """One print_or_detach for train.py's log and relay.py run's lines up to its release (relay had its own copy,
+    relay.say). The stream whose write failed goes to /dev/null whatever it is, as relay's copy did: train's left a
+    full disk's log file attached, every later line failing on it again. The other stream stays where it is when it is
+    a live terminal, as relay's copy did: train's sent it to /dev/null too (a dead stdout pipe took the terminal's
+    error lines with it). A stream closed under the print (ValueError) raises nothing (train's copy raised)."""
+    import io
+    saved = os.dup(1), os.dup(2)
+    tty, terminal = os.openpty()
+    full = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC
+    try:
+        os.dup2(full, 1)
+        os.dup2(terminal, 2)
+        out = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+        monkeypatch.setattr(sys, "stdout", out)
+        checkpoint.print_or_detach("step 1 | loss 3.0")
+        assert os.path.samestat(os.fstat(1), os.stat(os.devnull))
+        assert os.isatty(2) and os.path.samestat(os.fstat(2), os.fstat(terminal))
+        checkpoint.print_or_detach("step 2 | loss 2.9")  # into /dev/null: no error
+        out.flush()
+        closed = io.StringIO()
+        closed.close()
+        checkpoint.print_or_detach("relay: released the baton", file=closed)
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, tty, terminal, full):
+            os.close(fd)
