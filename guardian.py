@@ -59,6 +59,7 @@ EXIT_STUCK = 9
 ON_STUCK_TIMEOUT_S = 3600.0  # an on_stuck command (a remount, a re-sync) running longer is killed: not a fix
 CRASH_LOGS_KEPT = 20  # out_dir/guardian/crash-*.log: the newest are kept
 TAIL_BYTES = 64 << 10  # of each of the trainer's stdout and stderr, kept for its crash log
+PUMP_DRAIN_S = 5.0  # after the trainer exits, how long its pipes may take to end (a grandchild may hold them open)
 NO_RESTART = {1: "error", 2: "config error", faults.EXIT_DENIED: "storage denied", faults.EXIT_DISK: "out of disk",
               faults.EXIT_NONFINITE: "non-finite loss"}
 
@@ -93,15 +94,25 @@ def latest_step(out_dir):
     return int(os.path.basename(p).split("_")[1]) if p else None
 
 
-def newest_crash_report(out_dir, since):
-    reps = []
-    if os.path.isdir(out_dir):
-        for n in os.listdir(out_dir):
-            if n.startswith("crash-") and n.endswith(".json") and os.path.getmtime(os.path.join(out_dir, n)) >= since:
-                reps.append(n)
+def crash_reports(out_dir):
+    """{name: mtime_ns} of out_dir's crash-*.json."""
+    reps = {}
+    for n in (os.listdir(out_dir) if os.path.isdir(out_dir) else []):
+        if n.startswith("crash-") and n.endswith(".json"):
+            try:
+                reps[n] = os.stat(os.path.join(out_dir, n)).st_mtime_ns
+            except OSError:
+                pass
+    return reps
+
+
+def newest_crash_report(out_dir, before):
+    """(name, report) of the newest crash report not in `before` (crash_reports() at the start), else (None, None):
+    new by name, not by mtime >= the start's time.time() (a clock stepped back mid-start lost the report)."""
+    reps = {n: t for n, t in crash_reports(out_dir).items() if before.get(n) != t}
     if not reps:
         return None, None
-    name = sorted(reps)[-1]
+    name = max(reps, key=lambda n: (reps[n], n))
     try:
         return name, json.load(open(os.path.join(out_dir, name)))
     except (OSError, ValueError):
@@ -149,7 +160,8 @@ class Guardian:
         self.save_failed = False
         self.woken = threading.Event()  # set by a signal: cuts a backoff or a re-fetch wait short
         self.unrepaired = []  # (corpus dir, problem) the last on_stuck verify left
-        self.n_started, self.first_step, self.t_first = 0, None, None  # this invocation's first start
+        # this invocation's first start; t_first on time.monotonic (a wall-clock step ended or stretched the leg)
+        self.n_started, self.first_step, self.t_first = 0, None, None
         # a rollback's old timeline (out_dir's steps past the one gone back to) until a start sets it aside: a first
         # start that died before (storage unreachable mid-verify) had its restart resume the old timeline's newest
         m = self.rollback() and checkpoint.STEP_RE.match(os.path.basename(os.path.normpath(self.cfg["resume_from"])))
@@ -338,7 +350,9 @@ class Guardian:
                 return verdict
             self.unrepaired += [(cdir, p) for p in problems]
             for problem in problems:
-                bad = problem.split(" ", 1)[0].rstrip(":")
+                # "CORPUS_DIR/FILE: ..." or "CORPUS_DIR/FILE offset ...": FILE has no space, CORPUS_DIR may ("My Drive")
+                rest = problem[len(cdir) + 1:] if problem.startswith(cdir + os.sep) else problem
+                bad = os.path.join(cdir, rest.split(" ", 1)[0].rstrip(":"))
                 acted = self.actions()
                 if os.path.isfile(bad) and (verdict := self.repair_shard(bad, None, repeated=True)) is not None:
                     return verdict
@@ -385,11 +399,12 @@ class Guardian:
         (steps by the newest checkpoint, so steps lost in a crash are trained again)."""
         left = {}
         if self.cfg["stop_after_steps"] >= 0:
-            done = (self.newest_step() or 0) - (self.first_step or 0)
+            newest = self.newest_step()  # none yet: nothing done (a leg begun from another run's step 40 got 40 more)
+            done = 0 if newest is None else newest - (self.first_step or 0)
             left["stop_after_steps"] = self.cfg["stop_after_steps"] - done
         if self.cfg["stop_after_hours"] >= 0:
             # to the 6 decimals child_argv passes (3.6 ms): a few ms left would otherwise start a trainer for nothing
-            left["stop_after_hours"] = round(self.cfg["stop_after_hours"] - (time.time() - self.t_first) / 3600, 6)
+            left["stop_after_hours"] = round(self.cfg["stop_after_hours"] - (time.monotonic() - self.t_first) / 3600, 6)
         return left
 
     def rollback(self):
@@ -468,10 +483,10 @@ class Guardian:
                 self.say(f"stopped by {self.stopping} between starts")
                 return 0
             before = latest_step(self.out) if self.n_started == 0 else self.newest_step()
-            t0 = time.time()
+            t0, reports_before = time.time(), crash_reports(self.out)
             left = None
             if self.n_started == 0:
-                self.first_step, self.t_first = before, t0
+                self.first_step, self.t_first = before, time.monotonic()
                 if self.rollback() or (before is None and self.cfg["init_from"] == "resume" and self.cfg["resume_from"]):
                     # the leg starts where its first start resumes (a run dir: its newest; a run dir's own state.json
                     # does not exist, so step 0 made the whole run count as the leg's steps)
@@ -489,6 +504,7 @@ class Guardian:
                     self.save()
                     self.say(f"the leg's {' / '.join(left)} are used up; not restarting")
                     return 0
+                self.say("restarting")  # said here, once nothing stops it (it came before "not restarting")
             self.release_fixed()
             start = {"started_at": t0, "checkpoint_step_at_start": before}
             if left:
@@ -509,10 +525,11 @@ class Guardian:
             if self.stopping:  # the SIGTERM came while it started (on_sigterm saw the previous child)
                 self.child.send_signal(signal.SIGTERM)
             rc, killed = self.wait_child()
+            drained_by = time.monotonic() + PUMP_DRAIN_S  # one wait for both pipes (each its own 5 s: 10 s a restart)
             for t in pumps:  # (a grandchild holding a pipe open does not hold the guardian)
-                t.join(5)
+                t.join(max(0.0, drained_by - time.monotonic()))
             after = self.newest_step()  # (a rollback not yet done: its old timeline's newest is no progress)
-            rep_name, rep = newest_crash_report(self.out, t0)
+            rep_name, rep = newest_crash_report(self.out, reports_before)
             cause = "ok" if rc == 0 else killed or (faults.CAUSES.get(rc) or NO_RESTART.get(rc) or
                                                     (killed_by(-rc) if rc < 0 else f"exit {rc}"))
             start.update(ended_at=time.time(), exit_code=rc, cause=cause, checkpoint_step_at_end=after,
@@ -602,8 +619,6 @@ class Guardian:
                                                  f"set on_stuck or look at {self.out}/crash-*.json")
                 no_progress = []
                 self.save()
-            if not self.stopping:
-                self.say("restarting")
 
     def wait_for_lock_holder(self):
         """Whether another trainer holds out_dir's lock (a killed guardian's, still writing and mirroring its SIGTERM
@@ -668,7 +683,8 @@ class Guardian:
         left = self.leg_left()
         if any(v <= 0 for v in left.values()):  # (the guardian's hours began before the trainer's: reached here too)
             return "done (the leg's limit)"
-        return (f"stopped: the trainer alone was stopped (a signal to it, not to the guardian) at step {step}; "
+        at = f"at step {step}" if step is not None else "with no checkpoint"  # (it said "at step None")
+        return (f"stopped: the trainer alone was stopped (a signal to it, not to the guardian) {at}; "
                 f"the plan is not finished, not restarting")
 
     def stop(self, code, message, status="stopped"):

@@ -741,7 +741,7 @@ def test_a_rollback_whose_first_start_died_before_setting_aside_is_not_dropped_b
     target = str(out / "step_0000004")
     g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}", "--init_from=resume", f"--resume_from={target}",
                            "--stop_after_steps=2"])
-    g.n_started, g.first_step, g.t_first = 1, 4, time.time()  # the first start died before its set-aside
+    g.n_started, g.first_step, g.t_first = 1, 4, time.monotonic()  # the first start died before its set-aside
     argv = g.child_argv(g.leg_left(), first=False)
     assert [a for a in argv if a.startswith("--resume_from")][-1] == f"--resume_from={target}", argv  # again
     assert g.leg_left() == {"stop_after_steps": 2}
@@ -810,14 +810,14 @@ def test_sigterm_between_starts_starts_no_trainer(tmp_path):
 def test_a_restart_gets_what_is_left_of_the_legs_hours(tmp_path):
     import guardian
     g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--stop_after_hours=1"])
-    g.n_started, g.t_first = 1, time.time() - 1800  # a first start half an hour ago
+    g.n_started, g.t_first = 1, time.monotonic() - 1800  # a first start half an hour ago
     left = g.leg_left()
     assert abs(left["stop_after_hours"] - 0.5) < 0.01
     argv = g.child_argv(left)
     assert argv.index("--stop_after_hours=1") < argv.index(f"--stop_after_hours={left['stop_after_hours']:.6f}")
-    g.t_first = time.time() - 3599.9995  # less than its printed precision left (--stop_after_hours=0.000000)
+    g.t_first = time.monotonic() - 3599.9995  # less than its printed precision left (--stop_after_hours=0.000000)
     assert -1e-3 < g.leg_left()["stop_after_hours"] <= 0  # counts as used up: no trainer started for nothing
-    g.t_first = time.time() - 3601  # used up: no restart, a clean end
+    g.t_first = time.monotonic() - 3601  # used up: no restart, a clean end
     signal_before = signal.getsignal(signal.SIGTERM)
     try:
         assert g.run() == 0
@@ -1771,3 +1771,123 @@ def test_a_shard_unreadable_while_the_guardian_verifies_is_storage_not_corrupt_d
     assert "local/train_000000.bin stays quarantined" in err and err.count("\n") == 1, err
     g.release_fixed()  # readable again: released
     assert not g.log["quarantined"]
+
+
+def test_the_legs_hours_and_the_crash_report_survive_a_wall_clock_step(tmp_path, monkeypatch):
+    """The guardian timed stop_after_hours with time.time(): NTP stepping a fresh VM's clock 2 h forward ended a 1-hour
+    leg at its first restart ("used up"), a step back gave it 3 h; and it took a start's crash report by mtime >= its
+    start's wall-clock time, so a clock stepped back mid-start lost the report (the cause's message, the shard to
+    repair). Durations are now monotonic; a start's report is one that was not in out_dir before it."""
+    import types
+    import guardian
+    shift = [0.0]
+    monkeypatch.setattr(guardian, "time", types.SimpleNamespace(
+        time=lambda: time.time() + shift[0], monotonic=time.monotonic, strftime=time.strftime))
+    run = tmp_path / "run"
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--stop_after_hours=1"])
+    started = stand_in_trainers(g, "raise SystemExit(10)", "raise SystemExit(0)")
+    argv_of = g.child_argv
+
+    def child_argv(left=None, first=False):
+        shift[0] = 7200.0 if first else 0.0  # the clock jumps 2 h forward during the first start
+        return argv_of(left, first)
+    g.child_argv = child_argv
+    assert run_guardian(g) == 0 and len(started) == 2  # restarted: the leg has most of its hour left
+    log = json.load(open(run / "guardian.json"))
+    assert 0.99 < log["starts"][1]["leg_left"]["stop_after_hours"] <= 1, log["starts"]
+    # a report written while the clock stood an hour behind the start's own time is still this start's
+    report = ("import json, os, time; p = os.path.join({run!r}, 'crash-1.json'); "
+              "json.dump({{'message': 'HTTP 403 from the bucket'}}, open(p, 'w')); "
+              "os.utime(p, (time.time() - 3600,) * 2); raise SystemExit(4)").format(run=str(run / "r2"))
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run / 'r2'}"])
+    stand_in_trainers(g, report)
+    assert run_guardian(g) == train_py.EXIT_DENIED
+    log = json.load(open(run / "r2" / "guardian.json"))
+    assert log["starts"][0]["crash_report"] == "crash-1.json", log["starts"]
+    assert "HTTP 403 from the bucket" in log["report"]["message"], log["report"]
+
+
+def test_on_stuck_repairs_a_corrupt_shard_under_a_data_root_with_a_space(data_root, tmp_path):
+    """on_stuck took a verify problem's first word for the shard's path: under a data_root with a space in it (Colab's
+    "/content/drive/My Drive") it found no such file, repaired nothing, and stopped with exit 9 on a shard it could
+    have re-fetched or quarantined."""
+    import guardian
+    root = str(tmp_path / "My Drive" / "data")
+    shutil.copytree(data_root, root)
+    shard = os.path.join(root, "local", "train_000001.bin")
+    zero_page(shard)
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}"])
+    assert g.on_stuck(["corrupt data"] * 3) is True, g.log
+    assert [r["shard"] for r in g.log["repairs"]] == [shard] and not shards.verify_corpus(os.path.join(root, "local"))
+
+
+def test_a_grandchild_holding_the_trainers_pipes_delays_a_restart_by_one_drain_wait(tmp_path, monkeypatch):
+    """Each of the trainer's two output pipes was joined with its own 5 s timeout: a grandchild left holding both (a
+    dead trainer's worker process) held every restart 10 s. One PUMP_DRAIN_S now covers both, and the trainer's own
+    last words still reach its crash log."""
+    import guardian
+    monkeypatch.setattr(guardian, "PUMP_DRAIN_S", 1.0, raising=False)
+    pid_file = tmp_path / "grandchild.pid"
+    script = (f"import os, sys, time\nif os.fork() == 0:\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+              f"    time.sleep(30); os._exit(0)\nprint('boom', file=sys.stderr); raise SystemExit(10)")
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--max_restarts=0"])
+    stand_in_trainers(g, script)
+    t0 = time.monotonic()
+    try:
+        assert run_guardian(g) == guardian.EXIT_STUCK
+        took = time.monotonic() - t0
+    finally:
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.01)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert took < 1.9, took  # one drain wait (1 s), not one per pipe
+    assert "boom" in (tmp_path / "run" / "guardian" / "crash-0001.log").read_text()
+
+
+def test_a_leg_begun_from_another_runs_checkpoint_is_not_lengthened_by_a_crash_before_its_first_save(tmp_path):
+    """--resume_from=OTHER/step_40 --stop_after_steps=5 into an empty out_dir: a first start that died before its
+    first checkpoint there (an OOM kill) had its restart given stop_after_steps=45 (the steps done counted as
+    0 - 40), training 9 times the leg."""
+    import guardian
+    other = tmp_path / "other"
+    checkpoint.save(str(other), 40, {"state.json": lambda p: json.dump({"step": 40}, open(p, "w"))})
+    out = tmp_path / "run"
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}", "--init_from=resume",
+                           f"--resume_from={other / 'step_0000040'}", "--stop_after_steps=5"])
+    started = stand_in_trainers(g, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "raise SystemExit(0)")
+    assert run_guardian(g) == 0 and len(started) == 2
+    log = json.load(open(out / "guardian.json"))
+    assert log["starts"][1]["leg_left"] == {"stop_after_steps": 5}, log["starts"]
+
+
+def test_a_crash_at_the_end_of_the_leg_does_not_say_restarting(tmp_path, monkeypatch, capsys):
+    """A trainer that crashed once the leg's hours were used up: the guardian said "restarting", then "the leg's
+    stop_after_hours are used up; not restarting" (its comment: "restarting" only once it is decided)."""
+    import types
+    import guardian
+    shift = [0.0]
+    monkeypatch.setattr(guardian, "time", types.SimpleNamespace(
+        time=time.time, monotonic=lambda: time.monotonic() + shift[0], strftime=time.strftime))
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--stop_after_hours=1"])
+    started = stand_in_trainers(g, "raise SystemExit(10)")
+    argv_of = g.child_argv
+
+    def child_argv(left=None, first=False):
+        shift[0] = 3601.0  # the hour passes while the first start trains
+        return argv_of(left, first)
+    g.child_argv = child_argv
+    assert run_guardian(g) == 0 and len(started) == 1
+    err = capsys.readouterr().err
+    assert "not restarting" in err and "guardian: restarting" not in err, err
+
+
+def test_a_trainer_stopped_alone_before_its_first_checkpoint_is_said_without_none(tmp_path):
+    """guardian.json's status and the console said "stopped: the trainer alone was stopped ... at step None" (Python's
+    None, as the summary line once did) for a trainer that exited 0 with no checkpoint yet."""
+    import guardian
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}"])
+    stand_in_trainers(g, "raise SystemExit(0)")
+    assert run_guardian(g) == 0
+    status = json.load(open(tmp_path / "run" / "guardian.json"))["status"]
+    assert status.startswith("stopped: the trainer alone was stopped") and "None" not in status, status
+    assert "with no checkpoint" in status, status
