@@ -12,6 +12,8 @@ lr_phase in warmup|stable|decay}; tokens are rounded to whole steps (a step trai
 half a step is refused, not skipped). Progress through the plan is counted in tokens, so changing batch_size or
 seq_len on resume keeps both the schedule and the data position (per corpus: shard, token offset). The plan is
 stored in state.json at the first start; a resume whose config plans differently is refused unless --replan.
+Any other key a resume changes is said in one line at its start (both values, what it does from that step), or
+refused when nothing would read it (decay_tokens once the decay began, a seq_len that every stage left sets).
 A run is finished only when the last planned token is trained. `control.json` in out_dir ({"start_decay":
 true}, set by relay.py or by hand) starts the WSD decay now: the plan is cut at the current token and a copy of its
 own decay appended (its stages' mixes and seq_lens, scaled to --decay_tokens when set; without a decay stage, one
@@ -75,7 +77,8 @@ grow_from = ""               # with init_from=grow: the checkpoint (dir) to grow
 grow_layers = 0              # new layers added by growth
 finetune_from = ""           # with init_from=finetune: start from these weights (fresh optimizer, plan and data)
 grow_where = "interleave"    # interleave (LLaMA Pro: new blocks evenly spaced, the last after the top block) | top
-# (grow_* and finetune_from set for another start than theirs are refused; a resume keeps them)
+# (grow_* and finetune_from set for another start than theirs are refused; a resume keeps them, but refuses another
+# grow_layers or grow_where than its run grew with: it grows nothing)
 # model (ModelConfig fields)
 vocab_size = 32768
 n_layer = 24
@@ -242,6 +245,83 @@ def check_resume_state(ck, state, n_layer):
         said = repr(state[bad])[:80] if bad in state else "missing"
         raise TrainError(f"{ck}/state.json: its {bad} is not what train.py writes ({said}); resume another checkpoint "
                          f"(--resume_from=STEP_DIR), or the run's own copy of this one")
+
+
+# keys a resume does not compare with the checkpoint's config: this invocation's (where and how long it runs, the
+# guardian's), the start's (grow_*, finetune_from: a resume keeps them; relay's init passes grow_from resolved;
+# grow_layers and grow_where where set: resume_changes), and those said elsewhere (the model's by config_wins, the
+# plan's by plan_changes, the optimizer groups' on load, the quarantine with its fix)
+RESUME_UNCOMPARED = {"out_dir", "init_from", "resume_from", "grow_from", "grow_layers", "grow_where", "finetune_from",
+                     "stop_after_steps", "stop_after_hours", "mirror_dir", "lock_wait_s", "hang_timeout", "on_stuck",
+                     "max_stuck_starts", "unreachable_backoff_s", "unreachable_give_up_s", "stop_grace_s",
+                     "max_restarts", "stages", "max_iters", "warmup_iters", "lr_mult", "weight_decay", "beta1",
+                     "beta2", "quarantine_shards", "release_shards"}
+
+
+def resume_changes(ck, state, cfg, plan, tokens_per_step, given=()):
+    """One line per config key whose value differs from the checkpoint's (state.json's config), saying what it does
+    from this step: a changed learning_rate, batch_size or keep_last trained on without a word, and a changed
+    decay_tokens after the on-demand decay began was used nowhere while the run went on. A change a resume cannot
+    honour is a TrainError naming the key, both values and the fix."""
+    from model import ModelConfig
+    was = state.get("config")
+    if not isinstance(was, dict):  # (a checkpoint written by hand or by another tool: nothing to compare with)
+        return []
+    skip = RESUME_UNCOMPARED | {f.name for f in fields(ModelConfig)}
+    sized_by_frac = cfg["stages"] and not cfg["decay_tokens"] and not any(s["lr_phase"] == "decay" for s in plan
+                                                                           if not is_on_demand(s))
+    if not cfg["stages"]:
+        skip |= {"dataset", "decay_frac"}  # (they build the plan: plan_changes)
+    elif not sized_by_frac:
+        skip.add("decay_frac")  # (unread: configurator refuses it when set beside such stages)
+    if not cfg["stages"] or not all("mix" in s for s in cfg["stages"]):
+        skip.add("dataset")  # (a stage without a mix trains on it: plan_changes)
+    changed = [k for k in sorted(cfg) if k in was and k not in skip and was[k] != cfg[k]]
+    # set otherwise than the start that made the run (config/grow.py reused to resume: the same): a resume grows
+    # nothing (relay's config.py may leave them out, its init resolves grow_from: compared only where set, paths not)
+    regrow = [k for k in ("grow_layers", "grow_where") if k in given and k in was and was[k] != cfg[k]]
+    if regrow:
+        k = regrow[0]
+        raise TrainError(f"{k} {was[k]!r} -> {cfg[k]!r}: a resume grows nothing (it goes on with the checkpoint's "
+                         f"{len(state['layer_origin'])} layers); put back --{k}={was[k]!r}, or grow a checkpoint into "
+                         f"a new run (--init_from=grow --grow_from=STEP_DIR --out_dir=NEW)")
+    step, tokens = state["step"], state["tokens"]
+    decayed = state.get("decay_started_at_tokens")
+    for k in ("decay_tokens", "decay_frac"):
+        if k in changed and decayed is not None:
+            raise TrainError(f"{k} {was[k]!r} -> {cfg[k]!r}: the decay started at {decayed:,} tokens is planned as "
+                             f"stored in {ck}/state.json and a resume cannot resize it; put back --{k}={was[k]!r}, or "
+                             f"resume a checkpoint from before the decay (--resume_from=STEP_DIR)")
+    if "dataset" in changed:  # (as on a first start, no stage reads it: the run trained on as before)
+        raise TrainError(f"dataset {was['dataset']!r} -> {cfg['dataset']!r}: no stage reads it (each stage's mix names "
+                         f"its corpora); put back --dataset={was['dataset']!r}, or change the stages' mix and pass "
+                         f"--replan")
+    ends = [plan_tokens(plan[:i + 1]) for i in range(len(plan))]
+    if "seq_len" in changed and not any(s.get("seq_len_from_config") for s, e in zip(plan, ends) if e > tokens):
+        raise TrainError(f"seq_len {was['seq_len']!r} -> {cfg['seq_len']!r}: no stage left reads it (each sets its own "
+                         f"seq_len); put back --seq_len={was['seq_len']!r}, or change the stages' seq_len and pass "
+                         f"--replan")
+    lines = []
+    for k in changed:
+        why = ""
+        if k in ("learning_rate", "min_lr"):
+            stage = stage_at(plan, tokens)[1]
+            lr = lr_at(plan, tokens, cfg["learning_rate"], cfg["min_lr"],
+                       tokens_per_step(stage["seq_len"]) if stage else 0)
+            why = f" (the next step trains at lr {lr:.2e})"
+        elif k in ("batch_size", "grad_accum", "seq_len"):
+            left = sum(-(-(e - max(tokens, e - s["tokens"])) // tokens_per_step(s["seq_len"]))  # each at its seq_len
+                       for s, e in zip(plan, ends) if e > tokens)
+            why = (f" (the plan and the data position are counted in tokens: {plan_tokens(plan) - tokens:,} tokens "
+                   f"left, {left} steps now)")
+        elif k in ("decay_tokens", "decay_frac"):
+            why = " (the length of an on-demand decay, when control.json starts one)"
+        elif k == "seed":
+            why = " (a resume goes on with the checkpoint's RNG state; the seed seeds the end-of-run sample only)"
+        elif k == "keep_last":
+            why = f" (from the next save, retention keeps the last {cfg[k]} permanent checkpoints)"
+        lines.append(f"resume: {k} {was[k]!r} -> {cfg[k]!r} from step {step}{why}")
+    return lines
 
 
 def load_weights(ck, mcfg):
@@ -975,6 +1055,8 @@ def main(argv):
                     f"{a['name']} {b['tokens']:,} -> {a['tokens']:,}" for a, b in zip(aligned, plan) if a != b)
                 + f" tokens (the plan ends at {plan_tokens(aligned):,}, planned {plan_tokens(plan):,})")
             plan = aligned
+        for line in resume_changes(ck, state, cfg, plan, tokens_per_step, given):
+            log(line)
     for s in plan:  # RoPE has no learned positions: a longer max_seq_len only needs saying
         if s["seq_len"] > mcfg.max_seq_len:
             raise TrainError(f"stage {s['name']} trains on seq_len {s['seq_len']}, longer than the model's max_seq_len="

@@ -108,8 +108,15 @@ def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, thre
     assert st["tokens"] == 3 * 4 * 32
     # the resumed leg's config wins over the checkpoint's training-only settings: a longer context (no weight depends
     # on max_seq_len) and the per-origin LR multipliers (load_state_dict brought back the saved ones: weights moved)
-    run(base + ["--init_from=resume", "--stop_after_steps=3", "--batch_size=2", "--seq_len=80", "--max_seq_len=80",
-                "--lr_mult={'embedding': 0.0, 'old': 0.0, 'new': 0.0}", "--replan"])
+    r = run(base + ["--init_from=resume", "--stop_after_steps=3", "--batch_size=2", "--seq_len=80", "--max_seq_len=80",
+                    "--lr_mult={'embedding': 0.0, 'old': 0.0, 'new': 0.0}", "--replan", "--learning_rate=1e-3",
+                    "--seed=7"])
+    # each changed key said in one line, with what it does from here (the LR and the seed changed without a word)
+    for said in ("resume: batch_size 4 -> 2 from step 3 (the plan and the data position are counted in tokens",
+                 "resume: seq_len 32 -> 80 from step 3", "learning_rate 0.003 -> 0.001 from step 3 (the next step "
+                 "trains at lr 1.00e-03)", "resume: seed 1337 -> 7 from step 3 (a resume goes on with the "
+                 "checkpoint's"):
+        assert said in r.stdout, (said, r.stdout[-3000:])
     st = json.load(open(os.path.join(out, "step_0000006", "state.json")))
     assert st["tokens"] == 3 * 4 * 32 + 3 * 2 * 80
     pos = st["data_position"]["local"]
@@ -131,6 +138,32 @@ def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, thre
     r = run(base + ["--init_from=resume", f"--data_root={other}", "--stop_after_steps=1"], check=False)
     assert r.returncode == 1 and "prepare the corpus again with --tokenizer" in r.stderr, r.stderr[-2000:]
     assert checkpoint.latest_valid(out).endswith("step_0000006")  # nothing trained on it
+
+
+def test_a_resume_refuses_a_changed_key_that_nothing_reads():
+    """A --dataset beside stages whose mixes name every corpus, a --seq_len when every stage left sets its own, or a
+    --grow_layers, trained on as before while the run looked changed; unchanged keys say nothing."""
+    stages = [dict(name="a", mix={"web": 1.0}, steps=4, seq_len=32, lr_phase="warmup"),
+              dict(name="b", mix={"web": 1.0}, steps=4)]
+    cfg = {k: getattr(train, k) for k in train._CONFIG_KEYS}
+    cfg.update(stages=stages, batch_size=4, seq_len=32, dataset="local")  # (whatever an in-process test left)
+    tps = lambda T: 4 * T  # noqa: E731
+    plan = schedule.build_plan(cfg, tps)
+    state = {"step": 6, "tokens": 4 * 4 * 32 + 2 * 4 * 32, "config": dict(cfg, grow_layers=0), "layer_origin": ["new"]}
+    assert train.resume_changes("CK", state, cfg, plan, tps) == []
+    # a resume grows nothing: --grow_layers=2 (config/grow.py reused on a run it did not grow) trained on unchanged;
+    # unset (relay's config.py of a grown run leaves it out), the start's own value is not compared
+    with pytest.raises(train.TrainError, match=r"^grow_layers 0 -> 2: a resume grows nothing .* 1 layers\); put back"):
+        train.resume_changes("CK", state, dict(cfg, grow_layers=2), plan, tps, given={"grow_layers"})
+    assert train.resume_changes("CK", state, dict(cfg, grow_layers=2), plan, tps) == []
+    with pytest.raises(train.TrainError, match=r"^dataset 'local' -> 'web': no stage reads it .* put back "
+                                               r"--dataset='local', or change the stages' mix and pass --replan$"):
+        train.resume_changes("CK", state, dict(cfg, dataset="web"), plan, tps)
+    pinned = [dict(s, seq_len=32) for s in stages]
+    plan = schedule.build_plan(dict(cfg, stages=pinned), tps)
+    state["config"]["stages"] = pinned
+    with pytest.raises(train.TrainError, match=r"^seq_len 32 -> 64: no stage left reads it .* --seq_len=32"):
+        train.resume_changes("CK", state, dict(cfg, stages=pinned, seq_len=64), plan, tps)
 
 
 def test_a_resume_with_a_larger_step_keeps_each_stage_in_whole_steps(data_root, tmp_path):
@@ -466,6 +499,7 @@ def test_a_resume_at_another_price_or_world_size_does_not_reprice_the_past(data_
     leg_s = after["elapsed_seconds"] - before["elapsed_seconds"]
     assert before["usd_spent"] == 0.0 and 0.5 * wall_s < leg_s < wall_s, (leg_s, wall_s)  # the start-up billed too
     assert "$2.50 spent past step 3 (logged at step 5)" in r.stdout, r.stdout[-1500:]
+    assert "resume: gpu_hourly_usd 0.0 -> 3600.0 from step 3" in r.stdout, r.stdout[-1500:]
     assert abs(after["usd_spent"] - (2.5 + leg_s)) < 1e-6, (after["usd_spent"], leg_s)
     # the state's $ runs to its save's end, the step's row to the step's end: a save's worth of seconds apart
     assert 0 < after["usd_spent"] - metrics(out)[4]["usd"] < after["save_seconds"] + 1.0 and 5 not in metrics(out)
@@ -673,6 +707,11 @@ def test_start_decay_on_demand(data_root, three_steps, tmp_path):
     shutil.copytree(three_steps, out)
     json.dump({"start_decay": True}, open(os.path.join(out, "control.json"), "w"))
     run(base + ["--init_from=resume", "--stop_after_steps=1"])
+    # another decay_tokens once the decay began was used nowhere (the stored decay trained on): refused, nothing trained
+    r = run(base + ["--init_from=resume", "--decay_tokens=256"], check=False)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert "decay_tokens 512 -> 256: the decay started at 384 tokens" in r.stderr and "--decay_tokens=512" in r.stderr
+    assert checkpoint.latest_valid(out).endswith("step_0000004")
     # a --replan (a longer plan) keeps the decay that started: control.json could not start it again
     run([a for a in base if a != "--max_iters=100"] + ["--max_iters=200", "--init_from=resume", "--replan"])
     st = json.load(open(os.path.join(out, open(os.path.join(out, "LATEST")).read().strip(), "state.json")))
