@@ -333,6 +333,12 @@ def test_ddp_resume_at_a_stage_boundary_is_exact_and_another_world_size_skips_no
             both = torch.tensor(local[0][i]["load"]) + torch.tensor(local[1][i]["load"])
             assert torch.equal(torch.tensor(upd["load"]), both), (name, i)
         assert max(abs(v) for layer in bias[0][-1]["bias"] for v in layer) > 0
+        # and each rank's load is its whole step's: stage a's plain rows (all counted) of both micro-steps, x top_k 2
+        reads = records(name, "reads")
+        for r in (0, 1):
+            for i in range(2):
+                tokens = sum(e["rows"] * e["T"] for e in reads[r][2 * i:2 * i + 2])
+                assert [sum(layer) for layer in local[r][i]["load"]] == [2 * tokens] * 2, (name, r, i)
     assert torch.equal(wb["layers.1.mlp.e_score_correction_bias"], torch.tensor(bias[0][-1]["bias"][0]))  # legs' last
     # every row read once: per corpus, all ranks' reads of both legs are one run from token 0 to the saved position
     for name, out in (("legs", legs), ("other", other)):
@@ -1615,8 +1621,13 @@ def test_tok_per_s_and_mfu_time_the_training_steps_of_their_window(data_root, tm
     out = str(tmp_path / "run")
     stages = ("--stages=[{'name': 'short', 'steps': 2, 'seq_len': 16, 'lr_phase': 'stable'}, "
               "{'name': 'long', 'steps': 2, 'seq_len': 32, 'lr_phase': 'decay'}]")
-    clock_steps_back = ("import itertools, runpy, sys, time\nreal, n = time.time, itertools.count(1)\n"
+    # (and each step's expert load, recorded: the window's load_cv and dead_frac are of their sum, not the last step's)
+    clock_steps_back = ("import itertools, json, runpy, sys, time\nreal, n = time.time, itertools.count(1)\n"
                         "time.time = lambda: real() - 3600 * next(n)\nsys.argv[0] = 'train.py'\n"
+                        "sys.path.insert(0, '.')\nimport model\ntake = model.Picaflor.take_expert_load\n"
+                        f"def taking(self):\n    load = take(self)\n    open({str(tmp_path / 'loads.jsonl')!r}, 'a')"
+                        ".write(json.dumps(load.tolist()) + '\\n')\n    return load\n"
+                        "model.Picaflor.take_expert_load = taking\n"
                         "runpy.run_path('train.py', run_name='__main__')")
     # 0.6 s of injected evaluation at the plan's end (step 4, whose window is steps 2-4)
     r = subprocess.run([sys.executable, "-c", clock_steps_back, *TINY, f"--data_root={data_root}", f"--out_dir={out}",
@@ -1632,6 +1643,14 @@ def test_tok_per_s_and_mfu_time_the_training_steps_of_their_window(data_root, tm
     m = load_checkpoint(os.path.join(out, "step_0000004"))
     flops = 4 * 16 * m.flops_per_token(16) + 2 * 4 * 32 * m.flops_per_token(32)
     assert row["mfu"] == pytest.approx(flops / (window_tokens / row["tok_per_s"]) / 1e9, rel=1e-6), row
+    from model import load_stats
+    loads = [torch.tensor(json.loads(line)) for line in open(tmp_path / "loads.jsonl")]
+    assert len(loads) == 4
+    cv, dead = load_stats(sum(loads[1:]))  # the window: steps 2-4
+    assert row["load_cv_layers"] == [round(float(v), 4) for v in cv]
+    assert row["load_cv"] == pytest.approx(float(cv.mean()))
+    assert row["dead_frac"] == pytest.approx(float(dead.mean()))
+    assert row["load_cv_layers"] != [round(float(v), 4) for v in load_stats(loads[-1])[0]]  # (the last step's differ)
 
 
 def test_a_val_set_changed_by_a_quarantined_val_shard_restarts_the_best(tmp_path):
