@@ -88,6 +88,8 @@ def print_or_detach(*args, **kwargs):
     library code, leaves the host's streams alone: a command piped into `head` should still end.)"""
     try:
         print(*args, **kwargs)
+    except BlockingIOError:  # a live non-blocking stream, full for now (a slow reader): this line lost, not the rest
+        pass
     except (OSError, ValueError):  # (ValueError: the stream was closed)
         detach_from_lost_terminal(tty=False, failed=kwargs.get("file") or sys.stdout)
     except RuntimeError:  # a signal handler's line (Ctrl-C's) run inside an interrupted print: "reentrant call", raised

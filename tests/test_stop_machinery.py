@@ -148,3 +148,43 @@ def test_a_print_that_fails_detaches_its_own_stream_and_leaves_a_live_terminal(m
         os.dup2(saved[1], 2)
         for fd in (*saved, tty, terminal, full):
             os.close(fd)
+
+
+def test_a_full_non_blocking_pipe_is_not_a_dead_one(monkeypatch):
+    """stdout as a non-blocking pipe (a parent that set O_NONBLOCK on it) full for a moment raises BlockingIOError:
+    print_or_detach took it for a lost stream and sent every later log line to /dev/null, the reader alive."""
+    import fcntl
+    import io
+    saved = os.dup(1)
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETFL, fcntl.fcntl(w, fcntl.F_GETFL) | os.O_NONBLOCK)
+    try:
+        os.dup2(w, 1)
+        out = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), line_buffering=True)  # as sys.stdout
+        monkeypatch.setattr(sys, "stdout", out)
+        checkpoint.print_or_detach("x" * (1 << 20))  # past any pipe's buffer: full
+        assert not os.path.samestat(os.fstat(1), os.stat(os.devnull))
+        os.set_blocking(r, False)
+        while True:  # the reader catches up
+            try:
+                if not os.read(r, 1 << 16):
+                    break
+            except BlockingIOError:
+                break
+        try:
+            out.flush()
+        except BlockingIOError:
+            pass
+        checkpoint.print_or_detach("step 2 | loss 2.9")
+        out.flush()
+        got = b""
+        while True:
+            try:
+                got += os.read(r, 1 << 16)
+            except BlockingIOError:
+                break
+        assert b"step 2 | loss 2.9" in got
+    finally:
+        os.dup2(saved, 1)
+        for fd in (saved, r, w):
+            os.close(fd)
