@@ -265,7 +265,7 @@ class ExpertCache:
                  policy="score", reuse_views=False):
         """make_expert(buf, views) -> an expert over a landed blob (stream_infer.Expert: .buf, .tensors, callable);
         views: with reuse_views, the buffer's tensor views (container.decode_expert(buf), made once per buffer),
-        which the expert must use as they are (no copy, no re-layout); else None;
+        which the expert must use as they are (no copy; a re-layout only in place, redone for each blob); else None;
         score_ops / reader_ops: the extension's torch.ops (int4_cpu.cpp's policy ops, expert_reader.cpp's readers),
         None for the numpy policy and the Python readers."""
         check_cache_policy(policy)
