@@ -29,9 +29,9 @@ Scoring as the harness: request (context, " " + choice); continuation tokens = e
 with the context's trailing spaces moved into the continuation; inputs longer than the model's context are cut
 on the left; acc = argmax of summed log-likelihood (first index on ties; a choice repeated within a question is
 scored once, as the harness does, so it ties exactly), acc_norm = argmax of log-likelihood / len(choice in characters,
-not bytes: the harness's acc_bytes is another metric); stderr of a mean = sample std / sqrt(n); lambada perplexity =
-exp(-mean ll) with the harness's bootstrap stderr (100000 resamples, chunk i drawn by random.Random(i), reproduced
-here with numpy).
+not bytes: the harness's acc_bytes is another metric); stderr of a mean = sample std / sqrt(n) (none below two
+examples; still given at --bootstrap-iters 0, where the harness gives none); lambada perplexity = exp(-mean ll) with
+the harness's bootstrap stderr (100000 resamples, chunk i drawn by random.Random(i), reproduced here with numpy).
 Shots (--num-fewshot N, default the harness's per task: its gsm8k YAML's 5, 0 for every other task here): the prompt
 strings the harness builds for the same split, seed and N. Its default sampler draws, for each scored example in order,
 random.Random(--seed, the harness's fewshot_random_seed 1234).sample(the train split, N); each shot is
@@ -73,7 +73,8 @@ model_source (a run dir's step scored, a Hub id's commit), model_weights (a chec
 its files' sizes and times: a rollback's new step_N or an export over the same path is another model) and the
 tokenizer's sha256 (--tokenizer).
 A task says how far it is on stderr once a minute (PROGRESS_EVERY_S) until it is done.
-A diverged model's perplexity is inf, not an overflow. --compare prints several summaries side by side and marks
+A diverged model's perplexity is inf, not an overflow (a NaN log-likelihood: nan, as the harness's), with no
+stderr (the harness's nan or a crash). --compare prints several summaries side by side and marks
 each difference from the first column as within noise (~, |diff| <= 2 * sqrt(se_a^2 + se_b^2)) or not (*), and not
 at all (!) between other numbers of examples, other examples (summary.json's "examples"), shots or generation caps
 (--max-gen-toks).
@@ -688,16 +689,17 @@ def python_random_uniforms(seed, n):
 def bootstrap_perplexity_stderr(lls, iters=BOOTSTRAP_ITERS):
     """The harness's bootstrap_stderr(perplexity, lls, iters): chunks of 1000 resamples, chunk i drawn by
     random.Random(i).choices(lls, k=n) (index floor(random() * n)); sample stddev of exp(-mean)."""
-    if len(lls) < 2 or iters < 1:
+    if len(lls) < 2 or iters < 2:  # (one resample has no standard deviation: the harness divides by zero)
         return None
     xs = np.asarray(lls, dtype=np.float64)
     n, chunk = len(xs), min(1000, iters)
     stats = []
-    for i in range(iters // chunk):
-        idx = np.floor(python_random_uniforms(i, chunk * n) * n).astype(np.int64).reshape(chunk, n)
-        stats.append(np.exp(-xs[idx].mean(axis=1)))
-    stats = np.concatenate(stats)
-    return float(np.std(stats, ddof=1))
+    with np.errstate(over="ignore", invalid="ignore"):  # a resample past float range: no stderr (harness: a crash)
+        for i in range(iters // chunk):
+            idx = np.floor(python_random_uniforms(i, chunk * n) * n).astype(np.int64).reshape(chunk, n)
+            stats.append(np.exp(-xs[idx].mean(axis=1)))
+        se = float(np.std(np.concatenate(stats), ddof=1))
+    return se if math.isfinite(se) else None
 
 
 def doc_scores(task, d):
@@ -716,8 +718,10 @@ def aggregate(task, docs, bootstrap_iters):
     for m in metrics:
         xs = [d["scores"][m] for d in docs]
         if m == "perplexity":
-            mean_ll = sum(xs) / len(xs)  # below -709.8 (a diverged model) exp overflowed: the whole run died
-            res[m] = math.exp(-mean_ll) if -mean_ll < 709.0 else float("inf")
+            try:  # the harness's exp(-mean); a NaN log-likelihood (NaN logits) gives nan there and here
+                res[m] = math.exp(-(sum(xs) / len(xs)))
+            except OverflowError:  # below -709.78 (a diverged model) it ended the run (the harness's too): inf
+                res[m] = float("inf")
             res[m + "_stderr"] = bootstrap_perplexity_stderr(xs, bootstrap_iters) if math.isfinite(res[m]) else None
         else:
             res[m] = sum(xs) / len(xs)
@@ -917,7 +921,8 @@ def parse_args(argv):
     ap.add_argument("--passkey-n", type=int, default=10, help="passkey examples per length")
     ap.add_argument("--max-gen-toks", type=int, default=None,
                     help="cap on generated tokens (default: the task's, e.g. the harness's 256 for gsm8k)")
-    ap.add_argument("--bootstrap-iters", type=int, default=BOOTSTRAP_ITERS, help="perplexity stderr resamples")
+    ap.add_argument("--bootstrap-iters", type=int, default=BOOTSTRAP_ITERS,
+                    help="perplexity stderr resamples (0: none; the means' stderrs are kept)")
     ap.add_argument("--compare", nargs="+", metavar="SUMMARY", help="print summaries side by side and exit")
     return ap.parse_args(argv)
 
@@ -989,8 +994,9 @@ def evaluate(args):
         raise EvalError(f"{args.data_dir}: --data-dir is not a directory")
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit {args.limit}: a positive number of examples per task (leave it out for all)")
-    if args.bootstrap_iters < 0:  # (it ran as 0: no perplexity stderr, unsaid)
-        raise EvalError(f"--bootstrap-iters {args.bootstrap_iters}: 0 (no perplexity stderr) or more resamples")
+    if args.bootstrap_iters < 0 or args.bootstrap_iters == 1:  # (-1 ran as 0, unsaid; 1 wrote a nan stderr)
+        raise EvalError(f"--bootstrap-iters {args.bootstrap_iters}: 0 (no perplexity stderr) or at least 2 "
+                        f"resamples")
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise EvalError(f"{args.out}: exists and is not a folder; pass --out DIR")
     if args.out and args.data_dir and os.path.realpath(args.out) == os.path.realpath(args.data_dir):

@@ -9,6 +9,7 @@ Plus: generation ignores a shipped repetition penalty, passkey per length, bad i
 """
 
 import json
+import math
 import os
 import re
 import sys
@@ -212,6 +213,80 @@ def test_bootstrap_and_mean_stderr_match_harness():
 
 
 
+def test_aggregate_is_the_harness_s_on_the_same_scores_edge_log_likelihoods_included():
+    """The same per-request (log-likelihood, is_greedy) through the installed harness's process_results, its task
+    YAMLs' aggregations and stderr_for_metric vs eval.py's doc_scores + aggregate. Where the harness has a number,
+    the same number: a mean log-likelihood of -709.5 (perplexity 1.35e308) was inf here and a NaN log-likelihood
+    (NaN logits) was perplexity inf where the harness says nan. Where it has N/A, None; where its perplexity crashes
+    (OverflowError) inf; a non-finite perplexity or a resample past float range (its nan, inf or crash): None."""
+    import types
+    import warnings
+    import yaml
+    from lm_eval.api import metrics as hm
+    from lm_eval.api.registry import get_aggregation
+    from lm_eval.api.task import ConfigurableTask
+    tasks_dir = os.path.join(os.path.dirname(__import__("lm_eval").__file__), "tasks")
+    yamls = {"lambada_openai": "lambada/lambada_openai.yaml", "piqa": "piqa/piqa.yaml"}
+    rnd = __import__("random").Random(0)
+    nan, inf = float("nan"), float("inf")
+
+    def harness(task, docs, iters):
+        cfg = yaml.safe_load(open(os.path.join(tasks_dir, yamls[task])))
+        aggs = {m["metric"]: get_aggregation(m["aggregation"]) for m in cfg["metric_list"]}
+        kind = "loglikelihood" if task == "lambada_openai" else "multiple_choice"
+        task_self = types.SimpleNamespace(
+            OUTPUT_TYPE=kind, config=types.SimpleNamespace(process_results=None),
+            _metric_fn_list=dict.fromkeys(aggs), multiple_input=False, multiple_target=False,
+            doc_to_choice=lambda doc: doc["choices"], doc_to_target=lambda doc: doc["gold"])
+        rows = [ConfigurableTask.process_results(task_self, d, list(zip(d["lls"], d["greedy"]))) for d in docs]
+        out = {}
+        for m, agg in aggs.items():
+            items = [r[m] for r in rows]
+            try:
+                out[m] = agg(items)
+            except OverflowError:
+                out[m] = "OverflowError"
+            se_fn = hm.stderr_for_metric(agg, iters)
+            try:
+                out[m + "_stderr"] = se_fn(items) if se_fn and len(items) > 1 else "N/A"
+            except OverflowError:
+                out[m + "_stderr"] = "OverflowError"
+        return out
+
+    def mc(n, lls=None):
+        return [{"lls": lls or [-rnd.uniform(0, 20) for _ in range(4)], "greedy": [False] * 4,
+                 "choices": ["x" * rnd.randint(1, 9) for _ in range(4)], "gold": rnd.randrange(4)} for _ in range(n)]
+
+    def ll(n, value=None):
+        return [{"lls": [-rnd.uniform(0, 12) if value is None else value(i)], "greedy": [rnd.random() < 0.4]}
+                for i in range(n)]
+
+    cases = [("piqa", mc(30)), ("piqa", mc(1)), ("piqa", mc(6, [-3.0] * 4)), ("piqa", mc(6, [-inf, -2.0, -3, -4])),
+             ("piqa", mc(6, [-inf] * 4)), ("piqa", mc(6, [-1.0, nan, -3, -4])), ("lambada_openai", ll(30)),
+             ("lambada_openai", ll(1)), ("lambada_openai", ll(5, lambda i: -inf if i == 2 else -1.0)),
+             ("lambada_openai", ll(5, lambda i: nan if i == 2 else -1.0)), ("lambada_openai", ll(4, lambda i: -800.0)),
+             ("lambada_openai", ll(4, lambda i: -709.5))]
+    for task, docs in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            want = harness(task, docs, 300)
+            for d in docs:
+                d["scores"] = ev.doc_scores(task, d)
+            got = ev.aggregate(task, docs, 300)
+        assert set(got) == set(want) | {"n"} and got["n"] == len(docs), (task, got)
+        for k, w in want.items():
+            g = got[k]
+            if w == "N/A" or (k == "perplexity_stderr" and not (isinstance(w, float) and math.isfinite(w))):
+                assert g is None, (task, k, g, w)
+            elif w == "OverflowError":
+                assert g == inf, (task, k, g)
+            elif math.isnan(w):
+                assert math.isnan(g), (task, k, g)
+            else:
+                assert g == pytest.approx(w, rel=1e-9), (task, k, g, w)
+    assert ev.bootstrap_perplexity_stderr([-1.0, -2.0, -3.0], 1) is None  # (the harness: ZeroDivisionError)
+
+
 def test_gsm8k_scores_are_the_harness_filters_and_exact_match():
     """gsm8k's strict-match / flexible-extract regex filters then exact_match (ignore_case, regexes_to_ignore), run by
     the installed harness's own code, on generations that hit each rule: no match, several, $ and , and a final '.'."""
@@ -396,6 +471,7 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
                "leaves no room"),
               ([model_dir, "--tasks", ",", "--data-dir", data_dir], "no task named"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--bootstrap-iters", "-1"], "--bootstrap-iters -1"),
+              ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--bootstrap-iters", "1"], "--bootstrap-iters 1"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(afile / "sub")], "cannot write")]
     if not torch.cuda.is_available():  # a pin_memory traceback
         cases.append(([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--device", "cuda"], "no CUDA GPU is visible"))
