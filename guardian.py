@@ -11,12 +11,12 @@ and cause (train.py's exit codes; its crash-*.json report). What it does per cau
   quarantine it (skipped with a loud warning, counted in metrics) if it cannot be re-fetched or the crash
   repeats at the same place; then restart.
 - storage denied (4), out of disk (6), non-finite loss (7), config or checkpoint errors (1, 2): restarting cannot
-  help; stop with a report naming the cause (an exit 1 while another trainer holds out_dir's lock, a killed
-  guardian's still saving: wait for it to exit, then restart). storage unreachable (5), from the trainer or while
-  re-fetching or verifying a shard (a mount that dropped; never quarantined for it): retry with backoff
-  (unreachable_backoff_s x 2, 4, 8, ..., at most 60 s apart, each try said) until one outage's waits would pass
-  unreachable_give_up_s (30 min), then stop; a shard's read failing otherwise (EIO: the disk itself) stops at once
-  with 5, naming the file.
+  help; stop with a report naming the cause (an exit 1 of a trainer locked out by another, a killed guardian's
+  still saving, which out_dir/guardian/locked-out says: wait for that one to exit, then restart).
+  storage unreachable (5), from the trainer or while re-fetching or verifying a shard (a mount that dropped; never
+  quarantined for it): retry with backoff (unreachable_backoff_s x 2, 4, 8, ..., at most 60 s apart, each try
+  said) until one outage's waits would pass unreachable_give_up_s (30 min), then stop; a shard's read failing
+  otherwise (EIO: the disk itself) stops at once with 5, naming the file.
 - a quarantined shard whose files changed since (replaced, or the corpus prepared again) and now verify against
   index.json, or that index.json no longer lists, is released before the next start, in one loud line (one that
   verified when quarantined is released only when index.json's hashes for it changed: the same bytes crash again).
@@ -39,6 +39,7 @@ A guardian.json that cannot be written (a full disk) warns once; supervision goe
 this invocation's starts and their causes, the newest checkpoint step at the first start and at the last, the exit.
 """
 
+import errno
 import json
 import os
 import signal
@@ -137,8 +138,8 @@ class Guardian:
         if in_the_way:  # (a FileExistsError traceback)
             raise configurator.ConfigError(f"--out_dir={self.out}: {in_the_way} is a file, not a folder; pass a run "
                                            f"directory")
-        os.makedirs(self.out, exist_ok=True)
-        # one guardian per run, before guardian.json is touched (a second one rewrote the first's as stopped)
+        # one guardian per run, before guardian.json is touched (a second one rewrote the first's as stopped);
+        # hold_run_lock makes out_dir (one that cannot be made, /proc/x: one line, not a traceback)
         key = os.path.realpath(self.out)
         if key in _LOCKS:  # an earlier Guardian of this process (a test, a notebook) is over
             os.close(_LOCKS.pop(key))
@@ -514,9 +515,11 @@ class Guardian:
             self.say(f"start {len(self.log['starts'])} (checkpoint step {'none' if before is None else before})")
             argv = self.child_argv(left, first=self.n_started == 0)
             self.n_started += 1
+            locked_out = self.locked_out_file()
             # its output through pipes, passed on as it comes, the tail kept for a crash log (unbuffered: live)
             self.child = subprocess.Popen(argv, preexec_fn=pdeathsig_setter(), stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                          stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                                                           **{rundir.LOCKED_OUT_ENV: locked_out}))
             tails = {"stdout": bytearray(), "stderr": bytearray()}
             pumps = [threading.Thread(target=pump, args=(getattr(self.child, n), n, tails[n]), daemon=True)
                      for n in tails]
@@ -554,7 +557,7 @@ class Guardian:
                                  f"stopped by {self.stopping}, but the trainer ended with {cause}, not a checkpoint: "
                                  f"the newest is step {after if after is not None else 'none'} and the steps after it "
                                  f"are lost", status=f"stopped ({self.stopping}), trainer {cause}")
-            if rc == faults.EXIT_ERROR and self.wait_for_lock_holder():
+            if rc == faults.EXIT_ERROR and self.wait_for_lock_holder(os.path.exists(locked_out)):
                 if self.stopping:  # (while waiting: the loop's top says it stopped, and starts none)
                     continue  # else locked out, not a fault of the run: restarted (a start with no new checkpoint)
             elif rc in NO_RESTART:
@@ -620,13 +623,27 @@ class Guardian:
                 no_progress = []
                 self.save()
 
-    def wait_for_lock_holder(self):
-        """Whether another trainer holds out_dir's lock (a killed guardian's, still writing and mirroring its SIGTERM
-        checkpoint past lock_wait_s: this start exited 1, and supervision stopped for good); if so, wait until it is
-        out (or a stop signal comes)."""
+    def locked_out_file(self):
+        """out_dir/guardian/locked-out, cleared: the trainer writes it when out_dir's lock refuses it
+        (rundir.LOCKED_OUT_ENV), in the guardian's own folder (a crash report would be the holder's run's)."""
+        path = os.path.join(self.out, "guardian", "locked-out")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.remove(path)
+        except OSError:  # none left by an earlier start; or not writable (then a holder still there is looked for)
+            pass
+        return path
+
+    def wait_for_lock_holder(self, locked_out=False):
+        """Whether the trainer was locked out: its exit 1 came with the locked-out file, or another trainer holds
+        out_dir's lock (a killed guardian's, still writing and mirroring its SIGTERM checkpoint past lock_wait_s: this
+        start exited 1, and supervision stopped for good); if so, wait until that one is out (or a stop signal
+        comes). The file: a holder that exited between the refusal and this look stopped supervision for good."""
         holder = rundir.lock_holder(self.out)
         if holder is None:
-            return False
+            if locked_out:
+                self.say(f"the trainer was locked out of {self.out} by another trainer, out since; restarting")
+            return locked_out
         self.say(f"the trainer was locked out: another trainer (pid {holder}) holds {self.out}; restarting once it "
                  f"exits")
         while rundir.lock_holder(self.out) is not None and not self.wait(1.0):
@@ -755,9 +772,14 @@ def supervise(argv):
     except configurator.ConfigError as e:
         print(f"guardian: error: {e}", file=sys.stderr)
         return 2
-    except rundir.RunLocked as e:
+    except rundir.RunDirError as e:  # locked by another guardian; an out_dir that cannot be made (/proc/x)
         print(f"guardian: error: {e}", file=sys.stderr)
         return faults.EXIT_ERROR
+    except OSError as e:  # an out_dir it may not write, as train.py says it (a traceback)
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        print(f"guardian: error: {faults.CAUSES[faults.EXIT_DENIED]}: {rundir.denied_line(e, '.')}", file=sys.stderr)
+        return faults.EXIT_DENIED
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ class RunLocked(RunDirError):
     """Another trainer holds the run dir: no crash report (it would land in that trainer's run dir, as its cause)."""
 
 
+# a file the guardian names for its trainer: written when the run's lock refuses it, so the guardian restarts it even
+# if the holder is gone by the time it looks (it stopped for good, taking the exit 1 for a config error)
+LOCKED_OUT_ENV = "PICAFLOR_LOCKED_OUT_FILE"
+
+
 def read_json(path, default=None, error=RunDirError):
     """The file's JSON; default if it does not exist; `error` (one line naming the file) if it is not JSON."""
     try:
@@ -255,6 +260,12 @@ def file_in_the_way(out_dir):
     return None if os.path.isdir(path) else path
 
 
+def denied_line(e, out_dir):
+    """'PATH: cause; the fix' for a run dir it may not write (EACCES, EPERM, EROFS): train.py's and the guardian's."""
+    fix = "remount it read-write" if e.errno == errno.EROFS else "fix its permissions"
+    return f"{e.filename or out_dir}: {e.strerror}; {fix}, or pass another --out_dir"
+
+
 def hold_run_lock(out_dir, wait_s, log, who="trainer", alive=None):
     """One trainer per out_dir (an flock on out_dir/.trainer.lock, held until exit): a second one deleted the first's
     checkpoint temp dir mid-save. It waits up to wait_s for the first to exit (a relaunched guardian's trainer,
@@ -263,9 +274,13 @@ def hold_run_lock(out_dir, wait_s, log, who="trainer", alive=None):
     who="guardian": the same for guardians (.guardian.lock; a second one rewrote the first's guardian.json).
     alive: called as it waits (the trainer's watchdog: a wait bounded by wait_s is no hang)."""
     import fcntl
-    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f".{who}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except (FileNotFoundError, NotADirectoryError) as e:  # (/proc/x: a traceback, exit 10, "checkpoints are intact")
+        raise RunDirError(f"--out_dir={out_dir}: cannot create {e.filename or path} ({e.strerror}: no folder files can "
+                          f"be made in, as /proc or /sys); pass a run directory on a disk it can write") from None
     deadline, said, reopened = time.monotonic() + wait_s, False, 0
     while True:
         try:
@@ -275,8 +290,15 @@ def hold_run_lock(out_dir, wait_s, log, who="trainer", alive=None):
             if time.monotonic() >= deadline:
                 os.close(fd)
                 doing = "is training" if who == "trainer" else "supervises"
-                raise RunLocked(f"{out_dir}: another {who} (pid {holder}) {doing} this run ({path}); stop it "
-                                f"or wait for it, or pass another --out_dir")
+                locked = RunLocked(f"{out_dir}: another {who} (pid {holder}) {doing} this run ({path}); stop it "
+                                   f"or wait for it, or pass another --out_dir")
+                if who == "trainer" and os.environ.get(LOCKED_OUT_ENV):
+                    try:
+                        with open(os.environ[LOCKED_OUT_ENV], "w") as f:
+                            f.write(str(locked))
+                    except OSError:  # (the guardian still looks for a holder)
+                        pass
+                raise locked
             if not said:
                 log(f"waiting up to {wait_s:g} s for the {who} holding {path} (pid {holder}) to exit")
                 said = True

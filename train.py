@@ -700,7 +700,9 @@ def print_status(run_dir):
     left = (total - seen) / rate if rate else None
     usd = st.get("usd_spent", 0.0)
     proj = usd * total / seen if seen else 0.0
-    print(f"  trained {fmt_time(el)} at {rate or 0:,.0f} tok/s; time left {fmt_time(left)}; "
+    # the run's average over all its starts: not the log line's ETA, which is the running start's own pace
+    print(f"  trained {fmt_time(el)} at {rate or 0:,.0f} tok/s; time left {fmt_time(left)} at that average pace of "
+          f"all its starts (the log line's ETA: that start's own); "
           f"${usd:.2f} spent, projected ${proj:.2f}; best val loss "
           + ("none yet" if st.get("best_val_loss") is None
              else f"{st['best_val_loss']:.4f} (step {st.get('best_step')})"))
@@ -784,6 +786,16 @@ def main(argv):
         k, src = ignored[0]
         die(f"{'--' + k if src is None else f'{k} (in {src})'} has no effect when the config sets stages; change the "
             f"stages' steps or tokens (and lr_phase) instead")
+    # dataset as the keys above: given on the command line, after the stages or beside them (tiny.py's before a
+    # stages file of other corpora is no mistake of this start)
+    dataset_src = [src for i, (k, src) in enumerate(given) if k == "dataset"
+                   and (src is None or i > stages_at or src == given[stages_at][1])][-1:]
+    mixed = sorted({c for s in g["stages"] if isinstance(s, dict) and isinstance(s.get("mix"), dict) for c in s["mix"]})
+    if (dataset_src and g["init_from"] != "resume" and g["stages"] and g["dataset"] not in mixed
+            and all(isinstance(s, dict) and "mix" in s for s in g["stages"])):  # (a resume: resume_changes refuses it)
+        src = "" if dataset_src[0] is None else f" (in {dataset_src[0]})"
+        die(f"{'--' if not src else ''}dataset={g['dataset']!r}{src} is read by no stage: every stage's mix names its "
+            f"corpora ({', '.join(mixed)}); drop it, or put {g['dataset']!r} in the stages' mix")
     given = {k for k, _ in given}
     globals().update(g)
     cfg = g
@@ -1738,8 +1750,8 @@ if __name__ == "__main__":
             write_crash_report("out of disk", EXIT_DISK, msg)
             die(msg, EXIT_DISK)
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # (a run dir it cannot write): restarts fail alike
-            msg = (f"{checkpoint.os_error_line(e, _RUN_INFO.get('out_dir') or '.')}; fix its permissions, or pass "
-                   f"another --out_dir")
+            # (not os_error_line: /sys/x's EPERM said "0 MB free on its disk: free space")
+            msg = rundir.denied_line(e, _RUN_INFO.get("out_dir") or ".")
             write_crash_report(CAUSES[EXIT_DENIED], EXIT_DENIED, msg)
             die(f"{CAUSES[EXIT_DENIED]}: {msg}", EXIT_DENIED)
         if e.errno in checkpoint.UNREACHABLE_ERRNOS + (errno.EIO,):  # (a save's write or hash): storage, not a crash

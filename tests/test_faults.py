@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -786,6 +787,32 @@ def test_a_trainer_locked_out_by_a_killed_guardians_trainer_is_restarted_once_th
     assert len(children) == 2
 
 
+def test_a_trainer_locked_out_by_one_that_exits_before_the_guardian_looks_is_restarted(tmp_path):
+    """The guardian told a locked-out trainer's exit 1 from a config error only by a lock holder still there when it
+    looked: one that exited between the refusal and the look stopped supervision for good. The refused trainer now
+    says so in the guardian's file (rundir.LOCKED_OUT_ENV); the other run's dir gets no crash report."""
+    import threading
+    import guardian
+    import rundir
+    out = str(tmp_path / "run")
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}"])
+    held = rundir.hold_run_lock(out, 0, lambda m: None)  # the killed guardian's trainer, saving
+    refused = str(tmp_path / "refused")
+
+    def release_once_refused():  # the holder exits right after the refusal, before the guardian looks
+        while not os.path.exists(refused):
+            time.sleep(0.005)
+        os.close(held)
+    threading.Thread(target=release_once_refused, daemon=True).start()
+    started = stand_in_trainers(g, f"import rundir\ntry:\n    rundir.hold_run_lock({out!r}, 0, print)\n"
+                                   f"except rundir.RunLocked:\n    open({refused!r}, 'w').close()\n    raise",
+                                "raise SystemExit(0)")
+    assert run_guardian(g) == 0
+    assert len(started) == 2 and not guardian.crash_reports(out)
+    log = json.load(open(os.path.join(out, "guardian.json")))
+    assert [s["exit_code"] for s in log["starts"]] == [1, 0]
+
+
 def test_sigterm_between_starts_starts_no_trainer(tmp_path):
     """A SIGTERM while no trainer runs (the backoff after unreachable storage, a repair) ends supervision: before,
     the next start ran a whole new trainer (under relay: training on after the lease was gone)."""
@@ -943,6 +970,30 @@ def test_an_out_dir_that_is_or_lies_under_a_file_is_one_line_not_a_restartable_c
         assert r.returncode == code and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert r.stderr == f"{who}: error: --out_dir={out}: {f} is a file, not a folder; pass a run directory\n"
     assert f.read_text() == "mine"
+
+
+def test_an_out_dir_that_cannot_be_made_or_written_is_one_line(capsys):
+    """--out_dir=/proc/x was an unexpected FileNotFoundError, exit 10 (restarted as a crash), "checkpoints are intact";
+    /proc/self's lock file the same; the guardian's a traceback for each, and for a run dir it may not write (/sys/x)
+    too; train.py said of /sys/x "0 MB free on its disk: free space". Now one line each: exit 1 for a folder no files
+    can be made in, storage denied (4) for one it may not write."""
+    import errno
+    import guardian
+    import rundir
+    for out, made in (("/proc/x", "/proc/x"), ("/proc/x/y", "/proc/x"), ("/proc/self", "/proc/self/.trainer.lock")):
+        with pytest.raises(rundir.RunDirError, match=rf"^--out_dir={out}: cannot create {made} \(No such file or "
+                                                     r"directory: .*\); pass a run directory on a disk it can write$"):
+            rundir.hold_run_lock(out, 0, print)
+    assert guardian.supervise(["config/tiny.py", "--out_dir=/proc/x"]) == 1
+    assert capsys.readouterr().err == ("guardian: error: --out_dir=/proc/x: cannot create /proc/x (No such file or "
+                                       "directory: no folder files can be made in, as /proc or /sys); pass a run "
+                                       "directory on a disk it can write\n")
+    assert guardian.supervise(["config/tiny.py", "--out_dir=/sys/x"]) == train_py.EXIT_DENIED
+    assert re.fullmatch(r"guardian: error: storage denied: /sys/x: [^;(]+; fix its permissions, or pass another "
+                        r"--out_dir\n", capsys.readouterr().err)
+    ro = OSError(errno.EROFS, "Read-only file system", "/mnt/run")
+    assert rundir.denied_line(ro, "x") == ("/mnt/run: Read-only file system; remount it read-write, or pass another "
+                                           "--out_dir")
 
 
 def test_guardian_quarantines_a_mask_by_its_shard_and_counts_no_old_quarantine_as_a_fix(tmp_path):

@@ -605,6 +605,8 @@ def test_status_says_whether_a_trainer_runs_and_its_newest_logged_step(three_ste
     shutil.copytree(three_steps, out)  # newest checkpoint: step 3
     said = main_output(["--status", out])[0].splitlines()
     assert said[-1] == "  trainer: not running", said
+    # its time left is the run's average pace, said so (the log line's ETA, this start's pace, differs from it)
+    assert [x for x in said if " at that average pace of all its starts (the log line's ETA: that start's own); " in x]
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:  # a trainer's log, 5 steps past the checkpoint
         f.write(json.dumps({"step": 8, "loss": 6.25, "time": time.time() - 65}) + "\n" + '{"step": 9, "lo')
     with open(os.path.join(out, ".trainer.lock"), "w") as lock:
@@ -1421,6 +1423,26 @@ def test_status_help_prints_its_usage(capsys):
     help read --status as an override."""
     train.main(["--status", "--help"])
     assert "usage: python train.py --status RUN_DIR" in capsys.readouterr().out
+
+
+def test_a_dataset_no_stage_reads_is_refused_on_a_first_start(tmp_path):
+    """--dataset=X beside stages whose mixes all name their corpora trained on those corpora, X unread and unsaid (a
+    resume refused the same change). Refused in one line naming the stages' corpora; a dataset one of the mixes
+    names (config/nano.py's), or one set before the stages' file (tiny.py's), goes on (to the bad learning_rate)."""
+    stages = tmp_path / "stages.py"
+    stages.write_text("stages = [dict(name='a', steps=2, lr_phase='stable', mix={'local': 0.5, 'web': 0.5})]\n")
+    args = TINY + [f"--out_dir={tmp_path / 'run'}", str(stages)]
+    _, err, code = main_output(args + ["--dataset=fineweb_edu"])
+    assert code == 1 and err == ("train.py: error: --dataset='fineweb_edu' is read by no stage: every stage's mix "
+                                 "names its corpora (local, web); drop it, or put 'fineweb_edu' in the stages' mix\n")
+    (tmp_path / "mine.py").write_text("dataset = 'fineweb_edu'\n")
+    assert f"error: dataset='fineweb_edu' (in {tmp_path / 'mine.py'}) is read by no stage" in main_output(
+        args + [str(tmp_path / "mine.py")])[1]
+    other = tmp_path / "other.py"  # stages of another corpus than tiny.py's dataset, set before them
+    other.write_text("stages = [dict(name='a', steps=2, lr_phase='stable', mix={'web': 1.0})]\n")
+    for ok in (args + ["--dataset=web"], args, TINY + [f"--out_dir={tmp_path / 'run'}", str(other)]):
+        assert "learning_rate" in main_output(ok + ["--learning_rate=-1.0"])[1]
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_retention_and_the_mirror_after_kills(tmp_path):
