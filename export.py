@@ -117,7 +117,7 @@ class Source:
 
     def __init__(self, path, tokenizer_path=None, force_tokenizer=False):
         self.dir = checkpoint.resolve(path)
-        checkpoint.verify(self.dir)
+        manifest = checkpoint.verify(self.dir)
         state_path = os.path.join(self.dir, "state.json")
         try:
             with open(state_path, encoding="utf-8") as f:
@@ -138,7 +138,8 @@ class Source:
         self.tokenizer_path = tp if os.path.isfile(tp) else None
         if tokenizer_path and not self.tokenizer_path:
             raise ExportError(f"{tokenizer_path}: no such tokenizer file; pass the corpus's tokenizer file")
-        check_own_tokenizer(tokenizer_path, own, checkpoint.sha256_file(own) if os.path.isfile(own) else None,
+        # (its hash as the manifest just verified it: no second read; a payload file is always listed)
+        check_own_tokenizer(tokenizer_path, own, manifest["files"].get("tokenizer.json", {}).get("sha256"),
                             force_tokenizer)
 
     def shape(self, name):

@@ -185,11 +185,15 @@ def recover_killed_resave(run_dir, cmd="push"):
     leg for one with nothing unpushed. Put back under the trainer's lock as any reader of a run dir does
     (rundir.recover_for_reader); refused while a trainer holds it."""
     try:
-        back = rundir.recover_for_reader(run_dir)
+        put_back_killed_resave(run_dir)
     except checkpoint.CheckpointError as e:
         done = "nothing was uploaded" if cmd == "push" else "the baton is still yours"
         raise RelayError(f"{cmd} refused: {e}; {done}") from None
-    for path in back:
+
+
+def put_back_killed_resave(run_dir):
+    """rundir.recover_for_reader, each step put back said; CheckpointError while a trainer holds the run dir."""
+    for path in rundir.recover_for_reader(run_dir):
         print(f"relay: {path}: put back (a re-save of it was killed between its two renames)", file=sys.stderr)
 
 
@@ -512,9 +516,7 @@ def prepare_leg(store, lease, workdir):
         d = os.path.join(workdir, name)
         if name.startswith("leg-") and os.path.isdir(d):
             try:
-                for path in rundir.recover_for_reader(d):
-                    print(f"relay: {path}: put back (a re-save of it was killed between its two renames)",
-                          file=sys.stderr)
+                put_back_killed_resave(d)
             except checkpoint.CheckpointError as e:
                 unsure.add(d)
                 print(f"relay: warning: {e}; {d} kept as it is", file=sys.stderr)

@@ -76,7 +76,7 @@ def read_cap(path):
 
 
 def fmt_bytes(n):
-    return f"{n} bytes" if n < MiB else f"{n / MiB:.1f} MiB" if n < 1024 * MiB else f"{n / 1024 / MiB:.1f} GiB"
+    return f"{n} bytes" if n < MiB else checkpoint.fmt_size(n)  # (a 4 KiB cap is no "0.0 MiB")
 
 
 def read_capped(src, cap, name, fix, size=None):
