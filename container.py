@@ -12,9 +12,9 @@ File layout (all integers little-endian):
     12  uint32   crc32 (zlib) of the H header bytes below (0, containers written before the check: refused, re-export)
     16  uint64   H = length of the JSON header in bytes (space-padded)
     24  H bytes  JSON header: format, version, model_config, tokenizer_json (the checkpoint's tokenizer.json
-                 text or null), random_weights, quant settings, `tensors` (resident tensors: name -> kind,
-                 shape, offset, nbytes, crc32, parts) and `experts` (per MoE layer, per expert: offset, crc32;
-                 the common part layout in `expert_layout`)
+                 text, line endings kept, or null), random_weights, quant settings, `tensors` (resident tensors:
+                 name -> kind, shape, offset, nbytes, crc32, parts) and `experts` (per MoE layer, per expert: offset,
+                 crc32; the common part layout in `expert_layout`)
     ...          zero padding to 4096, then the blobs; every blob starts at a multiple of 4096 and its nbytes
                  is a multiple of 4096 (so O_DIRECT can read it); crc32 (zlib) covers the padded blob.
 
@@ -254,7 +254,8 @@ class CheckpointSource:
         self.names = set(self.f.keys())
         check_tensors_match_config(self.f, self.cfg, os.path.join(self.dir, "model.safetensors"))
         tok = os.path.join(self.dir, "tokenizer.json")
-        self.tokenizer_json = open(tok, encoding="utf-8").read() if os.path.exists(tok) else None
+        # its exact text (newline=""): CRLF read as LF made the container's tokenizer another file than the manifest's
+        self.tokenizer_json = open(tok, encoding="utf-8", newline="").read() if os.path.exists(tok) else None
         self.random = False
         self.chat_tuned = checkpoint.chat_tuned(state)  # chat says when a container's model was never fine-tuned
 

@@ -140,8 +140,11 @@ class PicaflorModel:
         return ids if add_special_tokens is False else [self.tok.bos_id] + ids
 
     def decode(self, ids):
-        """Specials are dropped; an id no text maps to (reserved 0, unused top ids) shows as U+FFFD."""
-        return self.tok.decode_generated(ids)
+        """Specials and ids no text maps to (reserved 0, unused top ids) are dropped and the rest decoded as one byte
+        string, as the HF export's tokenizer decodes (skip_special_tokens; ids outside its vocab are skipped): a
+        U+FFFD for them (chat.py's and stream_infer's decode_generated) split "12<0>13" in two, and counting scored
+        the checkpoint and its int4 container otherwise than their export."""
+        return self.tok.decode([i for i in ids if 0 < i < self.tok.bos_id])  # (ids 1..bos_id - 1: bytes and merges)
 
     def run(self, ids, cache=None):
         """Hidden states (B, T, D) after the final norm: the model's forward with its lm_head set aside."""

@@ -10,8 +10,9 @@ CKPT is a checkpoint dir (step_NNNNNNN/) or a run dir (its LATEST); its MANIFEST
 place; --out may not be, hold or lie inside the checkpoint, and an existing --out is replaced only when picaflor
 exported it (an hf folder holding picaflor_export.json and only the files an export writes; a GGUF with the
 picaflor.export key; a container). Weights holding NaN or Inf are refused. --tokenizer FILE (any format) must fit
-the vocab, and is for a checkpoint without a tokenizer: one that differs from the checkpoint's own (by content) is
-refused unless --force-tokenizer.
+the vocab, and is for a checkpoint without a tokenizer: one that differs from the checkpoint's own (by content: a copy
+whose line endings or JSON layout differ is the same, and the checkpoint's own file is exported) is refused unless
+--force-tokenizer.
 
 - int4: the streaming container of stream_infer.py, written and read by container.py (one place only).
 - hf: a directory transformers loads as HYV3ForCausalLM with no custom code: config.json, model.safetensors
@@ -100,16 +101,32 @@ def load_fitting_tokenizer(path, vocab_size):
     return tok
 
 
-def check_own_tokenizer(given, own_path, own_sha256, force):
+def file_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def check_own_tokenizer(given, own_path, own_sha256, own_bytes, force):
     """A --tokenizer other than the one the checkpoint carries (its content, not its path) is refused: one of the same
-    vocab replaced it without a word, and the export decoded every answer to other text. force: replace it anyway."""
+    vocab replaced it without a word, and the export decoded every answer to other text. force: replace it anyway.
+    True when given is the checkpoint's own: its bytes, or a copy of it whose line endings (a CRLF checkout) or JSON
+    layout differ (refused as another tokenizer); own_bytes() reads the own file, only for such a copy."""
+    import tokenizer as tokmod
     if not given or own_sha256 is None or force:
-        return
+        return False
     theirs = checkpoint.sha256_file(given)
-    if theirs != own_sha256:
+    if theirs == own_sha256:
+        return True
+    try:
+        same = (tokmod.Tokenizer.from_file_bytes(own_bytes(), own_path).content_hash
+                == tokmod.Tokenizer.load(given).content_hash)
+    except ValueError:  # (either one corrupt: not the same tokenizer; a corrupt --tokenizer says so when exported)
+        same = False
+    if not same:
         raise ExportError(f"--tokenizer {given} (sha256 {theirs[:12]}) is not the tokenizer {own_path} carries "
                           f"({own_sha256[:12]}), the one its weights were trained with; drop --tokenizer, or pass "
                           f"--force-tokenizer to replace it anyway")
+    return True
 
 
 class Source:
@@ -139,8 +156,9 @@ class Source:
         if tokenizer_path and not self.tokenizer_path:
             raise ExportError(f"{tokenizer_path}: no such tokenizer file; pass the corpus's tokenizer file")
         # (its hash as the manifest just verified it: no second read; a payload file is always listed)
-        check_own_tokenizer(tokenizer_path, own, manifest["files"].get("tokenizer.json", {}).get("sha256"),
-                            force_tokenizer)
+        if check_own_tokenizer(tokenizer_path, own, manifest["files"].get("tokenizer.json", {}).get("sha256"),
+                               lambda: file_bytes(own), force_tokenizer):
+            self.tokenizer_path = own  # (the same tokenizer: the checkpoint's bytes, those its manifest hashed)
 
     def shape(self, name):
         return list(self.f.get_slice(name).get_shape())
@@ -190,9 +208,10 @@ class ContainerSource:
         self.tokenizer_path = tokenizer_path
         if tokenizer_path and not os.path.isfile(tokenizer_path):
             raise ExportError(f"{tokenizer_path}: no such tokenizer file; pass the corpus's tokenizer file")
-        own = self.cont.tokenizer_json  # (written as the checkpoint's tokenizer.json was read: its bytes, as text)
-        check_own_tokenizer(tokenizer_path, path, hashlib.sha256(own.encode()).hexdigest() if own else None,
-                            force_tokenizer)
+        own = self.cont.tokenizer_json  # (the checkpoint's tokenizer.json as text; before CRLF was kept, with LF)
+        if check_own_tokenizer(tokenizer_path, path, hashlib.sha256(own.encode()).hexdigest() if own else None,
+                               own.encode, force_tokenizer):
+            self.tokenizer_path = tokenizer_path = None  # the same tokenizer: the one the container carries
         if not tokenizer_path and self.cont.tokenizer_json:
             import tempfile
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -752,7 +771,10 @@ def export_int4(src, out, group_size=None, embed_bits=8, progress=True):
         source = container.CheckpointSource(src.dir)
         src.tokenizer()  # checks it fits the model
         # the tokenizer the container embeds: --tokenizer when given (it was ignored), else the checkpoint's
-        source.tokenizer_json = open(src.tokenizer_path, encoding="utf-8").read() if src.tokenizer_path else None
+        # (newline="": its exact text, so its sha256 is the manifest's; CRLF became LF, and the checkpoint's own
+        # tokenizer.json no longer matched the container's)
+        source.tokenizer_json = (open(src.tokenizer_path, encoding="utf-8", newline="").read() if src.tokenizer_path
+                                 else None)
         if source.tokenizer_json is None:  # (as the HF export warns; stream_infer then takes prompts as token ids)
             print(f"warning: {src.dir} has no tokenizer.json; the container has no tokenizer (pass --tokenizer FILE)",
                   file=sys.stderr)

@@ -14,7 +14,8 @@ Id layout (the calls recorded here, see DESIGN.md "Tokenizer and data"):
 
 File format: one small JSON file, no pickle: {"format", "version", "pattern", "vocab_size",
 "tokens": base64 bytes of ids 1..n in id order, "special_ids": {name: id}}. .hash is the sha256 of
-exactly the bytes save() writes, so a corpus/checkpoint can pin the tokenizer it was made with.
+exactly the bytes save() writes, so a corpus/checkpoint can pin the tokenizer it was made with; .content_hash that of
+the file save() writes for a new one: the same for a copy whose line endings (CRLF) or JSON layout differ.
 
     python tokenizer.py TOKENIZER_FILE [--text "some text"]    # print the vocab and a sample encoding
 """
@@ -55,7 +56,7 @@ class Tokenizer:
             special_tokens=self.special_ids,
         )
         self._file_bytes = None  # the exact bytes this tokenizer was loaded from / saves to
-        self.hash = hashlib.sha256(self.to_bytes()).hexdigest()
+        self.hash = self.content_hash = hashlib.sha256(self.to_bytes()).hexdigest()  # (load: .hash its file's)
 
     # ---- (de)serialisation: one small JSON file ----
     def to_bytes(self):
@@ -86,6 +87,11 @@ class Tokenizer:
         except OSError as e:
             raise ValueError(f"{path}: cannot read tokenizer file ({e.strerror}); re-run the corpus's "
                              f"data/<corpus>/prepare.py or copy tokenizer.json from the checkpoint") from None
+        return cls.from_file_bytes(raw, path)
+
+    @classmethod
+    def from_file_bytes(cls, raw, path):
+        """A tokenizer file's bytes (path: where they came from, for the message) -> Tokenizer, as load()."""
         try:
             doc = json.loads(raw)
         except ValueError:

@@ -400,8 +400,9 @@ def test_passkey_reported_per_length(tmp_path, monkeypatch):
         assert r["target"] in r["prompt"] and len(r["target"]) == 5
     # default lengths: 4K doubling up to the context, and the context itself when it is below 4K
     lm = ev.load_model(run_dir, "cpu", "float32")
-    # a model may emit ids no text maps to (reserved 0, unused top ids): shown as U+FFFD, specials dropped
-    assert lm.decode([0, 72, tok.bos_id, 0]) == "\ufffd" + tok.decode([72]) + "\ufffd"
+    # a model may emit ids no text maps to (reserved 0, unused top ids): dropped with the specials, as its HF export's
+    # tokenizer decodes (test_generated_text_is_the_same_from_a_checkpoint_its_container_and_its_hf_export)
+    assert lm.decode([0, 72, tok.bos_id, 0]) == tok.decode([72])
     assert et.passkey_lengths(lm, None) == [1024]
     lm.max_length = 10000
     assert et.passkey_lengths(lm, None) == [4096, 8192, 10000]
@@ -1306,6 +1307,51 @@ def test_picaflor_generation_stops_at_every_special_token_as_its_exports_do(tmp_
                 yield from script[:n]
         engine_lm = ev.EngineModel(Engine(), tok, "e")
         assert ev.greedy_generate(engine_lm, "Question: how many?\nAnswer:", ["Question:"], 8) == " 12", name
+
+
+def test_generated_text_is_the_same_from_a_checkpoint_its_container_and_its_hf_export(tmp_path):
+    """eval.py decoded a picaflor checkpoint's (and its int4 container's) generation with U+FFFD for an id no text maps
+    to (reserved 0), where its HF export's tokenizer drops it: counting scored " 12<0>13" 1 there ("12", "13") and 0 on
+    the export ("1213"). Every kind decodes the same text now, a character cut across tokens (or across a dropped id)
+    and invalid UTF-8 included, and scores the same."""
+    import io
+    from contextlib import redirect_stdout
+
+    import checkpoint
+    import container
+    import export
+    run_dir, tok = make_picaflor_ckpt(tmp_path, max_seq_len=64)
+    with redirect_stdout(io.StringIO()):
+        export.main([run_dir, "--format", "hf", "--out", str(tmp_path / "hf"), "--dtype", "float32", "--no-progress"])
+    path = str(tmp_path / "m.pcf4")
+    container.write_container(checkpoint.resolve(run_dir), path, group_size=16, progress=False)
+    lms = {"checkpoint": ev.load_model(run_dir, "cpu", "float32"), "hf": ev.load_model(str(tmp_path / "hf"), "cpu",
+                                                                                        "float32"),
+           "int4": ev.load_model(path, "cpu", "float32")}
+    lms["engine"] = ev.EngineModel(type("Engine", (), {"context": 64})(), tok, "e")
+    byte = [b + 1 for b in range(256)]  # the byte tokens' ids
+    emoji, end = list("\U0001f642".encode()), tok.special_ids["<|end|>"]
+    scripts = [tok.encode(" 12, 13") + [0] + tok.encode("14"),  # an id with no text between digits
+               tok.encode(" 12,") + [byte[emoji[0]], 0, byte[emoji[1]], tok.bos_id, byte[emoji[2]], byte[emoji[3]]],
+               tok.encode(" 12") + [byte[0xf0], byte[0x9f]] + tok.encode("13") + [byte[0xed], byte[0xa0], byte[0x80],
+                                                                                   byte[0xc0], byte[0xaf], byte[0x80]]]
+    for script in scripts:
+        assert len({lm.decode(script) for lm in lms.values()}) == 1, {k: lm.decode(script) for k, lm in lms.items()}
+        got = {}
+        for name, lm in lms.items():
+            it = iter(script + [end])
+            if name == "engine":
+                lm.engine.stream = lambda ids, n, temperature=0, it=it: (t for t in it)
+            else:
+                def head(h, it=it):  # the model's greedy choices, scripted
+                    logits = torch.zeros(h.shape[0], tok.vocab_size)
+                    logits[:, next(it)] = 1.0
+                    return logits
+                lm.head = head
+            text = ev.greedy_generate(lm, "Count from 10 to 14:\n10, 11,", ["\n"], 20)
+            got[name] = (text, et.counting_scores(text, " 12, 13, 14"))
+        assert len(set(map(str, got.values()))) == 1, got
+    assert got["hf"][0] == " 12\ufffd13" + "\ufffd" * 6
 
 
 def test_synthetic_tasks_share_an_out_with_data_dir_tasks(hf_setup, tmp_path, capsys):

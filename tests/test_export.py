@@ -2,6 +2,7 @@
 hy_v3 loader needs and dequantizes back to the weights; bad checkpoints give one-line errors.
 (int4 container round-trip, truncation and magic checks are container.py's tests.)"""
 
+import hashlib
 import json
 import os
 import random
@@ -615,6 +616,36 @@ def test_tokenizer_flag_reaches_the_int4_container_and_is_checked_for_hf(ckpt, t
             run_export([ckpt["run"], "--format", "hf", "--out", str(tmp_path / "hf"), "--tokenizer", big_path,
                         "--force-tokenizer"])
         assert "tokenizer vocab" in str(e.value) and not os.path.exists(tmp_path / "hf")
+
+
+def test_a_tokenizer_that_differs_only_in_line_endings_is_the_same_tokenizer(ckpt, tmp_path):
+    """tokenizer.json checked out with CRLF (git autocrlf) is the same tokenizer: --tokenizer was refused for it (sha256
+    of its bytes), a checkpoint carrying one wrote a container holding it with LF (the text read with universal
+    newlines), and that container then refused the very checkpoint's tokenizer.json. The container holds the file's
+    exact text now (its sha256 the manifest's), the check compares content, and another tokenizer is still refused."""
+    import container as C
+    own = os.path.join(checkpoint.resolve(ckpt["run"]), "tokenizer.json")
+    crlf = tmp_path / "tok_crlf.json"
+    crlf.write_bytes(open(own, "rb").read().replace(b"\n", b"\r\n"))
+    assert export.Source(ckpt["run"], str(crlf)).tokenizer_path == own  # (what every format exports: its own bytes)
+    # a checkpoint that carries the CRLF file
+    ck2 = M.save_checkpoint(M.load_checkpoint(ckpt["path"]), str(tmp_path / "run2"), 7, tokenizer_file=str(crlf))
+    out2 = str(tmp_path / "m2.pcf4")
+    run_export([ck2, "--format", "int4", "--out", out2])
+    held = C.load_container(out2).tokenizer_json.encode()
+    assert C.CheckpointSource(ck2).tokenizer_json.encode() == held == crlf.read_bytes()  # (container.py CKPT --out)
+    assert hashlib.sha256(held).hexdigest() == checkpoint.verify(ck2)["files"]["tokenizer.json"]["sha256"]
+    run_export([out2, "--format", "gguf", "--out", str(tmp_path / "m.gguf"), "--tokenizer", os.path.join(ck2,
+                                                                                                    "tokenizer.json")])
+    assert T.Tokenizer.load(os.path.join(ck2, "tokenizer.json")).content_hash == ckpt["tok"].content_hash
+    tok = ckpt["tok"]  # another tokenizer of the same vocab (its last two merges swapped), with CRLF too: refused
+    other = T.Tokenizer(tok.pattern, tok.token_bytes[:-2] + tok.token_bytes[:-3:-1], tok.vocab_size)
+    other_crlf = tmp_path / "other_crlf.json"
+    other_crlf.write_bytes(other.to_bytes().replace(b"\n", b"\r\n"))
+    for src in (ck2, out2):
+        with pytest.raises(SystemExit) as e:
+            run_export([src, "--format", "gguf", "--out", str(tmp_path / "o.gguf"), "--tokenizer", str(other_crlf)])
+        assert "--force-tokenizer" in str(e.value.code) and not os.path.exists(tmp_path / "o.gguf")
 
 
 def test_a_diverged_checkpoint_is_refused_by_every_format(ckpt, tmp_path):
