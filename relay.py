@@ -124,7 +124,8 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
     """Download checkpoint/ at sha into dest_dir/step_NNNNNNN, verify its manifest, write LATEST. Returns the path.
     keep_newer (a crashed leg's dir pulled again): LATEST stays on a newer valid local step, whose work resumes."""
     snap_sha = sha or store.head()[0]
-    paths = store.list(snap_sha, CKPT_PREFIX + "/")
+    sizes = store.sizes(snap_sha, CKPT_PREFIX + "/")  # {path: bytes}: what each download is to be
+    paths = sorted(sizes)
     if not paths:
         raise RelayError(f"{store.url}: holds no checkpoint/ at {snap_sha[:10]}; nothing to pull")
     bad = next((p for p in paths if not checkpoint.plain_file_name(p[len(CKPT_PREFIX) + 1:])), None)
@@ -135,12 +136,34 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
     remove_dead_pulls(dest_dir)
     tmp = os.path.join(dest_dir, f".pull-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        store.download(snap_sha, paths, tmp)
-        got = os.path.join(tmp, CKPT_PREFIX)
+        # the manifest first, then only the files it lists, each its listed size: the store's others (a hand-added or
+        # hostile 100 GB checkpoint/x), a file of another size, a GB manifest or state.json were downloaded whole first
+        man_path = f"{CKPT_PREFIX}/MANIFEST.json"
         pulled_file = lambda name: f"{store.url}: {CKPT_PREFIX}/{name} at {snap_sha[:10]}"
         not_installed = "nothing installed locally. Revert the push that wrote it"
+        # refused on the store's size, before the download (nothing read: an empty body of that size)
+        read_capped((), SMALL_FILE_CAP, pulled_file("MANIFEST.json"), not_installed, sizes.get(man_path, 0))
+        store.download(snap_sha, [man_path] if man_path in paths else [], tmp)
+        got = os.path.join(tmp, CKPT_PREFIX)
+        os.makedirs(got, exist_ok=True)  # (no manifest: verify says so)
+        listed = {}
         with contextlib.suppress(FileNotFoundError), open(os.path.join(got, "MANIFEST.json"), "rb") as f:
-            read_capped(f, SMALL_FILE_CAP, pulled_file("MANIFEST.json"), not_installed)  # verify reads it whole
+            text = read_capped(f, SMALL_FILE_CAP, pulled_file("MANIFEST.json"), not_installed)  # verify reads it whole
+            with contextlib.suppress(ValueError, RecursionError, LookupError, AttributeError, TypeError):  # verify: why
+                listed = {n: m["bytes"] for n, m in json.loads(text)["files"].items()}
+        wanted = [p for p in paths if p[len(CKPT_PREFIX) + 1:] in listed]
+        for p in wanted:
+            if sizes.get(p) != listed[p[len(CKPT_PREFIX) + 1:]]:
+                raise RelayError(f"{store.url}: checkpoint at {snap_sha[:10]} fails verification before download: "
+                                 f"{printable(p)} is {sizes.get(p)} bytes in the store, its MANIFEST.json says "
+                                 f"{printable(str(listed[p[len(CKPT_PREFIX) + 1:]]))[:40]}; {not_installed}")
+        if f"{CKPT_PREFIX}/state.json" in wanted:  # read whole below (its hash is right: any size passes)
+            read_capped((), SMALL_FILE_CAP, pulled_file("state.json"), not_installed, listed["state.json"])
+        for p in paths if listed else []:
+            if p != man_path and p not in wanted:
+                print(f"relay: {printable(p)} at {snap_sha[:10]} is not in its MANIFEST.json: not downloaded (the "
+                      f"next push removes it)", file=sys.stderr)
+        store.download(snap_sha, wanted, tmp)
         try:
             manifest = checkpoint.verify(got)
         except checkpoint.CheckpointError as e:  # named as the store's files: the temporary dir is removed below

@@ -16,6 +16,12 @@ import threading
 import time
 
 import relay
+import relay_store
+
+# bytes of leg logs (as stored) the dashboard reads and keeps, newest leg first: each log is capped on its own
+# (relay_store.READ_CAPS), but a run's logs add up, one per leg, without bound; the older ones are named, not read
+LOG_BUDGET = 128 * relay_store.MiB
+
 
 def dashboard_data(target, log_cache=None):
     """Everything the page shows, from a store URL or a local run dir (metrics.jsonl only). log_cache keeps the
@@ -28,13 +34,30 @@ def dashboard_data(target, log_cache=None):
         d["baton"] = {k: st[k] for k in ("holder", "expired_holder", "generation", "leg", "claimed_at", "lease_age_s", "ttl_s")}
         d["state"] = {k: st[k] for k in ("step", "tokens", "stage", "legs", "decay_requested", "decay", "usd_total")}
         d["ledger"] = st["ledger"]
+        d["left_out"] = []
         # keyed by content, not name: a push reverted on the Hub gives the next leg the same logs/leg-NNNN.jsonl
         ids = store.file_ids(st["head"], "logs/")
-        for p in sorted(ids):
-            if p.endswith(".jsonl"):
-                if (p, ids[p]) not in log_cache:
-                    log_cache[(p, ids[p])] = [m for m in (safe_json(l) for l in (store.read(st["head"], p) or b"").decode(errors="replace").splitlines()) if m]
-                d["metrics"] += log_cache[(p, ids[p])]
+        held, older = 0, []  # bytes of log counted so far, newest leg first; the logs past LOG_BUDGET
+        for p in sorted((p for p in ids if p.endswith(".jsonl")), key=lambda p: (len(p), p), reverse=True):
+            key = (p, ids[p])  # (leg-10000 sorts after leg-9999: by length, then name)
+            if key not in log_cache or log_cache[key][1] is None and held + log_cache[key][0] <= LOG_BUDGET:
+                if held > LOG_BUDGET:  # past it: not read at all
+                    older.append(p)
+                    continue
+                data = store.read(st["head"], p) or b""
+                log_cache[key] = (len(data), None if held + len(data) > LOG_BUDGET else
+                                  [m for m in map(safe_json, data.decode(errors="replace").splitlines()) if m])
+            size, rows = log_cache[key]
+            held += size
+            if held > LOG_BUDGET:  # its rows dropped, its size kept: not read again at every refresh
+                log_cache[key] = (size, None)
+                older.append(p)
+                continue
+            d["metrics"] += rows
+        if older:
+            which = older[0] if len(older) == 1 else f"{len(older)} older leg logs, {older[-1]} to {older[0]}"
+            d["left_out"].append(f"{which} (the dashboard reads at most {relay_store.fmt_bytes(LOG_BUDGET)} of leg "
+                                 f"logs, newest first)")
         for gone in [k for k in log_cache if ids.get(k[0]) != k[1]]:  # a reverted leg's log: not kept for months
             del log_cache[gone]
     else:

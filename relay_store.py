@@ -6,6 +6,7 @@ relay_store.py: where a relay run lives, behind one small interface (relay.py ho
 
     store.head() -> (sha, commit_time, server_now)     store.read(sha, path) -> bytes | None
     store.list(sha, prefix) -> [path]                  store.download(sha, paths, dest)
+    store.file_ids(sha, prefix) -> {path: content id}  store.sizes(sha, prefix) -> {path: bytes}
     store.commit(parent, adds {path: bytes | local file path}, deletes, message) -> sha
 
 read holds at most read_cap(path) bytes in memory (TooBig past it: RELAY.json, the ledger, a leg's log, ... are
@@ -56,7 +57,8 @@ class Conflict(StoreError):
 
 
 class TooBig(StoreError):
-    """A file relay would read into memory is larger than it ever is when relay.py wrote it (read_capped)."""
+    """A file relay would read into memory is larger than it ever is when relay.py wrote it (read_capped), or a
+    listing holds more files than a relay run ever does (LIST_CAP)."""
 
 
 MiB = 2 ** 20
@@ -66,13 +68,28 @@ MiB = 2 ** 20
 READ_CAPS = {"LEDGER.md": 32 * MiB, "logs/": 64 * MiB}  # ~150 B a leg's row; a leg's metrics lines
 SMALL_FILE_CAP = 4 * MiB  # RELAY.json, training_state.json, config.py, checkpoint/MANIFEST.json and state.json, ...
 COMMIT_RECORD_CAP = 64 * MiB  # a file:// commit record: the whole tree, ~100 B a file
+# files one listing (list, file_ids) returns: a relay run holds a dozen files and one log a leg; a repo with millions
+# (pushed by hand, or by a hostile contributor) was listed whole, into memory, by every contributor's command
+LIST_CAP = 20_000
 STORE_FIX = "restore it from the previous commit (git revert on the repo); relay changed nothing"
+LIST_FIX = "revert the commit that added them (git revert on the repo); relay changed nothing"
 
 
 def read_cap(path):
     """The most bytes relay reads into memory of the store file at path (READ_CAPS, by name or folder)."""
     return next((cap for key, cap in READ_CAPS.items() if path == key or (key.endswith("/") and path.startswith(key))),
                 SMALL_FILE_CAP)
+
+
+def capped_listing(entries, name):
+    """The entries (an iterable: the Hub's pages, fetched as iterated) as a list, or TooBig past LIST_CAP of them."""
+    out = []
+    for e in entries:
+        if len(out) == LIST_CAP:
+            raise TooBig(f"{name} holds more than the {LIST_CAP} files relay lists (a relay run holds a dozen and one "
+                         f"log a leg: pushed by hand?); {LIST_FIX}")
+        out.append(e)
+    return out
 
 
 def fmt_bytes(n):
@@ -200,11 +217,17 @@ class FileStore:
             return read_capped(f, read_cap(path), f"{self.url}: {path} at {sha[:10]}", STORE_FIX)
 
     def list(self, sha, prefix=""):
-        return sorted(p for p in self._load_commit(sha)["tree"] if p.startswith(prefix))
+        return sorted(self.file_ids(sha, prefix))
 
     def file_ids(self, sha, prefix=""):
         """{path: sha256 of its bytes} under prefix at a commit."""
-        return {p: oid for p, oid in self._load_commit(sha)["tree"].items() if p.startswith(prefix)}
+        tree = self._load_commit(sha)["tree"]
+        return dict(capped_listing(((p, oid) for p, oid in tree.items() if p.startswith(prefix)),
+                                   f"{self.url}: {prefix or '/'} at {sha[:10]}"))
+
+    def sizes(self, sha, prefix=""):
+        """{path: its size in bytes} under prefix at a commit."""
+        return {p: os.path.getsize(self._object(sha, p, oid)) for p, oid in self.file_ids(sha, prefix).items()}
 
     def download(self, sha, paths, dest):
         tree = self._load_commit(sha)["tree"]
@@ -292,6 +315,9 @@ def use_http_timeouts():
 RELAY_COMMIT_PREFIX = "relay: "  # every commit relay.py makes; head()'s time is the newest one's (the lease's clock)
 LEASE_CLOCK_LOOKBACK = 50  # commits looked back through for it (about one page of the Hub's commit list)
 READ_CACHE_ENTRIES = 64  # small files kept per store, enough for a few heads' RELAY.json / state / ledger / manifest
+# and their bytes: each file is capped (read_cap), but 64 leg logs of 64 MiB were 4 GiB held by a dashboard; a file
+# past a quarter of it is not kept (it would push the small ones out; the dashboard keeps its parsed logs itself)
+READ_CACHE_BYTES = 16 * MiB
 
 
 class HfStore:
@@ -303,7 +329,8 @@ class HfStore:
         self.repo_id = repo_id
         self.url = "hf://" + repo_id
         self.api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)  # read now, not at import time
-        self.cache = {}  # (commit sha, path) -> bytes | None
+        self.cache = {}  # (commit sha, path) -> bytes | None, oldest first
+        self.cache_bytes = 0  # of the bytes in it
         self.cache_lock = threading.Lock()  # the heartbeat thread reads through the same store as the main thread
 
     def _call(self, what, fn, *a, **kw):
@@ -393,21 +420,39 @@ class HfStore:
         except EntryNotFoundError:
             data = None
         with self.cache_lock:
-            self.cache[(sha, path)] = data
-            while len(self.cache) > READ_CACHE_ENTRIES:  # oldest first: a dashboard left running for months kept every head's
-                self.cache.pop(next(iter(self.cache)))
+            if (sha, path) not in self.cache and len(data or b"") <= READ_CACHE_BYTES // 4:  # (counted once)
+                self.cache[(sha, path)] = data
+                self.cache_bytes += len(data or b"")
+            # oldest first: a dashboard left running for months kept every head's
+            while len(self.cache) > READ_CACHE_ENTRIES or self.cache_bytes > READ_CACHE_BYTES:
+                self.cache_bytes -= len(self.cache.pop(next(iter(self.cache))) or b"")
         return data
 
     def list(self, sha, prefix=""):
-        files = self._call("list files", self.api.list_repo_files, self.repo_id, revision=sha)
-        return sorted(p for p in files if p.startswith(prefix))
+        return sorted(self.file_ids(sha, prefix))
 
     def file_ids(self, sha, prefix=""):
         """{path: content id} under prefix at a commit: the LFS sha256, else git's blob id (equal ids, equal bytes)."""
+        return {p: (e.lfs.sha256 if e.lfs else e.blob_id) for p, e in self._files(sha, prefix).items()}
+
+    def sizes(self, sha, prefix=""):
+        """{path: its size in bytes (the LFS object's for an LFS file)} under prefix at a commit."""
+        return {p: (e.lfs.size if e.lfs else e.size) for p, e in self._files(sha, prefix).items()}
+
+    def _files(self, sha, prefix):
+        """{path: RepoFile} under prefix: only prefix's folder is listed, page by page, at most LIST_CAP files."""
+        from huggingface_hub.errors import EntryNotFoundError
         from huggingface_hub.hf_api import RepoFile
-        entries = self._call("list files", lambda: list(self.api.list_repo_tree(self.repo_id, revision=sha, recursive=True)))
-        return {e.path: (e.lfs.sha256 if e.lfs else e.blob_id) for e in entries
-                if isinstance(e, RepoFile) and e.path.startswith(prefix)}
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else None
+
+        def files():
+            try:
+                for e in self.api.list_repo_tree(self.repo_id, path_in_repo=folder, revision=sha, recursive=True):
+                    if isinstance(e, RepoFile) and e.path.startswith(prefix):
+                        yield e.path, e
+            except EntryNotFoundError:  # no such folder at sha: no files under it
+                return
+        return dict(self._call("list files", capped_listing, files(), f"{self.url}: {prefix or '/'} at {sha[:10]}"))
 
     def download(self, sha, paths, dest):
         from huggingface_hub import hf_hub_download

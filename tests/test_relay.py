@@ -2869,6 +2869,54 @@ def test_an_hf_store_file_past_its_read_cap_is_refused_without_reading_it(tmp_pa
     assert store.read(sha, "RELAY.json") == b"{}"
 
 
+def test_an_hf_store_keeps_at_most_read_cache_bytes_of_files_and_never_one_past_a_quarter_of_it(tmp_path, hub, hf_env,
+                                                                                                 monkeypatch):
+    """HfStore kept its last 64 files read, whatever their size: 64 leg logs of up to 64 MiB each, 4 GiB held by a
+    dashboard left running. Bounded by bytes too (oldest out first); a file past a quarter of it is not kept (it
+    pushed all the small ones out), and is read again when asked for again."""
+    import relay_store
+    monkeypatch.setattr(relay_store, "READ_CACHE_BYTES", 4000, raising=False)
+    store = relay.open_store("hf://alice/cache")
+    store.create()
+    files = {f"logs/leg-{i:04d}.jsonl": bytes([65 + i]) * 900 for i in range(6)}
+    sha = store.commit(store.head()[0], {**files, "big.json": b"{}" + b" " * 1100}, [], "relay: logs")
+    for p in files:
+        assert store.read(sha, p) == files[p]
+    assert sorted(p for _, p in store.cache) == sorted(files)[-4:]  # 4 x 900 bytes: the newest within 4000
+    assert sum(len(v) for v in store.cache.values()) <= 4000
+    n = len(hub.requests)
+    assert store.read(sha, "big.json") == b"{}" + b" " * 1100 and store.read(sha, "big.json") is not None
+    assert sorted(p for _, p in store.cache) == sorted(files)[-4:]
+    assert sum(p.endswith("/big.json") for _, p in hub.requests[n:]) == 2  # not kept: read again
+
+
+def test_listings_past_list_cap_are_one_line_errors_and_the_hub_lists_only_the_folder_asked_for(tmp_path, hub, hf_env,
+                                                                                                hostile, monkeypatch):
+    """A repo holding millions of files (by hand, or a hostile contributor's push) was listed whole, into memory, by
+    every contributor's pull, push, lease check and dashboard: the Hub's listing was the whole repo even for
+    checkpoint/ (filtered after). Each listing stops past LIST_CAP files, one line naming it and the fix; the Hub
+    lists only the folder asked for, so files elsewhere do not count (nor are fetched)."""
+    import relay_store
+    url, fstore, head = hostile
+    cap = len(fstore.list(head, "checkpoint/")) + 1
+    monkeypatch.setattr(relay_store, "LIST_CAP", cap, raising=False)
+    hstore = relay.open_store("hf://alice/many")
+    hstore.create()
+    for store in (fstore, hstore):
+        junk = {f"logs/leg-{i:04d}.jsonl": f"{{}}\n{i}".encode() for i in range(cap + 1)}
+        sha = store.commit(store.head()[0], {**junk, "checkpoint/a.bin": b"a", "notes.txt": b"hi"}, [], "relay: junk")
+        with pytest.raises(relay_store.TooBig, match=rf"{store.url}: logs/ at {sha[:10]} holds more than the {cap} "
+                                                     rf"files relay lists .* revert the commit that added them"):
+            store.file_ids(sha, "logs/")
+        assert "checkpoint/a.bin" in store.list(sha, "checkpoint/") and store.list(sha, "nothing/") == []
+        assert store.sizes(sha, "checkpoint/")["checkpoint/a.bin"] == 1 and store.sizes(sha, "nothing/") == {}
+    with pytest.raises(relay.RelayError, match=f"holds more than the {cap} files"):  # one line on the dashboard's page
+        relay_dashboard.dashboard_data(url)
+    n = len(hub.requests)
+    hstore.list(sha, "checkpoint/")
+    assert [p for _, p in hub.requests[n:] if "/tree/" in p] == [f"/api/models/alice/many/tree/{sha}/checkpoint"]
+
+
 def test_a_pull_refuses_a_checkpoint_manifest_or_state_json_past_its_read_cap(tmp_path, hostile, rl):
     """A checkpoint's MANIFEST.json and state.json (its hash right, any size) are read whole by the pull (verify,
     the leg's base step): GBs of either filled the volunteer's memory. The payload itself is not capped."""
@@ -2887,6 +2935,41 @@ def test_a_pull_refuses_a_checkpoint_manifest_or_state_json_past_its_read_cap(tm
     r = rl(["pull", url, "--out", tmp_path / "out1"])
     assert one_line_error(r) and f"checkpoint/state.json at {sha[:10]} is 4.0 MiB, more than" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "out1" / "LATEST")
+
+
+def test_a_pull_downloads_only_the_files_its_manifest_lists_each_checked_against_its_size_first(tmp_path, hostile, rl,
+                                                                                               monkeypatch):
+    """pull downloaded everything under checkpoint/, then verified: a file the manifest does not list (a hand-added or
+    hostile 100 GB checkpoint/x) was downloaded by every contributor and installed, unchecked, in the step dir; a listed
+    file of another size than the manifest's was downloaded whole before verify refused it. Now the manifest comes
+    first; unlisted files are skipped (said); a listed file whose size in the store is not the manifest's is refused
+    before anything else is downloaded."""
+    import relay_store
+    url, store, head = hostile
+    fetched, real = [], relay_store.FileStore.download
+    monkeypatch.setattr(relay_store.FileStore, "download",
+                        lambda self, sha, paths, dest: fetched.extend(paths) or real(self, sha, paths, dest))
+    sha = store.commit(head, {"checkpoint/junk.bin": b"x" * 1000}, [], "relay: a hostile commit")
+    r = rl(["pull", url, "--out", tmp_path / "out0"])
+    assert r.returncode == 0, r.stderr
+    assert f"relay: checkpoint/junk.bin at {sha[:10]} is not in its MANIFEST.json: not downloaded" in r.stderr, r.stderr
+    assert "checkpoint/junk.bin" not in fetched and "checkpoint/model.safetensors" in fetched
+    assert not os.path.exists(os.path.join(checkpoint.resolve(str(tmp_path / "out0")), "junk.bin"))
+    fetched.clear()
+    size = json.loads(store.read(sha, "checkpoint/MANIFEST.json"))["files"]["model.safetensors"]["bytes"]
+    sha = store.commit(sha, {"checkpoint/model.safetensors": b"w" * (size + 1)}, [], "relay: a hostile commit")
+    r = rl(["pull", url, "--out", tmp_path / "out1"])
+    assert one_line_error(r), r.stderr
+    assert (f"checkpoint at {sha[:10]} fails verification before download: checkpoint/model.safetensors is {size + 1} "
+            f"bytes in the store, its MANIFEST.json says {size}; nothing installed locally") in r.stderr, r.stderr
+    assert fetched == ["checkpoint/MANIFEST.json"] and not os.path.exists(tmp_path / "out1" / "LATEST")
+    fetched.clear()  # a manifest past its read cap: refused on the store's size, not downloaded (GBs to disk) first
+    monkeypatch.setattr(relay, "SMALL_FILE_CAP", 1000)
+    sha = store.commit(sha, {"checkpoint/MANIFEST.json": store.read(head, "checkpoint/MANIFEST.json") + b" " * 2000},
+                       [], "relay: a hostile commit")
+    r = rl(["pull", url, "--out", tmp_path / "out2"])
+    assert one_line_error(r) and "checkpoint/MANIFEST.json at " in r.stderr and "more than the 1000 bytes" in r.stderr
+    assert fetched == [], fetched
 
 
 def test_release_puts_back_a_step_a_killed_re_save_left_aside_and_counts_it_unpushed(tmp_path, hostile, rl,

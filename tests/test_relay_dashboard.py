@@ -16,6 +16,7 @@ from relay_fixtures import ROOT, base_env, write_config, write_fake_train
 
 import relay  # noqa: E402
 import relay_dashboard  # noqa: E402
+import relay_store  # noqa: E402
 
 
 def serve(target, env):
@@ -203,3 +204,36 @@ def test_dashboard_skips_a_leg_log_line_nested_past_the_json_decoders_depth(tmp_
     log = b'{"step": 3, "tokens": 300, "loss": 5.0}\n' + b"[" * 100000 + b"]" * 100000 + b"\n"
     relay.commit_cas(store, snap.sha, {"logs/leg-0001.jsonl": log}, [], "relay: a hostile leg", snap.relay)
     assert [m["step"] for m in relay_dashboard.dashboard_data(url)["metrics"]] == [3]
+
+
+def test_dashboard_reads_leg_logs_newest_first_up_to_a_total_budget_and_names_the_rest(tmp_path, monkeypatch):
+    """Each leg log is capped on its own, but the dashboard read every leg's log and kept them all: a run's logs add up,
+    one per leg, without bound. It reads the newest first up to LOG_BUDGET bytes; the older ones are named in one
+    line, not read again at each refresh, and their parsed rows not kept."""
+    url, _ = new_run(tmp_path, monkeypatch)
+    store = relay.open_store(url)
+    log = lambda leg: b"".join(json.dumps({"step": 10 * leg + s, "tokens": 100 * (10 * leg + s), "loss": 5.0}).encode()
+                               + b"\n" for s in range(3))
+    size = len(log(1))
+    monkeypatch.setattr(relay_dashboard, "LOG_BUDGET", 2 * size + size // 2, raising=False)  # 2.5 logs
+    snap = relay.Snapshot(store)
+    relay.commit_cas(store, snap.sha, {f"logs/leg-{leg:04d}.jsonl": log(leg) for leg in (1, 2, 3)}, [], "relay: legs",
+                     snap.relay)
+    reads, real_read = [], relay_store.FileStore.read
+    monkeypatch.setattr(relay_store.FileStore, "read", lambda self, sha, p: reads.append(p) or real_read(self, sha, p))
+    cache = {}
+    d = relay_dashboard.dashboard_data(url, cache)
+    assert [m["step"] for m in d["metrics"]] == [20, 21, 22, 30, 31, 32]
+    budget = relay_store.fmt_bytes(2 * size + size // 2)
+    assert d["left_out"] == [f"logs/leg-0001.jsonl (the dashboard reads at most {budget} of leg logs, newest first)"]
+    assert [p for p in reads if p.startswith("logs/")] == ["logs/leg-0003.jsonl", "logs/leg-0002.jsonl",
+                                                          "logs/leg-0001.jsonl"]
+    reads.clear()
+    snap = relay.Snapshot(store)  # leg 4 pushed: leg 2's rows go too, nothing read but leg 4's log
+    relay.commit_cas(store, snap.sha, {"logs/leg-0004.jsonl": log(4)}, [], "relay: a leg", snap.relay)
+    d = relay_dashboard.dashboard_data(url, cache)
+    assert [m["step"] for m in d["metrics"]] == [30, 31, 32, 40, 41, 42]
+    assert d["left_out"] == [f"2 older leg logs, logs/leg-0001.jsonl to logs/leg-0002.jsonl (the dashboard reads at "
+                             f"most {budget} of leg logs, newest first)"]
+    assert [p for p in reads if p.startswith("logs/")] == ["logs/leg-0004.jsonl"]
+    assert sum(len(rows or []) for _, rows in cache.values()) == 6
