@@ -546,24 +546,35 @@ class Guardian:
                 if not self.stopping and self.log["status"] != "done":
                     self.say(self.log["status"])
                 return 0
+            # what it trained and saved, said as it was: a second Ctrl-C (exit 130) was "before it trained" whenever
+            # no new checkpoint came (steps trained since were lost), and "not a checkpoint" when it came after one
+            trained_to = logged_since(self.out, t0)  # (the first step of a start is always logged)
+            progressed = after is not None and (before is None or after > before)
+            all_saved = progressed and (trained_to is None or trained_to <= after)
+            interrupted = rc in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP, 130)
             # a trainer killed by the signal before its handler was set (rc -15, was exit 241) had trained nothing
-            if self.stopping and rc in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP, 130) and after == before:
+            if self.stopping and interrupted and (all_saved or (trained_to is None and not progressed)):
                 self.log["status"] = f"stopped ({self.stopping})"
                 self.save()
-                self.say(f"stopped by {self.stopping} (the trainer's {cause}, before it trained)")
+                self.say(f"stopped by {self.stopping} (the trainer's {cause}, " + (
+                    f"after its checkpoint of every step it trained: step {after})" if all_saved else
+                    "before it trained)"))
                 return 0
             if self.stopping:  # it died instead of saving (a hang while stopping, a crash in the save): not a clean stop
+                lost = (f"the steps after it (logged to step {trained_to}) are lost" if trained_to is not None
+                        and (after is None or trained_to > after) else "the steps after it are lost")
                 return self.stop(rc if rc > 0 else 128 - rc,
-                                 f"stopped by {self.stopping}, but the trainer ended with {cause}, not a checkpoint: "
-                                 f"the newest is step {after if after is not None else 'none'} and the steps after it "
-                                 f"are lost", status=f"stopped ({self.stopping}), trainer {cause}")
+                                 f"stopped by {self.stopping}, but the trainer ended with {cause}"
+                                 + (" (a second Ctrl-C)" if rc == 130 else "")
+                                 + f", not a checkpoint: the newest is step {after if after is not None else 'none'} "
+                                 f"and {lost}",
+                                 status=f"stopped ({self.stopping}), trainer {cause}")
             if rc == faults.EXIT_ERROR and self.wait_for_lock_holder(os.path.exists(locked_out)):
                 if self.stopping:  # (while waiting: the loop's top says it stopped, and starts none)
                     continue  # else locked out, not a fault of the run: restarted (a start with no new checkpoint)
             elif rc in NO_RESTART:
                 return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
                                      f"restarting cannot fix this")
-            progressed = after is not None and (before is None or after > before)
             # why it ended, on the console too (it was in guardian.json only); "restarting" only once it is decided
             self.say(f"start {len(self.log['starts'])} ended: {cause}"
                      + (f" ({(rep or {}).get('message')})" if (rep or {}).get("message") else "")
@@ -707,7 +718,8 @@ class Guardian:
     def stop(self, code, message, status="stopped"):
         self.log["status"] = status
         self.log["report"] = {"exit_code": code, "cause": faults.CAUSES.get(code) or NO_RESTART.get(code) or
-                              ("stuck" if code == EXIT_STUCK else "error"), "message": message, "at": time.time()}
+                              ("stuck" if code == EXIT_STUCK else "interrupted" if code == 130 else "error"),
+                              "message": message, "at": time.time()}
         self.save()
         self.say(f"stopped: {message}")
         return code
@@ -745,6 +757,14 @@ def pump(src, stream, tail):
         except (OSError, ValueError, AttributeError):  # (a closed stdout is None: the pipe is still drained)
             pass
     src.close()
+
+
+def logged_since(out_dir, t0):
+    """The newest step metrics.jsonl logged at or after time t0 (a trainer started then), or None."""
+    row = train.last_metrics_row(os.path.join(out_dir, "metrics.jsonl"))
+    when, step = (row or {}).get("time"), (row or {}).get("step")
+    ok = isinstance(when, (int, float)) and when >= t0 and isinstance(step, int) and not isinstance(step, bool)
+    return step if ok else None
 
 
 def killed_by(signum):

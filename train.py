@@ -20,7 +20,8 @@ own decay appended (its stages' mixes and seq_lens, scaled to --decay_tokens whe
 stage on the current stage's mix and seq_len).
 
 Checkpoints (checkpoint.py): permanent every ckpt_interval steps and at each stage end, a temporary one every
-checkpoint_minutes (replaced by the next), one on SIGTERM (preemption: save, exit 0), the best by val loss
+checkpoint_minutes (replaced by the next), one on SIGTERM (preemption: save, exit 0; an evaluation it cut short is
+done by the resume, first, and recorded as the uninterrupted run did), the best by val loss
 (pointer file BEST; another val set, from batch_size, eval_iters, a stage's seq_len or the val shards read,
 restarts the best).
 Retention keeps the last keep_last permanent ones, every stage final, the best, and the newest; it never deletes the
@@ -607,6 +608,32 @@ def open_metrics(path, resumed_step):
     return open(path, "a")
 
 
+def add_to_metrics_row(path, step, fields, row=None):
+    """Adds fields to the step's row of metrics.jsonl (its last one), or appends row with them when the file has none
+    (a run dir without the earlier start's log); written to a temp file, fsynced, renamed."""
+    lines = open(path, "rb").read().splitlines() if os.path.isfile(path) else []
+    at = None
+    for i, line in enumerate(lines):
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue  # (a line cut by a kill)
+        if isinstance(d, dict) and d.get("step") == step:
+            at, row = i, d
+    if row is None:
+        row = {"step": step}
+    row = {**row, **fields}
+    if at is None:
+        lines.append(json.dumps(row).encode())
+    else:
+        lines[at] = json.dumps(row).encode()
+    with open(path + ".tmp", "wb") as w:
+        w.write(b"".join(x + b"\n" for x in lines if x.strip()))
+        w.flush()
+        os.fsync(w.fileno())
+    os.replace(path + ".tmp", path)
+
+
 def relay_store_of(out_dir):
     """The store of the relay run a dir relay.py made trains for: a leg's LEG.json names it; "" for init's dir (only
     relay_config.py: its step 0 is committed, then the dir deleted); None: not relay.py's dir."""
@@ -705,7 +732,9 @@ def print_status(run_dir):
           f"all its starts (the log line's ETA: that start's own); "
           f"${usd:.2f} spent, projected ${proj:.2f}; best val loss "
           + ("none yet" if st.get("best_val_loss") is None
-             else f"{st['best_val_loss']:.4f} (step {st.get('best_step')})"))
+             else f"{st['best_val_loss']:.4f} (step {st.get('best_step')})")
+          + (f"; step {st['step']}'s was cut short by a stop signal, measured when it resumes"
+             if isinstance(st.get("eval_due"), dict) and st["eval_due"].get("step") == st.get("step") else ""))
     # all of the above is as of the checkpoint, up to ckpt_interval steps (hours on nano) behind a running trainer
     out_dir = os.path.dirname(ck)
     pid, row = rundir.lock_holder(out_dir), last_metrics_row(os.path.join(out_dir, "metrics.jsonl"))
@@ -1432,11 +1461,13 @@ def main(argv):
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # sum of loss x targets, targets
         # the val split's first eval_iters batches, shared among the ranks (each rank read eval_iters of its own: a
         # val set that grew with the world size, and a resume on other GPUs compared best_val_loss across val sets)
+        if os.environ.get("PICAFLOR_INJECT_SIGTERM_IN_EVAL_AT_STEP") == str(st["step"]):  # a stop mid-eval: its test
+            os.kill(os.getpid(), signal.SIGTERM)
         for first in range(0, cfg["eval_iters"], world):  # batches first .. first + world - 1, one a rank
             if first + rank >= cfg["eval_iters"]:
                 break  # (the last round has fewer batches than ranks)
             if stop["signal"] is not None and not ddp:  # a preemption's grace period goes to the checkpoint
-                log("evaluation cut short by a stop signal; no val loss this step")
+                log(f"evaluation cut short by a stop signal; step {st['step']}'s val loss is measured when it resumes")
                 model.train()
                 return None
             watchdog.alive()  # (eval_iters x a big model's batch outlasted hang_timeout: exit 8 at every eval)
@@ -1456,8 +1487,48 @@ def main(argv):
         model.train()
         return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan")
 
+    def note_val_loss(val_loss, i_stage):
+        """Whether the step's val loss (None: not measured) is the new best; st's best is set to it if so."""
+        if val_loss is not None and math.isfinite(val_loss) and not same_val_set(st.get("best_val_set"), i_stage):
+            if st["best_val_loss"] is not None:  # BEST would name a step measured on other rows
+                was, now = st.get("best_val_set") or [], val_set(i_stage)
+                said = f"{was[:2] or 'unrecorded'} -> {now[:2]} rows, seq_len" + (
+                    f"; val shards {(was[2:3] or ['unrecorded'])[0]} -> {now[2]}" if was[2:3] != now[2:3] else "")
+                log(f"val set changed ({said}): best val loss {st['best_val_loss']:.4f} (step {st.get('best_step')}) "
+                    f"is not comparable; the best restarts")
+            st["best_val_loss"] = None
+        best = (val_loss is not None and math.isfinite(val_loss)  # (a NaN first val loss stuck as the best)
+                and (st["best_val_loss"] is None or val_loss < st["best_val_loss"]))
+        if best:
+            st["best_val_loss"], st["best_step"], st["best_val_set"] = val_loss, st["step"], val_set(i_stage)
+        return best
+
     if val_stream is None:
         log(no_val_note)
+    # a stop signal cut the resumed step's evaluation short (its checkpoint came first): it is measured now, on the
+    # same weights, before any step, and recorded as the uninterrupted run did (its metrics row, the best, BEST)
+    due = st.pop("eval_due", None)
+    late_eval = False  # the resumed step's val loss recorded now: its state.json no longer says all this run knows
+    if (isinstance(due, dict) and due.get("step") == st["step"] and type(due.get("stage")) is int
+            and 0 <= due["stage"] < len(st["plan"]) and val_stream is not None):
+        log(f"resume: step {st['step']}'s evaluation was cut short by a stop signal; evaluating it now")
+        val_loss = evaluate(due["stage"])
+        if val_loss is None:  # cut short again: the checkpoint still holds the request
+            st["eval_due"] = due
+        else:
+            late_eval = True
+            log(f"step {st['step']:>6} | val {val_loss:.4f} (evaluated on resume)")
+            if master:
+                metrics_f.close()  # (rewritten: the step's row gets its val loss, as every step is logged once)
+                add_to_metrics_row(os.path.join(out, "metrics.jsonl"), st["step"], {"val_loss": val_loss},
+                                   due.get("row") if isinstance(due.get("row"), dict) else None)
+                metrics_f = open(os.path.join(out, "metrics.jsonl"), "a")
+                if cfg["mirror_dir"]:
+                    mirror(out, cfg["mirror_dir"], checkpoints=False)
+            step_dir = os.path.join(out, checkpoint.step_dir_name(st["step"]))
+            if (note_val_loss(val_loss, due["stage"]) and master and ck
+                    and os.path.realpath(ck) == os.path.realpath(step_dir)):  # (one elsewhere: this run has no copy)
+                checkpoint.write_atomic_text(os.path.join(out, "BEST"), os.path.basename(step_dir) + "\n")
     check_control()
     total_tokens = plan_tokens(st["plan"])
     i_stage = stage_at(st["plan"], st["tokens"])[0]
@@ -1474,7 +1545,7 @@ def main(argv):
     window_tokens, window_flops, window_paused = 0, 0.0, 0.0
     flops_of_len = {}  # seq_len -> training FLOPs per token (a window across a stage boundary: each step at its own)
     pace_from = (st["tokens"], window_t)  # the ETA's: this start's pace from its first step's end (see eta_seconds)
-    last_saved_step = st["step"] if state is not None else None
+    last_saved_step = st["step"] if state is not None and not late_eval else None  # (late: saved again at the end)
     last_saved_kind = (state or {}).get("kind")
     if state is None and cfg["stop_after_steps"] == 0:
         save("periodic")
@@ -1595,15 +1666,17 @@ def main(argv):
                                                        world)
 
         # log
-        val_loss = None
+        val_loss, eval_cut = None, False
         finished_stage = stage_at(st["plan"], st["tokens"])[0] != idx_stage
         if st["step"] % cfg["eval_interval"] == 0 or stage_at(st["plan"], st["tokens"])[1] is None:
             t_eval = time.monotonic()
             val_loss = evaluate(idx_stage)
+            eval_cut = val_loss is None and val_stream is not None  # (a stop signal: the resume measures it)
             window_paused += time.monotonic() - t_eval
         # and this invocation's last step (a relay leg of 3 steps logged only its first: the ledger's loss end was it)
         last_step = cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]
-        if st["step"] % cfg["log_interval"] == 0 or val_loss is not None or steps_this_run == 1 or last_step:
+        if (st["step"] % cfg["log_interval"] == 0 or val_loss is not None or eval_cut or steps_this_run == 1
+                or last_step):
             dt = time.monotonic() - window_t - window_paused
             tok_s = window_tokens / dt if dt > 0 else 0.0
             mfu = (window_flops / dt / (peak * world)) if peak and dt > 0 else None
@@ -1625,6 +1698,8 @@ def main(argv):
             if val_loss is not None:
                 rec["val_loss"] = val_loss
             rec["quarantined_shards"] = len(quarantined)
+            if eval_cut:  # in the checkpoint: the resume evaluates this step first and puts its val loss in this row
+                st["eval_due"] = {"step": st["step"], "stage": idx_stage, "row": rec}
             if master:
                 metrics_f.write(json.dumps(rec) + "\n")
                 metrics_f.flush()
@@ -1637,18 +1712,7 @@ def main(argv):
                 + f" | ETA {fmt_time(eta)} | ${st['usd_spent']:.2f}")
             window_load, window_loss, window_t = None, [], time.monotonic()
             window_tokens, window_flops, window_paused = 0, 0.0, 0.0
-        if val_loss is not None and math.isfinite(val_loss) and not same_val_set(st.get("best_val_set"), idx_stage):
-            if st["best_val_loss"] is not None:  # BEST would name a step measured on other rows
-                was, now = st.get("best_val_set") or [], val_set(idx_stage)
-                said = f"{was[:2] or 'unrecorded'} -> {now[:2]} rows, seq_len" + (
-                    f"; val shards {(was[2:3] or ['unrecorded'])[0]} -> {now[2]}" if was[2:3] != now[2:3] else "")
-                log(f"val set changed ({said}): best val loss {st['best_val_loss']:.4f} (step {st.get('best_step')}) "
-                    f"is not comparable; the best restarts")
-            st["best_val_loss"] = None
-        best = (val_loss is not None and math.isfinite(val_loss)  # (a NaN first val loss stuck as the best)
-                and (st["best_val_loss"] is None or val_loss < st["best_val_loss"]))
-        if best:
-            st["best_val_loss"], st["best_step"], st["best_val_set"] = val_loss, st["step"], val_set(idx_stage)
+        best = note_val_loss(val_loss, idx_stage)
         if master and os.environ.get("PICAFLOR_INJECT_RANK0_LAG_S"):  # a slow rank 0 (fsync, mirror): the DDP test
             time.sleep(float(os.environ["PICAFLOR_INJECT_RANK0_LAG_S"]))
         # one save a step, under its strongest kind (the last step of a plan was written three times: best, stage

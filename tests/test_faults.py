@@ -21,7 +21,7 @@ import checkpoint  # noqa: E402
 import shards  # noqa: E402
 import train as train_py  # noqa: E402
 from model import load_checkpoint  # noqa: E402
-from test_train import TINY, metrics  # noqa: E402
+from test_train import TINY, main_output, metrics  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -1465,6 +1465,62 @@ def test_a_stop_signal_cuts_a_long_evaluation_short(data_root, tmp_path):
     assert st["kind"] == "preempt" and st["step"] == 2
 
 
+def train_here(args, inject=None):
+    """train.main(TINY + args) in this process (a start's imports are ~3 s as a subprocess): stdout's lines; train's
+    config globals and the signal handlers main sets are put back after. inject: {env var: value} while it runs."""
+    import contextlib
+    import copy
+    import io
+    keys = {k: copy.deepcopy(getattr(train_py, k)) for k in train_py._CONFIG_KEYS}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    env = {k: os.environ.get(k) for k in (inject or {})}
+    out = io.StringIO()
+    try:
+        os.environ.update(inject or {})
+        with contextlib.redirect_stdout(out):
+            train_py.main([*TINY, *args])
+    finally:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        for k, v in keys.items():
+            setattr(train_py, k, v)
+    return out.getvalue()
+
+
+def test_a_stop_during_an_evaluation_is_measured_on_resume_as_the_uninterrupted_run_did(data_root, tmp_path):
+    """A stop signal that cut an evaluation short left its step without a val loss for good: the resume trained on, so
+    a step that was the best was never recorded (best_val_loss, best_step, BEST, its metrics row). The resume now
+    evaluates the saved step first: it records what the uninterrupted run did, and trains on as it did (bitwise)."""
+    common = [f"--data_root={data_root}", "--max_iters=4", "--warmup_iters=1", "--eval_interval=2",
+              "--ckpt_interval=100"]
+    straight, cut = str(tmp_path / "straight"), str(tmp_path / "cut")
+    inject = "PICAFLOR_INJECT_SIGTERM_IN_EVAL_AT_STEP"
+    train_here(common + [f"--out_dir={straight}"])
+    said = train_here(common + [f"--out_dir={cut}"], {inject: "2"})  # cut at step 2's evaluation: a preemption
+    said += train_here(common + [f"--out_dir={cut}", "--init_from=resume"], {inject: "4"})  # 2 measured; 4 cut
+    assert "step 4's was cut short by a stop signal, measured when it resumes" in main_output(["--status", cut])[0]
+    said += train_here(common + [f"--out_dir={cut}", "--init_from=resume"])  # the last step's: the run's best
+    a, b = metrics(straight), metrics(cut)
+    assert [(s, a[s]["loss"], a[s].get("val_loss")) for s in a] == [(s, b[s]["loss"], b[s].get("val_loss")) for s in b]
+    assert [s for s in b if "val_loss" in b[s]] == [2, 4]
+    assert len(open(os.path.join(cut, "metrics.jsonl")).readlines()) == 4  # each step logged once
+
+    def newest(run):
+        ck = checkpoint.latest_valid(run)
+        return json.load(open(os.path.join(ck, "state.json"))), load_checkpoint(ck).state_dict()
+    (sa, wa), (sb, wb) = newest(straight), newest(cut)
+    assert sb["best_step"] == sa["best_step"] == 4 and sb["best_val_loss"] == sa["best_val_loss"]
+    assert sb["step"] == 4 and "eval_due" not in sb
+    assert open(os.path.join(cut, "BEST")).read() == open(os.path.join(straight, "BEST")).read() == "step_0000004\n"
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert said.count("evaluation cut short") == 2 and said.count("evaluating it now") == 2, said
+
+
 def stand_in_trainers(g, *scripts):
     """Replace the guardian's trainer with tiny Python programs, one per start (the last one repeats)."""
     started = []
@@ -1640,6 +1696,41 @@ def test_a_trainer_deaf_to_the_stop_signal_is_killed_after_stop_grace_s(tmp_path
     assert log["starts"][0]["cause"] == "killed by the guardian (SIGKILL) 0.5 s after the SIGTERM", log["starts"]
     assert "steps after it are lost" in log["report"]["message"]
 
+
+def test_a_double_ctrl_c_under_the_guardian_says_what_the_trainer_trained_and_saved(tmp_path, capsys):
+    """A second Ctrl-C quits the trainer with exit 130. The guardian said "before it trained" (exit 0) whenever no new
+    checkpoint came, though the steps trained since the last one were lost; and "not a checkpoint ... lost" (exit
+    130) when the second Ctrl-C came after the trainer's checkpoint of every step it trained. The stand-in trainers
+    log a step, press Ctrl-C (SIGINT to the guardian), and quit at the guardian's SIGTERM, after a save or not."""
+    import guardian
+    run = tmp_path / "run"
+    checkpoint.save(str(run), 3, {"state.json": lambda p: json.dump({"step": 3}, open(p, "w"))})
+    trainer = (f"import json, os, signal, sys, time; sys.path.insert(0, {REPO!r}); import checkpoint\n"
+               f"def quit(*a):\n"
+               f"    if SAVE:\n"
+               f"        checkpoint.save({str(run)!r}, 7, {{'state.json': lambda p: open(p, 'w').write('{{}}')}})\n"
+               f"    os._exit(130)\n"
+               f"signal.signal(signal.SIGTERM, quit)\n"
+               f"with open({str(run / 'metrics.jsonl')!r}, 'a') as f:\n"
+               f"    f.write(json.dumps({{'step': STEP, 'time': time.time()}}) + '\\n')\n"
+               f"os.kill(os.getppid(), signal.SIGINT)\n"
+               f"time.sleep(30)\n")
+    log = lambda: json.load(open(run / "guardian.json"))  # noqa: E731
+    # steps 4-6 trained (6 logged), none saved: they are lost, said, and the guardian ends as the trainer did
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"])
+    stand_in_trainers(g, "SAVE, STEP = False, 6\n" + trainer)
+    assert run_guardian(g) == 130
+    err = capsys.readouterr().err
+    assert "before it trained" not in err and log()["status"] == "stopped (SIGINT), trainer exit 130", err
+    msg = log()["report"]["message"]
+    assert "second Ctrl-C" in msg and "newest is step 3" in msg and "(logged to step 6) are lost" in msg, msg
+    # steps 4-7 trained and saved (step 7), then the second Ctrl-C: a clean stop, nothing lost
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"])
+    stand_in_trainers(g, "SAVE, STEP = True, 7\n" + trainer)
+    assert run_guardian(g) == 0
+    err = capsys.readouterr().err
+    assert "lost" not in err and "before it trained" not in err and "checkpoint of every step it trained: step 7" in err
+    assert log()["status"] == "stopped (SIGINT)", log()
 
 def test_unreachable_storage_is_retried_up_to_unreachable_give_up_s(tmp_path, capsys):
     """3 retries (~70 s of waits by default) gave up on outages a network blip outlasts; now capped exponential waits
