@@ -878,7 +878,16 @@ def save_checkpoint(model, out_dir, step, state=None, extra_writers=None, tokeni
     state = dict(state or {})
     state.setdefault("step", step)
     state["model_config"] = asdict(model.cfg)
-    writers = {"model.safetensors": lambda p: save_file(sd, p, metadata={"format": "pt"}),
+    def write_weights(p):
+        save_file(sd, p, metadata={"format": "pt"})
+        # safetensors makes its file 0600 (the step's other files: 0666 less the umask, as its folder's 0777 less it),
+        # so whoever else could read the checkpoint (a group, a mirror's reader) read everything but its weights
+        try:
+            os.chmod(p, os.stat(os.path.dirname(os.path.abspath(p))).st_mode & 0o666)
+        except OSError:  # a mount without modes (a bucket's FUSE): the save stands, as its other files' modes do
+            pass
+
+    writers = {"model.safetensors": write_weights,
                # (with, so an error reported at close is raised: a bare open().write() dropped it, a short file verified)
                "state.json": lambda p: pathlib.Path(p).write_text(json.dumps(state, indent=1))}
     if tokenizer_file:

@@ -595,6 +595,12 @@ def bench_in_cgroup(args, argv):
     if budget and budget < baseline:
         raise S.StreamError(f"--ram-budget {args.ram_budget}: below the {S.fmt_size(baseline)} python and torch "
                             f"alone take here, before any of the model; raise it")
+    # the figures come at the end: a tiny model's run printed nothing for 20-30 s, a big one's for minutes
+    where = f"at --ram-budget {args.ram_budget}" if budget else "without a --ram-budget"
+    print(f"stream_bench: {args.container} {where}{getattr(args, 'run_label', '')}: a memory probe, then a child "
+          f"loads it, prefills {S.plural(args.bench_prompt_tokens, 'token')} and decodes {args.max_new_tokens}"
+          + (" in its own memory cgroup" if budget else "") + ", then the probe again; figures at the end",
+          file=sys.stderr, flush=True)
     try:
         cont = C.load_container(args.container)
         per_token = weight_bytes_per_token(cont, args.experts_per_token)
@@ -844,11 +850,12 @@ def run_sweep(args, argv):
     budgets = [b.strip() for b in args.sweep.split(",") if b.strip()]  # (each a size: check_args parsed them)
     base = strip_args(argv, {"--sweep", "--ram-budget", "--json", "--plot", "--llamacpp-json", "--repeat"}, {"--bench"})
     results = {b: [] for b in budgets}
-    for _ in range(max(1, args.repeat)):
-        for b in budgets:
+    n_runs = max(1, args.repeat) * len(budgets)
+    for i in range(max(1, args.repeat)):
+        for j, b in enumerate(budgets):
             if results[b] and results[b][0].get("refused"):
                 continue  # refused once (e.g. below the resident size): it would be refused again; a crash may not
-            args.ram_budget = b
+            args.ram_budget, args.run_label = b, f" (run {i * len(budgets) + j + 1} of {n_runs})"
             try:
                 res = bench_in_cgroup(args, base + ["--bench", "--ram-budget", b])
                 res["pct_of_bound"] = res["decode_tok_s"] / res["bound_tok_s"]

@@ -1255,14 +1255,15 @@ def main(argv=None):
                                  allow_abbrev=False)
     ap.add_argument("container", help="int4 container (python export.py CKPT --format int4 --out model.pcf4)")
     ap.add_argument("--ram-budget", help="bound for the whole process, e.g. 4G, 512M, 1.5G (default: no bound)")
-    ap.add_argument("--prompt", default="Once upon a time", help="prompt text (token ids '1,2,3' if no tokenizer)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompt", default="Once upon a time",
+                    help="prompt text (token ids '1,2,3' if no tokenizer; default: 'Once upon a time')")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64; --bench: decoded)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling with --temperature > 0")
     ap.add_argument("--experts-per-token", type=int, default=None, help="default: the container's top_k")
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)")
     ap.add_argument("--bench", action="store_true", help="honest benchmark (memory cgroup, page cache dropped)")
-    ap.add_argument("--bench-prompt-tokens", type=int, default=32)
+    ap.add_argument("--bench-prompt-tokens", type=int, default=32, help="--bench: random prompt tokens prefilled (32)")
     ap.add_argument("--json", help="write the benchmark result here (--sweep: its table as markdown beside it, .md)")
     ap.add_argument("--sweep", help="benchmark at each budget, e.g. 4G,2G,1G (table + PNG plot)")
     ap.add_argument("--plot", help="PNG path for --sweep (default: next to --json, or sweep.png)")
@@ -1274,14 +1275,14 @@ def main(argv=None):
     ap.add_argument("--kernel", default="auto", choices=KERNELS,
                     help="int4 matmul: auto = triton on CUDA, else native (int4_cpu.cpp, built on first use), else "
                          "int4pack (torch's CPU kernel); reference dequantizes then multiplies")
-    ap.add_argument("--readers", type=int, default=4, help="expert reader threads")
+    ap.add_argument("--readers", type=int, default=4, help="expert reader threads (default 4)")
     ap.add_argument("--prefetch", nargs="?", const="on", default="auto", choices=PREFETCH_MODES,
                     help="read the next layer's likely experts ahead (its router on this hidden state): auto (default: "
                          "on while its guesses name >= 80%% of the picks), on (--prefetch alone, after the container "
                          "path, or --prefetch=on) or off")
     ap.add_argument("--cache-policy", default="score", choices=EC.CACHE_POLICIES,
                     help="expert eviction: score (default: the expert its router scored lowest lately) or lru")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     ap.add_argument("--threads", default="auto",
                     help="compute threads; auto: every core (use 1 on a machine whose cores are busy elsewhere)")
     ap.add_argument("--context", type=int, default=None, help="KV cache positions reserved in the budget (default "

@@ -643,6 +643,33 @@ def relay_store_of(out_dir):
         return "" if os.path.isfile(os.path.join(out_dir, "relay_config.py")) else None
 
 
+def resume_command(argv):
+    """The command that resumes this run: this start's config files and overrides (an --out_dir=... left out resumed
+    another run, or none), without how it began (--init_from, a rollback's --resume_from: it would roll back again)."""
+    import shlex
+    kept = [a for a in argv if not a.startswith(("--init_from=", "--resume_from="))]
+    launcher = "python train.py" if int(os.environ.get("WORLD_SIZE") or 1) <= 1 else "torchrun ... train.py"
+    supervised = bool(os.environ.get(rundir.LOCKED_OUT_ENV))  # the guardian started this one
+    if supervised:  # its restarts append what is left of the stops, and its quarantine, after the user's own
+        appended, first = ("--stop_after_steps", "--stop_after_hours", "--quarantine_shards", "--release_shards"), []
+        for a in kept:
+            key = a.split("=")[0]
+            if key not in appended or key not in {b.split("=")[0] for b in first}:
+                first.append(a)
+        kept = first
+    return f"{launcher} {shlex.join(kept + ['--init_from=resume'] + (['--supervise'] if supervised else []))}"
+
+
+def reread_warning(corpus, corpus_dir, planned, total):
+    """A plan longer than its corpus: said, with the script that makes more (index.json's: data/<corpus>/ holds none
+    for a corpus prepared under another name)."""
+    import shards
+    made_by = shards._made_by(corpus_dir) or f"data/{corpus}/prepare.py"
+    return (f"WARNING: the plan trains ~{planned:,.0f} tokens of {corpus}, which holds {total:,} train tokens: it is "
+            f"read ~{planned / total:.1f} times; prepare more (python {made_by} --help) or plan fewer tokens if that "
+            f"is not meant")
+
+
 def next_step(out_dir):
     """How to go on from out_dir's checkpoint. In relay.py's dirs through relay.py: a train.py resume there trains
     steps the relay run never gets (its store holds the run)."""
@@ -652,7 +679,8 @@ def next_step(out_dir):
                 f"manual `relay.py pull`); the next leg: `python relay.py run {store} --hours H`")
     if store == "":
         return "relay.py init commits this checkpoint as the run's start; then `python relay.py run STORE --hours H`"
-    return "resume with --init_from=resume"
+    argv = _RUN_INFO.get("argv")
+    return f"resume with: {resume_command(argv)}" if argv is not None else "resume with --init_from=resume"
 
 
 def crashed(e):
@@ -788,6 +816,7 @@ def main(argv):
     # this start's clock: stop_after_hours and $ / elapsed count its start-up too (a leg's rented hours: loading a
     # checkpoint, building the model); durations on the monotonic clock (a wall-clock step, NTP, made them negative)
     t_invoked = time.monotonic() - process_age_s()
+    _RUN_INFO["argv"] = list(argv)  # for the resume command the last line names
     import configurator
     import checkpoint
 
@@ -1159,9 +1188,7 @@ def main(argv):
     for c in corpora:  # a plan longer than its data repeats it: said, not silent (positions wrap into epoch + 1)
         planned = sum(s["tokens"] * s["mix"].get(c, 0) / sum(s["mix"].values()) for s in plan)
         if planned > streams[c].total_tokens:
-            log(f"WARNING: the plan trains ~{planned:,.0f} tokens of {c}, which holds {streams[c].total_tokens:,} "
-                f"train tokens: it is read ~{planned / streams[c].total_tokens:.1f} times; prepare more (python "
-                f"data/{c}/prepare.py --help) or plan fewer tokens if that is not meant")
+            log(reread_warning(c, os.path.join(cfg["data_root"], c), planned, streams[c].total_tokens))
     first = plan[0]["mix"]
     val_corpus = max(sorted(first), key=lambda c: first[c])
     val_stream, no_val_note = open_val_stream(os.path.join(cfg["data_root"], val_corpus), mcfg.vocab_size,

@@ -467,6 +467,10 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
     r = _run(["data/local/prepare.py", "--src", str(src), "--out", str(tmp_path / "capped"), "--vocab-size", "300",
               "--max-files", "5"])
     assert "5 documents" in r.stdout and "more files left out by --max-files" in r.stdout, r.stdout  # said, not silent
+    # the closing line names the command that trains on this corpus (it named none), and one shard is "1 shard"
+    assert "val: 1 shard, " in r.stdout, r.stdout
+    said = r.stdout.rpartition("train on it: ")[2].strip()
+    assert said == (f"python train.py config/tiny.py --data_root={tmp_path} --dataset=capped --vocab_size=300"), said
     r = _run(["data/local/prepare.py", "--src", str(src), "--out", str(out), "--threads", "0"], check=False)
     assert r.returncode != 0 and "--threads 0" in r.stderr and shards.verify_corpus(out) == []  # nothing removed
     # --tokenizer reuses it: same hash, same shards

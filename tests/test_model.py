@@ -656,6 +656,9 @@ def test_checkpoint_round_trip(tmp_path):
     idx = torch.randint(0, SMALL_CFG.vocab_size, (1, 9))
     with torch.no_grad():
         assert torch.equal(model(idx), loaded(idx))
+    # the weights are as readable as the step's other files (safetensors made them 0600: a group read all but them)
+    modes = {f: os.stat(os.path.join(path, f)).st_mode & 0o777 for f in ("model.safetensors", "state.json")}
+    assert modes["model.safetensors"] == modes["state.json"], modes
 
 
 def test_checkpoint_tied_and_bf16(tmp_path):

@@ -119,6 +119,13 @@ def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, thre
                  "trains at lr 1.00e-03)", "resume: seed 1337 -> 7 from step 3 (a resume goes on with the "
                  "checkpoint's"):
         assert said in r.stdout, (said, r.stdout[-3000:])
+    # the stop's line names the command that resumes this run (it said "resume with --init_from=resume": run without
+    # this start's --out_dir, that resumed another run)
+    import shlex
+    last = [ln for ln in r.stdout.splitlines() if ln.startswith("stopped at step 6 ")][-1]
+    resume = last.partition("resume with: ")[2]
+    assert shlex.split(resume)[:2] == ["python", "train.py"] and f"--out_dir={out}" in shlex.split(resume), last
+    assert shlex.split(resume).count("--init_from=resume") == 1, last
     st = json.load(open(os.path.join(out, "step_0000006", "state.json")))
     assert st["tokens"] == 3 * 4 * 32 + 3 * 2 * 80
     pos = st["data_position"]["local"]
@@ -694,6 +701,34 @@ def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, 
                 "--bias_update_rate=0.5", "--stop_after_steps=1"])
     mc = json.load(open(os.path.join(checkpoint.latest_valid(ft), "state.json")))["model_config"]
     assert mc["max_seq_len"] == 128 and mc["bias_update_rate"] == 0.5
+
+
+def test_the_resume_command_keeps_the_start_s_arguments_but_not_how_it_began(monkeypatch):
+    """A rollback's --resume_from repeated would roll back again; the guardian's child says --supervise; a path with
+    a space stays one argument."""
+    import shlex
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setitem(train._RUN_INFO, "argv", ["config/tiny.py", "--out_dir=my runs/a", "--init_from=resume",
+                                                  "--resume_from=my runs/a/step_0000010", "--stop_after_steps=5"])
+    monkeypatch.delenv(rundir.LOCKED_OUT_ENV, raising=False)
+    said = train.next_step(None)
+    assert shlex.split(said.partition("resume with: ")[2]) == [
+        "python", "train.py", "config/tiny.py", "--out_dir=my runs/a", "--stop_after_steps=5", "--init_from=resume"]
+    monkeypatch.setenv(rundir.LOCKED_OUT_ENV, "/x/guardian/locked-out")
+    assert train.next_step(None).endswith("--stop_after_steps=5 --init_from=resume --supervise")
+    # a guardian's restart appends what is left of the stop: the user's own is the one to repeat
+    train._RUN_INFO["argv"] += ["--stop_after_steps=2", "--init_from=resume", "--resume_from="]
+    assert train.next_step(None).endswith("'--out_dir=my runs/a' --stop_after_steps=5 --init_from=resume --supervise")
+
+
+def test_a_corpus_read_again_names_the_script_that_made_it(data_root, tmp_path):
+    """A corpus prepared under another name (--out data/mine) named data/mine/prepare.py, which does not exist."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    shutil.copyfile(os.path.join(data_root, "local", "index.json"), mine / "index.json")
+    said = train.reread_warning("mine", str(mine), 3000, 1000)
+    assert "read ~3.0 times; prepare more (python data/local/prepare.py --help)" in said, said
+    assert "(python data/none/prepare.py --help)" in train.reread_warning("none", str(tmp_path / "none"), 3000, 1000)
 
 
 def test_status_says_the_lr_the_next_step_trains_at(data_root, tmp_path):

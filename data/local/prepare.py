@@ -171,8 +171,25 @@ def build(args, docs, exts, total_bytes, stage, t0):
     }
     shards.install_corpus(args.out, stage, index)
     for s, entries in splits.items():
-        print(f"{s}: {len(entries)} shards, {sum(e['tokens'] for e in entries):,} tokens")
-    print(f"wrote {os.path.join(args.out, 'index.json')} in {time.time() - t0:.1f}s")
+        print(f"{s}: {len(entries)} shard{'s' if len(entries) != 1 else ''}, "
+              f"{sum(e['tokens'] for e in entries):,} tokens")
+    print(f"wrote {os.path.join(args.out, 'index.json')} in {time.time() - t0:.1f}s; train on it: "
+          f"{train_command(args.out, tok.vocab_size)}")
+
+
+def train_command(out, vocab_size):
+    """config/tiny.py's command for the corpus in out: train.py finds a corpus as data_root/dataset (default
+    data/local, from the repo root) and its model's vocab must hold the tokenizer's (tiny's: 8192)."""
+    import shlex
+    root, name = os.path.split(os.path.abspath(out))
+    cmd = ["python", "train.py", "config/tiny.py"]
+    if root != os.path.abspath("data"):
+        cmd.append(f"--data_root={root}")
+    if name != "local":
+        cmd.append(f"--dataset={name}")
+    if vocab_size != 8192:
+        cmd.append(f"--vocab_size={vocab_size}")
+    return shlex.join(cmd)
 
 
 if __name__ == "__main__":
