@@ -22,6 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import chat  # noqa: E402
 import checkpoint  # noqa: E402
+sys.path.insert(0, os.path.join(REPO, "tests"))
+import forkserver  # noqa: E402
 import shards  # noqa: E402
 from model import ModelConfig, Picaflor, load_checkpoint, save_checkpoint  # noqa: E402
 from tokenizer import train_tokenizer  # noqa: E402
@@ -101,8 +103,7 @@ def sft_run(tok, corpus, tmp_path_factory):
             f"--out_dir={d / 'sft'}", f"--seq_len={ROW}", "--batch_size=8", "--learning_rate=5e-3",
             f"--stages={json.dumps(stages)}", "--ckpt_interval=100", "--eval_interval=100", "--eval_iters=2",
             "--log_interval=50"]
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = forkserver.run(["train.py", *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     # the finished line named eval.py's piqa for a chat model; its checkpoints are compared by chat.py pick
     assert f"next: python chat.py pick {d / 'sft'} --data {corpus[0].parent / 'pp'}, then" in r.stdout, r.stdout[-500:]
@@ -709,11 +710,11 @@ def test_sft_gradient_weighs_every_target_token_alike_however_the_batch_is_split
     weights, losses = [], []
     for bs, ga in ((8, 1), (4, 2)):
         out = tmp_path / f"sft_{bs}x{ga}"
-        r = subprocess.run([sys.executable, "train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
+        r = forkserver.run(["train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
                             f"--data_root={tmp_path / 'data'}", "--dataset=varied", f"--out_dir={out}", f"--seq_len={ROW}",
                             f"--batch_size={bs}", f"--grad_accum={ga}", "--learning_rate=5e-3", f"--stages={json.dumps(stages)}",
-                            "--eval_interval=100", "--log_interval=1", "--sample_tokens=0"], cwd=REPO, capture_output=True,
-                           text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            "--eval_interval=100", "--log_interval=1", "--sample_tokens=0"], cwd=REPO,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         weights.append(load_file(str(out / "step_0000003" / "model.safetensors")))
         losses.append([json.loads(l)["loss"] for l in open(out / "metrics.jsonl")])
@@ -741,10 +742,10 @@ def test_the_val_loss_of_masked_data_is_token_weighted(tok, tmp_path):
     save_checkpoint(Picaflor(ModelConfig(**MODEL)), str(tmp_path / "pre"), 0, tokenizer_file=tok.path)
     out = tmp_path / "run"
     stages = [{"name": "all", "steps": 2, "lr_phase": "stable"}]
-    r = subprocess.run([sys.executable, "train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
+    r = forkserver.run(["train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
                         f"--data_root={data.parent}", "--dataset=qa", f"--out_dir={out}", f"--seq_len={ROW}",
                         "--batch_size=8", f"--stages={json.dumps(stages)}", "--eval_interval=2", "--eval_iters=2"],
-                       cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                       cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     logged = [json.loads(line) for line in open(out / "metrics.jsonl")]
     logged = [rec["val_loss"] for rec in logged if rec.get("step") == 2 and rec.get("val_loss") is not None][-1]
@@ -779,11 +780,11 @@ def test_packed_conversations_attend_only_to_themselves(tok, corpus, tmp_path):
     assert abs(want[True] - want[False]) > 1e-3
     for doc_mask in (True, False):
         out = tmp_path / f"run_{doc_mask}"
-        r = subprocess.run([sys.executable, "train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
+        r = forkserver.run(["train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
                             f"--data_root={corpus[0].parent}", "--dataset=pp", f"--out_dir={out}", f"--seq_len={ROW}",
                             "--batch_size=8", f"--doc_mask={doc_mask}", "--max_iters=1", "--warmup_iters=0",
                             "--stages=[]", "--eval_interval=100", "--log_interval=1", "--sample_tokens=0"], cwd=REPO,
-                           capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         logged = [json.loads(line) for line in open(out / "metrics.jsonl") if '"loss"' in line][0]["loss"]
         assert abs(logged - want[doc_mask]) < 1e-4, (doc_mask, logged, want)
@@ -806,12 +807,12 @@ def test_packed_conversations_attend_only_to_themselves(tok, corpus, tmp_path):
         want = float(m(x, y, doc_ids=d)[1])
         assert abs(want - float(m(x, y, doc_ids=(x == tok.bos_id).cumsum(1))[1])) > 1e-4
     out = tmp_path / "run_mix"
-    r = subprocess.run([sys.executable, "train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
+    r = forkserver.run(["train.py", "config/sft.py", f"--finetune_from={tmp_path / 'pre'}",
                         f"--data_root={corpus[0].parent}", f"--out_dir={out}", f"--seq_len={ROW}", "--batch_size=8",
                         "--stages=" + json.dumps([{"name": "mix", "steps": 1, "lr_phase": "stable",
                                                    "mix": {"pp": 0.5, "text": 0.5}}]),
                         "--eval_interval=100", "--log_interval=1", "--sample_tokens=0"], cwd=REPO,
-                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     logged = [json.loads(line) for line in open(out / "metrics.jsonl") if '"loss"' in line][0]["loss"]
     assert abs(logged - want) < 1e-4, (logged, want)

@@ -18,6 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 import checkpoint  # noqa: E402
+import forkserver  # noqa: E402
 import shards  # noqa: E402
 import train as train_py  # noqa: E402
 from model import load_checkpoint  # noqa: E402
@@ -53,8 +54,7 @@ def ten_steps_mirrored(data_root, tmp_path_factory):
 
 
 def train(args, env=ENV, **kw):
-    return subprocess.run([sys.executable, "train.py", *TINY, *args], cwd=REPO, capture_output=True, text=True,
-                          env=env, **kw)
+    return forkserver.run(["train.py", *TINY, *args], cwd=REPO, env=env, **kw)  # subprocess.run, minus torch's imports
 
 
 def zero_page(path, at_fraction=0.5):
@@ -1396,9 +1396,8 @@ def test_a_hang_before_the_first_step_is_caught(data_root, tmp_path):
     os.mkfifo(root / "local" / "index.json")
     out = str(tmp_path / "run")
     t0 = time.time()
-    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={root}", f"--out_dir={out}", "--max_iters=10",
-                        "--warmup_iters=1", "--hang_timeout=2"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                       timeout=120)
+    r = train([f"--data_root={root}", f"--out_dir={out}", "--max_iters=10", "--warmup_iters=1", "--hang_timeout=2"],
+              timeout=120)
     assert r.returncode == 8 and "hang" in r.stderr, r.stderr[-2000:]
     assert time.time() - t0 < 60
     text = open(os.path.join(out, [n for n in os.listdir(out) if n.startswith("hang-")][0])).read()

@@ -17,6 +17,7 @@ IMPORTED_AT = time.monotonic()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import checkpoint  # noqa: E402
+import forkserver  # noqa: E402
 import rundir  # noqa: E402
 import schedule  # noqa: E402
 import train  # noqa: E402
@@ -39,7 +40,7 @@ def data_root(tmp_path_factory):
 
 def run(args, check=True, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, env=env, **kw)
+    r = forkserver.run(["train.py", *args], cwd=REPO, env=env, **kw)  # subprocess.run, minus torch's imports
     if check:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r
@@ -1336,8 +1337,7 @@ def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_r
         while not os.path.exists(os.path.join(out, "metrics.jsonl")):  # past start-up: it holds the lock
             assert time.time() < deadline and first.poll() is None
             time.sleep(0.1)
-        r = subprocess.run([sys.executable, "train.py", *base, "--init_from=resume", "--lock_wait_s=1"], cwd=REPO,
-                           capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+        r = run(base + ["--init_from=resume", "--lock_wait_s=1"], check=False, timeout=120)
         assert r.returncode == 1 and f"another trainer (pid {first.pid})" in r.stderr, r.stderr[-2000:]
         assert len(r.stderr.strip().splitlines()) == 1 and "waiting up to 1 s" in r.stdout
         # no crash report: in the holder's run dir it would read as the holder's cause
@@ -1647,6 +1647,19 @@ def test_mfu_peak_matches_the_cards_name_by_words_in_any_order(monkeypatch):
         for name, peak in want.items():
             monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
             assert train.gpu_peak_flops("cuda") == (name, peak), (name, table[0])
+
+
+def test_the_forkserver_answers_as_a_fresh_train_py_does(tmp_path):
+    """run() forks train.py from a process that imported torch: its exit code, stdout and stderr are a fresh
+    process's (a refusal, a config file's help, a config file that prints and then exits)."""
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nprint('from the config')\nsys.exit(3)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for args in (["--batch_size=many"], ["config/tiny.py", "--help"], [str(exits)]):
+        fresh = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, env=env)
+        forked = forkserver.run(["train.py", *args], cwd=REPO, env=env)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.returncode == 2 and "from the config" in fresh.stdout and "calls sys.exit(3)" in fresh.stderr
 
 
 def test_a_starts_seconds_count_from_its_process_start():
