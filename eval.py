@@ -866,7 +866,8 @@ def compare(paths):
                 cell += " (other examples !)"
             elif ref is not None and ref[1] is not None and se is not None:
                 noise = 2 * math.sqrt(ref[1] ** 2 + se ** 2)
-                cell += f" ({v - ref[0]:+.4f} {'~' if abs(v - ref[0]) <= noise else '*'})"
+                places = 1 if max(abs(v), abs(ref[0])) >= 1000 else 4  # as fmt wrote the values
+                cell += f" ({v - ref[0]:+.{places}f} {'~' if abs(v - ref[0]) <= noise else '*'})"
             cells.append(cell)
         lines.append(f"| {task} | {m} | " + " | ".join(cells) + " |")
     lines.append("\n~ = difference from the first column within noise (|diff| <= 2 * sqrt(se1^2 + se2^2)); "

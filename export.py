@@ -64,6 +64,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 
@@ -931,6 +932,18 @@ def main(argv=None):
     except KeyboardInterrupt:  # the temp output is removed by each writer; --out is as it was
         sys.exit(f"interrupted; {args.out} is as it was before this export")
     print(json.dumps(rep, default=str))
+    print(next_step(args.format, args.out), file=sys.stderr)  # (stderr: stdout stays the JSON a pipe parses)
+
+
+def next_step(fmt, out):
+    """The line naming how to run what was written (the report alone left a new user to find it in the README)."""
+    q = shlex.quote(out)
+    if fmt == "int4":
+        return (f"next: python stream_infer.py {q} --prompt 'Once upon a time' --max-new-tokens 64 "
+                f"(--ram-budget 1G bounds its memory; --chat for a chat fine-tune)")
+    if fmt == "hf":
+        return f"next: transformers' AutoModelForCausalLM.from_pretrained({out!r}) and AutoTokenizer load it"
+    return f"next: llama-cli -m {q} --jinja (llama.cpp; --jinja applies the GGUF's own chat template)"
 
 
 if __name__ == "__main__":

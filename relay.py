@@ -298,6 +298,18 @@ def ledger_row(leg, who, gpu, steps, tokens, wall_s, usd, loss0, loss1, step0, s
             f"{loss(loss1)} | {step0}-{step1} | {gen} | {now_iso()} |\n")
 
 
+def pushed_line(sha, row):
+    """The push's ledger row said in words (it printed the raw markdown row, its cells unnamed)."""
+    r = (parse_ledger(row) or [None])[0]
+    if r is None:
+        return f"relay: pushed {sha[:10]}: {row.strip()}"
+    num = lambda x: f"{x:,}" if isinstance(x, int) else x  # noqa: E731
+    loss = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    return (f"relay: pushed {sha[:10]}: leg {r['leg']} by {r['who']} on {r['gpu']}, steps {r['step_range']} "
+            f"({num(r['steps'])} steps, {num(r['tokens'])} tokens) in {r['wall']}, "
+            f"${r['usd'] or 0:.2f}; loss {loss(r['loss_start'])} -> {loss(r['loss_end'])}")
+
+
 def parse_ledger(text):
     rows = []
     keys = ["leg", "who", "gpu", "steps", "tokens", "wall", "usd", "loss_start", "loss_end", "step_range", "generation", "finished"]
@@ -858,7 +870,7 @@ def cmd_run(args):
     except (RelayError, OSError) as e:  # the store failed the commit (unreachable, refused, its disk full)
         raise kept_for_retry(e, plan["ck"], committing=True) from None
     # from here to the release, a pipe that died without a hangup (`relay.py run | tee log`, tee killed) ends nothing
-    checkpoint.print_or_detach(f"relay: pushed {sha[:10]}: {row.strip()}")
+    checkpoint.print_or_detach(pushed_line(sha, row))
     release(store, lease)
     checkpoint.print_or_detach(f"relay: released the baton{' (' + stop_reason[0] + ')' if stop_reason else ''}")
     checkpoint.print_or_detach(
@@ -1249,7 +1261,7 @@ def cmd_push(args):
         print(f"relay: the earlier push had landed as {earlier[:10]}; nothing newer to push")
         return 0
     sha, row = commit_push(store, lease, plan, run_dir)
-    print(f"relay: pushed {sha[:10]}: {row.strip()}")
+    print(pushed_line(sha, row))
     return 0
 
 

@@ -982,7 +982,8 @@ if __name__ == "__main__":
             index = load_index(args.corpus_dir)
             print(f"{args.corpus_dir}: vocab_size {index['vocab_size']}, tokenizer {index['tokenizer_sha256'][:12]}")
             for split, entries in index["splits"].items():
-                print(f"  {split}: {len(entries)} shards, {sum(e['tokens'] for e in entries):,} tokens, "
+                n = len(entries)
+                print(f"  {split}: {n} shard{'s' * (n != 1)}, {sum(e['tokens'] for e in entries):,} tokens, "
                       f"{sum(e.get('documents', 0) for e in entries):,} documents"
                       + (f", {sum(e.get('target_tokens', 0) for e in entries):,} loss-masked target tokens"
                          if index.get("loss_mask") else ""))

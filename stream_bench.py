@@ -585,6 +585,17 @@ def close_cgroup(cg):
     return peak
 
 
+def least_budget(args):
+    """The --ram-budget a plain run of these settings would ask for (its "raise it to at least"), or None: the
+    engine's own check, asked with a 1-byte budget, refuses before loading anything big."""
+    try:
+        S.load(args.container, 1, args.device, kernel=args.kernel, n_readers=args.readers, prefetch=args.prefetch,
+               context=args.context, cache_policy=args.cache_policy, preload=False)
+    except (S.StreamError, C.ContainerError) as e:
+        return getattr(e, "least_budget", None)
+    return None
+
+
 def bench_in_cgroup(args, argv):
     """Parent side: drop the container's page cache, make a memory cgroup of --ram-budget, run the benchmark in
     a child process inside it. Returns the result dict."""
@@ -593,8 +604,10 @@ def bench_in_cgroup(args, argv):
     budget = S.parse_size(args.ram_budget) if args.ram_budget else None
     baseline = S.rss_bytes()  # python and torch: the child would be OOM-killed importing torch ("killed (OOM?)")
     if budget and budget < baseline:
+        least = least_budget(args)
         raise S.StreamError(f"--ram-budget {args.ram_budget}: below the {S.fmt_size(baseline)} python and torch "
-                            f"alone take here, before any of the model; raise it")
+                            f"alone take here, before any of the model; raise it"
+                            + (f" to at least {S.fmt_budget(least)}" if least else ""))
     # the figures come at the end: a tiny model's run printed nothing for 20-30 s, a big one's for minutes
     where = f"at --ram-budget {args.ram_budget}" if budget else "without a --ram-budget"
     print(f"stream_bench: {args.container} {where}{getattr(args, 'run_label', '')}: a memory probe, then a child "

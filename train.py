@@ -747,31 +747,49 @@ def print_status(run_dir):
     _, now, _ = stage_at(plan, seen)
     step_tokens = (c["batch_size"] * now["seq_len"] * c["grad_accum"] * st["world_size"] if now and st.get("world_size")
                    else seen // st["step"] if st.get("step") else 0)  # (checkpoints before world_size was saved)
-    lr_now = lr_at(plan, seen, c["learning_rate"], c["min_lr"], step_tokens)
-    ahead = [lr_at(plan, min(total - 1, seen + int(f * (total - seen))), c["learning_rate"], c["min_lr"]) for f in (0.25, 0.5, 0.75, 1.0)]
-    print(f"  lr now {lr_now:.3e}; at 25/50/75/100% of what remains: " + ", ".join(f"{x:.2e}" for x in ahead))
-    el = st.get("elapsed_seconds", 0.0)
-    rate = seen / el if el > 0 else None
-    left = (total - seen) / rate if rate else None
-    usd = st.get("usd_spent", 0.0)
-    proj = usd * total / seen if seen else 0.0
-    # the run's average over all its starts: not the log line's ETA, which is the running start's own pace
-    print(f"  trained {fmt_time(el)} at {rate or 0:,.0f} tok/s; time left {fmt_time(left)} at that average pace of "
-          f"all its starts (the log line's ETA: that start's own); "
-          f"${usd:.2f} spent, projected ${proj:.2f}; best val loss "
-          + ("none yet" if st.get("best_val_loss") is None
-             else f"{st['best_val_loss']:.4f} (step {st.get('best_step')})")
-          + (f"; step {st['step']}'s was cut short by a stop signal, measured when it resumes"
-             if isinstance(st.get("eval_due"), dict) and st["eval_due"].get("step") == st.get("step") else ""))
-    # all of the above is as of the checkpoint, up to ckpt_interval steps (hours on nano) behind a running trainer
     out_dir = os.path.dirname(ck)
     pid, row = rundir.lock_holder(out_dir), last_metrics_row(os.path.join(out_dir, "metrics.jsonl"))
+    el = st.get("elapsed_seconds", 0.0)
+    rate = seen / el if el > 0 else None
+    usd = st.get("usd_spent", 0.0)
+    best = ("none yet" if st.get("best_val_loss") is None
+            else f"{st['best_val_loss']:.4f} (step {st.get('best_step')})") + (
+        f"; step {st['step']}'s was cut short by a stop signal, measured when it resumes"
+        if isinstance(st.get("eval_due"), dict) and st["eval_due"].get("step") == st.get("step") else "")
+    if st.get("finished"):  # (the LR ahead and time left of a plan with nothing left read as a run still going)
+        last = (f"; final loss {row['loss']:.4f}" if row and row.get("step") == st["step"]
+                and isinstance(row.get("loss"), (int, float)) else "")
+        print(f"  finished: its last step {st['step']} trained{last}")
+        print(f"  trained {fmt_time(el)} at {rate or 0:,.0f} tok/s; ${usd:.2f} spent; best val loss {best}")
+    else:
+        lr_now = lr_at(plan, seen, c["learning_rate"], c["min_lr"], step_tokens)
+        ahead = [lr_at(plan, min(total - 1, seen + int(f * (total - seen))), c["learning_rate"], c["min_lr"])
+                 for f in (0.25, 0.5, 0.75, 1.0)]
+        print(f"  lr now {lr_now:.3e}; at 25/50/75/100% of what remains: " + ", ".join(f"{x:.2e}" for x in ahead))
+        left = (total - seen) / rate if rate else None
+        proj = usd * total / seen if seen else 0.0
+        # the run's average over all its starts: not the log line's ETA, which is the running start's own pace
+        print(f"  trained {fmt_time(el)} at {rate or 0:,.0f} tok/s; time left {fmt_time(left)} at that average pace "
+              f"of all its starts (the log line's ETA: that start's own); "
+              f"${usd:.2f} spent, projected ${proj:.2f}; best val loss {best}")
+    # all of the above is as of the checkpoint, up to ckpt_interval steps (hours on nano) behind a running trainer
     newer = (f"; newest logged step {row['step']} (loss {row['loss']:.4f}, {fmt_time(time.time() - row['time'])} ago)"
              if row and row.get("step", 0) > st["step"] and isinstance(row.get("loss"), (int, float))
              and isinstance(row.get("time"), (int, float)) else "")
     guardian = rundir.lock_holder(out_dir, "guardian")
     print(f"  trainer: {f'running (pid {pid})' if pid else 'not running'}"
           f"{f', supervised (guardian pid {guardian})' if guardian else ''}{newer}")
+
+
+def step_line(rec, eta):
+    """The log line of a metrics row: fixed decimals per figure, so lines read alike down a column (round() gave
+    load cv 0.7 under 1.255)."""
+    mfu = "-" if rec["mfu"] is None else f"{100 * rec['mfu']:.1f}%"
+    cv = "-" if rec["load_cv"] is None else f"{rec['load_cv']:.3f}"
+    return (f"step {rec['step']:>6} | loss {rec['loss']:.4f}"
+            + (f" | val {rec['val_loss']:.4f}" if rec.get("val_loss") is not None else "")
+            + f" | lr {rec['lr']:.2e} | {rec['tok_per_s']:,.0f} tok/s | MFU {mfu} | load cv {cv}"
+            + f" | ETA {fmt_time(eta)} | ${rec['usd']:.2f}")
 
 
 def last_metrics_row(path):
@@ -1733,10 +1751,7 @@ def main(argv):
                 os.fsync(metrics_f.fileno())
                 if cfg["mirror_dir"]:
                     mirror(out, cfg["mirror_dir"], checkpoints=False)
-            log(f"step {st['step']:>6} | loss {rec['loss']:.4f}" + (f" | val {val_loss:.4f}" if val_loss is not None else "")
-                + f" | lr {lr:.2e} | {tok_s:,.0f} tok/s | MFU {f'{100 * mfu:.1f}%' if mfu is not None else '-'}"
-                + f" | load cv {rec['load_cv'] if rec['load_cv'] is None else round(rec['load_cv'], 3)}"
-                + f" | ETA {fmt_time(eta)} | ${st['usd_spent']:.2f}")
+            log(step_line(rec, eta))
             window_load, window_loss, window_t = None, [], time.monotonic()
             window_tokens, window_flops, window_paused = 0, 0.0, 0.0
         best = note_val_loss(val_loss, idx_stage)

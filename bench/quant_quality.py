@@ -119,6 +119,11 @@ def int4_nll(container_path, windows, args):
     return total, count, "dequantize"
 
 
+def say(stage):
+    """A line per stage on stderr (a run took ~40 s without a word; stdout keeps the figures)."""
+    print(stage + "...", file=sys.stderr, flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Validation perplexity of a checkpoint vs its int4 container.")
     ap.add_argument("ckpt", help="checkpoint dir or run dir")
@@ -150,6 +155,7 @@ def main(argv=None):
         # a window is seq_len inputs + 1 target; the streaming engine reads all seq_len + 1 as its context
         args.seq_len = min(args.seq_len or cfg.max_seq_len - 1, cfg.max_seq_len - 1)
         windows = token_windows(args, cfg.vocab_size)
+        say(f"scoring the checkpoint: {windows.shape[0]} windows of {args.seq_len} tokens ({args.dtype})")
         t0 = time.time()
         ref_sum, count = nll_of(ref, windows, args.batch_size)
         t_ref = time.time() - t0
@@ -159,7 +165,9 @@ def main(argv=None):
             tmpdir = tempfile.mkdtemp(prefix="quant_quality-")
             path = os.path.join(tmpdir, "model.pcf4")
             kw = {} if args.group_size is None else {"group_size": args.group_size}
+            say(f"writing its int4 container (checkpoint scored in {t_ref:.1f}s)")
             container.write_container(ckpt_dir, path, embed_bits=args.embed_bits, progress=False, **kw)
+        say(f"scoring the int4 container: {windows.shape[0]} windows")
         t0 = time.time()
         q_sum, q_count, how = int4_nll(path, windows, args)
         t_q = time.time() - t0

@@ -208,6 +208,9 @@ def test_bad_rows_counted_and_long_conversations_split(corpus):
     assert rep["bad_malformed_json"] == 1 and rep["bad_unknown_role"] == 1 and rep["bad_empty_assistant"] == 1
     assert rep["bad_no_assistant"] == 1 and rep["bad_malformed"] == 1
     assert "bad rows skipped: 5" in r.stdout and "Traceback" not in r.stderr
+    n_val = len(shards.load_index(out)["splits"]["val"])  # each split's line counts its shards in English
+    said = [x for x in r.stdout.splitlines() if x.startswith("val: ")]
+    assert n_val == 1 and len(said) == 1 and said[0].endswith(", 1 shard"), r.stdout
     # 4 exchanges -> 2 pieces; the too-long user turn: none; the wordy system prompt's 2 exchanges: 1 piece without it
     assert rep["conversations_split"] == 3 and rep["split_pieces"] == 3
     assert rep["bad_malformed_json"] == 1 and rep["rows_read"] == 608  # the BOM line was read too

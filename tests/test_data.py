@@ -484,7 +484,7 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr and "missing" in r.stderr
 
 
-def test_one_prepare_per_out_and_a_tiny_folders_val_takes_every_copy(tmp_path):
+def test_one_prepare_per_out_and_a_tiny_folders_val_takes_every_copy(tmp_path, monkeypatch, capsys):
     """A second prepare.py on the same --out deleted the first's staging dir as a killed run's (hours of tokenizing
     lost, and the first then blamed the disk); a tiny folder's fallback val document left its identical copies in
     train (the val text trained on)."""
@@ -503,7 +503,12 @@ def test_one_prepare_per_out_and_a_tiny_folders_val_takes_every_copy(tmp_path):
                        ("d.txt", "epsilon " * 30), ("e.txt", "the same text " * 20)):
         (src / name).write_text(text)
     # a val share too small for any of 5 documents: the fallback val document
-    _run(["data/local/prepare.py", "--src", str(src), "--out", out, "--vocab-size", "300", "--val-percent", "0.01"])
+    r = _run(["data/local/prepare.py", "--src", str(src), "--out", out, "--vocab-size", "300", "--val-percent", "0.01"])
+    assert "\nval: 1 shard, " in r.stdout and "\ntrain: 1 shard, " in r.stdout, r.stdout  # (it said "1 shards")
+    monkeypatch.setattr(sys, "argv", ["shards.py", "info", out])
+    import runpy
+    runpy.run_path(os.path.join(ROOT, "shards.py"), run_name="__main__")
+    assert "\n  val: 1 shard, " in capsys.readouterr().out
     tok = tokmod.Tokenizer.load(os.path.join(out, "tokenizer.json"))
     where = {f: split for split in ("train", "val") for entry, _ in read_split_docs(tmp_path / "corpus", tok, split)
              for f in entry["source"]["files"]}
@@ -569,6 +574,7 @@ def test_fineweb_prepare_from_fake_hub(tok, tmp_path):
         total = sum(e["tokens"] for es in index["splits"].values() for e in es)
         assert total == cum[k] <= max_tokens < cum[k + 1]
         assert index["splits"]["val"] and index["splits"]["train"]
+        assert len(index["splits"]["val"]) == 1 and "\nval: 1 shard, " in r.stdout, r.stdout  # (it said "1 shards")
         assert shards.verify_corpus(out) == []
         # refetch a shard from the Hub with an empty HF cache: downloads the parquet again, re-makes it exactly
         victim = index["splits"]["train"][-1]["file"]

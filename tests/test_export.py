@@ -358,11 +358,20 @@ def test_tied_embeddings_hf_and_gguf(ckpt, tmp_path):
     assert names == want
 
 
-def test_int4_export_writes_a_loadable_container(ckpt, tmp_path):
+def test_int4_export_writes_a_loadable_container(ckpt, tmp_path, capsys):
     import container
+    import shlex
+    import stream_infer
     out = str(tmp_path / "m.pcf4")
     rep = run_export([ckpt["run"], "--format", "int4", "--out", out, "--group-size", "32"])
     assert rep["format"] == "int4" and os.path.isfile(out)
+    # after the JSON, stderr names the command that runs the export (it printed the JSON alone); that command runs
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("next: python stream_infer.py "), said
+    cmd = shlex.split(said[len("next: "):].split(" (")[0])
+    assert cmd[:3] == ["python", "stream_infer.py", out] and stream_infer.main(cmd[2:] + ["--max-new-tokens", "2"]) == 0
+    assert "from_pretrained('o u t')" in export.next_step("hf", "o u t")
+    assert export.next_step("gguf", "o u t").startswith("next: llama-cli -m 'o u t' --jinja")
     c = container.load_container(out)
     assert c.config == M.ModelConfig(**CFG) and c.group_size == 32
     sd = c.dequantized_state_dict()
@@ -371,7 +380,7 @@ def test_int4_export_writes_a_loadable_container(ckpt, tmp_path):
     assert (w - q).abs().max().item() <= 0.25 * w.abs().max().item()  # int4: coarse but close
 
 
-def test_quant_quality_bench_reports_both_perplexities(ckpt, tmp_path):
+def test_quant_quality_bench_reports_both_perplexities(ckpt, tmp_path, capsys):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import quant_quality
     toks = np.random.default_rng(0).integers(1, ckpt["tok"].bos_id, size=300).astype("<u2")
@@ -382,6 +391,11 @@ def test_quant_quality_bench_reports_both_perplexities(ckpt, tmp_path):
     assert res["ppl_checkpoint"] > 1 and res["ppl_int4"] > 1
     assert abs(res["rel_increase"]) < 0.05  # random weights: int4 barely moves a near-uniform distribution
     assert json.load(open(tmp_path / "q.json"))["rel_increase"] == res["rel_increase"]
+    # each stage says so as it starts (~40 s ran without a word), on stderr: stdout keeps the figures
+    said = capsys.readouterr().err
+    stages = ["scoring the checkpoint: 9 windows of 32 tokens", "writing its int4 container",
+              "scoring the int4 container"]
+    assert all(x in said for x in stages) and [said.find(x) for x in stages] == sorted(map(said.find, stages)), said
 
 
 def gguf_forward(path, idx):

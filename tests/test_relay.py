@@ -1025,6 +1025,10 @@ def test_manual_claim_pull_train_push_release(tmp_path, hub, rl):
     before_push = time.time()
     r = rl(["push", url, "--workdir", wd, "--gpu-hourly-usd", "1.5"])
     assert r.returncode == 0, r.stderr
+    # the push says its ledger row in words (it printed the raw markdown row)
+    said = [x for x in r.stdout.splitlines() if x.startswith("relay: pushed ")]
+    assert len(said) == 1 and "|" not in said[0] and ": leg 1 by tester on " in said[0], r.stdout
+    assert ", steps 0-6 (6 steps, " in said[0] and " tokens) in 0h" in said[0] and "; loss " in said[0], said
     # a second push in the same lease bills its own time, not the pull's again (the ledger's wall and $ doubled)
     assert json.load(open(wd / "LEASE.json"))["pulled_at"] >= before_push
     assert rl(["release", url, "--workdir", wd]).returncode == 0

@@ -2869,6 +2869,11 @@ def test_a_bench_budget_below_python_and_torch_is_one_line(tiny, capsys):
     assert S.main([path, "--bench", "--ram-budget", "50M", "--max-new-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert "below the" in err and "python and torch alone" in err and len(err.strip().splitlines()) == 1
+    # with the figure a plain run gives (it said "raise it" alone; --sweep's budgets take this same check)
+    assert S.main([path, "--ram-budget", "50M", "--prompt", "1,2,3"]) == 1
+    plain = re.search(r"raise it to at least (\d+)M$", capsys.readouterr().err.strip())
+    bench = re.search(r"; raise it to at least (\d+)M$", err.strip())
+    assert bench and abs(int(bench.group(1)) - int(plain.group(1))) <= 4, err  # (each measures its own RSS)
 
 
 def test_a_child_a_signal_ended_is_said_out_of_memory_only_in_a_cgroup():

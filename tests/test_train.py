@@ -626,6 +626,17 @@ def test_status_says_whether_a_trainer_runs_and_its_newest_logged_step(three_ste
     assert main_output(["--status", out])[0].splitlines()[-1].startswith("  trainer: not running; newest logged step 8")
 
 
+def test_the_log_line_gives_each_figure_fixed_decimals():
+    """The step log line rounded load cv (0.7 under 1.255, 1.28 beside it): each figure has its own fixed decimals,
+    so the lines read alike down a column; a figure not measured is "-" (load cv printed None)."""
+    rec = {"step": 7, "loss": 3.5, "lr": 3e-4, "tok_per_s": 1234.4, "mfu": None, "load_cv": 0.7, "usd": 0.1}
+    assert train.step_line(rec, 65) == ("step      7 | loss 3.5000 | lr 3.00e-04 | 1,234 tok/s | MFU - "
+                                        "| load cv 0.700 | ETA 1m05s | $0.10")
+    said = train.step_line({**rec, "val_loss": 3.25, "mfu": 0.4, "load_cv": 1.28}, None)
+    assert "| val 3.2500 |" in said and "| MFU 40.0% |" in said and "| load cv 1.280 |" in said, said
+    assert "| load cv - |" in train.step_line({**rec, "load_cv": None}, 0)
+
+
 def test_a_refused_replan_names_what_differs():
     """A resume whose config plans otherwise was refused with "the config's plan differs" alone: a user who had
     trained with --max_iters=60 --warmup_iters=5 could not tell which of them to put back. Each change is named, and a
@@ -676,7 +687,7 @@ def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, 
     assert r.returncode == 1 and "--replan" in r.stderr and "dataset: stored 'local', config 'other'" in r.stderr
     # --status prints plan against progress
     said = main_output(["--status", out])[0]
-    assert "FINISHED" in said and "down" in said and "lr now" in said
+    assert "FINISHED" in said and "down" in said and "  finished: its last step 11 trained" in said
     # a --replan that extends the finished plan keeps its end: saved again as "final", it was an ordinary checkpoint
     # that keep_last deleted (the finished model); --resume_from takes the run dir, as grow_from and finetune_from do
     longer = tmp_path / "plan3.py"
@@ -1379,6 +1390,10 @@ def test_the_last_step_of_a_plan_is_written_once(data_root, tmp_path):
     assert open(os.path.join(out, "BEST")).read().strip() == "step_0000004"
     said = main_output(["--status", out])[0]
     assert "FINISHED" in said and f"best val loss {st['best_val_loss']:.4f} (step 4)" in said, said  # (17 digits before)
+    # a finished run says so, its last step and loss (it printed the LR "of what remains" and "time left 0m00s")
+    last = metrics(out)[4]["loss"]
+    assert f"  finished: its last step 4 trained; final loss {last:.4f}\n" in said, said
+    assert "of what remains" not in said and "time left" not in said, said
     # the finished run's last line names what to do with the model (it named nothing)
     assert f"planned stages done (512 tokens); next: python eval.py {out} " in r.stdout, r.stdout[-1500:]
 

@@ -162,7 +162,8 @@ def build(args, revision, files, stage, t0):
         tok = Tokenizer.load(tok_path)
         val_docs[0] = float("inf") if journal["val_docs"] is None else journal["val_docs"]
         at = f"at {journal['next']['file']} row {journal['next']['row']}" if journal["next"] else "at the start"
-        print(f"resuming from {stage}: {sum(map(len, journal['splits'].values()))} shards, "
+        n_shards = sum(map(len, journal["splits"].values()))
+        print(f"resuming from {stage}: {n_shards} shard{'s' * (n_shards != 1)}, "
               f"{sum(journal['counts'].values()):,} tokens done, {at}")
     elif args.tokenizer:
         tok = args.reused_tokenizer
@@ -268,7 +269,7 @@ def build(args, revision, files, stage, t0):
     print(f"{n_docs:,} documents from {len(used_files)} parquet file(s); stopped: {stop_reason}"
           + (f"; {n_val_copies:,} train copies of val documents left out" if n_val_copies else ""))
     for s, entries in splits.items():
-        print(f"{s}: {len(entries)} shards, {counts[s]:,} tokens")
+        print(f"{s}: {len(entries)} shard{'s' * (len(entries) != 1)}, {counts[s]:,} tokens")
     print(f"wrote {os.path.join(args.out, 'index.json')} in {time.time() - t0:.0f}s")
 
 

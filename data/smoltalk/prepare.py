@@ -366,7 +366,7 @@ def report_build(args, stats, splits, t0):
         total = stats[f"{s}_rows"] * args.max_len
         print(f"{s}: {stats[f'{s}_conversations']:,} conversations, {stats[f'{s}_rows']:,} rows of {args.max_len} "
               f"= {total:,} tokens, {stats[f'{s}_target_tokens']:,} target (assistant) tokens, padding "
-              f"{stats[f'{s}_pad_tokens'] / max(total, 1):.1%}, {len(splits[s])} shards")
+              f"{stats[f'{s}_pad_tokens'] / max(total, 1):.1%}, {len(splits[s])} shard{'s' * (len(splits[s]) != 1)}")
     print(f"wrote {os.path.join(args.out, 'index.json')} in {time.time() - t0:.0f}s "
           f"(train with seq_len = {args.max_len}: python train.py config/sft.py)")
 
