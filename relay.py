@@ -88,8 +88,8 @@ import checkpoint
 import configurator
 import rundir
 import schedule
-from relay_store import (SMALL_FILE_CAP, Conflict, RelayError, StoreError, Transient, open_store, read_capped,
-                         write_atomic)
+from relay_store import (SMALL_FILE_CAP, Conflict, RelayError, StoreError, Transient, fmt_bytes, open_store,
+                         read_capped, write_atomic)
 from relay_lease import (CKPT_PREFIX, DEFAULT_HEARTBEAT, DEFAULT_TTL, RELAY_FORMAT, RELAY_VERSION,
                          STATE_FORMAT, Busy, Fenced, Lease, Snapshot, adopt_landed_push, adopt_own_renewal,
                          chain_lease_to, check_lease_times, claim, commit_cas, ledger_text, manifest_id, now_iso, parse_json,
@@ -143,12 +143,11 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         not_installed = "nothing installed locally. Revert the push that wrote it"
         # refused on the store's size, before the download (nothing read: an empty body of that size)
         read_capped((), SMALL_FILE_CAP, pulled_file("MANIFEST.json"), not_installed, sizes.get(man_path, 0))
-        store.download(snap_sha, [man_path] if man_path in paths else [], tmp)
-        got = os.path.join(tmp, CKPT_PREFIX)
-        os.makedirs(got, exist_ok=True)  # (no manifest: verify says so)
+        # read into memory, not downloaded: the free space is checked below before any byte is written
+        text = store.read(snap_sha, man_path) if man_path in paths else None
         listed = {}
-        with contextlib.suppress(FileNotFoundError), open(os.path.join(got, "MANIFEST.json"), "rb") as f:
-            text = read_capped(f, SMALL_FILE_CAP, pulled_file("MANIFEST.json"), not_installed)  # verify reads it whole
+        if text is not None:  # (no manifest: verify says so)
+            text = read_capped([text], SMALL_FILE_CAP, pulled_file("MANIFEST.json"), not_installed)  # verify reads it
             with contextlib.suppress(ValueError, RecursionError, LookupError, AttributeError, TypeError):  # verify: why
                 listed = {n: m["bytes"] for n, m in json.loads(text)["files"].items()}
         wanted = [p for p in paths if p[len(CKPT_PREFIX) + 1:] in listed]
@@ -163,7 +162,24 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
             if p != man_path and p not in wanted:
                 print(f"relay: {printable(p)} at {snap_sha[:10]} is not in its MANIFEST.json: not downloaded (the "
                       f"next push removes it)", file=sys.stderr)
-        store.download(snap_sha, wanted, tmp)
+        need = len(text or b"") + sum(sizes[p] for p in wanted)
+        free = disk_free(dest_dir)
+        if need > free:  # (refused now: a disk filled mid-download left the pull, and a trainer's next save, failing)
+            raise RelayError(f"{dest_dir}: the checkpoint at {snap_sha[:10]} needs {fmt_bytes(need)} and "
+                             f"its disk has {fmt_bytes(free)} free; nothing downloaded. Free "
+                             f"{fmt_bytes(need - free)} there (old step_* or leg dirs), or pull elsewhere "
+                             f"(--out DIR, --workdir DIR)")
+        got = os.path.join(tmp, CKPT_PREFIX)
+        try:
+            os.makedirs(got, exist_ok=True)
+            if text is not None:
+                with open(os.path.join(got, "MANIFEST.json"), "wb") as f:
+                    f.write(text)
+            store.download(snap_sha, wanted, tmp)
+        except OSError as e:  # this machine's disk (full, or its quota): the partial copy is removed below
+            raise RelayError(f"{dest_dir}: writing the pulled checkpoint failed ({e.strerror or e}); nothing installed "
+                             f"locally (its earlier steps are as they were). Free space there, or pull elsewhere "
+                             f"(--out DIR, --workdir DIR)") from None
         try:
             manifest = checkpoint.verify(got)
         except checkpoint.CheckpointError as e:  # named as the store's files: the temporary dir is removed below
@@ -200,6 +216,11 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         return final
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def disk_free(path):
+    """Bytes free for this user on path's filesystem (a function: tests give it a small disk)."""
+    return shutil.disk_usage(path).free
 
 
 def recover_killed_resave(run_dir, cmd="push"):

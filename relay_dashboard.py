@@ -8,6 +8,7 @@ is left out, and named.
 """
 
 import html
+import io
 import json
 import math
 import os
@@ -21,6 +22,10 @@ import relay_store
 # bytes of leg logs (as stored) the dashboard reads and keeps, newest leg first: each log is capped on its own
 # (relay_store.READ_CAPS), but a run's logs add up, one per leg, without bound; the older ones are named, not read
 LOG_BUDGET = 128 * relay_store.MiB
+# a metrics row's keys the page reads (render(): charts, heatmap, the local run's step, tokens and $); the rest of a
+# train.py row (per-layer dead fractions, gpu, time, ...) is dropped as the log is read
+SHOWN_KEYS = ("step", "tokens", "loss", "val_loss", "lr", "tok_per_s", "mfu", "dead_frac", "load_cv", "load_cv_layers",
+              "usd")
 
 
 def dashboard_data(target, log_cache=None):
@@ -45,8 +50,8 @@ def dashboard_data(target, log_cache=None):
                     older.append(p)
                     continue
                 data = store.read(st["head"], p) or b""
-                log_cache[key] = (len(data), None if held + len(data) > LOG_BUDGET else
-                                  [m for m in map(safe_json, data.decode(errors="replace").splitlines()) if m])
+                log_cache[key] = (len(data), None if held + len(data) > LOG_BUDGET else shown_rows(data))
+                del data  # (the log's bytes: not held beside its rows while the next one is read)
             size, rows = log_cache[key]
             held += size
             if held > LOG_BUDGET:  # its rows dropped, its size kept: not read again at every refresh
@@ -63,18 +68,18 @@ def dashboard_data(target, log_cache=None):
     else:
         if not os.path.isdir(target):
             raise relay.RelayError(f"{target}: not a store URL nor a run directory; pass hf://owner/name, file:///path or a train.py out_dir")
-        d["metrics"] += relay.read_metrics(os.path.join(target, "metrics.jsonl"))
+        d["metrics"] += map(shown_metric, relay.read_metrics(os.path.join(target, "metrics.jsonl")))
         d["left_out"] = []
         lease = relay_lease_record(target)
         for name in sorted(n for n in os.listdir(target) if n.startswith("leg-")):
             rows, why = leg_history(os.path.join(target, name), lease)
-            d["metrics"] += rows
+            d["metrics"] += map(shown_metric, rows)
             if why:
                 d["left_out"].append(f"{name} ({why})")
+        d["metrics"] = [m for m in d["metrics"] if m is not None]
         usd = [m["usd"] for m in d["metrics"] if isinstance(m.get("usd"), (int, float))]
         d["state"] = {"step": d["metrics"][-1].get("step") if d["metrics"] else None,
                       "tokens": d["metrics"][-1].get("tokens") if d["metrics"] else None, "usd_total": usd[-1] if usd else 0.0}
-    d["metrics"] = [c for c in map(clean_metric, d["metrics"]) if c is not None]
     d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))
     return d
 
@@ -116,20 +121,41 @@ def leg_history(leg_dir, lease):
     return history, "steps after its push, never pushed" if later else None
 
 
-def clean_metric(m):
-    """A metrics row the page can show: step and tokens numbers (a string there crashed the sort, so the server),
-    NaN / Infinity as null (json.dumps wrote NaN, which the page's refresh could not parse: it froze, silently)."""
-    def finite(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, list):
-            return [finite(x) for x in v]
-        return v
+def shown_rows(data):
+    """A leg log's bytes as the rows the page shows (shown_metric), malformed lines left out."""
+    lines = (line.decode(errors="replace") for line in io.BytesIO(data))  # (one line at a time: no copy of the log)
+    same = {}  # one float object per value in the per-layer lists (rounded to 4 places: a few thousand values)
+    rows = (shown_metric(m, same) for m in map(safe_json, lines) if m)
+    return [m for m in rows if m is not None]
+
+
+def shown_metric(m, same=None):
+    """A metrics row as the page shows it, or None: only SHOWN_KEYS (a train.py row holds ~20 keys and per-layer lists
+    the page never reads: 128 MiB of logs held ~1 GiB parsed), numbers only; step and tokens numbers (a string there
+    crashed the sort, so the server); NaN / Infinity as null (json.dumps wrote NaN, which the page's refresh could not
+    parse: it froze, silently)."""
     for key in ("step", "tokens"):
         v = m.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        if v is not None and (not shown_number(v) or finite(v) is None):
             return None
-    return {k: finite(v) for k, v in m.items()}
+    out = {}
+    for k in SHOWN_KEYS:
+        v = m.get(k)
+        if shown_number(v) or v is None and k in m:
+            out[k] = finite(v)
+        elif isinstance(v, list) and all(x is None or shown_number(x) for x in v):
+            out[k] = [finite(x) for x in v] if same is None else [same.setdefault(x, x) for x in map(finite, v)]
+    if m.get("not_pushed") is True:  # (leg_history's mark: this workdir's leg, not pushed yet)
+        out["not_pushed"] = True
+    return out
+
+
+def shown_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def finite(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v  # (an int is: 10**400 has no float)
 
 
 def safe_json(line):
@@ -261,51 +287,64 @@ setInterval(function () { fetch("data.json").then(function (r) { return r.json()
 """
 
 
-def serve(args):
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    cache = {"t": 0.0, "data": None, "logs": {}}
-    lock = threading.Lock()
+def served_json(d):
+    """d as the bytes both the page (inline, in its <script>) and /data.json serve: "<", ">", "&" escaped, which
+    JSON.parse reads back as they were (a "</script>" in the store's text ended the page's script)."""
+    return json.dumps(d).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").encode()
 
-    def data():  # re-read the store at most every --refresh seconds, whatever the number of viewers
+
+def make_server(args):
+    """The dashboard's HTTP server (not started): the store read at most every --refresh seconds and serialized once
+    then, whatever the number of viewers (each request made its own copies: ~4 of the data's 60 MiB of JSON a view)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    cache = {"t": 0.0, "body": None, "logs": {}}
+    lock = threading.Lock()
+    head, tail = PAGE.split("__DATA__")  # (split first: a store named __DATA__ is a title, not the data's place)
+    head, tail = head.replace("__TITLE__", html.escape(args.store)).encode(), tail.encode()
+
+    def data():
         with lock:
-            if cache["data"] is None or time.time() - cache["t"] > args.refresh:
-                cache["data"], cache["t"] = dashboard_data(args.store, cache["logs"]), time.time()
-            return cache["data"]
+            if cache["body"] is None or time.time() - cache["t"] > args.refresh:
+                cache["body"], cache["t"] = served_json(dashboard_data(args.store, cache["logs"])), time.time()
+            return cache["body"]
     data()  # fail early, with the one-line error, on a bad target
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             try:
-                d = data()
+                body = data()
             except relay.RelayError as e:
                 return self.send(503, "text/plain", f"relay dashboard: {e}\n".encode())
             if self.path in ("/", "/index.html"):
-                body = PAGE.replace("__TITLE__", html.escape(args.store)).replace(
-                    "__DATA__", json.dumps(d).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
-                return self.send(200, "text/html; charset=utf-8", body.encode())
+                return self.send(200, "text/html; charset=utf-8", head, body, tail)
             if self.path == "/data.json":
-                return self.send(200, "application/json", json.dumps(d).encode())
+                return self.send(200, "application/json", body)
             self.send(404, "text/plain", b"not found\n")
 
         def do_POST(self):
             self.send(405, "text/plain", b"read-only\n")
 
-        def send(self, code, ctype, body):
+        def send(self, code, ctype, *parts):  # (written part by part: the page is not copied whole per request)
             self.send_response(code)
             self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(sum(map(len, parts))))
             self.send_header("Cache-Control", "no-store")
             self.end_headers()
-            self.wfile.write(body)
+            for part in parts:
+                self.wfile.write(part)
 
         def log_message(self, *a):
             pass
 
     try:
-        srv = ThreadingHTTPServer((args.host, args.port), Handler)
+        return ThreadingHTTPServer((args.host, args.port), Handler)
     except OSError as e:  # a port in use (a second dashboard), a host not on this machine
         raise relay.RelayError(f"dashboard: cannot listen on {args.host}:{args.port} ({e.strerror}); pass another --port "
                          f"(or --host)") from None
+
+
+def serve(args):
+    srv = make_server(args)
     print(f"relay: dashboard for {args.store} at http://{args.host}:{srv.server_address[1]}/", flush=True)
     try:
         srv.serve_forever()

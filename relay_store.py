@@ -24,6 +24,7 @@ when the request may or may not have taken effect (relay.commit_cas finds out wh
 import contextlib
 import datetime as dt
 import email.utils
+import errno
 import hashlib
 import json
 import os
@@ -356,6 +357,8 @@ class HfStore:
                 raise Transient(f"{self.url}: {what}: HTTP {code} ({one_line(e)})")
             raise StoreError(f"{self.url}: {what}: HTTP {code} ({one_line(e)})")
         except (OSError, TimeoutError) as e:  # connection errors and timeouts of the HTTP client
+            if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # this machine's disk full: not the Hub's
+                raise
             raise Transient(f"{self.url}: {what}: {type(e).__name__}: {one_line(e)}")
         except json.JSONDecodeError as e:  # a proxy's or load balancer's HTML page where the Hub answers JSON
             raise Transient(f"{self.url}: {what}: the reply was not the Hub's JSON ({one_line(e)})")

@@ -2966,7 +2966,7 @@ def test_a_pull_downloads_only_the_files_its_manifest_lists_each_checked_against
     assert one_line_error(r), r.stderr
     assert (f"checkpoint at {sha[:10]} fails verification before download: checkpoint/model.safetensors is {size + 1} "
             f"bytes in the store, its MANIFEST.json says {size}; nothing installed locally") in r.stderr, r.stderr
-    assert fetched == ["checkpoint/MANIFEST.json"] and not os.path.exists(tmp_path / "out1" / "LATEST")
+    assert fetched == [] and not os.path.exists(tmp_path / "out1" / "LATEST")  # (the manifest: read in memory)
     fetched.clear()  # a manifest past its read cap: refused on the store's size, not downloaded (GBs to disk) first
     monkeypatch.setattr(relay, "SMALL_FILE_CAP", 1000)
     sha = store.commit(sha, {"checkpoint/MANIFEST.json": store.read(head, "checkpoint/MANIFEST.json") + b" " * 2000},
@@ -2974,6 +2974,75 @@ def test_a_pull_downloads_only_the_files_its_manifest_lists_each_checked_against
     r = rl(["pull", url, "--out", tmp_path / "out2"])
     assert one_line_error(r) and "checkpoint/MANIFEST.json at " in r.stderr and "more than the 1000 bytes" in r.stderr
     assert fetched == [], fetched
+
+
+def test_a_pull_refuses_in_one_line_before_writing_anything_when_the_disk_lacks_the_checkpoints_size(tmp_path, hostile,
+                                                                                                  rl, monkeypatch):
+    """pull sized the checkpoint from the store but never the free space: a disk too small filled mid-download (GBs
+    written for nothing, a trainer's next save on that disk failing). Now it is refused first, one line naming the
+    folder, the bytes needed and free, and the fix; nothing written. Exactly enough space pulls."""
+    import relay_store
+    url, store, head = hostile
+    need = sum(store.sizes(head, "checkpoint/").values())
+    fetched, real = [], relay_store.FileStore.download
+    monkeypatch.setattr(relay_store.FileStore, "download",
+                        lambda self, sha, paths, dest: fetched.extend(paths) or real(self, sha, paths, dest))
+    monkeypatch.setattr(relay, "disk_free", lambda path: need - 1, raising=False)
+    out = tmp_path / "out"
+    r = rl(["pull", url, "--out", out])
+    assert one_line_error(r), r.stderr
+    assert (f"{out}: the checkpoint at {head[:10]} needs {need} bytes and its disk has {need - 1} bytes free; nothing "
+            f"downloaded. Free 1 bytes there") in r.stderr and "--out DIR" in r.stderr, r.stderr
+    assert fetched == [] and [f for _, _, fs in os.walk(out) for f in fs] == []
+    monkeypatch.setattr(relay, "disk_free", lambda path: need)
+    assert rl(["pull", url, "--out", out]).returncode == 0 and checkpoint.resolve(str(out))
+
+
+def test_a_disk_filling_mid_pull_installs_nothing_and_leaves_the_earlier_local_step_as_it_was(tmp_path, hostile, rl,
+                                                                                              monkeypatch):
+    """The disk filling during the download (the space taken meanwhile by something else): a traceback for `pull --out`
+    (the file store's OSError), a Transient 'retry' for the Hub's. Now one line naming the folder and the fix; the
+    partial copy removed; the step pulled before and LATEST as they were."""
+    import errno
+    import relay_store
+    url, store, head = hostile
+    out = tmp_path / "out"
+    assert rl(["pull", url, "--out", out]).returncode == 0
+    before = (out / "LATEST").read_text()
+    manifest = json.loads(store.read(head, "checkpoint/MANIFEST.json"))
+    store.commit(head, {"checkpoint/MANIFEST.json": json.dumps(dict(manifest, step=5)).encode()}, [],
+                   "relay: a later step")
+    real = relay_store.FileStore.download
+
+    def fills_the_disk(self, sha, paths, dest):
+        real(self, sha, paths[:1], dest)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(relay_store.FileStore, "download", fills_the_disk)
+    r = rl(["pull", url, "--out", out])
+    assert one_line_error(r), r.stderr
+    assert (f"{out}: writing the pulled checkpoint failed (No space left on device); nothing installed locally" in
+            r.stderr), r.stderr
+    assert (out / "LATEST").read_text() == before and checkpoint.is_valid(str(out / before.strip()))
+    assert sorted(os.listdir(out)) == ["LATEST", before.strip()]  # no step_0000005, no .pull-* copy
+    monkeypatch.setattr(relay_store.FileStore, "download", real)
+    assert rl(["pull", url, "--out", out]).returncode == 0 and (out / "LATEST").read_text() == "step_0000005\n"
+
+
+def test_an_hf_store_call_failing_on_this_machines_full_disk_is_not_a_transient_store_error():
+    """The Hub client's download writing into a full local disk raised OSError(ENOSPC), taken for a network error:
+    Transient ('retry'), though a retry fills the same disk. It goes up as the OSError it is (pull says what to free);
+    a connection error is still Transient."""
+    import errno
+    import relay_store
+    store = relay_store.HfStore("alice/run")
+
+    def fails(err):
+        raise err
+    with pytest.raises(OSError) as e:
+        store._call("download checkpoint/model.safetensors", fails, OSError(errno.ENOSPC, "No space left on device"))
+    assert not isinstance(e.value, relay_store.StoreError) and e.value.errno == errno.ENOSPC
+    with pytest.raises(relay_store.Transient):
+        store._call("download checkpoint/model.safetensors", fails, ConnectionResetError(errno.ECONNRESET, "reset"))
 
 
 def test_release_puts_back_a_step_a_killed_re_save_left_aside_and_counts_it_unpushed(tmp_path, hostile, rl,

@@ -237,3 +237,45 @@ def test_dashboard_reads_leg_logs_newest_first_up_to_a_total_budget_and_names_th
                              f"most {budget} of leg logs, newest first)"]
     assert [p for p in reads if p.startswith("logs/")] == ["logs/leg-0004.jsonl"]
     assert sum(len(rows or []) for _, rows in cache.values()) == 6
+
+
+def test_dashboard_keeps_only_the_numbers_the_page_shows_of_each_leg_log_row(tmp_path, monkeypatch):
+    """Every key of every row was kept, parsed, for the page's life: a train.py row's ~20 keys and two per-layer lists,
+    ~1 GiB peak RSS for 120 MiB of train.py rows (~255 MiB now). Only SHOWN_KEYS are kept, numbers only, and a
+    per-layer list's equal values are one float object."""
+    url, _ = new_run(tmp_path, monkeypatch)
+    store = relay.open_store(url)
+    row = lambda step: {"step": step, "tokens": 100 * step, "loss": 5.0, "val_loss": 4.5, "lr": "fast", "mfu": None,
+                        "load_cv_layers": [0.25, float("nan"), 0.5], "dead_frac_layers": [0.1] * 3, "gpu": "x" * 1000,
+                        "time": 1.7e9, "stage": "main", "usd": True}
+    snap = relay.Snapshot(store)
+    log = "".join(json.dumps(row(step)) + "\n" for step in (1, 2)).encode()
+    relay.commit_cas(store, snap.sha, {"logs/leg-0001.jsonl": log}, [], "relay: a leg", snap.relay)
+    cache = {}
+    d = relay_dashboard.dashboard_data(url, cache)
+    shown = {"loss": 5.0, "val_loss": 4.5, "mfu": None, "load_cv_layers": [0.25, None, 0.5]}
+    assert d["metrics"] == [dict(shown, step=1, tokens=100), dict(shown, step=2, tokens=200)]
+    assert [rows for _, rows in cache.values()] == [d["metrics"]]  # (what the cache holds between refreshes)
+    assert d["metrics"][0]["load_cv_layers"][0] is d["metrics"][1]["load_cv_layers"][0]
+
+
+def test_dashboard_serializes_its_data_once_per_refresh_whatever_the_number_of_requests(tmp_path, monkeypatch):
+    """Every request re-serialized the data (the page: ~4 copies of its JSON, 60 MiB for LOG_BUDGET's logs), each
+    viewer's every 30 s: memory and CPU grew with the viewers. Serialized once per --refresh; page and /data.json
+    serve the same bytes (the page's inline copy escaped for its <script>, which JSON.parse reads back)."""
+    import threading
+    from types import SimpleNamespace
+    url, _ = new_run(tmp_path, monkeypatch)
+    made, real = [], relay_dashboard.served_json
+    monkeypatch.setattr(relay_dashboard, "served_json", lambda d: made.append(1) or real(d), raising=False)
+    srv = relay_dashboard.make_server(SimpleNamespace(store=url, host="127.0.0.1", port=0, refresh=3600))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}/"
+        got = [urllib.request.urlopen(base + p, timeout=10).read() for p in ("", "data.json", "", "data.json")]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert made == [1] and got[0] == got[2] and got[1] == got[3]
+    inline = re.search(rb"\nvar DATA = (.*);\n", got[0]).group(1)
+    assert inline == got[1] and json.loads(inline)["source"] == url
