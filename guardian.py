@@ -541,7 +541,10 @@ class Guardian:
                 start["output_tail"] = self.keep_crash_log(len(self.log["starts"]), rc, cause, tails)
             self.save()
             if rc == 0:
-                self.log["status"] = f"stopped ({self.stopping})" if self.stopping else self.why_done(after)
+                # a signal after the trainer's work was done (Ctrl-C during its end-of-run sample) stopped nothing
+                done = self.why_done(after)
+                stopped = self.stopping and not done.startswith("done")
+                self.log["status"] = f"stopped ({self.stopping})" if stopped else done
                 self.save()
                 if not self.stopping and self.log["status"] != "done":
                     self.say(self.log["status"])

@@ -40,7 +40,10 @@ reaches a checkpoint), 8 hang (no step progress for hang_timeout s; all thread s
 (--supervise only: the guardian gave up, guardian.py), 10 an unforeseen error (its traceback on stderr and in the crash
 report; the guardian restarts on it), 130 a second Ctrl-C (quits at once, no checkpoint).
 Logs (metrics.jsonl, guardian.json, crash reports) live in out_dir, flushed each log step (a resume moves rows past
-its step to metrics.abandoned.jsonl, so each step is logged once); mirror_dir copies them
+its step to metrics.abandoned.jsonl, so each step is logged once). A row's loss and expert load average the steps
+since the last multiple of log_interval; the rows between (a start's first step, an evaluation's, and every
+checkpoint's step, a stop's included) show that window so far, and a checkpoint carries it, so a resumed run logs the
+rows the run never stopped would (tok/s and MFU: this start's steps since its previous row). mirror_dir copies them
 and the newest checkpoint elsewhere (keep_last applies there too; a failed copy warns, training goes on; a mirror
 that cannot be written, or that another run mirrors into (DIR/MIRROR_OF.json), is refused at the start). Documents
 are never cut (shards pack them whole), so no token is dropped.
@@ -1337,7 +1340,7 @@ def main(argv):
     # earlier starts at their own price and world size (not repriced at this one's); this start's seconds are added
     spent_before = (st["elapsed_seconds"], st.get("usd_spent", 0.0))
     metrics_f = open_metrics(os.path.join(out, "metrics.jsonl"), st["step"]) if master else None
-    stop = {"signal": None}
+    stop = {"signal": None, "trained": False, "sampling": False}  # trained: this invocation's last save is done
 
     def on_sigterm(signum, frame):
         # an ssh drop (SIGHUP, no nohup) killed the trainer with no checkpoint; so did a killed guardian's pipes
@@ -1347,6 +1350,12 @@ def main(argv):
     signal.signal(signal.SIGHUP, on_sigterm)
 
     def on_sigint(signum, frame):  # Ctrl-C: as SIGTERM (a checkpoint at the end of this step); a second one quits now
+        if stop["trained"]:  # (its checkpoint is saved: nothing is lost; "saving a checkpoint" was untrue here)
+            log(f"Ctrl-C: training is over (its checkpoint at step {st['step']} is saved); "
+                + ("the sample is cut short" if stop["sampling"] else "exiting"))
+            if stop["sampling"]:
+                raise KeyboardInterrupt
+            return
         if stop["signal"] is not None:
             raise KeyboardInterrupt
         stop["signal"] = signum
@@ -1444,6 +1453,9 @@ def main(argv):
                                     **{c: s.split_sha for c, s in streams.items()}}
             st["rng"] = rng_state(device_type)
             st["config"] = cfg
+            # the log window's steps so far (see write_row): a resume's next rows average them too, as this run's would
+            st["log_window"] = {"log_interval": cfg["log_interval"], "losses": list(window_loss),
+                                "load": window_load.tolist() if window_load is not None else None}
             path = model_save(raw_model, out, st, opt, tokenizer_file)
             if best:
                 checkpoint.write_atomic_text(os.path.join(out, "BEST"), os.path.basename(path) + "\n")
@@ -1586,10 +1598,62 @@ def main(argv):
     # tok/s and MFU time the training steps only: a window's evaluation and saves (a best save went into the next
     # window) are paused out (an eval step logged 178 tok/s beside 2,000); elapsed_s and $ count every second of
     # this start (its start-up, evaluations and saves), the ETA this start's pace with its evaluations and saves
+    # loss and expert load average over log_interval windows (steps s-log_interval+1..s, s a multiple of it), whatever
+    # rows come between (a start's first step, a checkpoint's, an evaluation's: each shows the window so far) or where
+    # a run stopped: the checkpoint carries the window, so a resumed run logs the same rows as one never stopped
     window_load, window_loss, window_t = None, [], time.monotonic()
-    window_tokens, window_flops, window_paused = 0, 0.0, 0.0
+    carried = (state or {}).get("log_window")
+    if (isinstance(carried, dict) and carried.get("log_interval") == cfg["log_interval"]
+            and isinstance(carried.get("losses"), list) and len(carried["losses"]) < cfg["log_interval"]
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in carried["losses"])):
+        window_loss = [float(v) for v in carried["losses"]]
+        try:  # (the same shape as this model's load, or none: a window without it shows the load since the resume)
+            window_load = torch.tensor(carried["load"], dtype=torch.float32) if carried.get("load") else None
+        except (TypeError, ValueError):
+            window_load = None
+    window_tokens, window_flops, window_paused = 0, 0.0, 0.0  # tok/s and MFU: this start's steps since its last row
+    last_row_step = st["step"]
     flops_of_len = {}  # seq_len -> training FLOPs per token (a window across a stage boundary: each step at its own)
     pace_from = (st["tokens"], window_t)  # the ETA's: this start's pace from its first step's end (see eta_seconds)
+
+    def write_row(lr, stage_name, T, gnorm, val_loss, t_step_end):
+        """metrics.jsonl's row for the step just trained, and its log line; the row (a dict)."""
+        nonlocal window_load, window_loss, window_t, window_tokens, window_flops, window_paused, pace_from
+        nonlocal last_row_step
+        dt = time.monotonic() - window_t - window_paused
+        tok_s = window_tokens / dt if dt > 0 else 0.0
+        mfu = (window_flops / dt / (peak * world)) if peak and dt > 0 else None
+        cv, dead = load_stats(window_load) if window_load is not None and window_load.numel() else (None, None)
+        eta = eta_seconds(plan_tokens(st["plan"]) - st["tokens"],
+                          (st["tokens"] - pace_from[0], t_step_end - pace_from[1]))
+        if steps_this_run == 1:  # (its own pace included the first step's compilation)
+            pace_from = (st["tokens"], t_step_end)
+        rec = {"step": st["step"], "tokens": st["tokens"], "loss": sum(window_loss) / len(window_loss), "lr": lr,
+               "tok_per_s": tok_s, "mfu": mfu, "stage": stage_name, "seq_len": T,
+               "load_cv": float(cv.mean()) if cv is not None else None,
+               "dead_frac": float(dead.mean()) if dead is not None else None,
+               "load_cv_layers": [round(float(v), 4) for v in cv] if cv is not None else None,
+               "dead_frac_layers": [round(float(v), 4) for v in dead] if dead is not None else None,
+               "grad_norm": float(gnorm),
+               "usd": st["usd_spent"], "usd_per_btok": st["usd_spent"] / (st["tokens"] / 1e9),
+               "usd_projected": st["usd_spent"] * plan_tokens(st["plan"]) / st["tokens"],
+               "elapsed_s": st["elapsed_seconds"], "gpu": gpu_name or "cpu", "world_size": world, "time": time.time()}
+        if val_loss is not None:
+            rec["val_loss"] = val_loss
+        rec["quarantined_shards"] = len(quarantined)
+        if master:
+            metrics_f.write(json.dumps(rec) + "\n")
+            metrics_f.flush()
+            os.fsync(metrics_f.fileno())
+            if cfg["mirror_dir"]:
+                mirror(out, cfg["mirror_dir"], checkpoints=False)
+        log(step_line(rec, eta))
+        if st["step"] % cfg["log_interval"] == 0:  # the window's end (see above); the others show it so far
+            window_load, window_loss = None, []
+        window_t, window_tokens, window_flops, window_paused = time.monotonic(), 0, 0.0, 0.0
+        last_row_step = st["step"]
+        return rec
+
     last_saved_step = st["step"] if state is not None and not late_eval else None  # (late: saved again at the end)
     last_saved_kind = (state or {}).get("kind")
     if state is None and cfg["stop_after_steps"] == 0:
@@ -1695,12 +1759,14 @@ def main(argv):
             load = load.to(device)
             dist.all_reduce(load)
         raw_model.update_router_bias(router_bias_load(load, raw_model, layer_origin, cfg["lr_mult"]))
-        window_load = load.cpu() if window_load is None else window_load + load.cpu()
+        # (a carried window of another shape, never written by this model: the window starts here)
+        window_load = load.cpu() if window_load is None or window_load.shape != load.shape else window_load + load.cpu()
         step_tokens = tokens_per_step(T)
         watchdog.tick()
         st["step"] += 1
         st["tokens"] += step_tokens
         steps_this_run += 1
+        step_stage = stage["name"]  # (the loop's top names the next step's before it stops)
         window_loss.append(loss_val)
         window_tokens += step_tokens
         if T not in flops_of_len:
@@ -1720,40 +1786,6 @@ def main(argv):
             window_paused += time.monotonic() - t_eval
         # and this invocation's last step (a relay leg of 3 steps logged only its first: the ledger's loss end was it)
         last_step = cfg["stop_after_steps"] >= 0 and steps_this_run >= cfg["stop_after_steps"]
-        if (st["step"] % cfg["log_interval"] == 0 or val_loss is not None or eval_cut or steps_this_run == 1
-                or last_step):
-            dt = time.monotonic() - window_t - window_paused
-            tok_s = window_tokens / dt if dt > 0 else 0.0
-            mfu = (window_flops / dt / (peak * world)) if peak and dt > 0 else None
-            cv, dead = load_stats(window_load) if window_load is not None and window_load.numel() else (None, None)
-            eta = eta_seconds(plan_tokens(st["plan"]) - st["tokens"],
-                              (st["tokens"] - pace_from[0], t_step_end - pace_from[1]))
-            if steps_this_run == 1:  # (its own pace included the first step's compilation)
-                pace_from = (st["tokens"], t_step_end)
-            rec = {"step": st["step"], "tokens": st["tokens"], "loss": sum(window_loss) / len(window_loss), "lr": lr,
-                   "tok_per_s": tok_s, "mfu": mfu, "stage": stage["name"], "seq_len": T,
-                   "load_cv": float(cv.mean()) if cv is not None else None,
-                   "dead_frac": float(dead.mean()) if dead is not None else None,
-                   "load_cv_layers": [round(float(v), 4) for v in cv] if cv is not None else None,
-                   "dead_frac_layers": [round(float(v), 4) for v in dead] if dead is not None else None,
-                   "grad_norm": float(gnorm),
-                   "usd": st["usd_spent"], "usd_per_btok": st["usd_spent"] / (st["tokens"] / 1e9),
-                   "usd_projected": st["usd_spent"] * plan_tokens(st["plan"]) / st["tokens"],
-                   "elapsed_s": st["elapsed_seconds"], "gpu": gpu_name or "cpu", "world_size": world, "time": time.time()}
-            if val_loss is not None:
-                rec["val_loss"] = val_loss
-            rec["quarantined_shards"] = len(quarantined)
-            if eval_cut:  # in the checkpoint: the resume evaluates this step first and puts its val loss in this row
-                st["eval_due"] = {"step": st["step"], "stage": idx_stage, "row": rec}
-            if master:
-                metrics_f.write(json.dumps(rec) + "\n")
-                metrics_f.flush()
-                os.fsync(metrics_f.fileno())
-                if cfg["mirror_dir"]:
-                    mirror(out, cfg["mirror_dir"], checkpoints=False)
-            log(step_line(rec, eta))
-            window_load, window_loss, window_t = None, [], time.monotonic()
-            window_tokens, window_flops, window_paused = 0, 0.0, 0.0
         best = note_val_loss(val_loss, idx_stage)
         if master and os.environ.get("PICAFLOR_INJECT_RANK0_LAG_S"):  # a slow rank 0 (fsync, mirror): the DDP test
             time.sleep(float(os.environ["PICAFLOR_INJECT_RANK0_LAG_S"]))
@@ -1770,6 +1802,13 @@ def main(argv):
         elif cfg["checkpoint_minutes"] > 0 and on_rank0(
                 time.monotonic() - t_last_ckpt >= cfg["checkpoint_minutes"] * 60)[0]:
             kind = "temporary"
+        # and a checkpoint's step (a resume starts there: metrics.jsonl, the relay ledger's loss at a leg's end and
+        # --status showed the loss up to log_interval - 1 steps before it)
+        if (st["step"] % cfg["log_interval"] == 0 or val_loss is not None or eval_cut or steps_this_run == 1
+                or last_step or kind):
+            rec = write_row(lr, stage["name"], T, gnorm, val_loss, t_step_end)
+            if eval_cut:  # in the checkpoint: the resume evaluates this step first and puts its val loss in this row
+                st["eval_due"] = {"step": st["step"], "stage": idx_stage, "row": rec}
         if kind:
             t_save = time.monotonic()
             save(kind, best=best)
@@ -1779,11 +1818,13 @@ def main(argv):
             check_control()  # under DDP every rank joins its broadcast
 
     # --- end of this invocation ---------------------------------------------------------------------------
+    if last_row_step != st["step"]:  # stopped by a signal or stop_after_hours: the checkpoint's step is logged
+        write_row(lr, step_stage, T, gnorm, None, t_step_end)
     st["finished"] = stage_at(st["plan"], st["tokens"])[1] is None
     if last_saved_step != st["step"] or (st["finished"] and last_saved_kind != "final"):
         kind = "preempt" if stop["signal"] is not None else "final"
         save(kind)
-    if stop["signal"] is not None:
+    if stop["signal"] is not None and not st["finished"]:  # (one during the plan's last step: the run is finished)
         log(f"{signal.Signals(stop['signal']).name}: checkpoint saved at step {st['step']}; exiting ({next_step(out)})")
     elif st["finished"]:
         # what a finished run is for, named (the line ended there; relay dirs: relay.py says what comes next)
@@ -1796,9 +1837,11 @@ def main(argv):
     else:
         log(f"stopped at step {st['step']} ({st['tokens']:,} of {plan_tokens(st['plan']):,} planned tokens); "
             f"the plan is not finished: {next_step(out)}")
+    stop["trained"] = True
     # (not in relay.py init's dir: a step-0 model's sample is noise)
     if master and cfg["sample_tokens"] > 0 and stop["signal"] is None and relay_store_of(out) != "":
         try:
+            stop["sampling"] = True
             from tokenizer import Tokenizer
             tok = Tokenizer.load(tokenizer_file)
             raw_model.eval()
@@ -1807,8 +1850,12 @@ def main(argv):
             outp = raw_model.generate(prompt, min(cfg["sample_tokens"], mcfg.max_seq_len - 1), temperature=0.8, top_k=50,
                                       generator=gen)
             log("sample:", tok.decode_generated(outp[0, 1:].tolist()))  # an id no merge was learned for: U+FFFD, not an error
+        except KeyboardInterrupt:  # (Ctrl-C: see on_sigint)
+            pass
         except Exception as e:  # a sample is a courtesy; never fail a finished run on it
             log(f"(no sample: {e})")
+        finally:
+            stop["sampling"] = False
     watchdog.stop()
     if metrics_f:
         metrics_f.close()

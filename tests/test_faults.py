@@ -2033,3 +2033,69 @@ def test_a_trainer_stopped_alone_before_its_first_checkpoint_is_said_without_non
     status = json.load(open(tmp_path / "run" / "guardian.json"))["status"]
     assert status.startswith("stopped: the trainer alone was stopped") and "None" not in status, status
     assert "with no checkpoint" in status, status
+
+
+def signal_at_call(monkeypatch, method, signum, at_call):
+    """model.Picaflor.<method> sends this process signum at its at_call-th call (take_expert_load: once a step;
+    generate: the end-of-run sample): a signal at a known point of train_here's run, not after a sleep."""
+    import model
+    real, calls = getattr(model.Picaflor, method), []
+
+    def signalling(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == at_call:
+            os.kill(os.getpid(), signum)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(model.Picaflor, method, signalling)
+
+
+def test_a_stop_between_log_steps_logs_its_step_and_the_resume_logs_as_the_run_never_stopped(data_root, tmp_path,
+                                                                                              monkeypatch):
+    """log_interval 4: a run stopped by a signal at step 5 (or checkpointed at step 3 by ckpt_interval, or by
+    checkpoint_minutes) logged no row for the checkpointed step, so the relay ledger's loss at a leg's end and --status
+    showed a loss up to 3 steps old; and the resumed run's next rows averaged other steps than the run never stopped
+    (its first row ended the window there). Now a checkpoint's step is logged, the window carried in the checkpoint."""
+    common = [f"--data_root={data_root}", "--max_iters=8", "--warmup_iters=1", "--decay_frac=0", "--eval_interval=1000",
+              "--ckpt_interval=3", "--log_interval=4", "--sample_tokens=0"]
+    straight, out = str(tmp_path / "straight"), str(tmp_path / "run")
+    train_here(common + [f"--out_dir={straight}"])
+    with monkeypatch.context() as m:
+        signal_at_call(m, "take_expert_load", signal.SIGINT, 5)  # during step 5 (Ctrl-C: as SIGTERM, in this process)
+        said = train_here(common + [f"--out_dir={out}"])
+    assert "SIGINT: checkpoint saved at step 5" in said, said[-2000:]
+    assert sorted(metrics(out)) == [1, 3, 4, 5]  # the first step, the checkpoints (3 and 5) and the log step
+    st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+    assert st["step"] == 5 and st["log_window"]["losses"] == [metrics(out)[5]["loss"]]
+    train_here(common + [f"--out_dir={out}", "--init_from=resume"])
+    a, b = metrics(straight), metrics(out)
+    assert sorted(a) == [1, 3, 4, 6, 8] and sorted(b) == [1, 3, 4, 5, 6, 8]
+    keys = ("tokens", "loss", "lr", "load_cv", "dead_frac", "load_cv_layers", "grad_norm", "stage", "val_loss")
+    for s in a:  # row 6 (the resumed start's first) and row 8 average steps 5-6 and 5-8 as the straight run's
+        assert {k: a[s].get(k) for k in keys} == {k: b[s].get(k) for k in keys}, s
+
+
+def test_ctrl_c_during_the_end_of_run_sample_says_training_is_over_and_the_guardian_records_done(data_root, tmp_path,
+                                                                                                 monkeypatch):
+    """Ctrl-C during the sample a finished run prints said "saving a checkpoint at the end of this step" (training was
+    over), and the guardian, Ctrl-C'd with it, recorded the finished run as "stopped (SIGINT)"."""
+    import threading
+    import guardian
+    out = str(tmp_path / "run")
+    with monkeypatch.context() as m:
+        signal_at_call(m, "generate", signal.SIGINT, 1)
+        said = train_here([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=2", "--warmup_iters=1",
+                           "--eval_interval=1000", "--sample_tokens=8"])  # (no exception: exit 0)
+    assert "saving a checkpoint" not in said and "sample:" not in said, said[-2000:]
+    assert "Ctrl-C: training is over (its checkpoint at step 2 is saved); the sample is cut short" in said, said[-2000:]
+    # the guardian's side: its trainer (a stand-in, sampling) gets the guardian's SIGTERM and exits 0
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}", "--init_from=resume"])
+    stand_in_trainers(g, "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+                         "time.sleep(60)")
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        assert run_guardian(g) == 0
+    finally:
+        timer.cancel()
+    log = json.load(open(os.path.join(out, "guardian.json")))
+    assert log["status"] == "done" and log["starts"][-1]["exit_code"] == 0, log

@@ -1633,7 +1633,7 @@ def test_an_invocations_last_step_is_logged_whatever_log_interval(data_root, thr
     out = str(tmp_path / "run")
     shutil.copytree(three_steps, out)
     run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND, "--init_from=resume",
-                "--log_interval=10", "--stop_after_steps=3"])
+                "--log_interval=10", "--stop_after_steps=3", "--ckpt_interval=1000"])  # (a checkpoint's step is logged)
     assert [s for s in metrics(out) if s > 3] == [4, 6]
 
 
@@ -1723,17 +1723,20 @@ def test_tok_per_s_and_mfu_time_the_training_steps_of_their_window(data_root, tm
                                 PICAFLOR_INJECT_PEAK_FLOPS="1e9"), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     row = metrics(out)[4]
-    window_tokens = 4 * 16 + 2 * 4 * 32  # steps 2, 3, 4
-    assert "val_loss" in row and row["tokens"] - metrics(out)[1]["tokens"] == window_tokens
+    # (the short stage's end, a checkpoint, is logged at step 2: tok/s and MFU time steps 3-4, since that row)
+    window_tokens = 2 * 4 * 32  # steps 3, 4
+    assert "val_loss" in row and row["tokens"] - metrics(out)[2]["tokens"] == window_tokens
     assert window_tokens / row["tok_per_s"] < 0.6, row  # the window's seconds, less than its evaluation slept
     assert 0 < metrics(out)[1]["elapsed_s"] < row["elapsed_s"] < 300, row  # (negative, the clock stepped back)
     m = load_checkpoint(os.path.join(out, "step_0000004"))
-    flops = 4 * 16 * m.flops_per_token(16) + 2 * 4 * 32 * m.flops_per_token(32)
+    flops = 2 * 4 * 32 * m.flops_per_token(32)
     assert row["mfu"] == pytest.approx(flops / (window_tokens / row["tok_per_s"]) / 1e9, rel=1e-6), row
+    m2 = metrics(out)[2]  # step 2's own row: the short stage's seq_len
+    assert m2["mfu"] == pytest.approx(4 * 16 * m.flops_per_token(16) / (4 * 16 / m2["tok_per_s"]) / 1e9, rel=1e-6)
     from model import load_stats
     loads = [torch.tensor(json.loads(line)) for line in open(tmp_path / "loads.jsonl")]
     assert len(loads) == 4
-    cv, dead = load_stats(sum(loads[1:]))  # the window: steps 2-4
+    cv, dead = load_stats(sum(loads))  # the loss and load window: steps 1-4 (rows between show it so far)
     assert row["load_cv_layers"] == [round(float(v), 4) for v in cv]
     assert row["load_cv"] == pytest.approx(float(cv.mean()))
     assert row["dead_frac"] == pytest.approx(float(dead.mean()))
