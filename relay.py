@@ -78,6 +78,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -162,6 +163,16 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
             if p != man_path and p not in wanted:
                 print(f"relay: {printable(p)} at {snap_sha[:10]} is not in its MANIFEST.json: not downloaded (the "
                       f"next push removes it)", file=sys.stderr)
+        got = os.path.join(tmp, CKPT_PREFIX)
+        os.makedirs(got, exist_ok=True)
+        # a step already on disk (a pull run twice, a crashed leg's dir): its files that match the manifest's size and
+        # sha256 are linked in, not downloaded nor counted against the free space (nothing local is taken unverified)
+        final, reused = local_step_files(dest_dir, text, wanted, got)
+        if final and len(reused) == len(wanted) and local_manifest_files(final) == local_manifest_files(got, text):
+            print(f"relay: {final} already holds the checkpoint at {snap_sha[:10]} (each file checked against its "
+                  f"sha256); nothing downloaded", file=sys.stderr)
+            return final
+        wanted = [p for p in wanted if p not in reused]
         need = len(text or b"") + sum(sizes[p] for p in wanted)
         free = disk_free(dest_dir)
         if need > free:  # (refused now: a disk filled mid-download left the pull, and a trainer's next save, failing)
@@ -169,9 +180,7 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
                              f"its disk has {fmt_bytes(free)} free; nothing downloaded. Free "
                              f"{fmt_bytes(need - free)} there (old step_* or leg dirs), or pull elsewhere "
                              f"(--out DIR, --workdir DIR)")
-        got = os.path.join(tmp, CKPT_PREFIX)
         try:
-            os.makedirs(got, exist_ok=True)
             if text is not None:
                 with open(os.path.join(got, "MANIFEST.json"), "wb") as f:
                     f.write(text)
@@ -216,6 +225,41 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         return final
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def local_manifest_files(ckpt_dir, text=None):
+    """The files map of ckpt_dir's MANIFEST.json (or of text), None where it is missing or malformed."""
+    with contextlib.suppress(OSError, ValueError, RecursionError, LookupError, AttributeError, TypeError):
+        if text is None:
+            with open(os.path.join(ckpt_dir, "MANIFEST.json"), "rb") as f:
+                text = read_capped(f, SMALL_FILE_CAP, os.path.join(ckpt_dir, "MANIFEST.json"), "")
+        files = json.loads(text)["files"]
+        return files if isinstance(files, dict) else None
+    return None
+
+
+def local_step_files(dest_dir, text, wanted, got):
+    """(step dir, store paths) of the wanted files its local step dir already holds, each a regular file of the
+    manifest's size and sha256, hard-linked into got (no space taken); (None, set()) when there is none to reuse."""
+    with contextlib.suppress(ValueError, RecursionError, LookupError, AttributeError, TypeError):
+        manifest = json.loads(text)
+        step, files = manifest["step"], manifest["files"]
+        if not isinstance(step, bool) and isinstance(step, int) and step >= 0 and isinstance(files, dict):
+            final = os.path.join(dest_dir, checkpoint.step_dir_name(step))
+            reused = set()
+            for p in wanted if os.path.isdir(final) else []:
+                name = p[len(CKPT_PREFIX) + 1:]
+                meta, local = files[name], os.path.join(final, name)
+                try:
+                    st = os.lstat(local)
+                    if (stat.S_ISREG(st.st_mode) and st.st_size == meta["bytes"]
+                            and checkpoint.sha256_file(local) == meta["sha256"]):
+                        os.link(local, os.path.join(got, name))  # (a pull never writes into a file: a link is safe)
+                        reused.add(p)
+                except OSError:  # unreadable, or a filesystem without hard links: downloaded as before
+                    pass
+            return final, reused
+    return None, set()
 
 
 def disk_free(path):

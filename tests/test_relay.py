@@ -3093,3 +3093,38 @@ def test_the_next_leg_puts_back_a_pushed_legs_newer_step_a_killed_re_save_left_a
     err = capsys.readouterr().err
     assert checkpoint.is_valid(newest) and f"{newest}: put back" in err, err
     assert f"{run_dir} holds step 4, trained after its push; kept" in err, err
+
+
+def test_a_pull_of_a_step_already_on_disk_counts_and_downloads_only_the_files_not_matching_its_manifest(
+        tmp_path, hostile, rl, monkeypatch):
+    """A re-pull (a pull run twice, a crashed leg's dir) counted the checkpoint's full size against the free space and
+    refused, though nothing or little was to be downloaded. Now a local file of the manifest's size and sha256 is
+    neither downloaded nor counted; one of the right size but other bytes is (never trusted unverified)."""
+    import relay_store
+    url, store, head = hostile
+    sizes = store.sizes(head, "checkpoint/")
+    fetched, real = [], relay_store.FileStore.download
+    monkeypatch.setattr(relay_store.FileStore, "download",
+                        lambda self, sha, paths, dest: fetched.extend(paths) or real(self, sha, paths, dest))
+    out = tmp_path / "out"
+    assert rl(["pull", url, "--out", out]).returncode == 0
+    step_dir = checkpoint.resolve(str(out))
+    fetched.clear()
+    monkeypatch.setattr(relay, "disk_free", lambda path: 0)  # a full disk: the complete step needs no byte
+    r = rl(["pull", url, "--out", out])
+    assert r.returncode == 0 and "already holds the checkpoint" in r.stderr, r.stderr
+    assert "nothing downloaded" in r.stderr, r.stderr
+    assert fetched == [] and checkpoint.resolve(str(out)) == step_dir
+    big = max((p for p in sizes if p != "checkpoint/MANIFEST.json"), key=sizes.get)
+    local = os.path.join(step_dir, big.split("/", 1)[1])
+    os.remove(local)  # (a pull links its files: the step dir's copy is replaced, never written into)
+    with open(local, "wb") as f:
+        f.write(b"\0" * sizes[big])  # the manifest's size, not its sha256
+    need = sizes["checkpoint/MANIFEST.json"] + sizes[big]
+    monkeypatch.setattr(relay, "disk_free", lambda path: need - 1)
+    r = rl(["pull", url, "--out", out])
+    assert one_line_error(r) and f"needs {need} bytes and its disk has {need - 1} bytes free" in r.stderr, r.stderr
+    assert fetched == []
+    monkeypatch.setattr(relay, "disk_free", lambda path: need)
+    assert rl(["pull", url, "--out", out]).returncode == 0
+    assert fetched == [big] and checkpoint.is_valid(checkpoint.resolve(str(out)))
