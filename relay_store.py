@@ -228,7 +228,14 @@ class FileStore:
 
     def sizes(self, sha, prefix=""):
         """{path: its size in bytes} under prefix at a commit."""
-        return {p: os.path.getsize(self._object(sha, p, oid)) for p, oid in self.file_ids(sha, prefix).items()}
+        out = {}
+        for p, oid in self.file_ids(sha, prefix).items():
+            try:
+                out[p] = os.path.getsize(self._object(sha, p, oid))
+            except FileNotFoundError:  # (a traceback, or a pull's download said as this machine's disk)
+                raise StoreError(f"{self.url}: {p} at {sha[:10]}: its object {oid[:12]} is missing from the store; "
+                                 f"{STORE_FIX}") from None
+        return out
 
     def download(self, sha, paths, dest):
         tree = self._load_commit(sha)["tree"]

@@ -3128,3 +3128,15 @@ def test_a_pull_of_a_step_already_on_disk_counts_and_downloads_only_the_files_no
     monkeypatch.setattr(relay, "disk_free", lambda path: need)
     assert rl(["pull", url, "--out", out]).returncode == 0
     assert fetched == [big] and checkpoint.is_valid(checkpoint.resolve(str(out)))
+
+
+def test_a_file_store_missing_a_checkpoint_object_is_a_one_line_error_naming_the_store_not_this_disk(tmp_path, hostile,
+                                                                                                     rl):
+    """pull now sizes each file first (FileStore.sizes): an object missing from a damaged file:// store raised a
+    traceback (FileNotFoundError) there, and in the download was said as this machine's disk ('free space there')."""
+    url, store, head = hostile
+    oid = store.file_ids(head, "checkpoint/")["checkpoint/model.safetensors"]
+    os.remove(store._object(head, "checkpoint/model.safetensors", oid))
+    r = rl(["pull", url, "--out", tmp_path / "out"])
+    assert one_line_error(r), r.stderr
+    assert "checkpoint/model.safetensors" in r.stderr and "Free space" not in r.stderr, r.stderr
