@@ -279,7 +279,7 @@ def staging(out_dir, made_by=None, resumable=False):
     except OSError:  # a filesystem without locks: as before, unguarded
         pass
     try:
-        other = _made_by(out_dir)
+        other = corpus_made_by(out_dir)
         if made_by and other and other != made_by:
             raise DataError(f"{out_dir}: holds a corpus made by {other}, not {made_by}; pass another --out, or delete "
                             f"{os.path.join(out_dir, 'index.json')} to replace it", out_dir, None, "index")
@@ -304,7 +304,7 @@ def staging(out_dir, made_by=None, resumable=False):
             shutil.rmtree(out_dir, ignore_errors=True)
 
 
-def _made_by(out_dir):
+def corpus_made_by(out_dir):
     """The prepare script index.json in out_dir says made its corpus, or None (no index, or one that does not say)."""
     try:
         with open(os.path.join(out_dir, "index.json")) as f:

@@ -667,7 +667,7 @@ def reread_warning(corpus, corpus_dir, planned, total):
     """A plan longer than its corpus: said, with the script that makes more (index.json's: data/<corpus>/ holds none
     for a corpus prepared under another name)."""
     import shards
-    made_by = shards._made_by(corpus_dir) or f"data/{corpus}/prepare.py"
+    made_by = shards.corpus_made_by(corpus_dir) or f"data/{corpus}/prepare.py"
     return (f"WARNING: the plan trains ~{planned:,.0f} tokens of {corpus}, which holds {total:,} train tokens: it is "
             f"read ~{planned / total:.1f} times; prepare more (python {made_by} --help) or plan fewer tokens if that "
             f"is not meant")
