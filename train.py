@@ -1340,7 +1340,8 @@ def main(argv):
     # earlier starts at their own price and world size (not repriced at this one's); this start's seconds are added
     spent_before = (st["elapsed_seconds"], st.get("usd_spent", 0.0))
     metrics_f = open_metrics(os.path.join(out, "metrics.jsonl"), st["step"]) if master else None
-    stop = {"signal": None, "trained": False, "sampling": False}  # trained: this invocation's last save is done
+    # trained: this invocation's last save is done; told_over: a Ctrl-C since then was told "exiting"
+    stop = {"signal": None, "trained": False, "sampling": False, "told_over": False}
 
     def on_sigterm(signum, frame):
         # an ssh drop (SIGHUP, no nohup) killed the trainer with no checkpoint; so did a killed guardian's pipes
@@ -1351,10 +1352,13 @@ def main(argv):
 
     def on_sigint(signum, frame):  # Ctrl-C: as SIGTERM (a checkpoint at the end of this step); a second one quits now
         if stop["trained"]:  # (its checkpoint is saved: nothing is lost; "saving a checkpoint" was untrue here)
-            log(f"Ctrl-C: training is over (its checkpoint at step {st['step']} is saved); "
-                + ("the sample is cut short" if stop["sampling"] else "exiting"))
-            if stop["sampling"]:
+            if stop["sampling"] or stop["told_over"]:  # a second Ctrl-C quits a teardown that hangs (a mirror copy)
+                log(f"Ctrl-C: training is over (its checkpoint at step {st['step']} is saved); "
+                    + ("the sample is cut short" if stop["sampling"] else "quitting now"))
                 raise KeyboardInterrupt
+            stop["told_over"] = True
+            log(f"Ctrl-C: training is over (its checkpoint at step {st['step']} is saved); exiting "
+                "(Ctrl-C again quits now)")
             return
         if stop["signal"] is not None:
             raise KeyboardInterrupt
@@ -1822,7 +1826,8 @@ def main(argv):
         write_row(lr, step_stage, T, gnorm, None, t_step_end)
     st["finished"] = stage_at(st["plan"], st["tokens"])[1] is None
     if last_saved_step != st["step"] or (st["finished"] and last_saved_kind != "final"):
-        kind = "preempt" if stop["signal"] is not None else "final"
+        # a finished plan's end is "final" under a stop signal too (as "preempt", each later start saved it again)
+        kind = "preempt" if stop["signal"] is not None and not st["finished"] else "final"
         save(kind)
     if stop["signal"] is not None and not st["finished"]:  # (one during the plan's last step: the run is finished)
         log(f"{signal.Signals(stop['signal']).name}: checkpoint saved at step {st['step']}; exiting ({next_step(out)})")

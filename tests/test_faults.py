@@ -2099,3 +2099,43 @@ def test_ctrl_c_during_the_end_of_run_sample_says_training_is_over_and_the_guard
         timer.cancel()
     log = json.load(open(os.path.join(out, "guardian.json")))
     assert log["status"] == "done" and log["starts"][-1]["exit_code"] == 0, log
+
+
+def test_a_second_ctrl_c_after_training_quits_a_teardown_that_hangs(data_root, tmp_path, monkeypatch):
+    """Once training was over (no sample), every Ctrl-C only logged "exiting" and returned: a teardown that hung
+    (watchdog.stop, destroy_process_group, a mirror copy) could not be stopped. Now the second one quits (exit 130)."""
+    import faults
+    real_stop, quit_by = faults.Watchdog.stop, []
+
+    def stop_ctrl_c_twice(self, *a, **kw):  # two Ctrl-Cs while the teardown runs: the first says it is exiting
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:  # (caught here, not in main: train_here's captured lines are kept)
+            quit_by.append(2)
+        return real_stop(self, *a, **kw)
+    monkeypatch.setattr(faults.Watchdog, "stop", stop_ctrl_c_twice)
+    said = train_here([f"--data_root={data_root}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1",
+                       "--warmup_iters=1", "--eval_interval=1000", "--sample_tokens=0"])
+    assert quit_by == [2], said[-2000:]  # KeyboardInterrupt: __main__ exits 130
+    assert ("Ctrl-C: training is over (its checkpoint at step 1 is saved); exiting (Ctrl-C again quits now)\n"
+            in said), said[-2000:]
+    assert "Ctrl-C: training is over (its checkpoint at step 1 is saved); quitting now\n" in said, said[-2000:]
+
+
+def test_a_finished_runs_end_saved_under_a_stop_signal_is_final(data_root, tmp_path, monkeypatch):
+    """A finished plan's end saved by the end of an invocation a stop signal reached (here: a resume measuring the last
+    step's cut evaluation, SIGTERM'd during it) was kind "preempt": each later start of the finished run saved the
+    same step again (a whole checkpoint, and its mirror copy) to make it "final". Now it is "final" at once."""
+    out = str(tmp_path / "run")
+    common = [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=2", "--warmup_iters=1",
+              "--eval_interval=1000", "--eval_iters=1", "--sample_tokens=0"]
+    train_here(common, inject={"PICAFLOR_INJECT_SIGTERM_IN_EVAL_AT_STEP": "2"})  # the last step's evaluation is cut
+    step_dir = checkpoint.latest_valid(out)
+    assert json.load(open(os.path.join(step_dir, "state.json")))["eval_due"]["step"] == 2
+    with monkeypatch.context() as m:
+        signal_at_call(m, "forward", signal.SIGTERM, 1)  # during the resume's one evaluation batch (measured)
+        said = train_here(common + ["--init_from=resume"])
+    assert "(evaluated on resume)" in said and "run finished" in said, said[-2000:]
+    st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+    assert st["step"] == 2 and st["finished"] and st["kind"] == "final", (st["kind"], said[-2000:])
