@@ -706,10 +706,15 @@ class Guardian:
         finished or the leg's limit reached (a SIGTERM to the trainer alone also ends it with 0 and a checkpoint)."""
         ck = latest_valid(self.out)
         try:
-            finished = bool(ck and train.read_json(os.path.join(ck, "state.json"), {}).get("finished"))
+            st = (train.read_json(os.path.join(ck, "state.json"), {}) if ck else None) or {}
         except train.TrainError:
-            finished = False
-        if finished:
+            st = {}
+        # a stop signal cut the last step's evaluation short: its val loss (maybe the best) waits for a resume
+        due = isinstance(st.get("eval_due"), dict) and st["eval_due"].get("step") == st.get("step")
+        if st.get("finished") and due:
+            return (f"stopped: the plan is finished, but a stop signal cut its last step {st.get('step')}'s evaluation "
+                    f"short; not restarting (a resume measures it: run the guardian again)")
+        if st.get("finished"):
             return "done"
         left = self.leg_left()
         if any(v <= 0 for v in left.values()):  # (the guardian's hours began before the trainer's: reached here too)

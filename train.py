@@ -1352,7 +1352,8 @@ def main(argv):
 
     def on_sigint(signum, frame):  # Ctrl-C: as SIGTERM (a checkpoint at the end of this step); a second one quits now
         if stop["trained"]:  # (its checkpoint is saved: nothing is lost; "saving a checkpoint" was untrue here)
-            if stop["sampling"] or stop["told_over"]:  # a second Ctrl-C quits a teardown that hangs (a mirror copy)
+            # a second Ctrl-C (one stopped training: "again quits" was promised) quits a teardown that hangs
+            if stop["sampling"] or stop["told_over"] or stop["signal"] is not None:
                 log(f"Ctrl-C: training is over (its checkpoint at step {st['step']} is saved); "
                     + ("the sample is cut short" if stop["sampling"] else "quitting now"))
                 raise KeyboardInterrupt
@@ -1829,8 +1830,14 @@ def main(argv):
         # a finished plan's end is "final" under a stop signal too (as "preempt", each later start saved it again)
         kind = "preempt" if stop["signal"] is not None and not st["finished"] else "final"
         save(kind)
-    if stop["signal"] is not None and not st["finished"]:  # (one during the plan's last step: the run is finished)
-        log(f"{signal.Signals(stop['signal']).name}: checkpoint saved at step {st['step']}; exiting ({next_step(out)})")
+    # a finished plan whose last step's evaluation a stop signal cut short: its val loss (maybe the best) is measured
+    # by a resume, not by eval.py (the guardian does not record such a run as done)
+    end_eval_due = st["finished"] and isinstance(st.get("eval_due"), dict) and st["eval_due"].get("step") == st["step"]
+    if stop["signal"] is not None and (not st["finished"] or end_eval_due):  # (else one in the last step: finished)
+        cut = ("; the plan is finished, but this step's evaluation was cut short: it is measured when it resumes"
+               if end_eval_due else "")
+        log(f"{signal.Signals(stop['signal']).name}: checkpoint saved at step {st['step']}{cut}; exiting "
+            f"({next_step(out)})")
     elif st["finished"]:
         # what a finished run is for, named (the line ended there; relay dirs: relay.py says what comes next)
         after = (f"; next: python eval.py {out} --tasks piqa,arc_easy, or python export.py {out} --format int4 "

@@ -2139,3 +2139,56 @@ def test_a_finished_runs_end_saved_under_a_stop_signal_is_final(data_root, tmp_p
     assert "(evaluated on resume)" in said and "run finished" in said, said[-2000:]
     st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
     assert st["step"] == 2 and st["finished"] and st["kind"] == "final", (st["kind"], said[-2000:])
+
+
+def test_a_finished_run_whose_last_evaluation_was_cut_is_not_done_until_a_resume_measures_it(data_root, tmp_path,
+                                                                                              capsys):
+    """A stop signal that cut the plan's LAST step's evaluation short left a finished run: the trainer said "run
+    finished ... next: python eval.py" and the guardian recorded it "done" (a preemption's launcher starts no more), so
+    that val loss, maybe the best (BEST), was never measured. Now neither says done until a resume has measured it."""
+    import guardian
+    out = str(tmp_path / "run")
+    common = [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=2", "--warmup_iters=1",
+              "--eval_interval=1000", "--eval_iters=1", "--sample_tokens=0"]
+    said = train_here(common, inject={"PICAFLOR_INJECT_SIGTERM_IN_EVAL_AT_STEP": "2"})  # the last step's evaluation
+    assert "the plan is finished, but this step's evaluation was cut short" in said, said[-2000:]
+    assert "run finished" not in said and "resume with:" in said, said[-2000:]
+    assert "step 2's was cut short by a stop signal" in main_output(["--status", out])[0]
+    log = lambda: json.load(open(os.path.join(out, "guardian.json")))  # noqa: E731
+    for signal_after in (None, 0.5):  # its trainer stopped alone (exit 0), then the guardian's own SIGTERM with it
+        g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}"])
+        stand_in_trainers(g, "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+                             "time.sleep(%d)" % (30 if signal_after else 0))
+        assert run_guardian(g, signal_after=signal_after) == 0
+        assert log()["status"] == ("stopped (SIGTERM)" if signal_after else
+                                   "stopped: the plan is finished, but a stop signal cut its last step 2's evaluation "
+                                   "short; not restarting (a resume measures it: run the guardian again)"), log()
+    capsys.readouterr()
+    said = train_here(common + ["--init_from=resume"])  # the user's (or the guardian's next) resume measures it
+    assert "(evaluated on resume)" in said and "run finished" in said, said[-2000:]
+    st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+    assert st["finished"] and "eval_due" not in st and st["best_step"] == 2
+    assert open(os.path.join(out, "BEST")).read() == "step_0000002\n" and metrics(out)[2]["val_loss"] > 0
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}"])
+    stand_in_trainers(g, "raise SystemExit(0)")
+    assert run_guardian(g) == 0 and log()["status"] == "done"
+
+
+def test_a_ctrl_c_in_the_teardown_after_a_ctrl_c_stopped_training_quits_at_once(data_root, tmp_path, monkeypatch):
+    """A Ctrl-C that stopped training promised "Ctrl-C again quits without one"; one in the teardown after its save
+    only said "exiting (Ctrl-C again quits now)" and a third was needed. Now the second quits (exit 130)."""
+    import faults
+    real_stop, quit_by = faults.Watchdog.stop, []
+
+    def stop_ctrl_c(self, *a, **kw):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:  # (caught here, not in main: train_here's captured lines are kept)
+            quit_by.append(1)
+        return real_stop(self, *a, **kw)
+    monkeypatch.setattr(faults.Watchdog, "stop", stop_ctrl_c)
+    signal_at_call(monkeypatch, "take_expert_load", signal.SIGINT, 1)  # Ctrl-C during step 1: it stops training
+    said = train_here([f"--data_root={data_root}", f"--out_dir={tmp_path / 'run'}", "--max_iters=3",
+                       "--warmup_iters=1", "--eval_interval=1000", "--sample_tokens=0"])
+    assert "SIGINT: checkpoint saved at step 1" in said and quit_by == [1], said[-2000:]
+    assert "Ctrl-C: training is over (its checkpoint at step 1 is saved); quitting now\n" in said, said[-2000:]
