@@ -395,6 +395,14 @@ def parse_ledger(text):
     return rows
 
 
+def last_eval_due(store, sha):
+    """The step of a finished run whose checkpoint's state.json holds eval_due for its own step (a stop signal cut
+    its last evaluation short: a leg's resume measures it), or None."""
+    st = parse_json(store.read(sha, CKPT_PREFIX + "/state.json"), f"{CKPT_PREFIX}/state.json", store, sha) or {}
+    due, step = st.get("eval_due"), st.get("step")
+    return step if st.get("finished") is True and isinstance(due, dict) and due.get("step") == step else None
+
+
 def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0):
     """Everything a push commits, built and verified, with the big files already uploaded (store.stage): that
     can take long, so `run` does it while the heartbeat still renews the lease. Nothing is visible until
@@ -414,7 +422,11 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
         raise RelayError(f"push refused: {ck}/state.json unreadable ({e}); nothing was uploaded")
     step = int(st.get("step", manifest.get("step", 0)))
     base = lease.base_step if lease.base_step is not None else 0
-    if step <= base:
+    due = st.get("eval_due")
+    # the pulled step again: a finished run's last evaluation, cut short, measured now (its checkpoint re-saved)
+    measured = (step == base and st.get("finished") is True and not (isinstance(due, dict) and due.get("step") == step)
+                and last_eval_due(store, lease.sha) == base)
+    if step <= base and not measured:
         raise NothingToPush(f"push refused: {ck} is at step {step}, not past the pulled step {base}, so the trainer made "
                          f"no step (is the plan finished? `python train.py --status {run_dir}`); nothing to push")
     stands_on = leg_base(run_dir)
@@ -800,8 +812,11 @@ def cmd_run(args):
     remove_dead_inits(workdir)
     while True:
         try:
-            state = Snapshot(store).state
-            if state.get("finished") is True:  # the trainer would make no step: claimed, pulled and refused at the push
+            snap = Snapshot(store)
+            state = snap.state
+            # a finished run whose last evaluation a stop signal cut short: a leg resumes it to measure it, and pushes
+            if state.get("finished") is True and last_eval_due(store, snap.sha) is None:
+                # the trainer would make no step: claimed, pulled and refused at the push
                 raise RelayError(f"{store.url}: the run is finished (step {state.get('step')}: its plan is trained to "
                                  f"the end); nothing claimed. Its final checkpoint: `python relay.py pull {store.url} "
                                  f"--out DIR`")
@@ -1217,7 +1232,9 @@ def status_dict(store):
             "generation": r["generation"], "leg": r.get("leg"), "claimed_at": r.get("claimed_at"),
             "lease_age_s": snap.lease_age, "ttl_s": float(r.get("ttl_s", DEFAULT_TTL)), "step": s.get("step"), "tokens": s.get("tokens"),
             "stage": stage_name(s), "legs": s.get("legs"), "decay_requested": s.get("decay_requested"),
-            "decay": s.get("decay") or s.get("decay_started_at_tokens"), "finished": s.get("finished"), "usd_total": s.get("usd_total", 0.0), "ledger": parse_ledger(snap.ledger())}
+            "decay": s.get("decay") or s.get("decay_started_at_tokens"), "finished": s.get("finished"), "usd_total": s.get("usd_total", 0.0),
+            "ledger": parse_ledger(snap.ledger()),
+            "last_eval_due": last_eval_due(store, snap.sha) if s.get("finished") else None}
 
 
 def cmd_status(args):
@@ -1236,7 +1253,9 @@ def cmd_status(args):
     print(printable(f"{d['store']} @ {d['head'][:10]}\n  baton: {who}\n  step {d['step']}, tokens {d['tokens']}, "
                     f"stage {d['stage']}, legs {d['legs']}, ${d['usd_total']:.2f} so far"
                     f"{', decay requested' if d['decay_requested'] else ''}"
-                    f"{', FINISHED' if d['finished'] else ', decaying' if decaying else ''}"))
+                    f"{', FINISHED' if d['finished'] else ', decaying' if decaying else ''}"
+                    + (f" but its last step {d['last_eval_due']}'s evaluation was cut short: a leg (`relay.py run "
+                       f"{d['store']} --steps 1`) measures it" if d.get("last_eval_due") is not None else "")))
     num = lambda x, spec: "-" if x is None else format(x, spec)  # as the ledger writes them (it said "$0.0", "None")
     for row in d["ledger"][-5:]:
         print(printable(f"  leg {row['leg']}: {row['who']} on {row['gpu']}, steps {row['step_range']}, "

@@ -37,7 +37,8 @@ def dashboard_data(target, log_cache=None):
         store = relay.open_store(target)
         st = relay.status_dict(store)
         d["baton"] = {k: st[k] for k in ("holder", "expired_holder", "generation", "leg", "claimed_at", "lease_age_s", "ttl_s")}
-        d["state"] = {k: st[k] for k in ("step", "tokens", "stage", "legs", "decay_requested", "decay", "usd_total")}
+        d["state"] = {k: st[k] for k in ("step", "tokens", "stage", "legs", "decay_requested", "decay", "usd_total",
+                                         "last_eval_due")}
         d["ledger"] = st["ledger"]
         d["left_out"] = []
         # keyed by content, not name: a push reverted on the Hub gives the next leg the same logs/leg-NNNN.jsonl
@@ -264,6 +265,9 @@ function render(D) {
   if (s.stage !== undefined && s.stage !== null) h.push("<span>stage <b>" + esc(String(s.stage)) + "</b></span>");
   if (s.legs !== undefined) h.push("<span>legs <b>" + esc(s.legs) + "</b></span>");
   h.push("<span>spent <b id='usd'>$" + Number(s.usd_total || 0).toFixed(2) + "</b></span>");
+  // a finished run whose last evaluation a stop signal cut short: a leg measures it (relay.py status says so too)
+  if (s.last_eval_due !== undefined && s.last_eval_due !== null) h.push(
+    "<span><b id='evaldue'>step " + esc(s.last_eval_due) + "'s evaluation cut short: a leg measures it</b></span>");
   if (s.decay_requested) h.push("<span><b>decay requested</b></span>");
   else if (s.decay !== undefined && s.decay !== null && s.decay !== false) h.push("<span><b>decaying</b></span>");
   document.getElementById("baton").innerHTML = h.join("");

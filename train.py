@@ -1316,6 +1316,13 @@ def main(argv):
                    "created_at": time.time(), "seq_len_history": []}
     st["plan"], st["config_stages"], st["layer_origin"] = plan, cfg["stages"], layer_origin
     st["finished"] = stage_at(plan, st["tokens"])[1] is None  # a finished run extended by --replan is not, any more
+    due = st.get("eval_due")
+    if st["finished"] and val_stream is None and isinstance(due, dict) and due.get("step") == st["step"]:
+        # nothing would save again: the request stayed in state.json for good, so the guardian never recorded "done"
+        why = re.sub(r"^(WARNING|note): (no val loss will be logged: )?|; no val loss.*$", "", no_val_note)
+        raise TrainError(f"{ck}: the plan is finished, but a stop signal cut its last step {st['step']}'s evaluation "
+                         f"short and it cannot be measured without the val set ({why}); nothing changed: resume once "
+                         f"the val set it was measured on is back (its --data_root, its val shards released)")
     st["quarantined_shards"] = quarantined
     st["world_size"] = world  # --status: the tokens of the next step
     _RUN_INFO.update(out_dir=out, state=st, streams=streams, master=master)

@@ -2192,3 +2192,24 @@ def test_a_ctrl_c_in_the_teardown_after_a_ctrl_c_stopped_training_quits_at_once(
                        "--warmup_iters=1", "--eval_interval=1000", "--sample_tokens=0"])
     assert "SIGINT: checkpoint saved at step 1" in said and quit_by == [1], said[-2000:]
     assert "Ctrl-C: training is over (its checkpoint at step 1 is saved); quitting now\n" in said, said[-2000:]
+
+
+def test_a_finished_runs_cut_last_evaluation_with_no_val_set_stops_and_changes_nothing(data_root, tmp_path):
+    """A finished run whose last evaluation a stop signal cut, resumed with its val set gone (quarantined, another
+    --data_root), dropped the request unsaid and saved nothing: eval_due stayed in state.json for good, so the guardian
+    never recorded it done. Now that resume stops with one line naming why and the fix, the checkpoint untouched."""
+    out = str(tmp_path / "run")
+    common = [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=2", "--warmup_iters=1",
+              "--eval_interval=1000", "--eval_iters=1", "--sample_tokens=0"]
+    train_here(common, inject={"PICAFLOR_INJECT_SIGTERM_IN_EVAL_AT_STEP": "2"})  # the last step's evaluation is cut
+    ck = checkpoint.latest_valid(out)
+    before = {f: open(os.path.join(ck, f), "rb").read() for f in sorted(os.listdir(ck))}
+    assert json.loads(before["state.json"])["eval_due"]["step"] == 2
+    val = [e["file"] for e in shards.load_index(os.path.join(data_root, "local"))["splits"]["val"]]
+    with pytest.raises(train_py.TrainError) as e:
+        train_here(common + ["--init_from=resume", f"--quarantine_shards={['local/' + f for f in val]}"])
+    said = str(e.value)
+    assert "\n" not in said and "cannot be measured without the val set" in said, said
+    assert "--release_shards=" in said and "nothing changed" in said, said
+    assert checkpoint.latest_valid(out) == ck and sorted(os.listdir(ck)) == list(before)
+    assert all(open(os.path.join(ck, f), "rb").read() == b for f, b in before.items())

@@ -3140,3 +3140,28 @@ def test_a_file_store_missing_a_checkpoint_object_is_a_one_line_error_naming_the
     r = rl(["pull", url, "--out", tmp_path / "out"])
     assert one_line_error(r), r.stderr
     assert "checkpoint/model.safetensors" in r.stderr and "Free space" not in r.stderr, r.stderr
+
+
+def test_a_finished_runs_cut_last_evaluation_is_measured_by_one_more_leg(tmp_path, rl, monkeypatch):
+    """A relay run whose final leg had its last evaluation cut short by a stop signal (its checkpoint: finished, with
+    eval_due for its step) was refused as finished, so that val loss (maybe the best) was never measured and a solo
+    guardian never recorded it done. Now status says so and one more leg measures it and pushes; then it is refused."""
+    url = store_url("file", tmp_path, None)
+    fake = init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    run = ["run", url, "--steps", "2", "--train-script", fake, "--workdir", tmp_path / "wa"]
+    assert rl(run, base_env({"FAKE_FINISH_CUT_EVAL": "1"})).returncode == 0
+    monkeypatch.delenv("FAKE_FINISH_CUT_EVAL")
+    r = rl(["status", url], base_env())
+    assert "FINISHED but its last step 2's evaluation was cut short" in r.stdout, r.stdout
+    import relay_dashboard
+    assert relay.status_dict(store)["last_eval_due"] == 2
+    assert relay_dashboard.dashboard_data(url)["state"]["last_eval_due"] == 2
+    r = rl(run, base_env())
+    assert r.returncode == 0 and "relay: pushed" in r.stdout, r.stdout + r.stderr
+    snap = relay.Snapshot(store)
+    ck_state = json.loads(store.read(snap.sha, relay.CKPT_PREFIX + "/state.json"))
+    assert snap.state["step"] == 2 and snap.state["finished"] and snap.state["best_val_loss"] == 1.0
+    assert ck_state["step"] == 2 and "eval_due" not in ck_state and relay.status_dict(store)["last_eval_due"] is None
+    r = rl(run, base_env())
+    assert r.returncode == 3 and "the run is finished" in r.stderr and "nothing claimed" in r.stderr, r.stderr
