@@ -613,7 +613,7 @@ def open_metrics(path, resumed_step):
 
 def add_to_metrics_row(path, step, fields, row=None):
     """Adds fields to the step's row of metrics.jsonl (its last one), or appends row with them when the file has none
-    (a run dir without the earlier start's log); written to a temp file, fsynced, renamed."""
+    (a run dir without the earlier start's log); written as checkpoint.write_atomic writes (temp, fsync, rename)."""
     lines = open(path, "rb").read().splitlines() if os.path.isfile(path) else []
     at = None
     for i, line in enumerate(lines):
@@ -630,11 +630,8 @@ def add_to_metrics_row(path, step, fields, row=None):
         lines.append(json.dumps(row).encode())
     else:
         lines[at] = json.dumps(row).encode()
-    with open(path + ".tmp", "wb") as w:
-        w.write(b"".join(x + b"\n" for x in lines if x.strip()))
-        w.flush()
-        os.fsync(w.fileno())
-    os.replace(path + ".tmp", path)
+    import checkpoint
+    checkpoint.write_atomic(path, b"".join(x + b"\n" for x in lines if x.strip()))
 
 
 def relay_store_of(out_dir):
