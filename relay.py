@@ -1330,6 +1330,12 @@ def cmd_push(args):
         raise RelayError("push: no leg dir recorded; run `relay.py pull` and train there, or pass --run-dir DIR (a leg dir)")
     cfg = os.path.join(run_dir, "relay_config.py")
     earlier = adopt_landed_push(store, lease)
+    row = landed_row(store, lease) if earlier is None else None
+    if row:  # (it uploaded the leg again, then said "push rejected", and release said "never pushed")
+        raise Fenced(f"push: leg {lease.leg} was pushed already: LEDGER.md at the head holds its row (steps "
+                     f"{row['step_range']}, generation {lease.generation}), though its answer never came back, and "
+                     f"the run has moved on since; nothing pushed again. `relay.py release {store.url}` drops "
+                     f"this workdir's lease")
     adopt_own_renewal(store, lease)  # a claim whose answer was lost: the heartbeat below renews from it
     # a leg `run` trained bills its trainer's time, not the hours until this retry; after a `run` killed mid-leg
     # (nothing in LEASE.json), the trainer time its LEG.json kept (a reboot's idle hours were billed)
@@ -1347,6 +1353,19 @@ def cmd_push(args):
     sha, row = commit_push(store, lease, plan, run_dir)
     print(pushed_line(sha, row))
     return 0
+
+
+def landed_row(store, lease):
+    """The head's LEDGER.md row of this lease's leg (its leg, generation and holder): its push landed though this
+    workdir never learnt it (the answer lost, then the run moved on past it), or None (also when the store cannot
+    say)."""
+    try:
+        head = store.head()[0]
+        rows = parse_ledger(ledger_text(store, head))
+    except RelayError:
+        return None
+    who = str(lease.who).replace("|", "/").replace("\n", " ").strip()  # as ledger_row wrote it
+    return next((r for r in rows if (r["leg"], r["generation"], r["who"]) == (lease.leg, lease.generation, who)), None)
 
 
 def lease_taken(store, lease):
@@ -1375,9 +1394,15 @@ def cmd_release(args):
         trained = newest_valid_step(run_dir)
         if trained is not None and trained > (lease.base_step or 0) and not args.discard:  # (it said "released", exit 0)
             if lease_taken(store, lease):  # a push could only be fenced: "push first" sent the user round in circles
+                row = landed_row(store, lease)  # its push landed unseen: not "never pushed"
+                end = row and row["step_range"].rpartition("-")[2]
                 try:
                     release(store, lease)  # Fenced ("lease already lost"), LEASE.json dropped
                 except Fenced as e:
+                    if end and end.isdigit() and int(end) >= trained:
+                        raise Fenced(f"{e}; {run_dir}'s step {trained} is in the run: pushed as leg {row['leg']} "
+                                     f"(LEDGER.md, steps {row['step_range']}), though its answer never came back; "
+                                     f"delete the dir when you no longer need it") from None
                     raise Fenced(f"{e}; {run_dir} keeps step {trained}, never pushed (the run went on without it): "
                                  f"delete it when you no longer need it") from None
             how = "" if run_dir == pulled else f" --run-dir {run_dir}"

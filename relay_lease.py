@@ -310,9 +310,7 @@ def claim(store, workdir, who, ttl=None, heartbeat=None):
             snap = Snapshot(store)  # someone claimed it in between
             r = snap.relay
     if snap.held:
-        until = snap.commit_time + float(r.get("ttl_s", DEFAULT_TTL))
-        raise Busy(f"{store.url}: {r['holder']} holds the baton (leg {r.get('leg')}, generation {r['generation']}, "
-                   f"last renewed {snap.lease_age:.0f}s ago); it expires at {now_iso(until)} UTC unless renewed")
+        raise busy(store, snap)
     legs = int(snap.state.get("legs", 0))
     new = dict(r, holder=who, nonce=uuid.uuid4().hex, generation=r["generation"] + 1, leg=legs + 1,
                claimed_at=time.time(), heartbeat_at=time.time(), ttl_s=float(ttl), heartbeat_s=float(heartbeat),
@@ -328,11 +326,25 @@ def claim(store, workdir, who, ttl=None, heartbeat=None):
         sha, new = commit_cas(store, snap.sha, {}, [], msg, new, write_id=lease.pending_claim)
     except Conflict:
         lease.drop()
+        try:  # who won: named as any live holder is (it said only "someone else committed first")
+            won = Snapshot(store)
+        except RelayError:
+            won = None
+        if won is not None and won.held:
+            raise busy(store, won, f"claim of generation {new['generation']} lost the race: ")
         raise Busy(f"{store.url}: someone else committed first (claim of generation {new['generation']} lost the race); "
                    f"try again later")
     lease.sha, lease.relay, lease.pending_claim = sha, new, None
     lease.save()
     return lease
+
+
+def busy(store, snap, why=""):
+    """Busy naming the live holder of snap and when its lease expires on the store's clock."""
+    r = snap.relay
+    until = snap.commit_time + float(r.get("ttl_s", DEFAULT_TTL))
+    return Busy(f"{store.url}: {why}{r['holder']} holds the baton (leg {r.get('leg')}, generation {r['generation']}, "
+                f"last renewed {snap.lease_age:.0f}s ago); it expires at {now_iso(until)} UTC unless renewed")
 
 
 def renew(store, lease, stop=None):

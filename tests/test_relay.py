@@ -225,6 +225,41 @@ def test_contention_eight_claimers(kind, rounds, tmp_path, hub, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["file", "hf"])
+def test_two_claims_at_the_same_moment_one_wins_the_loser_names_the_holder(kind, tmp_path, hub, request):
+    """Two contributors read the free baton, then commit their claims together (a barrier in each store's commit):
+    exactly one lease is granted, and the loser says who holds it and when it expires (it said only "someone else
+    committed first")."""
+    import threading
+    url = store_url(kind, tmp_path, hub)
+    init_run(url, tmp_path, env_for(kind, tmp_path, hub))
+    if kind == "hf":
+        request.getfixturevalue("hf_env")
+    both_read = threading.Barrier(2)
+    out = {}
+
+    def claim(who):
+        store = relay.open_store(url)
+        commit = store.commit
+        store.commit = lambda *a: (both_read.wait(10), commit(*a))[1]  # both snapshots taken before either commits
+        try:
+            out[who] = relay.claim(store, str(tmp_path / who), who, ttl=60, heartbeat=20)
+        except relay.Busy as e:
+            out[who] = e
+    threads = [threading.Thread(target=claim, args=(who,)) for who in ("alice", "bob")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    won = [who for who, v in out.items() if isinstance(v, relay.Lease)]
+    assert len(out) == 2 and len(won) == 1, out
+    lost = out["bob" if won == ["alice"] else "alice"]
+    assert f"lost the race: {won[0]} holds the baton (leg 1, generation 1" in str(lost), lost
+    assert re.search(r"it expires at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC unless renewed", str(lost)), lost
+    snap = relay.Snapshot(relay.open_store(url))
+    assert (snap.relay["holder"], snap.relay["generation"]) == (won[0], 1)
+
+
+@pytest.mark.parametrize("kind", ["file", "hf"])
 def test_stale_holder_is_fenced(kind, tmp_path, hub, request):
     """A pauses past its TTL; B claims and pushes; A's heartbeat and push are rejected, A's checkpoint survives."""
     url = store_url(kind, tmp_path, hub)
@@ -2043,6 +2078,38 @@ def test_a_heartbeat_that_cannot_start_stops_the_leg_and_releases(failing_start,
     assert relay.Snapshot(relay.open_store(url)).relay["holder"] is None
     if failing_start == 2:  # the trainer checkpointed on its SIGTERM and exited; its files stay here
         assert "the trainer was stopped" in r.stderr and "local files kept in" in r.stderr
+
+
+def test_a_push_landed_unseen_then_overtaken_is_said_pushed_not_rejected(tmp_path, rl, no_backoff):
+    """alice's push lands but its answer is lost (the store dark after it); her lease then expires and bob claims.
+    `push` again uploaded the leg and said "push rejected", and `release` said her step was "never pushed (the run
+    went on without it)": it is in the run, its ledger row too. Both now say it was pushed; no second row."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = lost_answers_store(str(tmp_path / "store"))
+    work = str(tmp_path / "wa")
+    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, work)
+    checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
+                                 "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    plan = relay.prepare_push(store, lease, run_dir, wall_s=1)
+    store.drop_answer_of = "leg 1 by alice"
+    with pytest.raises(relay.Transient, match="unknown whether the commit landed"):
+        relay.commit_push(store, lease, plan, run_dir)
+    bob_store = relay.open_store(url)
+    head = bob_store.head
+    bob_store.head = lambda: (lambda sha, t, now: (sha, t, now + 61))(*head())  # the store's clock a ttl later
+    relay.claim(bob_store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=20)
+    taken = bob_store.head()[0]
+    r = rl(["push", url, "--workdir", work])
+    assert r.returncode == 4 and "leg 1 was pushed already" in r.stderr and "steps 0-3" in r.stderr, r.stderr
+    assert relay.open_store(url).head()[0] == taken
+    r = rl(["release", url, "--workdir", work])
+    assert r.returncode == 4 and f"{run_dir}'s step 3 is in the run: pushed as leg 1" in r.stderr, r.stderr
+    assert "never pushed" not in r.stderr and not os.path.exists(os.path.join(work, "LEASE.json"))
+    rows, snap = ledger_rows(relay.open_store(url))
+    assert [(x["leg"], x["who"], x["step_range"]) for x in rows] == [(1, "alice", "0-3")]
+    assert snap.relay["holder"] == "bob" and snap.state["step"] == 3
 
 
 def test_a_leg_dir_the_run_moved_past_is_not_pushed_over_others_work(tmp_path, rl):
