@@ -29,7 +29,8 @@ Files in the store (DESIGN.md, Relay):
                          resume_from, stop_after_steps or stop_after_hours (each leg's, which `run` sets)
     checkpoint/          the latest checkpoint dir (MANIFEST.json verified before upload and after download)
     logs/leg-NNNN.jsonl  the metrics.jsonl lines of every leg
-    LEDGER.md            one row per leg: who, GPU, steps, tokens, wall time, $, loss at start and end
+    LEDGER.md            one row per leg: who, GPU, steps (a leg that only measured the last step's val loss, cut
+                         short by a stop signal: that val loss), tokens, wall time, $, loss at start and end
 
 The lease protocol (claim, renew, release, the compare-and-swap commit, adopting our own commits whose answers
 were lost) is relay_lease.py's.
@@ -103,7 +104,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class NothingToPush(RelayError):
-    """The leg's newest checkpoint is not past the step it pulled."""
+    """The leg's newest checkpoint is not past the step it pulled (why: that in a few words, for `run`'s line)."""
+
+    def __init__(self, msg, why):
+        super().__init__(msg)
+        self.why = why
 
 
 def default_who():
@@ -146,11 +151,13 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         read_capped((), SMALL_FILE_CAP, pulled_file("MANIFEST.json"), not_installed, sizes.get(man_path, 0))
         # read into memory, not downloaded: the free space is checked below before any byte is written
         text = store.read(snap_sha, man_path) if man_path in paths else None
-        listed = {}
-        if text is not None:  # (no manifest: verify says so)
+        listed, manifest_doc = {}, None  # parsed once here (malformed or missing: verify says why below)
+        if text is not None:
             text = read_capped([text], SMALL_FILE_CAP, pulled_file("MANIFEST.json"), not_installed)  # verify reads it
-            with contextlib.suppress(ValueError, RecursionError, LookupError, AttributeError, TypeError):  # verify: why
-                listed = {n: m["bytes"] for n, m in json.loads(text)["files"].items()}
+            with contextlib.suppress(ValueError, RecursionError):
+                manifest_doc = json.loads(text)
+            with contextlib.suppress(LookupError, AttributeError, TypeError):
+                listed = {n: m["bytes"] for n, m in manifest_doc["files"].items()}
         wanted = [p for p in paths if p[len(CKPT_PREFIX) + 1:] in listed]
         for p in wanted:
             if sizes.get(p) != listed[p[len(CKPT_PREFIX) + 1:]]:
@@ -166,9 +173,10 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         got = os.path.join(tmp, CKPT_PREFIX)
         os.makedirs(got, exist_ok=True)
         # a step already on disk (a pull run twice, a crashed leg's dir): its files that match the manifest's size and
-        # sha256 are linked in, not downloaded nor counted against the free space (nothing local is taken unverified)
-        final, reused = local_step_files(dest_dir, text, wanted, got)
-        if final and len(reused) == len(wanted) and local_manifest_files(final) == local_manifest_files(got, text):
+        # sha256 are linked in, not downloaded nor counted against the free space (nothing local is taken unverified);
+        # all of them matching (linked or not: a filesystem without hard links downloaded them all again), it is kept
+        final, reused, checked = local_step_files(dest_dir, manifest_doc, wanted, got)
+        if final and checked and all(checked.values()) and local_manifest_files(final) == manifest_files(manifest_doc):
             print(f"relay: {final} already holds the checkpoint at {snap_sha[:10]} (each file checked against its "
                   f"sha256); nothing downloaded", file=sys.stderr)
             return final
@@ -189,8 +197,8 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
             raise RelayError(f"{dest_dir}: writing the pulled checkpoint failed ({e.strerror or e}); nothing installed "
                              f"locally (its earlier steps are as they were). Free space there, or pull elsewhere "
                              f"(--out DIR, --workdir DIR)") from None
-        try:
-            manifest = checkpoint.verify(got)
+        try:  # (the reused files were hashed as they were linked in: only the downloaded ones are read again)
+            manifest = checkpoint.verify(got, hashed={p[len(CKPT_PREFIX) + 1:] for p in reused})
         except checkpoint.CheckpointError as e:  # named as the store's files: the temporary dir is removed below
             why = str(e).replace(got + os.sep, CKPT_PREFIX + "/").removesuffix("; use an earlier step_* dir")
             raise RelayError(f"{store.url}: checkpoint at {snap_sha[:10]} fails verification after download: {why}; "
@@ -214,7 +222,9 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
                                  f"nothing installed locally. Revert the push that wrote it")
         final = os.path.join(dest_dir, checkpoint.step_dir_name(step))
         if os.path.exists(final):
-            if checkpoint.is_valid(final) and json.load(open(os.path.join(final, "MANIFEST.json")))["files"] == manifest["files"]:
+            # one local_step_files checked is another copy (else it was kept above): not hashed again; one that
+            # appeared since (another `pull --out` into the same folder) is kept if it is this checkpoint
+            if not checked and local_manifest_files(final) == manifest["files"] and checkpoint.is_valid(final):
                 return final
             os.replace(final, final + f".replaced-{int(time.time())}")  # never delete a local checkpoint
         newer = keep_newer and any(s > step and checkpoint.is_valid(p, check_hashes=False)
@@ -227,39 +237,46 @@ def pull(store, dest_dir, sha=None, keep_newer=False):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def local_manifest_files(ckpt_dir, text=None):
-    """The files map of ckpt_dir's MANIFEST.json (or of text), None where it is missing or malformed."""
-    with contextlib.suppress(OSError, ValueError, RecursionError, LookupError, AttributeError, TypeError):
-        if text is None:
-            with open(os.path.join(ckpt_dir, "MANIFEST.json"), "rb") as f:
-                text = read_capped(f, SMALL_FILE_CAP, os.path.join(ckpt_dir, "MANIFEST.json"), "")
-        files = json.loads(text)["files"]
-        return files if isinstance(files, dict) else None
+def local_manifest_files(ckpt_dir):
+    """The files map of ckpt_dir's MANIFEST.json, None where it is missing or malformed."""
+    with contextlib.suppress(OSError, ValueError, RecursionError):
+        with open(os.path.join(ckpt_dir, "MANIFEST.json"), "rb") as f:
+            return manifest_files(json.loads(read_capped(f, SMALL_FILE_CAP, os.path.join(ckpt_dir, "MANIFEST.json"),
+                                                         "")))
     return None
 
 
-def local_step_files(dest_dir, text, wanted, got):
-    """(step dir, store paths) of the wanted files its local step dir already holds, each a regular file of the
-    manifest's size and sha256, hard-linked into got (no space taken); (None, set()) when there is none to reuse."""
-    with contextlib.suppress(ValueError, RecursionError, LookupError, AttributeError, TypeError):
-        manifest = json.loads(text)
-        step, files = manifest["step"], manifest["files"]
-        if not isinstance(step, bool) and isinstance(step, int) and step >= 0 and isinstance(files, dict):
-            final = os.path.join(dest_dir, checkpoint.step_dir_name(step))
-            reused = set()
-            for p in wanted if os.path.isdir(final) else []:
-                name = p[len(CKPT_PREFIX) + 1:]
-                meta, local = files[name], os.path.join(final, name)
-                try:
-                    st = os.lstat(local)
-                    if (stat.S_ISREG(st.st_mode) and st.st_size == meta["bytes"]
-                            and checkpoint.sha256_file(local) == meta["sha256"]):
-                        os.link(local, os.path.join(got, name))  # (a pull never writes into a file: a link is safe)
-                        reused.add(p)
-                except OSError:  # unreadable, or a filesystem without hard links: downloaded as before
-                    pass
-            return final, reused
-    return None, set()
+def manifest_files(manifest_doc):
+    """A parsed MANIFEST.json's files map, None where it has none."""
+    files = manifest_doc.get("files") if isinstance(manifest_doc, dict) else None
+    return files if isinstance(files, dict) else None
+
+
+def local_step_files(dest_dir, manifest_doc, wanted, got):
+    """(step dir, reused, checked) for the store's parsed manifest: the wanted files its local step dir already holds,
+    each a regular file of the manifest's size and sha256, hard-linked into got (no space taken): reused, their store
+    paths; checked maps each wanted path to whether the step dir's file matched (True also where it could not be
+    linked: a filesystem without hard links). (None, set(), {}) when the manifest names no step."""
+    step = manifest_doc.get("step") if isinstance(manifest_doc, dict) else None
+    files = manifest_files(manifest_doc)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or files is None:
+        return None, set(), {}
+    final = os.path.join(dest_dir, checkpoint.step_dir_name(step))
+    reused, checked = set(), {}
+    for p in wanted if os.path.isdir(final) else []:
+        name = p[len(CKPT_PREFIX) + 1:]
+        meta, local = files[name], os.path.join(final, name)
+        checked[p] = False
+        try:
+            st = os.lstat(local)
+            if (stat.S_ISREG(st.st_mode) and st.st_size == meta["bytes"]
+                    and checkpoint.sha256_file(local) == meta.get("sha256")):
+                checked[p] = True
+                os.link(local, os.path.join(got, name))  # (a pull never writes into a file: a link is safe)
+                reused.add(p)
+        except OSError:  # missing, unreadable, or a filesystem without hard links: downloaded as before
+            pass
+    return final, reused, checked
 
 
 def disk_free(path):
@@ -370,8 +387,9 @@ def pushed_line(sha, row):
         return f"relay: pushed {sha[:10]}: {row.strip()}"
     num = lambda x: f"{x:,}" if isinstance(x, int) else x  # noqa: E731
     loss = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    did = f"{num(r['steps'])} steps" if isinstance(r["steps"], int) else r["steps"]  # (a measuring leg: words)
     return (f"relay: pushed {sha[:10]}: leg {r['leg']} by {r['who']} on {r['gpu']}, steps {r['step_range']} "
-            f"({num(r['steps'])} steps, {num(r['tokens'])} tokens) in {r['wall']}, "
+            f"({did}, {num(r['tokens'])} tokens) in {r['wall']}, "
             f"${r['usd'] or 0:.2f}; loss {loss(r['loss_start'])} -> {loss(r['loss_end'])}")
 
 
@@ -424,11 +442,17 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     base = lease.base_step if lease.base_step is not None else 0
     due = st.get("eval_due")
     # the pulled step again: a finished run's last evaluation, cut short, measured now (its checkpoint re-saved)
-    measured = (step == base and st.get("finished") is True and not (isinstance(due, dict) and due.get("step") == step)
-                and last_eval_due(store, lease.sha) == base)
+    measuring = step == base and st.get("finished") is True and last_eval_due(store, lease.sha) == base
+    measured = measuring and not (isinstance(due, dict) and due.get("step") == step)
+    if measuring and not measured:  # (a stop signal again, or a crash: "no step past the pulled one" said nothing)
+        raise NothingToPush(f"push refused: this leg was to measure the val loss of step {base} (the run's last, whose "
+                            f"evaluation a stop signal cut short), and that measuring was cut short too ({ck} still "
+                            f"asks for it); nothing to push. The next `relay.py run {store.url} --steps 1` measures it",
+                            f"the measuring of step {base}'s val loss was cut short; the next leg measures it")
     if step <= base and not measured:
-        raise NothingToPush(f"push refused: {ck} is at step {step}, not past the pulled step {base}, so the trainer made "
-                         f"no step (is the plan finished? `python train.py --status {run_dir}`); nothing to push")
+        raise NothingToPush(f"push refused: {ck} is at step {step}, not past the pulled step {base}, so the trainer "
+                            f"made no step (is the plan finished? `python train.py --status {run_dir}`); nothing to push",
+                            f"no checkpoint past the pulled step {base}")
     stands_on = leg_base(run_dir)
     if stands_on is None:  # (`pull --out`, a train.py out_dir): nothing says which checkpoint its steps stand on
         raise RelayError(f"push refused: {run_dir} has no LEG.json naming the run's checkpoint it was trained on (not a "
@@ -445,10 +469,15 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     ledger = ledger_text(store, lease.sha, LEDGER_HEADER.encode())
     if not ledger.endswith("\n"):  # (an edit in the Hub's web editor): the new row was glued onto the last one
         ledger += "\n"
-    # the steps this push carries: a trainer that crashed after its last checkpoint logged steps the next leg redoes
-    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"), after_step=base, offset=metrics_offset,
-                           until_step=step)
-    losses = [m["loss"] for m in metrics if isinstance(m.get("loss"), (int, float))]
+    # the steps this push carries: a trainer that crashed after its last checkpoint logged steps the next leg redoes;
+    # a measuring leg's, the pulled step's row it re-measured (its loss is the training that leg pushed already)
+    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"), after_step=base - 1 if measured else base,
+                           offset=metrics_offset, until_step=step)
+    losses = [] if measured else [m["loss"] for m in metrics if isinstance(m.get("loss"), (int, float))]
+    steps = step - base
+    if measured:  # (0 steps said nothing of what the leg did)
+        val = [m["val_loss"] for m in metrics if isinstance(m.get("val_loss"), (int, float))]
+        steps = f"measured the val loss of step {step}" + (f": {val[-1]:.4f}" if val else "")
     tokens0 = int(prev_state.get("tokens") or 0)
     tokens1 = int(st.get("tokens", metrics[-1].get("tokens", tokens0) if metrics else tokens0))
     if wall_s is None:
@@ -462,7 +491,8 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
     if state.get("decay_requested") and (st.get("decay") or st.get("decay_started_at_tokens") is not None):
         state["decay_requested"] = False  # the trainer took the flag (state.json carries the decay fields now)
     state["stage"] = stage_name(state)  # the stage the next leg trains (state.json names none)
-    row = ledger_row(lease.leg, lease.who, gpu_name(metrics), step - base, tokens1 - tokens0, wall_s, usd,
+    # (a measuring leg's row was logged by the GPU that trained the step: this machine's is asked)
+    row = ledger_row(lease.leg, lease.who, gpu_name([] if measured else metrics), steps, tokens1 - tokens0, wall_s, usd,
                      losses[0] if losses else None, losses[-1] if losses else None, base, step, lease.generation)
     adds = {f"{CKPT_PREFIX}/{name}": os.path.join(ck, name) for name in list(manifest["files"]) + ["MANIFEST.json"]}
     adds["training_state.json"] = (json.dumps(state, indent=1) + "\n").encode()
@@ -939,8 +969,7 @@ def cmd_run(args):
         raise kept_for_retry(failure, run_dir, committing=False)
     if rc != 0 or failure:
         release(store, lease)
-        why = (f"no checkpoint past the pulled step {lease.base_step}" if isinstance(failure, NothingToPush)
-               else str(failure))
+        why = failure.why if isinstance(failure, NothingToPush) else str(failure)
         raise RelayError(f"{crashed}; lease released, nothing pushed ({why}), local files kept in {run_dir}"
                          if rc != 0 else f"{failure}; lease released")
     try:
@@ -1258,7 +1287,8 @@ def cmd_status(args):
                        f"{d['store']} --steps 1`) measures it" if d.get("last_eval_due") is not None else "")))
     num = lambda x, spec: "-" if x is None else format(x, spec)  # as the ledger writes them (it said "$0.0", "None")
     for row in d["ledger"][-5:]:
-        print(printable(f"  leg {row['leg']}: {row['who']} on {row['gpu']}, steps {row['step_range']}, "
+        did = f" ({row['steps']})" if isinstance(row["steps"], str) else ""  # (a measuring leg's words)
+        print(printable(f"  leg {row['leg']}: {row['who']} on {row['gpu']}, steps {row['step_range']}{did}, "
                         f"{row['wall']}, loss {num(row['loss_start'], '.4f')} -> {num(row['loss_end'], '.4f')}, "
                         f"${num(row['usd'], '.2f')}"))
     return 0

@@ -48,8 +48,13 @@ t0, n = time.time(), 0
 if steps == 0:
     save(); sys.exit(0)
 if st.get("finished"):  # train.py makes no step; a last evaluation a stop signal cut short is measured and saved
-    if (st.get("eval_due") or {}).get("step") == st["step"]:
-        del st["eval_due"]; st["best_val_loss"] = 1.0; save()
+    due = st.get("eval_due") or {}
+    if due.get("step") == st["step"]:
+        if os.environ.get("FAKE_MEASURE_CUT"):  # cut short again (its exit status): the checkpoint still asks for it
+            sys.exit(int(os.environ["FAKE_MEASURE_CUT"]))
+        with open(os.path.join(out, "metrics.jsonl"), "a") as mf:  # the step's row, with its val loss (train.py's)
+            mf.write(json.dumps(dict(due.get("row") or {"step": st["step"]}, val_loss=0.9375)) + "\n")
+        del st["eval_due"]; st["best_val_loss"] = 0.9375; save()
     sys.exit(0)
 with open(os.path.join(out, "metrics.jsonl"), "a") as mf:
     while not stop and n < steps and time.time() - t0 < hours * 3600:
@@ -68,7 +73,8 @@ with open(os.path.join(out, "metrics.jsonl"), "a") as mf:
         if s == int(os.environ.get("FAKE_CRASH_AT_STEP", "-1")):  # a crash after some checkpoints
             print(f"fake train: crashing at step {s}", file=sys.stderr); os._exit(1)
 if os.environ.get("FAKE_FINISH_CUT_EVAL"):  # the plan's end, its last evaluation cut short by a stop signal
-    st["finished"], st["eval_due"] = True, {"step": st["step"], "stage": 0}
+    st["finished"], st["eval_due"] = True, {"step": st["step"], "stage": 0,
+                                     "row": {k: v for k, v in m.items() if k != "val_loss"} if n else None}
 save()
 try:  # a lost terminal (ssh dropped, pipes closed) ends no run: train.py's print_or_detach
     print(f"fake train: stopped at step {st['step']}", flush=True)

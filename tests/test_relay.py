@@ -3197,6 +3197,39 @@ def test_a_pull_of_a_step_already_on_disk_counts_and_downloads_only_the_files_no
     assert fetched == [big] and checkpoint.is_valid(checkpoint.resolve(str(out)))
 
 
+def test_a_re_pull_hashes_each_file_once(tmp_path, hostile, rl, monkeypatch):
+    """A re-pull hashed the local step's files that matched the manifest (to reuse them), then again in the
+    downloaded copy's verify, then a third time checking whether the local step was the same checkpoint; where hard
+    links fail, all was downloaded again. Now each file (each inode: a corrupt local copy and the downloaded one are
+    two) is read once per pull, and a local step that matches is kept, hard links or not."""
+    url, store, head = hostile
+    out = tmp_path / "out"
+    assert rl(["pull", url, "--out", out]).returncode == 0
+    step_dir = checkpoint.resolve(str(out))
+    hashed, real = [], checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path, *a, **k: hashed.append(
+        (os.path.basename(path), os.stat(path).st_ino)) or real(path, *a, **k))
+    names = sorted(json.load(open(os.path.join(step_dir, "MANIFEST.json")))["files"])
+    local = os.path.join(step_dir, "model.safetensors")
+    size = os.path.getsize(local)
+    os.remove(local)  # (a pull links its files: the step dir's copy is replaced, never written into)
+    with open(local, "wb") as f:
+        f.write(b"\0" * size)  # the manifest's size, not its sha256: downloaded again
+    assert rl(["pull", url, "--out", out]).returncode == 0
+    assert len(hashed) == len(set(hashed)) == len(names) + 1, hashed  # (the corrupt copy and the downloaded one)
+    assert checkpoint.is_valid(step_dir)
+    hashed.clear()
+
+    def no_hard_links(src, dst):
+        raise OSError(1, "Operation not permitted")
+    monkeypatch.setattr(relay.os, "link", no_hard_links)  # (it downloaded every file again, then kept the local step)
+    monkeypatch.setattr(relay, "disk_free", lambda path: 0)
+    before = sorted(os.listdir(out))
+    r = rl(["pull", url, "--out", out])
+    assert r.returncode == 0 and "already holds the checkpoint" in r.stderr, r.stderr
+    assert sorted(os.listdir(out)) == before and len(hashed) == len(set(hashed)) == len(names), (before, hashed)
+
+
 def test_a_file_store_missing_a_checkpoint_object_is_a_one_line_error_naming_the_store_not_this_disk(tmp_path, hostile,
                                                                                                      rl):
     """pull now sizes each file first (FileStore.sizes): an object missing from a damaged file:// store raised a
@@ -3228,7 +3261,60 @@ def test_a_finished_runs_cut_last_evaluation_is_measured_by_one_more_leg(tmp_pat
     assert r.returncode == 0 and "relay: pushed" in r.stdout, r.stdout + r.stderr
     snap = relay.Snapshot(store)
     ck_state = json.loads(store.read(snap.sha, relay.CKPT_PREFIX + "/state.json"))
-    assert snap.state["step"] == 2 and snap.state["finished"] and snap.state["best_val_loss"] == 1.0
+    assert snap.state["step"] == 2 and snap.state["finished"] and snap.state["best_val_loss"] == 0.9375
     assert ck_state["step"] == 2 and "eval_due" not in ck_state and relay.status_dict(store)["last_eval_due"] is None
     r = rl(run, base_env())
     assert r.returncode == 3 and "the run is finished" in r.stderr and "nothing claimed" in r.stderr, r.stderr
+
+
+def finished_with_its_last_evaluation_cut(tmp_path, rl, monkeypatch):
+    """(url, store, run args) of a relay run whose one leg finished its plan at step 2, that step's evaluation cut
+    short by a stop signal (its checkpoint holds eval_due for step 2)."""
+    url = store_url("file", tmp_path, None)
+    fake = init_run(url, tmp_path, base_env())
+    run = ["run", url, "--steps", "2", "--train-script", fake, "--workdir", tmp_path / "wa"]
+    assert rl(run, base_env({"FAKE_FINISH_CUT_EVAL": "1"})).returncode == 0
+    monkeypatch.delenv("FAKE_FINISH_CUT_EVAL")
+    return url, relay.open_store(url), run
+
+
+def test_a_measuring_legs_ledger_row_and_leg_log_say_what_it_measured(tmp_path, rl, monkeypatch):
+    """The leg that measures a finished run's last val loss (its evaluation cut short) showed 0 steps and no loss in
+    the ledger, and its leg log left out the re-measured row (only rows past the pulled step were read). Now its row
+    says it measured step N's val loss, and what it was, and its log holds that row; its GPU is this machine's."""
+    url, store, run = finished_with_its_last_evaluation_cut(tmp_path, rl, monkeypatch)
+    trained = [json.loads(line) for line in store.read(store.head()[0], "logs/leg-0001.jsonl").splitlines()]
+    real_run = subprocess.run
+    monkeypatch.setattr(relay.subprocess, "run", lambda cmd, *a, **k: SimpleNamespace(
+        returncode=0, stdout="MeasuringGPU\n") if cmd[0] == "nvidia-smi" else real_run(cmd, *a, **k))
+    r = rl(run, base_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    head = store.head()[0]
+    said = "measured the val loss of step 2: 0.9375"
+    assert f"steps 2-2 ({said}, 0 tokens)" in r.stdout, r.stdout
+    row = relay.parse_ledger(store.read(head, "LEDGER.md").decode())[-1]
+    assert (row["leg"], row["steps"], row["step_range"], row["gpu"]) == (2, said, "2-2", "MeasuringGPU"), row
+    assert row["tokens"] == 0 and row["loss_start"] is None and row["loss_end"] is None, row
+    log = [json.loads(line) for line in store.read(head, "logs/leg-0002.jsonl").splitlines()]
+    assert log == [dict(trained[-1], val_loss=0.9375)], log
+    assert f"steps 2-2 ({said})" in rl(["status", url]).stdout
+
+
+def test_a_measuring_leg_cut_short_again_says_the_next_leg_measures_it(tmp_path, rl, monkeypatch):
+    """A leg measuring a finished run's last val loss, itself cut short (a stop signal, or a crash), said 'not past
+    the pulled step, so the trainer made no step (is the plan finished?)' or 'no checkpoint past the pulled step':
+    true, but not what happened. Now it says the measuring was cut short and the next leg measures it."""
+    url, store, run = finished_with_its_last_evaluation_cut(tmp_path, rl, monkeypatch)
+    head = store.head()[0]
+    r = rl(run, base_env({"FAKE_MEASURE_CUT": "0"}))  # train.py's exit after a stop signal
+    assert r.returncode == 3 and "not past the pulled step" not in r.stderr, r.stderr
+    assert ("that measuring was cut short too" in r.stderr and f"The next `relay.py run {url} --steps 1` measures it"
+            in r.stderr and "lease released" in r.stderr), r.stderr
+    r = rl(run, base_env({"FAKE_MEASURE_CUT": "1"}))  # a crash
+    assert r.returncode == 3 and "trainer exited with status 1" in r.stderr, r.stderr
+    assert "no checkpoint past" not in r.stderr and ("nothing pushed (the measuring of step 2's val loss was cut "
+                                                     "short; the next leg measures it)") in r.stderr, r.stderr
+    assert relay.status_dict(store)["last_eval_due"] == 2 and store.read(store.head()[0], "LEDGER.md") == store.read(
+        head, "LEDGER.md")
+    monkeypatch.delenv("FAKE_MEASURE_CUT")
+    assert rl(run, base_env()).returncode == 0 and relay.status_dict(store)["last_eval_due"] is None
