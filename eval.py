@@ -796,10 +796,11 @@ def example_record(i, d):
     return rec
 
 
-def fmt(v):
+def fmt(v, like=None):
+    """v with 4 decimals, or 1 from 1000 on; like: another value whose decimals it takes (a stderr beside its value)."""
     if v is None:
         return "n/a"
-    return f"{v:.4f}" if abs(v) < 1000 else f"{v:.1f}"
+    return f"{v:.4f}" if abs(v if like is None else like) < 1000 else f"{v:.1f}"
 
 
 def markdown_table(summary):
@@ -851,7 +852,7 @@ def compare(paths):
             if v is None:
                 cells.append("-")
                 continue
-            cell = f"{fmt(v)} ± {fmt(se)}" if se is not None else fmt(v)
+            cell = f"{fmt(v)} ± {fmt(se, like=v)}" if se is not None else fmt(v)  # (1281.5 ± 40.0000 read as precise)
             cap = s.get("max_gen_toks") if ET.TASKS.get(task.split("@")[0], ("",))[0] == "generate_until" else None
             examples = (s.get("examples") or {}).get(task)  # (None in summaries before it was recorded)
             if col == 0:  # the first column is the reference: a row it lacks is compared against nothing

@@ -1314,12 +1314,13 @@ def main(argv):
     st["plan"], st["config_stages"], st["layer_origin"] = plan, cfg["stages"], layer_origin
     st["finished"] = stage_at(plan, st["tokens"])[1] is None  # a finished run extended by --replan is not, any more
     due = st.get("eval_due")
+    # why there is no val set, for the lines below that name it (the note without its prefix and advice)
+    no_val_why = re.sub(r"^(WARNING|note): (no val loss will be logged: )?|; no val loss.*$", "", no_val_note or "")
     if st["finished"] and val_stream is None and isinstance(due, dict) and due.get("step") == st["step"]:
         # nothing would save again: the request stayed in state.json for good, so the guardian never recorded "done"
-        why = re.sub(r"^(WARNING|note): (no val loss will be logged: )?|; no val loss.*$", "", no_val_note)
         raise TrainError(f"{ck}: the plan is finished, but a stop signal cut its last step {st['step']}'s evaluation "
-                         f"short and it cannot be measured without the val set ({why}); nothing changed: resume once "
-                         f"the val set it was measured on is back (its --data_root, its val shards released)")
+                         f"short and it cannot be measured without the val set ({no_val_why}); nothing changed: "
+                         f"resume once the val set it was measured on is back (its --data_root, its val shards released)")
     st["quarantined_shards"] = quarantined
     st["world_size"] = world  # --status: the tokens of the next step
     _RUN_INFO.update(out_dir=out, state=st, streams=streams, master=master)
@@ -1595,6 +1596,14 @@ def main(argv):
             if (note_val_loss(val_loss, due["stage"]) and master and ck
                     and os.path.realpath(ck) == os.path.realpath(step_dir)):  # (one elsewhere: this run has no copy)
                 checkpoint.write_atomic_text(os.path.join(out, "BEST"), os.path.basename(step_dir) + "\n")
+    elif isinstance(due, dict) and due.get("step") == st["step"] and val_stream is None:  # (finished: refused above)
+        # kept while these are step N's weights; the first step trained drops it (a resume measures only its own
+        # step's), and step N's checkpoint keeps it: a rollback to it with the val set back measures it
+        st["eval_due"] = due
+        log(f"WARNING: step {st['step']}'s val loss could not be measured: a stop signal cut its evaluation short "
+            f"and this start has no val set ({no_val_why}); training on leaves it unmeasured; to measure it, give the "
+            f"val set back (its --data_root, its val shards released) and resume with --resume_from={ck} (steps trained after "
+            f"it are set aside)")
     check_control()
     total_tokens = plan_tokens(st["plan"])
     i_stage = stage_at(st["plan"], st["tokens"])[0]
@@ -1774,6 +1783,7 @@ def main(argv):
         watchdog.tick()
         st["step"] += 1
         st["tokens"] += step_tokens
+        st.pop("eval_due", None)  # (a request for the step before: these weights are not its; its checkpoint keeps it)
         steps_this_run += 1
         step_stage = stage["name"]  # (the loop's top names the next step's before it stops)
         window_loss.append(loss_val)

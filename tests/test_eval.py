@@ -547,14 +547,15 @@ def test_compare_marks_noise(tmp_path, capsys):
     z1, z2 = summary("Z1", 1.0, 0.0), summary("Z2", 1.0, 0.0)  # identical, stderr 0 (all right): within noise
     assert ev.main(["--compare", z1, z2]) == 0
     assert "+0.0000 ~" in capsys.readouterr().out
-    # a difference has the decimals of the values beside it (1281.5 ± 40.0 vs 1600.3 ± 50.0 read "+318.8738 *")
-    ppl = [tmp_path / f"ppl{i}.json" for i in (1, 2)]
-    for p, v, se in zip(ppl, (1281.5, 1600.3738), (40.0, 50.0)):
+    # a difference has the decimals of the values beside it (1281.5 ± 40.0 vs 1600.3 ± 50.0 read "+318.8738 *"), and a
+    # stderr its value's ("1281.5 ± 40.0000": a precision the value does not claim; 999.5 ± 1500.0 the other way)
+    ppl = [tmp_path / f"ppl{i}.json" for i in (1, 2, 3)]
+    for p, v, se in zip(ppl, (1281.5, 1600.3738, 999.5), (40.0, 50.0, 1500.0)):
         p.write_text(json.dumps({"model": p.stem, "results": {"wikitext": {"perplexity": v, "perplexity_stderr": se,
                                                                            "n": 50}}}))
     assert ev.main(["--compare", *map(str, ppl)]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| wikitext | perplexity |"))
-    assert row.endswith("| 1281.5 ± 40.0000 | 1600.4 ± 50.0000 (+318.9 *) |"), row
+    assert row.endswith("| 1281.5 ± 40.0 | 1600.4 ± 50.0 (+318.9 *) | 999.5000 ± 1500.0000 (-282.0 ~) |"), row
     partial = tmp_path / "P.json"  # the first column lacks arc_easy: that row compares nothing (B was its reference)
     partial.write_text(json.dumps({"model": "P", "results": {"piqa": {"acc": 0.6, "acc_stderr": 0.02, "n": 100}}}))
     assert ev.main(["--compare", str(partial), b, c]) == 0

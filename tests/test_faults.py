@@ -2213,3 +2213,29 @@ def test_a_finished_runs_cut_last_evaluation_with_no_val_set_stops_and_changes_n
     assert "--release_shards=" in said and "nothing changed" in said, said
     assert checkpoint.latest_valid(out) == ck and sorted(os.listdir(ck)) == list(before)
     assert all(open(os.path.join(ck, f), "rb").read() == b for f, b in before.items())
+
+
+def test_an_unfinished_runs_cut_evaluation_with_no_val_set_is_said_and_kept_in_its_checkpoint(data_root, tmp_path):
+    """An unfinished run whose step's evaluation a stop signal cut, resumed with its val set gone (quarantined, a
+    --replan whose val corpus is not there), dropped the request unsaid and trained on: that step's val loss (maybe the
+    best) was lost without a word. Now the resume says which step's val loss could not be measured and how to measure
+    it; the step's own checkpoint keeps the request, so a rollback to it with the val set back measures it."""
+    out = str(tmp_path / "run")
+    common = [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=3", "--warmup_iters=1",
+              "--eval_interval=2", "--eval_iters=1", "--sample_tokens=0"]
+    train_here(common, inject={"PICAFLOR_INJECT_SIGTERM_IN_EVAL_AT_STEP": "2"})  # step 2's evaluation is cut
+    ck = checkpoint.latest_valid(out)
+    assert json.load(open(os.path.join(ck, "state.json")))["eval_due"]["step"] == 2
+    val = [e["file"] for e in shards.load_index(os.path.join(data_root, "local"))["splits"]["val"]]
+    said = train_here(common + ["--init_from=resume", f"--quarantine_shards={['local/' + f for f in val]}"])
+    warned = [ln for ln in said.splitlines() if "step 2's val loss could not be measured" in ln]
+    assert len(warned) == 1 and "no val set" in warned[0] and "--release_shards=" in warned[0], said[-2000:]
+    assert f"--resume_from={ck}" in warned[0], warned
+    assert "run finished" in said, said[-2000:]  # trained on (the warning is not a refusal)
+    st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+    assert st["step"] == 3 and "eval_due" not in st  # (step 3's weights: step 2's request is not theirs)
+    assert json.load(open(os.path.join(ck, "state.json")))["eval_due"]["step"] == 2  # step 2's kept it
+    said = train_here(common + ["--init_from=resume", f"--resume_from={ck}",
+                                f"--release_shards={['local/' + f for f in val]}", "--stop_after_steps=0"])
+    assert "(evaluated on resume)" in said, said[-2000:]
+    assert metrics(out)[2]["val_loss"] > 0

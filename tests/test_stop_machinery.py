@@ -62,17 +62,22 @@ def test_a_hang_exits_8_even_when_its_report_cannot_be_written(tmp_path, monkeyp
 
 def test_a_wait_for_the_runs_lock_is_not_a_hang(data_root, tmp_path):
     """The watchdog started before the wait for the run's lock (up to lock_wait_s: the killed guardian's trainer
-    finishing its SIGTERM checkpoint) and counted it: a wait past 3x hang_timeout ended the healthy start with exit 8."""
+    finishing its SIGTERM checkpoint) and counted it: a wait past 3x hang_timeout ended the healthy start with exit 8.
+    Here the lock is never given up: the trainer's own clock times its whole wait (3.5 s, past 3x hang_timeout: 2.4 s),
+    and it ends with the lock's error, not exit 8. (A lock given up by a timer after 5 s: a start slowed by a loaded
+    CI waited less, and the steps after it had 3x hang_timeout from the wait's end, which a load of 6 outlasted.)"""
     import fcntl
     out = tmp_path / "run"
     out.mkdir()
-    lock = open(out / ".trainer.lock", "a+")
-    fcntl.flock(lock, fcntl.LOCK_EX)  # another trainer's, for 5 s: past 3x hang_timeout
-    threading.Timer(5.0, lock.close).start()  # (the start after the wait has 3x hang_timeout, 4.5 s: a loaded CI)
-    r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=3", "--warmup_iters=1",
-               "--eval_interval=1000", "--lock_wait_s=60", "--hang_timeout=1.5", "--sample_tokens=0"], env=ENV,
-              timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    with open(out / ".trainer.lock", "a+") as lock:
+        lock.write(str(os.getpid()))
+        lock.flush()
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another trainer's, for the whole wait
+        r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=3", "--lock_wait_s=3.5",
+                   "--hang_timeout=0.8", "--sample_tokens=0"], env=ENV, timeout=120)
+    assert r.returncode == faults.EXIT_ERROR, (r.returncode, r.stderr[-2000:])
+    assert "waiting up to 3.5 s for the trainer" in r.stdout, r.stdout[-2000:]
+    assert f"another trainer (pid {os.getpid()}) is training this run" in r.stderr, r.stderr[-2000:]
     assert not [n for n in os.listdir(out) if n.startswith("hang-")]
 
 

@@ -46,6 +46,14 @@ def run(args, check=True, **kw):
     return r
 
 
+def torchrun_env(tmp_path, **extra):
+    """The environment of a torchrun test: one thread a rank, and torch's temp dirs (the agent's torchelastic_* log dir,
+    never removed: ~600 piled up in /tmp) under the test's tmp_path, which pytest prunes."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir(exist_ok=True)
+    return dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp), **extra)
+
+
 def main_output(argv):
     """train.main(argv) in this process: (stdout, stderr, exit code). For --status and --help, which only read and
     print (no config applied to train's globals), a subprocess start is ~3 s of imports for the same output."""
@@ -219,7 +227,7 @@ def test_torchrun_two_processes_gloo(data_root, tmp_path):
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
             f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=6", "--warmup_iters=1", "--eval_interval=3",
             "--ckpt_interval=3"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = torchrun_env(tmp_path)
     # rank 0 lags each step by more than checkpoint_minutes: a rank deciding on its own clock saved alone (a hang)
     lag = dict(env, PICAFLOR_INJECT_RANK0_LAG_S="0.4")
     r = subprocess.run(base + ["--stop_after_steps=2", "--checkpoint_minutes=0.005", "--hang_timeout=40"], cwd=REPO,
@@ -301,7 +309,7 @@ def test_ddp_resume_at_a_stage_boundary_is_exact_and_another_world_size_skips_no
     base = TINY + [str(plan), f"--data_root={root}", "--batch_size=2", "--grad_accum=2", "--eval_interval=100",
                    "--bias_update_rate=0.05"]
 
-    ENV1 = dict(os.environ, OMP_NUM_THREADS="1")
+    ENV1 = torchrun_env(tmp_path)
 
     def start(name, *extra, world=2):
         os.makedirs(tmp_path / f"log-{name}", exist_ok=True)
@@ -383,7 +391,7 @@ def test_the_val_set_is_the_same_whatever_the_world_size(data_root, two_of_four_
               "--bias_update_rate=0"]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
                         *base, *frozen, f"--out_dir={tmp_path / 'two'}"], cwd=REPO, capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+                       env=torchrun_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     one, two = metrics(out)[2], metrics(str(tmp_path / "two"))[3]
     assert two["world_size"] == 2 and math.isclose(one["val_loss"], two["val_loss"], rel_tol=1e-5), (one, two)
@@ -416,7 +424,7 @@ def test_ddp_ranks_outwait_a_save_longer_than_hang_timeout(data_root, tmp_path):
                         str(wrapper), *TINY, "--batch_size=2", f"--data_root={data_root}", f"--out_dir={out}",
                         f"--mirror_dir={mirror_dir}", "--max_iters=2", "--warmup_iters=1", "--stop_after_steps=1",
                         "--eval_interval=100", "--hang_timeout=2"], cwd=REPO, capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+                       env=torchrun_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not [f for f in os.listdir(out) if f.startswith("hang-")]
     assert checkpoint.is_valid(os.path.join(mirror_dir, "step_0000001"))
@@ -1863,7 +1871,7 @@ def test_ddp_a_stop_signal_or_a_fault_on_another_rank_than_0_is_not_lost(data_ro
                        "shards.TokenStream.next_batch = bad\n"
                        "sys.argv = ['train.py'] + sys.argv[1:]\n"
                        "runpy.run_path('train.py', run_name='__main__')\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PICAFLOR_TEST_LOG=str(tmp_path), PICAFLOR_INJECT_RANK0_LAG_S="0.3")
+    env = torchrun_env(tmp_path, PICAFLOR_TEST_LOG=str(tmp_path), PICAFLOR_INJECT_RANK0_LAG_S="0.3")
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(wrapper), *TINY,
            "--batch_size=2", f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=60", "--warmup_iters=1",
