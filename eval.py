@@ -809,7 +809,7 @@ def markdown_table(summary):
         for m, v in res.items():
             if m.endswith("_stderr") or m == "n":
                 continue
-            lines.append(f"| {task} | {m} | {fmt(v)} | {fmt(res.get(m + '_stderr'))} | {res['n']} |")
+            lines.append(f"| {task} | {m} | {fmt(v)} | {fmt(res.get(m + '_stderr'), like=v)} | {res['n']} |")
     return "\n".join(lines) + "\n"
 
 

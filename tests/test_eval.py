@@ -556,6 +556,8 @@ def test_compare_marks_noise(tmp_path, capsys):
     assert ev.main(["--compare", *map(str, ppl)]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| wikitext | perplexity |"))
     assert row.endswith("| 1281.5 ± 40.0 | 1600.4 ± 50.0 (+318.9 *) | 999.5000 ± 1500.0000 (-282.0 ~) |"), row
+    table = ev.markdown_table(json.loads(ppl[0].read_text()))  # results.md: the same decimals (it wrote 40.0000)
+    assert "| wikitext | perplexity | 1281.5 | 40.0 | 50 |" in table, table
     partial = tmp_path / "P.json"  # the first column lacks arc_easy: that row compares nothing (B was its reference)
     partial.write_text(json.dumps({"model": "P", "results": {"piqa": {"acc": 0.6, "acc_stderr": 0.02, "n": 100}}}))
     assert ev.main(["--compare", str(partial), b, c]) == 0
