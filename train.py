@@ -1577,6 +1577,9 @@ def main(argv):
     due = st.pop("eval_due", None)
     late_eval = False  # the resumed step's val loss recorded now: its state.json no longer says all this run knows
     if (isinstance(due, dict) and due.get("step") == st["step"] and type(due.get("stage")) is int
+            and not 0 <= due["stage"] < len(st["plan"])):  # a --replan since, with fewer stages (it was dropped unsaid)
+        due = dict(due, stage=min(stage_at(st["plan"], max(st["tokens"] - 1, 0))[0], len(st["plan"]) - 1))
+    if (isinstance(due, dict) and due.get("step") == st["step"] and type(due.get("stage")) is int
             and 0 <= due["stage"] < len(st["plan"]) and val_stream is not None):
         log(f"resume: step {st['step']}'s evaluation was cut short by a stop signal; evaluating it now")
         val_loss = evaluate(due["stage"])

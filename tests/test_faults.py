@@ -2239,3 +2239,19 @@ def test_an_unfinished_runs_cut_evaluation_with_no_val_set_is_said_and_kept_in_i
                                 f"--release_shards={['local/' + f for f in val]}", "--stop_after_steps=0"])
     assert "(evaluated on resume)" in said, said[-2000:]
     assert metrics(out)[2]["val_loss"] > 0
+
+
+def test_a_cut_evaluation_is_measured_after_a_replan_with_fewer_stages(data_root, tmp_path):
+    """A step's evaluation cut by a stop signal in the plan's third stage, resumed with --replan to a one-stage plan:
+    the request named stage 2, which the new plan has not, and was dropped unsaid. It is measured at the stage the new
+    plan trains that step in."""
+    out = str(tmp_path / "run")
+    common = [f"--data_root={data_root}", f"--out_dir={out}", "--eval_iters=1", "--sample_tokens=0"]
+    train_here(common + ["--max_iters=4", "--warmup_iters=1", "--decay_frac=0.5", "--eval_interval=3"],
+               inject={"PICAFLOR_INJECT_SIGTERM_IN_EVAL_AT_STEP": "3"})
+    st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
+    assert st["eval_due"]["step"] == 3 and st["eval_due"]["stage"] == 2, st.get("eval_due")
+    one = "--stages=[{'name': 'all', 'mix': {'local': 1.0}, 'tokens': %d, 'lr_phase': 'stable'}]" % (2 * st["tokens"])
+    said = train_here(common + ["--init_from=resume", "--replan", one, "--eval_interval=100", "--stop_after_steps=0"])
+    assert "(evaluated on resume)" in said, said[-2000:]
+    assert metrics(out)[3]["val_loss"] > 0
