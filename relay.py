@@ -95,7 +95,7 @@ from relay_store import (SMALL_FILE_CAP, Conflict, RelayError, StoreError, Trans
 from relay_lease import (CKPT_PREFIX, DEFAULT_HEARTBEAT, DEFAULT_TTL, RELAY_FORMAT, RELAY_VERSION,
                          STATE_FORMAT, Busy, Fenced, Lease, Snapshot, adopt_landed_push, adopt_own_renewal,
                          chain_lease_to, check_lease_times, claim, commit_cas, ledger_text, manifest_id, now_iso, parse_json,
-                         release, renew, workdir_locked)
+                         release, renew, taken_by, workdir_locked)
 
 LEDGER_HEADER = ("| leg | who | gpu | steps | tokens | wall | $ | loss start | loss end | step range | generation | finished (UTC) |\n"
                  "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -521,7 +521,9 @@ def commit_push(store, lease, plan, run_dir, note=None):
     except Conflict as e:
         lease.pending_push = None  # someone else's commit: ours did not land (commit_cas checked)
         lease.save()
-        raise Fenced(f"push rejected: {e}; your checkpoint is kept at {plan['ck']}, nothing was lost locally")
+        by = taken_by(store, lease)  # who holds the baton now (it said only "rejected")
+        raise Fenced(f"push rejected: {e}{'; ' + by + ' took the baton' if by else ''}; your checkpoint is kept at "
+                     f"{plan['ck']}, nothing was lost locally")
     chain_lease_to(lease, sha, new_relay, step, run_dir)
     return sha, plan["row"]
 
@@ -682,6 +684,7 @@ def prepare_leg(store, lease, workdir):
         print(f"relay: warning: {run_dir} was another lease's leg (another run, or one re-made at this URL); moved "
               f"to {aside}, nothing deleted", file=sys.stderr)
     kept = []  # earlier leg dirs nothing resumes: a fenced or failed leg's checkpoints (GBs) were never named again
+    rows = []  # the head's LEDGER.md rows, read once (pushed_leg)
     for n in sorted(os.listdir(workdir)):
         d = os.path.join(workdir, n)
         newest = newest_valid_step(d) if n.startswith("leg-") and d != run_dir else None
@@ -692,8 +695,10 @@ def prepare_leg(store, lease, workdir):
                                     .read()) == leg_base(d)
         except OSError:
             as_pulled = False
+        leg = None if as_pulled else pushed_leg(store, lease.sha, d, newest, rows)  # a push that landed unseen
         kept.append(f"{n} ({'only the pulled step' if as_pulled else 'step'} {newest}"
-                    f"{'' if as_pulled else ' never pushed'}, {checkpoint.fmt_size(checkpoint.dir_size(d))})")
+                    f"{'' if as_pulled else f' in the run: pushed as leg {leg}' if leg else ' never pushed'}, "
+                    f"{checkpoint.fmt_size(checkpoint.dir_size(d))})")
     if kept:
         print(f"relay: note: {workdir} holds earlier leg dirs that nothing resumes (a lease lost, a failed leg): "
               f"{', '.join(kept)}; delete them once you no longer need them", file=sys.stderr)
@@ -720,6 +725,23 @@ def prepare_leg(store, lease, workdir):
     lease.base_step = json.load(open(os.path.join(ck, "state.json"))).get("step", lease.base_step)
     lease.save()
     return run_dir
+
+
+def pushed_leg(store, sha, leg_dir, step, rows):
+    """The leg of the LEDGER.md row at sha that holds leg_dir's step (leg-NNNN-genG: its leg and generation), or
+    None: its push landed though its answer was lost (no PUSHED marker; it was said "never pushed"). rows: a list,
+    filled with the ledger's rows at the first call (a None too, so that a store that cannot say is asked once)."""
+    name = re.fullmatch(r"leg-(\d+)-gen(\d+)", os.path.basename(leg_dir))
+    if not name or (leg_owner(leg_dir) or ("",))[0] != store.url:  # (another run's dir of the same name)
+        return None
+    if not rows:
+        try:
+            rows.extend(parse_ledger(ledger_text(store, sha)) or [None])
+        except RelayError:
+            rows.append(None)
+    row = next((r for r in rows if r and (r["leg"], r["generation"]) == (int(name[1]), int(name[2]))), None)
+    end = row and row["step_range"].rpartition("-")[2]
+    return row["leg"] if end and end.isdigit() and int(end) >= step else None
 
 
 def leg_owner(run_dir):

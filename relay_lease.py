@@ -203,7 +203,8 @@ class Snapshot:
 
     @property
     def lease_age(self):  # seconds since the last holder write, on the store's clock
-        return self.server_now - self.commit_time
+        # (never negative: the Hub's Date has 1 s resolution, so its "now" can precede the commit: "-0s ago")
+        return max(0.0, self.server_now - self.commit_time)
 
     @property
     def held(self):
@@ -347,6 +348,19 @@ def busy(store, snap, why=""):
                 f"last renewed {snap.lease_age:.0f}s ago); it expires at {now_iso(until)} UTC unless renewed")
 
 
+def taken_by(store, lease):
+    """The lease at the head that fenced ours, in words ("bob (leg 3, generation 7, claimed ... UTC)"), or "" when
+    the head cannot be read or names no other holder (a fenced holder was told only that someone took the baton)."""
+    try:
+        r = Snapshot(store).relay
+    except RelayError:
+        return ""
+    if not r.get("holder") or r.get("nonce") == lease.nonce:
+        return ""
+    when = f", claimed {now_iso(r['claimed_at'])} UTC" if r.get("claimed_at") is not None else ""
+    return f"{r['holder']} (leg {r.get('leg')}, generation {r['generation']}{when})"
+
+
 def renew(store, lease, stop=None):
     """Heartbeat: a commit of RELAY.json chained from our last commit. Raises Fenced if anything else landed. Its
     write_id is recorded first and reused until one lands: a renewal whose answer was lost (the store unreachable
@@ -363,7 +377,8 @@ def renew(store, lease, stop=None):
     except Conflict as e:
         lease.pending_renewal = None
         lease.save()
-        raise Fenced(f"lease lost: {e}; another contributor took the baton (our lease had expired or was released)")
+        raise Fenced(f"lease lost: {e}; {taken_by(store, lease) or 'another contributor'} took the baton (our lease "
+                     f"had expired or was released)")
     lease.sha, lease.relay, lease.pending_renewal = sha, new, None
     lease.save()
 
@@ -432,7 +447,9 @@ def release(store, lease):
                             write_id=wid, lease=lease)
     except Conflict as e:
         lease.drop()
-        raise Fenced(f"release: lease already lost ({e}); nothing to hand back")
+        by = taken_by(store, lease)
+        raise Fenced(f"release: lease already lost ({e}{'; ' + by + ' took the baton' if by else ''}); nothing to "
+                     f"hand back")
     lease.drop()
     return sha
 

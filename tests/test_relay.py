@@ -2112,6 +2112,82 @@ def test_a_push_landed_unseen_then_overtaken_is_said_pushed_not_rejected(tmp_pat
     assert snap.relay["holder"] == "bob" and snap.state["step"] == 3
 
 
+def test_a_leg_dir_whose_push_landed_unseen_is_said_in_the_run_not_never_pushed(tmp_path, no_backoff, capsys):
+    """alice's push lands but its answer is lost; bob claims after her ttl and releases; alice claims again from the
+    same workdir. Her next leg's note named the old leg dir's step "never pushed": LEDGER.md at the head holds it."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = lost_answers_store(str(tmp_path / "store"))
+    work = str(tmp_path / "wa")
+    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, work)
+    checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
+                                 "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    store.drop_answer_of = "leg 1 by alice"
+    with pytest.raises(relay.Transient, match="unknown whether the commit landed"):
+        relay.push(store, lease, run_dir, wall_s=1)
+    bob_store = relay.open_store(url)
+    head = bob_store.head
+    bob_store.head = lambda: (lambda sha, t, now: (sha, t, now + 61))(*head())  # the store's clock a ttl later
+    relay.release(bob_store, relay.claim(bob_store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=20))
+    store = relay.open_store(url)
+    again = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    capsys.readouterr()
+    assert relay.prepare_leg(store, again, work) != run_dir
+    err = capsys.readouterr().err
+    assert "leg-0001-gen1 (step 3 in the run: pushed as leg 1," in err and "never pushed" not in err, err
+
+
+def test_a_lease_age_is_never_negative(tmp_path, rl, monkeypatch):
+    """The Hub's Date header has 1 s resolution: its "now" can be a fraction before the commit it answers with.
+    A busy claim and `status` said "last renewed -0s ago"; the age is 0 (the dashboard's too: status_dict)."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=20)
+    head = store.head
+    store.head = lambda: (lambda sha, t, now: (sha, t, t - 0.4))(*head())  # "now" 0.4 s before the commit
+    with pytest.raises(relay.Busy) as busy:
+        relay.claim(store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=20)
+    assert "last renewed 0s ago" in str(busy.value), busy.value
+    assert relay.status_dict(store)["lease_age_s"] == 0.0
+    monkeypatch.setattr(relay, "open_store", lambda u: store)
+    r = rl(["status", url])
+    assert r.returncode == 0 and "renewed 0s ago" in r.stdout and "-0s" not in r.stdout, r.stdout
+
+
+def test_a_fenced_holder_is_told_who_took_the_baton(tmp_path, monkeypatch):
+    """alice's lease expires and bob claims: her heartbeat, push and release were told only that "another
+    contributor" took it. They name bob, his leg and generation and when he claimed (from the head's RELAY.json);
+    a head that cannot be read keeps the old words."""
+    import relay_lease
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+    work = str(tmp_path / "wa")
+    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
+    run_dir = relay.prepare_leg(store, lease, work)
+    checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
+                                 "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    plan = relay.prepare_push(store, lease, run_dir, wall_s=1)
+    bob_store = relay.open_store(url)
+    head = bob_store.head
+    bob_store.head = lambda: (lambda sha, t, now: (sha, t, now + 61))(*head())  # the store's clock a ttl later
+    bob = relay.claim(bob_store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=20)
+    by = (f"bob (leg {bob.leg}, generation {bob.generation}, claimed "
+          f"{relay.now_iso(bob.relay['claimed_at'])} UTC) took the baton")
+    with monkeypatch.context() as m:
+        m.setattr(relay_lease, "Snapshot", lambda s: (_ for _ in ()).throw(relay.Transient("HTTP 503 (a test)")))
+        with pytest.raises(relay.Fenced, match="another contributor took the baton"):
+            relay.renew(store, lease)
+    with pytest.raises(relay.Fenced, match=re.escape(f"; {by} (our lease had expired")):
+        relay.renew(store, lease)
+    with pytest.raises(relay.Fenced, match=re.escape(f"; {by}; your checkpoint is kept at")):
+        relay.commit_push(store, lease, plan, run_dir)
+    with pytest.raises(relay.Fenced, match=re.escape(f"; {by}); nothing to hand back")):
+        relay.release(store, lease)
+
+
 def test_a_leg_dir_the_run_moved_past_is_not_pushed_over_others_work(tmp_path, rl):
     """A leg dir trained on a checkpoint the store has since moved past (someone else pushed after it: our lease
     expired, or the dir was pushed from and trained on) was pushed by `push --run-dir` as its "kept" messages and
