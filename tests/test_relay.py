@@ -2080,10 +2080,9 @@ def test_a_heartbeat_that_cannot_start_stops_the_leg_and_releases(failing_start,
         assert "the trainer was stopped" in r.stderr and "local files kept in" in r.stderr
 
 
-def test_a_push_landed_unseen_then_overtaken_is_said_pushed_not_rejected(tmp_path, rl, no_backoff):
-    """alice's push lands but its answer is lost (the store dark after it); her lease then expires and bob claims.
-    `push` again uploaded the leg and said "push rejected", and `release` said her step was "never pushed (the run
-    went on without it)": it is in the run, its ledger row too. Both now say it was pushed; no second row."""
+def alices_push_lands_unseen_then_bob_claims(tmp_path):
+    """alice trains step 3 and pushes: it lands, its answer is lost; bob claims a ttl later (the store's clock moved
+    on). (url, alice's workdir, her leg dir, bob's store, bob's lease)."""
     url = store_url("file", tmp_path, None)
     init_run(url, tmp_path, base_env())
     store = lost_answers_store(str(tmp_path / "store"))
@@ -2092,14 +2091,20 @@ def test_a_push_landed_unseen_then_overtaken_is_said_pushed_not_rejected(tmp_pat
     run_dir = relay.prepare_leg(store, lease, work)
     checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
                                  "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
-    plan = relay.prepare_push(store, lease, run_dir, wall_s=1)
     store.drop_answer_of = "leg 1 by alice"
     with pytest.raises(relay.Transient, match="unknown whether the commit landed"):
-        relay.commit_push(store, lease, plan, run_dir)
+        relay.push(store, lease, run_dir, wall_s=1)
     bob_store = relay.open_store(url)
     head = bob_store.head
     bob_store.head = lambda: (lambda sha, t, now: (sha, t, now + 61))(*head())  # the store's clock a ttl later
-    relay.claim(bob_store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=20)
+    return url, work, run_dir, bob_store, relay.claim(bob_store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=20)
+
+
+def test_a_push_landed_unseen_then_overtaken_is_said_pushed_not_rejected(tmp_path, rl, no_backoff):
+    """alice's push lands but its answer is lost (the store dark after it); her lease then expires and bob claims.
+    `push` again uploaded the leg and said "push rejected", and `release` said her step was "never pushed (the run
+    went on without it)": it is in the run, its ledger row too. Both now say it was pushed; no second row."""
+    url, work, run_dir, bob_store, _ = alices_push_lands_unseen_then_bob_claims(tmp_path)
     taken = bob_store.head()[0]
     r = rl(["push", url, "--workdir", work])
     assert r.returncode == 4 and "leg 1 was pushed already" in r.stderr and "steps 0-3" in r.stderr, r.stderr
@@ -2115,21 +2120,8 @@ def test_a_push_landed_unseen_then_overtaken_is_said_pushed_not_rejected(tmp_pat
 def test_a_leg_dir_whose_push_landed_unseen_is_said_in_the_run_not_never_pushed(tmp_path, no_backoff, capsys):
     """alice's push lands but its answer is lost; bob claims after her ttl and releases; alice claims again from the
     same workdir. Her next leg's note named the old leg dir's step "never pushed": LEDGER.md at the head holds it."""
-    url = store_url("file", tmp_path, None)
-    init_run(url, tmp_path, base_env())
-    store = lost_answers_store(str(tmp_path / "store"))
-    work = str(tmp_path / "wa")
-    lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
-    run_dir = relay.prepare_leg(store, lease, work)
-    checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
-                                 "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
-    store.drop_answer_of = "leg 1 by alice"
-    with pytest.raises(relay.Transient, match="unknown whether the commit landed"):
-        relay.push(store, lease, run_dir, wall_s=1)
-    bob_store = relay.open_store(url)
-    head = bob_store.head
-    bob_store.head = lambda: (lambda sha, t, now: (sha, t, now + 61))(*head())  # the store's clock a ttl later
-    relay.release(bob_store, relay.claim(bob_store, str(tmp_path / "wb"), "bob", ttl=60, heartbeat=20))
+    url, work, run_dir, bob_store, bob_lease = alices_push_lands_unseen_then_bob_claims(tmp_path)
+    relay.release(bob_store, bob_lease)
     store = relay.open_store(url)
     again = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
     capsys.readouterr()
