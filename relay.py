@@ -413,6 +413,16 @@ def parse_ledger(text):
     return rows
 
 
+def leg_ledger_row(rows, leg, generation, who=None, step=None):
+    """The first of parse_ledger's rows (a None skipped) of that leg and generation, and holder where given (as
+    ledger_row wrote it): its push landed. None if there is none, or where step is given, if its steps end before it."""
+    who = None if who is None else str(who).replace("|", "/").replace("\n", " ").strip()
+    row = next((r for r in rows if r and (r["leg"], r["generation"]) == (leg, generation) and who in (None, r["who"])),
+               None)
+    end = row and row["step_range"].rpartition("-")[2]
+    return row if step is None or end and end.isdigit() and int(end) >= step else None
+
+
 def last_eval_due(store, sha):
     """The step of a finished run whose checkpoint's state.json holds eval_due for its own step (a stop signal cut
     its last evaluation short: a leg's resume measures it), or None."""
@@ -739,9 +749,8 @@ def pushed_leg(store, sha, leg_dir, step, rows):
             rows.extend(parse_ledger(ledger_text(store, sha)) or [None])
         except RelayError:
             rows.append(None)
-    row = next((r for r in rows if r and (r["leg"], r["generation"]) == (int(name[1]), int(name[2]))), None)
-    end = row and row["step_range"].rpartition("-")[2]
-    return row["leg"] if end and end.isdigit() and int(end) >= step else None
+    row = leg_ledger_row(rows, int(name[1]), int(name[2]), step=step)
+    return row["leg"] if row else None
 
 
 def leg_owner(run_dir):
@@ -1407,17 +1416,16 @@ def cmd_push(args):
     return 0
 
 
-def landed_row(store, lease):
-    """The head's LEDGER.md row of this lease's leg (its leg, generation and holder): its push landed though this
-    workdir never learnt it (the answer lost, then the run moved on past it), or None (also when the store cannot
-    say)."""
+def landed_row(store, lease, step=None):
+    """The head's LEDGER.md row of this lease's leg (its leg, generation and holder; its steps reaching step, where
+    given): its push landed though this workdir never learnt it (the answer lost, then the run moved on past it), or
+    None (also when the store cannot say)."""
     try:
         head = store.head()[0]
         rows = parse_ledger(ledger_text(store, head))
     except RelayError:
         return None
-    who = str(lease.who).replace("|", "/").replace("\n", " ").strip()  # as ledger_row wrote it
-    return next((r for r in rows if (r["leg"], r["generation"], r["who"]) == (lease.leg, lease.generation, who)), None)
+    return leg_ledger_row(rows, lease.leg, lease.generation, str(lease.who), step)
 
 
 def lease_taken(store, lease):
@@ -1446,12 +1454,11 @@ def cmd_release(args):
         trained = newest_valid_step(run_dir)
         if trained is not None and trained > (lease.base_step or 0) and not args.discard:  # (it said "released", exit 0)
             if lease_taken(store, lease):  # a push could only be fenced: "push first" sent the user round in circles
-                row = landed_row(store, lease)  # its push landed unseen: not "never pushed"
-                end = row and row["step_range"].rpartition("-")[2]
+                row = landed_row(store, lease, trained)  # its push landed unseen: not "never pushed"
                 try:
                     release(store, lease)  # Fenced ("lease already lost"), LEASE.json dropped
                 except Fenced as e:
-                    if end and end.isdigit() and int(end) >= trained:
+                    if row:
                         raise Fenced(f"{e}; {run_dir}'s step {trained} is in the run: pushed as leg {row['leg']} "
                                      f"(LEDGER.md, steps {row['step_range']}), though its answer never came back; "
                                      f"delete the dir when you no longer need it") from None

@@ -4,7 +4,7 @@ train.py out_dir): loss and val loss against tokens, tokens/s, MFU, expert load 
 ledger. The data is inlined in the page (works offline, no CDN) and refreshed from /data.json; every value from
 the store is escaped before it reaches the HTML. Given a relay workdir, the curves are its pushed legs' steps (up to
 each push); the leg its lease trains now is a "not pushed" loss series of its own; a fenced, failed or set-aside leg
-is left out, and named.
+is left out, and named. Each step is shown once, as the newest leg that logged it logged it (one_row_per_step).
 """
 
 import html
@@ -43,7 +43,7 @@ def dashboard_data(target, log_cache=None):
         d["left_out"] = []
         # keyed by content, not name: a push reverted on the Hub gives the next leg the same logs/leg-NNNN.jsonl
         ids = store.file_ids(st["head"], "logs/")
-        held, older = 0, []  # bytes of log counted so far, newest leg first; the logs past LOG_BUDGET
+        held, older, logs = 0, [], []  # bytes of log counted so far, newest leg first; the logs past LOG_BUDGET
         for p in sorted((p for p in ids if p.endswith(".jsonl")), key=lambda p: (len(p), p), reverse=True):
             key = (p, ids[p])  # (leg-10000 sorts after leg-9999: by length, then name)
             if key not in log_cache or log_cache[key][1] is None and held + log_cache[key][0] <= LOG_BUDGET:
@@ -59,7 +59,8 @@ def dashboard_data(target, log_cache=None):
                 log_cache[key] = (size, None)
                 older.append(p)
                 continue
-            d["metrics"] += rows
+            logs.append(rows)
+        d["metrics"] = one_row_per_step(logs)
         if older:
             which = older[0] if len(older) == 1 else f"{len(older)} older leg logs, {older[-1]} to {older[0]}"
             d["left_out"].append(f"{which} (the dashboard reads at most {relay_store.fmt_bytes(LOG_BUDGET)} of leg "
@@ -69,20 +70,37 @@ def dashboard_data(target, log_cache=None):
     else:
         if not os.path.isdir(target):
             raise relay.RelayError(f"{target}: not a store URL nor a run directory; pass hf://owner/name, file:///path or a train.py out_dir")
-        d["metrics"] += map(shown_metric, relay.read_metrics(os.path.join(target, "metrics.jsonl")))
+        # (leg, generation) of each log: a train.py out_dir's own metrics.jsonl is older than any leg dir in it
+        logs = [((-1, -1), relay.read_metrics(os.path.join(target, "metrics.jsonl")))]
         d["left_out"] = []
         lease = relay_lease_record(target)
         for name in sorted(n for n in os.listdir(target) if n.startswith("leg-")):
             rows, why = leg_history(os.path.join(target, name), lease)
-            d["metrics"] += map(shown_metric, rows)
+            number = re.match(r"leg-(\d+)-gen(\d+)", name)  # (by number: leg-10000 sorts before leg-9999 by name)
+            logs.append((tuple(map(int, number.groups())) if number else (-1, -1), rows))
             if why:
                 d["left_out"].append(f"{name} ({why})")
-        d["metrics"] = [m for m in d["metrics"] if m is not None]
+        d["metrics"] = one_row_per_step([m for m in map(shown_metric, rows) if m is not None]
+                                        for _, rows in sorted(logs, key=lambda log: log[0], reverse=True))
+        d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))  # (newest leg first above)
         usd = [m["usd"] for m in d["metrics"] if isinstance(m.get("usd"), (int, float))]
         d["state"] = {"step": d["metrics"][-1].get("step") if d["metrics"] else None,
                       "tokens": d["metrics"][-1].get("tokens") if d["metrics"] else None, "usd_total": usd[-1] if usd else 0.0}
     d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))
     return d
+
+
+def one_row_per_step(logs):
+    """The rows of logs (each leg's, newest leg first), each step's from the newest leg that logged it: a leg that
+    measured the val loss of the step it pulled (its evaluation cut short by a stop signal) logs that step again, with
+    the val loss, and the leg before logged it without (two points at one step, one missing it). A crashed leg's steps
+    past its last checkpoint, which the next leg redoes, are already left out (push logs up to the step it pushes;
+    leg_history up to PUSHED). A row of this workdir's leg not pushed yet is its own series: it hides no row."""
+    seen, out = set(), []
+    for rows in logs:
+        out += [m for m in rows if m.get("not_pushed") or m.get("step") is None or m["step"] not in seen]
+        seen.update(m.get("step") for m in rows if not m.get("not_pushed"))
+    return out
 
 
 def relay_lease_record(workdir):

@@ -3366,6 +3366,8 @@ def test_a_measuring_legs_ledger_row_and_leg_log_say_what_it_measured(tmp_path, 
     log = [json.loads(line) for line in store.read(head, "logs/leg-0002.jsonl").splitlines()]
     assert log == [dict(trained[-1], val_loss=0.9375)], log
     assert f"steps 2-2 ({said})" in rl(["status", url]).stdout
+    shown = relay_dashboard.dashboard_data(url)["metrics"]  # (step 2 was drawn twice: leg 1's row, without val loss)
+    assert [(m["step"], m.get("val_loss")) for m in shown] == [(1, None), (2, 0.9375)], shown
 
 
 def test_a_measuring_leg_cut_short_again_says_the_next_leg_measures_it(tmp_path, rl, monkeypatch):

@@ -195,6 +195,32 @@ def test_dashboard_of_a_workdir_plots_only_the_runs_history(tmp_path):
     assert [m["step"] for m in relay_dashboard.dashboard_data(str(tmp_path))["metrics"]] == [1, 2, 3, 4, 5, 6]
 
 
+def test_dashboard_shows_a_step_a_later_leg_re_measured_once_with_its_val_loss(tmp_path, monkeypatch):
+    """A leg that measures the val loss of the step it pulled (a finished run's last evaluation, cut short by a stop
+    signal) logs that step again, with its val loss; the leg before logged it without. The page drew both rows (two
+    points at one step in every curve). Each step is shown once, as the newest leg logged it: in a store, and in a
+    workdir that kept both leg dirs (newest by leg number: leg-10000 sorts before leg-9999 by name)."""
+    url, _ = new_run(tmp_path, monkeypatch)
+    store = relay.open_store(url)
+    row = lambda step, **k: dict({"step": step, "tokens": 100 * step, "loss": 5.0 - step}, **k)  # noqa: E731
+    jsonl = lambda rows: "".join(json.dumps(m) + "\n" for m in rows)  # noqa: E731
+    trained, measured = [row(1), row(2, val_loss=4.5), row(3)], [row(3, val_loss=4.25)]
+    snap = relay.Snapshot(store)
+    relay.commit_cas(store, snap.sha, {"logs/leg-0001.jsonl": jsonl(trained).encode(),
+                                       "logs/leg-0002.jsonl": jsonl(measured).encode()}, [], "relay: legs", snap.relay)
+    want = [(1, None), (2, 4.5), (3, 4.25)]
+    assert [(m["step"], m.get("val_loss")) for m in relay_dashboard.dashboard_data(url)["metrics"]] == want
+    workdir = tmp_path / "work"
+    for name, rows in (("leg-9999-gen1", trained + [row(4)]), ("leg-10000-gen2", measured)):  # (step 4: not pushed)
+        (workdir / name).mkdir(parents=True)
+        (workdir / name / "metrics.jsonl").write_text(jsonl(rows))
+        (workdir / name / "PUSHED").write_text("abc123 3\n")
+    d = relay_dashboard.dashboard_data(str(workdir))
+    assert [(m["step"], m.get("val_loss")) for m in d["metrics"]] == want
+    assert d["left_out"] == ["leg-9999-gen1 (steps after its push, never pushed)"]
+    assert (d["state"]["step"], d["state"]["tokens"]) == (3, 300)  # the newest row's (it took the oldest leg's)
+
+
 def test_dashboard_skips_a_leg_log_line_nested_past_the_json_decoders_depth(tmp_path, monkeypatch):
     """A leg log line of 100,000 nested [ (any contributor can push one) stopped the dashboard with a RecursionError
     traceback, at start and at every refresh; it is skipped as a line cut by a kill is."""
