@@ -320,9 +320,10 @@ class QLinear(nn.Module):
                 y = x2.float() @ self.dense.t()
             elif self.kernel == "native":
                 y = NATIVE.int8_mm(x2, r["q"], r["scale"])
-            # torch 2.13's kernel segfaults for M > 1 unless K is a multiple of 16 (loglikelihood's 64 logit rows)
+            # torch 2.13's kernel needs K a multiple of 16: else it segfaults for M > 1 (loglikelihood's 64 logit
+            # rows) and gives garbage (1e34, NaN) for M = 1 (a decode step's lm_head at d_model 72)
             elif (self.kernel != "reference" and x2.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
-                  and (x2.shape[0] == 1 or self.shape[1] % 16 == 0)):
+                  and self.shape[1] % 16 == 0):
                 y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), r["q"], self.scale_bf16).float()
             else:
                 y = int8_matmul_reference(x2, r["q"], r["scale"], self.shape)

@@ -574,8 +574,10 @@ class Picaflor(nn.Module):
 
     def set_top_k(self, k):
         """Serve with fewer (or more) experts per token than training used."""
-        if not 1 <= k <= self.cfg.n_experts:
-            raise ValueError(f"top_k={k} must be in [1, {self.cfg.n_experts}]")
+        # (no MoE layer: nothing is routed, any k >= 1 is the same model; an all-dense n_experts=0 one refused them all)
+        if not 1 <= k <= (self.cfg.n_experts if self.moe_layers() else k):
+            raise ValueError(f"top_k={k} must be in [1, {self.cfg.n_experts}]" if self.moe_layers() else
+                             f"top_k={k} must be at least 1")
         for m in self.moe_layers():
             m.top_k = k
 

@@ -851,8 +851,12 @@ class Engine:
 
     def checked_k(self, k):
         k = self.cfg.top_k if k is None else k  # (0 meant the container's top_k here while the command line refused it)
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.cfg.n_experts:
-            raise StreamError(f"--experts-per-token {k}: must be in 1..{self.cfg.n_experts}")
+        # a model without MoE layers routes nothing: any k is the same model (an all-dense one with n_experts=0 refused
+        # every request with "--experts-per-token 2: must be in 1..0", a flag nobody gave)
+        most = self.cfg.n_experts if self.moes else k
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= most:
+            raise StreamError(f"--experts-per-token {k}: " + (f"must be in 1..{self.cfg.n_experts}" if self.moes
+                                                                 else "a whole number, at least 1"))
         return k
 
     def set_experts_per_token(self, k):

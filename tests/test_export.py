@@ -380,6 +380,19 @@ def test_int4_export_writes_a_loadable_container(ckpt, tmp_path, capsys):
     assert (w - q).abs().max().item() <= 0.25 * w.abs().max().item()  # int4: coarse but close
 
 
+def test_int4_measure_counts_the_padding_of_widths_no_multiple_of_the_group(ckpt, tmp_path):
+    """container.py --measure printed 4 + 32 / g bits per weight whatever the shapes: at d_model 72 and expert_ffn 24 the
+    container pads every group to 128 columns (~2.5x the bytes), and the table still said 4.25 at group 128. Its bits
+    are the container's bytes over the true weights now; widths that divide every group keep the nominal figure."""
+    import container
+    for cfg, g, padded in ((CFG, 32, False), ({**CFG, "d_model": 72, "n_head": 3, "n_kv_head": 1, "expert_ffn": 24}, 128,
+                                                True)):
+        torch.manual_seed(0)
+        run = M.save_checkpoint(M.Picaflor(M.ModelConfig(**cfg)), str(tmp_path / f"run{g}"), 1)
+        for r in container.measure_quantization(run, group_sizes=(g,)):
+            assert (r["bits_per_weight"] > 1.5 * (4 + 32 / g)) if padded else r["bits_per_weight"] == 4 + 32 / g, r
+
+
 def test_quant_quality_bench_reports_both_perplexities(ckpt, tmp_path, capsys):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import quant_quality
@@ -461,6 +474,28 @@ def test_gguf_alone_reproduces_the_logits(ckpt, tmp_path):
         got = gguf_forward(out, idx)
     assert (ref - got).abs().max().item() <= 3e-3 * ref.abs().max().item()  # f16 weights (measured ~3e-4)
     assert (ref.argmax(-1) == got.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_hf_and_gguf_of_a_forked_shape_give_its_logits(ckpt, tmp_path):
+    """Shapes CFG does not reach, together: MoE from layer 0, no GQA, 6 experts (no power of two) at top-3, a vocab no
+    multiple of 64, route_scale 0.7; transformers and the GGUF (read back alone) give the checkpoint's logits."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(2)
+    cfg = M.ModelConfig(**{**CFG, "n_dense_layers": 0, "n_kv_head": 4, "n_experts": 6, "top_k": 3, "vocab_size": 401,
+                           "route_scale": 0.7})
+    m = M.Picaflor(cfg).eval()
+    with torch.no_grad():
+        for moe in m.moe_layers():
+            moe.e_score_correction_bias.normal_(0, 0.1)
+    path = M.save_checkpoint(m, str(tmp_path / "run"), 1, tokenizer_file=str(ckpt["dir"] / "tok.json"))
+    run_export([path, "--format", "hf", "--dtype", "float32", "--out", str(tmp_path / "hf")])
+    run_export([path, "--format", "gguf", "--gguf-type", "f16", "--out", str(tmp_path / "m.gguf")])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    idx = torch.randint(1, 401, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = m(idx)
+        assert (hf(idx).logits - ref).abs().max().item() <= 1e-4
+        assert (gguf_forward(str(tmp_path / "m.gguf"), idx) - ref[0]).abs().max().item() <= 3e-3 * ref.abs().max().item()
 
 
 def test_weights_not_matching_config_is_one_line_error(ckpt, tmp_path):

@@ -105,6 +105,47 @@ def test_engine_equals_dequantized_model_at_other_top_k_and_the_whole_context(ti
     with pytest.raises(S.StreamError, match="exceeds the reserved context"):
         eng.generate(full[0].tolist(), 2)
 
+FORKED_SHAPES = {  # shapes a fork sets that CFG does not reach (model.ModelConfig.validate allows each)
+    "all-dense-no-experts": dict(n_dense_layers=4, n_experts=0),
+    "moe-from-layer-0-mha": dict(n_dense_layers=0, n_kv_head=4),
+    "odd-widths-6-experts-top3": dict(d_model=72, n_head=3, n_kv_head=1, dense_ffn=100, n_experts=6, expert_ffn=24,
+                                      n_shared=2, top_k=3, route_scale=1.7, n_dense_layers=2, vocab_size=301),
+}
+
+
+@pytest.mark.parametrize("shape", FORKED_SHAPES)
+def test_engine_equals_dequantized_model_for_forked_shapes(tmp_path, shape):
+    """Each kernel's prompt pass and KV-cached decode steps give the dequantized model's logits, and greedy decoding
+    its tokens, at the training top_k and at 1. An all-dense model (n_experts=0) refused every request with
+    "--experts-per-token 2: must be in 1..0" (a flag nobody gave); d_model 72 has its untied int8 lm_head K % 16 != 0."""
+    cfg = dict(CFG, **FORKED_SHAPES[shape])
+    _, path = random_container(tmp_path, "f", cfg)
+    c = C.load_container(path)
+    q = Picaflor(c.config)
+    q.load_state_dict(c.dequantized_state_dict(), strict=False)
+    q.eval()
+    ids = torch.randint(1, 300, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = q(ids)
+        want = {}
+        for k in [1, c.config.top_k] if q.moe_layers() else [None, 1]:  # (no MoE layer: any k is the same model)
+            if k is not None:
+                q.set_top_k(k)
+            want[k] = q.generate(ids, 4, temperature=0)[0, 12:].tolist()
+        q.set_top_k(c.config.top_k)
+        for kernel, tol in (("reference", 1e-5), ("native", 3e-2), ("int4pack", 3e-2)):
+            eng = S.load(path, kernel=kernel)
+            assert (eng.logits(eng.forward(ids)) - ref).abs().max() < tol * ref.abs().max(), kernel
+            kv = S.KVCache(eng.cfg, 1, 12, "cpu", torch.float32)
+            eng.forward(ids[:, :9], kv)
+            for t in range(9, 12):
+                h = eng.forward(ids[:, t:t + 1], kv)
+            assert (eng.logits(h[:, -1]) - ref[:, -1]).abs().max() < tol * ref.abs().max(), kernel
+            if kernel == "reference":
+                for k, tokens in want.items():
+                    assert eng.generate(ids[0].tolist(), 4, experts_per_token=k) == tokens, k
+
+
 def test_budgeted_greedy_equals_resident_token_for_token(tiny):
     m, path = tiny
     prompt = list(range(5, 25))
@@ -2603,6 +2644,22 @@ def test_int4pack_loglikelihood_on_a_width_torch_int8pack_cannot_take(tmp_path):
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     got, ref = (float(v) for v in r.stdout.split()[-2:])
     assert abs(got - ref) < 0.05 * abs(ref)
+
+
+def test_int4pack_int8_rows_of_a_width_torch_int8pack_gets_wrong_for_one_row_too():
+    """torch's _weight_int8pack_mm gives garbage (1e34, NaN) for a single row too when K % 16 != 0 (d_model 72 or 90:
+    every decode step's untied int8 lm_head on --kernel int4pack; M > 1 was avoided, M = 1 trusted). Such widths take
+    the reference path: the same logits as it, row after row."""
+    g = torch.Generator().manual_seed(0)
+    for K in (72, 90):
+        w = torch.randn(300, K, generator=g)
+        q, scale = C.quantize_int8(w)
+        raw = {"kind": "int8", "shape": [300, K], "q": q.view(300, K), "scale": scale}
+        lin = kernels.QLinear(raw, "int4pack")
+        for _ in range(20):
+            x = torch.randn(1, K, generator=g)
+            ref = kernels.int8_matmul_reference(x, raw["q"], scale, (300, K))
+            assert (lin(x) - ref).abs().max() <= 0.02 * ref.abs().max(), K
 
 
 def test_cli_prints_generated_text_without_specials(tmp_path, monkeypatch, capsys):
