@@ -792,6 +792,63 @@ def step_line(rec, eta):
             + f" | ETA {fmt_time(eta)} | ${rec['usd']:.2f}")
 
 
+# expert-load collapse: a MoE layer whose full log windows each starve (load_stats: under 10% of the mean load) more
+# than COLLAPSE_FRAC of its experts, COLLAPSE_WINDOWS windows in a row (a healthy config/tiny.py run starves up to 56%
+# in one window, 38% for three in a row past step 100; bias_update_rate=0 starves 44-88% from step 20: see README)
+COLLAPSE_FRAC, COLLAPSE_WINDOWS, COLLAPSE_LIST = 0.5, 3, 8  # (COLLAPSE_LIST: layers named on the line at most)
+
+
+def collapse_grace_steps(log_interval, bias_update_rate):
+    """Steps at a run's start whose windows are not judged: three windows, and 1/bias_update_rate (at most 1000) when
+    it balances: the bias moves an expert's selection score by ~rate a step, so in 1/rate steps by the whole (0, 1)
+    range of the sigmoid affinities; an expert starved past that is not waiting on it. Without balancing
+    (rate 0) there is nothing to wait for."""
+    return max(3 * log_interval, min(math.ceil(1 / bias_update_rate), 1000) if bias_update_rate > 0 else 0)
+
+
+def load_collapse_line(state, step, dead_frac_layers, n_experts, log_interval, bias_update_rate, first_moe_layer=0):
+    """Judge a full log window's per-MoE-layer dead-expert fractions (a metrics row's dead_frac_layers, ending at
+    step); state (a dict, JSON, kept in state.json) carries the streaks. Returns the WARNING line at onset (a layer
+    over COLLAPSE_FRAC COLLAPSE_WINDOWS windows in a row), the line saying it cleared (every layer at or under it
+    for as many windows), or None: one line each way, so a layer flickering around the threshold is said at most
+    once every COLLAPSE_WINDOWS windows."""
+    if step <= collapse_grace_steps(log_interval, bias_update_rate) or not dead_frac_layers:
+        return None
+    n = len(dead_frac_layers)
+    streak, since = state.get("streak"), state.get("since")
+    if not (isinstance(streak, list) and isinstance(since, list) and len(streak) == len(since) == n
+            and all(isinstance(v, int) for v in streak + since)):  # (another model's, grown or hand-edited: recounted)
+        streak, since = [0] * n, [0] * n
+    for i, d in enumerate(dead_frac_layers):
+        if d > COLLAPSE_FRAC:
+            since[i] = since[i] if streak[i] else step - log_interval + 1
+            streak[i] += 1
+        else:
+            streak[i] = 0
+    state["streak"], state["since"] = streak, since
+    if state.get("warned") is None:
+        worst = sorted((i for i in range(n) if streak[i] >= COLLAPSE_WINDOWS), key=lambda i: -dead_frac_layers[i])
+        if not worst:
+            return None
+        state["warned"], state["calm"] = step, 0
+        named = ", ".join(f"layer {first_moe_layer + i}: {round(dead_frac_layers[i] * n_experts)} of {n_experts} "
+                          f"experts starved" for i in worst[:COLLAPSE_LIST])
+        more = f" (and {len(worst) - COLLAPSE_LIST} more layers)" if len(worst) > COLLAPSE_LIST else ""
+        steps = min(step - since[i] + 1 for i in worst)
+        why = (f"bias_update_rate is {bias_update_rate:g}: " + (
+            "nothing balances the experts (config/nano.py has 1e-3; set it and resume)" if bias_update_rate <= 0
+            else "the router bias is not keeping up (raise it?) or the routing broke"))
+        return (f"WARNING: expert load collapsed at step {step}: {named}{more} (under 10% of the mean load) for the "
+                f"last {steps} steps; {why}; per-layer figures: dead_frac_layers in metrics.jsonl")
+    calm = state.get("calm") if isinstance(state.get("calm"), int) else 0
+    state["calm"] = 0 if max(dead_frac_layers) > COLLAPSE_FRAC else calm + 1
+    if state["calm"] < COLLAPSE_WINDOWS:
+        return None
+    warned, state["warned"] = state["warned"], None
+    return (f"expert load recovered at step {step}: no MoE layer has starved over {COLLAPSE_FRAC:.0%} of its experts "
+            f"for {COLLAPSE_WINDOWS} log windows (collapsed since the warning at step {warned})")
+
+
 def last_metrics_row(path):
     """metrics.jsonl's last complete row (a dict), or None (no file, or none parses); reads only the file's tail."""
     try:
@@ -1662,6 +1719,16 @@ def main(argv):
         if val_loss is not None:
             rec["val_loss"] = val_loss
         rec["quarantined_shards"] = len(quarantined)
+        # a MoE layer starving most of its experts window after window: said once (and when it clears), not found
+        # out hours later; its streaks are in state.json, so a resume goes on counting them
+        collapse = None
+        if st["step"] % cfg["log_interval"] == 0 and rec["dead_frac_layers"]:  # (full windows only)
+            if not isinstance(st.get("load_collapse"), dict):
+                st["load_collapse"] = {}
+            collapse = load_collapse_line(st["load_collapse"], st["step"], rec["dead_frac_layers"], mcfg.n_experts,
+                                          cfg["log_interval"], mcfg.bias_update_rate, mcfg.n_dense_layers)
+        rec["load_collapsed"] = (isinstance(st.get("load_collapse"), dict)
+                                 and st["load_collapse"].get("warned") is not None)
         if master:
             metrics_f.write(json.dumps(rec) + "\n")
             metrics_f.flush()
@@ -1669,6 +1736,8 @@ def main(argv):
             if cfg["mirror_dir"]:
                 mirror(out, cfg["mirror_dir"], checkpoints=False)
         log(step_line(rec, eta))
+        if collapse:
+            log(collapse)
         if st["step"] % cfg["log_interval"] == 0:  # the window's end (see above); the others show it so far
             window_load, window_loss = None, []
         window_t, window_tokens, window_flops, window_paused = time.monotonic(), 0, 0.0, 0.0

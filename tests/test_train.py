@@ -645,6 +645,56 @@ def test_the_log_line_gives_each_figure_fixed_decimals():
     assert "| load cv - |" in train.step_line({**rec, "load_cv": None}, 0)
 
 
+def test_an_expert_load_collapse_is_said_once_at_onset_and_once_when_it_clears():
+    """A router that sent most tokens to a few experts (bias_update_rate=0, or a bug) was found out hours later in
+    metrics.jsonl. Past the grace (1/bias_update_rate steps, at least three windows), a MoE layer starving over half
+    its experts three full windows in a row is one WARNING line naming it; the next windows say nothing until every
+    layer has been at or under half for three windows: one line that it recovered. The streaks are JSON (state.json):
+    a resume goes on counting them."""
+    def judge(state, step, dead, rate=1e-2, n_experts=16):
+        return train.load_collapse_line(state, step, dead, n_experts, 10, rate, first_moe_layer=1)
+
+    st, starved, fine = {}, [0.25, 0.75, 0.25], [0.25, 0.5, 0.25]  # (half starved is no collapse)
+    assert [judge(st, s, starved) for s in range(10, 101, 10)] == [None] * 10  # warm-up: 1/0.01 steps
+    assert judge(st, 110, starved) is None and judge(st, 120, starved) is None
+    said = judge(st, 130, [0.25, 0.75, 0.8125])
+    assert said.startswith("WARNING: expert load collapsed at step 130: layer 2: 12 of 16 experts starved") and (
+        "layer 3" not in said and "for the last 30 steps" in said and "bias_update_rate is 0.01" in
+        said and "dead_frac_layers in metrics.jsonl" in said), said
+    st = json.loads(json.dumps(st))  # (a resume: the checkpoint's state.json)
+    flicker = [starved, fine, fine, starved, fine, starved, fine, fine]  # over half again before three calm windows
+    assert [judge(st, 140 + 10 * i, d) for i, d in enumerate(flicker)] == [None] * len(flicker)
+    said = judge(st, 220, fine)
+    assert said == ("expert load recovered at step 220: no MoE layer has starved over 50% of its experts for 3 log "
+                    "windows (collapsed since the warning at step 130)"), said
+    assert [judge(st, s, fine) for s in (230, 240)] == [None, None]
+    # no balancing: nothing to wait for past three windows; every collapsed layer named, worst first, the line capped
+    st = {"streak": "hand-edited"}  # (recounted, not a crash)
+    dead = [0.625] * 5 + [0.875] + [0.75] * 4
+    assert [judge(st, s, dead, rate=0.0, n_experts=64) for s in (10, 20, 30, 40, 50)] == [None] * 5
+    said = judge(st, 60, dead, rate=0.0, n_experts=64)
+    assert "at step 60: layer 6: 56 of 64 experts starved, layer 7: 48 of 64" in said and (
+        "(and 2 more layers)" in said and "for the last 30 steps" in said and "bias_update_rate is 0: nothing balances"
+        in said), said
+    assert train.collapse_grace_steps(10, 1e-3) == 1000 and train.collapse_grace_steps(1, 1e-6) == 1000
+
+
+def test_a_collapsed_routers_run_warns_and_records_it(data_root, tmp_path):
+    """bias_update_rate=0 on the suite's tiny model: from step ~8 two or three experts of eight take nearly every
+    token, in each MoE layer (5 or 6 of 8 starved a step, where 1e-2 starves 0-6 with no trend): the log says so
+    once, the rows and state.json record it."""
+    out = str(tmp_path / "run")
+    r = run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=14", "--warmup_iters=1",
+                    "--eval_interval=1000", "--bias_update_rate=0"])
+    said = [ln for ln in r.stdout.splitlines() if "expert load" in ln]
+    assert len(said) == 1 and said[0].startswith("WARNING: expert load collapsed at step ") and (
+        "bias_update_rate is 0" in said[0]), r.stdout[-3000:]
+    m = metrics(out)
+    assert not m[1]["load_collapsed"] and m[14]["load_collapsed"], [m[s]["dead_frac_layers"] for s in m]
+    st = json.load(open(os.path.join(out, "step_0000014", "state.json")))
+    assert st["load_collapse"]["warned"] == int(said[0].split("at step ")[1].split(":")[0])
+
+
 def test_a_refused_replan_names_what_differs():
     """A resume whose config plans otherwise was refused with "the config's plan differs" alone: a user who had
     trained with --max_iters=60 --warmup_iters=5 could not tell which of them to put back. Each change is named, and a
