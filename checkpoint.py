@@ -3,8 +3,9 @@ Checkpoint directories on disk: atomic writes, manifests, LATEST (retention is r
 
     out_dir/step_NNNNNNN/model.safetensors   weights (+ the router bias buffers)
                          optimizer.pt        tensors only, loads with torch.load(weights_only=True)
-                         state.json          step, tokens, stage, data position, RNG, best val loss, config
-                         MANIFEST.json       {"files": {name: {"sha256", "bytes"}}, "step": N}
+                         state.json          step, tokens, data position, RNG, best val loss, config, plan (no stage
+                                             field: the stage is the plan's at those tokens, schedule.stage_at)
+                         MANIFEST.json       {"files": {name: {"sha256", "bytes"}}, "step": N, "written_at": T}
     out_dir/LATEST                           name of the newest valid checkpoint dir
 
 A checkpoint without a valid manifest does not exist. A save writes into a hidden temp dir, fsyncs every file

@@ -11,7 +11,7 @@ import time
 
 EXIT_OK, EXIT_ERROR, EXIT_DATA, EXIT_DENIED, EXIT_UNREACHABLE, EXIT_DISK, EXIT_NONFINITE = 0, 1, 3, 4, 5, 6, 7
 EXIT_HANG = 8  # no step progress for hang_timeout s (Watchdog)
-EXIT_CRASH = 10  # anything unforeseen (a CUDA or NCCL error, an I/O error on a network mount): the guardian restarts
+EXIT_CRASH = 10  # anything unforeseen (a CUDA or NCCL error; EIO or a dropped mount is 5): the guardian restarts
 CAUSES = {EXIT_ERROR: "error", EXIT_DATA: "corrupt data", EXIT_DENIED: "storage denied",
           EXIT_UNREACHABLE: "storage unreachable", EXIT_DISK: "out of disk", EXIT_NONFINITE: "non-finite loss",
           EXIT_HANG: "hang", EXIT_CRASH: "crash"}

@@ -58,6 +58,15 @@ def test_tokenizer_roundtrip_unicode_and_id0_never_emitted(tok):
     assert tok.encode("\x00") == [1]  # the NUL byte is id 1: ranks are shifted by one
 
 
+def test_a_vocab_past_uint16_is_refused(tok):
+    """DESIGN.md: shards hold uint16 tokens, so every id must be < vocab_size <= 65535, refused before training."""
+    with pytest.raises(ValueError, match="65535"):
+        tokmod.train_tokenizer(["never trained"], 65536)
+    with pytest.raises(ValueError, match="65535"):
+        tokmod.Tokenizer(tok.pattern, tok.token_bytes, 65536)
+    assert tokmod.Tokenizer(tok.pattern, tok.token_bytes, 65535).vocab_size == 65535
+
+
 def test_a_million_spaces_in_a_row_encode_and_train(tok):
     """~1M whitespace characters in one document overflowed the Rust pre-split regex's stack: a PanicException
     (a BaseException no handler caught) ended a whole prepare run, and tokenizer training, with a backtrace."""

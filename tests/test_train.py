@@ -111,6 +111,30 @@ def test_loss_falls(data_root, tmp_path):
     assert st["finished"] and st["tokens"] == 60 * 4 * 32
 
 
+def test_a_checkpoint_dir_holds_what_design_md_says(three_steps):
+    """DESIGN.md's checkpoint format, read back: step_NNNNNNN/ with model.safetensors, optimizer.pt (tensors only,
+    weights_only=True), state.json (step, tokens, data position, RNG, best val loss, config; the stage is the plan's
+    at those tokens) and a MANIFEST.json hashing every other file; LATEST names the newest valid step."""
+    import hashlib
+    newest = checkpoint.list_checkpoints(three_steps)[-1][1]
+    assert open(os.path.join(three_steps, "LATEST")).read().strip() == os.path.basename(newest) == "step_0000003"
+    names = set(os.listdir(newest))
+    assert {"model.safetensors", "optimizer.pt", "state.json", "MANIFEST.json"} <= names, names
+    man = json.load(open(os.path.join(newest, "MANIFEST.json")))
+    assert man["step"] == 3 and set(man["files"]) == names - {"MANIFEST.json"}, man
+    for name, entry in man["files"].items():
+        data = open(os.path.join(newest, name), "rb").read()
+        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}, name
+    st = json.load(open(os.path.join(newest, "state.json")))
+    for key in ("step", "tokens", "data_position", "rng", "best_val_loss", "config", "plan", "model_config"):
+        assert key in st, key
+    assert st["step"] == 3 and set(st["data_position"]) == {"local"}
+    assert set(st["data_position"]["local"]) == {"shard", "offset", "epoch"}
+    assert schedule.stage_at(st["plan"], st["tokens"])[1]["name"] == "stable"  # 1 warmup step, then stable
+    opt = torch.load(os.path.join(newest, "optimizer.pt"), map_location="cpu", weights_only=True)
+    assert opt["state"] and all(isinstance(v, torch.Tensor) for s in opt["state"].values() for v in s.values())
+
+
 def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, three_steps, tmp_path):
     out = str(tmp_path / "run")
     base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", *ON_DEMAND]
@@ -1318,6 +1342,23 @@ def test_every_config_file_is_valid(path):
     assert cfg.vocab_size <= 65535
     plan = schedule.build_plan(g, lambda T: g["batch_size"] * T * g["grad_accum"])
     assert schedule.plan_tokens(plan) > 0
+
+
+def test_retention_keeps_the_last_k_every_stage_end_and_the_best(tmp_path):
+    """DESIGN.md's retention: the last K (permanent ones), every stage's final one, the best by val loss; never the
+    only valid checkpoint (a temporary one alone stays)."""
+    out = str(tmp_path / "run")
+    kinds = {1: "periodic", 2: "stage_final", 3: "temporary", 4: "periodic", 5: "best", 6: "periodic", 7: "temporary",
+             8: "periodic"}
+    for step, kind in kinds.items():
+        checkpoint.save(out, step, {"state.json": lambda p, s=step, k=kind: open(p, "w").write(json.dumps(
+            {"kind": k, "step": s}))})
+    checkpoint.write_atomic_text(os.path.join(out, "BEST"), "step_0000005\n")
+    rundir.retain(out, 2, saved=os.path.join(out, "step_0000008"))
+    assert [s for s, _ in checkpoint.list_checkpoints(out)] == [2, 5, 6, 8]
+    alone = str(tmp_path / "alone")
+    checkpoint.save(alone, 4, {"state.json": lambda p: open(p, "w").write('{"kind": "temporary", "step": 4}')})
+    assert rundir.retain(alone, 1) == [] and [s for s, _ in checkpoint.list_checkpoints(alone)] == [4]
 
 
 def test_retention_skips_a_checkpoint_whose_state_is_unreadable(tmp_path):
