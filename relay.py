@@ -19,8 +19,8 @@ directory with the same compare-and-swap semantics, safe across processes; for o
 
 Files in the store (DESIGN.md, Relay):
     RELAY.json           the lease: holder, nonce, generation, leg, claimed/heartbeat times, ttl, write_id
-    training_state.json  step, tokens, stage, plan, decay fields (copied from the checkpoint's state.json),
-                         decay_requested, legs (legs pushed so far), checkpoint (folder name)
+    training_state.json  step, tokens, stage, plan, decay fields, load_collapse (copied from the checkpoint's
+                         state.json), decay_requested, legs (legs pushed so far), checkpoint (folder name)
     config.py            the run's train.py config (init writes it; every leg trains with it); data only:
                          literal assignments (configurator.not_data), since train.py execs it on every
                          contributor's machine, so a config.py holding code is refused before anything runs;
@@ -99,7 +99,8 @@ from relay_lease import (CKPT_PREFIX, DEFAULT_HEARTBEAT, DEFAULT_TTL, RELAY_FORM
 
 LEDGER_HEADER = ("| leg | who | gpu | steps | tokens | wall | $ | loss start | loss end | step range | generation | finished (UTC) |\n"
                  "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-STATE_KEYS = ("plan", "decay", "decay_started_at_tokens", "finished", "best_val_loss", "best_step")  # from state.json
+# from state.json (load_collapse: the trainer's expert-load collapse streaks and warning, for `status`)
+STATE_KEYS = ("plan", "decay", "decay_started_at_tokens", "finished", "best_val_loss", "best_step", "load_collapse")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -1294,7 +1295,16 @@ def status_dict(store):
             "stage": stage_name(s), "legs": s.get("legs"), "decay_requested": s.get("decay_requested"),
             "decay": s.get("decay") or s.get("decay_started_at_tokens"), "finished": s.get("finished"), "usd_total": s.get("usd_total", 0.0),
             "ledger": parse_ledger(snap.ledger()),
-            "last_eval_due": last_eval_due(store, snap.sha) if s.get("finished") else None}
+            "last_eval_due": last_eval_due(store, snap.sha) if s.get("finished") else None,
+            "load_collapsed_since": load_collapsed_since(s)}
+
+
+def load_collapsed_since(state):
+    """The step at which the pushed checkpoint's trainer warned of an expert-load collapse not cleared since
+    (train.py's load_collapse_line: said once, in that leg's log), from training_state.json; or None."""
+    lc = state.get("load_collapse")
+    warned = lc.get("warned") if isinstance(lc, dict) else None
+    return warned if isinstance(warned, int) and not isinstance(warned, bool) else None
 
 
 def cmd_status(args):
@@ -1316,6 +1326,10 @@ def cmd_status(args):
                     f"{', FINISHED' if d['finished'] else ', decaying' if decaying else ''}"
                     + (f" but its last step {d['last_eval_due']}'s evaluation was cut short: a leg (`relay.py run "
                        f"{d['store']} --steps 1`) measures it" if d.get("last_eval_due") is not None else "")))
+    if d["load_collapsed_since"] is not None:  # (said once, in the log of the leg that trained it: nowhere else)
+        print(printable(f"  WARNING: expert load collapsed since step {d['load_collapsed_since']} (the pushed "
+                        f"checkpoint's state; its leg's trainer log names the layers): dead_frac_layers in logs/, or "
+                        f"`relay.py dashboard {d['store']}`"))
     num = lambda x, spec: "-" if x is None else format(x, spec)  # as the ledger writes them (it said "$0.0", "None")
     for row in d["ledger"][-5:]:
         did = f" ({row['steps']})" if isinstance(row["steps"], str) else ""  # (a measuring leg's words)

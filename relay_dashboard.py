@@ -22,8 +22,9 @@ import relay_store
 # bytes of leg logs (as stored) the dashboard reads and keeps, newest leg first: each log is capped on its own
 # (relay_store.READ_CAPS), but a run's logs add up, one per leg, without bound; the older ones are named, not read
 LOG_BUDGET = 128 * relay_store.MiB
-# a metrics row's keys the page reads (render(): charts, heatmap, the local run's step, tokens and $); the rest of a
-# train.py row (per-layer dead fractions, gpu, time, ...) is dropped as the log is read
+# a metrics row's keys the page reads (render(): charts, heatmap, the local run's step, tokens and $; and
+# load_collapsed, kept when true: the banner's); the rest of a train.py row (per-layer dead fractions, gpu, time, ...)
+# is dropped as the log is read
 SHOWN_KEYS = ("step", "tokens", "loss", "val_loss", "lr", "tok_per_s", "mfu", "dead_frac", "load_cv", "load_cv_layers",
               "usd")
 
@@ -87,7 +88,20 @@ def dashboard_data(target, log_cache=None):
         d["state"] = {"step": d["metrics"][-1].get("step") if d["metrics"] else None,
                       "tokens": d["metrics"][-1].get("tokens") if d["metrics"] else None, "usd_total": usd[-1] if usd else 0.0}
     d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))
+    d["load_collapse"] = load_collapse(d["metrics"])
     return d
+
+
+def load_collapse(rows):
+    """The banner's figures when the newest row says its trainer warned of an expert-load collapse (train.py's
+    load_collapsed, said once in that trainer's log): {"step": that row's, "since": the first of the rows before it
+    that all say so}; else None."""
+    if not rows or rows[-1].get("load_collapsed") is not True:
+        return None
+    since = len(rows) - 1
+    while since > 0 and rows[since - 1].get("load_collapsed") is True:
+        since -= 1
+    return {"step": rows[-1].get("step"), "since": rows[since].get("step")}
 
 
 def one_row_per_step(logs):
@@ -164,6 +178,8 @@ def shown_metric(m, same=None):
             out[k] = finite(v)
         elif isinstance(v, list) and all(x is None or shown_number(x) for x in v):
             out[k] = [finite(x) for x in v] if same is None else [same.setdefault(x, x) for x in map(finite, v)]
+    if m.get("load_collapsed") is True:  # (train.py's: its expert load collapsed; the banner's, false left out)
+        out["load_collapsed"] = True
     if m.get("not_pushed") is True:  # (leg_history's mark: this workdir's leg, not pushed yet)
         out["not_pushed"] = True
     return out
@@ -195,10 +211,11 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:15px;margin:18px 0 6px}
 .kv span{display:inline-block;margin-right:18px} .kv b{font-weight:600}
 table{border-collapse:collapse;font-size:12px;width:100%} td,th{border-bottom:1px solid #eee;padding:3px 6px;text-align:right}
 td:nth-child(2),td:nth-child(3),th:nth-child(2),th:nth-child(3){text-align:left}
-svg text{font-size:10px;fill:#555} .muted{color:#888}
+svg text{font-size:10px;fill:#555} .muted{color:#888} .warn{border-color:#d62728;color:#a00;font-weight:600}
 </style></head><body>
 <h1>picaflor relay &mdash; <span id="src"></span></h1>
 <div class="muted" id="updated"></div>
+<div class="card warn" id="collapse" hidden></div>
 <div class="card kv" id="baton"></div>
 <div class="grid">
  <div class="card"><h2>Loss over tokens</h2><svg id="loss" width="440" height="230"></svg></div>
@@ -289,6 +306,12 @@ function render(D) {
   if (s.decay_requested) h.push("<span><b>decay requested</b></span>");
   else if (s.decay !== undefined && s.decay !== null && s.decay !== false) h.push("<span><b>decaying</b></span>");
   document.getElementById("baton").innerHTML = h.join("");
+  // the newest row says the trainer warned of an expert-load collapse (its log said so once; nothing else did)
+  var c = D.load_collapse, banner = document.getElementById("collapse");
+  banner.hidden = !c;
+  banner.innerHTML = c ? "WARNING: expert load collapsed at logged step " + esc(c.step) + " (every row since step "
+    + esc(c.since) + " says so): a MoE layer starves over half its experts; the trainer's log names the layers and "
+    + "bias_update_rate; the dead-expert chart below, dead_frac_layers in metrics.jsonl" : "";
   lineChart("loss", [{name: "loss", pts: pts(ms, "loss")}, {name: "val loss", pts: pts(ms, "val_loss")}].concat(
     fresh.length ? [{name: "loss (not pushed)", pts: pts(fresh, "loss")}] : []), "tokens");
   lineChart("tps", [{name: "tok/s", pts: pts(ms, "tok_per_s")}], "tokens");

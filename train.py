@@ -779,6 +779,9 @@ def print_status(run_dir):
     guardian = rundir.lock_holder(out_dir, "guardian")
     print(f"  trainer: {f'running (pid {pid})' if pid else 'not running'}"
           f"{f', supervised (guardian pid {guardian})' if guardian else ''}{newer}")
+    collapse = load_collapse_status(st, row)
+    if collapse:
+        print(f"  {collapse}")
 
 
 def step_line(rec, eta):
@@ -847,6 +850,36 @@ def load_collapse_line(state, step, dead_frac_layers, n_experts, log_interval, b
     warned, state["warned"] = state["warned"], None
     return (f"expert load recovered at step {step}: no MoE layer has starved over {COLLAPSE_FRAC:.0%} of its experts "
             f"for {COLLAPSE_WINDOWS} log windows (collapsed since the warning at step {warned})")
+
+
+def load_collapse_status(st, row):
+    """--status's line on an expert-load collapse (said once, in the trainer's log only), or None: the checkpoint's
+    state.json warned of one and it has not cleared, or metrics.jsonl's newest row (row), past the checkpoint, says
+    one is on; the layers that row's dead_frac_layers starve over COLLAPSE_FRAC (MoE layers: after the dense ones)."""
+    lc = st.get("load_collapse") if isinstance(st.get("load_collapse"), dict) else {}
+    warned = lc.get("warned") if isinstance(lc.get("warned"), int) and not isinstance(lc.get("warned"), bool) else None
+    row = row if isinstance(row, dict) and isinstance(row.get("step"), int) else {}
+    newer = row.get("step", -1) > st["step"]
+    if newer and row.get("load_collapsed") is False and warned is not None:
+        return (f"expert load collapsed at step {warned} (the checkpoint's state); recovered by the newest logged step "
+                f"{row['step']}")
+    if warned is None and not (newer and row.get("load_collapsed") is True):
+        return None
+    since = f"since step {warned}" if warned is not None else f"after the checkpoint's step {st['step']}"
+    mc = st.get("model_config") if isinstance(st.get("model_config"), dict) else {}
+    first = mc.get("n_dense_layers") if isinstance(mc.get("n_dense_layers"), int) else 0
+    dead = row.get("dead_frac_layers")
+    layers = ([first + i for i, d in enumerate(dead) if isinstance(d, (int, float)) and d > COLLAPSE_FRAC]
+              if row.get("load_collapsed") is True and isinstance(dead, list) else [])
+    named = ", ".join(map(str, layers[:COLLAPSE_LIST])) + (
+        f" (and {len(layers) - COLLAPSE_LIST} more)" if len(layers) > COLLAPSE_LIST else "")
+    which = (f"; at logged step {row['step']} " + (f"layers {named} starve over {COLLAPSE_FRAC:.0%} of their experts"
+             if len(layers) > 1 else f"layer {named} starves over {COLLAPSE_FRAC:.0%} of its experts")
+             if layers else "")
+    rate = mc.get("bias_update_rate")
+    rate = f"; bias_update_rate {rate:g}" if isinstance(rate, (int, float)) and not isinstance(rate, bool) else ""
+    return (f"WARNING: expert load collapsed {since} (said once, in the trainer's log){which}{rate}; per-layer "
+            f"figures: dead_frac_layers in metrics.jsonl")
 
 
 def last_metrics_row(path):

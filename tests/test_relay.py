@@ -2431,6 +2431,34 @@ def test_status_prints_the_ledgers_dollars_and_losses_as_the_ledger_writes_them(
     assert "Traceback" not in p.stderr and "Broken" not in p.stderr, p.stderr
 
 
+def test_status_says_an_expert_load_collapse_the_pushed_checkpoint_warned_of(tmp_path, rl):
+    """A trainer's expert-load collapse warning was said once, in the log of whoever trained that leg: `relay.py
+    status` said nothing of it. The push copies state.json's load_collapse into training_state.json (no download
+    more for status), which says it while the newest pushed checkpoint's warning stands; a push that cleared it
+    ends it."""
+    url = store_url("file", tmp_path, None)
+    init_run(url, tmp_path, base_env())
+    store = relay.open_store(url)
+
+    def leg(step, warned):
+        lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=90, heartbeat=30)
+        run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
+        st = {"step": step, "tokens": 100 * step, "load_collapse": {"streak": [4], "since": [101], "warned": warned}}
+        checkpoint.save(run_dir, step, {"model.safetensors": lambda p: open(p, "w").write("w"),
+                                        "state.json": lambda p: json.dump(st, open(p, "w"))})
+        relay.push(store, lease, run_dir, wall_s=1, usd_per_hour=0.0)
+        relay.release(store, lease)
+        return rl(["status", url])
+    r = leg(140, 130)
+    said = [ln for ln in r.stdout.splitlines() if "expert load" in ln]
+    assert r.returncode == 0 and said == [
+        f"  WARNING: expert load collapsed since step 130 (the pushed checkpoint's state; its leg's trainer log names "
+        f"the layers): dead_frac_layers in logs/, or `relay.py dashboard {url}`"], r.stdout
+    assert json.loads(rl(["status", url, "--json"]).stdout)["load_collapsed_since"] == 130
+    r = leg(160, None)  # the next leg's trainer said it recovered
+    assert r.returncode == 0 and "expert load" not in r.stdout, r.stdout
+
+
 def test_a_pull_names_earlier_leg_dirs_that_nothing_resumes(tmp_path, capsys):
     """A fenced or failed leg's dir (a checkpoint or more, GBs on a real run) stayed in the workdir for good, never
     named again, until a pull ran out of disk; the next pull names it (whether steps were trained there), keeps it,

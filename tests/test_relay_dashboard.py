@@ -70,8 +70,11 @@ def test_dashboard_renders_run_in_chromium(fixture_run, tmp_path):
     # (and a tokens cell that is not a number: the table's number format threw, and the table stayed empty)
     row = "| 3 | mallory | x | <b>9</b> | n/a | 1s | 0.00 | 1 | 1 | 0-9 | <i>3</i> | now |\n"
     decaying = json.dumps(dict(snap.state, decay_started_at_tokens=1024)).encode()  # the trainer took the decay flag
-    relay.commit_cas(store, snap.sha, {"LEDGER.md": (snap.ledger() + row).encode(), "training_state.json": decaying}, [],
-                     "a test", snap.relay)
+    # the newest leg log's rows say the trainer warned of an expert-load collapse at step 18 (its log said so, once)
+    collapsed = "".join(json.dumps({"step": s, "tokens": 4096 * s, "load_collapsed": s >= 18}) + "\n"
+                        for s in (17, 18, 19))
+    relay.commit_cas(store, snap.sha, {"LEDGER.md": (snap.ledger() + row).encode(), "training_state.json": decaying,
+                                       "logs/leg-0003.jsonl": collapsed.encode()}, [], "a test", snap.relay)
     p, url = serve(fixture_run, base_env())
     try:
         page = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -87,6 +90,9 @@ def test_dashboard_renders_run_in_chromium(fixture_run, tmp_path):
     assert "mallory" in dom and "&lt;b&gt;9&lt;/b&gt;" in dom  # the hand-edited row, as text
     assert "(leg 3, generation 3" in dom and "legs <b>2</b>" in dom and "step <b>16</b>" in dom
     assert "<b>decaying</b>" in dom  # (once the trainer took the flag, nothing said the run was decaying)
+    banner = re.search(r'<div class="card warn" id="collapse">([^<]*)</div>', dom)
+    assert banner and banner.group(1).startswith("WARNING: expert load collapsed at logged step 19 (every row since "
+                                                 "step 18 says so)"), dom[:3000]
     # the charts drew one series each (loss, val loss, tok/s, MFU, lr, dead frac) and the per-layer heatmap 3 x 16
     for name in ("loss", "val loss", "tok/s", "MFU", "lr", "dead frac"):
         assert f'data-name="{name}"' in dom, name
@@ -113,6 +119,7 @@ def test_dashboard_local_run_dir_and_bad_target(tmp_path):
         p.kill()
         p.wait()
     assert "local run dir (no relay)" in dom and "step <b>8</b>" in dom
+    assert '<div class="card warn" id="collapse" hidden=""></div>' in dom  # (no row says its expert load collapsed)
     assert 'data-name="loss"' in dom and dom.count('class="cell"') == 3 * 8 and "no legs yet" in dom
     r = subprocess.run([sys.executable, os.path.join(ROOT, "relay.py"), "dashboard", str(tmp_path / "nope")],
                        env=env, capture_output=True, text=True, timeout=60)
@@ -126,6 +133,23 @@ def test_dashboard_local_run_dir_and_bad_target(tmp_path):
     json.dumps(d, allow_nan=False)  # (raised ValueError: a NaN the browser's JSON.parse refuses)
     last = d["metrics"][-1]
     assert last["step"] == 9 and last["loss"] is None and last["load_cv_layers"] == [None, 0.5] and len(d["metrics"]) == 9
+
+
+def test_dashboard_says_an_expert_load_collapse_the_newest_row_says(tmp_path):
+    """A collapse was said once, in the trainer's log: the page, where a relay run is watched, showed only the
+    dead-expert curve. When the newest row says load_collapsed, the page's data names it (its banner): that row's step
+    and the first of the rows before it that all say so; a row that says it cleared ends it. Only true is kept."""
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = [{"step": s, "tokens": 10 * s, "loss": 5.0, "load_collapsed": s in (2, 4, 5, 6), "dead_frac_layers": [0.9]}
+            for s in range(1, 7)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+    d = relay_dashboard.dashboard_data(str(out))
+    assert d["load_collapse"] == {"step": 6, "since": 4}
+    assert [m.get("load_collapsed") for m in d["metrics"]] == [None, True, None, True, True, True]
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 7, "tokens": 70, "loss": 5.0, "load_collapsed": False}) + "\n")
+    assert relay_dashboard.dashboard_data(str(out))["load_collapse"] is None
 
 
 def test_dashboard_data_of_a_run_with_no_legs_then_hand_edited_ledger_and_log(tmp_path, monkeypatch):

@@ -719,6 +719,43 @@ def test_a_collapsed_routers_run_warns_and_records_it(data_root, tmp_path):
     assert st["load_collapse"]["warned"] == int(said[0].split("at step ")[1].split(":")[0])
 
 
+def test_status_says_an_ongoing_expert_load_collapse_and_its_layers(tmp_path):
+    """A collapse was said once, in the trainer's log; `--status` (what a user runs later) said nothing of it. The
+    newest checkpoint's state.json warned (load_collapse.warned, not cleared): one line, since when, and the layers
+    metrics.jsonl's newest row starves over half their experts (MoE layers numbered after the dense ones); a row past
+    the checkpoint that says it cleared, or one that says it began after the checkpoint, is said too."""
+    ck = tmp_path / "run" / "step_0000140"
+    ck.mkdir(parents=True)
+    plan = [{"name": "main", "lr_phase": "stable", "seq_len": 64, "mix": {"local": 1.0}, "tokens": 100000}]
+    st = {"step": 140, "tokens": 8960, "plan": plan, "world_size": 1, "elapsed_seconds": 10.0,
+          "config": {"batch_size": 1, "grad_accum": 1, "learning_rate": 1e-3, "min_lr": 1e-4},
+          "model_config": {"n_dense_layers": 1, "bias_update_rate": 0.01},
+          "load_collapse": {"streak": [0, 4, 1], "since": [0, 101, 131], "warned": 130, "calm": 0}}
+    (ck / "state.json").write_text(json.dumps(st))
+    row = lambda step, collapsed, dead: {"step": step, "loss": 5.0, "time": 1.7e9, "load_collapsed": collapsed,  # noqa
+                                         "dead_frac_layers": dead}
+    log = tmp_path / "run" / "metrics.jsonl"
+    log.write_text(json.dumps(row(140, True, [0.25, 0.75, 0.8125])) + "\n")
+    said = [ln for ln in main_output(["--status", str(ck)])[0].splitlines() if "expert load" in ln]
+    assert said == ["  WARNING: expert load collapsed since step 130 (said once, in the trainer's log); at logged step "
+                    "140 layers 2, 3 starve over 50% of their experts; bias_update_rate 0.01; per-layer figures: "
+                    "dead_frac_layers in metrics.jsonl"], said
+    with open(log, "a") as f:  # the trainer went on past the checkpoint: the load recovered at step 170
+        f.write(json.dumps(row(170, False, [0.25, 0.5, 0.25])) + "\n")
+    said = [ln for ln in main_output(["--status", str(ck)])[0].splitlines() if "expert load" in ln]
+    assert said == ["  expert load collapsed at step 130 (the checkpoint's state); recovered by the newest logged step "
+                    "170"], said
+    st["load_collapse"]["warned"] = None  # a healthy checkpoint: nothing said, unless a newer row says it collapsed
+    (ck / "state.json").write_text(json.dumps(st))
+    assert "expert load" not in main_output(["--status", str(ck)])[0]
+    with open(log, "a") as f:
+        f.write(json.dumps(row(190, True, [0.25, 0.5, 0.875])) + "\n")
+    said = [ln for ln in main_output(["--status", str(ck)])[0].splitlines() if "expert load" in ln]
+    assert said and said[0].startswith("  WARNING: expert load collapsed after the checkpoint's step 140 (said once, "
+                                       "in the trainer's log); at logged step 190 layer 3 starves over 50% of its "
+                                       "experts;"), said
+
+
 def test_a_refused_replan_names_what_differs():
     """A resume whose config plans otherwise was refused with "the config's plan differs" alone: a user who had
     trained with --max_iters=60 --warmup_iters=5 could not tell which of them to put back. Each change is named, and a
