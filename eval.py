@@ -7,6 +7,10 @@ scoring path for every model kind.
     python eval.py MODEL --tasks counting,gsm8k,passkey            # generation tasks (greedy; gsm8k 5-shot)
     python eval.py MODEL --tasks gsm8k --num-fewshot 0             # gsm8k zero-shot (eval.py before --num-fewshot)
     python eval.py --compare results/a/summary.json results/b/summary.json
+    python eval.py MODEL --tasks piqa --experts-per-token 1 --out results/top1   # routed as top-1 serving routes
+
+--experts-per-token K scores an MoE model with K routed experts per token (stream_infer.py's and chat.py's serve-time
+setting; default: the model's own top_k); summary.json and --compare's columns say the K each was scored at.
 
 MODEL is one of
 - a picaflor checkpoint dir `step_NNNNNNN/` or a run dir (its LATEST); tokenizer = the checkpoint's tokenizer.json
@@ -82,6 +86,7 @@ at all (!) between other numbers of examples, other examples (summary.json's "ex
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -302,20 +307,24 @@ def weights_identity(path):
     return "files " + sha256_text(json.dumps(stats))
 
 
-def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False, ram_budget=None):
+def load_model(spec, device, dtype_name, tokenizer_path=None, int4_engine=False, ram_budget=None,
+               experts_per_token=None):
     """MODEL string -> one of the LM kinds above. One-line EvalError when it is none of them. lm.weights: which
-    weights a local path held (weights_identity); a Hub id's commit is in lm.source."""
-    lm = load_model_kind(spec, device, dtype_name, tokenizer_path, int4_engine, ram_budget)
+    weights a local path held (weights_identity); a Hub id's commit is in lm.source. experts_per_token: routed
+    experts per token (None: the model's own top_k); lm.experts_per_token / lm.own_experts_per_token: the k it routes
+    with and its own (both None for a model without MoE layers)."""
+    lm = load_model_kind(spec, device, dtype_name, tokenizer_path, int4_engine, ram_budget, experts_per_token)
     local = getattr(lm, "source", None) if getattr(lm, "kind", "") == "picaflor" else spec
     lm.weights = weights_identity(local) if local and os.path.exists(local) else None
     return lm
 
 
-def load_model_kind(spec, device, dtype_name, tokenizer_path=None, int4_engine=False, ram_budget=None):
-    dtype = resolve_dtype(dtype_name, device)
+def load_model_kind(spec, device, dtype_name, tokenizer_path=None, int4_engine=False, ram_budget=None,
+                    experts_per_token=None):
+    dtype, k = resolve_dtype(dtype_name, device), experts_per_token
     if os.path.isdir(spec):
         if os.path.isfile(os.path.join(spec, "config.json")):
-            return load_hf(spec, device, dtype)
+            return load_hf(spec, device, dtype, k)
         try:
             ckpt_dir = checkpoint.resolve(spec)
         except checkpoint.CheckpointError as e:
@@ -327,10 +336,21 @@ def load_model_kind(spec, device, dtype_name, tokenizer_path=None, int4_engine=F
                 raise EvalError(str(e)) from None
             raise EvalError(f"{spec}: neither a Hugging Face model dir (no config.json) nor a picaflor checkpoint "
                             f"({e})") from None
+        if k is not None:
+            try:  # a k above its experts refused before the weights are verified and read (a bad state.json: below)
+                with open(os.path.join(ckpt_dir, "state.json")) as f:
+                    cfg = picaflor.ModelConfig.from_dict(json.load(f)["model_config"], complete=True)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                cfg = None
+            if cfg is not None:
+                routed_experts(k, cfg, ckpt_dir)
         tok = load_picaflor_tokenizer(tokenizer_path, ckpt_dir)
         m = picaflor.load_checkpoint(ckpt_dir, device=device, dtype=dtype)
         check_vocab(tok, m.cfg.vocab_size, tokenizer_path or os.path.join(ckpt_dir, "tokenizer.json"))
         lm = PicaflorModel(m, tok, spec, device)
+        lm.experts_per_token, lm.own_experts_per_token = routed_experts(k, m.cfg, ckpt_dir)
+        if k is not None:
+            m.set_top_k(k)
         lm.source = os.path.abspath(ckpt_dir)  # a run dir's LATEST moves on: the step scored, not the run's name
         gc_path = os.path.join(ckpt_dir, "generation_config.json")
         if os.path.isfile(gc_path):
@@ -338,28 +358,63 @@ def load_model_kind(spec, device, dtype_name, tokenizer_path=None, int4_engine=F
                 lm.generation_settings = shipped_penalties(json.load(f))
         return lm
     if os.path.isfile(spec):
-        return load_int4(spec, device, dtype, tokenizer_path, int4_engine, ram_budget)
+        return load_int4(spec, device, dtype, tokenizer_path, int4_engine, ram_budget, k)
     # owner/name is a Hub repo id, unless its owner is a folder here (out/nope: a mistyped local path, tried on
     # the Hub for ~50 s of retries, then "cannot connect")
     if (re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", spec) and not spec.startswith((".", "/"))
             and not os.path.isdir(spec.split("/")[0])):
-        return load_hf(spec, device, dtype)
+        return load_hf(spec, device, dtype, k)
     raise EvalError(f"{spec}: no such file or directory, and not a Hub repo id (owner/name); give a picaflor "
                     f"checkpoint or run dir, an int4 container or a transformers model dir")
 
 
-def load_hf(spec, device, dtype):
+def routed_experts(k, cfg, where):
+    """(the routed experts per token a picaflor config's model is scored at, its own top_k): k, refused above its
+    n_experts, else its own; (None, None) for a model without MoE layers (it routes nothing: any k is that model)."""
+    return experts_in_range(k, cfg.n_experts if cfg.n_dense_layers < cfg.n_layer else 0, cfg.top_k, where)
+
+
+def experts_in_range(k, n_experts, own, where):
+    if not n_experts:
+        return None, None
+    if k is not None and k > n_experts:
+        raise EvalError(f"--experts-per-token {k}: {where} has {n_experts} experts per MoE layer; pass 1..{n_experts} "
+                        f"(leave it out for its own {own})")
+    return (own if k is None else k), own
+
+
+def hf_experts(cfg):
+    """(routed experts per MoE layer, experts per token) of a transformers config; 0 experts without MoE layers. HYV3
+    (export.py's) names them num_experts / num_experts_per_tok, and mlp_layer_types says which layers are sparse."""
+    n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+    if "sparse" not in (getattr(cfg, "mlp_layer_types", None) or ["sparse"]):
+        n = 0
+    return n, getattr(cfg, "num_experts_per_tok", None)
+
+
+def load_hf(spec, device, dtype, experts_per_token=None):
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # keep stderr for our own messages
     # a Hub id offline: transformers retried ~55 s before failing; from the HF cache at once, or one line (its
     # adapter_config.json lookup does not take local_files_only from the model's arguments: ~30 s more)
     offline = not os.path.isdir(spec) and ET.hub_unreachable()
     local = {"local_files_only": bool(offline)}
+    k, config, own = experts_per_token, None, None
     try:
+        if k is not None:  # set on its config before the weights load (each MoE block reads it when it is built)
+            config = AutoConfig.from_pretrained(spec, **local)
+            n, own = hf_experts(config)
+            if n and own is None:
+                raise EvalError(f"--experts-per-token {k}: {spec}'s config.json names no num_experts_per_tok, the "
+                                f"setting eval.py changes; leave --experts-per-token out for this model")
+            experts_in_range(k, n, own, spec)
+            if n:
+                config.num_experts_per_tok = k
         tok = AutoTokenizer.from_pretrained(spec, **local)
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, adapter_kwargs=local, **local).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(spec, config=config, dtype=dtype, adapter_kwargs=local,
+                                                     **local).to(device).eval()
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a truncated weights file; shapes
         if offline and isinstance(e, OSError):  # (a file missing from the cache)
             raise EvalError(f"{spec}: cannot reach the Hub ({offline}) and the model is not in the Hugging Face cache; "
@@ -367,6 +422,8 @@ def load_hf(spec, device, dtype):
         raise EvalError(f"{spec}: cannot load as a transformers model ({(str(e).splitlines() or [''])[0]}); if its "
                         f"files are damaged, download or export it again, or point at another model") from None
     lm = HFModel(model, tok, spec, device)
+    n, k_now = hf_experts(model.config)  # (k itself where it was set)
+    lm.experts_per_token, lm.own_experts_per_token = (k_now, own or k_now) if n and k_now else (None, None)
     commit = getattr(model.config, "_commit_hash", None)  # set by transformers for a model from the Hub
     lm.source = os.path.abspath(spec) if os.path.isdir(spec) else f"{spec}@{commit}" if commit else spec
     return lm
@@ -384,7 +441,7 @@ def available_memory():
     return None
 
 
-def load_int4(path, device, dtype, tokenizer_path, use_engine=False, ram_budget=None):
+def load_int4(path, device, dtype, tokenizer_path, use_engine=False, ram_budget=None, experts_per_token=None):
     """An int4 container: its weights dequantised into model.Picaflor (batched, the same path as checkpoints;
     int4 -> float is exact, so this scores the int4 model) or, with use_engine, stream_infer's Engine (the
     kernels and expert streaming a laptop runs; one request at a time)."""
@@ -397,6 +454,8 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False, ram_budget=
         c = container.load_container(path)
     except container.ContainerError as e:
         raise EvalError(f"{path}: not a picaflor checkpoint, HF model dir or readable int4 container ({e})") from None
+    k = experts_per_token
+    routed = routed_experts(k, c.config, path)  # (before the weights are dequantised or the engine reads them)
     if tokenizer_path or not getattr(c, "tokenizer_json", None):
         tok = load_picaflor_tokenizer(tokenizer_path, os.path.dirname(os.path.abspath(path)))
     else:
@@ -412,7 +471,12 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False, ram_budget=
             engine = stream_infer.load(path, ram_budget=ram_budget, device=device, context=c.config.max_seq_len)
         except stream_infer.StreamError as e:
             raise EvalError(str(e)) from None
-        return EngineModel(engine, tok, path)
+        if k is not None:  # generation routes with the engine's own setting; a loglikelihood request takes its own
+            engine.set_experts_per_token(k)
+            engine.loglikelihood = functools.partial(engine.loglikelihood, experts_per_token=k)
+        lm = EngineModel(engine, tok, path)
+        lm.experts_per_token, lm.own_experts_per_token = routed
+        return lm
     cfg = c.config
     m = picaflor.meta_model(cfg)
     # the model's fp32 copy and the dequantised state dict are both held while loading: micro's 4 GB container
@@ -434,8 +498,11 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False, ram_budget=
     for moe in m.moe_layers():
         moe.load_accum.zero_()
     picaflor.to_dtype_keeping_router(m, dtype, sd).eval()
+    if k is not None:
+        m.set_top_k(k)
     lm = PicaflorModel(m, tok, path, device)
     lm.kind = "int4 (dequantized)"
+    lm.experts_per_token, lm.own_experts_per_token = routed
     return lm
 
 
@@ -834,7 +901,9 @@ def compare(paths):
                    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
             if bad:
                 raise EvalError(f"{p}: results[{task!r}][{bad[0]!r}] is not a number; pass files written by --out")
-    names = [str(s.get("model", p)) for s, p in zip(sums, paths)]
+    # (one model scored at top-1 and at top-2: the columns say which is which)
+    names = [str(s.get("model", p)) + (f" top-{s['experts_per_token']}" if s.get("experts_per_token") else "")
+             for s, p in zip(sums, paths)]
     # two evaluations of one run dir (its LATEST moved on): columns told apart
     names = [f"{n} [{i + 1}]" if names.count(n) > 1 else n for i, n in enumerate(names)]
     rows = []
@@ -882,8 +951,10 @@ def compare(paths):
         data = f"generated (seed {s.get('seed', '?')})" if made else s.get("data", "?")
         kind = f"{s['model_kind']}, " if s.get("model_kind") else ""  # an int4 container's said "dtype float32" only
         weights = f" ({s['model_weights']})" if s.get("model_weights") else ""  # a path whose weights were replaced
+        k = (f"experts per token {s['experts_per_token']} (its own {s.get('own_experts_per_token', '?')}), "
+             if s.get("experts_per_token") else "")
         lines.append(f"- {name}: {p}: {s.get('model_source', '?')}{weights}, {kind}data {data}, "
-                     f"dtype {s.get('dtype', '?')}, limit {s.get('limit')}, shots: {shots}")
+                     f"dtype {s.get('dtype', '?')}, {k}limit {s.get('limit')}, shots: {shots}")
     return "\n".join(lines)
 
 
@@ -910,6 +981,10 @@ def parse_args(argv):
                     "compare models scored the same way")
     ap.add_argument("--ram-budget", default=None, help="--int4-engine: bound for the whole process, e.g. 4G "
                     "(stream_infer.py's; default: no bound, every expert read into memory)")
+    ap.add_argument("--experts-per-token", type=int, default=None, metavar="K",
+                    help="routed experts per token in each MoE layer (default: the model's own top_k), as "
+                    "stream_infer.py / chat.py --experts-per-token serve it: e.g. 1 scores top-1 serving; recorded in "
+                    "summary.json and --compare's columns; a model without MoE layers takes any K")
     ap.add_argument("--batch-size", type=int, default=32,
                     help="max sequences per forward; for choices sharing a context: max questions per batch "
                     "(all their choices run on the shared context's cache, bounded by --max-batch-tokens)")
@@ -936,7 +1011,7 @@ def parse_args(argv):
 # (seed: the synthetic tasks' examples and the few-shot draws; model_weights: a path's weights, which a rollback or a
 # new export replaces under the same name)
 SAME_EVALUATION = ("model_source", "model_weights", "tokenizer", "data", "dtype", "limit", "max_gen_toks",
-                   "harness_version", "seed")
+                   "harness_version", "seed", "experts_per_token")
 
 
 def keep_earlier_results(out, summary, tasks):
@@ -954,6 +1029,7 @@ def keep_earlier_results(out, summary, tasks):
         raise EvalError(f"{path}: not a summary this script wrote ({e or 'not a JSON object'}); move it aside or pass "
                         f"another --out") from None
     done = [t for t in earlier.get("tasks_done", []) if t in ET.TASKS]
+    earlier.setdefault("experts_per_token", summary["own_experts_per_token"])  # (written before it was recorded)
     for key in SAME_EVALUATION:
         if key == "data" and (reads_no_data(done) or reads_no_data(tasks)):
             if reads_no_data(tasks):  # (counting, passkey alone: the summary's data stays the other tasks')
@@ -1026,7 +1102,8 @@ def evaluate(args):
             raise EvalError(f"--passkey-lengths {args.passkey_lengths!r}: comma-separated token counts, e.g. 4096,8192")
     if args.ram_budget is not None and not (args.int4_engine and os.path.isfile(args.model)):
         raise EvalError(f"--ram-budget {args.ram_budget}: bounds an int4 container scored with --int4-engine only")
-    lm = load_model(args.model, args.device, args.dtype, args.tokenizer, args.int4_engine, args.ram_budget)
+    lm = load_model(args.model, args.device, args.dtype, args.tokenizer, args.int4_engine, args.ram_budget,
+                    args.experts_per_token)
     if any(ET.TASKS[t][0] == "generate_until" for t in tasks):
         warn_shipped_settings(lm)
     summary = {"results": {}, "model": args.model, "model_kind": lm.kind,
@@ -1036,6 +1113,8 @@ def evaluate(args):
                "tokenizer": getattr(lm.tok, "hash", None) if lm.kind != "hf" else None,
                "data": os.path.abspath(args.data_dir) if args.data_dir else "hub", "harness_version": HARNESS_VERSION,
                "seed": args.seed, "dtype": lm.dtype, "device": str(args.device), "max_length": lm.max_length,
+               # routed experts per token scored at, and the model's own (None: no MoE layers)
+               "experts_per_token": lm.experts_per_token, "own_experts_per_token": lm.own_experts_per_token,
                "num_fewshot": {}, "limit": args.limit, "bootstrap_iters": args.bootstrap_iters,
                "logprob_dtype": "float32",  # log-softmax and sums in fp32 whatever the model's dtype (the harness: its)
                "max_gen_toks": args.max_gen_toks,
@@ -1091,8 +1170,10 @@ def score_tasks(lm, args, tasks, summary):
                                              "".join(json.dumps(example_record(i, d)) + "\n" for i, d in enumerate(docs)))
                 summary["tasks_done"] = list(summary["seconds"])
                 checkpoint.write_atomic_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1))
-                checkpoint.write_atomic_text(os.path.join(args.out, "results.md"),
-                                             f"# {args.model}\n\n" + markdown_table(summary))
+                k = summary.get("experts_per_token")
+                checkpoint.write_atomic_text(os.path.join(args.out, "results.md"), f"# {args.model}"
+                                             + (f" (routed experts per token: {k})" if k else "")
+                                             + "\n\n" + markdown_table(summary))
             except OSError as e:  # a full disk: the scores above are printed; the files of earlier tasks stay whole
                 raise EvalError(f"--out {args.out}: writing {task}'s results failed ({e.strerror}); its scores are "
                                 f"printed above; free space and rerun with --tasks {task}")
@@ -1104,7 +1185,8 @@ def score_tasks(lm, args, tasks, summary):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        for flag in ("max_gen_toks", "batch_size", "max_batch_tokens", "passkey_n"):  # 0 meant the default, < 0 nothing
+        # (0 meant the default, < 0 nothing)
+        for flag in ("max_gen_toks", "batch_size", "max_batch_tokens", "passkey_n", "experts_per_token"):
             v = getattr(args, flag)
             if v is not None and v < 1:
                 raise EvalError(f"--{flag.replace('_', '-')} {v}: at least 1")

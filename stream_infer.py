@@ -9,8 +9,9 @@ Python API (eval.py, bench/quant_quality.py):
     eng = stream_infer.load("model.pcf4", ram_budget="2G")
     eng.generate(prompt_ids, max_new_tokens, temperature=0, top_p=None, experts_per_token=None) -> list[int]
     eng.stream(...)  yields token ids as they are made
-    eng.loglikelihood(context_ids, continuation_ids) -> (sum log p, is_greedy); continuation None scores
-    tokens[1:] of context_ids; eng.loglikelihood_batch([(ctx, cont), ...])
+    eng.loglikelihood(context_ids, continuation_ids, experts_per_token=None) -> (sum log p, is_greedy); continuation
+    None scores tokens[1:] of context_ids; eng.loglikelihood_batch([(ctx, cont), ...]); experts_per_token None: the
+    container's top_k (scored as the container's model, whatever set_experts_per_token serves with)
     Threads may share an engine: its lock (eng.lock) lets one request step run at a time, and a request takes its
     KV positions from the --context the budget reserved (eng.kv_reserve), waiting while other threads' hold them.
     eng.forward(ids, cache) refuses, before any chunk runs, input that does not fit the KV cache (or, with no cache,
@@ -1060,10 +1061,12 @@ class Engine:
         return list(self.stream(prompt_ids, max_new_tokens, temperature, top_p, experts_per_token, seed, eos_id))
 
     @torch.no_grad()
-    def loglikelihood(self, context_ids, continuation_ids=None):
+    def loglikelihood(self, context_ids, continuation_ids=None, experts_per_token=None):
         """(sum of log p(continuation | context), whether every continuation token is the greedy argmax).
-        With continuation_ids None: scores tokens[1:] of context_ids given the ones before."""
-        return self._scored(*self._checked_request(context_ids, continuation_ids))
+        With continuation_ids None: scores tokens[1:] of context_ids given the ones before. experts_per_token: the
+        request's own, as stream()'s (None: the container's top_k, whatever the engine serves with)."""
+        k = self.checked_k(experts_per_token)
+        return self._scored(*self._checked_request(context_ids, continuation_ids), k)
 
     def _checked_request(self, context_ids, continuation_ids):
         """A loglikelihood request's (context, context + continuation) ids, or a StreamError saying what is wrong."""
@@ -1087,8 +1090,8 @@ class Engine:
         self._check_ids(ids, "input")
         return ctx, ids
 
-    def _scored(self, ctx, ids):
-        with self.kv_reserve(len(ids) - 1), self.routing(self.cfg.top_k):  # scored as the container's model
+    def _scored(self, ctx, ids, k):
+        with self.kv_reserve(len(ids) - 1), self.routing(k):
             return self._loglikelihood(ctx, ids)
 
     def _loglikelihood(self, ctx, ids):
@@ -1114,9 +1117,10 @@ class Engine:
         return total, greedy
 
     @torch.no_grad()
-    def loglikelihood_batch(self, requests):
+    def loglikelihood_batch(self, requests, experts_per_token=None):
         """loglikelihood of each (context_ids, continuation_ids) pair; every pair is checked before any is scored
         (a bad one was a bare unpacking error, or a StreamError naming no request, after the ones before it ran)."""
+        k = self.checked_k(experts_per_token)
         if not isinstance(requests, (list, tuple)):
             raise StreamError(f"loglikelihood_batch: a list of (context_ids, continuation_ids) pairs, not "
                               f"{type(requests).__name__}")
@@ -1129,7 +1133,7 @@ class Engine:
                 checked.append(self._checked_request(*req))
             except StreamError as e:
                 raise StreamError(f"loglikelihood_batch: request {i}: {e}") from None
-        return [self._scored(ctx, ids) for ctx, ids in checked]
+        return [self._scored(ctx, ids, k) for ctx, ids in checked]
 
 
 def compute_threads(eng, threads="auto"):

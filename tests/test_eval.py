@@ -888,6 +888,111 @@ def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):
         stream_infer.Engine.loglikelihood = real
 
 
+def test_experts_per_token_reaches_every_model_kind_and_is_recorded(hf_setup, tmp_path, capsys):
+    """--experts-per-token K: a checkpoint, its int4 container (dequantised and on stream_infer's engine) and its HF
+    export all score at K routed experts per token (eval.py scored each at its trained top_k only: "how much does
+    top-1 serving lose?" had no answer); at K=1 they agree as the parity tests ask of them at their own top_k, and
+    differ from K=2; summary.json, results.md and --compare's columns say the K."""
+    import io
+    from contextlib import redirect_stdout
+
+    import checkpoint
+    import container
+    import export
+    import model as picaflor
+    _, _, data_dir, _ = hf_setup
+    run_dir, tok = make_picaflor_ckpt(tmp_path)
+    path = str(tmp_path / "model.int4")
+    container.write_container(checkpoint.resolve(run_dir), path, group_size=32, progress=False)
+    c = container.load_container(path)
+    m = picaflor.Picaflor(c.config)  # the container's weights as a checkpoint, and that checkpoint's HF export
+    m.load_state_dict(c.dequantized_state_dict(), strict=False)
+    deq = str(tmp_path / "deq")
+    picaflor.save_checkpoint(m, deq, 1, tokenizer_file=os.path.join(checkpoint.resolve(run_dir), "tokenizer.json"))
+    with redirect_stdout(io.StringIO()):
+        export.main([deq, "--format", "hf", "--out", str(tmp_path / "hf"), "--dtype", "float32", "--no-progress"])
+    got, summaries = {}, {}
+    for name, argv in (("deq", [deq]), ("deq_k1", [deq, "--experts-per-token", "1"]),
+                       ("int4_k1", [path, "--experts-per-token", "1"]),
+                       ("engine_k1", [path, "--int4-engine", "--experts-per-token", "1"]),
+                       ("hf_k1", [str(tmp_path / "hf"), "--experts-per-token", "1"])):
+        out = tmp_path / f"out_{name}"
+        assert ev.main(argv + ["--tasks", "piqa,lambada_openai", "--data-dir", data_dir, "--device", "cpu",
+                               "--limit", "3", "--out", str(out), "--bootstrap-iters", "0"]) == 0
+        got[name] = [a for t in ("piqa", "lambada_openai") for x in (out / f"{t}.jsonl").read_text().splitlines()
+                     for a in json.loads(x)["loglikelihoods"]]
+        summaries[name] = json.loads((out / "summary.json").read_text())
+        k = 1 if name.endswith("_k1") else 2
+        assert (summaries[name]["experts_per_token"], summaries[name]["own_experts_per_token"]) == (k, 2), name
+        assert (out / "results.md").read_text().startswith(f"# {argv[0]} (routed experts per token: {k})\n")
+    near = lambda a, b, tol: all(abs(x - y) <= tol(x) for x, y in zip(got[a], got[b]))  # noqa: E731
+    assert near("deq_k1", "int4_k1", lambda x: 1e-4) and near("deq_k1", "hf_k1", lambda x: 1e-4)
+    assert near("int4_k1", "engine_k1", lambda x: 2e-3 * abs(x) + 3e-2)  # (the engine's kernels' rounding)
+    assert max(abs(x - y) for x, y in zip(got["deq"], got["deq_k1"])) > 0.1  # top-1 is another model
+    capsys.readouterr()
+    assert ev.main(["--compare", str(tmp_path / "out_deq" / "summary.json"),
+                    str(tmp_path / "out_deq_k1" / "summary.json")]) == 0
+    table = capsys.readouterr().out
+    assert f"| task | metric | {deq} top-2 | {deq} top-1 |" in table
+    assert "experts per token 1 (its own 2)" in table
+    # a rerun into an --out scored at another K is another evaluation (its results were mixed into one summary); a
+    # summary written before K was recorded was scored at the model's own
+    old = {k: v for k, v in summaries["deq"].items() if "experts_per_token" not in k}
+    (tmp_path / "out_deq" / "summary.json").write_text(json.dumps(old))
+    assert ev.main([deq, "--tasks", "piqa", "--data-dir", data_dir, "--limit", "3", "--bootstrap-iters", "0",
+                    "--out", str(tmp_path / "out_deq")]) == 0  # (the same K: kept)
+    assert "keeping the earlier results of lambada_openai" in capsys.readouterr().out
+    capsys.readouterr()
+    assert ev.main([deq, "--experts-per-token", "1", "--tasks", "piqa", "--data-dir", data_dir, "--limit", "3",
+                    "--out", str(tmp_path / "out_deq")]) == 2
+    err = capsys.readouterr().err
+    assert "holds results of another evaluation (experts_per_token 2, now 1)" in err and err.count("\n") == 1
+
+
+def test_bad_experts_per_token_is_one_line_before_the_model_loads(hf_setup, tmp_path, capsys, monkeypatch):
+    """0, a negative K and a K above the model's experts are refused in one line, before its weights load; a model
+    without MoE layers takes any K >= 1 (it routes nothing) and records none."""
+    import io
+    from contextlib import redirect_stdout
+
+    import checkpoint
+    import container
+    import export
+    import model as picaflor
+    _, hf_dir, data_dir, _ = hf_setup
+    run_dir, tok = make_picaflor_ckpt(tmp_path)
+    path = str(tmp_path / "model.int4")
+    container.write_container(checkpoint.resolve(run_dir), path, group_size=32, progress=False)
+    with redirect_stdout(io.StringIO()):
+        export.main([run_dir, "--format", "hf", "--out", str(tmp_path / "hf"), "--dtype", "float32", "--no-progress"])
+    capsys.readouterr()
+    argv = ["--tasks", "piqa", "--data-dir", data_dir, "--limit", "2", "--bootstrap-iters", "0", "--device", "cpu"]
+    for k in ("0", "-1"):
+        assert ev.main([run_dir, "--experts-per-token", k] + argv) == 2
+        assert capsys.readouterr().err == f"error: --experts-per-token {k}: at least 1\n"
+
+    def heavy(*a, **kw):
+        raise AssertionError("weights loaded before --experts-per-token was checked")
+    with monkeypatch.context() as mp:
+        mp.setattr(picaflor, "load_checkpoint", heavy)
+        mp.setattr(container.Container, "dequantized_state_dict", heavy)
+        for model, extra, where in ((run_dir, [], checkpoint.resolve(run_dir)), (path, [], path),
+                                    (path, ["--int4-engine"], path), (str(tmp_path / "hf"), [], str(tmp_path / "hf"))):
+            assert ev.main([model, "--experts-per-token", "5"] + extra + argv) == 2
+            assert capsys.readouterr().err == (f"error: --experts-per-token 5: {where} has 4 experts per MoE layer; "
+                                               f"pass 1..4 (leave it out for its own 2)\n"), (model, extra)
+    # no MoE layers: a dense picaflor checkpoint and a GPT-2-style HF model take any K and record none
+    cfg = picaflor.ModelConfig(vocab_size=tok.vocab_size, n_layer=2, n_dense_layers=2, d_model=32, n_head=4,
+                               n_kv_head=2, dense_ffn=64, n_experts=0)
+    picaflor.save_checkpoint(picaflor.Picaflor(cfg), str(tmp_path / "dense"), 1,
+                             tokenizer_file=str(tmp_path / "tok.json"))
+    for model in (str(tmp_path / "dense"), hf_dir):
+        out = tmp_path / f"out_{os.path.basename(model)}"
+        assert ev.main([model, "--experts-per-token", "7", "--out", str(out)] + argv) == 0, capsys.readouterr().err
+        s = json.loads((out / "summary.json").read_text())
+        assert s["experts_per_token"] is None and s["own_experts_per_token"] is None
+
+
 def test_cli_end_to_end(hf_setup, tmp_path, capsys):
     """The script as a user runs it: outputs on success; on bad input exit 2 with one stderr line, no traceback."""
     import subprocess
