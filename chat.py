@@ -22,8 +22,8 @@ Terminal chat (the implementer's calls):
   the oldest exchanges are dropped and what is left is prefilled once (said on screen).
 - Output streams token by token, exact when piped; on a terminal the model's control characters (ESC sequences,
   carriage return, BEL, C1) are written escaped (tokenizer.terminal_text), so an answer cannot drive it. Stops at
-  <|end|> (or any other special token) or --max-new-tokens; a reply cut by the limit or by Ctrl-C is closed with
-  <|end|> in the cache, as render_conversation would write it.
+  <|end|> (or any other special token), --max-new-tokens or a full context (said: it looked like the limit); a reply
+  cut by the limit or by Ctrl-C is closed with <|end|> in the cache, as render_conversation would write it.
 - /reset starts a new conversation (same system prompt), /exit or Ctrl-D quits, Ctrl-C at the prompt quits,
   Ctrl-C while the model is answering stops that answer. Greedy by default (--temperature 0); --temperature T
   with --top-p P samples. No repetition penalty, ever.
@@ -306,6 +306,9 @@ def chat_loop(tok, backend, system=None, max_new_tokens=256, temperature=0.0, to
             continue
         try:
             conv.reply(line, max_new_tokens, temperature, top_p, generator, on_text=show)
+            if conv.last_stop == "max_new_tokens" and conv.last_tokens < max_new_tokens:  # (it looked like the limit)
+                show(f" [cut at {conv.last_tokens} tokens: the answer filled the context of {conv.max_len} tokens; "
+                     f"--context raises it, up to the model's max_seq_len]")
             show("\n")
         except KeyboardInterrupt:
             show(" [stopped]\n")

@@ -31,9 +31,10 @@ Tasks (lm-evaluation-harness v0.4.x definitions, checked against the installed l
   context, reported per length as task "passkey@LEN").
 Scoring as the harness: request (context, " " + choice); continuation tokens = enc(ctx + cont)[len(enc(ctx)):],
 with the context's trailing spaces moved into the continuation; inputs longer than the model's context are cut
-on the left; acc = argmax of summed log-likelihood (first index on ties; a choice repeated within a question is
-scored once, as the harness does, so it ties exactly), acc_norm = argmax of log-likelihood / len(choice in characters,
-not bytes: the harness's acc_bytes is another metric); stderr of a mean = sample std / sqrt(n) (none below two
+on the left (a note on stderr counts them per task, as the harness warns); acc = argmax of summed log-likelihood
+(first index on ties; a choice repeated within a question is scored once, as the harness does, so it ties exactly),
+acc_norm = argmax of log-likelihood / len(choice in characters, not bytes: the harness's acc_bytes is another
+metric); stderr of a mean = sample std / sqrt(n) (none below two
 examples; still given at --bootstrap-iters 0, where the harness gives none); lambada perplexity = exp(-mean ll) with
 the harness's bootstrap stderr (100000 resamples, chunk i drawn by random.Random(i), reproduced here with numpy).
 Shots (--num-fewshot N, default the harness's per task: its gsm8k YAML's 5, 0 for every other task here): the prompt
@@ -86,7 +87,6 @@ at all (!) between other numbers of examples, other examples (summary.json's "ex
 
 import argparse
 import contextlib
-import functools
 import hashlib
 import json
 import math
@@ -471,9 +471,8 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False, ram_budget=
             engine = stream_infer.load(path, ram_budget=ram_budget, device=device, context=c.config.max_seq_len)
         except stream_infer.StreamError as e:
             raise EvalError(str(e)) from None
-        if k is not None:  # generation routes with the engine's own setting; a loglikelihood request takes its own
+        if k is not None:  # generation routes with this setting; each loglikelihood request gets lm.experts_per_token
             engine.set_experts_per_token(k)
-            engine.loglikelihood = functools.partial(engine.loglikelihood, experts_per_token=k)
         lm = EngineModel(engine, tok, path)
         lm.experts_per_token, lm.own_experts_per_token = routed
         return lm
@@ -666,10 +665,13 @@ def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768, task=None):
         pairs = [encode_pair(lm, c, x, enc_cache) for c, x in d["requests"]]
         reqs, first = [], {}
         for r_i, (ctx, cont) in enumerate(pairs):
+            where = f"task {task}: example {d_i}: " if task else ""  # (neither named the task nor the fix)
             if not cont:
-                raise EvalError(f"request {d['requests'][r_i]!r} has an empty continuation after tokenisation")
-            if len(cont) > lm.max_length:
-                raise EvalError(f"a continuation of {len(cont)} tokens exceeds the model's {lm.max_length}")
+                raise EvalError(f"{where}request {d['requests'][r_i]!r} has an empty continuation after tokenisation")
+            if len(cont) > lm.max_length:  # (the harness asserts it: cutting the context cannot make it fit)
+                raise EvalError(f"{where}a continuation of {len(cont)} tokens exceeds the model's context of "
+                                f"{lm.max_length} tokens; leave {task or 'this task'} out, or evaluate a model with "
+                                f"a longer context")
             key = (tuple(ctx), tuple(cont))
             if key in first:
                 same[(d_i, r_i)] = first[key]
@@ -684,6 +686,8 @@ def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768, task=None):
             flat += reqs
     out = {}
     n_scored = len(flat) + sum(len(members) for _, members in groups)
+    # cut on the left as the harness's (ctx + cont)[-(max_length + 1):], which warns; it went unsaid here
+    say_cut(task, [len(ctx) + len(cont) - lm.max_length - 1 for _, ctx, cont in flat], n_scored, "requests", lm)
     tick = progress_printer(task, n_scored, "requests") if task else None
     if hasattr(lm, "run"):
         score_flat(lm, flat, out, batch_size, max_batch_tokens, tick)
@@ -691,7 +695,9 @@ def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768, task=None):
     else:  # an engine that scores one request at a time
         for idx, ctx, cont in flat:
             inp = (ctx + cont)[-(lm.max_length + 1):]
-            ll, greedy = lm.engine.loglikelihood(inp[:len(inp) - len(cont)], cont)
+            k = getattr(lm, "experts_per_token", None)  # (None: its own top_k, or no MoE layer)
+            ll, greedy = lm.engine.loglikelihood(inp[:len(inp) - len(cont)], cont,
+                                                 **({} if k is None else {"experts_per_token": k}))
             out[idx] = (float(ll), bool(greedy))
             if tick:
                 tick()
@@ -700,6 +706,16 @@ def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768, task=None):
     for d_i, d in enumerate(docs):
         d["lls"] = [out[(d_i, r)][0] for r in range(len(d["requests"]))]
         d["greedy"] = [out[(d_i, r)][1] for r in range(len(d["requests"]))]
+
+
+def say_cut(task, excess, n, what, lm):
+    """One line on stderr when inputs were cut on the left to fit the model's context (excess: tokens over it, per
+    input; > 0 were cut), as lm-eval-harness warns: a short-context model's score was silently one of cut prompts."""
+    cut = [e for e in excess if e > 0]
+    if cut:
+        print(f"note: {task or 'loglikelihood'}: {len(cut)} of {n} {what} longer than the model's context "
+              f"({lm.max_length} tokens) cut on the left, as lm-eval-harness does (up to {max(cut)} tokens dropped)",
+              file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -816,6 +832,9 @@ def run_task(lm, task, args):
                             f"{lm.max_length}, which leaves no room for the prompt; pass --max-gen-toks below "
                             f"{lm.max_length} (e.g. {lm.max_length // 4})")
         tick = progress_printer(task, len(docs), "examples")
+        # the prompts greedy_generate cuts on the left (to the room its cap leaves), said before they run
+        say_cut(task, [len(lm.encode(d["prompt"])) - lm.max_length + cap for d, cap in zip(docs, caps)], len(docs),
+                "prompts", lm)
         for d, cap in zip(docs, caps):
             # a cap, not a replacement: a larger one raised passkey's 10 and its left truncation cut the needle out
             d["generation"] = greedy_generate(lm, d["prompt"], d["until"], cap)

@@ -1225,3 +1225,30 @@ def test_the_engine_backend_keeps_only_the_last_hidden_state_of_a_turn(tok):
     conv = chat.Conversation(tok, backend)
     conv.reply("ping pong ping pong", 8)
     assert len(rows) == 3 and rows == [1, 1, 1], rows
+
+
+def test_an_answer_cut_by_a_full_context_says_so(tok):
+    """A reply ends at --max-new-tokens or where it fills the context: the second ended a 100-token answer at 20-odd
+    tokens without a word, as if it were the limit. Said now; an answer that reached the limit itself is not."""
+    import types
+
+    def forward(ids, cache):  # a model that never ends its answer
+        cache.pos += ids.shape[1]
+        logits = torch.full((1, MODEL["vocab_size"]), -1e9)
+        logits[0, tok.encode("a")[0]] = 0.0
+        return logits
+    backend = dict(forward=forward, new_cache=lambda n: types.SimpleNamespace(pos=0, max_len=n), max_len=64,
+                   device="cpu", after_reply=None)
+    for limit, said in ((100, True), (5, False)):
+        out, lines = io.StringIO(), ["ping 1"]
+
+        def typed(_):
+            if not lines:
+                raise EOFError
+            return lines.pop()
+        chat.chat_loop(tok, backend, max_new_tokens=limit, context=32, input_fn=typed, out=out)
+        cut = re.search(r" \[cut at (\d+) tokens: the answer filled the context of 32 tokens; --context raises it",
+                        out.getvalue())
+        assert bool(cut) == said, out.getvalue()
+        if said:
+            assert 10 < int(cut.group(1)) < 32 and "aaaa" in out.getvalue()

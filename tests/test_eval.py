@@ -1502,3 +1502,55 @@ def test_a_long_task_says_how_far_it_is(hf_setup, tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(ev, "PROGRESS_EVERY_S", 3600)  # the default spacing: a quick task says nothing
     assert ev.main(common + ["--tasks", "piqa"]) == 0
     assert "requests (" not in capsys.readouterr().err
+
+
+class CharLM:
+    """eval.py's engine wrapper minus the model: one token per character (BOS 1 first), a context of 8 tokens; the
+    engine records each loglikelihood request and streams 'x' tokens."""
+    max_length, stop_ids, prefix_id = 8, {2}, 1
+
+    def __init__(self):
+        lm = self
+
+        class Engine:
+            def loglikelihood(self, ctx, cont):
+                lm.seen.append((list(ctx), list(cont)))
+                return 0.0, True
+
+            def stream(self, ids, n, temperature=0):
+                lm.seen.append(list(ids))
+                yield from [ord("x")] * n
+        self.engine, self.seen = Engine(), []
+
+    def encode(self, text, add_special_tokens=None):
+        return ([] if add_special_tokens is False else [1]) + [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_inputs_cut_to_the_context_are_said_as_the_harness_warns(capsys, monkeypatch):
+    """lm-eval-harness cuts a (context, continuation) longer than the model's context on the left, and a
+    generate_until prompt to max_length - max_gen_toks, warning each time; eval.py cut both without a word (a 5-shot
+    gsm8k on a 256-token model lost its shots unseen). A continuation longer than the context (the harness asserts)
+    named neither the task nor the fix."""
+    lm = CharLM()
+    docs = [{"requests": [("abc", " d"), ("abcdefghijkl", " mn")]}]  # 4 + 3 tokens fit; 13 + 3 is 7 over 8 + 1
+    ev.loglikelihoods(lm, docs, task="piqa")
+    assert lm.seen[1] == (lm.encode("abcdefghijkl")[-6:], lm.encode(" mn", False))  # the harness's window
+    err = capsys.readouterr().err
+    assert "note: piqa: 1 of 2 requests longer than the model's context (8 tokens) cut on the left" in err, err
+    assert "up to 7 tokens dropped" in err
+    ev.loglikelihoods(lm, [{"requests": [("a", " b")]}], task="piqa")
+    assert "cut" not in capsys.readouterr().err  # nothing cut, nothing said
+    with pytest.raises(ev.EvalError, match=r"^task piqa: example 1: a continuation of 9 tokens exceeds the model's "
+                                           r"context of 8 tokens; leave piqa out"):
+        ev.loglikelihoods(lm, [{"requests": [("a", " b")]}, {"requests": [("a", " bcdefghi")]}], task="piqa")
+    monkeypatch.setattr(ev.ET, "task_docs", lambda task, lm, args: [
+        {"prompt": p, "until": ["\n"], "max_gen_toks": 3, "target": "x"} for p in ("ab", "abcdefgh")])
+    lm.seen.clear()
+    docs, _, _ = ev.run_task(lm, "counting", type("Args", (), {"max_gen_toks": None, "bootstrap_iters": 0})())
+    assert lm.seen[1] == lm.encode("abcdefgh")[-5:] and docs[1]["generation"] == "xxx"
+    err = capsys.readouterr().err
+    assert "note: counting: 1 of 2 prompts longer than the model's context (8 tokens) cut on the left" in err, err
+    assert "up to 4 tokens dropped" in err
