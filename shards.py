@@ -882,6 +882,11 @@ class TokenStream:
     def position(self):
         return {"shard": self._shard, "offset": self._offset, "epoch": self._epoch}
 
+    @property
+    def tokens_read(self):
+        """Tokens the split has given from its start to its position, over every epoch (as its shards count now)."""
+        return self._epoch * self.total_tokens + sum(self.lengths[:self._shard]) + self._offset
+
     def set_position(self, pos, split_sha=None):
         """pos: a saved `position`; split_sha: the `split_sha` saved with it (None: not checked, older checkpoints)."""
         if split_sha is not None and split_sha != self.split_sha:

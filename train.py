@@ -665,9 +665,28 @@ def reread_warning(corpus, corpus_dir, planned, total):
     for a corpus prepared under another name)."""
     import shards
     made_by = shards.corpus_made_by(corpus_dir) or f"data/{corpus}/prepare.py"
+    times = planned / total  # (1.03 said "read ~1.0 times", as if it were not read again)
     return (f"WARNING: the plan trains ~{planned:,.0f} tokens of {corpus}, which holds {total:,} train tokens: it is "
-            f"read ~{planned / total:.1f} times; prepare more (python {made_by} --help) or plan fewer tokens if that "
-            f"is not meant")
+            f"read ~{times:.{1 if times >= 1.1 else 2}f} times; prepare more (python {made_by} --help) or plan fewer "
+            f"tokens if that is not meant")
+
+
+def reread_warnings(plan, tokens_seen, streams, data_root, before=None):
+    """reread_warning of each corpus that the plan reads past its train tokens by its end: what its stream gave so far
+    (its position: a --replan's stages need not say what trained before) plus its share of the plan from tokens_seen
+    on. before: the plan an on-demand decay replaced (whose reads were said at the start): only a corpus read more."""
+    def reads(p):
+        out, start = {c: float(s.tokens_read) for c, s in streams.items()}, 0
+        for s in p:
+            left = min(s["tokens"], max(0, start + s["tokens"] - tokens_seen))
+            for c, w in s["mix"].items():
+                if c in out:  # (every corpus of the plan has its stream; a stray name is not this warning's to say)
+                    out[c] += left * w / sum(s["mix"].values())
+            start += s["tokens"]
+        return out
+    now, was = reads(plan), reads(before) if before is not None else {}
+    return [reread_warning(c, os.path.join(data_root, c), n, streams[c].total_tokens) for c, n in sorted(now.items())
+            if n > streams[c].total_tokens and n > was.get(c, -1)]
 
 
 def next_step(out_dir):
@@ -1293,10 +1312,6 @@ def main(argv):
                 f"shard comes back with --release_shards=\"['{c}/{skip_of[c][0]}']\")")
         streams[c] = shards.TokenStream(os.path.join(cfg["data_root"], c), "train", vocab_size=mcfg.vocab_size,
                                         skip_shards=skip_of[c])
-    for c in corpora:  # a plan longer than its data repeats it: said, not silent (positions wrap into epoch + 1)
-        planned = sum(s["tokens"] * s["mix"].get(c, 0) / sum(s["mix"].values()) for s in plan)
-        if planned > streams[c].total_tokens:
-            log(reread_warning(c, os.path.join(cfg["data_root"], c), planned, streams[c].total_tokens))
     first = plan[0]["mix"]
     val_corpus = max(sorted(first), key=lambda c: first[c])
     val_stream, no_val_note = open_val_stream(os.path.join(cfg["data_root"], val_corpus), mcfg.vocab_size,
@@ -1343,6 +1358,10 @@ def main(argv):
             else:
                 idle_positions[c] = (pos, saved_splits.get(c))
                 log(f"corpus {c} is not in this plan; its position is kept for a plan that trains on it again")
+    # a plan longer than its data repeats it: said, not silent (positions wrap into epoch + 1); from the positions, as
+    # a --replan's stages before them need not be what was read (a re-read with none of its own tokens left was unsaid)
+    for line in reread_warnings(plan, state["tokens"] if state is not None else 0, streams, cfg["data_root"]):
+        log(line)
 
     # --- model and optimizer ------------------------------------------------------------------------------
     if device_type == "cpu":
@@ -1531,6 +1550,8 @@ def main(argv):
                 f"control.json: starting the decay {'after the warmup' if cur['lr_phase'] == 'warmup' else 'now'}, "
                 f"over {sum(s['tokens'] for s in added):,} tokens: " + ", ".join(
                     f"{s['name']} {s['tokens']:,} (mix {s['mix']}, seq_len {s['seq_len']})" for s in added))
+            for line in reread_warnings(st["plan"], st["tokens"], streams, cfg["data_root"], before=nonlocal_plan):
+                log(line)  # a decay longer than the plan's rest (decay_tokens) re-read a small annealing corpus unsaid
             if master:  # the step it was taken at: a rollback to a step before it drops the request (see resume)
                 ctl["start_decay_taken_at_step"] = st["step"]
                 checkpoint.write_atomic_text(control_path, json.dumps(ctl) + "\n")

@@ -862,6 +862,49 @@ def test_a_corpus_read_again_names_the_script_that_made_it(data_root, tmp_path):
     assert "(python data/none/prepare.py --help)" in train.reread_warning("none", str(tmp_path / "none"), 3000, 1000)
 
 
+def test_a_corpus_read_again_is_said_from_its_position_and_when_an_on_demand_decay_reads_past_it(data_root, tmp_path):
+    """The re-read warning counted the whole plan's share of a corpus from token 0: a --replan whose stages before
+    the resume were not what was read (the stream had given more), and an on-demand decay longer than the plan's rest
+    (--decay_tokens: a small annealing corpus read again), re-read it without a word; 3% over said "read ~1.0 times".
+    Now: what the stream gave (its position) plus the plan's share from there, which is what the mix delivers."""
+    import numpy as np
+    import shards
+    local = os.path.join(data_root, "local")
+    for name, n in (("small", 1000), ("big", 5000)):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copyfile(os.path.join(local, "tokenizer.json"), d / "tokenizer.json")
+        tokens = np.random.default_rng(0).integers(1, 320, n).astype(np.uint16)
+        entry = {"file": "train_000000.bin", "tokens": n, "sha256": shards.write_shard(d / "train_000000.bin", tokens)}
+        shards.write_index(d, {"version": 1, "tokenizer": "tokenizer.json", "vocab_size": 320,
+                               "tokenizer_sha256": checkpoint.sha256_file(str(d / "tokenizer.json")),
+                               "splits": {"train": [entry]}})
+    streams = {c: shards.TokenStream(tmp_path / c) for c in ("big", "small")}
+    plan = [dict(name="w", mix={"big": 1.0}, tokens=320, seq_len=8, lr_phase="warmup"),
+            dict(name="main", mix={"big": 3, "small": 1}, tokens=3200, seq_len=8, lr_phase="stable")]
+    assert train.reread_warnings(plan, 0, streams, str(tmp_path)) == []  # 800 of small's 1000 tokens
+    # what the warning counts is what the mix delivers: train.py's loop on the streams (4 rows of 8 a step)
+    for tokens in range(0, 3520, 32):
+        i, stage, into = schedule.stage_at(plan, tokens)
+        for c, rows in schedule.rows_per_stream(stage["mix"], 4, into // 32).items():
+            if rows:
+                streams[c].next_batch(rows, 8)
+    assert (streams["small"].tokens_read, streams["big"].tokens_read) == (800, 2720)
+    # resumed at the end of w after a --replan (w read small, 900 tokens): 900 + 800 of small's 1000
+    streams["small"].set_position({"shard": 0, "offset": 900, "epoch": 0})
+    streams["big"].set_position({"shard": 0, "offset": 0, "epoch": 0})
+    said = train.reread_warnings(plan, 320, streams, str(tmp_path))
+    assert len(said) == 1 and "~1,700 tokens of small, which holds 1,000 train tokens: it is read ~1.7 times" in said[0]
+    # an on-demand decay at 1,920 (small at 400: a quarter of main's 1,600 so far) on main's mix: one of 1,600 tokens
+    # (the plan's rest) reads 400 more of small, 800 in all; one of 2,560 reads 1,040 (said once, at the decay)
+    streams["small"].set_position({"shard": 0, "offset": 400, "epoch": 0})
+    for length, read in ((1600, None), (2560, 1040)):
+        cut = schedule.decay_now(plan, 1920, length, lambda T: 32)
+        said = train.reread_warnings(cut, 1920, streams, str(tmp_path), before=plan)
+        assert said == ([] if read is None else [train.reread_warning("small", str(tmp_path / "small"), read, 1000)])
+    assert "~1,040 tokens of small, which holds 1,000 train tokens: it is read ~1.04 times" in said[0], said
+    assert train.reread_warnings(cut, 1920, streams, str(tmp_path), before=cut) == []  # (nothing more than before)
+
 def test_status_says_the_lr_the_next_step_trains_at(data_root, tmp_path):
     """--status took a step's tokens as tokens / steps, an average over stages of other seq_lens (or an earlier
     batch_size, grad_accum): 1 step into this decay it said lr now 2.7e-4 where the next step trained at 3.6e-4."""
