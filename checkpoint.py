@@ -153,11 +153,33 @@ def host_tag():
 
 HASH_CHUNK = 64 << 20  # bytes save() hashes between two ticks (~1 s of a 50 MB/s network disk), as copy_ticking
 GROW_POLL_S = 1.0  # seconds between two looks at the size of the file a save's writer is writing
+PROGRESS_S = 15.0  # a save's write or a hash pass running longer says how far it is, a stderr line this often
+
+
+def progress_lines(what, total=None):
+    """report(done_bytes): at most once each PROGRESS_S, 'checkpoint: WHAT: X of TOTAL (P%), ~Ns left' on stderr. A
+    30 GB save, or the verify of one at a resume or pull, was minutes without a word; lines, not a bar, for logs."""
+    t0 = last = time.monotonic()
+
+    def report(done):
+        nonlocal last
+        now = time.monotonic()
+        if now - last < PROGRESS_S:
+            return
+        last = now
+        if total:
+            left = (now - t0) * (total - done) / done if done else float("nan")
+            warn(f"checkpoint: {what}: {fmt_size(done)} of {fmt_size(total)} ({100 * done / total:.0f}%), "
+                 f"~{left:.0f}s left")
+        else:
+            warn(f"checkpoint: {what}: {fmt_size(done)} so far")
+    return report
 
 
 @contextlib.contextmanager
-def ticking_while_it_grows(path, tick):
-    """Ticks each time the file at path has grown since the last look (every GROW_POLL_S), until the block ends."""
+def ticking_while_it_grows(path, tick, grew=None):
+    """Ticks (and calls grew(size)) each time the file at path has grown since the last look (every GROW_POLL_S),
+    until the block ends."""
     # a writer (torch.save of a 20 GB optimizer.pt) cannot tick from inside; a stalled one stops growing: still a hang
     done = threading.Event()
 
@@ -171,6 +193,8 @@ def ticking_while_it_grows(path, tick):
             if size > seen:
                 seen = size
                 tick()
+                if grew:
+                    grew(size)
     watcher = threading.Thread(target=watch, daemon=True, name="save-growth-ticks")
     watcher.start()
     try:
@@ -180,16 +204,22 @@ def ticking_while_it_grows(path, tick):
         watcher.join()
 
 
-def sha256_file(path, bufsize=1 << 20, tick=None):
+def sha256_file(path, bufsize=1 << 20, tick=None, what=None):
+    """what: said in progress_lines while a long hash runs (none: silent)."""
     h = hashlib.sha256()
+    report = progress_lines(what, os.path.getsize(path)) if what else None
+    done = 0
     with open(path, "rb") as f:
         while True:
             b = f.read(bufsize)
             if not b:
                 break
             h.update(b)
+            done += len(b)
             if tick:
                 tick()
+            if report:
+                report(done)
     return h.hexdigest()
 
 
@@ -288,7 +318,7 @@ def verify(ckpt_dir, check_hashes=True, hashed=()):
             if size != meta["bytes"]:
                 raise CheckpointError(f"{p}: {size} bytes, manifest says {meta['bytes']} (truncated?); "
                                       f"use an earlier step_* dir")
-            intact = not check_hashes or name in hashed or sha256_file(p) == meta["sha256"]
+            intact = not check_hashes or name in hashed or sha256_file(p, what=f"verifying {p}") == meta["sha256"]
         except OSError as e:  # an unreadable file (EIO of a failing disk, permissions) is not a valid checkpoint
             if e.errno in UNREACHABLE_ERRNOS:  # ... but one on a mount that dropped mid-hash is not a corrupt one
                 raise unreachable(e, p) from None
@@ -462,13 +492,14 @@ def save(out_dir, step, writers, extra_manifest=None, tick=None):
             p = os.path.join(tmp, name)
             # ticks between writers, while one's file grows, and per HASH_CHUNK hashed (not while one fsync flushes)
             tick()
-            with ticking_while_it_grows(p, tick):
+            shown = f"{step_dir_name(step)}/{name}"
+            with ticking_while_it_grows(p, tick, progress_lines(f"writing {shown}")):
                 write(p)
                 tick()
                 with open(p, "rb+") as f:
                     os.fsync(f.fileno())
             tick()
-            files[name] = {"sha256": sha256_file(p, HASH_CHUNK, tick), "bytes": os.path.getsize(p)}
+            files[name] = {"sha256": sha256_file(p, HASH_CHUNK, tick, f"hashing {shown}"), "bytes": os.path.getsize(p)}
         manifest = {"step": step, "written_at": time.time(), "files": files, **(extra_manifest or {})}
         with open(os.path.join(tmp, "MANIFEST.json"), "w") as f:
             json.dump(manifest, f, indent=1)

@@ -125,6 +125,13 @@ def read_capped(src, cap, name, fix, size=None):
 FSYNC = os.environ.get("RELAY_FSYNC", "1") != "0"
 
 
+def copy_saying(src, dst, what):
+    """shutil.copyfile, saying how far a long one is (checkpoint.progress_lines): a 30 GB push or pull through a
+    file:// store was minutes without a word."""
+    with checkpoint.ticking_while_it_grows(dst, lambda: None, checkpoint.progress_lines(what, os.path.getsize(src))):
+        shutil.copyfile(src, dst)
+
+
 def write_atomic(path, text):
     if FSYNC:
         return checkpoint.write_atomic_text(path, text)
@@ -243,16 +250,17 @@ class FileStore:
             out = os.path.join(dest, p)
             src = self._object(sha, p, tree[p])
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            shutil.copyfile(src, out)
+            copy_saying(src, out, f"downloading {p}")
 
     def _put_object(self, data=None, path=None):
-        oid = checkpoint.sha256_file(path) if path is not None else hashlib.sha256(data).hexdigest()
+        oid = (checkpoint.sha256_file(path, what=f"hashing {path}") if path is not None
+               else hashlib.sha256(data).hexdigest())
         final = self._p("objects", oid[:2], oid)
         if not os.path.exists(final):
             os.makedirs(os.path.dirname(final), exist_ok=True)
             tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             if path is not None:
-                shutil.copyfile(path, tmp)
+                copy_saying(path, tmp, f"uploading {path}")
             else:
                 with open(tmp, "wb") as f:
                     f.write(data)

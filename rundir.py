@@ -395,6 +395,7 @@ def copy_ticking(tick):
     outlasted hang_timeout, and the watchdog took the copy for a hang at every checkpoint (a stalled write still
     stops the ticks)."""
     def copy(src, dst):
+        report, done = checkpoint.progress_lines(f"mirroring {src}", os.path.getsize(src)), 0  # (minutes unsaid)
         with open(src, "rb") as f, open(dst, "wb") as g:
             while True:
                 chunk = f.read(64 << 20)
@@ -402,6 +403,8 @@ def copy_ticking(tick):
                     break
                 g.write(chunk)
                 tick()
+                done += len(chunk)
+                report(done)
         shutil.copystat(src, dst)
         return dst
     return copy

@@ -70,6 +70,19 @@ class StorageError(Exception):
         self.url, self.status, self.kind = url, status, kind
 
 
+PIPED_BAR_S = 60.0  # a prepare's bar written to a log file or pipe: one frame a minute
+
+
+def progress_bar(iterable=None, **kw):
+    """tqdm for a prepare's long steps: on a terminal as usual; piped to a log, a frame each PIPED_BAR_S (tqdm's 10 a
+    second filled a log with megabytes of bar frames over hours of tokenizing; disable=None left it with none)."""
+    from tqdm import tqdm
+    out = kw.setdefault("file", sys.stderr)
+    if not getattr(out, "isatty", lambda: False)():
+        kw.setdefault("mininterval", PIPED_BAR_S)
+    return tqdm(iterable, **kw)
+
+
 def read_error(path, e):
     """An OSError reading a corpus file, as a StorageError (the bytes were never seen: not corrupt data): a mount that
     dropped = unreachable, permissions = denied, anything else (EIO: the disk itself failing) = io."""

@@ -783,6 +783,24 @@ def test_fineweb_journal_of_the_wrong_shape_starts_over_with_a_note(tok, tmp_pat
         assert note.startswith(torn), note
         assert note.endswith("starting over") and "\n" not in note, note
 
+def test_a_prepare_bar_piped_to_a_log_draws_a_frame_a_minute():
+    """fineweb's tokenizing bar drew 10 frames a second into a piped log (megabytes over hours); smoltalk's drew none.
+    Piped: a frame each PIPED_BAR_S; on a terminal, tqdm's usual pace."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    log, tty = io.StringIO(), Terminal()
+    with shards.progress_bar(total=10, desc="tokenizing", file=log) as piped, \
+            shards.progress_bar(total=10, desc="tokenizing", file=tty) as shown:
+        for _ in range(10):
+            piped.update(1)
+            shown.update(1)
+    assert piped.mininterval == shards.PIPED_BAR_S >= 30 and shown.mininterval < 1
+    assert "tokenizing: 100%" in log.getvalue() and "tokenizing: 100%" in tty.getvalue()
+
+
 def test_hub_errors_name_the_cause():
     """A full HF cache was a Hub outage (retried, then exit 5 instead of 6); a malformed repo id was 'unreachable'; a
     repo hf.co does not show (it answers 401) was 'denied, check billing'; a local file error was 'the network'."""

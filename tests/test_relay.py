@@ -872,6 +872,36 @@ def test_leg_whose_upload_fails_keeps_the_lease_for_a_retry(fault, tmp_path, hub
     assert rows[0]["wall"] == relay.fmt_wall(leg_wall_s)
 
 
+def test_a_file_store_push_and_pull_say_how_far_a_big_file_is(tmp_path, monkeypatch, capsys):
+    """A 30 GB checkpoint pushed to or pulled from a file:// store (hashed, copied) was minutes without a word; each
+    long hash and copy now says how far it is in stderr lines (checkpoint.progress_lines)."""
+    import relay_store
+    monkeypatch.setattr(checkpoint, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(checkpoint, "GROW_POLL_S", 0.01)
+    real_copy = shutil.copyfile
+
+    def slow_copy(src, dst):  # a copy that takes a while, as one of 30 GB does
+        with open(src, "rb") as i, open(dst, "wb") as o:
+            while chunk := i.read(1 << 20):
+                o.write(chunk)
+                o.flush()
+                time.sleep(0.05)
+    monkeypatch.setattr(shutil, "copyfile", slow_copy)
+    big = tmp_path / "optimizer.pt"
+    big.write_bytes(os.urandom(3 << 20))
+    store = relay_store.FileStore(str(tmp_path / "store"))
+    store.create()
+    head = store.commit(store.head()[0], {"checkpoint/optimizer.pt": str(big)}, [], "push")
+    err = capsys.readouterr().err
+    assert re.search(rf"checkpoint: hashing {re.escape(str(big))}: [\d.]+ MiB of 3\.0 MiB \(\d+%\)", err), err
+    assert re.search(rf"checkpoint: uploading {re.escape(str(big))}: [\d.]+ MiB of 3\.0 MiB", err), err
+    store.download(head, ["checkpoint/optimizer.pt"], str(tmp_path / "pulled"))
+    err = capsys.readouterr().err
+    assert re.search(r"checkpoint: downloading checkpoint/optimizer\.pt: [\d.]+ MiB of 3\.0 MiB", err), err
+    monkeypatch.setattr(shutil, "copyfile", real_copy)
+    assert (tmp_path / "pulled" / "checkpoint" / "optimizer.pt").read_bytes() == big.read_bytes()
+
+
 def test_push_that_landed_unseen_is_found_by_the_retry(tmp_path, hub, rl, monkeypatch):
     """The store takes the push but fails every reply (unknown whether it landed): the named `push` finds it by its
     write_id instead of being fenced off by our own commit, and `release` hands the baton back (both failed, and

@@ -425,6 +425,33 @@ def test_the_val_set_is_the_same_whatever_the_world_size(data_root, two_of_four_
     assert st["best_step"] in (3, 4, 5, 6) and st["best_val_set"][:2] == [6, 32]  # not step 2, measured on 12 rows
 
 
+def test_a_long_checkpoint_save_and_verify_say_how_far_they_are(tmp_path, monkeypatch, capsys):
+    """A 30 GB save or verify was minutes without a word; each says how far it is in lines (a log holds no bar)."""
+    monkeypatch.setattr(checkpoint, "PROGRESS_S", 0.0)  # a line per hashed chunk; growth checked each 10 ms
+    monkeypatch.setattr(checkpoint, "GROW_POLL_S", 0.01)
+
+    def slow_write(p):  # a writer whose file grows for a while, as torch.save's of an optimizer state
+        with open(p, "wb") as f:
+            for _ in range(4):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+                time.sleep(0.05)
+    ck = checkpoint.save(str(tmp_path), 3, {"optimizer.pt": slow_write})
+    err = capsys.readouterr().err
+    assert re.search(r"checkpoint: writing step_0000003/optimizer\.pt: [\d.]+ MiB so far", err), err
+    assert re.search(r"checkpoint: hashing step_0000003/optimizer\.pt: [\d.]+ MiB of 4\.0 MiB \(\d+%\), ~\d+s left",
+                     err), err
+    checkpoint.verify(ck)
+    err = capsys.readouterr().err
+    assert f"checkpoint: verifying {os.path.join(ck, 'optimizer.pt')}: 4.0 MiB of 4.0 MiB (100%)" in err, err
+    rundir.copy_ticking(lambda: None)(os.path.join(ck, "optimizer.pt"), str(tmp_path / "mirrored"))  # mirror_dir's
+    err = capsys.readouterr().err
+    assert f"checkpoint: mirroring {os.path.join(ck, 'optimizer.pt')}: 4.0 MiB of 4.0 MiB (100%)" in err, err
+    monkeypatch.setattr(checkpoint, "PROGRESS_S", 3600.0)  # a short one says nothing
+    checkpoint.verify(ck)
+    assert capsys.readouterr().err == ""
+
+
 def test_ddp_ranks_outwait_a_save_longer_than_hang_timeout(data_root, tmp_path):
     """A save whose mirror copy outlasts hang_timeout (a big checkpoint to a slow bucket: copy_ticking ticks rank 0's
     watchdog) under torchrun: the other ranks waited in a plain barrier with their watchdogs unticked, so rank 1 exited

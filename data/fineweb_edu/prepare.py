@@ -38,8 +38,6 @@ import signal
 import sys
 import time
 
-from tqdm import tqdm
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the documents val will take are left out of a tokenizer trained here (val must be text the tokenizer never saw):
 # the first ones up to this many characters per val token, generous (English web text runs ~4.5)
@@ -172,7 +170,8 @@ def build(args, revision, files, stage, t0):
     else:
         def training_texts():
             chars, skipped, n_skipped, held = 0, 0, 0, set()
-            with tqdm(total=args.tokenizer_chars, desc="tokenizer text", unit="char", unit_scale=True) as bar:
+            with shards.progress_bar(total=args.tokenizer_chars, desc="tokenizer text", unit="char",
+                                     unit_scale=True) as bar:
                 for _, _, text in documents(args.repo, revision, files, args.column):
                     digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).digest()
                     if not no_val and (n_skipped == 0 or skipped < VAL_CHARS_PER_TOKEN * val_target):  # val's
@@ -210,8 +209,8 @@ def build(args, revision, files, stage, t0):
     # sha1 of each val document: a later copy of one is not trained on
     val_texts, n_val_copies = {bytes.fromhex(h) for h in journal["val_digests"]}, journal["val_copies"]
     batch_docs = 512 * max(1, args.threads)
-    bar = tqdm(total=args.max_tokens, initial=counts["val"] + counts["train"], desc="tokenizing", unit="tok",
-               unit_scale=True)
+    bar = shards.progress_bar(total=args.max_tokens, initial=counts["val"] + counts["train"], desc="tokenizing",
+                              unit="tok", unit_scale=True)
     start = (journal["next"]["file"], journal["next"]["row"]) if journal["next"] else None
     doc_iter = documents(args.repo, revision, files, args.column, start)
     done = False

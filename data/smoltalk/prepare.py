@@ -44,7 +44,6 @@ import time
 from collections import Counter
 
 import numpy as np
-from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root: tokenizer.py, shards.py, chat.py
@@ -231,7 +230,7 @@ def build(tok, split_sources, max_len, out_dir, shard_tokens, stats, keep_val_co
                     stats[f"{split}_target_tokens"] += sum(mask)
                 stats[f"{split}_conversations"] += 1
 
-        for ref, msgs in tqdm(source, desc=f"{split} conversations", unit="conv", disable=None):
+        for ref, msgs in shards.progress_bar(source, desc=f"{split} conversations", unit="conv"):
             stats["rows_read"] += 1
             try:
                 if isinstance(msgs, ChatFormatError):
