@@ -1412,6 +1412,7 @@ def main(argv):
     if cfg["compile"]:
         from model import compile_model
         model = compile_model(model, device_type)
+        log("compile: torch.compile traces and builds on the first step (minutes on a big model; said, not a hang)")
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         # no buffer broadcast: load_accum is each rank's own count (all-reduced at the step); the bias the same update

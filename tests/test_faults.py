@@ -2255,3 +2255,13 @@ def test_a_cut_evaluation_is_measured_after_a_replan_with_fewer_stages(data_root
     said = train_here(common + ["--init_from=resume", "--replan", one, "--eval_interval=100", "--stop_after_steps=0"])
     assert "(evaluated on resume)" in said, said[-2000:]
     assert metrics(out)[3]["val_loss"] > 0
+
+
+def test_a_compiled_run_says_its_first_step_compiles(data_root, tmp_path, monkeypatch):
+    """--compile=True: torch.compile builds on the first step, minutes on a big model with no line after the model
+    was built (a user took it for a hang). It is said. (compile_model itself is test_model's; here an identity.)"""
+    import model as model_py
+    monkeypatch.setattr(model_py, "compile_model", lambda m, device_type: m)
+    said = train_here([f"--data_root={data_root}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1",
+                       "--warmup_iters=0", "--eval_interval=100", "--sample_tokens=0", "--compile=True"])
+    assert "compile: torch.compile traces and builds on the first step" in said, said[-2000:]
