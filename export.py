@@ -211,7 +211,7 @@ class ContainerSource:
             raise ExportError(f"{tokenizer_path}: no such tokenizer file; pass the corpus's tokenizer file")
         own = self.cont.tokenizer_json  # (the checkpoint's tokenizer.json as text; before CRLF was kept, with LF)
         if check_own_tokenizer(tokenizer_path, path, hashlib.sha256(own.encode()).hexdigest() if own else None,
-                               own.encode, force_tokenizer):
+                               lambda: own.encode(), force_tokenizer):  # (own.encode: an AttributeError on None)
             self.tokenizer_path = tokenizer_path = None  # the same tokenizer: the one the container carries
         if not tokenizer_path and self.cont.tokenizer_json:
             import tempfile

@@ -132,9 +132,10 @@ def main():
         raise SystemExit(f"error: {a.container}: no such container")
     variants = [None] + [(d, p) for d in numbers(a.ahead, int, 1, 8, "--ahead")
                          for p in numbers(a.right, float, 0.0, 1.0, "--right")]
-    if a.prompts < 1 or a.tokens < 2 or a.prompts * (a.tokens - 1) < len(variants):
-        raise SystemExit(f"error: --prompts >= 1 and --tokens >= 2, with --prompts x (--tokens - 1) >= "
-                         f"{len(variants)} (each variant needs a token)")
+    # prompt r's decode tokens take variants r, r + 1, ... in turn: together they reach prompts + tokens - 2 of them
+    if a.prompts < 1 or a.tokens < 2 or a.prompts + a.tokens - 2 < len(variants):
+        raise SystemExit(f"error: --prompts >= 1 and --tokens >= 2, with --prompts + --tokens >= "
+                         f"{len(variants) + 2} (each of the {len(variants)} variants needs a token)")
     try:
         eng = S.load(a.container, ram_budget=a.ram_budget, prefetch="off")  # each variant sets its own
     except S.StreamError as e:

@@ -76,9 +76,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=48, help="decode tokens per prompt (after 16 prompt tokens)")
     a = ap.parse_args()
     name, vals = parse_set(a.set)
-    if a.prompts < 1 or a.tokens < 2 or a.prompts * (a.tokens - 1) < len(vals):
-        raise SystemExit(f"error: --prompts >= 1, --tokens >= 2, and at least one decode token per value "
-                         f"({a.prompts} x {a.tokens - 1} for {len(vals)} values)")
+    # prompt r's decode tokens take values r, r + 1, ... in turn: together they reach prompts + tokens - 2 of them
+    if a.prompts < 1 or a.tokens < 2 or a.prompts + a.tokens - 2 < len(vals):
+        raise SystemExit(f"error: --prompts >= 1, --tokens >= 2, and at least one decode token per value: "
+                         f"--prompts + --tokens >= {len(vals) + 2} for {len(vals)} values")
     try:
         eng = S.load(a.container, ram_budget=a.ram_budget, prefetch="off")  # each variant sets its own
     except S.StreamError as e:

@@ -215,7 +215,8 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 rounds, 512 tokens: a smoke run (a few minutes)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per implementation (default 5, quick 2)")
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens per step for the MoE layer (default 2048)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens per step for the MoE layer (default 2048, quick 512)")
     ap.add_argument("--vocab", type=int, default=8192, help="vocab of the 4-layer model (default 8192)")
     ap.add_argument("--skip-model", action="store_true", help="only the MoE layer")
     ap.add_argument("--no-eager", action="store_true",
@@ -227,11 +228,13 @@ def main():
     args = ap.parse_args()
     if args.rounds is not None and args.rounds < 1:  # (0 became 5, silently)
         ap.error("--rounds: at least 1")
+    if args.tokens is not None and args.tokens < 1:
+        ap.error("--tokens: at least 1")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):  # (found after ~10 minutes)
         ap.error(f"--json {args.json}: its folder does not exist")
     rounds = args.rounds or (2 if args.quick else 5)
     warmup = 1
-    tokens = 512 if args.quick else args.tokens
+    tokens = args.tokens or (512 if args.quick else 2048)  # (--quick --tokens N ran 512, silently)
     batch, seq_len = (1, 512) if args.quick else (2, 1024)
     torch.manual_seed(0)
     tuned = False if args.no_malloc_tune else M.tune_cpu_malloc()

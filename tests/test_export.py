@@ -805,6 +805,17 @@ def test_review_round_export_faults(ckpt, tmp_path, capsys, monkeypatch):
     assert out == "" and "99" in err, (out, err)
 
 
+def test_a_container_without_a_tokenizer_exports_with_the_one_given(ckpt, tmp_path):
+    """bench/vs_llamacpp.py writes its Q4_0 GGUF of a random container (which carries no tokenizer) with --tokenizer:
+    export.py read the container's missing tokenizer first and died (AttributeError: 'NoneType' ... 'encode')."""
+    notok = M.save_checkpoint(M.Picaflor(M.ModelConfig(**CFG)), str(tmp_path / "notok"), 1)
+    pcf = str(tmp_path / "notok.pcf4")
+    run_export([notok, "--format", "int4", "--out", pcf])
+    rep = run_export([pcf, "--format", "gguf", "--gguf-type", "q4_0", "--tokenizer", str(ckpt["dir"] / "tok.json"),
+                      "--out", str(tmp_path / "x.gguf")])
+    assert rep["type"] == "q4_0" and os.path.getsize(tmp_path / "x.gguf") == rep["bytes"], rep
+
+
 def test_an_option_for_another_format_is_refused(ckpt, tmp_path, capsys):
     """--format hf --gguf-type q4_0 wrote bf16 safetensors, --format int4 --dtype float32 an int4 container, silently."""
     for args in (["--format", "hf", "--gguf-type", "q4_0"], ["--format", "int4", "--dtype", "float32"],

@@ -653,7 +653,9 @@ def test_token_ab_script(tiny, tmp_path, monkeypatch, capsys):
     assert "prefetch=True: 2 tokens" in r.stdout, r.stdout
     token_ab = bench_script("token_ab")
     for args, msg in ((["--set", "n_parts=4"], "at least two values"),
-                      (["--set", "n_parts=1,2", "--prompts", "1", "--tokens", "2"], "one decode token per value")):
+                      (["--set", "n_parts=1,2", "--prompts", "1", "--tokens", "2"], "one decode token per value"),
+                      # 2 x 2 tokens but the values cycle from each prompt's index: n_parts=4 got none (a traceback)
+                      (["--set", "n_parts=1,2,3,4", "--prompts", "2", "--tokens", "3"], "--prompts + --tokens >= 6")):
         assert msg in refusal(token_ab, [path, "--ram-budget", "4G", *args], monkeypatch, capsys)
     assert token_ab.parse_set("native_reads=1,0") == ("native_reads", [True, False])
     assert token_ab.parse_set("prefetch=0,true") == ("prefetch", [False, True])
@@ -661,6 +663,78 @@ def test_token_ab_script(tiny, tmp_path, monkeypatch, capsys):
                      ("native_reads=maybe,1", "0/1/true/false"), ("n_parts", "NAME=V1,V2")):
         with pytest.raises(SystemExit, match=msg):
             token_ab.parse_set(bad)
+
+
+def bench_main(mod, args, monkeypatch):
+    """mod.main() on these arguments, in this process."""
+    monkeypatch.setattr(sys, "argv", [mod.__file__, *map(str, args)])
+    mod.main()
+
+
+def test_prefetch_ab_script_smoke(tiny, tmp_path, monkeypatch, capsys):
+    """bench/prefetch_ab.py runs off / on / auto on one engine to its medians (its 4 s interference phase cut short);
+    nothing in CI ran it, so a renamed engine attribute would have surfaced only on the next measuring session."""
+    prefetch_ab = bench_script("prefetch_ab")
+    interference = prefetch_ab.interference
+    monkeypatch.setattr(prefetch_ab, "interference", lambda path, n: interference(path, n, secs=0.02))
+    out = tmp_path / "ab.json"
+    bench_main(prefetch_ab, [tiny[1], "--ram-budget", "4G", "--reps", "1", "--tokens", "3", "--threads", "1",
+                             "--json", out], monkeypatch)
+    res = json.loads(out.read_text())
+    assert {len(runs) for runs in res["runs"].values()} == {1} and res["median_tok_s_prefetch_auto"] > 0, res
+    assert res["interference"]["gemv_alone_gb_s"] > 0 and "median decode tok/s at 4G" in capsys.readouterr().out
+
+
+def test_prefill_chunk_script_smoke(tiny, tmp_path, monkeypatch):
+    """bench/prefill_chunk.py times a prompt's prefill at each chunk size to its medians (unrun by CI before)."""
+    prefill_chunk = bench_script("prefill_chunk")
+    out = tmp_path / "chunks.json"
+    bench_main(prefill_chunk, [tiny[1], "--ram-budget", "4G", "--chunks", "4,16", "--prompt-tokens", "16", "--reps",
+                               "1", "--threads", "1", "--json", out], monkeypatch)
+    res = json.loads(out.read_text())
+    assert res["median_prefill_tok_s_chunk_4"] > 0 and res["median_prefill_tok_s_chunk_16"] > 0, res
+
+
+def test_int4_gemv_script_smoke(tmp_path, monkeypatch):
+    """bench/int4_gemv.py times every native loop this CPU has (and torch's packed kernels) on int4 and int8 rows
+    (unrun by CI before); a shape of the smallest sizes its options allow."""
+    int4_gemv = bench_script("int4_gemv")
+    out = tmp_path / "gemv.json"
+    bench_main(int4_gemv, ["--shape", "64x128", "--mb", "1", "--threads", "1", "--int8-shape", "64x128", "--reps",
+                           "1", "--json", out], monkeypatch)
+    res = json.loads(out.read_text())
+    assert res["rows"] and all(r["cold_gb_s"] > 0 for r in res["rows"]) and res["int8_rows"], res
+
+
+def test_train_step_script_takes_tokens_with_quick(monkeypatch, capsys):
+    """bench/train_step.py --quick --tokens N timed 512 tokens (--quick's), silently; --rounds already won over it.
+    The timing itself (transformers at nano width, minutes) is stubbed out: what is checked is what it is asked."""
+    train_step = bench_script("train_step")
+    asked = []
+
+    class Asked(Exception):
+        pass
+
+    def moe_layer(tokens, rounds, warmup, hf_variants):
+        asked.append((tokens, rounds))
+        raise Asked  # (stop here: the rest times the 4-layer model)
+    monkeypatch.setattr(train_step, "bench_moe_layer", moe_layer)
+    monkeypatch.setattr(train_step, "matmul_peak_gflops", lambda: 1.0)
+    for args in (["--quick", "--tokens", "64"], ["--quick"], ["--tokens", "96", "--rounds", "3"]):
+        with pytest.raises(Asked):
+            bench_main(train_step, ["--no-malloc-tune", *args], monkeypatch)
+    assert asked == [(64, 2), (512, 2), (96, 3)], asked
+    assert "--tokens: at least 1" in refusal_of_argparse(train_step, ["--tokens", "0"], monkeypatch, capsys)
+
+
+def refusal_of_argparse(mod, args, monkeypatch, capsys):
+    """The error line argparse exits with (exit status 2) when mod.main() is given these arguments."""
+    monkeypatch.setattr(sys, "argv", [mod.__file__, *map(str, args)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ei:
+        mod.main()
+    assert ei.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_cache_replay_cli_bad_input(tmp_path, monkeypatch, capsys):
@@ -710,6 +784,14 @@ def test_route_guess_names_the_next_layers_picks(tmp_path, monkeypatch, capsys):
     for source, msg in ((tmp_path / "nope", "no such checkpoint or config"), (tmp_path / "run", "no valid checkpoint"),
                         (tmp_path / "bad.py", "bad.py")):
         assert msg in refusal(route_guess, [source], monkeypatch, capsys)
+
+
+def test_prefetch_oracle_refuses_runs_that_leave_a_variant_without_a_token(tiny, monkeypatch, capsys):
+    """bench/prefetch_oracle.py: prompt r's tokens cycle the variants from variant r, so 2 prompts x 4 tokens reach 6
+    of off + 2 x 3 guessed ones; the 7th got none and the summary died on an empty mean."""
+    prefetch_oracle = bench_script("prefetch_oracle")
+    args = [tiny[1], "--ram-budget", "4G", "--right", "1.0,0.8,0.6", "--prompts", "2", "--tokens", "5"]
+    assert "--prompts + --tokens >= 9" in refusal(prefetch_oracle, args, monkeypatch, capsys)
 
 
 def test_prefetch_oracle_guesses_from_the_recorded_future(tiny):
