@@ -88,12 +88,6 @@ def render_conversation(tok, messages, need_assistant=False, bodies=None):
     return ids, mask
 
 
-def render_prompt(tok, messages):
-    """Ids to generate the next assistant turn from: the rendered history + <|assistant|>."""
-    ids, _ = render_conversation(tok, messages)
-    return ids + [tok.special_ids["<|assistant|>"]]
-
-
 # ----------------------------------------------------------------------------------------------------------
 # a conversation held in the KV cache (model.py's KVCache; any backend that appends to it)
 

@@ -473,7 +473,7 @@ def recover(out_dir):
     return back
 
 
-def save(out_dir, step, writers, extra_manifest=None, tick=None):
+def save(out_dir, step, writers, tick=None):
     """Write a checkpoint atomically. writers: {filename: fn(path)} each writing one file. Returns its path.
     On any failure (disk full included) the temp dir is removed and the error re-raised; nothing older is
     touched. tick: called as the save goes (the hang watchdog: a 31 GB save to a slow disk is no hang)."""
@@ -500,7 +500,7 @@ def save(out_dir, step, writers, extra_manifest=None, tick=None):
                     os.fsync(f.fileno())
             tick()
             files[name] = {"sha256": sha256_file(p, HASH_CHUNK, tick, f"hashing {shown}"), "bytes": os.path.getsize(p)}
-        manifest = {"step": step, "written_at": time.time(), "files": files, **(extra_manifest or {})}
+        manifest = {"step": step, "written_at": time.time(), "files": files}
         with open(os.path.join(tmp, "MANIFEST.json"), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()

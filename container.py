@@ -714,14 +714,13 @@ class Container:
         dec = self.decode_expert(self.read_expert_blob(layer, expert))
         return {k: dequantize_int4(v["packed"], v["sz"], v["shape"], v["group_size"]) for k, v in dec.items()}
 
-    def raw_tensor(self, name, verify=True):
+    def raw_tensor(self, name):
         """A resident tensor as stored: {"kind", "shape", parts as zero-copy tensors} (crc checked)."""
         t = self.header["tensors"].get(name)
         if t is None:
             raise ContainerError(f"{self.path}: no tensor {name!r} in this container")
         buf = self._pread(t["offset"], t["nbytes"], direct=False)
-        if verify:
-            self._check_tensor_crc(name, crc32(buf))
+        self._check_tensor_crc(name, crc32(buf))
         out = {"kind": t["kind"], "shape": t["shape"]}
         if t["kind"] == "f32":
             out["data"] = part_tensor(buf, 0, t["parts"]["data"], torch.float32).view(t["shape"])

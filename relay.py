@@ -539,12 +539,6 @@ def commit_push(store, lease, plan, run_dir, note=None):
     return sha, plan["row"]
 
 
-def push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_offset=0):
-    """One commit: checkpoint/ (verified first), training_state.json, logs/leg-N.jsonl, a LEDGER.md row,
-    RELAY.json, chained from our last commit."""
-    return commit_push(store, lease, prepare_push(store, lease, run_dir, wall_s, usd_per_hour, metrics_offset), run_dir)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # run: claim -> pull -> train a leg (heartbeat thread) -> push -> release
 

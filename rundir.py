@@ -348,13 +348,13 @@ def lock_holder(out_dir, who="trainer"):
 RESAVE_WAIT_S = 10.0  # how long a reader waits for a live trainer's re-save to do its second rename
 
 
-def recover_for_reader(run_dir, wait_s=None):
+def recover_for_reader(run_dir):
     """checkpoint.recover for a reader of run_dir (chat, eval, export, train.py --status) that finds a step there only
     as step_N.old-PID: put back under the trainer's lock, taken for that moment (a trainer starting meanwhile waits,
     as for another trainer), never while a trainer holds it (its own re-save between its renames: waited for up to
-    wait_s, then refused). Returns the steps put back; raises checkpoint.CheckpointError, one line."""
+    RESAVE_WAIT_S, then refused). Returns the steps put back; raises checkpoint.CheckpointError, one line."""
     import fcntl
-    deadline = time.monotonic() + (RESAVE_WAIT_S if wait_s is None else wait_s)
+    deadline = time.monotonic() + RESAVE_WAIT_S
     path = os.path.join(run_dir, ".trainer.lock")
     while True:
         left = checkpoint.stranded(run_dir)

@@ -722,7 +722,7 @@ def _hash(path):
         raise read_error(path, e) from None
 
 
-def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
+def _open_shard(corpus_dir, entry, vocab_size):
     """Memory-map one shard after checking existence, size and (once per process) sha256."""
     file = entry["file"]
     path = os.path.join(str(corpus_dir), file)
@@ -730,7 +730,7 @@ def _open_shard(corpus_dir, entry, vocab_size, verify_hash=True):
     want = st.st_size
     tokens = np.memmap(path, dtype=SHARD_DTYPE, mode="r") if want else np.zeros(0, SHARD_DTYPE)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["sha256"])
-    if verify_hash and key not in _VERIFIED:
+    if key not in _VERIFIED:
         got = _hash(path)
         if got != entry["sha256"]:
             # say where it is wrong if we can: a zero run or an out-of-vocab id names the offset

@@ -683,8 +683,8 @@ class Engine:
         def to_dev(r):
             return {k: (v.to(dev) if isinstance(v, torch.Tensor) and dev != "cpu" else v) for k, v in r.items()}
 
-        def lin(name, shared=False):
-            return kernels.QLinear(to_dev(raw[name]), kernel, shared)
+        def lin(name):
+            return kernels.QLinear(to_dev(raw[name]), kernel)
 
         def fuse(module, fused_name, names):
             """q|k|v or gate|up as one int4 GEMV when they concatenate as bytes (int4, same K and group size, row

@@ -33,6 +33,11 @@ MODEL = dict(vocab_size=384, n_layer=2, n_dense_layers=1, d_model=64, n_head=4, 
 ROW = 32  # prepare.py --max-len = the SFT seq_len
 
 
+def render_prompt(tok, messages):
+    """Ids to generate the next assistant turn from (chat.py's docstring): the rendered history + <|assistant|>."""
+    return chat.render_conversation(tok, messages)[0] + [tok.special_ids["<|assistant|>"]]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny models: extra threads only wait on each other (2 shared cores). For this module only: set at import,
@@ -129,7 +134,7 @@ def test_render_mask_token_level(tok):
     assert [i for i, m in enumerate(mask) if m] == sorted(target)
     assert [ids[i] for i in sorted(target)] == E("pong 3") + [sp["<|end|>"]] + E("pong") + [sp["<|end|>"]]
     assert sp["<|end|>"] not in E("ping 3 <|end|>")  # special strings in text stay text
-    prompt = chat.render_prompt(tok, msgs[:2])
+    prompt = render_prompt(tok, msgs[:2])
     assert prompt == want[:a1 + 1]  # history + <|assistant|>
     for bad, kind in [([{"role": "robot", "content": "x"}], "unknown_role"),
                       ([{"role": "user", "content": "x"}, {"role": "assistant", "content": " \n"}], "empty_assistant"),
@@ -254,7 +259,7 @@ def test_sft_learns_the_pattern_and_chat_keeps_history_in_cache(tok, sft_run):
     model = load_checkpoint(sft_run)
     sp = tok.special_ids
     for n in range(10):
-        prompt = chat.render_prompt(tok, [{"role": "user", "content": f"ping {n}"}])
+        prompt = render_prompt(tok, [{"role": "user", "content": f"ping {n}"}])
         out = model.generate(torch.tensor([prompt]), 6, temperature=0, eos_id=sp["<|end|>"])[0, len(prompt):].tolist()
         assert out == tok.encode(f"pong {n}") + [sp["<|end|>"]], (n, out)
     # a multi-turn conversation in the KV cache: turn 2 feeds only its own tokens, and answers exactly what a
@@ -267,7 +272,7 @@ def test_sft_learns_the_pattern_and_chat_keeps_history_in_cache(tok, sft_run):
     turn2 = [sp["<|end|>"]] + chat.render_turn(tok, "user", "ping 7")[0] + [sp["<|assistant|>"]]
     assert conv.fed_tokens[fed_before] == len(turn2)  # not the whole history
     assert all(n == 1 for n in conv.fed_tokens[fed_before + 1:])
-    full = chat.render_prompt(tok, [{"role": "user", "content": "ping 3"}, {"role": "assistant", "content": "pong 3"},
+    full = render_prompt(tok, [{"role": "user", "content": "ping 3"}, {"role": "assistant", "content": "pong 3"},
                                     {"role": "user", "content": "ping 7"}])
     ref = model.generate(torch.tensor([full]), 8, temperature=0, eos_id=sp["<|end|>"])[0, len(full):].tolist()
     assert a2 == tok.decode([t for t in ref if t != sp["<|end|>"]])
@@ -503,7 +508,7 @@ def test_hf_export_chat_template_renders_the_same_ids(tok, sft_run, tmp_path):
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     for msgs in convs:
-        assert hf_ids(msgs, True) == chat.render_prompt(tok, msgs)
+        assert hf_ids(msgs, True) == render_prompt(tok, msgs)
         full = msgs + [{"role": "assistant", "content": "pong 5"}]
         assert hf_ids(full, False) == chat.render_conversation(tok, full)[0]
 
@@ -1081,7 +1086,7 @@ def test_a_piped_crlf_line_is_the_message_the_model_was_trained_on(tok):
     backend = scripted_backend([tok.special_ids["<|end|>"]], fed)  # a model that ends its answer at once
     lines = iter(["ping 1\r", "/exit\r"])
     assert chat.chat_loop(tok, backend, input_fn=lambda prompt: next(lines), out=io.StringIO()) == 0
-    assert fed == chat.render_prompt(tok, [{"role": "user", "content": "ping 1"}])
+    assert fed == render_prompt(tok, [{"role": "user", "content": "ping 1"}])
 
 
 def test_a_ctrl_c_anywhere_in_a_reply_leaves_ids_cache_and_messages_agreeing(tok):

@@ -25,6 +25,12 @@ from hub_server import RelayHub  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
 
 
+def push(store, lease, run_dir, **kw):
+    """One commit as `relay.py push` makes it: checkpoint/ (verified first), training_state.json, logs/leg-N.jsonl,
+    a LEDGER.md row, RELAY.json, chained from our last commit."""
+    return relay.commit_push(store, lease, relay.prepare_push(store, lease, run_dir, **kw), run_dir)
+
+
 @pytest.fixture
 def hub(tmp_path):
     with RelayHub(tmp_path / "hub_root") as h:
@@ -179,7 +185,7 @@ while True:
                                     "state.json": lambda p: json.dump(st, open(p, "w"))})
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "tokens": step * 100, "loss": 1.0 / step}) + "\n")
-    relay.push(store, lease, run_dir, wall_s=1.0)
+    relay.commit_push(store, lease, relay.prepare_push(store, lease, run_dir, wall_s=1.0), run_dir)
     relay.release(store, lease)
 json.dump(log, open(outp, "w"))
 '''
@@ -283,11 +289,11 @@ def test_stale_holder_is_fenced(kind, tmp_path, hub, request):
     b_dir = relay.prepare_leg(store, b, str(tmp_path / "wb"))
     checkpoint.save(b_dir, 2, {"model.safetensors": lambda p: open(p, "w").write("bob"),
                                "state.json": lambda p: json.dump({"step": 2, "tokens": 200}, open(p, "w"))})
-    relay.push(store, b, b_dir, wall_s=1)
+    push(store, b, b_dir, wall_s=1)
     with pytest.raises(relay.Fenced, match="lease lost"):
         relay.renew(store, a)
     with pytest.raises(relay.Fenced, match="push rejected.*kept"):
-        relay.push(store, a, a_dir, wall_s=1)
+        push(store, a, a_dir, wall_s=1)
     assert checkpoint.verify(ck_a)["step"] == 3  # A's work is untouched
     relay.release(store, b)
     rows, snap = ledger_rows(store)
@@ -437,7 +443,7 @@ def test_hf_checkpoint_travels_through_git_lfs(tmp_path, hub, hf_env):
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         for s in range(1, 10):
             f.write(json.dumps({"step": s, "tokens": s * 100, "loss": 5.0 / s, "pad": "x" * 2000}) + "\n")
-    relay.push(store, lease, run_dir, wall_s=1)
+    push(store, lease, run_dir, wall_s=1)
     relay.release(store, lease)
     man = json.load(open(os.path.join(ck, "MANIFEST.json")))
     stored = hub.lfs_objects[("models", "alice/run")]
@@ -529,11 +535,11 @@ def test_hf_lfs_upload_with_wrong_bytes_is_refused(tmp_path, hub, hf_env):
                                       "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
     hub.corrupt_uploads = 1
     with pytest.raises(relay.StoreError, match="upload") as e:
-        relay.push(store, lease, run_dir, wall_s=1)
+        push(store, lease, run_dir, wall_s=1)
     assert "\n" not in str(e.value) and "HTTP 400" in str(e.value) and "model.safetensors" in str(e.value), str(e.value)
     assert hub.corrupt_uploads == 0 and store.head()[0] == lease.sha  # nothing committed, our lease still the head
     assert checkpoint.verify(ck)["step"] == 3
-    relay.push(store, lease, run_dir, wall_s=1)  # the retry goes through
+    push(store, lease, run_dir, wall_s=1)  # the retry goes through
     relay.release(store, lease)
     assert relay.Snapshot(store).state["step"] == 3
 
@@ -2123,7 +2129,7 @@ def alices_push_lands_unseen_then_bob_claims(tmp_path):
                                  "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
     store.drop_answer_of = "leg 1 by alice"
     with pytest.raises(relay.Transient, match="unknown whether the commit landed"):
-        relay.push(store, lease, run_dir, wall_s=1)
+        push(store, lease, run_dir, wall_s=1)
     bob_store = relay.open_store(url)
     head = bob_store.head
     bob_store.head = lambda: (lambda sha, t, now: (sha, t, now + 61))(*head())  # the store's clock a ttl later
@@ -2447,7 +2453,7 @@ def test_status_prints_the_ledgers_dollars_and_losses_as_the_ledger_writes_them(
     run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
     checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("w"),
                                  "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
-    relay.push(store, lease, run_dir, wall_s=1800, usd_per_hour=2.0)  # no metrics.jsonl: no loss logged
+    push(store, lease, run_dir, wall_s=1800, usd_per_hour=2.0)  # no metrics.jsonl: no loss logged
     relay.release(store, lease)
     r = rl(["status", url])
     assert r.returncode == 0 and ", $1.00 so far" in r.stdout, r.stdout
@@ -2476,7 +2482,7 @@ def test_status_says_an_expert_load_collapse_the_pushed_checkpoint_warned_of(tmp
         st = {"step": step, "tokens": 100 * step, "load_collapse": {"streak": [4], "since": [101], "warned": warned}}
         checkpoint.save(run_dir, step, {"model.safetensors": lambda p: open(p, "w").write("w"),
                                         "state.json": lambda p: json.dump(st, open(p, "w"))})
-        relay.push(store, lease, run_dir, wall_s=1, usd_per_hour=0.0)
+        push(store, lease, run_dir, wall_s=1, usd_per_hour=0.0)
         relay.release(store, lease)
         return rl(["status", url])
     r = leg(140, 130)
