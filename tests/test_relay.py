@@ -1225,6 +1225,78 @@ def test_init_grows_or_finetunes_the_configs_source(mode, tmp_path, rl, local_co
     assert load_checkpoint(relay.pull(store, str(tmp_path / "pulled2"))).cfg.n_layer == got.cfg.n_layer
 
 
+KILLED_TRAINER = r'''
+import os, signal, subprocess, sys, time
+# the real train.py, stalled after step SLEEP_AT (its row logged), then it and this script are SIGKILLed
+p = subprocess.Popen([sys.executable, os.path.join(os.environ["PICAFLOR_ROOT"], "train.py")] + sys.argv[1:],
+                     env=dict(os.environ, PICAFLOR_INJECT_SLEEP_AT_STEP=os.environ["SLEEP_AT"]))
+rows = os.path.join(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--out_dir=")), "metrics.jsonl")
+row = '{"step": %s,' % os.environ["SLEEP_AT"]
+try:  # (a stalled train.py left behind slept for 11 days)
+    while p.poll() is None and not (os.path.exists(rows) and any(x.startswith(row) for x in open(rows))):
+        time.sleep(0.02)
+finally:
+    p.kill()
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_relay_legs_train_exactly_as_one_run(tmp_path, rl, local_corpus, monkeypatch):
+    """A run trained as relay legs (one killed after a checkpoint, its lost steps redone; a leg boundary on an
+    evaluation step, one on a stage boundary where seq_len changes; evaluations inside legs; keep_last=1 pruning the
+    pulled step) ends bit for bit as the same config trained by train.py in one go: weights, optimizer, tokenizer,
+    state.json (data positions, rng, log window, best val loss) and the metrics rows in the store's leg logs."""
+    import torch
+    from safetensors.torch import load_file
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("RELAY_WHO", "tester")
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text("dataset = 'local'\nstages = [dict(name='warmup', steps=2, lr_phase='warmup'), dict(name='stable', "
+                   "steps=5, lr_phase='stable'), dict(name='decay', steps=5, lr_phase='decay', seq_len=16)]\n")
+    flags = [*TINY_RELAY, f"--data_root={local_corpus}", "--log_interval=3", "--eval_interval=4",
+             "--ckpt_interval=100", "--keep_last=1"]
+    solo = subprocess.Popen([sys.executable, "train.py", str(cfg), *flags, f"--out_dir={tmp_path / 'solo'}"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # beside the legs: 2 cores
+    url = f"file://{tmp_path}/store"
+    r = rl(["init", url, cfg, *flags, "--workdir", tmp_path / "w0"])
+    assert r.returncode == 0, r.stderr
+    killed = tmp_path / "killed_trainer.py"
+    killed.write_text(KILLED_TRAINER)
+    # leg 1 trains 0..6 and is killed at step 6: its newest checkpoint, step 4 (the evaluation's best), is pushed
+    r = rl(["run", url, "--steps", "8", "--workdir", tmp_path / "w1", "--train-script", killed],
+           {"SLEEP_AT": 6, "PICAFLOR_ROOT": ROOT})
+    assert r.returncode == 3 and "its newest checkpoint (step 4) was pushed" in r.stderr, r.stderr
+    for n, steps in ((2, 3), (3, 9)):  # 4..7 (the stable stage's end), 7..12 (the plan's end)
+        r = rl(["run", url, "--steps", steps, "--workdir", tmp_path / f"w{n}"])
+        assert r.returncode == 0, r.stderr
+    store = relay.open_store(url)
+    rows, snap = ledger_rows(store)
+    assert [x["step_range"] for x in rows] == ["0-4", "4-7", "7-12"]
+    assert solo.wait(timeout=120) == 0, solo.stderr.read()
+    one, legs = checkpoint.resolve(str(tmp_path / "solo")), relay.pull(store, str(tmp_path / "pulled"))
+    assert os.path.basename(one) == os.path.basename(legs) == "step_0000012"
+    a, b = load_file(os.path.join(one, "model.safetensors")), load_file(os.path.join(legs, "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the router biases too (buffers)
+    for name in ("optimizer.pt", "tokenizer.json"):
+        assert open(os.path.join(one, name), "rb").read() == open(os.path.join(legs, name), "rb").read(), name
+    sa, sb = (json.load(open(os.path.join(d, "state.json"))) for d in (one, legs))
+    wall = {"created_at", "elapsed_seconds", "save_seconds", "config"}  # config: out_dir, init_from, stop_after_steps
+    assert {k for k in sa.keys() | sb.keys() if sa.get(k) != sb.get(k)} <= wall
+    assert sb["data_position"] and sb["rng"] and sb["log_window"]["log_interval"] == 3 and sb["best_step"] is not None
+    assert {k for k in sa["config"] if sa["config"][k] != sb["config"][k]} == {"out_dir", "init_from",
+                                                                               "stop_after_steps"}
+    head = store.head()[0]
+    logged = [json.loads(x) for p in store.list(head, "logs/") for x in store.read(head, p).decode().splitlines()]
+    one_go = {m["step"]: m for m in map(json.loads, open(tmp_path / "solo" / "metrics.jsonl"))}
+    clock = ("elapsed_s", "time", "tok_per_s", "mfu")
+    for m in logged:  # each step logged once; a leg's first step (5, 8) is logged only because a leg starts there
+        if m["step"] in one_go:
+            assert {k: v for k, v in m.items() if k not in clock} == {
+                k: v for k, v in one_go[m["step"]].items() if k not in clock}, m["step"]
+    assert [m["step"] for m in logged] == sorted(set(one_go) | {5, 8})
+    assert [m["step"] for m in logged if "val_loss" in m] == [4, 8, 12]
+
+
 def test_init_start_refusals_are_followable(tmp_path, rl):
     """A grow / finetune source is checked before the store is touched; init_from=resume names --from-checkpoint;
     a leg's run refuses the start keys and names init, which takes them (train.py's advice: add --init_from=grow)."""
