@@ -462,7 +462,8 @@ def prepare_push(store, lease, run_dir, wall_s=None, usd_per_hour=0.0, metrics_o
                             f"the measuring of step {base}'s val loss was cut short; the next leg measures it")
     if step <= base and not measured:
         raise NothingToPush(f"push refused: {ck} is at step {step}, not past the pulled step {base}, so the trainer "
-                            f"made no step (is the plan finished? `python train.py --status {run_dir}`); nothing to push",
+                            f"made no step (is the plan finished? `python train.py --status {run_dir}`); nothing to "
+                            f"push",
                             f"no checkpoint past the pulled step {base}")
     stands_on = leg_base(run_dir)
     if stands_on is None:  # (`pull --out`, a train.py out_dir): nothing says which checkpoint its steps stand on
@@ -1403,8 +1404,8 @@ def cmd_push(args):
     if row:  # (it uploaded the leg again, then said "push rejected", and release said "never pushed")
         raise Fenced(f"push: leg {lease.leg} was pushed already: LEDGER.md at the head holds its row (steps "
                      f"{row['step_range']}, generation {lease.generation}), though its answer never came back, and "
-                     f"the run has moved on since; nothing pushed again. `relay.py release {store.url}` drops "
-                     f"this workdir's lease")
+                     f"the run has moved on since; nothing pushed again. `relay.py release {store.url} --workdir "
+                     f"{os.path.dirname(lease.path)}` drops this workdir's lease")
     adopt_own_renewal(store, lease)  # a claim whose answer was lost: the heartbeat below renews from it
     # a leg `run` trained bills its trainer's time, not the hours until this retry; after a `run` killed mid-leg
     # (nothing in LEASE.json), the trainer time its LEG.json kept (a reboot's idle hours were billed)

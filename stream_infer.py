@@ -851,6 +851,8 @@ class Engine:
             moe.shadow_guess, moe.guessed = False, None
 
     def checked_k(self, k):
+        if not self.moes and k in (None, self.cfg.top_k):  # (an all-dense config's top_k, 0 included, is no request's)
+            return self.cfg.top_k
         k = self.cfg.top_k if k is None else k  # (0 meant the container's top_k here while the command line refused it)
         # a model without MoE layers routes nothing: any k is the same model (an all-dense one with n_experts=0 refused
         # every request with "--experts-per-token 2: must be in 1..0", a flag nobody gave)

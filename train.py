@@ -1430,7 +1430,8 @@ def main(argv):
         # nothing would save again: the request stayed in state.json for good, so the guardian never recorded "done"
         raise TrainError(f"{ck}: the plan is finished, but a stop signal cut its last step {st['step']}'s evaluation "
                          f"short and it cannot be measured without the val set ({no_val_why}); nothing changed: "
-                         f"resume once the val set it was measured on is back (its --data_root, its val shards released)")
+                         f"resume once the val set it was measured on is back (its --data_root, its val shards "
+                         f"released)")
     st["quarantined_shards"] = quarantined
     st["world_size"] = world  # --status: the tokens of the next step
     _RUN_INFO.update(out_dir=out, state=st, streams=streams, master=master)
@@ -1717,8 +1718,8 @@ def main(argv):
         st["eval_due"] = due
         log(f"WARNING: step {st['step']}'s val loss could not be measured: a stop signal cut its evaluation short "
             f"and this start has no val set ({no_val_why}); training on leaves it unmeasured; to measure it, give the "
-            f"val set back (its --data_root, its val shards released) and resume with --resume_from={ck} (steps trained after "
-            f"it are set aside)")
+            f"val set back (its --data_root, its val shards released) and resume with --resume_from={ck} (steps "
+            f"trained after it are set aside)")
     check_control()
     total_tokens = plan_tokens(st["plan"])
     i_stage = stage_at(st["plan"], st["tokens"])[0]

@@ -381,12 +381,13 @@ def test_int4_export_writes_a_loadable_container(ckpt, tmp_path, capsys):
 
 
 def test_int4_measure_counts_the_padding_of_widths_no_multiple_of_the_group(ckpt, tmp_path):
-    """container.py --measure printed 4 + 32 / g bits per weight whatever the shapes: at d_model 72 and expert_ffn 24 the
-    container pads every group to 128 columns (~2.5x the bytes), and the table still said 4.25 at group 128. Its bits
-    are the container's bytes over the true weights now; widths that divide every group keep the nominal figure."""
+    """container.py --measure printed 4 + 32 / g bits per weight whatever the shapes: at d_model 72 and expert_ffn 24
+    the container pads every group to 128 columns (~2.5x the bytes), and the table still said 4.25 at group 128. Its
+    bits are the container's bytes over the true weights now; widths that divide every group keep the nominal
+    figure."""
     import container
-    for cfg, g, padded in ((CFG, 32, False), ({**CFG, "d_model": 72, "n_head": 3, "n_kv_head": 1, "expert_ffn": 24}, 128,
-                                                True)):
+    odd = {**CFG, "d_model": 72, "n_head": 3, "n_kv_head": 1, "expert_ffn": 24}
+    for cfg, g, padded in ((CFG, 32, False), (odd, 128, True)):
         torch.manual_seed(0)
         run = M.save_checkpoint(M.Picaflor(M.ModelConfig(**cfg)), str(tmp_path / f"run{g}"), 1)
         for r in container.measure_quantization(run, group_sizes=(g,)):
@@ -495,7 +496,8 @@ def test_hf_and_gguf_of_a_forked_shape_give_its_logits(ckpt, tmp_path):
     with torch.no_grad():
         ref = m(idx)
         assert (hf(idx).logits - ref).abs().max().item() <= 1e-4
-        assert (gguf_forward(str(tmp_path / "m.gguf"), idx) - ref[0]).abs().max().item() <= 3e-3 * ref.abs().max().item()
+        got = gguf_forward(str(tmp_path / "m.gguf"), idx)
+        assert (got - ref[0]).abs().max().item() <= 3e-3 * ref.abs().max().item()
 
 
 def test_weights_not_matching_config_is_one_line_error(ckpt, tmp_path):

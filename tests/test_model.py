@@ -85,8 +85,8 @@ def test_hf_parity_top1_differs_from_top2():
 
 
 def test_set_top_k_on_a_model_without_moe_layers():
-    """An all-dense model (n_dense_layers == n_layer) routes nothing: n_experts=0 is a legal config, and set_top_k (chat.py
-    --experts-per-token) refused every k with "top_k=1 must be in [1, 0]"; any k is the same model there."""
+    """An all-dense model (n_dense_layers == n_layer) routes nothing: n_experts=0 is a legal config, and set_top_k
+    (chat.py --experts-per-token) refused every k with "top_k=1 must be in [1, 0]"; any k is the same model there."""
     dense = M.Picaflor(replace(PARITY_CFG, n_dense_layers=PARITY_CFG.n_layer, n_experts=0)).eval()
     idx = torch.randint(0, PARITY_CFG.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -2216,6 +2216,7 @@ def test_a_push_landed_unseen_then_overtaken_is_said_pushed_not_rejected(tmp_pat
     taken = bob_store.head()[0]
     r = rl(["push", url, "--workdir", work])
     assert r.returncode == 4 and "leg 1 was pushed already" in r.stderr and "steps 0-3" in r.stderr, r.stderr
+    assert f"relay.py release {url} --workdir {work}`" in r.stderr, r.stderr  # (the default workdir is not hers)
     assert relay.open_store(url).head()[0] == taken
     r = rl(["release", url, "--workdir", work])
     assert r.returncode == 4 and f"{run_dir}'s step 3 is in the run: pushed as leg 1" in r.stderr, r.stderr

@@ -117,7 +117,8 @@ FORKED_SHAPES = {  # shapes a fork sets that CFG does not reach (model.ModelConf
 def test_engine_equals_dequantized_model_for_forked_shapes(tmp_path, shape):
     """Each kernel's prompt pass and KV-cached decode steps give the dequantized model's logits, and greedy decoding
     its tokens, at the training top_k and at 1. An all-dense model (n_experts=0) refused every request with
-    "--experts-per-token 2: must be in 1..0" (a flag nobody gave); d_model 72 has its untied int8 lm_head K % 16 != 0."""
+    "--experts-per-token 2: must be in 1..0" (a flag nobody gave); d_model 72 has its untied int8 lm_head
+    K % 16 != 0."""
     cfg = dict(CFG, **FORKED_SHAPES[shape])
     _, path = random_container(tmp_path, "f", cfg)
     c = C.load_container(path)
@@ -144,6 +145,16 @@ def test_engine_equals_dequantized_model_for_forked_shapes(tmp_path, shape):
             if kernel == "reference":
                 for k, tokens in want.items():
                     assert eng.generate(ids[0].tolist(), 4, experts_per_token=k) == tokens, k
+
+
+def test_an_all_dense_container_with_top_k_0_serves_and_scores(tmp_path):
+    """An all-dense config may say top_k=0 (nothing is routed: ModelConfig checks top_k only with MoE layers); its
+    engine refused every request, generate and loglikelihood, with "--experts-per-token 0", a flag nobody gave."""
+    _, path = random_container(tmp_path, "d", dict(CFG, n_dense_layers=4, n_experts=0, top_k=0))
+    eng = S.load(path, kernel="reference")
+    ids = list(range(5, 17))
+    assert eng.generate(ids, 3) == eng.generate(ids, 3, experts_per_token=1)
+    assert eng.loglikelihood(ids[:8], ids[8:]) == eng.loglikelihood(ids[:8], ids[8:], experts_per_token=2)
 
 
 def test_budgeted_greedy_equals_resident_token_for_token(tiny):
