@@ -80,6 +80,7 @@ def progress_bar(iterable=None, **kw):
     out = kw.setdefault("file", sys.stderr)
     if not getattr(out, "isatty", lambda: False)():
         kw.setdefault("mininterval", PIPED_BAR_S)
+        kw.setdefault("maxinterval", PIPED_BAR_S)  # (tqdm's monitor forced a frame 10 s after each: two a minute)
     return tqdm(iterable, **kw)
 
 
