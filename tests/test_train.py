@@ -17,6 +17,7 @@ IMPORTED_AT = time.monotonic()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import checkpoint  # noqa: E402
+import expert_load  # noqa: E402
 import forkserver  # noqa: E402
 import rundir  # noqa: E402
 import schedule  # noqa: E402
@@ -703,7 +704,7 @@ def test_an_expert_load_collapse_is_said_once_at_onset_and_once_when_it_clears()
     layer has been at or under half for three windows: one line that it recovered. The streaks are JSON (state.json):
     a resume goes on counting them."""
     def judge(state, step, dead, rate=1e-2, n_experts=16):
-        return train.load_collapse_line(state, step, dead, n_experts, 10, rate, first_moe_layer=1)
+        return expert_load.load_collapse_line(state, step, dead, n_experts, 10, rate, first_moe_layer=1)
 
     st, starved, fine = {}, [0.25, 0.75, 0.25], [0.25, 0.5, 0.25]  # (half starved is no collapse)
     assert [judge(st, s, starved) for s in range(10, 101, 10)] == [None] * 10  # warm-up: 1/0.01 steps
@@ -727,7 +728,7 @@ def test_an_expert_load_collapse_is_said_once_at_onset_and_once_when_it_clears()
     assert "at step 60: layer 6: 56 of 64 experts starved, layer 7: 48 of 64" in said and (
         "(and 2 more layers)" in said and "for the last 30 steps" in said and "bias_update_rate is 0: nothing balances"
         in said), said
-    assert train.collapse_grace_steps(10, 1e-3) == 1000 and train.collapse_grace_steps(1, 1e-6) == 1000
+    assert expert_load.collapse_grace_steps(10, 1e-3) == 1000 and expert_load.collapse_grace_steps(1, 1e-6) == 1000
 
 
 def test_a_collapsed_routers_run_warns_and_records_it(data_root, tmp_path):
