@@ -95,7 +95,7 @@ from relay_store import (SMALL_FILE_CAP, Conflict, RelayError, StoreError, Trans
 from relay_lease import (CKPT_PREFIX, DEFAULT_HEARTBEAT, DEFAULT_TTL, RELAY_FORMAT, RELAY_VERSION,
                          STATE_FORMAT, Busy, Fenced, Lease, Snapshot, adopt_landed_push, adopt_own_renewal,
                          chain_lease_to, check_lease_times, claim, commit_cas, ledger_text, manifest_id, now_iso, parse_json,
-                         release, renew, taken_by, workdir_locked)
+                         release, renew, taken_by, warn_hub_heartbeat, workdir_locked)
 
 LEDGER_HEADER = ("| leg | who | gpu | steps | tokens | wall | $ | loss start | loss end | step range | generation | finished (UTC) |\n"
                  "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -1142,6 +1142,7 @@ def cmd_init(args):
     ttl = DEFAULT_TTL if args.ttl is None else args.ttl  # the run's defaults for every claim
     heartbeat = DEFAULT_HEARTBEAT if args.heartbeat is None else args.heartbeat
     check_lease_times(ttl, heartbeat)
+    warn_hub_heartbeat(store, heartbeat)
     ck = None
     if args.from_checkpoint:  # everything is checked before the store is touched
         try:

@@ -38,6 +38,7 @@ CKPT_PREFIX = "checkpoint"
 DEFAULT_TTL = 1200.0  # 20 min: TTL >= 3x the heartbeat interval (REFERENCES.md), heartbeats every few minutes (429s)
 DEFAULT_HEARTBEAT = 300.0
 MAX_TTL_S = 86400.0  # a day: a ttl of 1e9 s let one crashed holder stall the run for good
+HUB_MIN_HEARTBEAT_S = 60.0  # below it an hf:// lease is warned about: a commit a beat meets 429s (REFERENCES.md)
 MIN_HEARTBEAT_S = 0.1  # each beat is a commit: 0 renewed in a loop (1,449 commits in a 2 s leg); tests beat at 0.5 s
 SAVE_LOCK = threading.Lock()  # the heartbeat thread saves the lease too: an older snapshot written last lost a write
 
@@ -283,6 +284,13 @@ def check_lease_times(ttl, heartbeat):
                          f"and at most {MAX_TTL_S:.0f}s (a crashed holder blocks the run for a whole ttl)")
 
 
+def warn_hub_heartbeat(store, heartbeat):
+    """A heartbeat of seconds on the Hub: every beat is a commit, and the Hub's rate limit (429) answers them; said."""
+    if getattr(store, "url", "").startswith("hf://") and heartbeat < HUB_MIN_HEARTBEAT_S:
+        print(f"relay: WARNING: --heartbeat {heartbeat:g}s on {store.url}: each beat is a commit, and the Hub rate-"
+              f"limits commits (HTTP 429); beat every few minutes (default {DEFAULT_HEARTBEAT:.0f}s)", file=sys.stderr)
+
+
 def claim(store, workdir, who, ttl=None, heartbeat=None):
     """ttl / heartbeat None: the run's (relay.py init --ttl / --heartbeat), else DEFAULT_TTL / DEFAULT_HEARTBEAT."""
     if ttl is not None and heartbeat is not None:  # (one of them alone: checked against the run's other below)
@@ -297,6 +305,7 @@ def claim(store, workdir, who, ttl=None, heartbeat=None):
     ttl = float(r.get("default_ttl_s", DEFAULT_TTL)) if ttl is None else ttl
     heartbeat = float(r.get("default_heartbeat_s", DEFAULT_HEARTBEAT)) if heartbeat is None else heartbeat
     check_lease_times(ttl, heartbeat)
+    warn_hub_heartbeat(store, heartbeat)
     lease_path = os.path.join(workdir, "LEASE.json")
     # another store's live lease (a shared --workdir) or a malformed file: refused, not overwritten (that lease
     # could then never be pushed or released)

@@ -1113,6 +1113,11 @@ def main(argv):
         mcfg = ModelConfig.from_dict({**asdict(old), "n_layer": old.n_layer + cfg["grow_layers"],
                                       **config_wins(src_state["model_config"], "grow")})
         log(f"growing {ck}: {old.n_layer} -> {mcfg.n_layer} layers (new blocks start as identity)")
+        mult = {k: float(cfg["lr_mult"].get(k, 1.0)) for k in ("embedding", "old", "new")}
+        if mult["old"] >= mult["new"]:  # field report: 1B -> 2B at one LR spiked the loss 14% for thousands of steps
+            log(f"WARNING: growing with lr_mult {mult}: the old layers' LR is not below the new ones' (one LR spiked a "
+                f"grown model's loss for thousands of steps); set e.g. --lr_mult=\"{{'embedding': 0.3, 'old': 0.1, "
+                f"'new': 1.0}}\" (config/grow.py)")
     elif cfg["init_from"] == "finetune":
         ck = source
         src_state = source_state(ck, "finetune_from")

@@ -3525,3 +3525,22 @@ def test_a_measuring_leg_cut_short_again_says_the_next_leg_measures_it(tmp_path,
         head, "LEDGER.md")
     monkeypatch.delenv("FAKE_MEASURE_CUT")
     assert rl(run, base_env()).returncode == 0 and relay.status_dict(store)["last_eval_due"] is None
+
+
+@pytest.mark.parametrize("kind", ["file", "hf"])
+def test_a_heartbeat_of_seconds_on_the_hub_is_warned_about(kind, tmp_path, hub, rl, request):
+    """Each beat is a commit and the Hub rate-limits commits (429): a --heartbeat of seconds on hf:// went unsaid until
+    the 429s came. init and every claim say it; a file:// store (no rate limit) and the Hub at minutes say nothing."""
+    url, env = store_url(kind, tmp_path, hub), env_for(kind, tmp_path, hub)
+    if kind == "hf":
+        request.getfixturevalue("hf_env")
+    r = rl(["init", url, write_config(tmp_path), "--train-script", write_fake_train(tmp_path), "--workdir",
+            tmp_path / "w-init", "--ttl", "3", "--heartbeat", "1"], env)
+    assert r.returncode == 0, r.stderr
+    said = [ln for ln in r.stderr.splitlines() if "WARNING: --heartbeat 1s" in ln]
+    assert len(said) == (kind == "hf") and all("429" in ln and url in ln for ln in said), r.stderr
+    r = rl(["claim", url, "--workdir", tmp_path / "wa", "--who", "alice"], env)  # the run's heartbeat: said again
+    assert r.returncode == 0 and ("WARNING: --heartbeat 1s" in r.stderr) == (kind == "hf"), r.stderr
+    rl(["release", url, "--workdir", tmp_path / "wa"], env)
+    r = rl(["claim", url, "--workdir", tmp_path / "wb", "--who", "bob", "--ttl", "600", "--heartbeat", "120"], env)
+    assert r.returncode == 0 and "WARNING" not in r.stderr, r.stderr

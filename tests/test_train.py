@@ -490,8 +490,13 @@ def test_grow_starts_as_identity_and_groups_get_their_lr(data_root, tmp_path):
     from model import save_checkpoint
     save_checkpoint(src, str(tmp_path / "src"), 10)
     out = str(tmp_path / "grown")
-    run(TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--init_from=grow", f"--grow_from={tmp_path / 'src'}",
-                "--grow_layers=2", "--stop_after_steps=0"])
+    grow = TINY + [f"--data_root={data_root}", "--init_from=grow", f"--grow_from={tmp_path / 'src'}", "--grow_layers=2",
+                   "--stop_after_steps=0"]
+    # growing at one LR (lr_mult's default) spiked a field run's loss 14% for thousands of steps: it says so, once
+    said = [ln for ln in run(grow + [f"--out_dir={out}"]).stdout.splitlines() if "WARNING: growing with lr_mult" in ln]
+    assert len(said) == 1 and "config/grow.py" in said[0], said
+    differential = run(grow + [f"--out_dir={tmp_path / 'grown2'}", "--lr_mult={'old': 0.1, 'new': 1.0}"])
+    assert "WARNING: growing" not in differential.stdout
     grown = load_checkpoint(out)
     assert grown.cfg.n_layer == 5
     idx = torch.randint(1, 320, (2, 16))
