@@ -1006,7 +1006,8 @@ def main(argv):
             if k in stored and stored[k] != v:
                 log(f"{how}: {k} {stored[k]} -> {v} (the config's)")
         # a field the checkpoint decides, set otherwise (--top_k=1 on a resume): said, not silently ignored
-        for k in sorted(given & set(stored) - set(RESUME_CONFIG_WINS)) if how != "grow" else ():
+        # (a grow's n_layer is the checkpoint's plus grow_layers; its other fields were dropped unsaid: --n_experts=4)
+        for k in sorted(given & set(stored) - set(RESUME_CONFIG_WINS) - ({"n_layer"} if how == "grow" else set())):
             if stored[k] != cfg[k]:
                 log(f"WARNING: {how}: {k}={cfg[k]!r} ignored; the checkpoint's {stored[k]!r} stays (the architecture "
                     f"comes from the checkpoint)")

@@ -495,8 +495,12 @@ def test_grow_starts_as_identity_and_groups_get_their_lr(data_root, tmp_path):
     # growing at one LR (lr_mult's default) spiked a field run's loss 14% for thousands of steps: it says so, once
     said = [ln for ln in run(grow + [f"--out_dir={out}"]).stdout.splitlines() if "WARNING: growing with lr_mult" in ln]
     assert len(said) == 1 and "config/grow.py" in said[0], said
-    differential = run(grow + [f"--out_dir={tmp_path / 'grown2'}", "--lr_mult={'old': 0.1, 'new': 1.0}"])
+    differential = run(grow + [f"--out_dir={tmp_path / 'grown2'}", "--lr_mult={'old': 0.1, 'new': 1.0}",
+                               "--n_experts=4"])
     assert "WARNING: growing" not in differential.stdout
+    # an architecture field given beside a grow is the checkpoint's, said (it was dropped unsaid; n_layer is the grow's)
+    assert "WARNING: grow: n_experts=4 ignored; the checkpoint's 8 stays" in differential.stdout, differential.stdout
+    assert "n_layer=3 ignored" not in differential.stdout
     grown = load_checkpoint(out)
     assert grown.cfg.n_layer == 5
     idx = torch.randint(1, 320, (2, 16))
