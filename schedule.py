@@ -129,7 +129,8 @@ def align_plan(plan, tokens_seen, tokens_per_step):
 
 
 def lr_at(plan, tokens_seen, lr, lr_min, step_tokens=0):
-    """WSD (MiniCPM arXiv 2404.06395; Hagele et al. 2024): linear warmup, constant, then a (1 - sqrt) decay.
+    """WSD (MiniCPM arXiv 2404.06395; Hagele et al. 2024): linear warmup (from 0; a warmup after a decay, a replan
+    climbing back, from min_lr), constant, then a (1 - sqrt) decay.
     step_tokens (tokens of the step about to run) makes warmup reach the full LR on its last step, and the decay
     reach lr_min on its last (counted from the step's start, the last decay step ran above lr_min: 3.2e-4 for tiny's
     3e-4, and an 8-step on-demand decay ended at 4.7e-4)."""
@@ -140,7 +141,10 @@ def lr_at(plan, tokens_seen, lr, lr_min, step_tokens=0):
         lo, hi = phase_span(plan, i)
         start, end = plan_tokens(plan[:lo]), plan_tokens(plan[:hi + 1])
         frac = min(1.0, (tokens_seen - start + step_tokens) / (end - start))
-        return lr * frac if s["lr_phase"] == "warmup" else lr_min + (lr - lr_min) * (1 - math.sqrt(frac))
+        if s["lr_phase"] == "warmup":  # from 0, or from min_lr after a decay (a re-warm dipped to lr/n, under min_lr)
+            base = lr_min if lo > 0 and plan[lo - 1]["lr_phase"] == "decay" else 0.0
+            return base + (lr - base) * frac
+        return lr_min + (lr - lr_min) * (1 - math.sqrt(frac))
     return lr
 
 

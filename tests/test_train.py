@@ -1019,6 +1019,18 @@ def test_a_run_too_short_for_a_decay_step_says_so_and_ends_at_its_lr():
     assert schedule.lr_at(decayed, 40, 3e-3, 3e-4) == 3e-4
 
 
+def test_a_warmup_after_a_decay_climbs_from_min_lr():
+    """A warmup stage after a decay (a finished run replanned to climb back, as the replan warning advises) began at
+    lr/n, far under min_lr (1e-4 -> 1e-5 here), then climbed; the plan's first warmup still starts from 0."""
+    plan = [dict(name=n, mix={"a": 1.0}, tokens=t, seq_len=8, lr_phase=p) for n, t, p in
+            (("w", 40, "warmup"), ("s", 20, "stable"), ("d", 40, "decay"), ("w2", 100, "warmup"), ("s2", 10, "stable"))]
+    lr = [schedule.lr_at(plan, t, 1e-3, 1e-4, 10) for t in range(0, 210, 10)]
+    assert lr[:4] == pytest.approx([1e-3 * k / 4 for k in range(1, 5)])  # the first warmup: from 0
+    assert lr[9] == 1e-4  # the decay's last step
+    assert lr[10:20] == pytest.approx([1e-4 + 9e-4 * k / 10 for k in range(1, 11)])  # from min_lr to the peak
+    assert lr[20] == 1e-3
+
+
 def test_a_warmup_or_decay_split_over_stages_is_one_ramp():
     """A decay split into two stages (another mix or seq_len for its end) went back up to the peak LR at the second
     (1e-4 -> 4.8e-4 mid-decay, then down to min_lr again); a split warmup dropped from the peak to lr/n; and an
