@@ -60,6 +60,7 @@ EXIT_STUCK = 9
 ON_STUCK_TIMEOUT_S = 3600.0  # an on_stuck command (a remount, a re-sync) running longer is killed: not a fix
 CRASH_LOGS_KEPT = 20  # out_dir/guardian/crash-*.log: the newest are kept
 TAIL_BYTES = 64 << 10  # of each of the trainer's stdout and stderr, kept for its crash log
+QUARANTINED_BY_HAND = "quarantined (--quarantine_shards)"  # a repair log entry: a release before it no longer holds
 PUMP_DRAIN_S = 5.0  # after the trainer exits, how long its pipes may take to end (a grandchild may hold them open)
 NO_RESTART = {1: "error", 2: "config error", faults.EXIT_DENIED: "storage denied", faults.EXIT_DISK: "out of disk",
               faults.EXIT_NONFINITE: "non-finite loss"}
@@ -79,7 +80,14 @@ def files_signature(path):
 
 def latest_valid(out_dir):
     """checkpoint.latest_valid, re-hashing a step only when its files changed: it hashed the newest checkpoint (tens
-    of GB for nano) 4-5 times per restart while the GPU stood idle (the trainer verifies what it resumes anyway)."""
+    of GB for nano) 4-5 times per restart while the GPU stood idle (the trainer verifies what it resumes anyway).
+    A step a killed re-save left only as step_N.old-PID is put back first: unseen, a run with no other step was
+    restarted as a fresh start, which the trainer refused (exit 1, supervision over)."""
+    if checkpoint.stranded(out_dir):
+        try:
+            rundir.recover_for_reader(out_dir)
+        except checkpoint.CheckpointError:  # (a trainer of a killed guardian still re-saving it; it puts it back)
+            pass
     for _, path in reversed(checkpoint.list_checkpoints(out_dir)):
         sig = files_signature(path)
         if sig is not None and _VERIFIED.get(path) == sig:
@@ -154,6 +162,8 @@ class Guardian:
         for q in released:  # --release_shards: the operator fixed them; the next fault may quarantine them again
             self.log["quarantined"].remove(q)
             self.log["repairs"].append({"shard": q["shard"], "action": "released (--release_shards)", "at": time.time()})
+        for shard in set(self.cfg["quarantine_shards"]) & released_shards(self.log["repairs"]):  # (later releases:
+            self.log["repairs"].append({"shard": shard, "action": QUARANTINED_BY_HAND, "at": time.time()})  # not it)
         self.log["status"] = "running"
         self.child = None
         self.stopping = False
@@ -163,6 +173,7 @@ class Guardian:
         self.unrepaired = []  # (corpus dir, problem) the last on_stuck verify left
         # this invocation's first start; t_first on time.monotonic (a wall-clock step ended or stretched the leg)
         self.n_started, self.first_step, self.t_first = 0, None, None
+        self.saw_checkpoint = False  # a start of this invocation began or ended with one (see child_argv)
         # a rollback's old timeline (out_dir's steps past the one gone back to) until a start sets it aside: a first
         # start that died before (storage unreachable mid-verify) had its restart resume the old timeline's newest
         m = self.rollback() and checkpoint.STEP_RE.match(os.path.basename(os.path.normpath(self.cfg["resume_from"])))
@@ -430,18 +441,21 @@ class Guardian:
         args = list(self.argv)
         for k, v in (left or {}).items():  # after the invocation's own: the later value wins
             args.append(f"--{k}={v}" if k == "stop_after_steps" else f"--{k}={v:.6f}")
-        if latest_step(self.out) is not None and not ((first or self.rollback_pending()) and self.rollback()):
+        # or a checkpoint an earlier start of this invocation saw: out_dir on a mount still down reads as empty, and
+        # a fresh start's trainer, reaching it once back, refused the run's checkpoints (exit 1, supervision over)
+        if ((latest_step(self.out) is not None or self.saw_checkpoint)
+                and not ((first or self.rollback_pending()) and self.rollback())):
             args += ["--init_from=resume", "--resume_from="]
         mine = {x["shard"] for x in self.log["quarantined"]}
         q = sorted(set(self.cfg["quarantine_shards"]) | mine)
         if q:
             args.append(f"--quarantine_shards={q!r}")
-        # and the shards release_fixed brought back, in this invocation or an earlier one (the checkpoint saved before
-        # the release still lists them, and its quarantine held them until --release_shards said otherwise)
-        released = set(self.cfg["release_shards"]) | {r["shard"] for r in self.log["repairs"]
-                                                      if str(r.get("action", "")).startswith("released: ")}
-        if released:  # not one quarantined again since (a fix that did not hold)
-            args.append(f"--release_shards={sorted(released - mine)!r}")
+        # and the shards released (by release_fixed or --release_shards) in this invocation or an earlier one (the
+        # checkpoint saved before the release still lists them, and its quarantine held them until --release_shards
+        # said otherwise), unless quarantined by hand since
+        released = set(self.cfg["release_shards"]) | released_shards(self.log["repairs"])
+        if released:  # not one quarantined again since (a fix that did not hold), by this guardian or by hand
+            args.append(f"--release_shards={sorted(released - set(q))!r}")
         return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"), *args]
 
     def on_signal(self, signum, frame):
@@ -532,6 +546,7 @@ class Guardian:
             for t in pumps:  # (a grandchild holding a pipe open does not hold the guardian)
                 t.join(max(0.0, drained_by - time.monotonic()))
             after = self.newest_step()  # (a rollback not yet done: its old timeline's newest is no progress)
+            self.saw_checkpoint = self.saw_checkpoint or before is not None or after is not None
             rep_name, rep = newest_crash_report(self.out, reports_before)
             cause = "ok" if rc == 0 else killed or (faults.CAUSES.get(rc) or NO_RESTART.get(rc) or
                                                     (killed_by(-rc) if rc < 0 else f"exit {rc}"))
@@ -731,6 +746,17 @@ class Guardian:
         self.save()
         self.say(f"stopped: {message}")
         return code
+
+
+def released_shards(repairs):
+    """The shards the repair log released and did not quarantine by hand again since."""
+    released = set()
+    for r in repairs:
+        if str(r.get("action", "")).startswith("released"):
+            released.add(r.get("shard"))
+        elif r.get("action") == QUARANTINED_BY_HAND:
+            released.discard(r.get("shard"))
+    return released
 
 
 def shard_fingerprint(corpus_dir, entry):

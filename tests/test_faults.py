@@ -2265,3 +2265,57 @@ def test_a_compiled_run_says_its_first_step_compiles(data_root, tmp_path, monkey
     said = train_here([f"--data_root={data_root}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1",
                        "--warmup_iters=0", "--eval_interval=100", "--sample_tokens=0", "--compile=True"])
     assert "compile: torch.compile traces and builds on the first step" in said, said[-2000:]
+
+
+def test_the_guardian_resumes_a_step_a_killed_re_save_left_aside(tmp_path):
+    """A re-save of the newest step (a measuring resume's final save) killed between its renames left it only as
+    step_N.old-PID: the guardian saw no checkpoint and restarted a fresh start, which the trainer refused (exit 1,
+    supervision over); it puts the step back and resumes it."""
+    import guardian
+    run = tmp_path / "run"
+    state = {"state.json": lambda p: json.dump({"step": 5, "finished": True}, open(p, "w"))}
+    path = checkpoint.save(str(run), 5, state)
+    os.replace(path, path + ".old-999")
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"])
+    assert "--init_from=resume" in g.child_argv(first=True) and guardian.latest_step(str(run)) == 5
+    assert os.path.isdir(path) and not os.path.exists(path + ".old-999")
+
+
+def test_a_release_holds_across_invocations_until_a_shard_is_quarantined_by_hand_again(tmp_path):
+    """--release_shards was passed on only in its own invocation (a next one without it left the shard quarantined by
+    the checkpoint saved before, guardian.json saying released); a release in guardian.json overrode the operator's
+    --quarantine_shards of the same shard later (train.py reads release last)."""
+    import guardian
+    run = tmp_path / "run"
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"])
+    g.log["quarantined"].append({"shard": "local/b.bin", "offset": None, "reason": "crash repeated", "at": 0})
+    g.save()
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--release_shards=['local/b.bin']"])
+    g.save()
+    argv = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"]).child_argv()
+    assert argv[-1] == "--release_shards=['local/b.bin']"
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--quarantine_shards=['local/b.bin']"])
+    g.save()
+    assert not any(a.startswith("--release_shards") for a in g.child_argv())
+    assert not any(a.startswith("--release_shards") for a in guardian.Guardian(
+        ["config/tiny.py", f"--out_dir={run}"]).child_argv())
+
+
+def test_a_restart_while_out_dir_reads_empty_resumes_the_checkpoint_an_earlier_start_saw(tmp_path):
+    """out_dir on a mount still down at a restart reads as empty: the restart went without --init_from=resume, and its
+    trainer, reaching out_dir once the mount was back, refused the run's checkpoints (exit 1, supervision over)."""
+    import guardian
+    run, away = tmp_path / "run", tmp_path / "away"
+    state = {"state.json": lambda p: json.dump({"step": 5, "finished": True}, open(p, "w"))}
+    step = checkpoint.save(str(run), 5, state)
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--unreachable_backoff_s=0.01"])
+    own_argv, argvs = g.child_argv, []
+    scripts = [f"import os; os.replace({step!r}, {str(away)!r}); raise SystemExit({train_py.EXIT_UNREACHABLE})",
+               f"import os; os.replace({str(away)!r}, {step!r})"]
+
+    def child_argv(left=None, first=False):  # what the guardian would run, recorded; a stand-in runs instead
+        argvs.append(own_argv(left, first))
+        return [sys.executable, "-c", scripts[len(argvs) - 1]]
+    g.child_argv = child_argv
+    assert run_guardian(g) == 0 and len(argvs) == 2
+    assert "--init_from=resume" in argvs[0] and "--init_from=resume" in argvs[1], argvs
