@@ -451,7 +451,7 @@ def test_an_unreadable_or_renamed_step_is_an_invalid_step_not_a_crash(tmp_path, 
     shutil.rmtree(copied)
     real = checkpoint.sha256_file
 
-    def failing_disk(path, *a):
+    def failing_disk(path, *a, **kw):
         if path.startswith(good):
             raise OSError(errno.EIO, "Input/output error", path)
         return real(path, *a)
