@@ -5,7 +5,7 @@ The guardian: keeps a training run alive without looping on the same fault.
 
 It runs train.py as a child (resuming the run's newest valid checkpoint whenever out_dir holds one, so the same
 command continues a run; a first start given --init_from=resume --resume_from=OUT_DIR/step_N, a rollback, resumes
-exactly that), restarts it on failure, and keeps out_dir/guardian.json: every start, the checkpoint step at its start and end, its exit code
+exactly that), restarts it on failure, and keeps out_dir/guardian.json: each start (the newest 1000), the checkpoint step at its start and end, its exit code
 and cause (train.py's exit codes; its crash-*.json report). What it does per cause:
 - corrupt data (3): re-verify the named shard; re-fetch it from its recorded source if it is corrupt on disk;
   quarantine it (skipped with a loud warning, counted in metrics) if it cannot be re-fetched or the crash
@@ -61,6 +61,7 @@ ON_STUCK_TIMEOUT_S = 3600.0  # an on_stuck command (a remount, a re-sync) runnin
 CRASH_LOGS_KEPT = 20  # out_dir/guardian/crash-*.log: the newest are kept
 TAIL_BYTES = 64 << 10  # of each of the trainer's stdout and stderr, kept for its crash log
 QUARANTINED_BY_HAND = "quarantined (--quarantine_shards)"  # a repair log entry: a release before it no longer holds
+STARTS_KEPT = 1000  # guardian.json keeps the newest starts (it grew ~300 bytes a start); starts_dropped: the rest
 PUMP_DRAIN_S = 5.0  # after the trainer exits, how long its pipes may take to end (a grandchild may hold them open)
 NO_RESTART = {1: "error", 2: "config error", faults.EXIT_DENIED: "storage denied", faults.EXIT_DISK: "out of disk",
               faults.EXIT_NONFINITE: "non-finite loss"}
@@ -158,6 +159,8 @@ class Guardian:
             os.replace(self.path, self.path + f".corrupt-{int(time.time())}")
             self.say(f"warning: {e}; kept as {os.path.basename(self.path)}.corrupt-*, starting a fresh log")
             self.log = {"starts": [], "quarantined": [], "repairs": []}
+        check_log(self.log, self.path)  # (a hand edit: before anything reads it)
+        remove_stale_temps(self.path)
         released = [q for q in self.log["quarantined"] if q["shard"] in self.cfg["release_shards"]]
         for q in released:  # --release_shards: the operator fixed them; the next fault may quarantine them again
             self.log["quarantined"].remove(q)
@@ -357,6 +360,8 @@ class Guardian:
         fixed = 0
         self.unrepaired = []  # (corpus dir, problem) found by this pass: what the stuck report says of the data
         for name, cdir in self.corpora().items():
+            if self.stopping:  # a stop signal during a corpus' hashing: the rest are not hashed first
+                return False
             problems, verdict = self.verify_corpus(cdir)
             if verdict is not None:  # (exit code, message): the caller stops with it
                 return verdict
@@ -475,12 +480,12 @@ class Guardian:
         finally:  # (in-process use, a test or a notebook: its Ctrl-C went to this guardian's on_signal for good)
             for s, h in handlers.items():
                 signal.signal(s, h)
-        mine = self.log["starts"][len(self.log["starts"]) - self.n_started:] if self.n_started else []
+        mine = self.log["starts"][max(0, len(self.log["starts"]) - self.n_started):] if self.n_started else []
         at = lambda step: "none" if step is None else step  # noqa: E731  (a first start: "step None -> 20")
         steps = (f"; newest checkpoint step {at(mine[0]['checkpoint_step_at_start'])} -> "
                  f"{at(mine[-1].get('checkpoint_step_at_end'))}" if mine else "")
         # one line a field report can quote (the starts were scattered through hours of trainer output)
-        self.say(f"summary: {len(mine)} start{'s' * (len(mine) != 1)}"
+        self.say(f"summary: {self.n_started} start{'s' * (self.n_started != 1)}"
                  f"{' (' + summarize([m.get('cause', 'unknown') for m in mine]) + ')' if mine else ''}{steps}; "
                  f"exit {code} ({self.log['status']})")
         return code
@@ -521,12 +526,19 @@ class Guardian:
                     return 0
                 self.say("restarting")  # said here, once nothing stops it (it came before "not restarting")
             self.release_fixed()
+            if self.stopping:  # came during release_fixed's hashing: no trainer started only to be stopped
+                continue  # (the loop's top says it stopped, and starts none)
             start = {"started_at": t0, "checkpoint_step_at_start": before}
             if left:
                 start["leg_left"] = left
             self.log["starts"].append(start)
+            extra = len(self.log["starts"]) - STARTS_KEPT
+            if extra > 0:  # the oldest go (numbering goes on: start_number counts the dropped)
+                del self.log["starts"][:extra]
+                self.log["starts_dropped"] = self.log.get("starts_dropped", 0) + extra
+            n_start = self.start_number()
             self.save()
-            self.say(f"start {len(self.log['starts'])} (checkpoint step {'none' if before is None else before})")
+            self.say(f"start {n_start} (checkpoint step {'none' if before is None else before})")
             argv = self.child_argv(left, first=self.n_started == 0)
             self.n_started += 1
             locked_out = self.locked_out_file()
@@ -553,7 +565,7 @@ class Guardian:
             start.update(ended_at=time.time(), exit_code=rc, cause=cause, checkpoint_step_at_end=after,
                          crash_report=rep_name, message=(rep or {}).get("message"))
             if rc != 0:
-                start["output_tail"] = self.keep_crash_log(len(self.log["starts"]), rc, cause, tails)
+                start["output_tail"] = self.keep_crash_log(n_start, rc, cause, tails)
             self.save()
             if rc == 0:
                 # a signal after the trainer's work was done (Ctrl-C during its end-of-run sample) stopped nothing
@@ -594,7 +606,7 @@ class Guardian:
                 return self.stop(rc, f"{cause}: {(rep or {}).get('message') or 'see the trainer output'}; "
                                      f"restarting cannot fix this")
             # why it ended, on the console too (it was in guardian.json only); "restarting" only once it is decided
-            self.say(f"start {len(self.log['starts'])} ended: {cause}"
+            self.say(f"start {n_start} ended: {cause}"
                      + (f" ({(rep or {}).get('message')})" if (rep or {}).get("message") else "")
                      + f"; newest checkpoint {after if after is not None else 'none'}")
             if not progressed and rc != faults.EXIT_UNREACHABLE:  # (outages have their own retries, below)
@@ -651,6 +663,10 @@ class Guardian:
                                                  f"set on_stuck or look at {self.out}/crash-*.json")
                 no_progress = []
                 self.save()
+
+    def start_number(self):
+        """The newest start's number (1, 2, ...; its crash log's), counting those dropped past STARTS_KEPT."""
+        return self.log.get("starts_dropped", 0) + len(self.log["starts"])
 
     def locked_out_file(self):
         """out_dir/guardian/locked-out, cleared: the trainer writes it when out_dir's lock refuses it
@@ -746,6 +762,47 @@ class Guardian:
         self.save()
         self.say(f"stopped: {message}")
         return code
+
+
+STALE_TEMP_S = 3600.0  # a guardian.json.tmp-PID-* this old is a dead writer's even if its PID was reused
+
+
+def check_log(log, path):
+    """A hand-edited guardian.json: a missing list is filled empty (the same as an empty one: nothing recorded of it),
+    one of the wrong type is one line naming the file (it was a KeyError / TypeError traceback); the file is kept."""
+    if not isinstance(log, dict):
+        raise configurator.ConfigError(f"{path}: not a JSON object; fix it by hand, or move it aside to start a "
+                                       f"fresh guardian log")
+    for key in ("starts", "quarantined", "repairs"):
+        log.setdefault(key, [])
+        if not isinstance(log[key], list) or not all(isinstance(x, dict) for x in log[key]):
+            raise configurator.ConfigError(f"{path}: \"{key}\" must be a list of objects; fix it by hand, or move "
+                                           f"the file aside to start a fresh guardian log")
+    dropped = log.get("starts_dropped", 0)
+    if isinstance(dropped, bool) or not isinstance(dropped, int) or dropped < 0:
+        raise configurator.ConfigError(f"{path}: \"starts_dropped\" must be a count >= 0; fix it by hand, or move "
+                                       f"the file aside to start a fresh guardian log")
+    if not all(isinstance(q.get("shard"), str) for q in log["quarantined"]):
+        raise configurator.ConfigError(f"{path}: each \"quarantined\" entry needs a \"shard\" (\"CORPUS/FILE\"); "
+                                       f"fix it by hand, or move the file aside to start a fresh guardian log")
+
+
+def remove_stale_temps(path):
+    """Remove path's write_atomic temp files (PATH.tmp-PID-THREAD) a writer killed mid-write left: those whose PID
+    is not alive, or older than STALE_TEMP_S (a reused PID); a live writer's is left alone."""
+    d, base = os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".tmp-"
+    try:
+        names = [n for n in os.listdir(d) if n.startswith(base)]
+    except OSError:
+        return
+    for n in names:
+        pid = n[len(base):].split("-", 1)[0]
+        try:
+            alive = pid.isdigit() and int(pid) > 0 and checkpoint.pid_alive(int(pid))
+            if not alive or time.time() - os.stat(os.path.join(d, n)).st_mtime > STALE_TEMP_S:
+                os.remove(os.path.join(d, n))
+        except OSError:  # gone already (its writer finished), or not ours to remove
+            pass
 
 
 def released_shards(repairs):

@@ -840,6 +840,80 @@ def test_sigterm_between_starts_starts_no_trainer(tmp_path):
     assert time.time() - t0 < 10
 
 
+def test_a_hand_edited_guardian_log_is_one_line_and_kept(tmp_path, capsys):
+    """A guardian.json missing "repairs" / "quarantined" was a KeyError traceback; one of the wrong type a TypeError.
+    A missing list is filled empty (the same as an empty one); a wrong type is one line naming the file, exit 2, the
+    file unchanged."""
+    import guardian
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "guardian.json").write_text(json.dumps({"starts": [{"started_at": 1.0}], "status": "stopped"}))
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}"])
+    assert g.log["quarantined"] == [] and g.log["repairs"] == [] and len(g.log["starts"]) == 1
+    for bad in ({"starts": [], "quarantined": {}, "repairs": []}, {"starts": [], "quarantined": [{"at": 1}]},
+                {"starts": "x"}, [1]):
+        (out / "guardian.json").write_text(json.dumps(bad))
+        assert guardian.supervise(["config/tiny.py", f"--out_dir={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"guardian: error: {out / 'guardian.json'}: ") and err.count("\n") == 1, err
+        assert "move the file aside" in err or "move it aside" in err
+        assert json.loads((out / "guardian.json").read_text()) == bad
+
+
+def test_a_killed_guardians_temp_log_is_removed_at_the_next_start(tmp_path):
+    """A guardian SIGKILLed inside write_atomic left guardian.json.tmp-PID-* for good: the next start removes those of
+    dead PIDs (and very old ones), never a live writer's."""
+    import guardian
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    stale, live = out / f"guardian.json.tmp-{dead.pid}-1", out / f"guardian.json.tmp-{os.getppid()}-1"
+    old = out / f"guardian.json.tmp-{os.getppid()}-2"
+    for f in (stale, live, old):
+        f.write_text('{"starts": [')
+    os.utime(old, (time.time() - 2 * guardian.STALE_TEMP_S,) * 2)
+    guardian.Guardian(["config/tiny.py", f"--out_dir={out}"])
+    assert not stale.exists() and not old.exists() and live.exists()
+
+
+def test_a_stop_during_the_release_check_starts_no_trainer(tmp_path, monkeypatch):
+    """A SIGTERM while release_fixed hashed a quarantined shard (minutes for a big one) took effect only after: a
+    trainer was started just to be stopped. Now none is; and on_stuck's verify hashes no further corpus."""
+    import guardian
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}"])
+    started = []
+    g.child_argv = lambda left=None, first=False: started.append(1) or [sys.executable, "-c", ""]
+    monkeypatch.setattr(g, "release_fixed", lambda: g.on_signal(signal.SIGTERM, None))  # the signal mid-hash
+    assert run_guardian(g) == 0
+    log = json.load(open(tmp_path / "run" / "guardian.json"))
+    assert started == [] and log["starts"] == [] and log["status"] == "stopped (SIGTERM)"
+    verified = []
+    g.stopping = None
+    monkeypatch.setattr(g, "corpora", lambda: {"a": "A", "b": "B"})
+    monkeypatch.setattr(g, "verify_corpus", lambda c: (verified.append(c), g.on_signal(signal.SIGTERM, None),
+                                                       ([], None))[-1])
+    assert g.on_stuck(["hang"] * 3) is False and verified == ["A"]
+
+
+def test_guardian_log_keeps_the_newest_starts_and_numbers_on(tmp_path, monkeypatch, capsys):
+    """guardian.json grew ~300 bytes a start for good: the newest STARTS_KEPT are kept, starts_dropped counts the
+    rest, and a start's number (its crash log's, its lines') goes on from all of them."""
+    import guardian
+    monkeypatch.setattr(guardian, "STARTS_KEPT", 3)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "guardian.json").write_text(json.dumps({"starts": [{"started_at": float(i)} for i in range(3)],
+                                                   "starts_dropped": 2, "quarantined": [], "repairs": []}))
+    g = guardian.Guardian(["config/tiny.py", f"--out_dir={out}"])
+    g.child_argv = lambda left=None, first=False: [sys.executable, "-c", "raise SystemExit(2)"]  # a config error
+    assert run_guardian(g) == 2
+    log = json.load(open(out / "guardian.json"))
+    assert log["starts_dropped"] == 3 and [s["started_at"] for s in log["starts"][:2]] == [1.0, 2.0]
+    assert log["starts"][-1]["output_tail"] == os.path.join("guardian", "crash-0006.log")
+    assert (out / "guardian" / "crash-0006.log").exists() and "start 6 (checkpoint" in capsys.readouterr().err
+
+
 def test_a_restart_gets_what_is_left_of_the_legs_hours(tmp_path):
     import guardian
     g = guardian.Guardian(["config/tiny.py", f"--out_dir={tmp_path / 'run'}", "--stop_after_hours=1"])
