@@ -257,7 +257,10 @@ class Guardian:
                 same_bytes = (not corrupt_on_disk and had is not None and
                               (now["sha256"], now["mask_sha256"]) == (had.get("sha256"), had.get("mask_sha256")))
                 try:
-                    held = not known or same_bytes or shards.verify_shard(corpora[c], entry, index["vocab_size"])
+                    held = not known or same_bytes or shards.verify_shard(corpora[c], entry, index["vocab_size"],
+                                                                          self.should_stop)
+                except shards.HashStopped:  # a stop signal mid-hash: no verdict, nothing released (the caller stops)
+                    return
                 except shards.StorageError as e:  # (a traceback that ended the guardian); verified again next start
                     self.say(f"{q['shard']} stays quarantined: {e}")
                     continue
@@ -296,7 +299,12 @@ class Guardian:
         """shards.verify_corpus, a shard that cannot be read not taken for a corrupt one (an OSError was a traceback
         that ended the guardian): a mount that dropped is waited for as a trainer's outage is, up to
         unreachable_give_up_s. Returns (problems, None), or (None, (exit code, message)) to stop."""
-        return self.storage_retries(f"verifying {corpus_dir}", lambda: shards.verify_corpus(corpus_dir))
+        return self.storage_retries(f"verifying {corpus_dir}",
+                                    lambda: shards.verify_corpus(corpus_dir, self.should_stop))
+
+    def should_stop(self):
+        """Asked between a re-hash's chunks: a stop signal ends a corpus' hashing (minutes for GBs) there."""
+        return bool(self.stopping)
 
     def storage_retries(self, doing, fn, record=None):
         """(fn(), None), its StorageError 'unreachable' retried with the backoff (a Hub blip or an hour's outage must
@@ -306,6 +314,8 @@ class Guardian:
         while True:
             try:
                 return fn(), None
+            except shards.HashStopped:  # a partial hash: nothing is re-fetched or quarantined on it
+                return None, (faults.EXIT_OK, f"stopped by {self.stopping} while {doing}")
             except shards.StorageError as e:
                 wait = self.retry_wait(attempt + 1, waited) if e.kind == "unreachable" else None
                 if wait is None:

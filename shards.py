@@ -70,6 +70,10 @@ class StorageError(Exception):
         self.url, self.status, self.kind = url, status, kind
 
 
+class HashStopped(Exception):
+    """A re-hash cut short between chunks by its should_stop (the guardian's stop signal): no verdict on the file."""
+
+
 PIPED_BAR_S = 60.0  # a prepare's bar written to a log file or pipe: one frame a minute
 
 
@@ -714,16 +718,19 @@ def _check_mask_size(corpus_dir, entry):
     return st
 
 
-def _hash(path):
+def _hash(path, should_stop=None):
     """sha256_file; a read that fails after the stat (EIO, a mount dropped mid-hash) is a StorageError (read_error),
-    not an OSError that train.py took for a crash (exit 10)."""
+    not an OSError that train.py took for a crash (exit 10). should_stop() true between chunks: HashStopped."""
+    def tick():
+        if should_stop():
+            raise HashStopped(f"{path}: hashing stopped")
     try:
-        return sha256_file(path)
+        return sha256_file(path, tick=tick if should_stop else None)
     except OSError as e:
         raise read_error(path, e) from None
 
 
-def _open_shard(corpus_dir, entry, vocab_size):
+def _open_shard(corpus_dir, entry, vocab_size, should_stop=None):
     """Memory-map one shard after checking existence, size and (once per process) sha256."""
     file = entry["file"]
     path = os.path.join(str(corpus_dir), file)
@@ -732,7 +739,7 @@ def _open_shard(corpus_dir, entry, vocab_size):
     tokens = np.memmap(path, dtype=SHARD_DTYPE, mode="r") if want else np.zeros(0, SHARD_DTYPE)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["sha256"])
     if key not in _VERIFIED:
-        got = _hash(path)
+        got = _hash(path, should_stop)
         if got != entry["sha256"]:
             # say where it is wrong if we can: a zero run or an out-of-vocab id names the offset
             try:
@@ -746,14 +753,14 @@ def _open_shard(corpus_dir, entry, vocab_size):
     return tokens
 
 
-def _open_mask(corpus_dir, entry):
+def _open_mask(corpus_dir, entry, should_stop=None):
     """Memory-map one shard's loss mask (uint8, one byte per token) after checking size and (once) sha256."""
     path = os.path.join(str(corpus_dir), entry["mask"])
     st = _check_mask_size(corpus_dir, entry)
     mask = np.memmap(path, dtype=np.uint8, mode="r") if entry["tokens"] else np.zeros(0, np.uint8)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, entry["mask_sha256"])
     if key not in _VERIFIED:
-        got = _hash(path)
+        got = _hash(path, should_stop)
         if got != entry["mask_sha256"]:
             raise DataError(f"{path}: sha256 {got[:12]} differs from index.json's {entry['mask_sha256'][:12]} (corrupt "
                             f"loss mask); {_fix_hint(corpus_dir)}", path, None, "hash")
@@ -761,9 +768,10 @@ def _open_mask(corpus_dir, entry):
     return mask
 
 
-def verify_corpus(corpus_dir):
+def verify_corpus(corpus_dir, should_stop=None):
     """Re-hash every shard of every split (ignoring the per-process cache). Returns a list of one-line problems; a file
-    that cannot be read raises StorageError (read_error)."""
+    that cannot be read raises StorageError (read_error); should_stop() true between hash chunks raises HashStopped
+    (the guardian's stop signal: a corpus of GBs hashed to its end first)."""
     try:
         index = load_index(corpus_dir)
         load_corpus_tokenizer(corpus_dir, index)
@@ -772,13 +780,13 @@ def verify_corpus(corpus_dir):
     except OSError as e:  # (a traceback that ended the guardian)
         raise read_error(e.filename or corpus_dir, e) from None
     return [p for entries in index["splits"].values() for entry in entries
-            for p in verify_shard(corpus_dir, entry, index["vocab_size"])]
+            for p in verify_shard(corpus_dir, entry, index["vocab_size"], should_stop)]
 
 
-def verify_shard(corpus_dir, entry, vocab_size):
+def verify_shard(corpus_dir, entry, vocab_size, should_stop=None):
     """Re-hash one shard of index.json and its loss mask (ignoring the per-process cache). Returns one-line problems; a
     file that cannot be read raises StorageError (read_error: an EIO or a dropped mount was a traceback out of the
-    guardian, which caught DataError only)."""
+    guardian, which caught DataError only); should_stop() true between hash chunks raises HashStopped."""
     problems = []
     path = os.path.join(str(corpus_dir), entry["file"])
     try:
@@ -787,7 +795,7 @@ def verify_shard(corpus_dir, entry, vocab_size):
     except OSError:
         pass
     try:
-        _open_shard(corpus_dir, entry, vocab_size)
+        _open_shard(corpus_dir, entry, vocab_size, should_stop)
     except DataError as e:
         problems.append(str(e))
     except OSError as e:
@@ -798,7 +806,7 @@ def verify_shard(corpus_dir, entry, vocab_size):
             st = os.stat(mpath)
             _VERIFIED.discard((os.path.realpath(mpath), st.st_size, st.st_mtime_ns, entry["mask_sha256"]))
         try:
-            _open_mask(corpus_dir, entry)
+            _open_mask(corpus_dir, entry, should_stop)
         except DataError as e:
             problems.append(str(e))
         except OSError as e:

@@ -896,6 +896,47 @@ def test_a_stop_during_the_release_check_starts_no_trainer(tmp_path, monkeypatch
     assert g.on_stuck(["hang"] * 3) is False and verified == ["A"]
 
 
+def test_a_stop_signal_mid_hash_ends_the_guardians_verify_there(data_root, tmp_path, monkeypatch):
+    """A SIGTERM / Ctrl-C while the guardian re-hashed a corpus (on_stuck's verify, release_fixed's check of a
+    quarantined shard: minutes for GBs) took effect only once the hash ended, which then re-fetched or released on
+    it. The hash now stops at its next chunk: nothing re-fetched, quarantined or released, no trainer started after."""
+    import guardian
+    root = shutil.copytree(data_root, tmp_path / "data")
+    shard = os.path.join(root, "local", "train_000000.bin")
+    good = open(shard, "rb").read()
+    zero_page(shard)  # corrupt on disk: a whole hash re-fetches it from its source
+    damaged = open(shard, "rb").read()
+    real_hash, chunks, stop = shards.sha256_file, [], [lambda: os.kill(os.getpid(), signal.SIGTERM)]
+
+    def small_chunks(path, bufsize=1 << 20, tick=None, what=None):  # a big corpus' many chunks
+        def chunk():
+            chunks.append(path)
+            if len(chunks) == 3:
+                stop[0]()  # the signal mid-hash
+            if tick:
+                tick()
+        return real_hash(path, 256, chunk, what)
+    monkeypatch.setattr(shards, "sha256_file", small_chunks)
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}", "--max_stuck_starts=1"])
+    started = stand_in_trainers(g, "raise SystemExit(8)")  # a hang: on_stuck verifies the corpus
+    assert run_guardian(g) == 0
+    log = json.load(open(tmp_path / "run" / "guardian.json"))
+    assert started == [1] and len(log["starts"]) == 1 and log["status"] == "stopped (SIGTERM)"
+    assert log["repairs"] == [] and log["quarantined"] == [] and open(shard, "rb").read() == damaged
+    assert len(chunks) < 5 < len(good) // 256, len(chunks)
+    # release_fixed hashing a quarantined shard the operator replaced with a good copy: held, not released
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run2'}"])
+    assert g.quarantine(shard, 0, "corrupt on disk and not re-fetchable: test")
+    with open(shard + ".new", "wb") as f:
+        f.write(good)
+    os.replace(shard + ".new", shard)
+    chunks.clear()
+    stop[0] = lambda: g.on_signal(signal.SIGTERM, None)
+    g.release_fixed()
+    assert [q["shard"] for q in g.log["quarantined"]] == ["local/train_000000.bin"] and g.log["repairs"] == []
+    assert len(chunks) < 5
+
+
 def test_guardian_log_keeps_the_newest_starts_and_numbers_on(tmp_path, monkeypatch, capsys):
     """guardian.json grew ~300 bytes a start for good: the newest STARTS_KEPT are kept, starts_dropped counts the
     rest, and a start's number (its crash log's, its lines') goes on from all of them."""
