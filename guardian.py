@@ -5,8 +5,9 @@ The guardian: keeps a training run alive without looping on the same fault.
 
 It runs train.py as a child (resuming the run's newest valid checkpoint whenever out_dir holds one, so the same
 command continues a run; a first start given --init_from=resume --resume_from=OUT_DIR/step_N, a rollback, resumes
-exactly that), restarts it on failure, and keeps out_dir/guardian.json: each start (the newest 1000), the checkpoint step at its start and end, its exit code
-and cause (train.py's exit codes; its crash-*.json report). What it does per cause:
+exactly that), restarts it on failure, and keeps out_dir/guardian.json: each start (the newest 1000), the checkpoint
+step at its start and end, its exit code and cause (train.py's exit codes; its crash-*.json report). What it does per
+cause:
 - corrupt data (3): re-verify the named shard; re-fetch it from its recorded source if it is corrupt on disk;
   quarantine it (skipped with a loud warning, counted in metrics) if it cannot be re-fetched or the crash
   repeats at the same place; then restart.
@@ -165,6 +166,10 @@ class Guardian:
         for q in released:  # --release_shards: the operator fixed them; the next fault may quarantine them again
             self.log["quarantined"].remove(q)
             self.log["repairs"].append({"shard": q["shard"], "action": "released (--release_shards)", "at": time.time()})
+        # one quarantined by hand (in a checkpoint, not here) too: a later invocation without the flag resuming a
+        # checkpoint saved before the release quarantined it again
+        for shard in sorted(set(self.cfg["release_shards"]) - released_shards(self.log["repairs"])):
+            self.log["repairs"].append({"shard": shard, "action": "released (--release_shards)", "at": time.time()})
         for shard in set(self.cfg["quarantine_shards"]) & released_shards(self.log["repairs"]):  # (later releases:
             self.log["repairs"].append({"shard": shard, "action": QUARANTINED_BY_HAND, "at": time.time()})  # not it)
         self.log["status"] = "running"

@@ -2414,6 +2414,11 @@ def test_a_release_holds_across_invocations_until_a_shard_is_quarantined_by_hand
     assert not any(a.startswith("--release_shards") for a in g.child_argv())
     assert not any(a.startswith("--release_shards") for a in guardian.Guardian(
         ["config/tiny.py", f"--out_dir={run}"]).child_argv())
+    # a shard quarantined by hand (the checkpoint's quarantine, not guardian.json's): its release holds the same way
+    guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--quarantine_shards=['local/c.bin']"]).save()
+    guardian.Guardian(["config/tiny.py", f"--out_dir={run}", "--release_shards=['local/c.bin']"]).save()
+    argv = guardian.Guardian(["config/tiny.py", f"--out_dir={run}"]).child_argv()
+    assert argv[-1] == "--release_shards=['local/c.bin']", argv
 
 
 def test_a_restart_while_out_dir_reads_empty_resumes_the_checkpoint_an_earlier_start_saw(tmp_path):
