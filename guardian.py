@@ -30,7 +30,8 @@ cause:
   the only true signal was that the newest checkpoint stopped advancing. So: when max_stuck_starts (3)
   consecutive starts produced no new checkpoint, run `on_stuck` (e.g. remount / re-sync the data; killed after
   an hour or at a stop signal), re-verify every shard, repair what it finds and go on, or stop with exit 9 and a
-  report. More than max_restarts starts with no new checkpoint in one invocation also stop with 9 and their causes.
+  report. More than max_restarts starts with no new checkpoint in one invocation also stop with 9 and their causes
+  (a start whose named shard was repaired for the first time in this invocation is not counted).
 SIGTERM or Ctrl-C to the guardian is passed to the trainer (which checkpoints and exits 0) and ends supervision; if the
 trainer dies instead (a hang while saving), the guardian exits with its code and says which steps are lost (one not out
 stop_grace_s after the signal is SIGKILLed: stuck where not even its watchdog runs, it held the guardian forever); if the
@@ -510,6 +511,7 @@ class Guardian:
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGHUP, self.on_signal)  # an ssh drop: the trainer checkpoints (it died with none)
         no_progress, last_data_fault, fruitless, fruitless_causes = [], None, 0, []
+        repaired_shards = set()  # shards this invocation re-fetched or quarantined after a start named them
         unreachable_tries, unreachable_waited = 0, 0.0
         while True:
             if self.stopping:  # a SIGTERM while no trainer ran (a backoff, a repair): start none
@@ -624,15 +626,6 @@ class Guardian:
             self.say(f"start {n_start} ended: {cause}"
                      + (f" ({(rep or {}).get('message')})" if (rep or {}).get("message") else "")
                      + f"; newest checkpoint {after if after is not None else 'none'}")
-            if not progressed and rc != faults.EXIT_UNREACHABLE:  # (outages have their own retries, below)
-                fruitless += 1
-                fruitless_causes.append(cause)
-            # restarts after starts that made no new checkpoint, in this invocation (guardian.json keeps every one):
-            # a week-long run with a fault a day is not ended by its 21st; decided before "restarting" is said
-            if fruitless > self.cfg["max_restarts"]:
-                return self.stop(EXIT_STUCK, f"gave up: {fruitless} starts made no new checkpoint, more than "
-                                             f"max_restarts={self.cfg['max_restarts']} (causes: "
-                                             f"{summarize(fruitless_causes)}); look at {self.out}/crash-*.json")
             if progressed or rc != faults.EXIT_UNREACHABLE:  # the retries are per outage: a run that trains between
                 unreachable_tries, unreachable_waited = 0, 0.0  # short outages hours apart is not stopped by them
             if rc == faults.EXIT_UNREACHABLE:
@@ -650,18 +643,32 @@ class Guardian:
             if rc == faults.EXIT_DATA and rep and (rep.get("kind") in ("index", "tokenizer") or
                                                   os.path.basename(str(rep.get("path"))) == "index.json"):
                 return self.stop(rc, f"{cause}: {rep.get('message')}; restarting cannot fix this")
-            repaired = False
+            repaired = first_repair = False
             if rc == faults.EXIT_DATA and rep and rep.get("path"):
                 fault = (rep["path"], rep.get("offset"))
                 acted = self.actions()
                 verdict = self.repair_shard(rep["path"], rep.get("offset"), repeated=fault == last_data_fault)
                 repaired = verdict is None and self.actions() > acted
+                # a shard's first repair frees its restart (30 bad shards, each fixed, gave up at max_restarts=20);
+                # its repeat counts (the repair did not hold): free restarts are bounded by the corpus's shards
+                first_repair = repaired and os.path.abspath(rep["path"]) not in repaired_shards
+                if repaired:
+                    repaired_shards.add(os.path.abspath(rep["path"]))
                 last_data_fault = fault
                 self.save()
                 if verdict is not None and self.stopping:
                     continue  # (stopped by a signal while re-fetching: the loop's top says so)
                 if verdict is not None:
                     return self.stop(*verdict)
+            if not progressed and rc != faults.EXIT_UNREACHABLE and not first_repair:  # (outages: their own retries)
+                fruitless += 1
+                fruitless_causes.append(cause)
+            # restarts after starts that made no new checkpoint, in this invocation (guardian.json keeps every one):
+            # a week-long run with a fault a day is not ended by its 21st; decided before "restarting" is said
+            if fruitless > self.cfg["max_restarts"]:
+                return self.stop(EXIT_STUCK, f"gave up: {fruitless} starts made no new checkpoint, more than "
+                                             f"max_restarts={self.cfg['max_restarts']} (causes: "
+                                             f"{summarize(fruitless_causes)}); look at {self.out}/crash-*.json")
             # unreachable storage has its own retries above (counted as stuck, its give-up never came); a start whose
             # named shard was re-fetched or newly quarantined is not stuck (3 bad shards, each fixed, ended in exit 9)
             no_progress = ([] if progressed else no_progress if rc == faults.EXIT_UNREACHABLE or repaired

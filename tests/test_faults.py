@@ -1958,6 +1958,33 @@ def test_consecutive_starts_each_ending_in_a_repaired_shard_are_not_stuck(tmp_pa
     assert [r["action"] for r in log["repairs"]] == ["refetched"] * 3 and not shards.verify_corpus(cdir)
 
 
+
+def test_restarts_after_a_first_repair_of_a_shard_are_not_counted_toward_max_restarts(tmp_path):
+    """More truncated shards than max_restarts, each named by one start and re-fetched: the guardian gave up ("gave
+    up: 2 starts made no new checkpoint, more than max_restarts=1") though every restart fixed one. A shard's first
+    repair in an invocation frees its restart; the same shard again (a repair that did not hold) still counts."""
+    import guardian
+    root = make_corpus(tmp_path / "data")
+    cdir = os.path.join(root, "local")
+    paths = [os.path.join(cdir, f"train_00000{i}.bin") for i in range(3)]
+    for p in paths:
+        with open(p, "r+b") as f:
+            f.truncate(100)
+    run = tmp_path / "run"
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={run}", "--max_restarts=1"])
+    started = stand_in_trainers(g, *[data_fault_trainer(run, p, "truncated", 50) for p in paths], "raise SystemExit(0)")
+    assert run_guardian(g) == 0 and len(started) == 4
+    assert "gave up" not in json.load(open(run / "guardian.json"))["status"]
+    # a repeat: re-fetched, then named again at the same place (quarantined, counted), then again: gives up
+    with open(paths[0], "r+b") as f:
+        f.truncate(100)
+    run2 = tmp_path / "run2"
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={run2}", "--max_restarts=1", "--max_stuck_starts=100"])
+    started = stand_in_trainers(g, data_fault_trainer(run2, paths[0], "truncated", 50))
+    assert run_guardian(g) == guardian.EXIT_STUCK and len(started) == 3
+    log = json.load(open(run2 / "guardian.json"))
+    assert [r["action"] for r in log["repairs"]] == ["refetched"] and log["quarantined"][0]["shard"].endswith("00.bin")
+
 def unreadable_shards(monkeypatch, fails):
     """shards.sha256_file raises OSError(fails.pop(0)) while `fails` holds errnos (a dropped mount, a failing disk)."""
     import errno
