@@ -51,7 +51,8 @@ How it works (the implementer's calls, as DESIGN.md asks):
   macOS, getrusage's peak, which reserves more) - the KV cache for
   `context` positions - working memory (one prefill chunk of 256 tokens' activations and its attention scores
   against the context, 64 logit rows, --kernel reference's chunk of dequantized rows, slack; `working_bytes`). If
-  less than 2 x top_k experts would fit, it refuses before loading, saying how much is needed.
+  less than 2 x top_k experts would fit (top_k with a single MoE layer, none without one), it refuses before loading,
+  saying how much is needed.
 - int4 kernels (`--kernel`: native on CPU, the default where it builds; int4pack; reference; triton on CUDA):
   kernels.py, whose docstring says how each works and what it measured.
 - Decode-time fusions: q|k|v and the shared / dense gate|up are concatenated at load into one int4 matrix each
@@ -569,10 +570,15 @@ class Engine:
         # allocator slack, LOGIT_CHUNK logit rows (+ log-softmax), one prefill chunk's activations (fp32 temporaries
         # as wide as the widest fused gate|up: four on the torch paths, two with the native one-call FFNs, which
         # measured ~one on micro), and for --kernel reference the temporaries of one chunk of dequantized rows
-        widest = max(cfg.d_model, 2 * cfg.dense_ffn, 2 * cfg.n_shared * cfg.expert_ffn, 2 * cfg.expert_ffn)
+        # (only the FFNs the model has: a fork's all-dense config keeps expert_ffn, an all-MoE one dense_ffn, unused)
+        n_moe = cfg.n_layer - cfg.n_dense_layers
+        widest = max([cfg.d_model] + ([2 * cfg.dense_ffn] if cfg.n_dense_layers else [])
+                     + ([2 * cfg.n_shared * cfg.expert_ffn, 2 * cfg.expert_ffn] if n_moe else []))
         temporaries = 2 if self.kernel == "native" else 4
         # the widest (padded) row of any matrix: the reference kernel's chunk of rows is sized by it
-        quantized = [v for v in list(c.header["tensors"].values()) + c.layout["parts"] if v["kind"] in ("int4", "int8")]
+        # (the expert layout's parts only with MoE layers: an all-dense container still describes expert_ffn's)
+        quantized = [v for v in list(c.header["tensors"].values()) + (c.layout["parts"] if n_moe else [])
+                     if v["kind"] in ("int4", "int8")]
         widest_k = max([C.int4_padded_shape(v["shape"], v["group_size"])[1] if v["kind"] == "int4" else v["shape"][-1]
                         for v in quantized] + [1])
         # int4pack runs the reference path on a group size torch's kernel does not take (and int8 rows of a width not
@@ -586,15 +592,16 @@ class Engine:
                               + temporaries * 4 * self.prefill_chunk * widest
                               + 4 * cfg.n_head * min(self.prefill_chunk, self.context) * self.context
                               + (kernels.reference_scratch_bytes(widest_k) if self.reference_path else 0))
-        n_moe = cfg.n_layer - cfg.n_dense_layers
-        self.min_cache = 2 * cfg.top_k * c.expert_nbytes if n_moe else 0
+        # a layer's top_k picks together, and the next MoE layer's top_k guesses (none after a lone MoE layer)
+        self.min_cache_experts = min(cfg.top_k, cfg.n_experts) * min(n_moe, 2)
+        self.min_cache = self.min_cache_experts * c.expert_nbytes
         needed = self.baseline_rss + self.resident_bytes + self.kv_bytes + self.working_bytes + self.min_cache
         if self.budget is not None and self.budget < needed:
             e = StreamError(
                 f"{path}: --ram-budget {fmt_size(self.budget)} is below what this model needs resident: "
                 f"{fmt_size(needed)} (python+torch {fmt_size(self.baseline_rss)}, resident weights "
                 f"{fmt_size(self.resident_bytes)}, KV cache {fmt_size(self.kv_bytes)} for {self.context} positions, "
-                f"working memory {fmt_size(self.working_bytes)}, >= {2 * cfg.top_k} experts "
+                f"working memory {fmt_size(self.working_bytes)}, >= {self.min_cache_experts} experts "
                 f"{fmt_size(self.min_cache)}); raise it to at least {fmt_budget(needed + LOAD_SLACK)}")
             e.least_budget = needed + LOAD_SLACK  # (the benchmark's own refusal names the same figure)
             raise e

@@ -147,6 +147,38 @@ def test_engine_equals_dequantized_model_for_forked_shapes(tmp_path, shape):
                     assert eng.generate(ids[0].tolist(), 4, experts_per_token=k) == tokens, k
 
 
+def test_budget_counts_only_the_ffns_and_experts_the_model_has(tmp_path, monkeypatch):
+    """A fork's config keeps the widths of FFNs its model does not have (expert_ffn when all-dense, dense_ffn when MoE
+    from layer 0); the working-memory estimate counted them, and the cache floor asked 2 x top_k experts of a model
+    whose one MoE layer has no next layer to guess for: a --ram-budget that works was refused as below the need."""
+    monkeypatch.setattr(S, "rss_bytes", lambda: 200 << 20)  # the process's RSS held still: thresholds compare exactly
+
+    def least_budget(path):
+        with pytest.raises(S.StreamError) as e:
+            S.load(path, ram_budget="64M", kernel="reference")
+        return e.value.least_budget, str(e.value)
+
+    ids = list(range(5, 11))
+    for name, lean, unused in (("dense", dict(n_dense_layers=4, n_experts=0), dict(expert_ffn=512, n_shared=16)),
+                               ("moe0", dict(n_dense_layers=0, n_experts=4), dict(dense_ffn=16384))):
+        _, lean_path = random_container(tmp_path, name + "-lean", dict(CFG, **lean))
+        _, wide_path = random_container(tmp_path, name + "-wide", dict(CFG, **lean, **unused))
+        need, _ = least_budget(wide_path)
+        assert need == least_budget(lean_path)[0], name
+        # a run at that budget (below the old figure, which counted the unused widths) loads and decodes
+        eng = S.load(wide_path, ram_budget=need, kernel="reference")
+        assert eng.generate(ids, 2) == S.load(wide_path, kernel="reference").generate(ids, 2), name
+    # n_experts=2, top_k=2 in a single MoE layer: its own two picks, not four
+    _, path = random_container(tmp_path, "one-moe", dict(CFG, n_dense_layers=3, n_experts=2))
+    need, msg = least_budget(path)
+    assert ">= 2 experts" in msg
+    assert S.load(path, kernel="reference").min_cache == 2 * C.load_container(path).expert_nbytes
+    eng = S.load(path, ram_budget=need, kernel="reference")
+    assert eng.generate(ids, 2) == S.load(path, kernel="reference").generate(ids, 2)
+    _, path = random_container(tmp_path, "two-moe", dict(CFG, n_dense_layers=2, n_experts=2))
+    assert ">= 4 experts" in least_budget(path)[1]  # two MoE layers: the next one's guesses too
+
+
 def test_an_all_dense_container_with_top_k_0_serves_and_scores(tmp_path):
     """An all-dense config may say top_k=0 (nothing is routed: ModelConfig checks top_k only with MoE layers); its
     engine refused every request, generate and loglikelihood, with "--experts-per-token 0", a flag nobody gave."""
