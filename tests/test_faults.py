@@ -1939,17 +1939,23 @@ def test_a_missing_index_json_stops_at_once_and_quarantines_nothing(tmp_path):
     assert log["quarantined"] == [] and "restarting cannot fix this" in log["report"]["message"], log
 
 
-def test_consecutive_starts_each_ending_in_a_repaired_shard_are_not_stuck(tmp_path):
-    """Three truncated shards (a bad copy), each named by one start and re-fetched by the guardian: after the third
-    repair it stopped with exit 9 "stuck: 3 consecutive starts produced no new checkpoint ... data verifies" instead
-    of restarting onto the repaired data. A start whose shard was repaired is not a stuck one."""
-    import guardian
+def corpus_with_three_truncated_shards(tmp_path):
+    """(data_root, its corpus dir, its first three train shards), each truncated to 100 bytes (a bad copy)."""
     root = make_corpus(tmp_path / "data")
     cdir = os.path.join(root, "local")
     paths = [os.path.join(cdir, f"train_00000{i}.bin") for i in range(3)]
     for p in paths:
         with open(p, "r+b") as f:
             f.truncate(100)
+    return root, cdir, paths
+
+
+def test_consecutive_starts_each_ending_in_a_repaired_shard_are_not_stuck(tmp_path):
+    """Three truncated shards (a bad copy), each named by one start and re-fetched by the guardian: after the third
+    repair it stopped with exit 9 "stuck: 3 consecutive starts produced no new checkpoint ... data verifies" instead
+    of restarting onto the repaired data. A start whose shard was repaired is not a stuck one."""
+    import guardian
+    root, cdir, paths = corpus_with_three_truncated_shards(tmp_path)
     run = tmp_path / "run"
     g = guardian.Guardian([f"--data_root={root}", f"--out_dir={run}"])
     started = stand_in_trainers(g, *[data_fault_trainer(run, p, "truncated", 50) for p in paths], "raise SystemExit(0)")
@@ -1964,12 +1970,7 @@ def test_restarts_after_a_first_repair_of_a_shard_are_not_counted_toward_max_res
     up: 2 starts made no new checkpoint, more than max_restarts=1") though every restart fixed one. A shard's first
     repair in an invocation frees its restart; the same shard again (a repair that did not hold) still counts."""
     import guardian
-    root = make_corpus(tmp_path / "data")
-    cdir = os.path.join(root, "local")
-    paths = [os.path.join(cdir, f"train_00000{i}.bin") for i in range(3)]
-    for p in paths:
-        with open(p, "r+b") as f:
-            f.truncate(100)
+    root, cdir, paths = corpus_with_three_truncated_shards(tmp_path)
     run = tmp_path / "run"
     g = guardian.Guardian([f"--data_root={root}", f"--out_dir={run}", "--max_restarts=1"])
     started = stand_in_trainers(g, *[data_fault_trainer(run, p, "truncated", 50) for p in paths], "raise SystemExit(0)")
@@ -1984,6 +1985,7 @@ def test_restarts_after_a_first_repair_of_a_shard_are_not_counted_toward_max_res
     assert run_guardian(g) == guardian.EXIT_STUCK and len(started) == 3
     log = json.load(open(run2 / "guardian.json"))
     assert [r["action"] for r in log["repairs"]] == ["refetched"] and log["quarantined"][0]["shard"].endswith("00.bin")
+
 
 def unreadable_shards(monkeypatch, fails):
     """shards.sha256_file raises OSError(fails.pop(0)) while `fails` holds errnos (a dropped mount, a failing disk)."""

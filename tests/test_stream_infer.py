@@ -52,6 +52,13 @@ def random_container(tmp, name, cfg):
     return m, path
 
 
+def dequantized_model(c):
+    """The model of container c's dequantized weights, in eval mode: what the engine's logits are compared to."""
+    q = Picaflor(c.config)
+    q.load_state_dict(c.dequantized_state_dict(), strict=False)
+    return q.eval()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return random_container(tmp_path_factory.mktemp("si"), "tiny", CFG)
@@ -60,9 +67,7 @@ def tiny(tmp_path_factory):
 def test_engine_equals_dequantized_model(tiny):
     m, path = tiny
     c = C.load_container(path)
-    q = Picaflor(c.config)
-    q.load_state_dict(c.dequantized_state_dict(), strict=False)
-    q.eval()
+    q = dequantized_model(c)
     ids = torch.randint(1, 300, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = q(ids)
@@ -84,9 +89,7 @@ def test_engine_equals_dequantized_model_at_other_top_k_and_the_whole_context(ti
     fills max_seq_len exactly (its one new token is never fed back; one more is refused)."""
     m, path = tiny
     c = C.load_container(path)
-    q = Picaflor(c.config)
-    q.load_state_dict(c.dequantized_state_dict(), strict=False)
-    q.eval()
+    q = dequantized_model(c)
     eng = S.load(path, kernel="reference")
     ids = torch.randint(1, 300, (1, 20), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -122,9 +125,7 @@ def test_engine_equals_dequantized_model_for_forked_shapes(tmp_path, shape):
     cfg = dict(CFG, **FORKED_SHAPES[shape])
     _, path = random_container(tmp_path, "f", cfg)
     c = C.load_container(path)
-    q = Picaflor(c.config)
-    q.load_state_dict(c.dequantized_state_dict(), strict=False)
-    q.eval()
+    q = dequantized_model(c)
     ids = torch.randint(1, 300, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = q(ids)
