@@ -125,13 +125,6 @@ def read_capped(src, cap, name, fix, size=None):
 FSYNC = os.environ.get("RELAY_FSYNC", "1") != "0"
 
 
-def copy_saying(src, dst, what):
-    """shutil.copyfile, saying how far a long one is (checkpoint.progress_lines): a 30 GB push or pull through a
-    file:// store was minutes without a word."""
-    with checkpoint.ticking_while_it_grows(dst, lambda: None, checkpoint.progress_lines(what, os.path.getsize(src))):
-        shutil.copyfile(src, dst)
-
-
 def write_atomic(path, text):
     if FSYNC:
         return checkpoint.write_atomic_text(path, text)
@@ -250,7 +243,7 @@ class FileStore:
             out = os.path.join(dest, p)
             src = self._object(sha, p, tree[p])
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            copy_saying(src, out, f"downloading {p}")
+            checkpoint.copy_saying(src, out, f"downloading {p}")
 
     def _put_object(self, data=None, path=None):
         oid = (checkpoint.sha256_file(path, what=f"hashing {path}") if path is not None
@@ -260,7 +253,7 @@ class FileStore:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             if path is not None:
-                copy_saying(path, tmp, f"uploading {path}")
+                checkpoint.copy_saying(path, tmp, f"uploading {path}")
             else:
                 with open(tmp, "wb") as f:
                     f.write(data)

@@ -395,16 +395,7 @@ def copy_ticking(tick):
     outlasted hang_timeout, and the watchdog took the copy for a hang at every checkpoint (a stalled write still
     stops the ticks)."""
     def copy(src, dst):
-        report, done = checkpoint.progress_lines(f"mirroring {src}", os.path.getsize(src)), 0  # (minutes unsaid)
-        with open(src, "rb") as f, open(dst, "wb") as g:
-            while True:
-                chunk = f.read(64 << 20)
-                if not chunk:
-                    break
-                g.write(chunk)
-                tick()
-                done += len(chunk)
-                report(done)
+        checkpoint.copy_saying(src, dst, f"mirroring {src}", tick)
         shutil.copystat(src, dst)
         return dst
     return copy
