@@ -65,12 +65,18 @@ def load_collapse_line(state, step, dead_frac_layers, n_experts, log_interval, b
             f"for {COLLAPSE_WINDOWS} log windows (collapsed since the warning at step {warned})")
 
 
+def collapsed_since(state):
+    """The step a state.json (or relay's training_state.json) warned of a collapse not cleared since, or None."""
+    lc = state.get("load_collapse")
+    warned = lc.get("warned") if isinstance(lc, dict) else None
+    return warned if isinstance(warned, int) and not isinstance(warned, bool) else None
+
+
 def load_collapse_status(st, row):
     """--status's line on an expert-load collapse (said once, in the trainer's log only), or None: the checkpoint's
     state.json warned of one and it has not cleared, or metrics.jsonl's newest row (row), past the checkpoint, says
     one is on; the layers that row's dead_frac_layers starve over COLLAPSE_FRAC (MoE layers: after the dense ones)."""
-    lc = st.get("load_collapse") if isinstance(st.get("load_collapse"), dict) else {}
-    warned = lc.get("warned") if isinstance(lc.get("warned"), int) and not isinstance(lc.get("warned"), bool) else None
+    warned = collapsed_since(st)
     row = row if isinstance(row, dict) and isinstance(row.get("step"), int) else {}
     newer = row.get("step", -1) > st["step"]
     if newer and row.get("load_collapsed") is False and warned is not None:

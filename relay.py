@@ -88,6 +88,7 @@ import uuid
 
 import checkpoint
 import configurator
+import expert_load
 import rundir
 import schedule
 from relay_store import (SMALL_FILE_CAP, Conflict, RelayError, StoreError, Transient, fmt_bytes, open_store,
@@ -1292,15 +1293,7 @@ def status_dict(store):
             "decay": s.get("decay") or s.get("decay_started_at_tokens"), "finished": s.get("finished"), "usd_total": s.get("usd_total", 0.0),
             "ledger": parse_ledger(snap.ledger()),
             "last_eval_due": last_eval_due(store, snap.sha) if s.get("finished") else None,
-            "load_collapsed_since": load_collapsed_since(s)}
-
-
-def load_collapsed_since(state):
-    """The step at which the pushed checkpoint's trainer warned of an expert-load collapse not cleared since
-    (train.py's load_collapse_line: said once, in that leg's log), from training_state.json; or None."""
-    lc = state.get("load_collapse")
-    warned = lc.get("warned") if isinstance(lc, dict) else None
-    return warned if isinstance(warned, int) and not isinstance(warned, bool) else None
+            "load_collapsed_since": expert_load.collapsed_since(s)}
 
 
 def cmd_status(args):

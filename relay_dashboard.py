@@ -83,11 +83,11 @@ def dashboard_data(target, log_cache=None):
                 d["left_out"].append(f"{name} ({why})")
         d["metrics"] = one_row_per_step([m for m in map(shown_metric, rows) if m is not None]
                                         for _, rows in sorted(logs, key=lambda log: log[0], reverse=True))
-        d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))  # (newest leg first above)
+    d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))  # (newest leg first above)
+    if d["state"] is None:  # a run directory: its newest row's (sorted, not the oldest leg's last)
         usd = [m["usd"] for m in d["metrics"] if isinstance(m.get("usd"), (int, float))]
         d["state"] = {"step": d["metrics"][-1].get("step") if d["metrics"] else None,
                       "tokens": d["metrics"][-1].get("tokens") if d["metrics"] else None, "usd_total": usd[-1] if usd else 0.0}
-    d["metrics"].sort(key=lambda m: (m.get("tokens") or 0, m.get("step") or 0))
     d["load_collapse"] = load_collapse(d["metrics"])
     return d
 
