@@ -33,15 +33,17 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 
 ROLES = ("system", "user", "assistant")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # in a str: never text (JSON's "\ud83d" escape gives one)
 
 
 class ChatFormatError(ValueError):
     """A conversation that cannot be rendered. kind: 'unknown_role' | 'empty_assistant' | 'malformed' |
-    'no_assistant' (a training conversation with nothing to learn)."""
+    'no_assistant' (a training conversation with nothing to learn) | 'not_utf8' (a lone surrogate)."""
 
     def __init__(self, message, kind):
         super().__init__(message)
@@ -60,6 +62,9 @@ def check_messages(messages, need_assistant=False):
             raise ChatFormatError(f"message {i}: role and content must be strings", "malformed")
         if m["role"] not in ROLES:
             raise ChatFormatError(f"message {i}: unknown role {m['role']!r} (roles: {', '.join(ROLES)})", "unknown_role")
+        if bad := LONE_SURROGATE.search(m["content"]):  # (tiktoken encoded it as U+FFFD: trained on, unsaid)
+            raise ChatFormatError(f"message {i}: a lone surrogate \\u{ord(bad.group()):04x} in its content (half a "
+                                  f"character, e.g. a JSON escape of half an emoji); fix the text", "not_utf8")
         if m["role"] == "assistant" and not m["content"].strip():
             raise ChatFormatError(f"message {i}: empty assistant turn", "empty_assistant")
     if need_assistant and not any(m["role"] == "assistant" for m in messages):

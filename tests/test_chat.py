@@ -3,6 +3,7 @@ counted, long conversations split at turn boundaries), an SFT run of train.py th
 KV-cache chat (history never re-prefilled), checkpoint choice, a real terminal session in tmux, and the HF
 export's chat template rendering the same ids."""
 
+import collections
 import io
 import json
 import os
@@ -1257,3 +1258,51 @@ def test_an_answer_cut_by_a_full_context_says_so(tok):
         assert bool(cut) == said, out.getvalue()
         if said:
             assert 10 < int(cut.group(1)) < 32 and "aaaa" in out.getvalue()
+
+
+def smoltalk_prepare():
+    """data/smoltalk/prepare.py as a module (its pieces_of is what a test calls, no corpus built)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("smoltalk_prepare", os.path.join(REPO, "data/smoltalk/prepare.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_lone_surrogate_in_a_conversation_is_refused_not_trained_as_a_replacement_character(tok):
+    """A JSON line's "\\ud83d" (half an emoji, cut by a scraper) parses to a lone surrogate, past the not-UTF-8 check on
+    the raw line: tiktoken encodes it as U+FFFD, so the corpus trained the model on replacement characters, unsaid."""
+    half = json.loads('"caf\\u00e9 \\ud83d"')
+    U, A = {"role": "user", "content": "ping 1"}, {"role": "assistant", "content": "pong 1"}
+    for msgs in ([dict(U, content=half), A], [U, dict(A, content=half)], [{"role": "system", "content": half}, U, A]):
+        with pytest.raises(chat.ChatFormatError, match=r"lone surrogate \\ud83d") as e:
+            chat.render_conversation(tok, msgs, need_assistant=True)
+        assert e.value.kind == "not_utf8"  # prepare.py counts it as bad_not_utf8, with the other undecodable lines
+    assert chat.render_conversation(tok, [{"role": "user", "content": "caf\u00e9 \U0001F600"},
+                                          {"role": "assistant", "content": "ok"}])  # a whole emoji is text
+
+
+def test_a_long_conversation_is_split_only_between_answers_and_keeps_every_system_message(tok):
+    """Split at every user turn, a question asked in two user messages lost its first half (the answer trained as a
+    reply to the second alone), and a second leading system message became an exchange of its own, left out of the
+    pieces; turns after the last answer (nothing in them is trained) took row space in some pieces and not others."""
+    prep = smoltalk_prepare()
+    sp = tok.special_ids
+
+    def pieces(msgs, max_len):
+        stats = collections.Counter()
+        out = prep.pieces_of(tok, msgs, [tok.encode(m["content"]) for m in msgs], max_len, stats)
+        return [ids for ids, _ in out], stats
+    U, A, S = ({"role": r, "content": t} for r, t in (("user", "ping 1"), ("assistant", "pong 1"), ("system", "be")))
+    two_part = [U, A, {"role": "user", "content": "ping 2"}, {"role": "user", "content": "ping 3"}, A]
+    whole = chat.render_conversation(tok, two_part[2:])[0]
+    got, stats = pieces(two_part, len(whole))
+    assert got == [chat.render_conversation(tok, two_part[:2])[0], whole], got  # both halves of the question, answered
+    two_sys = [S, {"role": "system", "content": "brief"}, U, A, {"role": "user", "content": "ping 3"}, A]
+    got, _ = pieces(two_sys, len(chat.render_conversation(tok, two_sys[:4])[0]))
+    prefix = chat.render_conversation(tok, two_sys[:2])[0]  # <|bos|> and both system turns
+    assert len(got) == 2 and all(p[:len(prefix)] == prefix for p in got), got
+    trailing = [U, A, {"role": "user", "content": "ping 2"}, {"role": "system", "content": "x"}]
+    got, stats = pieces(trailing, 64)
+    assert got == [chat.render_conversation(tok, [U, A])[0]] and stats["trailing_turns_dropped"] == 2
+    assert got[0][-1] == sp["<|end|>"]

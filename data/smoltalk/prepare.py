@@ -20,12 +20,17 @@ Calls recorded here:
   load). Shards hold whole rows, so train.py with
   seq_len = --max-len reads every conversation whole in one window (index.json "row_tokens"); train.py's doc_mask
   keeps each conversation's attention within itself (each starts with <|bos|>).
-- A conversation longer than --max-len is split at exchange boundaries (an exchange = a user turn and the
-  replies up to the next user turn); each piece starts with <|bos|> and the system prompt if it fits. Splits are
+- A conversation longer than --max-len is split at exchange boundaries (an exchange = the user turns up to an
+  answer and the replies up to the next user turn); each piece starts with <|bos|> and the system prompt (every
+  leading system message) if it fits, as chat.py drops the oldest exchanges of a full context. Splits are
   counted. An exchange that alone exceeds --max-len is dropped (counted, its tokens reported): never cut.
+- Turns after the last assistant turn are dropped (counted: trailing_turns_dropped): nothing in them is trained.
+  Other role orders (two user turns in a row, a system message mid-conversation) are rendered as given, as the
+  HF and GGUF chat templates render them.
 - Bad rows are counted by kind and skipped, never a crash: unknown role, empty assistant turn, no assistant
   turn, malformed row (not a list of {role, content} strings), malformed JSON or a line that is not UTF-8
-  (--jsonl; such a line was trained on as U+FFFD characters).
+  (--jsonl; such a line was trained on as U+FFFD characters), or text holding a lone surrogate (a JSON "\ud83d",
+  half an emoji: also trained on as U+FFFD).
 - val: the Hub's test file(s) (at most --val-conversations conversations); without one the first
   --val-conversations conversations are held out; with --jsonl the first --val-conversations, at most 10% of
   its lines (a Hub repo is streamed, its size unknown up front: a small one needs a smaller --val-conversations).
@@ -124,14 +129,19 @@ def hub_conversations(repo, revision, files, column, limit=None):
 
 def pieces_of(tok, messages, bodies, max_len, stats):
     """[(ids, mask), ...] for one valid conversation; updates stats (splits, dropped exchanges)."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    if last + 1 < len(messages):  # turns after the last answer: nothing in them is trained, they only took row space
+        stats["trailing_turns_dropped"] += len(messages) - last - 1
+        messages, bodies = messages[:last + 1], bodies[:last + 1]
     ids, mask = render_conversation(tok, messages, need_assistant=True, bodies=bodies)
     if len(ids) <= max_len:
         return [(ids, mask)]
     turn_len = [len(b) + 2 for b in bodies]  # <|role|> + content + <|end|>
-    system = [0] if messages[0]["role"] == "system" else []
-    exchanges, cur = [], []  # lists of message indices; a new exchange starts at each user turn
-    for i in range(len(system), len(messages)):
-        if messages[i]["role"] == "user" and cur:
+    n_system = next(i for i, m in enumerate(messages) if m["role"] != "system")
+    system = list(range(n_system))  # every leading system message (a second one was cut off as an exchange)
+    exchanges, cur = [], []  # lists of message indices; a new exchange starts at the first user turn after an answer
+    for i in range(n_system, len(messages)):  # (at every user turn: a question in two messages lost its first half)
+        if messages[i]["role"] == "user" and any(messages[j]["role"] == "assistant" for j in cur):
             exchanges.append(cur)
             cur = []
         cur.append(i)
@@ -360,7 +370,8 @@ def report_build(args, stats, splits, t0):
           f"conversations -> {stats['split_pieces']} pieces; exchanges dropped (alone longer than a row): "
           f"{stats['exchanges_dropped_too_long']} ({stats['tokens_dropped_too_long']:,} tokens); pieces without "
           f"their system prompt (it did not fit beside them): {stats['pieces_without_system_prompt']}; pieces with no "
-          f"assistant turn (nothing to train on: dropped): {stats['pieces_without_assistant']}")
+          f"assistant turn (nothing to train on: dropped): {stats['pieces_without_assistant']}; turns after a "
+          f"conversation's last answer (untrained) dropped: {stats['trailing_turns_dropped']}")
     for s in ("train", "val"):
         total = stats[f"{s}_rows"] * args.max_len
         print(f"{s}: {stats[f'{s}_conversations']:,} conversations, {stats[f'{s}_rows']:,} rows of {args.max_len} "
