@@ -26,7 +26,8 @@ Loss masks (chat corpora, data/smoltalk/prepare.py): index.json "loss_mask": tru
 "mask_sha256". TokenStream.next_batch then sets y = -1 wherever the target token's mask is 0, so train.py's
 cross_entropy(ignore_index=-1) trains on assistant tokens only with no change. "row_tokens": R says the shards
 are made of rows of exactly R tokens (conversations never cross a row): batches of seq_len R (or a multiple)
-read whole rows; another seq_len still works but cuts conversations at window edges (warned once), and a batch of
+read whole rows; another seq_len still works but cuts conversations at window edges (warned once; a window's part of a
+conversation begun before it gets no loss: its answer without its question), and a batch of
 seq_len R (or a multiple) that finds the position mid-row (left so by another seq_len) starts at the next row (warned).
 
 TokenStream position is {"shard": i, "offset": o, "epoch": e} in tokens (i indexes the split's shard list
@@ -897,6 +898,7 @@ class TokenStream:
         self.has_mask = bool(self.index.get("loss_mask"))  # y = -1 where the target token's mask is 0
         self.row_tokens = self.index.get("row_tokens")
         self._warned_rows = False
+        self._bos_id = None  # a loss-masked corpus cut at window edges: its conversations' starts (read when needed)
         self._maps, self._mask_maps = {}, {}
         self._shard, self._offset, self._epoch = self._advance(0, 0, 0, 0)
 
@@ -984,10 +986,17 @@ class TokenStream:
         x, y = span[:-1].view(B, T), span[1:].view(B, T)
         if masks is not None:
             y = y.masked_fill(torch.from_numpy(masks[1:] == 0).view(B, T), -1)  # no loss on non-target tokens
-            if self.row_tokens and T % self.row_tokens and not self._warned_rows:
-                self._warned_rows = True
-                warn(f"WARNING: {self.corpus_dir} packs conversations in rows of {self.row_tokens} tokens but batches "
-                     f"use seq_len {T}: conversations get cut at window edges; set seq_len = {self.row_tokens}")
+            if self.row_tokens and T % self.row_tokens:
+                # a window begun mid-conversation: its answer tokens there were trained without the question (only
+                # warned); no loss before the window's first <|bos|> (each conversation's start, see prepare.py)
+                if self._bos_id is None:
+                    self._bos_id = load_corpus_tokenizer(self.corpus_dir, self.index).bos_id
+                y = y.masked_fill((x == self._bos_id).cumsum(1) == 0, -1)
+                if not self._warned_rows:
+                    self._warned_rows = True
+                    warn(f"WARNING: {self.corpus_dir} packs conversations in rows of {self.row_tokens} tokens but "
+                         f"batches use seq_len {T}: conversations get cut at window edges (a window's part of one "
+                         f"begun before it is not trained); set seq_len = {self.row_tokens}")
         self._shard, self._offset, self._epoch = self._advance(*start, world_size * B * T)
         if device is not None and str(device).startswith("cuda"):
             x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)

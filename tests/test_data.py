@@ -1155,6 +1155,23 @@ def test_a_chat_stream_left_mid_row_by_another_seq_len_reads_whole_rows_again_at
     assert (x.numpy().ravel() == ref[48:48 + R]).all() and s.position == {"shard": 0, "offset": 48 + R, "epoch": 0}
 
 
+def test_a_chat_window_begun_mid_conversation_trains_nothing_before_its_first_conversation_start(tok, tmp_path):
+    """At a seq_len that cuts the corpus's rows (warned), a window starting inside a conversation trained its answer
+    tokens there without the question in view; they get no loss now, and the rest of the window is unchanged."""
+    R = 16
+    ref = make_chat_corpus(tmp_path / "c", tok, 8, R, 4).astype(np.int64)
+    x, y = shards.TokenStream(tmp_path / "c").next_batch(3, 12)  # windows at 0, 12 (bos at +4), 24 (bos at +8)
+    for b, first_bos in ((0, 0), (1, 4), (2, 8)):
+        assert x[b, first_bos] == tok.bos_id and (x[b, :first_bos] != tok.bos_id).all()
+        assert (y[b, :first_bos] == -1).all(), b
+        targets = ref[12 * b + 1:12 * b + 13]
+        want = np.where((targets != tok.bos_id), targets, -1)[first_bos:]
+        assert (y[b, first_bos:].numpy() == want).all(), b
+    x, y = shards.TokenStream(tmp_path / "c").next_batch(2, R)  # whole rows: the mask alone, as before
+    want = np.where(ref[1:2 * R + 1] != tok.bos_id, ref[1:2 * R + 1], -1)
+    assert (y.numpy().ravel() == want).all()
+
+
 @pytest.mark.parametrize("error", [OSError(5, "Input/output error"), BrokenPipeError(32, "Broken pipe")])
 def test_stream_warnings_on_a_lost_terminal_do_not_end_the_run(tok, tmp_path, monkeypatch, error):
     """TokenStream's warnings (quarantined shard, conversations cut, mid-row) went to stderr with a bare print: with
