@@ -40,10 +40,11 @@ were lost) is relay_lease.py's.
 commit. The trainer runs in its own session: Ctrl-C (SIGINT) or SIGTERM to relay ends the leg cleanly (trainer
 checkpoints, push, release), and so does SIGHUP (a dropped ssh session: relay's lines then go to WORKDIR/relay.log);
 if relay itself dies, the kernel SIGTERMs the trainer (PR_SET_PDEATHSIG).
-Exit status: 0 done, 2 usage, 3 error (one line, nothing overwritten), 4 lease lost (local checkpoint kept), 130 a
-claim, pull, push or release cut short by Ctrl-C (local files kept; run again, its write id finds what landed). A
-trainer that fails after checkpointing gets its newest checkpoint pushed (verified as any push) before exit 3;
-`run --supervise` trains under the guardian instead, which restarts it within the leg's steps / hours.
+Exit status: 0 done, 2 usage (a missing or unknown argument), 3 error (one line, nothing overwritten; a malformed
+store URL or a bad value is one), 4 lease lost (local checkpoint kept), 130 a claim, pull, push or release cut short
+by Ctrl-C (local files kept; run again, its write id finds what landed). A trainer that fails after checkpointing
+gets its newest checkpoint pushed (verified as any push) before exit 3; `run --supervise` trains under the guardian
+instead, which restarts it within the leg's steps / hours.
 
 Implementer's calls: the repo holds only the latest checkpoint (older ones stay in git history); each leg trains
 in its own local folder WORKDIR/leg-NNNN-genG/ (default WORKDIR ./relay-work/<store name>), so a fenced leg's

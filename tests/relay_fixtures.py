@@ -2,6 +2,7 @@
 contract (CONFIG --out_dir --init_from=scratch|resume --stop_after_steps/--stop_after_hours, SIGTERM ->
 checkpoint + exit 0, control.json start_decay, metrics.jsonl, step_NNNNNNN/ via checkpoint.save), and helpers."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("RELAY_FSYNC", "0")  # before relay is imported: fsync durability is not under test here
+
+import checkpoint  # noqa: E402
 
 FAKE_TRAIN = r'''
 import hashlib, json, os, signal, sys, time
@@ -88,6 +91,21 @@ def write_fake_train(tmp_path):
     with open(p, "w") as f:
         f.write(FAKE_TRAIN)
     return p
+
+
+def save_fake_checkpoint(run_dir, step, weights=None, state=None, more=None):
+    """checkpoint.save of step `step` into run dir `run_dir` as a trainer would: model.safetensors holding `weights`
+    (str or bytes; default f"w{step}"), the `more` files (name -> str or bytes), then state.json holding `state`
+    (default {"step": step, "tokens": 100 * step}). Returns the step dir's path."""
+    files = {"model.safetensors": f"w{step}" if weights is None else weights, **(more or {})}
+    files["state.json"] = json.dumps({"step": step, "tokens": 100 * step} if state is None else state)
+
+    def writer(content):
+        def write(path):
+            with open(path, "wb" if isinstance(content, bytes) else "w") as f:
+                f.write(content)
+        return write
+    return checkpoint.save(str(run_dir), step, {name: writer(content) for name, content in files.items()})
 
 
 def write_config(tmp_path, text="gpu_hourly_usd = 2.0\n"):

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from relay_fixtures import FAKE_TRAIN, ROOT, base_env, init_run, relay_cli, wait_for, write_config, write_fake_train
+from relay_fixtures import (FAKE_TRAIN, ROOT, base_env, init_run, relay_cli, save_fake_checkpoint, wait_for,
+                            write_config, write_fake_train)
 
 import checkpoint  # noqa: E402
 import relay  # noqa: E402
@@ -152,8 +153,9 @@ def test_init_run_two_legs_status_pull(kind, tmp_path, hub, monkeypatch, rl):
 def contention_worker_src():
     return r'''
 import json, os, random, sys, time
-sys.path.insert(0, os.environ["PICAFLOR_ROOT"])
-import checkpoint, relay
+sys.path[:0] = [os.environ["PICAFLOR_ROOT"], os.path.join(os.environ["PICAFLOR_ROOT"], "tests")]
+import relay
+from relay_fixtures import save_fake_checkpoint
 url, wid, rounds, outp, go, poll = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6])
 store = relay.open_store(url)  # imports the Hub client before the start line, so all 8 start claiming together
 open(outp + ".ready", "w").close()
@@ -180,9 +182,7 @@ while True:
     log.append({"generation": lease.generation, "leg": lease.leg, "who": f"w{wid}"})
     run_dir = relay.prepare_leg(store, lease, work)
     step = lease.base_step + 1
-    st = {"step": step, "tokens": step * 100}
-    checkpoint.save(run_dir, step, {"model.safetensors": lambda p: open(p, "w").write(f"w{wid} step {step}"),
-                                    "state.json": lambda p: json.dump(st, open(p, "w"))})
+    save_fake_checkpoint(run_dir, step, f"w{wid} step {step}")
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "tokens": step * 100, "loss": 1.0 / step}) + "\n")
     relay.commit_push(store, lease, relay.prepare_push(store, lease, run_dir, wall_s=1.0), run_dir)
@@ -281,14 +281,12 @@ def test_stale_holder_is_fenced(kind, tmp_path, hub, request):
     with pytest.raises(relay.Busy):
         relay.claim(store, str(tmp_path / "wb"), "bob", ttl=1.5, heartbeat=0.5)
     a_dir = relay.prepare_leg(store, a, str(tmp_path / "wa"))
-    ck_a = checkpoint.save(a_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
-                                      "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    ck_a = save_fake_checkpoint(a_dir, 3, "alice")
     time.sleep(2.8)  # A is "paused": no heartbeat for longer than the TTL (+1 s: HTTP Date has 1 s resolution)
     b = relay.claim(store, str(tmp_path / "wb"), "bob", ttl=1.5, heartbeat=0.5)
     assert b.generation == a.generation + 1 and b.leg == a.leg
     b_dir = relay.prepare_leg(store, b, str(tmp_path / "wb"))
-    checkpoint.save(b_dir, 2, {"model.safetensors": lambda p: open(p, "w").write("bob"),
-                               "state.json": lambda p: json.dump({"step": 2, "tokens": 200}, open(p, "w"))})
+    save_fake_checkpoint(b_dir, 2, "bob")
     push(store, b, b_dir, wall_s=1)
     with pytest.raises(relay.Fenced, match="lease lost"):
         relay.renew(store, a)
@@ -429,7 +427,7 @@ def test_hf_checkpoint_travels_through_git_lfs(tmp_path, hub, hf_env):
     import hashlib
     import numpy as np
     import relay_store
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save as safetensors_bytes
     url = "hf://alice/run"
     init_run(url, tmp_path, base_env(hub.client_env(tmp_path / "hf_home")))
     hub.lfs_threshold = 10_000  # so the leg's metrics log (> 10 kB, plain text) goes through LFS by size
@@ -437,9 +435,7 @@ def test_hf_checkpoint_travels_through_git_lfs(tmp_path, hub, hf_env):
     lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=20)
     run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
     weights = {"wte": np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)}  # 64 kB of weights
-    ck = checkpoint.save(run_dir, 9, {"model.safetensors": lambda p: save_file(weights, p),
-                                      "optimizer.pt": lambda p: open(p, "wb").write(bytes(range(256)) * 40),
-                                      "state.json": lambda p: json.dump({"step": 9, "tokens": 900}, open(p, "w"))})
+    ck = save_fake_checkpoint(run_dir, 9, safetensors_bytes(weights), more={"optimizer.pt": bytes(range(256)) * 40})
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         for s in range(1, 10):
             f.write(json.dumps({"step": s, "tokens": s * 100, "loss": 5.0 / s, "pad": "x" * 2000}) + "\n")
@@ -531,8 +527,7 @@ def test_hf_lfs_upload_with_wrong_bytes_is_refused(tmp_path, hub, hf_env):
     # through relay: the push's LFS upload arrives damaged, the storage refuses it
     lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=20)
     run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
-    ck = checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "wb").write(os.urandom(3000)),
-                                      "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    ck = save_fake_checkpoint(run_dir, 3, os.urandom(3000))
     hub.corrupt_uploads = 1
     with pytest.raises(relay.StoreError, match="upload") as e:
         push(store, lease, run_dir, wall_s=1)
@@ -597,8 +592,7 @@ def test_bad_input_one_line_errors_nothing_overwritten(kind, tmp_path, hub, rl):
     # a push whose local checkpoint has a bad manifest: refused before any upload, lease kept
     lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=60, heartbeat=20)
     run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
-    ck = checkpoint.save(run_dir, 5, {"model.safetensors": lambda p: open(p, "w").write("good"),
-                                      "state.json": lambda p: json.dump({"step": 5, "tokens": 50}, open(p, "w"))})
+    ck = save_fake_checkpoint(run_dir, 5, "good", state={"step": 5, "tokens": 50})
     with open(os.path.join(ck, "model.safetensors"), "w") as f:
         f.write("evil")
     head1 = store.head()[0]
@@ -627,6 +621,21 @@ def test_bad_input_one_line_errors_nothing_overwritten(kind, tmp_path, hub, rl):
     one_line_error(relay_cli(["status", other], env), "not a relay")
     one_line_error(relay_cli(["claim", other, "--workdir", tmp_path / "wd"], env), "not a relay")
     one_line_error(relay_cli(["status", "s3://bucket/x"], env), "unknown store")
+
+
+def test_a_malformed_store_url_exits_3_an_error_not_2_a_usage_error(tmp_path, rl, capsys):
+    """relay.py's exit statuses: a store URL relay cannot open is an error (3, one line naming the URL and the forms
+    a store takes), as a bad --steps value is; 2 is a usage error (a missing or unknown argument)."""
+    for url, says in [("s3://bucket/x", "unknown store"), ("hf://owner", "expected hf://owner/name"),
+                      ("file://relative/dir", "needs an absolute path")]:
+        for argv in (["status", url], ["claim", url, "--workdir", tmp_path / "wd"]):
+            r = rl(argv)
+            assert r.returncode == 3 and r.stderr.count("\n") == 1 and url in r.stderr and says in r.stderr, (argv, r)
+    r = rl(["status", "file:///x", "--nope"])
+    assert r.returncode == 2 and "unrecognized arguments --nope" in r.stderr, r.stderr
+    with pytest.raises(SystemExit) as e:  # (argparse's own)
+        relay.main(["status"])
+    assert e.value.code == 2 and "usage: relay.py status" in capsys.readouterr().err
 
 
 def test_decay_flag_travels_to_the_next_leg(tmp_path, hub, rl):
@@ -1116,8 +1125,7 @@ def saved_with_config(out, step, config, **state):
     d = out / checkpoint.step_dir_name(step)
     st = dict(json.load(open(d / "state.json")), config=config, **state)
     blobs = {n: open(d / n, "rb").read() for n in ("model.safetensors", "optimizer.pt", "tokenizer.json")}
-    blobs["state.json"] = json.dumps(st).encode()
-    return checkpoint.save(str(out), step, {n: (lambda p, b=b: open(p, "wb").write(b)) for n, b in blobs.items()})
+    return save_fake_checkpoint(out, step, blobs.pop("model.safetensors"), state=st, more=blobs)
 
 
 def test_init_from_existing_checkpoint(tmp_path, hub, rl, monkeypatch):
@@ -1431,8 +1439,7 @@ def test_a_renewal_whose_answer_was_lost_is_ours_not_a_fence(tmp_path, no_backof
     # a push that landed unseen (LEASE.json still names it pending): claim moves on to it, not "busy"
     back = again
     run_dir = relay.prepare_leg(store, back, work)
-    checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("w"),
-                                 "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    save_fake_checkpoint(run_dir, 3, "w")
     plan = relay.prepare_push(store, back, run_dir, wall_s=1)
     saved, leg = dict(json.load(open(back.path))), back.leg
     relay.commit_push(store, back, plan, run_dir)
@@ -1594,11 +1601,6 @@ def test_lost_answers_shared_workdirs_malformed_files_and_a_re_pulled_leg(tmp_pa
     store = lost_answers_store(str(tmp_path / "store"))
     work = str(tmp_path / "wa")
     monkeypatch.setattr(relay.time, "sleep", lambda s: None)  # commit_cas's backoff while the store is dark
-
-    def steps(run_dir, *numbers):
-        for n in numbers:
-            checkpoint.save(run_dir, n, {"model.safetensors": lambda p, n=n: open(p, "w").write(f"w{n}"),
-                                         "state.json": lambda p, n=n: json.dump({"step": n, "tokens": 100 * n}, open(p, "w"))})
     # the claim's answer lost
     store.drop_answer_of = "claim"
     with pytest.raises(relay.Transient, match="unknown whether"):
@@ -1608,7 +1610,8 @@ def test_lost_answers_shared_workdirs_malformed_files_and_a_re_pulled_leg(tmp_pa
     assert lease.generation == relay.Snapshot(store).relay["generation"] == 1
     # a crashed leg's dir pulled again: LATEST stays on its newest step
     run_dir = relay.prepare_leg(store, lease, work)
-    steps(run_dir, 5, 10)
+    save_fake_checkpoint(run_dir, 5)
+    save_fake_checkpoint(run_dir, 10)
     import shutil
     shutil.rmtree(os.path.join(run_dir, "step_0000000"))  # what retention does
     assert relay.prepare_leg(store, lease, work) == run_dir
@@ -1626,7 +1629,7 @@ def test_lost_answers_shared_workdirs_malformed_files_and_a_re_pulled_leg(tmp_pa
     lease.sha, _ = relay.commit_cas(store, snap.sha, {"LEDGER.md": snap.ledger().rstrip("\n").encode()}, [],
                                     "an edit", snap.relay)
     lease.save()
-    steps(run_dir, 12)
+    save_fake_checkpoint(run_dir, 12)
     relay.commit_push(store, lease, relay.prepare_push(store, lease, run_dir, wall_s=1), run_dir)
     assert [r["step_range"] for r in relay.parse_ledger(relay.Snapshot(store).ledger())] == ["0-10", "10-12"]
     # a shared workdir: another run's claim is refused and this lease stays; a malformed LEASE.json is one line
@@ -1674,11 +1677,6 @@ def test_review_round_leases_survive_outages_card_edits_and_manual_steps(tmp_pat
     init_run(url, tmp_path, base_env())
     store = lost_answers_store(str(tmp_path / "store"))
     work = str(tmp_path / "wa")
-
-    def steps(run_dir, *numbers):
-        for n in numbers:
-            checkpoint.save(run_dir, n, {"model.safetensors": lambda p, n=n: open(p, "w").write(f"w{n}"),
-                                         "state.json": lambda p, n=n: json.dump({"step": n, "tokens": 100 * n}, open(p, "w"))})
     lease = relay.claim(store, work, "alice", ttl=3, heartbeat=1)
     # an outage past the deadline (ttl 3 - 0.6 s): the trainer stops, and the renewals resume with the store
     real, dark, stopped = relay.renew, [True], []
@@ -1699,7 +1697,7 @@ def test_review_round_leases_survive_outages_card_edits_and_manual_steps(tmp_pat
     assert stopped == [1] and not hb.fenced and relay.Snapshot(store).relay["nonce"] == lease.nonce
     # the model card edited twice while the leg trains: renewal, claim and push chain from those commits
     run_dir = relay.prepare_leg(store, lease, work)
-    steps(run_dir, 5)
+    save_fake_checkpoint(run_dir, 5)
     store.commit(store.head()[0], {"README.md": b"# a model card\n"}, [], "Update README.md")
     relay.renew(store, lease)  # was: Fenced
     store.commit(store.head()[0], {"README.md": b"# a model card, v2\n"}, [], "Update README.md")
@@ -1710,7 +1708,7 @@ def test_review_round_leases_survive_outages_card_edits_and_manual_steps(tmp_pat
     head = store.head()[0]
     assert relay.Snapshot(store).state["step"] == 5 and store.read(head, "README.md") == b"# a model card, v3\n"
     # trained on after the push, then released: refused until pushed (or --discard)
-    steps(run_dir, 10)
+    save_fake_checkpoint(run_dir, 10)
     r = rl(["release", url, "--workdir", work])
     assert r.returncode == 3 and "holds step 10, past the pulled step 5, never pushed" in r.stderr, r.stderr
     assert relay.Snapshot(store).relay["nonce"] == lease.nonce  # still held
@@ -1718,7 +1716,7 @@ def test_review_round_leases_survive_outages_card_edits_and_manual_steps(tmp_pat
     # the next lease's pull keeps that dir (step 10 is nowhere else), and sets aside a same-named dir of another lease
     lease2 = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
     foreign = os.path.join(work, f"leg-{lease2.leg:04d}-gen{lease2.generation}")
-    steps(foreign, 30)  # another run's leg 2, generation 2 (no LEG.json of this lease)
+    save_fake_checkpoint(foreign, 30)  # another run's leg 2, generation 2 (no LEG.json of this lease)
     capsys.readouterr()
     run2 = relay.prepare_leg(store, lease2, work)
     err = capsys.readouterr().err
@@ -1974,8 +1972,7 @@ def hub_leg(tmp_path, hub, step=5):
     work = str(tmp_path / "wa")
     lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
     run_dir = relay.prepare_leg(store, lease, work)
-    checkpoint.save(run_dir, step, {"model.safetensors": lambda p: open(p, "w").write("w"),
-                                    "state.json": lambda p: json.dump({"step": step, "tokens": 100 * step}, open(p, "w"))})
+    save_fake_checkpoint(run_dir, step, "w")
     return url, store, work, lease, run_dir, relay.prepare_push(store, lease, run_dir, wall_s=1)
 
 
@@ -2014,8 +2011,7 @@ def test_own_claim_landed_unseen_is_the_lease_of_the_next_command(then, tmp_path
     fake, store, work = claim_of_unknown_outcome(url, tmp_path, hub, rl, lambda: lose_answer_of_commit(hub, monkeypatch))
     if then == "push":  # a leg trained in the claim's dir (as `pull` would make it), pushed with --run-dir
         run_dir = str(tmp_path / "leg")
-        checkpoint.save(run_dir, 4, {"model.safetensors": lambda p: open(p, "w").write("w"),
-                                     "state.json": lambda p: json.dump({"step": 4, "tokens": 400}, open(p, "w"))})
+        save_fake_checkpoint(run_dir, 4, "w")
         base = relay.manifest_id(store.read(store.head()[0], "checkpoint/MANIFEST.json"))  # what pull records
         open(os.path.join(run_dir, "LEG.json"), "w").write(json.dumps({"store": url, "base_manifest": base}))
         r = rl(["push", url, "--workdir", work, "--run-dir", run_dir])
@@ -2102,8 +2098,7 @@ def test_a_run_given_up_after_its_write_landed_is_resumed_by_running_again(tmp_p
     # the next lease: its heartbeat lands unseen, the Hub goes dark, the process is gone (nothing retries it)
     lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
     run_dir = relay.prepare_leg(store, lease, work)
-    checkpoint.save(run_dir, 7, {"model.safetensors": lambda p: open(p, "w").write("w7"),
-                                 "state.json": lambda p: json.dump({"step": 7, "tokens": 700}, open(p, "w"))})
+    save_fake_checkpoint(run_dir, 7)
     lose_answer_of_commit(hub, monkeypatch)
     with pytest.raises(relay.Transient, match="unknown whether"):
         relay.renew(store, lease)
@@ -2187,8 +2182,7 @@ def alices_push_lands_unseen_then_bob_claims(tmp_path):
     work = str(tmp_path / "wa")
     lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
     run_dir = relay.prepare_leg(store, lease, work)
-    checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
-                                 "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    save_fake_checkpoint(run_dir, 3, "alice")
     store.drop_answer_of = "leg 1 by alice"
     with pytest.raises(relay.Transient, match="unknown whether the commit landed"):
         push(store, lease, run_dir, wall_s=1)
@@ -2258,8 +2252,7 @@ def test_a_fenced_holder_is_told_who_took_the_baton(tmp_path, monkeypatch):
     work = str(tmp_path / "wa")
     lease = relay.claim(store, work, "alice", ttl=60, heartbeat=20)
     run_dir = relay.prepare_leg(store, lease, work)
-    checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
-                                 "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    save_fake_checkpoint(run_dir, 3, "alice")
     plan = relay.prepare_push(store, lease, run_dir, wall_s=1)
     bob_store = relay.open_store(url)
     head = bob_store.head
@@ -2288,24 +2281,19 @@ def test_a_leg_dir_the_run_moved_past_is_not_pushed_over_others_work(tmp_path, r
     init_run(url, tmp_path, base_env(), cli=rl)
     store = relay.open_store(url)
     wa, wb = tmp_path / "wa", tmp_path / "wb"
-
-    def steps(run_dir, *numbers):
-        for n in numbers:
-            checkpoint.save(str(run_dir), n, {"model.safetensors": lambda p, n=n: open(p, "w").write(f"w{n}"),
-                                              "state.json": lambda p, n=n: json.dump({"step": n, "tokens": 100 * n}, open(p, "w"))})
     # alice: a leg pushed at step 5, trained on to step 9 in the same dir, then her lease expires
     assert rl(["claim", url, "--workdir", wa, "--ttl", "0.9", "--heartbeat", "0.3", "--who", "alice"]).returncode == 0
     assert rl(["pull", url, "--workdir", wa]).returncode == 0
     leg_a = wa / "leg-0001-gen1"
-    steps(leg_a, 5)
+    save_fake_checkpoint(leg_a, 5)
     assert rl(["push", url, "--workdir", wa]).returncode == 0
-    steps(leg_a, 9)
+    save_fake_checkpoint(leg_a, 9)
     time.sleep(1.5)
     # bob takes the baton and pushes 5 -> 7
     for cmd in (["claim", url, "--ttl", "60", "--heartbeat", "20"], ["pull", url]):
         r = rl(cmd + ["--workdir", wb, "--who", "bob"])
         assert r.returncode == 0, r.stderr
-    steps(wb / "leg-0002-gen2", 7)
+    save_fake_checkpoint(wb / "leg-0002-gen2", 7)
     for cmd in (["push", url], ["release", url]):
         assert rl(cmd + ["--workdir", wb, "--who", "bob"]).returncode == 0
     assert relay.Snapshot(store).state["step"] == 7
@@ -2319,10 +2307,10 @@ def test_a_leg_dir_the_run_moved_past_is_not_pushed_over_others_work(tmp_path, r
     assert snap.state["step"] == 7 and snap.relay["holder"] == "alice"
     # her own fresh leg dir (pulled at step 7) still pushes, and so would the old one had nobody pushed after it
     leg_new = wa / "leg-0003-gen3"
-    steps(leg_new, 8)
+    save_fake_checkpoint(leg_new, 8)
     r = rl(["push", url, "--workdir", wa])
     assert r.returncode == 0, r.stderr
-    steps(leg_new, 10)
+    save_fake_checkpoint(leg_new, 10)
     assert rl(["push", url, "--workdir", wa, "--run-dir", leg_new]).returncode == 0
     assert [x["step_range"] for x in relay.parse_ledger(relay.Snapshot(store).ledger())] == ["0-5", "5-7", "7-8", "8-10"]
 
@@ -2337,13 +2325,11 @@ def test_a_dir_from_pull_out_is_not_pushed_over_others_work(tmp_path, rl):
     assert rl(["pull", url, "--out", out]).returncode == 0  # step 0
     for cmd in (["claim", url, "--ttl", "60", "--heartbeat", "20"], ["pull", url]):
         assert rl(cmd + ["--workdir", wb, "--who", "bob"]).returncode == 0
-    checkpoint.save(str(wb / "leg-0001-gen1"), 3, {"model.safetensors": lambda p: open(p, "w").write("bob"),
-                                                   "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    save_fake_checkpoint(wb / "leg-0001-gen1", 3, "bob")
     for cmd in (["push", url], ["release", url]):
         assert rl(cmd + ["--workdir", wb, "--who", "bob"]).returncode == 0
     assert rl(["claim", url, "--workdir", wa, "--ttl", "60", "--heartbeat", "20"]).returncode == 0
-    checkpoint.save(str(out), 5, {"model.safetensors": lambda p: open(p, "w").write("stale"),
-                                  "state.json": lambda p: json.dump({"step": 5, "tokens": 500}, open(p, "w"))})
+    save_fake_checkpoint(out, 5, "stale")
     head = store.head()[0]
     r = rl(["push", url, "--workdir", wa, "--run-dir", out])
     assert r.returncode == 3 and "no LEG.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -2357,11 +2343,7 @@ def test_a_push_landed_unseen_is_recorded_in_the_dir_it_pushed(tmp_path, hub, hf
     url, store, work, lease, leg, _ = hub_leg(tmp_path, hub)
     other = str(tmp_path / "other")
     shutil.copytree(leg, other)  # a second leg dir of this lease, standing on the store's checkpoint too
-
-    def step(n):
-        checkpoint.save(other, n, {"model.safetensors": lambda p: open(p, "w").write(f"w{n}"),
-                                   "state.json": lambda p: json.dump({"step": n, "tokens": 100 * n}, open(p, "w"))})
-    step(7)
+    save_fake_checkpoint(other, 7)
     lose_answer_of_commit(hub, monkeypatch)
     r = rl(["push", url, "--workdir", work, "--run-dir", other])
     assert r.returncode == 3 and "unknown whether the commit landed" in r.stderr, r.stderr
@@ -2369,7 +2351,7 @@ def test_a_push_landed_unseen_is_recorded_in_the_dir_it_pushed(tmp_path, hub, hf
     r = rl(["push", url, "--workdir", work, "--run-dir", other])
     assert r.returncode == 0 and "the earlier push had landed" in r.stdout, r.stderr
     assert open(os.path.join(other, "PUSHED")).read().split()[1] == "7" and not os.path.exists(os.path.join(leg, "PUSHED"))
-    step(9)
+    save_fake_checkpoint(other, 9)
     r = rl(["push", url, "--workdir", work, "--run-dir", other])
     assert r.returncode == 0, r.stderr  # was: "moved past"
     assert relay.Snapshot(store).state["step"] == 9
@@ -2414,18 +2396,14 @@ def test_release_checks_the_dir_push_run_dir_pushed_from(tmp_path, rl, monkeypat
         assert rl(cmd + ["--workdir", work]).returncode == 0
     other = str(tmp_path / "other")
     shutil.copytree(os.path.join(work, "leg-0001-gen1"), other)  # a second leg dir of this lease
-
-    def step(n):
-        checkpoint.save(other, n, {"model.safetensors": lambda p: open(p, "w").write(f"w{n}"),
-                                   "state.json": lambda p: json.dump({"step": n, "tokens": 100 * n}, open(p, "w"))})
-    step(5)
+    save_fake_checkpoint(other, 5)
     assert rl(["push", url, "--workdir", work, "--run-dir", other]).returncode == 0
-    step(9)  # trained on after the push
+    save_fake_checkpoint(other, 9)  # trained on after the push
     r = rl(["release", url, "--workdir", work])
     assert r.returncode == 3 and f"{other} holds step 9" in r.stderr and "--run-dir" in r.stderr, r.stderr
     assert relay.Snapshot(store).relay["holder"] == "tester"  # still held
     # a push of DIR whose upload failed, then release
-    step(12)
+    save_fake_checkpoint(other, 12)
     with monkeypatch.context() as m:
         m.setattr(type(store), "stage", lambda self, adds: (_ for _ in ()).throw(relay.StoreError("disk full")))
         assert rl(["push", url, "--workdir", work, "--run-dir", other]).returncode == 3
@@ -2448,8 +2426,7 @@ def test_release_after_the_lease_was_taken_says_so_not_push_first(tmp_path, rl):
     work = str(tmp_path / "wa")
     a = relay.claim(store, work, "alice", ttl=1.5, heartbeat=0.5)
     a_dir = relay.prepare_leg(store, a, work)
-    checkpoint.save(a_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("alice"),
-                               "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    save_fake_checkpoint(a_dir, 3, "alice")
     time.sleep(2.8)  # alice is paused past her ttl (+1 s: the store's clock has 1 s resolution on the Hub)
     relay.claim(store, str(tmp_path / "wb"), "bob", ttl=1.5, heartbeat=0.5)
     r = rl(["release", url, "--workdir", work])
@@ -2514,8 +2491,7 @@ def test_status_prints_the_ledgers_dollars_and_losses_as_the_ledger_writes_them(
     store = relay.open_store(url)
     lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=3, heartbeat=1)
     run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
-    checkpoint.save(run_dir, 3, {"model.safetensors": lambda p: open(p, "w").write("w"),
-                                 "state.json": lambda p: json.dump({"step": 3, "tokens": 300}, open(p, "w"))})
+    save_fake_checkpoint(run_dir, 3, "w")
     push(store, lease, run_dir, wall_s=1800, usd_per_hour=2.0)  # no metrics.jsonl: no loss logged
     relay.release(store, lease)
     r = rl(["status", url])
@@ -2543,8 +2519,7 @@ def test_status_says_an_expert_load_collapse_the_pushed_checkpoint_warned_of(tmp
         lease = relay.claim(store, str(tmp_path / "wa"), "alice", ttl=90, heartbeat=30)
         run_dir = relay.prepare_leg(store, lease, str(tmp_path / "wa"))
         st = {"step": step, "tokens": 100 * step, "load_collapse": {"streak": [4], "since": [101], "warned": warned}}
-        checkpoint.save(run_dir, step, {"model.safetensors": lambda p: open(p, "w").write("w"),
-                                        "state.json": lambda p: json.dump(st, open(p, "w"))})
+        save_fake_checkpoint(run_dir, step, "w", state=st)
         push(store, lease, run_dir, wall_s=1, usd_per_hour=0.0)
         relay.release(store, lease)
         return rl(["status", url])
@@ -2567,8 +2542,7 @@ def test_a_pull_names_earlier_leg_dirs_that_nothing_resumes(tmp_path, capsys):
     store = relay.open_store(url)
     work = str(tmp_path / "wa")
     lost = os.path.join(work, "leg-0007-gen9")  # an earlier lease's leg, fenced before its push
-    checkpoint.save(lost, 5, {"model.safetensors": lambda p: open(p, "w").write("w"),
-                              "state.json": lambda p: json.dump({"step": 5, "tokens": 500}, open(p, "w"))})
+    save_fake_checkpoint(lost, 5, "w")
     os.makedirs(os.path.join(work, "leg-0008-gen10"))  # a pull that failed before any checkpoint: nothing to name
     failed = relay.claim(store, work, "alice", ttl=3, heartbeat=1)  # a leg whose trainer failed before its first step
     failed_dir = relay.prepare_leg(store, failed, work)
@@ -2883,8 +2857,7 @@ def test_pull_without_out_keeps_only_the_newest_step_it_pulled(tmp_path, rl):
     assert rl(["pull", url, "--workdir", tmp_path / "wp"]).returncode == 0
     assert rl(["pull", url, "--out", tmp_path / "mine"]).returncode == 0
     assert rl(["run", url, "--steps", "3", *common], env).returncode == 0
-    checkpoint.save(str(pulled), 1, {"model.safetensors": lambda p: open(p, "w").write("mine"),  # trained by hand
-                                     "state.json": lambda p: json.dump({"step": 1}, open(p, "w"))})
+    save_fake_checkpoint(pulled, 1, "mine", state={"step": 1})  # trained by hand
     r = rl(["pull", url, "--workdir", tmp_path / "wp"])
     assert r.returncode == 0 and f"removed {pulled / 'step_0000000'}, an earlier pull" in r.stdout, r.stdout
     assert sorted(p.name for p in pulled.glob("step_*")) == ["step_0000001", "step_0000003"]
