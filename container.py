@@ -1012,6 +1012,10 @@ def main(argv=None):
     except OSError as e:
         print(f"error: {checkpoint.os_error_line(e, args.out)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # (a traceback) write_container removes its temp file; --out is as it was
+        wrote = args.out and not (args.check or args.measure)
+        print("interrupted" + (f"; {args.out} is as it was" if wrote else ""), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

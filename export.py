@@ -930,7 +930,8 @@ def main(argv=None):
     except OSError as e:
         sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}")
     except KeyboardInterrupt:  # the temp output is removed by each writer; --out is as it was
-        sys.exit(f"interrupted; {args.out} is as it was before this export")
+        print(f"interrupted; {args.out} is as it was before this export", file=sys.stderr)
+        sys.exit(130)  # (as every other script's Ctrl-C; sys.exit(text) exited 1, as an error does)
     print(json.dumps(rep, default=str))
     print(next_step(args.format, args.out), file=sys.stderr)  # (stderr: stdout stays the JSON a pipe parses)
 

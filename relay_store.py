@@ -161,17 +161,26 @@ class FileStore:
     def create(self):
         if self.exists():
             return
-        if (os.path.isdir(self.root) and os.listdir(self.root)) or (os.path.exists(self.root) and not os.path.isdir(self.root)):
+        if ((os.path.isdir(self.root) and os.listdir(self.root) and not self.half_made())
+                or (os.path.exists(self.root) and not os.path.isdir(self.root))):
             raise StoreError(f"{self.root}: exists and is not an empty directory nor a relay store; pick a new path")
         for d in ("objects", "commits"):
             os.makedirs(self._p(d), exist_ok=True)
-        with open(self._p("STORE"), "w") as f:
-            json.dump({"format": "picaflor-file-store", "version": 1}, f)
+        write_atomic(self._p("STORE"), json.dumps({"format": "picaflor-file-store", "version": 1}))
         import fcntl
         with open(self._p("LOCK"), "a+") as lk:
             fcntl.flock(lk, fcntl.LOCK_EX)
             if not self.exists():
                 self._write_commit(None, {}, "create store")
+
+    def half_made(self):
+        """A create cut short before its first commit (a Ctrl-C or kill: the marker, no HEAD): finished by the next
+        create (init refused the folder for good: "not a relay store; pick a new path")."""
+        try:
+            with open(self._p("STORE")) as f:
+                return json.load(f).get("format") == "picaflor-file-store" and not self.exists()
+        except (OSError, ValueError, AttributeError):
+            return False
 
     def _object(self, sha, path, oid):
         """An object's file: oid is a sha256 hex digest (a shared store's commit record naming /home/x/.ssh/id_rsa or
@@ -252,15 +261,20 @@ class FileStore:
         if not os.path.exists(final):
             os.makedirs(os.path.dirname(final), exist_ok=True)
             tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-            if path is not None:
-                checkpoint.copy_saying(path, tmp, f"uploading {path}")
-            else:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-            if FSYNC:
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
+            try:
+                if path is not None:
+                    checkpoint.copy_saying(path, tmp, f"uploading {path}")
+                else:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                if FSYNC:
+                    with open(tmp, "rb+") as f:
+                        os.fsync(f.fileno())
+                os.replace(tmp, final)
+            except BaseException:  # a Ctrl-C or full disk mid-copy left GBs of partial object in the store for good
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
         return oid
 
     def _write_commit(self, parent, tree, message):

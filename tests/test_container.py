@@ -455,3 +455,26 @@ def test_checkpoint_tensors_not_matching_its_config_are_one_line_errors(tmp_path
     assert C.main([ck, "--out", str(tmp_path / "huge.pcf4")]) == 1
     err = capsys.readouterr().err
     assert "n_layer 1000000000000" in err and "model.safetensors" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_ctrl_c_while_building_is_one_line_and_keeps_the_earlier_container(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while `container.py --random-config` (or CKPT --out) built a container was a traceback; now one line
+    saying --out is as it was (exit 130): the temp file is removed, an earlier container kept whole."""
+    cfg = tmp_path / "tiny.py"
+    cfg.write_text("".join(f"{k} = {v!r}\n" for k, v in TINY.items()))
+    out = tmp_path / "r.pcf4"
+    assert C.main(["--random-config", str(cfg), "--out", str(out), "--group-size", "32"]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    real, calls = C.RandomSource.random_blob, []
+
+    def ctrl_c_midway(self, *a, **k):  # the second layer's blobs: a Ctrl-C in the middle of the file
+        calls.append(1)
+        if len(calls) == 12:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    monkeypatch.setattr(C.RandomSource, "random_blob", ctrl_c_midway)
+    assert C.main(["--random-config", str(cfg), "--out", str(out), "--group-size", "32", "--seed", "1"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"interrupted; {out} is as it was" and "Traceback" not in err, err
+    assert out.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["r.pcf4", "r.pcf4.report.json", "tiny.py"]

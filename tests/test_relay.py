@@ -907,6 +907,58 @@ def test_a_file_store_push_and_pull_say_how_far_a_big_file_is(tmp_path, monkeypa
     assert (tmp_path / "pulled" / "checkpoint" / "optimizer.pt").read_bytes() == big.read_bytes()
 
 
+def test_a_file_store_upload_cut_short_leaves_no_partial_object(tmp_path, monkeypatch):
+    """A Ctrl-C (or a full disk) while a push or init copied a file into a file:// store left its partial copy there
+    for good (objects/ab/<sha>.tmp-PID-*: GBs of a checkpoint, nothing ever removed it); now it is removed."""
+    import relay_store
+    monkeypatch.setattr(checkpoint, "HASH_CHUNK", 1 << 20)
+    big = tmp_path / "optimizer.pt"
+    big.write_bytes(os.urandom(3 << 20))
+    store = relay_store.FileStore(str(tmp_path / "store"))
+    store.create()
+    real_progress = checkpoint.progress_lines
+
+    def ctrl_c_mid_copy(what, total):  # the copy's report after its first piece: a Ctrl-C there
+        report = real_progress(what, total)
+
+        def cut(done):
+            if what.startswith("uploading") and done >= 1 << 20:
+                raise KeyboardInterrupt
+            report(done)
+        return cut
+    monkeypatch.setattr(checkpoint, "progress_lines", ctrl_c_mid_copy)
+    head = store.head()[0]
+    with pytest.raises(KeyboardInterrupt):
+        store.commit(head, {"checkpoint/optimizer.pt": str(big)}, [], "push")
+    assert [str(p) for p in (tmp_path / "store" / "objects").rglob("*")
+            if p.is_file() and ".tmp-" in p.name] == [] and store.head()[0] == head
+    monkeypatch.setattr(checkpoint, "progress_lines", real_progress)
+    store.commit(head, {"checkpoint/optimizer.pt": str(big)}, [], "push")  # the retry lands
+
+
+def test_a_file_store_create_cut_short_is_finished_by_the_next_init(tmp_path, monkeypatch):
+    """A Ctrl-C or kill while `relay.py init` created a file:// store, after its marker and before its first commit,
+    left a folder every later init refused ("not an empty directory nor a relay store; pick a new path")."""
+    import relay_store
+    store = relay_store.FileStore(str(tmp_path / "store"))
+    real = relay_store.FileStore._write_commit
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(relay_store.FileStore, "_write_commit", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        store.create()
+    monkeypatch.setattr(relay_store.FileStore, "_write_commit", real)
+    assert not store.exists() and os.listdir(tmp_path / "store")
+    store.create()
+    assert store.exists() and store.list(store.head()[0]) == []
+    other = tmp_path / "other"  # a folder of someone else's files is refused as before
+    other.mkdir()
+    (other / "STORE").write_text("mine")
+    with pytest.raises(relay_store.StoreError, match="not an empty directory nor a relay store"):
+        relay_store.FileStore(str(other)).create()
+
+
 def test_push_that_landed_unseen_is_found_by_the_retry(tmp_path, hub, rl, monkeypatch):
     """The store takes the push but fails every reply (unknown whether it landed): the named `push` finds it by its
     write_id instead of being fenced off by our own commit, and `release` hands the baton back (both failed, and
