@@ -853,51 +853,10 @@ def split_flags(argv):
     return flags, rest
 
 
-def main(argv):
-    # this start's clock: stop_after_hours and $ / elapsed count its start-up too (a leg's rented hours: loading a
-    # checkpoint, building the model); durations on the monotonic clock (a wall-clock step, NTP, made them negative)
-    t_invoked = time.monotonic() - process_age_s()
-    _RUN_INFO["argv"] = list(argv)  # for the resume command the last line names
-    import configurator
-    import checkpoint
-
-    g = {k: globals()[k] for k in _CONFIG_KEYS}
-    if any(a in ("-h", "--help") for a in argv) and any(a.startswith("--status") for a in argv):
-        print("usage: python train.py --status RUN_DIR   (the plan against progress, the LR, time and cost left; "
-              "whether a trainer runs it now, and its newest logged step)")
-        return  # (--status is no config key: the config help below refused it)
-    if any(a in ("-h", "--help") for a in argv):  # with the config files and overrides given applied (their values)
-        applied = split_flags([a for a in argv if a not in ("-h", "--help")])[1]
-        configurator.configure_or_exit(g, applied, "train.py")
-        print(configurator.help_text(g, __doc__, "train.py", applied))
-        return
-    flags, rest = split_flags(argv)
-    if rest[:1] == ["--status"] or (rest and rest[0].startswith("--status")):
-        run_dir = rest[1] if rest[0] == "--status" and len(rest) > 1 else rest[0].partition("=")[2]
-        if not run_dir:
-            die("usage: python train.py --status RUN_DIR")
-        return print_status(run_dir)
-    given = configurator.configure_or_exit(g, rest, "train.py")
-    stages_at = max((i for i, (k, _) in enumerate(given) if k == "stages"), default=-1)
-    ignored = [(k, src) for i, (k, src) in enumerate(given) if k in unused_with_stages(g)
-               and (src is None or i > stages_at or src == given[stages_at][1])]
-    if ignored:  # the stages make the plan: these would silently do nothing (set before the stages' file, overridden)
-        k, src = ignored[0]
-        die(f"{'--' + k if src is None else f'{k} (in {src})'} has no effect when the config sets stages; change the "
-            f"stages' steps or tokens (and lr_phase) instead")
-    # dataset as the keys above: given on the command line, after the stages or beside them (tiny.py's before a
-    # stages file of other corpora is no mistake of this start)
-    dataset_src = [src for i, (k, src) in enumerate(given) if k == "dataset"
-                   and (src is None or i > stages_at or src == given[stages_at][1])][-1:]
-    mixed = sorted({c for s in g["stages"] if isinstance(s, dict) and isinstance(s.get("mix"), dict) for c in s["mix"]})
-    if (dataset_src and g["init_from"] != "resume" and g["stages"] and g["dataset"] not in mixed
-            and all(isinstance(s, dict) and "mix" in s for s in g["stages"])):  # (a resume: resume_changes refuses it)
-        src = "" if dataset_src[0] is None else f" (in {dataset_src[0]})"
-        die(f"{'--' if not src else ''}dataset={g['dataset']!r}{src} is read by no stage: every stage's mix names its "
-            f"corpora ({', '.join(mixed)}); drop it, or put {g['dataset']!r} in the stages' mix")
-    given = {k for k, _ in given}
-    globals().update(g)
-    cfg = g
+def check_config(cfg):
+    """The config's values refused before the run dir is touched and torch is imported, each in one line naming
+    the flag and the fix (exit 1): a key the start does not read, and values that would fail later or silently
+    train something else."""
     if cfg["resume_from"] and cfg["init_from"] != "resume":  # (it trained a fresh model, the flag unread)
         die(f"--resume_from={cfg['resume_from']} is read only with --init_from=resume (init_from is "
             f"{cfg['init_from']!r}); add --init_from=resume")
@@ -956,6 +915,54 @@ def main(argv):
     if cfg["dtype"] == "float16" and cfg["device"] == "cuda":
         die("--dtype=float16 needs loss scaling, which train.py does not do (gradients would underflow); use "
             "--dtype=bfloat16")
+
+
+def main(argv):
+    # this start's clock: stop_after_hours and $ / elapsed count its start-up too (a leg's rented hours: loading a
+    # checkpoint, building the model); durations on the monotonic clock (a wall-clock step, NTP, made them negative)
+    t_invoked = time.monotonic() - process_age_s()
+    _RUN_INFO["argv"] = list(argv)  # for the resume command the last line names
+    import configurator
+    import checkpoint
+
+    g = {k: globals()[k] for k in _CONFIG_KEYS}
+    if any(a in ("-h", "--help") for a in argv) and any(a.startswith("--status") for a in argv):
+        print("usage: python train.py --status RUN_DIR   (the plan against progress, the LR, time and cost left; "
+              "whether a trainer runs it now, and its newest logged step)")
+        return  # (--status is no config key: the config help below refused it)
+    if any(a in ("-h", "--help") for a in argv):  # with the config files and overrides given applied (their values)
+        applied = split_flags([a for a in argv if a not in ("-h", "--help")])[1]
+        configurator.configure_or_exit(g, applied, "train.py")
+        print(configurator.help_text(g, __doc__, "train.py", applied))
+        return
+    flags, rest = split_flags(argv)
+    if rest[:1] == ["--status"] or (rest and rest[0].startswith("--status")):
+        run_dir = rest[1] if rest[0] == "--status" and len(rest) > 1 else rest[0].partition("=")[2]
+        if not run_dir:
+            die("usage: python train.py --status RUN_DIR")
+        return print_status(run_dir)
+    given = configurator.configure_or_exit(g, rest, "train.py")
+    stages_at = max((i for i, (k, _) in enumerate(given) if k == "stages"), default=-1)
+    ignored = [(k, src) for i, (k, src) in enumerate(given) if k in unused_with_stages(g)
+               and (src is None or i > stages_at or src == given[stages_at][1])]
+    if ignored:  # the stages make the plan: these would silently do nothing (set before the stages' file, overridden)
+        k, src = ignored[0]
+        die(f"{'--' + k if src is None else f'{k} (in {src})'} has no effect when the config sets stages; change the "
+            f"stages' steps or tokens (and lr_phase) instead")
+    # dataset as the keys above: given on the command line, after the stages or beside them (tiny.py's before a
+    # stages file of other corpora is no mistake of this start)
+    dataset_src = [src for i, (k, src) in enumerate(given) if k == "dataset"
+                   and (src is None or i > stages_at or src == given[stages_at][1])][-1:]
+    mixed = sorted({c for s in g["stages"] if isinstance(s, dict) and isinstance(s.get("mix"), dict) for c in s["mix"]})
+    if (dataset_src and g["init_from"] != "resume" and g["stages"] and g["dataset"] not in mixed
+            and all(isinstance(s, dict) and "mix" in s for s in g["stages"])):  # (a resume: resume_changes refuses it)
+        src = "" if dataset_src[0] is None else f" (in {dataset_src[0]})"
+        die(f"{'--' if not src else ''}dataset={g['dataset']!r}{src} is read by no stage: every stage's mix names its "
+            f"corpora ({', '.join(mixed)}); drop it, or put {g['dataset']!r} in the stages' mix")
+    given = {k for k, _ in given}
+    globals().update(g)
+    cfg = g
+    check_config(cfg)
 
     import torch  # after the config's checks: a bad flag is refused before seconds of imports
     import torch.distributed as dist
