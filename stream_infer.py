@@ -7,8 +7,9 @@ stream_infer: run an int4 MoE container under a fixed RAM budget, routed experts
 
 Python API (eval.py, bench/quant_quality.py):
     eng = stream_infer.load("model.pcf4", ram_budget="2G")
-    eng.generate(prompt_ids, max_new_tokens, temperature=0, top_p=None, experts_per_token=None) -> list[int]
-    eng.stream(...)  yields token ids as they are made
+    eng.generate(prompt_ids, max_new_tokens, temperature=0, top_p=None, experts_per_token=None, seed=None,
+                 eos_id=None) -> list[int]; eos_id: one id or several, the one made ends the list (no stop strings)
+    eng.stream(...)  yields token ids as they are made (one left unfinished holds its KV positions until closed)
     eng.loglikelihood(context_ids, continuation_ids, experts_per_token=None) -> (sum log p, is_greedy); continuation
     None scores tokens[1:] of context_ids; eng.loglikelihood_batch([(ctx, cont), ...]); experts_per_token None: the
     container's top_k (scored as the container's model, whatever set_experts_per_token serves with)
@@ -16,6 +17,11 @@ Python API (eval.py, bench/quant_quality.py):
     KV positions from the --context the budget reserved (eng.kv_reserve), waiting while other threads' hold them.
     eng.forward(ids, cache) refuses, before any chunk runs, input that does not fit the KV cache (or, with no cache,
     the reserved context): nothing advanced.
+    Errors: StreamError for a bad request or load (one line); a corrupt expert blob is container.ContainerError naming
+    it, raised at load (when experts are preloaded) or by the request that reads it (the engine serves other requests).
+    ram_budget bounds the whole process: an engine loaded beside others counts their memory and what they may still
+    allocate (their KV, working memory, unfilled caches), so give the last one the total. A dropped engine closes its
+    files and frees its memory; expert_reader.cpp's threads are the process's and stay, idle.
 
 How it works (the implementer's calls, as DESIGN.md asks):
 - The model is model.py's Picaflor built on the meta device (model.meta_model: no random init, which would import
@@ -48,10 +54,11 @@ How it works (the implementer's calls, as DESIGN.md asks):
   model big enough to stream, and on a laptop whose NVMe reads by DMA.
 - Budget accounting (`--ram-budget` bounds the whole process): cache bytes = budget - RSS after the resident part
   is loaded (python + torch baseline + resident weights, measured from /proc/self/status; without /proc, as on
-  macOS, getrusage's peak, which reserves more) - the KV cache for
-  `context` positions - working memory (one prefill chunk of 256 tokens' activations and its attention scores
-  against the context, 64 logit rows, --kernel reference's chunk of dequantized rows, slack; `working_bytes`). If
-  less than 2 x top_k experts would fit (top_k with a single MoE layer, none without one), it refuses before loading,
+  macOS, getrusage's peak, which reserves more) - what other engines of the process may still allocate (their
+  `unallocated_bytes`) - the KV cache for `context` positions - working memory (one prefill chunk of 256 tokens'
+  activations and its attention scores against the context, 64 logit rows, --kernel reference's chunk of
+  dequantized rows, slack; `working_bytes`). If less than 2 x top_k experts would fit (top_k with a single MoE
+  layer, none without one), it refuses before loading,
   saying how much is needed.
 - int4 kernels (`--kernel`: native on CPU, the default where it builds; int4pack; reference; triton on CUDA):
   kernels.py, whose docstring says how each works and what it measured.
@@ -86,6 +93,7 @@ How it works (the implementer's calls, as DESIGN.md asks):
 
 import argparse
 import contextlib
+import gc
 import math
 import numbers
 import operator
@@ -94,6 +102,7 @@ import platform
 import sys
 import threading
 import time
+import weakref
 
 
 # Decode is hundreds of small parallel GEMVs per token: with OpenMP threads that sleep between them, 2 threads
@@ -506,6 +515,7 @@ PREFETCH_ON_RIGHT, PREFETCH_OFF_RIGHT = 0.80, 0.72
 PREFETCH_JUDGE_PICKS = 240  # picks per verdict (+-0.03 on the share right; ~8 tokens of micro with prefetch on)
 PREFETCH_PROBE_EVERY_MAX = 32  # while off, one token in 2 names guesses, one in 4 after the next verdict, ... 32
 PREFETCH_MODES = ("off", "on", "auto")
+LIVE_ENGINES = weakref.WeakSet()  # this process's engines (a later engine's budget counts their reserves)
 MAX_READERS = 64  # expert reader threads; 100000 failed to make its threads, a traceback mid-load
 
 
@@ -561,7 +571,13 @@ class Engine:
         # budget accounting, before anything big is loaded (on a GPU after its context exists: ~hundreds of MB of RSS)
         if self.device.startswith("cuda"):
             torch.zeros(1, device=self.device)
+        # --ram-budget bounds the process: the engines already loaded here count with what they have yet to allocate
+        # (a second engine measured the first's RSS only, then the first's cache and KV grew past this budget)
+        if LIVE_ENGINES:
+            gc.collect()  # engines let go of but held in a reference cycle (a traceback's frames) count no more
+        self.others_reserve = sum(e.unallocated_bytes() for e in list(LIVE_ENGINES))
         self.baseline_rss = rss_bytes()
+        others = f", other engines here {fmt_size(self.others_reserve)} more" if self.others_reserve else ""
         # untied int8 embeddings (export's default) stay on disk, rows read on lookup (DiskEmbedding)
         embed = c.header["tensors"]["embed_tokens.weight"]
         self.embed_on_disk = not cfg.tie_embeddings and embed["kind"] == "int8"
@@ -595,11 +611,12 @@ class Engine:
         # a layer's top_k picks together, and the next MoE layer's top_k guesses (none after a lone MoE layer)
         self.min_cache_experts = min(cfg.top_k, cfg.n_experts) * min(n_moe, 2)
         self.min_cache = self.min_cache_experts * c.expert_nbytes
-        needed = self.baseline_rss + self.resident_bytes + self.kv_bytes + self.working_bytes + self.min_cache
+        needed = (self.baseline_rss + self.others_reserve + self.resident_bytes + self.kv_bytes + self.working_bytes
+                  + self.min_cache)
         if self.budget is not None and self.budget < needed:
             e = StreamError(
                 f"{path}: --ram-budget {fmt_size(self.budget)} is below what this model needs resident: "
-                f"{fmt_size(needed)} (python+torch {fmt_size(self.baseline_rss)}, resident weights "
+                f"{fmt_size(needed)} (python+torch {fmt_size(self.baseline_rss)}{others}, resident weights "
                 f"{fmt_size(self.resident_bytes)}, KV cache {fmt_size(self.kv_bytes)} for {self.context} positions, "
                 f"working memory {fmt_size(self.working_bytes)}, >= {self.min_cache_experts} experts "
                 f"{fmt_size(self.min_cache)}); raise it to at least {fmt_budget(needed + LOAD_SLACK)}")
@@ -613,10 +630,11 @@ class Engine:
         if self.budget is None:
             cache_budget = (n_moe * cfg.n_experts + 1) * c.expert_nbytes
         else:
-            cache_budget = self.budget - self.resident_rss - self.kv_bytes - self.working_bytes
+            cache_budget = self.budget - self.resident_rss - self.others_reserve - self.kv_bytes - self.working_bytes
             if cache_budget < self.min_cache:
                 raise StreamError(f"{path}: --ram-budget {fmt_size(self.budget)} leaves {fmt_size(max(cache_budget, 0))} "
-                                  f"for experts after loading the resident part ({fmt_size(self.resident_rss)} RSS); "
+                                  f"for experts after loading the resident part ({fmt_size(self.resident_rss)} RSS"
+                                  f"{others}); "
                                   f"raise it to at least {fmt_budget(self.budget - cache_budget + self.min_cache + LOAD_SLACK)}")
         if self.device.startswith("cuda"):  # the experts live on the GPU: never more than its free memory allows
             free = torch.cuda.mem_get_info(self.device)[0] - self.working_bytes - (512 << 20)
@@ -641,6 +659,13 @@ class Engine:
             self.preload_experts()
         elif preload == "auto":
             self.preload_experts(partial=True)
+        LIVE_ENGINES.add(self)
+
+    def unallocated_bytes(self):
+        """What this engine may still allocate, as its budget counts it: its KV reserve and working memory, and its
+        expert cache's unfilled part (never more than every expert)."""
+        cache = self.cache
+        return self.kv_bytes + self.working_bytes + max(min(cache.budget, cache.every_expert_bytes) - cache.used, 0)
 
     def preload_experts(self, partial=False):
         """Read routed experts into the cache now: all of them when they fit (a model that fits in the budget then
@@ -988,8 +1013,9 @@ class Engine:
     @torch.no_grad()
     def stream(self, prompt_ids, max_new_tokens, temperature=0.0, top_p=None, experts_per_token=None, seed=None,
                eos_id=None, timings=None):
-        """New token ids one by one, as a generator (prefill the prompt in one pass, then one token per step). The
-        request is checked here, when called, not at the first next(): the CLI printed the prompt, then the error."""
+        """New token ids one by one, as a generator (prefill the prompt in chunks of prefill_chunk, then one token per
+        step). The request is checked here, when called, not at the first next(): the CLI printed the prompt, then the
+        error."""
         try:  # whole numbers only: a float id was truncated, text raised a bare ValueError
             if isinstance(prompt_ids, (str, bytes)):
                 raise TypeError
@@ -1000,8 +1026,8 @@ class Engine:
             raise StreamError("empty prompt: give at least one token")
         self._check_ids(prompt_ids, "prompt")
         check_sampling(temperature, top_p, seed=seed)  # (a bad seed was a bare torch error from manual_seed)
-        try:  # (a negative count gave [] silently, a float a torch TypeError)
-            max_new_tokens = operator.index(max_new_tokens)
+        try:  # (a negative count gave [] silently, a float a torch TypeError, True one token)
+            max_new_tokens = -1 if isinstance(max_new_tokens, bool) else operator.index(max_new_tokens)
         except TypeError:
             max_new_tokens = -1
         if max_new_tokens < 0:

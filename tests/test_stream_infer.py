@@ -2081,9 +2081,10 @@ def test_api_requests_keep_their_own_settings_and_bad_arguments_are_stream_error
         with pytest.raises(S.StreamError, match="token ids"):
             eng.generate(prompt, 2)
     # 0 experts meant the container's top_k (the command line refused it); a negative or float max_new_tokens gave []
-    # or a torch TypeError; a None temperature a bare TypeError
+    # or a torch TypeError, True one token; a None temperature a bare TypeError
     for kw, words in ((dict(experts_per_token=0), "experts-per-token 0"), (dict(experts_per_token=1.0), "1.0"),
                       (dict(max_new_tokens=-3), "max_new_tokens"), (dict(max_new_tokens=2.0), "max_new_tokens"),
+                      (dict(max_new_tokens=True), "max_new_tokens"),
                       (dict(temperature=None), "temperature"), (dict(temperature="1", top_p=0.5), "a number"),
                       (dict(eos_id="x"), "eos_id")):
         with pytest.raises(S.StreamError, match=words):
@@ -2233,6 +2234,23 @@ def test_requests_share_the_kv_reserve_the_budget_counted(tiny):
     next(g)
     g.close()  # a request closed early gives its positions back
     assert eng.kv_free == 40 and eng.loglikelihood(p1, p2[:5])[0] < 0
+
+
+def test_a_second_engine_counts_what_the_first_has_yet_to_allocate(tiny):
+    """--ram-budget bounds the process: an engine loaded beside another measured the other's RSS only, so the other's
+    cache (loaded empty) and its KV and working memory, allocated by its requests later, went past this budget."""
+    m, path = tiny
+    first = S.load(path, preload=False)  # its cache fills as it decodes, after the second engine is loaded
+    reserve = first.kv_bytes + first.working_bytes + first.cache.every_expert_bytes - first.cache.used
+    second = S.load(path, ram_budget="1G")
+    assert second.budget >= second.resident_rss + reserve + second.kv_bytes + second.working_bytes + second.cache.budget
+    with pytest.raises(S.StreamError, match=r"python\+torch [^,]*, other engines here .* more, resident weights"):
+        S.load(path, ram_budget=second.baseline_rss + second.resident_bytes + second.kv_bytes + second.working_bytes
+               + second.min_cache + (16 << 20))  # what it needs alone, and room to build
+    assert first.generate([5, 6, 7], 4) == second.generate([5, 6, 7], 4)
+    live = len(S.LIVE_ENGINES)
+    del first, second
+    assert len(S.LIVE_ENGINES) == live - 2  # engines let go of count no more
 
 
 def test_a_long_forward_without_a_cache_takes_its_kv_from_the_reserve(tiny):
