@@ -684,6 +684,7 @@ def prepare_leg(store, lease, workdir):
                       file=sys.stderr)
     run_dir = os.path.join(workdir, f"leg-{lease.leg:04d}-gen{lease.generation}")
     leg_file = os.path.join(run_dir, "LEG.json")
+    adopt_older_leg(lease, run_dir)
     if os.path.isdir(run_dir) and leg_owner(run_dir) != (store.url, lease.nonce):
         # the same name from another run (a shared --workdir, a run re-made at this URL): resumed and pushed into
         # this run, its steps were another model's
@@ -767,6 +768,28 @@ def leg_base(run_dir):
         return json.load(open(os.path.join(run_dir, "LEG.json"))).get("base_manifest")
     except (OSError, ValueError, TypeError, AttributeError):
         return None
+
+
+def adopt_older_leg(lease, run_dir):
+    """A leg dir of this very lease (LEASE.json names it) made by an older relay.py, without LEG.json or its
+    base_manifest, gets one: its steps stand on the step it pulled (lease.base_step), still in it. `run` had set it
+    aside as another lease's and retrained the leg, and `push` refused it, after an upgrade mid-leg."""
+    ours = getattr(lease, "run_dir", None)
+    if not run_dir or not ours or leg_base(run_dir) is not None or not rundir.same_dir(run_dir, ours):
+        return
+    path = os.path.join(run_dir, "LEG.json")
+    if os.path.exists(path) and leg_owner(run_dir) != (lease.store, lease.nonce):
+        return
+    rec = json.load(open(path)) if os.path.exists(path) else {}
+    try:  # (pruned by the leg's retention: which checkpoint it stands on is unknown, and push refuses it as before)
+        pulled = open(os.path.join(run_dir, checkpoint.step_dir_name(int(lease.base_step)), "MANIFEST.json"),
+                      "rb").read()
+    except (OSError, TypeError, ValueError):
+        return
+    write_atomic(path, json.dumps({"wall_s": 0.0, **rec, "store": lease.store, "nonce": lease.nonce,
+                                   "base_manifest": manifest_id(pulled)}))
+    print(f"relay: {run_dir} is this lease's leg dir from an older relay.py; its LEG.json written (its steps stand "
+          f"on the pulled step {lease.base_step})", file=sys.stderr)
 
 
 def leg_wall(run_dir, add_s=None):
@@ -1402,6 +1425,7 @@ def cmd_push(args):
                      f"the run has moved on since; nothing pushed again. `relay.py release {store.url} --workdir "
                      f"{os.path.dirname(lease.path)}` drops this workdir's lease")
     adopt_own_renewal(store, lease)  # a claim whose answer was lost: the heartbeat below renews from it
+    adopt_older_leg(lease, run_dir)
     # a leg `run` trained bills its trainer's time, not the hours until this retry; after a `run` killed mid-leg
     # (nothing in LEASE.json), the trainer time its LEG.json kept (a reboot's idle hours were billed)
     wall_s = getattr(lease, "leg_wall_s", None) or leg_wall(run_dir) or None

@@ -291,10 +291,20 @@ def unused_with_stages(cfg):
     return "max_iters", "warmup_iters"
 
 
+def stored_plan_source(state):
+    """What a checkpoint's plan was built from (plan_source); one saved before the dataset was recorded there
+    (2026-12-03) takes it from its saved config, which built that plan: a --dataset resuming it trained on unsaid."""
+    src = state.get("plan_source") or {}
+    if isinstance(src, dict) and "dataset" not in src and isinstance(state.get("config"), dict) and \
+            "dataset" in state["config"]:
+        src = dict(src, dataset=state["config"]["dataset"])
+    return src
+
+
 def stored_plan_differs(state, cfg):
     """Whether the config builds another plan than the stored one from the same stages: other lengths without stages,
-    another --dataset for stages without a mix (checkpoints before the dataset was recorded: not compared)."""
-    src = state.get("plan_source") or {}
+    another --dataset for stages without a mix."""
+    src = stored_plan_source(state)
     if cfg["stages"] and all("mix" in s for s in cfg["stages"] if isinstance(s, dict)):
         src = {}
     return any(src[k] != cfg[k] for k in PLAN_SOURCE_KEYS if k in src)
@@ -314,7 +324,7 @@ def plan_changes(state, cfg):
             i = next(i for i, (a, b) in enumerate(zip(stored_stages, stages)) if a != b)
             changes.append(f"stage {i}: stored {stored_stages[i]}, config {stages[i]}")
     if stored_plan_differs(state, cfg):
-        src = state.get("plan_source") or {}
+        src = stored_plan_source(state)
         changes += [f"{k}: stored {src[k]!r}, config {cfg[k]!r}" for k in PLAN_SOURCE_KEYS  # (not those stages ignore)
                     if k in src and src[k] != cfg[k] and k not in unused_with_stages(cfg)]
     return changes

@@ -326,6 +326,10 @@ def resume_changes(ck, state, cfg, plan, tokens_per_step, given=()):
         elif k == "keep_last":
             why = f" (from the next save, retention keeps the last {cfg[k]} permanent checkpoints)"
         lines.append(f"resume: {k} {was[k]!r} -> {cfg[k]!r} from step {step}{why}")
+    # a key added since the picaflor that wrote the checkpoint (doc_mask): it trained without it; that changed unsaid
+    for k in sorted(k for k in cfg if k not in was and k not in skip):
+        lines.append(f"resume: {k} {cfg[k]!r} from step {step}, a key the picaflor that wrote {ck} did not have (it "
+                     f"trained without it)")
     return lines
 
 

@@ -3559,3 +3559,30 @@ def test_a_heartbeat_of_seconds_on_the_hub_is_warned_about(kind, tmp_path, hub, 
     rl(["release", url, "--workdir", tmp_path / "wa"], env)
     r = rl(["claim", url, "--workdir", tmp_path / "wb", "--who", "bob", "--ttl", "600", "--heartbeat", "120"], env)
     assert r.returncode == 0 and "WARNING" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("leg_json, then", [("none", "run"), ("no_base_manifest", "push")])
+def test_a_leg_dir_of_an_older_relay_is_resumed_or_pushed_after_an_upgrade(leg_json, then, tmp_path, hub, rl):
+    """A leg trained by an older relay.py (no LEG.json before 2026-12-04, no base_manifest before 12-06) whose push
+    failed: after an upgrade, `push` refused it and `run` set it aside as another lease's and retrained the leg."""
+    url = store_url("file", tmp_path, hub)
+    env = base_env()
+    fake = init_run(url, tmp_path, env, cli=rl)
+    wd = tmp_path / "wm"
+    assert rl(["claim", url, "--workdir", wd, "--ttl", "60", "--heartbeat", "20"]).returncode == 0
+    assert rl(["pull", url, "--workdir", wd]).returncode == 0
+    leg = wd / "leg-0001-gen1"
+    train_leg(fake, str(leg), 6, env)
+    rec = json.load(open(leg / "LEG.json"))
+    if leg_json == "none":
+        os.remove(leg / "LEG.json")
+    else:
+        json.dump({k: v for k, v in rec.items() if k != "base_manifest"}, open(leg / "LEG.json", "w"))
+    if then == "run":  # resumes the leg's own step 6
+        r = rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", wd])
+        assert r.returncode == 0 and "resuming this leg's own step 6" in r.stdout and "other-" not in r.stderr, r.stderr
+    else:
+        r = rl(["push", url, "--workdir", wd])
+        assert r.returncode == 0 and "from an older relay.py" in r.stderr, r.stderr
+    rows, _ = ledger_rows(relay.open_store(url))
+    assert [x["step_range"] for x in rows] == ["0-8" if then == "run" else "0-6"], rows

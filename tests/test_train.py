@@ -209,6 +209,20 @@ def test_a_resume_refuses_a_changed_key_that_nothing_reads():
         train.resume_changes("CK", state, dict(cfg, stages=pinned, seq_len=64), plan, tps)
 
 
+def test_a_resume_says_a_key_the_checkpoints_picaflor_did_not_have():
+    """A checkpoint from before doc_mask (2026-12-06; its config has no such key) trained SFT rows attending across
+    conversations; a resume switched the mask on unsaid, as it would any key added since."""
+    cfg = {k: getattr(train, k) for k in train._CONFIG_KEYS}
+    cfg.update(stages=[], batch_size=4, seq_len=32, dataset="local", max_iters=8, warmup_iters=2, decay_frac=0.25)
+    tps = lambda T: 4 * T  # noqa: E731
+    plan = schedule.build_plan(cfg, tps)
+    state = {"step": 3, "tokens": 3 * 4 * 32, "config": dict(cfg), "layer_origin": ["new"]}
+    assert train.resume_changes("CK", state, cfg, plan, tps) == []
+    del state["config"]["doc_mask"], state["config"]["lock_wait_s"]  # (lock_wait_s: this invocation's, not compared)
+    assert train.resume_changes("CK", state, cfg, plan, tps) == [
+        "resume: doc_mask True from step 3, a key the picaflor that wrote CK did not have (it trained without it)"]
+
+
 def test_a_resume_with_a_larger_step_keeps_each_stage_in_whole_steps(data_root, tmp_path):
     """A resume with another step size (here grad_accum 1 -> 2) kept the plan's stage boundaries, no longer whole
     steps: the step from token 128 to 384 trained stage a's mix (and LR) for b's planned tokens, and the next began
@@ -809,6 +823,20 @@ def test_a_refused_replan_names_what_differs():
     said = schedule.plan_changes({"config_stages": staged, "plan_source": {"dataset": "local"}},
                                  {**no_stages, "stages": longer})
     assert said == [f"stage 1: stored {staged[1]}, config {longer[1]}"]
+
+
+def test_a_checkpoint_from_before_plan_source_named_its_dataset_refuses_another_dataset():
+    """A checkpoint saved before plan_source recorded the dataset (2026-12-03) resumed with --dataset=other kept its
+    stored plan and trained on, unsaid, on the corpus it was asked to leave; its saved config names the dataset."""
+    no_stages = {"max_iters": 60, "warmup_iters": 5, "decay_frac": 0.2}
+    state = {"config_stages": [], "plan_source": dict(no_stages), "config": {**no_stages, "dataset": "local"}}
+    assert schedule.plan_changes(state, {**no_stages, "dataset": "local", "stages": []}) == []
+    assert schedule.plan_changes(state, {**no_stages, "dataset": "other", "stages": []}) == [
+        "dataset: stored 'local', config 'other'"]
+    bare = [dict(name="a", steps=4, lr_phase="stable")]  # (stages without a mix train on the dataset too)
+    state = dict(state, config_stages=bare, plan_source={})
+    assert schedule.plan_changes(state, {**no_stages, "dataset": "other", "stages": bare}) == [
+        "dataset: stored 'local', config 'other'"]
 
 
 def test_wsd_lr_matches_plan_and_three_stages_run_across_two_resumes(data_root, tmp_path):
