@@ -591,35 +591,63 @@ def source_state(ck, flag):
     return st
 
 
+def metrics_cut(f, size, resumed_step):
+    """The offset in metrics.jsonl (open as f, of size bytes) where its rows past resumed_step begin: after its last
+    row at or before that step, found reading back from the end (rows are in step order: each start moves those past
+    its step away before it appends; reading all 1M rows of a long run took a minute and 800 MB at every start)."""
+    pos, first = size, b""  # first: the start of a line that a later block's first line continued
+    while pos > 0:
+        n = min(1 << 16, pos)
+        pos -= n
+        f.seek(pos)
+        block = f.read(n) + first
+        lines = block.split(b"\n")
+        first, end = (lines.pop(0) if pos > 0 else b""), pos + len(block)
+        for line in reversed(lines):
+            try:
+                row_step = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                row_step = None  # a line cut by a kill
+            if isinstance(row_step, int) and row_step <= resumed_step:
+                return min(end + 1, size)  # (its newline kept)
+            end -= len(line) + 1
+    return 0
+
+
 def open_metrics(path, resumed_step):
     """Append mode. Rows past the step this start resumes (logged after the last checkpoint by a start that crashed,
     or by a timeline a rollback left) move to metrics.abandoned.jsonl: the steps are logged again, once each."""
-    kept, gone = [], []
     if os.path.isfile(path):
-        with open(path, "rb") as r:
-            for line in r:
-                try:
-                    row_step = json.loads(line).get("step")
-                except (ValueError, AttributeError):
-                    row_step = None  # a line cut by a kill
-                (kept if isinstance(row_step, int) and row_step <= resumed_step else gone).append(line.rstrip(b"\n"))
-    if gone:
-        with open(os.path.join(os.path.dirname(path), "metrics.abandoned.jsonl"), "ab") as a:
-            a.write(b"".join(g + b"\n" for g in gone if g.strip()))
-            a.flush()
-            os.fsync(a.fileno())
-        with open(path + ".tmp", "wb") as w:
-            w.write(b"".join(k + b"\n" for k in kept))
-            w.flush()
-            os.fsync(w.fileno())
-        os.replace(path + ".tmp", path)
+        with open(path, "r+b") as r:
+            size = os.fstat(r.fileno()).st_size
+            cut = metrics_cut(r, size, resumed_step)
+            if cut < size:
+                r.seek(cut)
+                gone = [g for g in r.read().split(b"\n") if g.strip()]
+                if gone:  # (on disk before they leave metrics.jsonl: a kill between left them in both, none lost)
+                    with open(os.path.join(os.path.dirname(path), "metrics.abandoned.jsonl"), "ab") as a:
+                        a.write(b"".join(g + b"\n" for g in gone))
+                        a.flush()
+                        os.fsync(a.fileno())
+                r.truncate(cut)
+                r.flush()
+                os.fsync(r.fileno())
     return open(path, "a")
 
 
 def add_to_metrics_row(path, step, fields, row=None):
     """Adds fields to the step's row of metrics.jsonl (its last one), or appends row with them when the file has none
-    (a run dir without the earlier start's log); written as checkpoint.write_atomic writes (temp, fsync, rename)."""
-    lines = open(path, "rb").read().splitlines() if os.path.isfile(path) else []
+    (a run dir without the earlier start's log); written as checkpoint.write_atomic writes (temp, fsync, rename). Rows
+    before the step's are copied as they are (all 1M rows of a long run parsed took a minute)."""
+    head, lines = b"", []
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            cut = metrics_cut(f, os.fstat(f.fileno()).st_size, step - 1)
+            f.seek(0)
+            head = f.read(cut)
+            lines = f.read().splitlines()
+    if head and not head.endswith(b"\n"):
+        head += b"\n"
     at = None
     for i, line in enumerate(lines):
         try:
@@ -636,7 +664,7 @@ def add_to_metrics_row(path, step, fields, row=None):
     else:
         lines[at] = json.dumps(row).encode()
     import checkpoint
-    checkpoint.write_atomic(path, b"".join(x + b"\n" for x in lines if x.strip()))
+    checkpoint.write_atomic(path, head + b"".join(x + b"\n" for x in lines if x.strip()))
 
 
 def relay_store_of(out_dir):
