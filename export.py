@@ -60,6 +60,7 @@ Implementer's calls (DESIGN.md asks to record them here):
 """
 
 import argparse
+import errno
 import hashlib
 import json
 import os
@@ -927,8 +928,9 @@ def main(argv=None):
         sys.exit(f"error: {str(e).splitlines()[0]}")
     except ImportError as e:
         sys.exit(f"error: {e}; --format {args.format} needs it (pip install -r requirements.txt)")
-    except OSError as e:
-        sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}")
+    except OSError as e:  # a read-only or another user's --out: its line said no fix
+        fix = "; pass an --out you can write" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else ""
+        sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}{fix}")
     except KeyboardInterrupt:  # the temp output is removed by each writer; --out is as it was
         print(f"interrupted; {args.out} is as it was before this export", file=sys.stderr)
         sys.exit(130)  # (as every other script's Ctrl-C; sys.exit(text) exited 1, as an error does)

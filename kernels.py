@@ -206,12 +206,18 @@ def native_int4():
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         try:
             build_dir = cpp_extension._get_build_directory(name, False)
-            if not os.path.exists(os.path.join(build_dir, name + ".so")):
+            so = os.path.join(build_dir, name + ".so")
+            if not os.path.exists(so):
                 print("stream_infer: compiling int4_cpu.cpp, the fast CPU int4 kernel (first use, and after its sources "
                       "change; ~15 s)", file=sys.stderr)
-            with build_turn(build_dir):
-                cpp_extension.load(name=name, sources=[src], extra_cflags=["-O3"] + arch + omp,
-                                   extra_ldflags=omp, is_python_module=False, verbose=False)
+            # a read-only cache (an image's, another user's) holding this very build (its name keys it) is loaded as
+            # it is: cpp_extension.load wants to write there, and it was "could not build" and the slower kernel
+            if os.path.isfile(so) and not os.access(build_dir, os.W_OK):
+                torch.ops.load_library(so)
+            else:
+                with build_turn(build_dir):
+                    cpp_extension.load(name=name, sources=[src], extra_cflags=["-O3"] + arch + omp,
+                                       extra_ldflags=omp, is_python_module=False, verbose=False)
             NATIVE = torch.ops.picaflor_int4
         except Exception as e:  # no compiler, no ninja, a foreign toolchain: fall back, loudly, once
             why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]

@@ -72,6 +72,7 @@ contributor's leg resumes. `init --ttl --heartbeat` are kept in RELAY.json as th
 import argparse
 import ast
 import contextlib
+import errno
 import getpass
 import json
 import math
@@ -1375,7 +1376,13 @@ def cmd_pull(args):
               f"`python train.py {run_dir}/relay_config.py --out_dir={run_dir} --init_from=resume`, then `relay.py push`")
         return 0
     dest = os.path.abspath(args.out or os.path.join(workdir, "pulled"))
-    path = pull(store, dest)
+    try:
+        path = pull(store, dest)
+    except OSError as e:  # an --out on a read-only mount (or another user's): a traceback
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise RelayError(f"{'--out' if args.out else '--workdir'} {e.filename or dest}: {e.strerror}; pass a "
+                         f"directory this user can write") from None
     print(f"relay: pulled {path} (manifest verified)")
     if not args.out:  # relay's own folder (a --out DIR is the user's: what is in it stays)
         drop_earlier_pulls(dest, path)

@@ -288,9 +288,28 @@ class FileStore:
 
     def stage(self, adds):
         """Store the file bodies now (content-addressed; invisible until a commit names them)."""
-        return {p: Staged(self._put_object(path=v) if isinstance(v, str) else self._put_object(data=v)) for p, v in adds.items()}
+        try:
+            return {p: Staged(self._put_object(path=v) if isinstance(v, str) else self._put_object(data=v))
+                    for p, v in adds.items()}
+        except OSError as e:
+            raise self.denied(e) from None
+
+    def denied(self, e):
+        """A store this user may only read (another user's, a read-only mount) is read by status, pull and dashboard;
+        a write to it (claim, push, release) was an OSError traceback. Other errors as they were."""
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not e.filename or not os.path.abspath(
+                e.filename).startswith(self.root + os.sep):
+            return e
+        return StoreError(f"{self.url}: {e.filename}: {e.strerror}; this user can only read the store (status, pull, "
+                          f"dashboard): to claim or push, remount it read-write or fix its permissions")
 
     def commit(self, parent, adds, deletes, message):
+        try:
+            return self._commit(parent, adds, deletes, message)
+        except OSError as e:
+            raise self.denied(e) from None
+
+    def _commit(self, parent, adds, deletes, message):
         import fcntl
         oids = {p: v.oid for p, v in self.stage({p: v for p, v in adds.items() if not isinstance(v, Staged)}).items()}
         oids.update({p: v.oid for p, v in adds.items() if isinstance(v, Staged)})

@@ -326,6 +326,25 @@ def test_pick_scores_every_checkpoint(tok, corpus, sft_run):
     assert json.load(open(os.path.join(sft_run, "sft_pick.json")))["lowest_val_loss"] == rep["lowest_val_loss"]
 
 
+def test_pick_of_a_read_only_run_dir_is_one_line_before_any_scoring(corpus, sft_run, monkeypatch, capsys):
+    """chat.py pick of a run dir on a read-only mount (another user's, an NFS export) scored its first checkpoint,
+    then ended in an OSError traceback writing sft_pick.json, that score lost. Now refused first, in one line."""
+    import errno
+    import checkpoint
+    import model
+    real = checkpoint.write_atomic
+
+    def read_only(path, data):
+        if os.path.dirname(os.path.abspath(path)) == os.path.abspath(sft_run):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real(path, data)
+    monkeypatch.setattr(checkpoint, "write_atomic", read_only)
+    monkeypatch.setattr(model, "load_checkpoint", lambda *a, **k: pytest.fail("scored a checkpoint it cannot report"))
+    assert chat.main(["pick", sft_run, "--data", str(corpus[0])]) == 1
+    assert capsys.readouterr().err == (f"chat.py: error: {sft_run}: cannot write sft_pick.md there (Read-only file "
+                                       f"system); copy the run dir to a disk you can write and pick there\n")
+
+
 def test_pick_keeps_what_it_scored_names_what_it_skipped_and_refuses_a_long_prompt(corpus, sft_run, tmp_path,
                                                                                     capsys):
     """A corrupt checkpoint was left out without a word; a --prompt longer than the context was a ValueError

@@ -752,6 +752,15 @@ def test_review_round_export_faults(ckpt, tmp_path, capsys, monkeypatch):
         msg = str(e.value.code)
         assert "down_proj" in msg and "float16's range" in msg and want in msg, msg
         assert not os.path.exists(args[-1]) and not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+    # an --out on a read-only mount (or another user's folder): the line names the fix (it said none)
+    def read_only(src, out, *a):
+        raise OSError(30, "Read-only file system", out + ".tmp-1")
+    real_int4 = export.export_int4
+    monkeypatch.setattr(export, "export_int4", read_only)
+    with pytest.raises(SystemExit) as e:
+        run_export([ckpt["path"], "--format", "int4", "--out", str(tmp_path / "ro.pcf4")])
+    assert e.value.code == f"error: {tmp_path}/ro.pcf4.tmp-1: Read-only file system; pass an --out you can write"
+    monkeypatch.setattr(export, "export_int4", real_int4)
     # a short write (no strerror), as gguf's writer raises it on a full disk
     line = checkpoint.os_error_line(OSError("139264 requested and 46880 written"), str(tmp_path / "g.gguf"))
     assert line.startswith(str(tmp_path / "g.gguf") + ": 139264 requested") and "None" not in line

@@ -1111,6 +1111,25 @@ def test_an_out_dir_that_cannot_be_made_or_written_is_one_line(capsys):
                                            "--out_dir")
 
 
+def test_a_corrupt_shard_of_a_read_only_corpus_is_quarantined_not_out_of_disk(data_root, tmp_path, monkeypatch):
+    """A corrupt shard the guardian re-made from its source but could not write back (a read-only corpus: another
+    user's, an NFS export) stopped the run as "out of disk", to "free space"; now it is quarantined, as one whose
+    source is gone, and training goes on without it."""
+    import errno
+    import guardian
+    root = str(shutil.copytree(data_root, tmp_path / "data"))
+    shard = os.path.join(root, "local", "train_000000.bin")
+    zero_page(shard)
+
+    def read_only(path, data):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path + ".tmp")
+    monkeypatch.setattr(shards, "_atomic_write", read_only)
+    g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}"])
+    assert g.repair_shard(shard, 0, False) is None
+    [q] = g.log["quarantined"]
+    assert q["shard"] == "local/train_000000.bin" and "(Read-only file system); make " in q["reason"], q
+
+
 def test_guardian_quarantines_a_mask_by_its_shard_and_counts_no_old_quarantine_as_a_fix(tmp_path):
     """A corrupt loss mask quarantined `x.mask.bin`, which train.py (skipping shards by name) never skipped; and
     on_stuck counted a shard it had quarantined before, still corrupt on disk, as fixed: every restart was burnt."""

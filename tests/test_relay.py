@@ -691,6 +691,31 @@ def test_a_second_relay_in_the_same_workdir_is_refused(tmp_path, hub, rl):
     assert rl(["run", url, "--steps", "2", "--train-script", fake, "--workdir", wa], env).returncode == 0
 
 
+def test_a_read_only_store_or_out_is_one_line(tmp_path, hub, rl, monkeypatch):
+    """A file:// store this user may only read (another user's, a read-only mount): status and pull read it, but claim
+    ended in an OSError traceback; so did pull --out into a read-only folder. One line each now."""
+    import errno
+    url, env = store_url("file", tmp_path, hub), base_env()
+    init_run(url, tmp_path, env, cli=rl)
+    store, ro, real = str(tmp_path / "store"), str(tmp_path / "ro"), os.makedirs
+
+    def makedirs(path, *a, **k):  # the store and ro/ on a read-only mount
+        if os.path.abspath(path).startswith((store + os.sep, ro)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real(path, *a, **k)
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    assert rl(["status", url], env).returncode == 0
+    assert rl(["pull", url, "--workdir", tmp_path / "wp"], env).returncode == 0
+    r = rl(["claim", url, "--workdir", tmp_path / "wc"], env)
+    assert r.returncode == 3 and re.fullmatch(
+        rf"relay.py claim: error: {url}: {store}/objects/\w\w: Read-only file system; this user can only read the "
+        rf"store \(status, pull, dashboard\): to claim or push, remount it read-write or fix its permissions\n",
+        r.stderr), r.stderr
+    r = rl(["pull", url, "--workdir", tmp_path / "wp", "--out", f"{ro}/copy"], env)
+    assert (r.returncode, r.stderr) == (3, f"relay.py pull: error: --out {ro}/copy: Read-only file system; pass a "
+                                           f"directory this user can write\n")
+
+
 def test_init_with_a_config_that_is_not_utf8_is_one_line(tmp_path):
     """A config file saved in Latin-1 (or a binary file passed by mistake) was a UnicodeDecodeError traceback."""
     cfg = tmp_path / "latin1.py"

@@ -1626,6 +1626,35 @@ def test_another_compiler_gets_a_build_of_its_own(tmp_path, monkeypatch, capsys)
         assert ("stream_infer: compiling int4_cpu.cpp" in capsys.readouterr().err) == compiles, (cxx, compiles)
 
 
+def test_a_build_in_a_read_only_cache_is_used_as_it_is(tmp_path, monkeypatch, capsys):
+    """The kernel already built in a cache this user cannot write (a read-only image or mount, another user's home)
+    was not used: its lock could not be made there, "could not build", and torch's slower kernel. Loaded as it is."""
+    import errno
+    import shutil
+    from torch.utils import cpp_extension
+    for name in ("int4_cpu.cpp", "expert_reader.cpp", "int4_loops.h"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    monkeypatch.setattr(kernels, "__file__", str(tmp_path / "kernels.py"))  # a checkout of its own
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(cpp_extension, "load", lambda name, **kw: open(  # a build: the .so lands in its folder
+        os.path.join(cpp_extension._get_build_directory(name, False), name + ".so"), "w").close())
+    monkeypatch.setattr(kernels, "NATIVE", None)
+    kernels.native_int4()
+    [build] = os.listdir(tmp_path / "ext")
+    build_dir, real_access, loaded = str(tmp_path / "ext" / build), os.access, []
+
+    def read_only(path, *a, **k):  # what torch's load does first in the build folder: its lock file
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.path.join(build_dir, "lock"))
+    monkeypatch.setattr(cpp_extension, "load", read_only)
+    monkeypatch.setattr(os, "access", lambda path, mode, *a, **k: False if str(path) == build_dir and mode & os.W_OK
+                        else real_access(path, mode, *a, **k))
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(kernels, "NATIVE", None)
+    capsys.readouterr()
+    assert kernels.native_int4() is not None and capsys.readouterr().err == ""
+    assert loaded == [os.path.join(build_dir, build + ".so")]
+
+
 def test_a_build_waited_on_is_said_and_a_filesystem_without_flock_still_builds(tmp_path, capsys, monkeypatch):
     """A build stopped mid-way (kill -STOP) held the flock and later loads waited on it without a word; where flock
     is refused (NFS -o nolock: ENOLCK) the native kernel was never used, with advice to install a compiler."""
