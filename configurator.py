@@ -99,13 +99,13 @@ def exec_file(path, scope):
         src = open(path, encoding="utf-8").read()
         exec(compile(src, path, "exec"), scope)
     except SyntaxError as e:  # (a NUL byte has no line: it said "FILE:None:")
-        raise ConfigError(f"{path}{f':{e.lineno}' if e.lineno else ''}: syntax error: {e.msg}")
+        raise ConfigError(f"{path}{f':{e.lineno}' if e.lineno else ''}: syntax error: {e.msg}; fix the config file")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8")
     except SystemExit as e:  # sys.exit(0) in a config ended train.py with exit 0, nothing trained and nothing said
         raise ConfigError(f"{path}: calls sys.exit({e.code!r}); a config file only sets keys")
     except Exception as e:
-        raise ConfigError(f"{path}: raised {type(e).__name__}: {e}")
+        raise ConfigError(f"{path}: raised {type(e).__name__}: {e}; fix the config file")
 
 
 class AssignedNames(dict):
@@ -279,7 +279,8 @@ def configure(g, argv):
             raise ConfigError(f"{arg}: overrides are written --key=value")
         key, text = arg[2:].split("=", 1)
         if key not in keys:
-            raise ConfigError(f"unknown config key {key!r}{closest(key, keys)}")
+            raise ConfigError(f"unknown config key {key!r}"
+                              f"{closest(key, keys) or f'; drop --{key} (the keys are the globals atop the script)'}")
         value = coerce(key, parse_value(key, text, g[key]), g[key])
         # a dict updates the one there: --lr_mult="{'new': 2.0}" over a config's {'old': 0.1, ...} dropped 'old'
         g[key] = {**g[key], **value} if isinstance(g[key], dict) and isinstance(value, dict) else value

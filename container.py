@@ -416,9 +416,10 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
     Returns the quantization report (relative RMS error per tensor class), also written to out_path + '.report.json'."""
     from tqdm import tqdm
     if group_size % 2 or group_size < 2:
-        raise ContainerError(f"{out_path}: group size {group_size} must be even and >= 2")
+        raise ContainerError(f"{out_path}: group size {group_size} must be even and >= 2; pass an even --group-size, "
+                             f"e.g. 32")
     if embed_bits not in (4, 8) or dense_bits not in (4, 8):
-        raise ContainerError(f"{out_path}: --embed-bits / --dense-bits must be 4 or 8")
+        raise ContainerError(f"{out_path}: --embed-bits {embed_bits} / --dense-bits {dense_bits}: pass 4 or 8 to each")
     source = source or CheckpointSource(ckpt_dir)
     cfg = source.cfg
     header, data_start = layout_header(cfg, source, group_size, embed_bits, dense_bits, symmetric)
@@ -467,7 +468,8 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
                 direct = getattr(source, "direct", False) and t["kind"] != "f32"
                 w = source.get(name) if not direct else torch.empty(t["shape"], device="meta")
                 if list(w.shape) != t["shape"]:
-                    raise ContainerError(f"{ckpt_dir}: tensor {name} has shape {list(w.shape)}, its config says {t['shape']}")
+                    raise ContainerError(f"{ckpt_dir}: tensor {name} has shape {list(w.shape)}, its config says "
+                                         f"{t['shape']}; the checkpoint is inconsistent, use another step_* dir")
                 if direct:
                     pb = source.random_blob(t["kind"], name, t["shape"], group_size)
                 else:
@@ -690,7 +692,7 @@ class Container:
     def short_read_error(self, offset, got, nbytes):
         """The one-line error for a read that ended before its bytes did: the file was cut short."""
         return ContainerError(f"{self.path}: short read at offset {offset} ({got} of {nbytes} bytes); "
-                              f"the file is truncated")
+                              f"the file is truncated: re-export or re-copy it")
 
     def read_expert_blob(self, layer, expert, verify=True, buf=None):
         """The whole blob of one routed expert (gate_up and down, packed and scales): one aligned read (into
@@ -771,7 +773,8 @@ class Container:
             row = os.pread(self.fd, K, t["offset"] + t["parts"]["q"][0] + r * K)
             row_scale = os.pread(self.fd, 4, t["offset"] + t["parts"]["scale"][0] + 4 * r)
             if len(row) != K or len(row_scale) != 4:
-                raise ContainerError(f"{self.path}: short read of row {r} of {name}; the file is truncated")
+                raise ContainerError(f"{self.path}: short read of row {r} of {name}; the file is truncated: "
+                                     f"re-export or re-copy it")
             q += row
             scale += row_scale
         if not ids:
@@ -894,7 +897,8 @@ def load_container(path):
     data_start = align_up(PREFIX.size + hlen)
     for off, n, what in spans:
         if off % ALIGN or n % ALIGN or off < data_start:
-            raise ContainerError(f"{path}: {what} is not 4096-byte aligned (offset {off}, {n} bytes); corrupt header")
+            raise ContainerError(f"{path}: {what} is not 4096-byte aligned (offset {off}, {n} bytes); corrupt header: "
+                                 f"re-export it")
     end = max((off + n for off, n, _ in spans), default=data_start)
     if header.get("file_bytes", end) < end:
         raise ContainerError(f"{path}: corrupt container header (file_bytes {header['file_bytes']} is short of its index's "
@@ -906,9 +910,11 @@ def load_container(path):
     have = set(tensors) | {f"layers.{l}.mlp.experts.{p}" for l in experts for p in ("gate_up_proj", "down_proj")}
     if want != have:
         missing = sorted(want - have)[:3]
-        raise ContainerError(f"{path}: header does not match its model config (missing {missing}); corrupt header")
+        raise ContainerError(f"{path}: header does not match its model config (missing {missing}); corrupt header: "
+                             f"re-export it")
     if any(len(experts.get(str(l), [])) != cfg.n_experts for l in range(cfg.n_dense_layers, cfg.n_layer)):
-        raise ContainerError(f"{path}: expert index does not match n_experts={cfg.n_experts}; corrupt header")
+        raise ContainerError(f"{path}: expert index does not match n_experts={cfg.n_experts}; corrupt header: "
+                             f"re-export it")
     del group
     return Container(path, header, size, data_start)
 
@@ -924,7 +930,7 @@ def config_from_file(path):
     try:  # (a syntax error, an undefined name: a traceback)
         configurator.exec_file(path, g)
     except configurator.ConfigError as e:
-        raise ContainerError(f"{e}; fix the config file") from None
+        raise ContainerError(str(e)) from None  # (each says its fix: the file's line, or how to save it)
     model_fields = sorted(f.name for f in fields(ModelConfig))
     for key in sorted(configurator.config_keys(g) - set(model_fields)):  # the training keys are left to train.py, but
         near = difflib.get_close_matches(key, model_fields, n=1, cutoff=0.8)  # n_layers = 40 built n_layer's default

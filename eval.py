@@ -335,7 +335,7 @@ def load_model_kind(spec, device, dtype_name, tokenizer_path=None, int4_engine=F
             if run_dir:  # a run dir whose every step is damaged: resolve names each cause
                 raise EvalError(str(e)) from None
             raise EvalError(f"{spec}: neither a Hugging Face model dir (no config.json) nor a picaflor checkpoint "
-                            f"({e})") from None
+                            f"({e}); pass a run dir, step_* dir, int4 container or transformers model dir") from None
         if k is not None:
             try:  # a k above its experts refused before the weights are verified and read (a bad state.json: below)
                 with open(os.path.join(ckpt_dir, "state.json")) as f:
@@ -453,7 +453,8 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False, ram_budget=
     try:
         c = container.load_container(path)
     except container.ContainerError as e:
-        raise EvalError(f"{path}: not a picaflor checkpoint, HF model dir or readable int4 container ({e})") from None
+        raise EvalError(f"{path}: not a picaflor checkpoint, HF model dir or readable int4 container ({e}); "
+                        f"else evaluate its checkpoint dir") from None
     k = experts_per_token
     routed = routed_experts(k, c.config, path)  # (before the weights are dequantised or the engine reads them)
     if tokenizer_path or not getattr(c, "tokenizer_json", None):
@@ -491,7 +492,7 @@ def load_int4(path, device, dtype, tokenizer_path, use_engine=False, ram_budget=
     missing = [k for k in missing if not k.endswith("load_accum")]
     if missing or unexpected:
         raise EvalError(f"{path}: container tensors do not match its model_config (missing {missing[:3]}, "
-                        f"unexpected {unexpected[:3]})")
+                        f"unexpected {unexpected[:3]}); re-export it from its checkpoint")
     if cfg.tie_embeddings:
         m.lm_head.weight = m.embed_tokens.weight
     for moe in m.moe_layers():
@@ -667,7 +668,8 @@ def loglikelihoods(lm, docs, batch_size=32, max_batch_tokens=32768, task=None):
         for r_i, (ctx, cont) in enumerate(pairs):
             where = f"task {task}: example {d_i}: " if task else ""  # (neither named the task nor the fix)
             if not cont:
-                raise EvalError(f"{where}request {d['requests'][r_i]!r} has an empty continuation after tokenisation")
+                raise EvalError(f"{where}request {d['requests'][r_i]!r} has an empty continuation after tokenisation; "
+                                f"fix or drop that example in the task's data file")
             if len(cont) > lm.max_length:  # (the harness asserts it: cutting the context cannot make it fit)
                 raise EvalError(f"{where}a continuation of {len(cont)} tokens exceeds the model's context of "
                                 f"{lm.max_length} tokens; leave {task or 'this task'} out, or evaluate a model with "
@@ -823,7 +825,8 @@ def run_task(lm, task, args):
     kind, _, _, metrics = ET.TASKS[task]
     docs = ET.task_docs(task, lm, args)
     if not docs:
-        raise EvalError(f"task {task}: no examples (empty data file or --limit 0)")
+        raise EvalError(f"task {task}: no examples (an empty data file); put its rows in the task's file under "
+                        f"--data-dir, or drop --data-dir to download them")
     t0 = time.time()
     if kind == "generate_until":
         caps = [min(args.max_gen_toks, d["max_gen_toks"]) if args.max_gen_toks else d["max_gen_toks"] for d in docs]
@@ -1091,7 +1094,8 @@ def evaluate(args):
     if unknown:
         raise EvalError(f"unknown task {unknown[0]!r}; known: {', '.join(ET.TASKS)}")
     if args.data_dir and not os.path.isdir(args.data_dir):
-        raise EvalError(f"{args.data_dir}: --data-dir is not a directory")
+        raise EvalError(f"{args.data_dir}: --data-dir is not a directory; pass the folder that holds the task "
+                        f"data files")
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit {args.limit}: a positive number of examples per task (leave it out for all)")
     if args.bootstrap_iters < 0 or args.bootstrap_iters == 1:  # (-1 ran as 0, unsaid; 1 wrote a nan stderr)
@@ -1120,7 +1124,8 @@ def evaluate(args):
         except ValueError:
             raise EvalError(f"--passkey-lengths {args.passkey_lengths!r}: comma-separated token counts, e.g. 4096,8192")
     if args.ram_budget is not None and not (args.int4_engine and os.path.isfile(args.model)):
-        raise EvalError(f"--ram-budget {args.ram_budget}: bounds an int4 container scored with --int4-engine only")
+        raise EvalError(f"--ram-budget {args.ram_budget}: bounds an int4 container scored with --int4-engine only; "
+                        f"drop it, or add --int4-engine with an int4 container")
     lm = load_model(args.model, args.device, args.dtype, args.tokenizer, args.int4_engine, args.ram_budget,
                     args.experts_per_token)
     if any(ET.TASKS[t][0] == "generate_until" for t in tasks):

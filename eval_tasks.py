@@ -419,7 +419,7 @@ def build_docs(task, rows, what, data_dir=None):
         try:
             docs.append(build(row))
         except EvalError as e:
-            raise EvalError(f"task {task}: {what} {i}: {e}") from None
+            raise EvalError(f"task {task}: {what} {i}{where}: {e}") from None
         except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
             raise EvalError(f"task {task}: {what} {i}{where} does not have the dataset's schema ({type(e).__name__}: "
                             f"{e}); the data file must hold the Hub dataset's own fields") from None
@@ -459,5 +459,6 @@ def passkey_lengths(lm, spec):
             lengths.append(lm.max_length)
     too_long = [n for n in lengths if n > lm.max_length]
     if too_long:
-        raise EvalError(f"--passkey-lengths {too_long} exceed the model's context of {lm.max_length} tokens")
+        raise EvalError(f"--passkey-lengths {too_long} exceed the model's context of {lm.max_length} tokens; pass "
+                        f"lengths up to {lm.max_length}")
     return lengths

@@ -99,7 +99,7 @@ def load_fitting_tokenizer(path, vocab_size):
     tok = tokmod.Tokenizer.load(path)
     if tok.vocab_size > vocab_size:
         raise ExportError(f"{path}: tokenizer vocab {tok.vocab_size} > model vocab {vocab_size}; wrong tokenizer "
-                          f"for this checkpoint")
+                          f"for this checkpoint: pass the one its corpus was prepared with (--tokenizer FILE)")
     return tok
 
 
@@ -581,7 +581,8 @@ def gguf_name(name):
         return [(fixed[name], None)]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if not m:
-        raise ExportError(f"{name}: unknown tensor in the checkpoint; it does not belong to a picaflor model")
+        raise ExportError(f"{name}: unknown tensor in the checkpoint; it does not belong to a picaflor model: "
+                          f"export a checkpoint train.py wrote")
     i, rest = m.groups()
     if rest == "mlp.experts.gate_up_proj":
         return [(f"blk.{i}.ffn_gate_exps.weight", "gate"), (f"blk.{i}.ffn_up_exps.weight", "up")]
@@ -599,7 +600,8 @@ def gguf_name(name):
         "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
     }
     if rest not in per_layer:
-        raise ExportError(f"{name}: unknown tensor in the checkpoint; it does not belong to a picaflor model")
+        raise ExportError(f"{name}: unknown tensor in the checkpoint; it does not belong to a picaflor model: "
+                          f"export a checkpoint train.py wrote")
     return [(f"blk.{i}.{per_layer[rest]}", None)]
 
 

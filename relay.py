@@ -640,7 +640,7 @@ def config_usd_per_hour(config_path, overrides):
             try:
                 return float(a.split("=", 1)[1])
             except ValueError:
-                raise RelayError(f"{a}: not a number")
+                raise RelayError(f"{a}: not a number; pass --gpu_hourly_usd=DOLLARS, e.g. 2.5")
     try:  # its value as train.py's exec leaves it: the last assignment (init appends its overrides after the config's
         # own), arithmetic included (literal_eval took none: `2.5 * 8` trained at $20/h, the ledger said $0)
         text = open(config_path, encoding="utf-8").read()
@@ -1113,7 +1113,7 @@ def config_values(text):
     try:
         exec(compile(text, "config.py", "exec"), scope)
     except Exception as e:  # ({[1]}: data to not_data, a TypeError here, as in train.py)
-        raise RelayError(f"init refused: the config raised {type(e).__name__}: {e}")
+        raise RelayError(f"init refused: the config raised {type(e).__name__}: {e}; fix the config (or its overrides)")
     return scope
 
 

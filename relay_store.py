@@ -199,7 +199,8 @@ class FileStore:
             with open(path, "rb") as f:
                 return json.loads(read_capped(f, COMMIT_RECORD_CAP, path, "restore that commit record"))
         except (OSError, ValueError) as e:
-            raise StoreError(f"{self._p('commits', cid + '.json')}: unreadable commit record ({e}); the store is damaged")
+            raise StoreError(f"{self._p('commits', cid + '.json')}: unreadable commit record ({e}); the store is "
+                             f"damaged: restore that commit record")
 
     def _head_id(self):
         try:
@@ -387,7 +388,7 @@ class HfStore:
         except EntryNotFoundError as e:
             if what.startswith("read "):
                 raise  # a missing file: read() answers None
-            raise StoreError(f"{self.url}: {what}: a file it names is not in the repo ({one_line(e)})")
+            raise StoreError(f"{self.url}: {what}: a file it names is not in the repo ({one_line(e)}); {STORE_FIX}")
         except (RepositoryNotFoundError, RevisionNotFoundError) as e:
             raise NotFound(f"{self.url}: {what}: repository or revision not found ({one_line(e)}); check the name and HF_TOKEN")
         except HfHubHTTPError as e:

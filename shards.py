@@ -629,7 +629,7 @@ def hub_dataset_files(repo, revision, pattern):
         sha = api.dataset_info(repo, revision=revision).sha
         files = sorted(f for f in api.list_repo_files(repo, repo_type="dataset", revision=sha) if fnmatch.fnmatch(f, pattern))
     if not files:
-        raise ValueError(f"{repo}@{sha}: no files match --pattern {pattern!r}")
+        raise ValueError(f"{repo}@{sha}: no files match --pattern {pattern!r}; pass a --pattern that matches its files")
     return sha, files
 
 
@@ -828,7 +828,7 @@ def refetch_shard(corpus_dir, file):
     entry = index_entry(index, file)
     path = os.path.join(corpus_dir, file)
     if entry is None:
-        raise DataError(f"{path}: not in {corpus_dir}/index.json", path, None, "index")
+        raise DataError(f"{path}: not in {corpus_dir}/index.json; pass a shard FILE it lists", path, None, "index")
     if "source" not in entry:
         raise DataError(f"{path}: index.json records no source for it; {_fix_hint(corpus_dir)}", path, None, "source")
     if "mask" in entry:  # chat shards are packed rows of rendered conversations, not documents re-read in order
@@ -926,7 +926,9 @@ class TokenStream:
         shard, offset, epoch = int(pos["shard"]), int(pos["offset"]), int(pos.get("epoch", 0))
         if not (0 <= shard < len(self.entries) and 0 <= offset <= self.entries[shard]["tokens"]):
             raise DataError(f"{self.corpus_dir}/index.json: position {pos} is outside split {self.split!r} (the corpus "
-                            f"changed since the checkpoint?)", os.path.join(self.corpus_dir, "index.json"), offset, "index")
+                            f"changed since the checkpoint?); prepare it as before, or fine-tune from the checkpoint "
+                            f"(--init_from=finetune) on the new corpus", os.path.join(self.corpus_dir, "index.json"),
+                            offset, "index")
         self._shard, self._offset, self._epoch = self._advance(shard, offset, epoch, 0)
 
     def _advance(self, shard, offset, epoch, n):

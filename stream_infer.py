@@ -806,7 +806,8 @@ class Engine:
             a.next_moe = b
         left = [n for n, t in list(m.named_parameters()) + list(m.named_buffers()) if t.is_meta]
         if left:
-            raise StreamError(f"{self.path}: container lacks {left[:3]}; corrupt or foreign container")
+            raise StreamError(f"{self.path}: container lacks {left[:3]}; corrupt or foreign container: re-export it "
+                              f"(python export.py CKPT --format int4)")
         m.eval()
         return m
 

@@ -444,7 +444,8 @@ def grow_state_dict(sd, old_cfg, n_new, where):
     import torch
     L, nd = old_cfg.n_layer, old_cfg.n_dense_layers
     if nd >= L:
-        raise TrainError("growth copies MoE blocks, and this model has none (n_dense_layers == n_layer)")
+        raise TrainError("growth copies MoE blocks, and this model has none (n_dense_layers == n_layer); grow a "
+                         "checkpoint with MoE layers (--grow_from=STEP_DIR), or train a deeper model from scratch")
     if where == "top":
         after = [L - 1] * n_new
     elif where == "interleave":  # evenly over the MoE layers, the last one after the top block (LLaMA Pro)

@@ -230,6 +230,11 @@ def test_bad_rows_counted_and_long_conversations_split(corpus):
     r2 = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", str(out / "tokenizer.json"),
                          "--jsonl", str(bad), "--out", str(out.parent / "empty")], cwd=REPO, capture_output=True, text=True)
     assert r2.returncode != 0 and "Traceback" not in r2.stderr and "no usable conversation" in r2.stderr
+    assert "fix the bad rows, or give more conversations" in r2.stderr, r2.stderr
+    r3 = subprocess.run([sys.executable, "data/smoltalk/prepare.py", "--tokenizer", str(out / "tokenizer.json"),
+                         "--jsonl", str(bad), "--out", str(out.parent / "empty"), "--max-len", "4"], cwd=REPO,
+                        capture_output=True, text=True)  # it said too short, not how long
+    assert r3.returncode != 0 and "--max-len 4: too short for a conversation; pass --max-len 8 or more" in r3.stderr
 
 
 def test_a_jsonl_line_that_is_not_utf8_is_a_bad_row_not_replacement_characters(tok, tmp_path, monkeypatch, capsys):

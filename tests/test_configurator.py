@@ -53,9 +53,9 @@ def test_config_file(tmp_path):
 
 @pytest.mark.parametrize("body, words", [
     ("lerning_rate = 1e-3\n", ["unknown config key 'lerning_rate'", "learning_rate", "c.py"]),
-    ("batch_size = (\n", ["c.py:", "syntax error"]),
+    ("batch_size = (\n", ["c.py:", "syntax error", "; fix the config file"]),
     ("batch_size = 'big'\n", ["batch_size must be an int"]),
-    ("x = 1 / 0\n", ["c.py", "ZeroDivisionError"]),
+    ("x = 1 / 0\n", ["c.py", "ZeroDivisionError", "; fix the config file"]),
     ("del batch_size\n", ["c.py", "deletes config key 'batch_size'"]),  # was a KeyError traceback
     ("steps_per_stage = 3\n", ["unknown config key 'steps_per_stage'", "call it _steps_per_stage"]),  # a helper
     ("lerning_rate = {3e-4}\n", ["unknown config key 'lerning_rate'", "learning_rate"]),  # a set: silently ignored

@@ -272,6 +272,17 @@ def test_header_edits_are_caught(built, tmp_path, monkeypatch):
         msg = _one_line_error(lambda: C.load_container(path))
         assert "corrupt container header" in msg and path in msg, (name, msg)
     assert C.load_container(rewritten("same.pcf4", lambda h: None)).header["tensors"][first]["kind"] == "int8"
+    # an index that lost a tensor or an expert, or an offset off the 4096-byte grid: the error said no fix
+    for name, edit in [("unaligned", lambda h: h["tensors"][first].update(offset=h["tensors"][first]["offset"] + 1)),
+                       ("lost_tensor", lambda h: h["tensors"].pop(first)),
+                       ("lost_expert", lambda h: h["experts"]["1"].pop())]:
+        path = rewritten(name + ".pcf4", edit)
+        msg = _one_line_error(lambda: C.load_container(path))
+        assert "corrupt header: re-export it" in msg and path in msg, (name, msg)
+    # write_container's own checks of its arguments named the output but no fix
+    for kw, want in [({"group_size": 7}, "pass an even --group-size"), ({"embed_bits": 5}, "--embed-bits 5")]:
+        with pytest.raises(C.ContainerError, match=want):
+            C.write_container(ck, str(tmp_path / "never.pcf4"), **kw)
 
 
 def test_weights_near_fp32s_limit_quantize_or_are_refused():
@@ -384,7 +395,7 @@ def test_a_malformed_config_or_checkpoint_is_one_line_error(tmp_path, capsys):
     from safetensors.torch import save_file
     import checkpoint
     for name, text, want in [("syn.py", "n_layer = 2\nd_model = 64 +\n", "syn.py:2: syntax error"),
-                             ("name.py", "d_model = foo\n", "NameError"),
+                             ("name.py", "d_model = foo\n", "NameError: name 'foo' is not defined; fix the config"),
                              ("str.py", 'n_layer = "2"\n', "n_layer must be an int"),
                              ("typo.py", "n_layers = 3\nbatch_size = 8\n", "'n_layers' is no model field; did you mean "
                                                                            "'n_layer'?")]:
@@ -393,7 +404,7 @@ def test_a_malformed_config_or_checkpoint_is_one_line_error(tmp_path, capsys):
         assert C.main(["--random-config", str(tmp_path / name), "--out", str(out)]) == 1
         err = capsys.readouterr().err
         assert want in err and str(tmp_path / name) in err and len(err.strip().splitlines()) == 1, err
-        assert not out.exists()
+        assert err.count("fix the config") == 1 and not out.exists(), err
     sd = {k: v for k, v in Picaflor(ModelConfig(**TINY)).state_dict().items() if not k.endswith("load_accum")}
     for name, state, weights, want in [
             ("nocfg", {"step": 1}, lambda p: save_file(sd, p), "state.json: no usable model_config"),

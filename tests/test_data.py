@@ -459,6 +459,8 @@ def test_local_prepare_whole_documents_and_refetch(tmp_path):
     assert any(victim in p for p in shards.verify_corpus(out))
     shards.refetch_shard(out, victim)
     assert shards.verify_corpus(out) == []
+    with pytest.raises(shards.DataError, match="nope.bin: not in .*; pass a shard FILE it lists"):
+        shards.refetch_shard(out, "nope.bin")
     good = (out / "index.json").read_text()  # a source of another shape (a hand-made index): one line, no KeyError
     for source in ({}, {"kind": "files"}, {"kind": "hub", "rows": 3}):
         bad = json.loads(good)

@@ -440,6 +440,13 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
     (unlabelled / "piqa.jsonl").write_text("".join(json.dumps({**r, "label": -1}) + "\n" for r in rows))
     afile = tmp_path / "afile"
     afile.write_text("x")
+    no_rows = tmp_path / "no_rows"  # it said "empty data file or --limit 0", and --limit 0 is refused before
+    no_rows.mkdir()
+    (no_rows / "piqa.jsonl").write_text("")
+    cases.append(([model_dir, "--tasks", "piqa", "--data-dir", str(no_rows)], "put its rows in the task's file"))
+    junk = tmp_path / "junk.pcf4"  # a file that is no container: it said what is wrong, not what to do
+    junk.write_bytes(b"x" * 4096)
+    cases.append(([str(junk), "--tasks", "piqa", "--data-dir", data_dir], "; else evaluate its checkpoint dir"))
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
     worded = tmp_path / "worded.json"
@@ -454,7 +461,7 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
     shutil.copytree(model_dir, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    cases += [([model_dir, "--tasks", "piqa", "--data-dir", str(unlabelled)], "outside 0..1"),
+    cases += [([model_dir, "--tasks", "piqa", "--data-dir", str(unlabelled)], f"in {unlabelled}: gold label"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--limit", "0"], "--limit 0"),
               ([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(afile)], "is not a folder"),
               ([model_dir, "--tasks", "passkey", "--passkey-lengths", "100,abc"], "--passkey-lengths"),
@@ -836,7 +843,8 @@ def test_int4_container_too_big_to_dequantise_is_refused(hf_setup, tmp_path, mon
     assert "--ram-budget 1.00M is below what this model needs" in capsys.readouterr().err
     assert ev.main(argv + ["--ram-budget", "2G"]) == 2  # the dequantised path has no budget to keep
     assert capsys.readouterr().err.strip() == "error: --ram-budget 2G: bounds an int4 container scored with " \
-                                              "--int4-engine only"
+                                              "--int4-engine only; drop it, or add --int4-engine with an int4 " \
+                                              "container"
 
 
 def test_int4_container_scores_its_dequantized_weights(hf_setup, tmp_path):
@@ -1009,7 +1017,7 @@ def test_cli_end_to_end(hf_setup, tmp_path, capsys):
     capsys.readouterr()  # bad input: its main() here (the script's exit status is main()'s, as the run above shows)
     assert ev.main([model_dir, "--tasks", "piqa", "--data-dir", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
-    assert err.strip().count("\n") == 0 and "--data-dir is not a directory" in err, err
+    assert err.strip().count("\n") == 0 and "--data-dir is not a directory; pass the folder" in err, err
 
 
 def test_encode_pair_as_harness(hf_setup):
@@ -1041,7 +1049,7 @@ def test_whitespace_only_context_conditions_on_the_prefix_token(hf_setup):
             with torch.no_grad():
                 lp = torch.log_softmax(lm.model(torch.tensor([ids])).logits[0].float(), -1)
             assert ll == pytest.approx(sum(float(lp[i, t]) for i, t in enumerate(ids[1:])), abs=1e-4), (ctx, cont)
-    with pytest.raises(ev.EvalError, match="empty continuation"):
+    with pytest.raises(ev.EvalError, match="empty continuation after tokenisation; fix or drop that example"):
         ev.loglikelihoods(lm, [{"requests": [("", "")]}])
 
 

@@ -666,7 +666,8 @@ def test_tokenizer_flag_reaches_the_int4_container_and_is_checked_for_hf(ckpt, t
         with pytest.raises(SystemExit) as e:
             run_export([ckpt["run"], "--format", "hf", "--out", str(tmp_path / "hf"), "--tokenizer", big_path,
                         "--force-tokenizer"])
-        assert "tokenizer vocab" in str(e.value) and not os.path.exists(tmp_path / "hf")
+        assert "tokenizer vocab" in str(e.value) and "pass the one its corpus was prepared with" in str(e.value)
+        assert not os.path.exists(tmp_path / "hf")
 
 
 def test_a_tokenizer_that_differs_only_in_line_endings_is_the_same_tokenizer(ckpt, tmp_path):

@@ -1630,6 +1630,10 @@ def test_hand_edited_state_and_small_relay_faults_are_one_line(tmp_path, rl, mon
     cfg = write_config(tmp_path, "gpu_hourly_usd = 2.0\n# relay.py init overrides\ngpu_hourly_usd = 10\n")
     assert relay.config_usd_per_hour(cfg, []) == 10.0
     assert relay.config_usd_per_hour(cfg, ["--gpu_hourly_usd=1", "--gpu_hourly_usd=2.5"]) == 2.5  # the last, as train.py
+    with pytest.raises(relay.RelayError, match="abc: not a number; pass --gpu_hourly_usd=DOLLARS"):
+        relay.config_usd_per_hour(cfg, ["--gpu_hourly_usd=abc"])
+    with pytest.raises(relay.RelayError, match="TypeError: .*; fix the config"):
+        relay.config_values("x = {[1]}\n")
 
 
 def test_the_ledger_price_is_the_one_train_py_computes_from_the_config(tmp_path):
@@ -3161,6 +3165,9 @@ def test_store_files_past_their_read_cap_are_one_line_errors_never_read_whole(tm
     record.write_bytes(record.read_bytes() + b" " * (1 << 20))
     r = rl(["status", url])
     assert one_line_error(r) and f"{record} is 1.0 MiB, more than the 1.0 MiB" in r.stderr, r.stderr
+    record.write_bytes(b"{not json")  # it said the store is damaged, not what to do
+    with pytest.raises(relay_store.StoreError, match="unreadable commit record .*: restore that commit record"):
+        relay.open_store(url)._load_commit(sha)
     with open(tmp_path / "sparse", "wb") as f:  # 8 GiB that take no disk: refused on its size, nothing read
         f.truncate(8 << 30)
     with open(tmp_path / "sparse", "rb") as f:

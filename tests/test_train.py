@@ -1721,6 +1721,8 @@ def test_help_shows_the_values_of_the_config_files_given_beside_it(monkeypatch):
     assert "config/tiny.py --batch_size=3 applied" in tiny
     _, err, code = main_output(["--help", "--nope=1"])
     assert code == 2 and "unknown config key 'nope'" in err
+    _, err, code = main_output(["--help", "--qqqq=1"])  # no near key: it said no fix
+    assert code == 2 and "unknown config key 'qqqq'; drop --qqqq" in err
     assert train.max_iters == 1000 and train.batch_size != 3  # train's own globals untouched (the next test reads them)
 
 
@@ -1881,6 +1883,10 @@ def test_grow_interleave_spreads_new_blocks_up_to_the_top_layer():
                         (5, ["old", "old", "new", "old", "new", "new", "old", "new", "new"])]:
         _, origin = train.grow_state_dict(sd, cfg, n_new, "interleave")
         assert origin == want, (n_new, origin)
+    dense = ModelConfig(vocab_size=64, n_layer=2, n_dense_layers=2, d_model=16, n_head=2, n_kv_head=1, dense_ffn=32,
+                        n_experts=0, max_seq_len=16, tie_embeddings=True)  # no MoE block to copy: it said no fix
+    with pytest.raises(train.TrainError, match="grow a checkpoint with MoE layers"):
+        train.grow_state_dict(sd, dense, 1, "top")
 
 
 def test_an_invocations_last_step_is_logged_whatever_log_interval(data_root, three_steps, tmp_path):

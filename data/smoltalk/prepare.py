@@ -305,7 +305,7 @@ def run(args):
         args.max_len = min(2048, model_max or 2048)
         print(f"--max-len {args.max_len} (rows = train seq_len)")
     if args.max_len < 8:
-        raise ValueError(f"--max-len {args.max_len}: too short for a conversation")
+        raise ValueError(f"--max-len {args.max_len}: too short for a conversation; pass --max-len 8 or more")
     # (a negative cap was islice's own error; no val was found only after the whole train split was built)
     for flag in ("max_conversations", "val_conversations"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -346,7 +346,8 @@ def run(args):
             if not splits[s]:
                 raise ValueError(f"{args.jsonl or args.repo}: no usable conversation for the {s} split "
                                  f"(bad rows: {dict((k, v) for k, v in stats.items() if k.startswith('bad_'))}; "
-                                 f"{stats['val_conversations']:,} went to val)")
+                                 f"{stats['val_conversations']:,} went to val); fix the bad rows, or give more "
+                                 f"conversations (a larger --max-conversations)")
         index = finish(args, tok, tok_src, source, splits, stats)
         shards.install_corpus(args.out, stage, index)
     report_build(args, stats, splits, t0)
