@@ -108,6 +108,36 @@ def test_engine_equals_dequantized_model_at_other_top_k_and_the_whole_context(ti
     with pytest.raises(S.StreamError, match="exceeds the reserved context"):
         eng.generate(full[0].tolist(), 2)
 
+
+def test_native_decode_past_4096_positions_matches_the_prompt_pass(tmp_path):
+    """The riskiest long-position path: the native decode step (attn_decode in int4_cpu.cpp: its own RoPE'd cache
+    writes at j * max_len + pos and its own softmax over pos + 1 keys, threaded once T * H * hd >= 2^16, i.e. past
+    1024 positions here and never in the 128-position tests) after a prompt prefilled in chunks of 256 (a chunk ends
+    exactly at 4096), decoding positions 4100-4127: the same logits as one prompt pass through model.py's attention,
+    and the dequantized model's within the native kernel's tolerance. Attention made peaky (QK norm weights x3) so a
+    position off by any amount changes the logits; model.py, HF and the prompt pass matched to ~1e-5 up to 8192."""
+    cfg = dict(CFG, n_layer=2, n_experts=4, max_seq_len=4128, rope_theta=10000.0)
+    torch.manual_seed(0)
+    m = Picaflor(ModelConfig(**cfg))
+    with torch.no_grad():
+        for block in m.layers:
+            block.self_attn.q_norm.weight.mul_(3)
+            block.self_attn.k_norm.weight.mul_(3)
+    path = str(tmp_path / "long.pcf4")
+    C.write_container(save_checkpoint(m, str(tmp_path / "run"), 1), path, group_size=32, progress=False)
+    ids = torch.randint(1, 300, (1, 4128), generator=torch.Generator().manual_seed(2))
+    eng = S.load(path, kernel="native")
+    assert eng.decode_plan is not None and eng.prefill_chunk == 256
+    with torch.no_grad():
+        full = eng.logits(eng.forward(ids))
+        kv = S.KVCache(eng.cfg, 1, 4128, "cpu", torch.float32)
+        eng.forward(ids[:, :4100], kv)
+        steps = torch.cat([eng.logits(eng.forward(ids[:, t:t + 1], kv, last_only=True)) for t in range(4100, 4128)], 1)
+        ref = dequantized_model(C.load_container(path))(ids)[:, 4100:]
+    assert (steps - full[:, 4100:]).abs().max() < 1e-4 * full.abs().max()  # measured 5e-7; a position off by one: 0.45
+    assert (steps - ref).abs().max() < 3e-2 * ref.abs().max()  # int8 activations (measured 1.6e-2)
+
+
 FORKED_SHAPES = {  # shapes a fork sets that CFG does not reach (model.ModelConfig.validate allows each)
     "all-dense-no-experts": dict(n_dense_layers=4, n_experts=0),
     "moe-from-layer-0-mha": dict(n_dense_layers=0, n_kv_head=4),
