@@ -637,7 +637,8 @@ class Engine:
                                   f"{others}); "
                                   f"raise it to at least {fmt_budget(self.budget - cache_budget + self.min_cache + LOAD_SLACK)}")
         if self.device.startswith("cuda"):  # the experts live on the GPU: never more than its free memory allows
-            free = torch.cuda.mem_get_info(self.device)[0] - self.working_bytes - (512 << 20)
+            # (less the KV reserve: each request's KV cache is allocated there later, after the experts filled it)
+            free = torch.cuda.mem_get_info(self.device)[0] - self.kv_bytes - self.working_bytes - (512 << 20)
             if free < self.min_cache:
                 raise StreamError(f"{path}: {self.device} has {fmt_size(max(free, 0))} free for experts after the resident "
                                   f"part; it needs at least {fmt_size(self.min_cache)}: free GPU memory or use a "

@@ -551,10 +551,10 @@ def fmt_time(s):
 
 def memory_plan(cfg, mcfg, n_params, world, device_type):
     """Bytes per process: fp32 params + grads + AdamW moments, plus an activation estimate for the largest
-    stage (bf16 on GPU; attention via SDPA so no T^2 term). Returns (total, parts dict)."""
+    stage (bf16 under autocast on GPU, else fp32; attention via SDPA so no T^2 term). Returns (total, parts dict)."""
     T = max([s.get("seq_len", cfg["seq_len"]) for s in cfg["stages"]] + [cfg["seq_len"]])
     B = cfg["batch_size"]
-    act_bytes = 2 if device_type == "cuda" else 4
+    act_bytes = 2 if device_type == "cuda" and cfg["dtype"] != "float32" else 4  # (--dtype=float32: no autocast)
     d, k, F, Fs = mcfg.d_model, mcfg.top_k, mcfg.expert_ffn, mcfg.n_shared * mcfg.expert_ffn
     kv = mcfg.n_kv_head * mcfg.head_dim
     attn = 6 * d + 2 * kv + 2 * d                     # norms, q/k/v/o inputs and outputs, residual

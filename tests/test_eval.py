@@ -490,6 +490,15 @@ def test_bad_input_one_line_errors(hf_setup, tmp_path, capsys):
         assert len(errors) == 1 and msg in errors[0] and err.endswith(errors[0]) and "Traceback" not in err, err
 
 
+def test_auto_dtype_is_bfloat16_on_any_cuda_device():
+    """--dtype auto: bfloat16 on cuda and cuda:N (a torch.device too), float32 on the CPU; a dtype named is that dtype
+    on either (eval.py's only CUDA-only choice besides the device check: test_bad_input_one_line_errors' cases)."""
+    assert ev.resolve_dtype("auto", "cuda") == ev.resolve_dtype("auto", "cuda:1") == torch.bfloat16
+    assert ev.resolve_dtype("auto", "cpu") == torch.float32 and ev.resolve_dtype("auto", torch.device("cuda", 0)) == \
+        torch.bfloat16
+    assert ev.resolve_dtype("float32", "cuda") == torch.float32 and ev.resolve_dtype("float16", "cpu") == torch.float16
+
+
 def test_out_the_same_folder_as_data_dir_never_replaces_the_task_data(hf_setup, tmp_path, capsys):
     """--out DIR --data-dir DIR wrote piqa's per-example results over DIR/piqa.jsonl, the task's data (a second run
     then read the results as data)."""

@@ -360,6 +360,49 @@ def test_grouped_dispatch_bf16_cpu(expert_parallel, monkeypatch):
     assert_dispatch_matches_reference(moe, x, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_dispatch_under_bf16_autocast_runs_experts_in_bf16_and_routes_in_fp32(expert_parallel, monkeypatch):
+    """train.py's CUDA runs are fp32 weights under bf16 autocast: the router stays fp32 (its top-k picks and weights
+    those of an fp32 forward) and the experts' slots are cast to the autocast dtype (torch._grouped_mm on the card).
+    The same code reads the autocast of x's device: CPU autocast drives it here."""
+    monkeypatch.setattr(M, "CPU_EXPERT_PARALLEL", expert_parallel)
+    moe = make_moe(seed=4)
+    x = torch.randn(2, 15, MOE_CFG.d_model, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    slot_dtypes, apply = [], M.GatherSlots.apply
+    monkeypatch.setattr(M.GatherSlots, "apply", lambda xs, *a: slot_dtypes.append(xs.dtype) or apply(xs, *a))
+    w32, idx32 = moe.route(x.detach().view(-1, MOE_CFG.d_model))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w, idx = moe.route(x.detach().view(-1, MOE_CFG.d_model))
+        y = moe(x)
+    assert w.dtype == torch.float32 and torch.equal(w, w32) and torch.equal(idx, idx32)
+    assert slot_dtypes == [torch.bfloat16] and y.dtype == torch.float32
+    ref = M.moe_reference(moe, x.detach())
+    torch.testing.assert_close(y.detach(), ref, atol=3e-2 * ref.abs().max().item(), rtol=0)
+    y.square().sum().backward()  # fp32 grads for the fp32 weights, through the bf16 experts
+    assert moe.experts.gate_up_proj.grad.dtype == torch.float32 and moe.experts.gate_up_proj.grad.abs().max() > 0
+
+
+def test_grouped_mm_on_cuda_only_for_bf16_on_sm90(monkeypatch):
+    """Where the CUDA training path takes torch._grouped_mm (bf16 on a Hopper-or-later card, 16-byte row strides, a
+    bf16 trace under compile) and where the padded bmm (fp32 or fp16, an sm80 card, odd widths): the decision alone,
+    on stand-ins for CUDA tensors (the bmm itself: test_padded_bmm_fallback_equals_reference)."""
+    from types import SimpleNamespace
+    major = [9]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (major[0], 0))
+
+    def on_cuda(dtype):
+        return SimpleNamespace(dtype=dtype, device=torch.device("cuda", 0),
+                               element_size=lambda: torch.empty(0, dtype=dtype).element_size())
+    w, odd = torch.empty(8, 32, 64), torch.empty(8, 32, 36)
+    assert M.grouped_mm_ok(on_cuda(torch.bfloat16), w)
+    assert not M.grouped_mm_ok(on_cuda(torch.float32), w) and not M.grouped_mm_ok(on_cuda(torch.float16), w)
+    assert not M.grouped_mm_ok(on_cuda(torch.bfloat16), odd)  # 36 bf16 = 72 bytes: not a multiple of 16
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert M.grouped_mm_ok(on_cuda(torch.bfloat16), w) and not M.grouped_mm_ok(on_cuda(torch.float32), w)
+    major[0] = 8  # an A100
+    assert not M.grouped_mm_ok(on_cuda(torch.bfloat16), w)
+
+
 @pytest.mark.parametrize("dtype,d_model,expert_ffn", [(torch.bfloat16, 36, 16), (torch.float32, 32, 9)])
 def test_grouped_dispatch_with_widths_grouped_mm_refuses(dtype, d_model, expert_ffn, monkeypatch):
     """torch._grouped_mm (the CUDA training path) wants 16-byte row strides: d_model 100 in bf16 or expert_ffn 33 was
@@ -408,6 +451,28 @@ def test_compile_model_on_cpu_keeps_dispatch_eager(monkeypatch):
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
         for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+    # compile_model on CUDA compiles the MoE dispatch too (on CPU it stays eager): traced, a chat batch's padding
+    # rows (load_rows, from load_mask) are routed but kept out of load_accum, and the outputs are the eager ones.
+    # Dynamo's tracing of the dispatch is the same on any device (its eager backend here: inductor's CUDA kernels need
+    # a GPU, bench/gpu_run.sh); an fp32 trace takes the padded bmm there too (grouped_mm_ok: bf16 only when tracing).
+    torch._dynamo.reset()
+    eager = make_moe(seed=1).train()
+    traced = copy.deepcopy(eager)
+    compiled = M.compile_model(traced, "cuda")  # (torch.compile: aot_eager, patched above)
+    x = torch.randn(26, MOE_CFG.d_model, generator=torch.Generator().manual_seed(2))
+    rows = torch.ones(26, dtype=torch.bool)
+    rows[19:] = False  # the last 7 rows: padding
+    ys = []
+    for moe, fn in ((eager, eager), (traced, compiled)):
+        moe.load_rows = rows
+        del calls[:]
+        with torch.no_grad():  # (autograd.Functions traced for a backward: 3 s here, for what the CPU test checks)
+            ys.append(fn(x))
+        assert moe.load_accum.sum() == 19 * MOE_CFG.top_k and moe.last_load.sum() == 26 * MOE_CFG.top_k
+        assert bool(calls) == (fn is eager)  # the traced dispatch took the compiled path, not ExpertFFNCPU
+    torch.testing.assert_close(ys[1], ys[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(traced.load_accum, eager.load_accum)
 
 
 def test_moe_counts_load_in_training_only():

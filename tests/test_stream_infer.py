@@ -253,6 +253,45 @@ def test_budgeted_greedy_equals_resident_token_for_token(tiny):
     assert a == full.generate(prompt, 8, temperature=0.9, top_p=0.9, seed=3)
 
 
+class CudaNamedCpu(str):
+    """A device string the engine's CUDA branches take for "cuda" (its .startswith) while torch reads "cpu": drives
+    the GPU-only accounting on a machine without one (CI), every tensor on the CPU."""
+
+    def startswith(self, prefix, *a):
+        return prefix == "cuda" or str.startswith(self, prefix, *a)
+
+    def __str__(self):
+        return self
+
+
+def test_gpu_expert_cache_leaves_the_kv_reserve_free(tiny, monkeypatch):
+    """On CUDA the expert cache is capped by the GPU's free memory (torch.cuda.mem_get_info) less working memory and
+    512 MiB; the KV cache for the whole context, allocated on the GPU per request after the cache filled, was not
+    taken off: a long --context filled the card with experts and its first long prompt ran out of GPU memory."""
+    m, path = tiny
+    calls = []
+    eng = S.load(path, kernel="reference", preload=False)
+    slack = 512 << 20
+
+    def fake_free(free):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: calls.append(device) or (free, 80 << 30))
+
+    reserve = eng.kv_bytes + eng.working_bytes + slack
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # model.device_problem's check of a "cuda" device
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    fake_free(reserve + eng.min_cache + 3 * eng.container.expert_nbytes)  # room for fewer experts than the model has
+    gpu = S.load(path, kernel="reference", preload=False, device=CudaNamedCpu("cpu"))
+    assert calls and str(calls[0]) == "cpu"  # asked about the engine's own device
+    assert gpu.min_cache <= gpu.cache.budget < gpu.every_expert_bytes
+    assert gpu.cache.budget + gpu.kv_bytes + gpu.working_bytes + slack <= reserve + eng.min_cache + \
+        3 * eng.container.expert_nbytes
+    ids = [5, 6, 7, 8]
+    assert gpu.generate(ids, 3) == eng.generate(ids, 3)  # the rest of the "GPU" engine's path runs as the CPU one
+    fake_free(reserve + eng.min_cache - 1)  # one byte short of the smallest cache once the KV reserve is kept
+    with pytest.raises(S.StreamError, match=r"free for experts after the resident part; it needs at least .*free GPU"):
+        S.load(path, kernel="reference", preload=False, device=CudaNamedCpu("cpu"))
+
+
 def test_budgeted_hidden_states_equal_resident_bit_for_bit(tiny, monkeypatch):
     """Under a budget a layer computes its cached experts while the missing ones are read, then sums every expert in
     the fixed order: the hidden states equal fully resident ones exactly, step by step (not only the argmax)."""
@@ -2820,6 +2859,18 @@ def test_auto_kernel_on_arm_without_dot_products_says_so(monkeypatch, capsys):
     assert "without ARM dot-product instructions" in capsys.readouterr().err
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     assert S.pick_kernel("auto", "cpu") == "int4pack" and capsys.readouterr().err == ""
+
+
+def test_kernel_choice_on_cuda():
+    """On a CUDA device --kernel auto is the Triton kernel (any card index); the CPU-only kernels are refused in one
+    line naming the one to use; the reference kernel (the check's baseline) runs anywhere."""
+    for dev in ("cuda", "cuda:1"):
+        assert S.pick_kernel("auto", dev) == "triton" and S.pick_kernel("triton", dev) == "triton"
+        assert S.pick_kernel("reference", dev) == "reference"
+        with pytest.raises(S.StreamError, match="--kernel native: int4_cpu.cpp runs on CPU only"):
+            S.pick_kernel("native", dev)
+        with pytest.raises(S.StreamError, match="on CUDA use --kernel triton"):
+            S.pick_kernel("int4pack", dev)
 
 
 def test_kernels_script_names_this_machines_loops():

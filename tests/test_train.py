@@ -1202,6 +1202,7 @@ def two_of_four_steps(data_root, tmp_path_factory):
 @pytest.mark.parametrize("case", ["syntax", "missing_data", "unknown_dataset", "corrupt_checkpoint", "bad_override",
                                   "too_big", "zero_interval", "scratch_over_a_run", "status_of_a_damaged_step",
                                   "zero_batch_size", "zero_grad_accum", "seq_len_over_max", "lr_mult_typo", "cuda_index",
+                                  "cuda_without_gpu",
                                   "float16", "max_iters_with_stages", "zero_heads", "shard_list", "swapped_tokenizer",
                                   "missing_tokenizer", "finetune_unreadable_weights", "resume_a_config_of_another_type",
                                   "beta_out_of_range", "negative_warmup", "empty_out_dir", "negative_rope_theta",
@@ -1254,6 +1255,9 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
         args = args + ["--device=cuda:0"]
     elif case == "float16":
         args = args + ["--device=cuda", "--dtype=float16"]
+    elif case == "cuda_without_gpu":  # (CUDA_VISIBLE_DEVICES hides a GPU where the suite has one)
+        request.getfixturevalue("monkeypatch").setenv("CUDA_VISIBLE_DEVICES", "")
+        args = args + ["--device=cuda", "--dtype=float32"]
     elif case == "finetune_from_unread":  # a fresh model trained, the checkpoint unread
         args = args + [f"--finetune_from={tmp_path}"]
     elif case == "finetune_from_stateless":  # a TypeError traceback, exit 10 (which the guardian restarted)
@@ -1366,6 +1370,7 @@ def test_bad_input_one_line_errors(data_root, tmp_path, case, request):
     err = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert len(err) == 1 and "error" in err[0] and "Traceback" not in r.stderr, r.stderr
     fix = {"seq_len_over_max": "--max_seq_len", "lr_mult_typo": "embedding, old and new", "cuda_index": "cpu or cuda",
+           "cuda_without_gpu": "no CUDA GPU is visible; pass --device=cpu",
            "float16": "bfloat16", "max_iters_with_stages": "stages", "zero_batch_size": "at least 1",
            "zero_heads": "n_head=0 must be at least 1", "shard_list": "corpus/file",
            "top_k_one": "router gets no gradient", "finetune_from_a_smaller_vocab": "fix the vocab; train on a corpus",
@@ -1959,6 +1964,40 @@ def test_mfu_of_a_float32_run_is_against_the_tf32_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     assert train.gpu_peak_flops("cuda", "float32") == ("NVIDIA A100-SXM4-80GB", 156e12)
     assert train.gpu_peak_flops("cuda", "bfloat16") == ("NVIDIA A100-SXM4-80GB", 312e12)
+
+
+def test_gpu_memory_plan_counts_activations_in_the_dtype_they_run_in(monkeypatch):
+    """The memory plan before launch on CUDA: bf16 autocast keeps activations in 2 bytes, a --dtype=float32 run in 4
+    (as on a CPU); the plan counted 2 for every CUDA run, half a float32 run's activations, so one that could not fit
+    passed the plan and ran out of GPU memory at its first step. The card's size is what mem_get_info says."""
+    mcfg = ModelConfig(vocab_size=320, n_layer=3, d_model=32, n_head=4, n_kv_head=1, dense_ffn=64, n_experts=8,
+                       expert_ffn=16, n_shared=1, max_seq_len=64)
+    cfg = {"batch_size": 4, "seq_len": 32, "stages": [dict(seq_len=64)]}
+    acts = {(dt, dev): train.memory_plan({**cfg, "dtype": dt}, mcfg, 1000, 1, dev)[1]["activations"]
+            for dt in ("bfloat16", "float32") for dev in ("cuda", "cpu")}
+    assert acts["float32", "cuda"] == acts["float32", "cpu"] == acts["bfloat16", "cpu"] > acts["bfloat16", "cuda"]
+    total, parts = train.memory_plan({**cfg, "dtype": "bfloat16"}, mcfg, 1000, 1, "cuda")
+    assert total == sum(parts.values()) and parts["params"] == parts["grads"] == 4000 and parts["adamw"] == 8000
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (3 << 30, 80 << 30))
+    assert train.device_memory("cuda") == 80 << 30  # the card's, not what happens to be free before the model is built
+    assert train.device_memory("cpu") > 0  # /proc/meminfo's MemAvailable
+
+
+def test_rng_state_on_cuda_round_trips_through_state_json(monkeypatch):
+    """A CUDA run's checkpoint keeps the GPU generator's state beside the CPU one (base64 in state.json), and a
+    resume sets both back: the same bytes, through JSON."""
+    gpu = [torch.arange(16, dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a: gpu[0].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t, *a: gpu.__setitem__(0, t))
+    st = json.loads(json.dumps(train.rng_state("cuda")))
+    assert "cuda" not in train.rng_state("cpu")
+    cpu_before = torch.get_rng_state()
+    gpu[0], _ = torch.zeros(16, dtype=torch.uint8), torch.rand(3)  # both generators moved on
+    train.set_rng_state(st, "cuda")
+    assert torch.equal(gpu[0], torch.arange(16, dtype=torch.uint8)) and torch.equal(torch.get_rng_state(), cpu_before)
+    gpu[0] = torch.zeros(16, dtype=torch.uint8)
+    train.set_rng_state({"torch": st["torch"]}, "cuda")  # a CPU run's checkpoint resumed on a GPU: its CUDA one kept
+    assert not gpu[0].any()
 
 
 def test_tok_per_s_and_mfu_time_the_training_steps_of_their_window(data_root, tmp_path):
