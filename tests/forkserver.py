@@ -11,6 +11,7 @@ import atexit
 import io
 import json
 import os
+import queue
 import selectors
 import shutil
 import signal
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "safetensors.torch", "tiktoken")
@@ -117,14 +119,26 @@ def _start(env):
     _server.update(path=path, proc=proc)
 
 
-def run(argv, cwd, env=None, timeout=None, preexec_fn=None):
+def run(argv, cwd, env=None, timeout=None, preexec_fn=None, on_pid=None):
     """subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    for train.py (stream_infer.py and the like set their threads before torch loads: they start as they are)."""
+    for train.py (stream_infer.py and the like set their threads before torch loads: they start as they are).
+    on_pid(pid) is called once the script's process exists (a test run from a thread signals or kills it by pid)."""
     env = dict(os.environ if env is None else env)
     if (os.environ.get("PICAFLOR_TEST_FORKSERVER") == "0" or preexec_fn is not None
             or env.get("OMP_NUM_THREADS") != "1" or os.path.basename(argv[0]) != "train.py"):
-        return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout, preexec_fn=preexec_fn)
+        if on_pid is None:
+            return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                                  timeout=timeout, preexec_fn=preexec_fn)
+        with subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn) as p:
+            on_pid(p.pid)
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:  # killed, as subprocess.run does
+                p.kill()
+                p.communicate()
+                raise
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
     if not _server or _server["proc"].poll() is not None:
         _start(dict(env))
     out_r, out_w = os.pipe()
@@ -165,6 +179,8 @@ def run(argv, cwd, env=None, timeout=None, preexec_fn=None):
                 replies += data
                 if replies.count(b"\n") >= 1 and pid is None:
                     pid = int(replies.split(b"\n")[0])
+                    if on_pid is not None:
+                        on_pid(pid)
                 if not data or replies.count(b"\n") == 2:
                     sel.unregister(conn)
                 continue
@@ -180,6 +196,34 @@ def run(argv, cwd, env=None, timeout=None, preexec_fn=None):
     status = int(replies.split(b"\n")[1])
     text = [io.TextIOWrapper(io.BytesIO(b"".join(chunks[fd]))).read() for fd in (out_r, err_r)]
     return subprocess.CompletedProcess([sys.executable, *argv], os.waitstatus_to_exitcode(status), *text)
+
+
+def start(argv, cwd, env=None, timeout=None):
+    """run(argv, ...) from a thread, for a test that signals or kills the script while it runs: (its pid, the thread,
+    alive while it runs, and done(timeout), which waits for it and returns run's CompletedProcess)."""
+    pids, got = queue.Queue(), {}
+
+    def run_it():
+        try:
+            got["r"] = run(argv, cwd, env=env, timeout=timeout, on_pid=pids.put)
+        except BaseException as e:  # (raised again by done)
+            got["e"] = e
+        finally:
+            pids.put(None)  # (after its pid, when it had one)
+
+    thread = threading.Thread(target=run_it, daemon=True)
+    thread.start()
+    pid = pids.get()
+
+    def done(timeout=300):
+        thread.join(timeout)
+        assert not thread.is_alive(), f"{argv} still runs after {timeout} s"
+        if "e" in got:
+            raise got["e"]
+        return got["r"]
+    if pid is None:  # it never started: its error now
+        done()
+    return pid, thread, done
 
 
 if __name__ == "__main__":

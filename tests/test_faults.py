@@ -36,6 +36,13 @@ def make_corpus(root, src=None, shard_tokens=6000):
     return str(root)
 
 
+def copy_corpus(data_root, root):
+    """What make_corpus(root) makes, copied from data_root's (the same source and flags, so the same shards and index;
+    a repair reads index.json's source and writes to the corpus dir it is in, not to the --out it was made with)."""
+    shutil.copytree(os.path.join(data_root, "local"), os.path.join(root, "local"))
+    return str(root)
+
+
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
     return make_corpus(tmp_path_factory.mktemp("data"))
@@ -55,6 +62,12 @@ def ten_steps_mirrored(data_root, tmp_path_factory):
 
 def train(args, env=ENV, **kw):
     return forkserver.run(["train.py", *TINY, *args], cwd=REPO, env=env, **kw)  # subprocess.run, minus torch's imports
+
+
+def train_started(args, env=ENV):
+    """train(args) started: (its pid, to signal or kill, a thread alive while it runs, done(timeout) -> what train
+    returns); forked as train() is (a Popen'd trainer spent ~3 s importing torch before its first step)."""
+    return forkserver.start(["train.py", *TINY, *args], cwd=REPO, env=env)
 
 
 def zero_page(path, at_fraction=0.5):
@@ -88,7 +101,7 @@ def test_zeroed_page_is_caught_and_quarantined_without_looping(tmp_path):
 
 
 def test_zeroed_page_is_refetched_from_source(data_root, tmp_path):
-    root = make_corpus(tmp_path)
+    root = copy_corpus(data_root, tmp_path)
     shard = os.path.join(root, "local", "train_000000.bin")
     zero_page(shard, 0.7)
     out = str(tmp_path / "run")
@@ -152,18 +165,18 @@ def test_storage_fault_is_not_corrupt_data(data_root, tmp_path, status, fails, c
 
 def test_hang_dumps_stacks_and_exits(data_root, tmp_path):
     out = str(tmp_path / "run")
-    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
-                          "--max_iters=10", "--warmup_iters=1", "--eval_interval=100", "--hang_timeout=4"],
-                         cwd=REPO, env=dict(ENV, PICAFLOR_INJECT_SLEEP_AT_STEP="2"), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+    _, thread, done = train_started([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=10",
+                                     "--warmup_iters=1", "--eval_interval=100", "--hang_timeout=4"],
+                                    env=dict(ENV, PICAFLOR_INJECT_SLEEP_AT_STEP="2"))
     mpath = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + 120
     while not (os.path.exists(mpath) and any(json.loads(l)["step"] == 2 for l in open(mpath) if l.strip())):
-        assert time.time() < deadline and p.poll() is None
+        assert time.time() < deadline and thread.is_alive()
         time.sleep(0.05)
     t_stall = time.time()
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 8, err
+    r = done(timeout=60)
+    err = r.stderr
+    assert r.returncode == 8, err
     assert time.time() - t_stall <= 4 + 10
     dumps = [n for n in os.listdir(out) if n.startswith("hang-")]
     text = open(os.path.join(out, dumps[0])).read()
@@ -186,16 +199,16 @@ def test_sigterm_checkpoints_and_resume_is_bitwise(data_root, tmp_path):
     straight = str(tmp_path / "straight")
     assert train(common + [f"--out_dir={straight}"]).returncode == 0
     out = str(tmp_path / "pre")
-    p = subprocess.Popen([sys.executable, "train.py", *TINY, *common, f"--out_dir={out}"], cwd=REPO, env=ENV,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid, thread, done = train_started(common + [f"--out_dir={out}"])
     mpath = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + 120
     while not (os.path.exists(mpath) and sum(1 for l in open(mpath) if l.strip()) >= 3):
-        assert time.time() < deadline and p.poll() is None
+        assert time.time() < deadline and thread.is_alive()
         time.sleep(0.02)
-    p.send_signal(signal.SIGTERM)
-    so, se = p.communicate(timeout=60)
-    assert p.returncode == 0, se
+    os.kill(pid, signal.SIGTERM)
+    r = done(timeout=60)
+    so, se = r.stdout, r.stderr
+    assert r.returncode == 0, se
     ck = checkpoint.latest_valid(out)
     st = json.load(open(os.path.join(ck, "state.json")))
     assert st["kind"] == "preempt" and 3 <= st["step"] < 10 and "SIGTERM" in so
@@ -463,38 +476,38 @@ def test_an_unreadable_or_renamed_step_is_an_invalid_step_not_a_crash(tmp_path, 
 
 def test_random_sigkills_mid_training_end_bitwise_equal(data_root, tmp_path):
     """Three kills, each at a random moment after the process has saved a step of its own (mid-step or mid-save:
-    a step and its save take ~30 ms here), not in the ~4 s of imports before training, where a kill tests nothing."""
+    a step and its save take ~30 ms here), not in the start-up before training, where a kill tests nothing. Each start
+    is forked from the test forkserver (a Popen'd one spent ~3 s importing torch; four came one after another)."""
     common = [f"--data_root={data_root}", "--max_iters=30", "--warmup_iters=2", "--eval_interval=8", "--ckpt_interval=1",
               "--keep_last=2"]
     straight = str(tmp_path / "straight")  # the uninterrupted run, on the other core meanwhile (one thread each)
-    straight_run = subprocess.Popen([sys.executable, "train.py", *TINY, *common, f"--out_dir={straight}"], cwd=REPO,
-                                    env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "straight.err", "w"))
+    _, _, straight_done = train_started(common + [f"--out_dir={straight}"])
     out = str(tmp_path / "killed")
     rng = random.Random(1234)
     kills, killed_at = 0, []
     while True:
         resume = ["--init_from=resume"] if checkpoint.latest_valid(out) else []
         newest = max((s_ for s_, _ in checkpoint.list_checkpoints(out)), default=0)
-        p = subprocess.Popen([sys.executable, "train.py", *TINY, *common, f"--out_dir={out}", *resume], cwd=REPO,
-                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        pid, thread, done = train_started([*common, f"--out_dir={out}", *resume])
         if kills < 3:
             deadline = time.time() + 120
-            while p.poll() is None and max((s_ for s_, _ in checkpoint.list_checkpoints(out)), default=0) <= newest:
+            while thread.is_alive() and max((s_ for s_, _ in checkpoint.list_checkpoints(out)), default=0) <= newest:
                 assert time.time() < deadline
                 time.sleep(0.005)
             time.sleep(rng.uniform(0.0, 0.1))
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
+            if thread.is_alive():
+                os.kill(pid, signal.SIGKILL)
+                done()
                 kills += 1
                 killed_at.append(max((s_ for s_, _ in checkpoint.list_checkpoints(out)), default=0))
                 continue
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
+        r = done()
+        assert r.returncode == 0, r.stderr
         if json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["finished"]:
             break
     assert kills == 3, killed_at  # all three landed inside training (the run had not finished)
-    assert straight_run.wait(timeout=300) == 0, (tmp_path / "straight.err").read_text()[-2000:]
+    r = straight_done(timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
     la, lb = metrics(straight), metrics(out)  # the losses of every step, redone steps' last record
     assert [la[s_]["loss"] for s_ in range(1, 31)] == [lb[s_]["loss"] for s_ in range(1, 31)]
     a, b = load_checkpoint(straight), load_checkpoint(out)
@@ -536,11 +549,10 @@ def test_an_unforeseen_crash_is_reported_and_restarted(data_root, tmp_path):
     own retries), starts that made progress are not counted, and each outage's retries start again (without, the
     4th wait of outages 4 to 7 passed unreachable_give_up_s)."""
     out = str(tmp_path / "run")
-    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=8",
-                        "--warmup_iters=1", "--eval_interval=1000", "--ckpt_interval=1", "--unreachable_backoff_s=0.01",
-                        "--unreachable_give_up_s=0.15", "--max_restarts=0", "--supervise"], cwd=REPO,
-                       capture_output=True, text=True, timeout=300,
-                       env=dict(ENV, PICAFLOR_INJECT_CRASH_AT_STEP="3", PICAFLOR_INJECT_UNREACHABLE_AT_STEPS="0,4,5,6,7"))
+    r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=8", "--warmup_iters=1",
+               "--eval_interval=1000", "--ckpt_interval=1", "--unreachable_backoff_s=0.01",
+               "--unreachable_give_up_s=0.15", "--max_restarts=0", "--supervise"], timeout=300,
+              env=dict(ENV, PICAFLOR_INJECT_CRASH_AT_STEP="3", PICAFLOR_INJECT_UNREACHABLE_AT_STEPS="0,4,5,6,7"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train.py: error: unexpected RuntimeError: injected crash" in r.stderr and "Traceback" in r.stderr
     assert "start 1 ended: storage unreachable" in r.stderr  # why it restarts, on the console too
@@ -667,16 +679,17 @@ def test_a_restart_of_a_run_begun_from_resume_from_resumes_its_own_newest(data_r
     first = str(tmp_path / "first")
     assert train(common + [f"--out_dir={first}", "--stop_after_steps=4"]).returncode == 0
     out = str(tmp_path / "run")
-    p = subprocess.Popen([sys.executable, "train.py", *TINY, *common, f"--out_dir={out}", "--init_from=resume",
-                          f"--resume_from={checkpoint.latest_valid(first)}", "--stop_after_steps=30", "--supervise"],
-                         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pid, alive, done = train_started(common + [f"--out_dir={out}", "--init_from=resume",
+                                               f"--resume_from={checkpoint.latest_valid(first)}",
+                                               "--stop_after_steps=30", "--supervise"])
     deadline = time.time() + 120
     while (checkpoint.latest_valid(out) is None or int(os.path.basename(checkpoint.latest_valid(out)).split("_")[1]) < 8):
-        assert time.time() < deadline and p.poll() is None
+        assert time.time() < deadline and alive.is_alive()
         time.sleep(0.02)
-    os.kill(int(open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()[0]), signal.SIGKILL)
-    err, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, err[-3000:]
+    os.kill(int(open(f"/proc/{pid}/task/{pid}/children").read().split()[0]), signal.SIGKILL)
+    r = done(timeout=300)
+    err = r.stdout + r.stderr  # (both, as the Popen with stderr=STDOUT read them)
+    assert r.returncode == 0, err[-3000:]
     g = json.load(open(os.path.join(out, "guardian.json")))
     at_restart = g["starts"][1]["checkpoint_step_at_start"]
     assert at_restart >= 8 and g["starts"][1]["leg_left"] == {"stop_after_steps": 34 - at_restart}
@@ -694,8 +707,7 @@ def test_a_supervised_rollback_resumes_the_step_it_names(data_root, tmp_path):
               "--eval_interval=2", "--ckpt_interval=2", "--keep_last=10"]
 
     def supervised(extra):
-        return subprocess.run([sys.executable, "train.py", *common, "--max_restarts=0", *extra, "--supervise"],
-                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        return train([*common[len(TINY):], "--max_restarts=0", *extra, "--supervise"], timeout=300)
     r = supervised(["--stop_after_steps=6", f"--mirror_dir={mirror}"])
     assert r.returncode == 0, r.stderr[-2000:]
     steps = lambda: [s_ for s_, _ in checkpoint.list_checkpoints(out)]  # noqa: E731
@@ -1022,11 +1034,11 @@ def test_ctrl_c_under_the_guardian_checkpoints_and_a_torn_guardian_log_is_set_as
     assert step > 0
 
 
-def test_quarantine_holds_for_val_shards_release_brings_one_back_and_a_torn_control_file_waits(tmp_path):
+def test_quarantine_holds_for_val_shards_release_brings_one_back_and_a_torn_control_file_waits(data_root, tmp_path):
     """A quarantined val shard is skipped as train ones are (the guardian restarted on it until it gave up);
     --release_shards reads it again without touching a checkpoint (the old advice, editing state.json, broke every
     checkpoint's hash); an empty control.json (`echo ... >` truncates first) is a warning, read again later."""
-    root = make_corpus(tmp_path / "data")
+    root = copy_corpus(data_root, tmp_path / "data")
     val = os.path.join(root, "local", "val_000000.bin")
     zero_page(val)
     out = str(tmp_path / "run")
@@ -1180,14 +1192,14 @@ def test_a_stuck_report_says_what_the_verify_found_and_a_dropped_index_mount_is_
     assert [q["shard"] for q in g.log["quarantined"]] == ["local/train_000001.bin"]
 
 
-def test_review_round_guardian_on_stuck_signals_and_quarantined_splits(tmp_path):
+def test_review_round_guardian_on_stuck_signals_and_quarantined_splits(data_root, tmp_path):
     """A failing on_stuck command counted as a fix (a hang burnt max_restarts starts, ~10 GPU-hours, then exit 1
     instead of 9); a signal during a backoff waited it out (PEP 475 resumed the sleep); a split whose every shard is
     quarantined said to run prepare.py, after which the quarantine still held; a truncated val shard was taken for
     "no val split" (no val loss, never repaired)."""
     import guardian
     import threading
-    root = make_corpus(tmp_path / "data")
+    root = copy_corpus(data_root, tmp_path / "data")
     g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}", "--on_stuck=exit 3"])
     assert g.on_stuck(["hang"] * 3) is False and g.log["repairs"][-1]["exit_code"] == 3
     g = guardian.Guardian([f"--data_root={root}", f"--out_dir={tmp_path / 'run'}", "--on_stuck=true"])
@@ -1209,12 +1221,12 @@ def test_review_round_guardian_on_stuck_signals_and_quarantined_splits(tmp_path)
     assert r.returncode == 3 and "val_000000.bin" in r.stderr and "truncated" in r.stderr, r.stderr[-2000:]
 
 
-def test_a_full_disk_while_refetching_stops_as_out_of_disk_not_a_traceback(tmp_path, monkeypatch):
+def test_a_full_disk_while_refetching_stops_as_out_of_disk_not_a_traceback(data_root, tmp_path, monkeypatch):
     """refetch_shard's write met a full disk: an OSError traceback out of `shards.py refetch`, and out of the guardian
     (it caught StorageError and DataError only), which ended the supervisor; now a StorageError of kind disk, exit 6."""
     import errno
     import guardian
-    root = make_corpus(tmp_path / "data")
+    root = copy_corpus(data_root, tmp_path / "data")
     shard = os.path.join(root, "local", "train_000000.bin")
     zero_page(shard)
     damaged = open(shard, "rb").read()
@@ -1489,10 +1501,9 @@ def test_only_the_same_checkpoint_comes_back_from_the_mirror(data_root, tmp_path
 ])
 def test_the_guardians_restart_limits_count_what_they_say(data_root, tmp_path, blips, extra, code, said):
     out = str(tmp_path / "run")
-    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
-                        "--max_iters=10", "--warmup_iters=1", "--eval_interval=1000", "--unreachable_backoff_s=0.01",
-                        "--unreachable_give_up_s=0.15", *extra, "--supervise"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env=dict(ENV, PICAFLOR_INJECT_UNREACHABLE_AT_STEPS=blips))
+    r = train([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=10", "--warmup_iters=1",
+               "--eval_interval=1000", "--unreachable_backoff_s=0.01", "--unreachable_give_up_s=0.15", *extra,
+               "--supervise"], timeout=300, env=dict(ENV, PICAFLOR_INJECT_UNREACHABLE_AT_STEPS=blips))
     assert r.returncode == code, r.stderr[-3000:]
     assert "start 1 ended: storage unreachable" in r.stderr  # why it restarts, on the console too
     g = json.load(open(os.path.join(out, "guardian.json")))
@@ -1506,17 +1517,15 @@ def test_a_leg_resumed_from_a_run_dir_counts_its_steps_from_that_runs_newest(dat
     common = [*TINY, f"--data_root={data_root}", "--max_iters=40", "--warmup_iters=1", "--eval_interval=1000",
               "--ckpt_interval=1"]
     shutil.copytree(os.path.join(ten_steps_mirrored, "run"), src)  # a run at step 10 (the same plan)
-    r = subprocess.run([sys.executable, "train.py", *common, f"--out_dir={out}", "--init_from=resume",
-                        f"--resume_from={src}", "--stop_after_steps=10", "--supervise"], cwd=REPO, capture_output=True,
-                       text=True, timeout=300, env=dict(ENV, PICAFLOR_INJECT_CRASH_AT_STEP="13"))
+    r = train([*common[len(TINY):], f"--out_dir={out}", "--init_from=resume", f"--resume_from={src}",
+               "--stop_after_steps=10", "--supervise"], timeout=300, env=dict(ENV, PICAFLOR_INJECT_CRASH_AT_STEP="13"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))["step"] == 20
     bad = tmp_path / "bad" / "step_0000010"  # a rollback target whose state.json is cut: train.py's one line, no traceback
     shutil.copytree(os.path.join(src, "step_0000010"), bad)
     (bad / "state.json").write_text('{"step": 10, ')
-    r = subprocess.run([sys.executable, "train.py", *common, f"--out_dir={tmp_path / 'bad'}", "--init_from=resume",
-                        f"--resume_from={bad}", "--supervise"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env=ENV)
+    r = train([*common[len(TINY):], f"--out_dir={tmp_path / 'bad'}", "--init_from=resume", f"--resume_from={bad}",
+               "--supervise"], timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "state.json" in r.stderr, r.stderr[-3000:]
 
 
@@ -1569,8 +1578,7 @@ def test_a_second_guardian_on_a_run_is_refused_before_it_writes(data_root, tmp_p
     os.pwrite(lock, b"4242", 0)
     open(out / "guardian.json", "w").write('{"starts": [], "quarantined": [], "repairs": [], "status": "running"}')
     before = (out / "guardian.json").read_text()
-    r = subprocess.run([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
-                        "--supervise", "--lock_wait_s=1"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    r = train([f"--data_root={data_root}", f"--out_dir={out}", "--supervise", "--lock_wait_s=1"], timeout=60)
     os.close(lock)
     assert r.returncode == 1 and "another guardian (pid 4242)" in r.stderr, r.stderr
     assert (out / "guardian.json").read_text() == before
@@ -1580,19 +1588,19 @@ def test_a_stop_signal_cuts_a_long_evaluation_short(data_root, tmp_path):
     """A SIGTERM during evaluation waited for every eval batch: with a large eval_iters the checkpoint came after
     a cloud's grace period."""
     out = str(tmp_path / "run")
-    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={out}",
-                          "--max_iters=40", "--warmup_iters=1", "--eval_interval=2", "--eval_iters=1000000"],
-                         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid, thread, done = train_started([f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=40",
+                                       "--warmup_iters=1", "--eval_interval=2", "--eval_iters=1000000"])
     mpath = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + 120
     while not (os.path.exists(mpath) and any(l.strip() for l in open(mpath))):  # step 1 logged: step 2 evaluates
-        assert time.time() < deadline and p.poll() is None
+        assert time.time() < deadline and thread.is_alive()
         time.sleep(0.02)
     time.sleep(1.0)
     t0 = time.time()
-    p.send_signal(signal.SIGTERM)
-    so, se = p.communicate(timeout=60)
-    assert p.returncode == 0 and time.time() - t0 < 30, se
+    os.kill(pid, signal.SIGTERM)
+    r = done(timeout=60)
+    so, se = r.stdout, r.stderr
+    assert r.returncode == 0 and time.time() - t0 < 30, se
     assert "evaluation cut short" in so + se
     st = json.load(open(os.path.join(checkpoint.latest_valid(out), "state.json")))
     assert st["kind"] == "preempt" and st["step"] == 2
@@ -2019,7 +2027,8 @@ def unreadable_shards(monkeypatch, fails):
     monkeypatch.setattr(shards, "sha256_file", sha256_file)
 
 
-def test_a_shard_unreadable_while_the_guardian_verifies_is_storage_not_corrupt_data(tmp_path, monkeypatch, capsys):
+def test_a_shard_unreadable_while_the_guardian_verifies_is_storage_not_corrupt_data(data_root, tmp_path, monkeypatch,
+                                                                                     capsys):
     """shards.verify_shard caught DataError only: an OSError reading a shard (ENOTCONN / ETIMEDOUT / ESTALE of a network
     or bucket mount that dropped, EIO of a failing disk) in repair_shard, on_stuck or release_fixed was a traceback that
     ended the guardian (exit 1). Unreachable storage is now waited for with the guardian's backoff (never quarantined or
@@ -2027,7 +2036,7 @@ def test_a_shard_unreadable_while_the_guardian_verifies_is_storage_not_corrupt_d
     quarantined shard that cannot be read stays quarantined, said in one line."""
     import errno
     import guardian
-    root = make_corpus(tmp_path / "data")
+    root = copy_corpus(data_root, tmp_path / "data")
     cdir = os.path.join(root, "local")
     shard = os.path.join(cdir, "train_000000.bin")
     args = [f"--data_root={root}", "--unreachable_backoff_s=0.01", "--unreachable_give_up_s=0.35"]

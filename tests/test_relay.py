@@ -18,6 +18,7 @@ from relay_fixtures import (FAKE_TRAIN, ROOT, base_env, init_run, relay_cli, sav
                             write_config, write_fake_train)
 
 import checkpoint  # noqa: E402
+import forkserver  # noqa: E402
 import relay  # noqa: E402
 import relay_dashboard  # noqa: E402
 from hub_server import RelayHub  # noqa: E402
@@ -1258,9 +1259,8 @@ def test_init_from_an_sft_checkpoint_trains_its_legs(tmp_path, rl, local_corpus,
                                          dense_ffn=64, n_experts=8, expert_ffn=16, n_shared=1, max_seq_len=64)),
                     str(tmp_path / "src"), 10)
     sft = tmp_path / "sft"
-    t = subprocess.run([sys.executable, "train.py", "config/sft.py", *TINY_RELAY, f"--data_root={local_corpus}",
-                        "--dataset=local", f"--finetune_from={tmp_path / 'src'}", f"--out_dir={sft}",
-                        "--stop_after_steps=0"], cwd=ROOT, capture_output=True, text=True)
+    t = forkserver.run(["train.py", "config/sft.py", *TINY_RELAY, f"--data_root={local_corpus}", "--dataset=local",
+                        f"--finetune_from={tmp_path / 'src'}", f"--out_dir={sft}", "--stop_after_steps=0"], cwd=ROOT)
     assert t.returncode == 0, t.stderr
     url = f"file://{tmp_path}/store"
     assert rl(["init", url, "--from-checkpoint", sft, "--workdir", tmp_path / "w0"]).returncode == 0

@@ -623,14 +623,11 @@ def test_a_checkpoint_whose_model_config_lacks_a_field_is_refused(data_root, thr
     cases = {"resume": [f"--out_dir={out}", "--init_from=resume"],
              "grow": [f"--out_dir={tmp_path / 'grown'}", "--init_from=grow", f"--grow_from={out}", "--grow_layers=1"],
              "finetune": [f"--out_dir={tmp_path / 'tuned'}", "--init_from=finetune", f"--finetune_from={out}"]}
-    procs = {how: subprocess.Popen([sys.executable, "train.py", *args, *more, "--stop_after_steps=0"], cwd=REPO,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
-             for how, more in cases.items()}  # at once: each refuses before its first step
-    for how, p in procs.items():
-        stderr = p.communicate(timeout=120)[1]
+    for how, more in cases.items():  # each refuses before its first step
+        r = run([*args, *more, "--stop_after_steps=0"], check=False, timeout=120)
+        stderr = r.stderr
         err = [line for line in stderr.strip().splitlines() if line.strip()]
-        assert p.returncode == 1 and len(err) == 1 and "Traceback" not in stderr, (how, stderr[-3000:])
+        assert r.returncode == 1 and len(err) == 1 and "Traceback" not in stderr, (how, stderr[-3000:])
         assert f"{ck}/state.json: its model_config lacks ['rope_theta']" in err[0], (how, err[0])
 
 
@@ -666,16 +663,13 @@ def test_a_resumed_state_json_of_another_shape_is_one_line_exit_1(data_root, thr
         m = json.load(open(os.path.join(d, "MANIFEST.json")))
         m["files"][name] = {"sha256": checkpoint.sha256_file(os.path.join(d, name)), "bytes": len(data)}
         json.dump(m, open(os.path.join(d, "MANIFEST.json"), "w"))
-    procs = {d: subprocess.Popen([sys.executable, "train.py", *TINY, f"--data_root={data_root}", f"--out_dir={o}",
-                                  *ON_DEMAND, "--init_from=resume", "--stop_after_steps=0"], cwd=REPO,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
-             for d, o in ((ck, out), (opt_ck, opt_out))}  # at once: each refuses before its first step
-    for d, words in [(ck, f"{ck}/state.json: its tokens is not what train.py writes (missing)"),
-                     (opt_ck, f"{opt_ck}/optimizer.pt: not a readable optimizer state (UnpicklingError")]:
-        stderr = procs[d].communicate(timeout=120)[1]
+    for d, o, words in [(ck, out, f"{ck}/state.json: its tokens is not what train.py writes (missing)"),
+                        (opt_ck, opt_out, f"{opt_ck}/optimizer.pt: not a readable optimizer state (UnpicklingError")]:
+        r = run([*TINY, f"--data_root={data_root}", f"--out_dir={o}", *ON_DEMAND, "--init_from=resume",
+                 "--stop_after_steps=0"], check=False, timeout=120)  # each refuses before its first step
+        stderr = r.stderr
         err = [line for line in stderr.strip().splitlines() if line.strip()]
-        assert procs[d].returncode == 1 and len(err) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert r.returncode == 1 and len(err) == 1 and "Traceback" not in stderr, stderr[-3000:]
         assert words in err[0], err[0]
 
 
@@ -1601,22 +1595,22 @@ def test_one_trainer_per_run_dir_and_a_mirror_blip_on_resume_is_a_warning(data_r
     out = str(tmp_path / "run")
     base = TINY + [f"--data_root={data_root}", f"--out_dir={out}", "--max_iters=40", "--warmup_iters=1",
                    "--eval_interval=1000"]
-    first = subprocess.Popen([sys.executable, "train.py", *base], cwd=REPO, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1",
-                                                                  PICAFLOR_INJECT_SLEEP_AT_STEP="1"))
+    first, alive, done = forkserver.start(["train.py", *base], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                                                 PICAFLOR_INJECT_SLEEP_AT_STEP="1"))
     try:
         deadline = time.time() + 120
         while not os.path.exists(os.path.join(out, "metrics.jsonl")):  # past start-up: it holds the lock
-            assert time.time() < deadline and first.poll() is None
+            assert time.time() < deadline and alive.is_alive()
             time.sleep(0.1)
         r = run(base + ["--init_from=resume", "--lock_wait_s=1"], check=False, timeout=120)
-        assert r.returncode == 1 and f"another trainer (pid {first.pid})" in r.stderr, r.stderr[-2000:]
+        assert r.returncode == 1 and f"another trainer (pid {first})" in r.stderr, r.stderr[-2000:]
         assert len(r.stderr.strip().splitlines()) == 1 and "waiting up to 1 s" in r.stdout
         # no crash report: in the holder's run dir it would read as the holder's cause
         assert not [n for n in os.listdir(out) if n.startswith("crash-")]
     finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
+        if alive.is_alive():
+            os.kill(first, signal.SIGKILL)
+        done()
     other = TINY + [f"--data_root={data_root}", f"--out_dir={tmp_path / 'other'}", *ON_DEMAND]
     blocked = tmp_path / "mirror"
     blocked.write_text("a file where the mount should be")
