@@ -22,7 +22,8 @@ MODEL is one of
   stream_infer.py's, for a container larger than the memory);
 - a Hugging Face transformers model dir or Hub repo id (the baselines: EleutherAI/pythia-410m,
   cerebras/Cerebras-GPT-256M, HuggingFaceTB/SmolLM2-360M), tokenised as lm-eval's HFLM does (the tokenizer's
-  own special-token default, no BOS added when the text already starts with it; empty context = BOS, else EOS).
+  own special-token default, no BOS added when the text already starts with it; empty context = BOS, else EOS;
+  which of these a model got is said on stderr and in summary.json: bos_added, empty_context_token).
 
 Tasks (lm-evaluation-harness v0.4.x definitions, checked against the installed lm-eval 0.4.13 task YAMLs):
   lambada_openai (acc = greedy match, perplexity), piqa, winogrande (acc), arc_easy, arc_challenge, openbookqa,
@@ -184,8 +185,9 @@ class HFModel:
         self.model, self.tok, self.name, self.device = model, tok, name, device
         self.dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         cfg = model.config
-        self.max_length = next((int(getattr(cfg, a)) for a in ("n_positions", "max_position_embeddings", "n_ctx")
-                                if getattr(cfg, a, None) is not None), None)
+        seq_cfg = getattr(cfg, "text_config", None) or cfg  # Gemma3-like composite: the text model's (lm-eval)
+        self.max_length = next((int(getattr(seq_cfg, a)) for a in ("n_positions", "max_position_embeddings", "n_ctx")
+                                if getattr(seq_cfg, a, None) is not None), None)
         if self.max_length is None:  # the harness's resolve_max_length order, then its default 2048
             mml = getattr(tok, "model_max_length", None)
             self.max_length = int(mml) if mml is not None and mml < 1e29 else 2048
@@ -261,6 +263,14 @@ def warn_shipped_settings(lm):
               f"for every model.\nA model exported with these settings will generate differently elsewhere "
               f"(e.g. in lm-eval with model defaults): remove them from its generation_config.json.\n{bar}",
               file=sys.stderr, flush=True)
+
+
+def bos_convention(lm):
+    """Whether BOS goes before every encoded text and the token an empty context is: scores move with both, and
+    published numbers differ in them (for HF models, lm-eval HFLM's defaults: the tokenizer's own; BOS, else EOS)."""
+    pid = lm.prefix_id
+    token = "<|bos|>" if lm.kind != "hf" else lm.tok.convert_ids_to_tokens(pid) if pid is not None else None
+    return {"bos_added": lm.encode("a")[:1] == [pid], "empty_context_token": token}
 
 
 def resolve_dtype(name, device):
@@ -1130,6 +1140,11 @@ def evaluate(args):
                     args.experts_per_token)
     if any(ET.TASKS[t][0] == "generate_until" for t in tasks):
         warn_shipped_settings(lm)
+    bos = bos_convention(lm)
+    if lm.kind == "hf":  # (a picaflor model always starts with <|bos|>, as trained)
+        print(f"note: {lm.name}: {'BOS ' + bos['empty_context_token'] + ' put' if bos['bos_added'] else 'no BOS'} "
+              f"before every text (its tokenizer's default, as lm-eval's HFLM without add_bos_token); an empty "
+              f"context is {bos['empty_context_token']}", file=sys.stderr, flush=True)
     summary = {"results": {}, "model": args.model, "model_kind": lm.kind,
                "model_source": getattr(lm, "source", os.path.abspath(args.model)),
                "model_weights": getattr(lm, "weights", None),
@@ -1137,6 +1152,7 @@ def evaluate(args):
                "tokenizer": getattr(lm.tok, "hash", None) if lm.kind != "hf" else None,
                "data": os.path.abspath(args.data_dir) if args.data_dir else "hub", "harness_version": HARNESS_VERSION,
                "seed": args.seed, "dtype": lm.dtype, "device": str(args.device), "max_length": lm.max_length,
+               **bos,  # bos_added, empty_context_token
                # routed experts per token scored at, and the model's own (None: no MoE layers)
                "experts_per_token": lm.experts_per_token, "own_experts_per_token": lm.own_experts_per_token,
                "num_fewshot": {}, "limit": args.limit, "bootstrap_iters": args.bootstrap_iters,

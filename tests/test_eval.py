@@ -1129,14 +1129,15 @@ def test_ctrl_c_is_one_line_naming_the_tasks_left(hf_setup, tmp_path, capsys, mo
     interrupt_at_task(monkeypatch, "arc_easy")
     assert ev.main([model_dir, "--tasks", "piqa,arc_easy,winogrande", "--data-dir", data_dir, "--out", str(out),
                     "--limit", "2"]) == 130
-    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning: task")]
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if not line.startswith(("warning: task", "note:"))]
     assert err == [f"interrupted; the finished tasks are in {out}: go on with --tasks arc_easy,winogrande --out {out} "
                    f"(it keeps them)"], err
     assert json.load(open(out / "summary.json"))["tasks_done"] == ["piqa"]
     assert ev.main([model_dir, "--tasks", "arc_easy,winogrande", "--data-dir", data_dir, "--out", str(tmp_path / "r2"),
                     "--limit", "2"]) == 130  # none finished: nothing to go on from
     assert [line for line in capsys.readouterr().err.strip().splitlines()
-            if not line.startswith("warning: task")] == ["interrupted"]
+            if not line.startswith(("warning: task", "note:"))] == ["interrupted"]
     assert not (tmp_path / "r2").exists()  # (the empty folder its writability check made)
 
 
@@ -1571,3 +1572,51 @@ def test_inputs_cut_to_the_context_are_said_as_the_harness_warns(capsys, monkeyp
     err = capsys.readouterr().err
     assert "note: counting: 1 of 2 prompts longer than the model's context (8 tokens) cut on the left" in err, err
     assert "up to 4 tokens dropped" in err
+
+
+def test_bos_convention_is_the_harness_s_and_is_said(hf_setup, tmp_path, capsys):
+    """A Llama/SmolLM-style tokenizer that puts BOS before every text, beside the GPT-2 one that adds none: eval.py
+    encodes as lm-eval's HFLM does (its default add_bos_token), and says which one it used (stderr, summary.json),
+    as scores compared with published ones depend on it."""
+    import shutil
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+    from lm_eval.models.huggingface import HFLM
+    _, model_dir, data_dir, _ = hf_setup
+    bos_dir = str(tmp_path / "bos_model")
+    shutil.copytree(model_dir, bos_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tok.bos_token} $A", pair=f"{tok.bos_token} $A {tok.bos_token} $B",
+        special_tokens=[(tok.bos_token, bos)])
+    tok.save_pretrained(bos_dir)
+    for d, added in ((model_dir, False), (bos_dir, True)):
+        ref = HFLM(pretrained=d, device="cpu", batch_size=1, dtype="float32")
+        lm = ev.load_model(d, "cpu", "float32")
+        assert (ref.tok_encode("the cat")[:1] == [bos]) == added and lm.encode("the cat") == ref.tok_encode("the cat")
+        assert ev.encode_pair(lm, "the cat", " sees", {}) == tuple(ref._encode_pair("the cat", " sees"))
+        out = tmp_path / f"out{int(added)}"
+        capsys.readouterr()
+        assert ev.main([d, "--tasks", "winogrande", "--limit", "2", "--data-dir", data_dir, "--device", "cpu",
+                        "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        said = "BOS <|endoftext|> put before every text" if added else "no BOS before every text"
+        assert said in err and "an empty context is <|endoftext|>" in err, err
+        summary = json.load(open(out / "summary.json"))
+        assert summary["bos_added"] is added and summary["empty_context_token"] == "<|endoftext|>"
+
+
+def test_max_length_of_a_composite_config_is_its_text_model_s(hf_setup):
+    """Gemma3 / Mistral3 / Llama4 configs keep max_position_embeddings in text_config only: eval.py fell through to
+    the tokenizer's unset model_max_length and cut inputs at 2048 tokens where lm-eval (resolve_max_length) reads
+    131072 from text_config."""
+    from transformers import AutoTokenizer, GPT2Config
+    from lm_eval.models.utils import resolve_max_length
+    _, model_dir, _, _ = hf_setup
+    lm = ev.load_model(model_dir, "cpu", "float32")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    lm.model.config.text_config = GPT2Config(n_positions=131072)
+    got = ev.HFModel(lm.model, tok, model_dir, "cpu").max_length
+    del lm.model.config.text_config
+    assert got == resolve_max_length(GPT2Config(text_config=GPT2Config(n_positions=131072)), tok) == 131072
