@@ -835,8 +835,10 @@ def run_task(lm, task, args):
     kind, _, _, metrics = ET.TASKS[task]
     docs = ET.task_docs(task, lm, args)
     if not docs:
-        raise EvalError(f"task {task}: no examples (an empty data file); put its rows in the task's file under "
-                        f"--data-dir, or drop --data-dir to download them")
+        fix = ("put its rows in the task's file under --data-dir, or drop --data-dir to download them"
+               if args.data_dir else f"delete its cached copy under {getattr(args, 'cache_dir', '--cache-dir')} and run "
+               f"again to download it")
+        raise EvalError(f"task {task}: no examples (an empty data file); {fix}")
     t0 = time.time()
     if kind == "generate_until":
         caps = [min(args.max_gen_toks, d["max_gen_toks"]) if args.max_gen_toks else d["max_gen_toks"] for d in docs]

@@ -931,7 +931,9 @@ def main(argv=None):
     except ImportError as e:
         sys.exit(f"error: {e}; --format {args.format} needs it (pip install -r requirements.txt)")
     except OSError as e:  # a read-only or another user's --out: its line said no fix
-        fix = "; pass an --out you can write" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else ""
+        denied_out = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and str(e.filename or args.out).startswith(
+            args.out)  # (a checkpoint it cannot read: another --out is no fix)
+        fix = "; pass an --out you can write" if denied_out else ""
         sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}{fix}")
     except KeyboardInterrupt:  # the temp output is removed by each writer; --out is as it was
         print(f"interrupted; {args.out} is as it was before this export", file=sys.stderr)

@@ -1381,6 +1381,10 @@ def cmd_pull(args):
     except OSError as e:  # an --out on a read-only mount (or another user's): a traceback
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
+        root = getattr(store, "root", None)  # a file store's own files denied: another --out is no fix
+        if root and os.path.abspath(str(e.filename or "")).startswith(root + os.sep):
+            raise RelayError(f"{store.url}: {e.filename}: {e.strerror}; this user cannot read the store's files: fix "
+                             f"their permissions") from None
         raise RelayError(f"{'--out' if args.out else '--workdir'} {e.filename or dest}: {e.strerror}; pass a "
                          f"directory this user can write") from None
     print(f"relay: pulled {path} (manifest verified)")

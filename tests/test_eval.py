@@ -1620,3 +1620,13 @@ def test_max_length_of_a_composite_config_is_its_text_model_s(hf_setup):
     got = ev.HFModel(lm.model, tok, model_dir, "cpu").max_length
     del lm.model.config.text_config
     assert got == resolve_max_length(GPT2Config(text_config=GPT2Config(n_positions=131072)), tok) == 131072
+
+
+def test_a_task_with_no_examples_names_the_fix_for_where_its_data_came_from(monkeypatch):
+    """An empty task said "drop --data-dir to download them" to a run given no --data-dir (its rows came from the Hub's
+    cached copy): each source now gets its own fix."""
+    import argparse
+    monkeypatch.setattr(ev.ET, "task_docs", lambda task, lm, args: [])
+    for data_dir, fix in (("d", "under --data-dir, or drop --data-dir"), (None, "delete its cached copy under /c")):
+        with pytest.raises(ev.EvalError, match=fix):
+            ev.run_task(None, "piqa", argparse.Namespace(data_dir=data_dir, cache_dir="/c"))

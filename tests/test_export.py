@@ -761,6 +761,12 @@ def test_review_round_export_faults(ckpt, tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         run_export([ckpt["path"], "--format", "int4", "--out", str(tmp_path / "ro.pcf4")])
     assert e.value.code == f"error: {tmp_path}/ro.pcf4.tmp-1: Read-only file system; pass an --out you can write"
+    def denied_input(src, out, *a):  # a checkpoint this user cannot read: another --out is no fix
+        raise OSError(13, "Permission denied", "/ckpt/model.safetensors")
+    monkeypatch.setattr(export, "export_int4", denied_input)
+    with pytest.raises(SystemExit) as e:
+        run_export([ckpt["path"], "--format", "int4", "--out", str(tmp_path / "ro.pcf4")])
+    assert e.value.code == "error: /ckpt/model.safetensors: Permission denied"
     monkeypatch.setattr(export, "export_int4", real_int4)
     # a short write (no strerror), as gguf's writer raises it on a full disk
     line = checkpoint.os_error_line(OSError("139264 requested and 46880 written"), str(tmp_path / "g.gguf"))

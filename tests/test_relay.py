@@ -715,6 +715,16 @@ def test_a_read_only_store_or_out_is_one_line(tmp_path, hub, rl, monkeypatch):
     r = rl(["pull", url, "--workdir", tmp_path / "wp", "--out", f"{ro}/copy"], env)
     assert (r.returncode, r.stderr) == (3, f"relay.py pull: error: --out {ro}/copy: Read-only file system; pass a "
                                            f"directory this user can write\n")
+    real_open = open
+
+    def unreadable_objects(path, *a, **k):  # another user's objects: a writable --out is no fix
+        if str(path).startswith(store + os.sep + "objects"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, *a, **k)
+    monkeypatch.setattr("builtins.open", unreadable_objects)
+    r = rl(["pull", url, "--workdir", tmp_path / "wp", "--out", tmp_path / "copy"], env)
+    assert r.returncode == 3 and r.stderr.startswith(f"relay.py pull: error: {url}: {store}/objects/") and \
+        r.stderr.endswith("Permission denied; this user cannot read the store's files: fix their permissions\n")
 
 
 def test_init_with_a_config_that_is_not_utf8_is_one_line(tmp_path):

@@ -1670,9 +1670,8 @@ def test_a_rebuild_after_a_source_changed_is_said(tmp_path, monkeypatch, capsys)
     assert len(set(built)) == 3
 
 
-def test_another_compiler_gets_a_build_of_its_own(tmp_path, monkeypatch, capsys):
-    """The extension's build name held the sources, CPU flags, torch and checkout, not the compiler: switching CXX (or
-    upgrading the compiler) loaded the .so the previous one had built, without a word. Its identity names it now."""
+def fake_builds_in_a_checkout_of_its_own(tmp_path, monkeypatch):
+    """kernels.py's sources copied to tmp_path, its builds under tmp_path/ext, each build faked: its .so lands there."""
     import shutil
     from torch.utils import cpp_extension
     for name in ("int4_cpu.cpp", "expert_reader.cpp", "int4_loops.h"):
@@ -1681,6 +1680,12 @@ def test_another_compiler_gets_a_build_of_its_own(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     monkeypatch.setattr(cpp_extension, "load", lambda name, **kw: open(  # a build: the .so lands in its folder
         os.path.join(cpp_extension._get_build_directory(name, False), name + ".so"), "w").close())
+
+
+def test_another_compiler_gets_a_build_of_its_own(tmp_path, monkeypatch, capsys):
+    """The extension's build name held the sources, CPU flags, torch and checkout, not the compiler: switching CXX (or
+    upgrading the compiler) loaded the .so the previous one had built, without a word. Its identity names it now."""
+    fake_builds_in_a_checkout_of_its_own(tmp_path, monkeypatch)
 
     def compiler(name, version):  # a stand-in whose --version says which it is
         path = tmp_path / name
@@ -1701,14 +1706,8 @@ def test_a_build_in_a_read_only_cache_is_used_as_it_is(tmp_path, monkeypatch, ca
     """The kernel already built in a cache this user cannot write (a read-only image or mount, another user's home)
     was not used: its lock could not be made there, "could not build", and torch's slower kernel. Loaded as it is."""
     import errno
-    import shutil
     from torch.utils import cpp_extension
-    for name in ("int4_cpu.cpp", "expert_reader.cpp", "int4_loops.h"):
-        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
-    monkeypatch.setattr(kernels, "__file__", str(tmp_path / "kernels.py"))  # a checkout of its own
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    monkeypatch.setattr(cpp_extension, "load", lambda name, **kw: open(  # a build: the .so lands in its folder
-        os.path.join(cpp_extension._get_build_directory(name, False), name + ".so"), "w").close())
+    fake_builds_in_a_checkout_of_its_own(tmp_path, monkeypatch)
     monkeypatch.setattr(kernels, "NATIVE", None)
     kernels.native_int4()
     [build] = os.listdir(tmp_path / "ext")
