@@ -477,6 +477,8 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
     try:  # before a checkpoint is scored: a read-only run dir failed at the first report, a traceback, its score lost
         checkpoint.write_atomic_text(probe, "")
         os.remove(probe)
+    except FileNotFoundError:  # another pick of run_dir removed it first (two terminals): it could be written
+        pass
     except OSError as e:
         raise ChatError(f"{run_dir}: cannot write sft_pick.md there ({e.strerror}); copy the run dir to a disk you "
                         f"can write and pick there") from None

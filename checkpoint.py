@@ -410,6 +410,9 @@ def resolve(path):
             newer = [p for s, p in steps if m and s > int(m.group(1))]
             for p in reversed(newer):
                 if is_valid(p):
+                    import rundir  # (another live trainer's save is between the two: nothing died, nothing to say)
+                    if rundir.lock_holder(path) not in (None, str(os.getpid())):
+                        return p
                     print(f"warning: {latest} names {os.path.basename(named)}, but the newer {os.path.basename(p)} "
                           f"verifies (a save died before updating LATEST); using it", file=sys.stderr)
                     return p

@@ -500,8 +500,10 @@ def write_container(ckpt_dir, out_path, group_size=DEFAULT_GROUP, embed_bits=8, 
             f.write(PREFIX.pack(MAGIC, VERSION, zlib.crc32(hb), len(hb)) + hb)
             f.flush()
             os.fsync(f.fileno())
-        if os.path.exists(out_path + ".report.json"):  # (a kill before the new one is written: no stale report)
+        try:  # (a kill before the new one is written: no stale report)
             os.remove(out_path + ".report.json")
+        except FileNotFoundError:  # none, or another writer of out_path removed it first
+            pass
         os.replace(tmp, out_path)
         checkpoint.fsync_dir(os.path.dirname(os.path.abspath(out_path)))  # the new name survives a power cut too
     finally:

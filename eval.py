@@ -88,6 +88,7 @@ at all (!) between other numbers of examples, other examples (summary.json's "ex
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -1171,6 +1172,8 @@ def evaluate(args):
         d = os.path.dirname(d)
     try:
         return score_tasks(lm, args, tasks, summary)
+    except OutBusy:  # the folders are the other eval's now: removing one it made, still empty, failed its writes
+        raise
     except BaseException:
         for d in made:
             try:
@@ -1183,9 +1186,43 @@ def evaluate(args):
 
 
 def score_tasks(lm, args, tasks, summary):
+    lock = None
+    try:
+        if args.out:
+            lock = hold_out(args.out)
+        return score_into(lm, args, tasks, summary)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+class OutBusy(EvalError):
+    pass
+
+
+def hold_out(out):
+    """Make --out and hold it (an flock on the folder, dropped when this process ends, however it ends) for this run:
+    two evals into one --out each kept its own summary.json, the later one dropping the other's tasks without a word.
+    Returns the folder's fd to close, or None on a filesystem without locks."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd = os.open(out, os.O_RDONLY)
+    except OSError as e:
+        raise EvalError(f"--out {out}: cannot write there ({e.strerror}); pass a folder you can write")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutBusy(f"--out {out}: another eval.py is writing there; wait for it to end, or pass another --out")
+    except OSError:  # a filesystem without flock (NFS -o nolock): unguarded, as before
+        os.close(fd)
+        return None
+    return fd
+
+
+def score_into(lm, args, tasks, summary):
     if args.out:
         try:
-            os.makedirs(args.out, exist_ok=True)
             checkpoint.write_atomic_text(os.path.join(args.out, ".writable"), "")  # before hours of scoring, not after
             os.remove(os.path.join(args.out, ".writable"))
         except OSError as e:

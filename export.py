@@ -60,7 +60,9 @@ Implementer's calls (DESIGN.md asks to record them here):
 """
 
 import argparse
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -488,6 +490,19 @@ def hf_plan(src, dtype):
     return plan
 
 
+@contextlib.contextmanager
+def swap_turn(out):
+    """One export at a time swaps its folder in for out: an flock on the folder that holds out, for two renames
+    (a filesystem without flock: unguarded, as before)."""
+    fd = os.open(os.path.dirname(os.path.abspath(out)), os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)  # (dropped when fd closes, or this process dies)
+        yield
+    finally:
+        os.close(fd)
+
+
 def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=True):
     check_out(src.dir, out, "hf")
     cfg, dtype = src.cfg, TORCH_DTYPES[dtype_name]
@@ -557,9 +572,10 @@ def export_hf(src, out, dtype_name="bfloat16", max_shard_size="5GB", progress=Tr
         with open(os.path.join(tmp, HF_MARKER), "w", encoding="utf-8") as f:  # what a later --out may replace
             json.dump({"format": "hf", "source": os.path.abspath(src.dir), "dtype": dtype_name}, f, indent=1)
         checkpoint.fsync_tree(tmp)  # on disk before the dir takes the name
-        if os.path.exists(out):
-            os.replace(out, old)
-        os.replace(tmp, out)
+        with swap_turn(out):  # another export of out renaming between these two failed (ENOTEMPTY) after its work
+            if os.path.exists(out):
+                os.replace(out, old)
+            os.replace(tmp, out)
         checkpoint.fsync_dir(os.path.dirname(os.path.abspath(out)))
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:

@@ -42,6 +42,7 @@ if __name__ == "__main__":  # as stream_infer.py (kernels.openmp_kernels()): rea
 
 import torch
 
+import checkpoint
 import container as C
 import expert_cache as EC
 import kernels
@@ -922,10 +923,9 @@ def run_sweep(args, argv):
                       f"(median {sorted(toks)[(len(toks) - 1) // 2]:.2f})")
     if args.json:
         try:  # (a disk that filled during the sweep: a traceback)
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-            with open(os.path.splitext(args.json)[0] + ".md", "w") as f:  # the README's table, from these very rows
-                f.write(sweep_markdown(rows))
+            # each whole or the old one (another sweep writing the same --json at once: the two mixed)
+            checkpoint.write_atomic_text(args.json, json.dumps(rows, indent=1))
+            checkpoint.write_atomic_text(os.path.splitext(args.json)[0] + ".md", sweep_markdown(rows))  # README's
         except OSError as e:
             raise S.StreamError(f"--json {args.json}: cannot write it ({e.strerror or e}); the table is above")
     plot_sweep(rows, args.plot or os.path.splitext(args.json or "sweep.json")[0] + ".png", args.llamacpp_json,
@@ -1060,8 +1060,7 @@ def main(args, argv):
     print_bench(res)
     if args.json:
         try:  # (a disk that filled during the run: a traceback)
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
+            checkpoint.write_atomic_text(args.json, json.dumps(res, indent=1))  # (another bench's at once: mixed)
         except OSError as e:
             raise S.StreamError(f"--json {args.json}: cannot write it ({e.strerror or e}); the figures are above")
     return 0

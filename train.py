@@ -776,11 +776,14 @@ def undo_fresh_run_dir():
 
 def print_status(run_dir):
     import checkpoint
-    try:
-        ck = checkpoint.resolve(run_dir)
-    except checkpoint.CheckpointError as e:
-        die(str(e))
-    st = read_json(os.path.join(ck, "state.json"), {})
+    for _ in range(3):  # a running trainer's retention may remove the step picked before its state.json is read
+        try:
+            ck = checkpoint.resolve(run_dir)
+        except checkpoint.CheckpointError as e:
+            die(str(e))
+        st = read_json(os.path.join(ck, "state.json"), {})
+        if st or os.path.isdir(ck):
+            break
     if not all(k in st for k in ("plan", "tokens", "step", "config")):
         die(f"{ck}: no usable state.json (missing or from an older format); pass the run dir, or a step dir that "
             f"checkpoint verification accepts")

@@ -1173,6 +1173,25 @@ def test_a_ctrl_c_anywhere_in_a_reply_leaves_ids_cache_and_messages_agreeing(tok
     assert k > 10  # every line of reply was tried
 
 
+def test_two_picks_of_one_run_dir_at_once_both_score(corpus, sft_run, monkeypatch):
+    """chat.py pick twice on one run dir (two terminals): the second to remove the shared write probe found it gone,
+    "cannot write sft_pick.md there (No such file or directory)", a false refusal. Each pick goes on to score."""
+    import model
+    real = os.remove
+
+    def the_other_pick_first(path):
+        if os.path.basename(path) == ".sft_pick.writable" and os.path.exists(path):
+            real(path)  # the other pick's remove of the same probe, just before this one's
+        return real(path)
+    monkeypatch.setattr(os, "remove", the_other_pick_first)
+
+    def scored(*a, **k):
+        raise KeyboardInterrupt  # (reached scoring: enough)
+    monkeypatch.setattr(model, "load_checkpoint", scored)
+    with pytest.raises(KeyboardInterrupt):
+        chat.pick(sft_run, str(corpus[0]), prompts=["ping 4"], max_new_tokens=2, max_rows=2, log=lambda *a: None)
+
+
 def test_pick_measures_every_checkpoint_on_the_same_windows(tok, corpus, tmp_path):
     """A resume may raise max_seq_len (train.py's RESUME_CONFIG_WINS): pick cut the val rows at each checkpoint's own
     max_seq_len, so one run's checkpoints were ranked by losses over windows of other lengths (here: the same weights

@@ -489,3 +489,20 @@ def test_ctrl_c_while_building_is_one_line_and_keeps_the_earlier_container(tmp_p
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == f"interrupted; {out} is as it was" and "Traceback" not in err, err
     assert out.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["r.pcf4", "r.pcf4.report.json", "tiny.py"]
+
+
+def test_two_writers_of_one_out_both_finish(tmp_path, monkeypatch):
+    """Two container.py runs to one --out at once: the report both removed before the swap was gone for the one that
+    came second, a FileNotFoundError traceback after its whole write. Each writer ends with a whole container."""
+    out = str(tmp_path / "r.pcf4")
+    src = C.RandomSource(ModelConfig(**TINY), seed=3)
+    C.write_container(None, out, group_size=32, progress=False, source=src)
+    real = os.remove
+
+    def the_other_writer_first(path):
+        if path == out + ".report.json" and os.path.exists(path):
+            real(path)  # the other writer's remove, between this one's look and its own remove
+        return real(path)
+    monkeypatch.setattr(os, "remove", the_other_writer_first)
+    C.write_container(None, out, group_size=32, progress=False, source=C.RandomSource(ModelConfig(**TINY), seed=3))
+    assert C.load_container(out).header["random_weights"] and os.path.exists(out + ".report.json")

@@ -1630,3 +1630,36 @@ def test_a_task_with_no_examples_names_the_fix_for_where_its_data_came_from(monk
     for data_dir, fix in (("d", "under --data-dir, or drop --data-dir"), (None, "delete its cached copy under /c")):
         with pytest.raises(ev.EvalError, match=fix):
             ev.run_task(None, "piqa", argparse.Namespace(data_dir=data_dir, cache_dir="/c"))
+
+
+def test_a_second_eval_into_the_same_out_says_so_and_writes_nothing(hf_setup, tmp_path, capsys):
+    """Two evals into one --out at once (two terminals, a cron job and a hand run) both said they succeeded, and the
+    later summary.json dropped the other's tasks without a word. One eval holds --out (an flock) while it writes."""
+    import fcntl
+    _, model_dir, data_dir, _ = hf_setup
+    out = tmp_path / "res"
+    out.mkdir()
+    held = os.open(out, os.O_RDONLY)  # the other eval.py, mid-run
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        assert ev.main([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(out)]) == 2
+    finally:
+        os.close(held)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "another eval.py is writing there" in err[-1] and "Traceback" not in "".join(err) and os.listdir(out) == []
+    assert ev.main([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(out)]) == 0  # once it ended
+    assert list(json.load(open(out / "summary.json"))["results"]) == ["piqa"]
+    # the other eval made --out (new) just before this one looked: this one leaves it, empty, to the other one
+    new, real_hold, others = tmp_path / "new", ev.hold_out, []
+
+    def the_other_made_it_first(path):
+        others.append(os.open(ev.os.makedirs(path) or path, os.O_RDONLY))
+        fcntl.flock(others[0], fcntl.LOCK_EX)
+        return real_hold(path)
+    ev.hold_out = the_other_made_it_first
+    try:
+        assert ev.main([model_dir, "--tasks", "piqa", "--data-dir", data_dir, "--out", str(new)]) == 2
+    finally:
+        ev.hold_out = real_hold
+        os.close(others[0])
+    assert "another eval.py" in capsys.readouterr().err and new.is_dir()

@@ -2,6 +2,7 @@
 hy_v3 loader needs and dequantizes back to the weights; bad checkpoints give one-line errors.
 (int4 container round-trip, truncation and magic checks are container.py's tests.)"""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -958,3 +959,36 @@ def test_stale_output_cleanup_leaves_a_users_own_look_alikes(tmp_path, capsys):
     export.clean_stale_outputs(out)
     assert sorted(os.listdir(tmp_path)) == sorted(mine), os.listdir(tmp_path)
     assert "left by a killed export; removed" in capsys.readouterr().err
+
+
+def test_two_hf_exports_to_one_out_at_once_both_finish(ckpt, tmp_path, monkeypatch):
+    """Two exports to one --out at once (two terminals): both found no out, then the second rename of a folder onto
+    the first's failed (ENOTEMPTY) after all its work. The swap is one export at a time: both finish, out whole."""
+    import threading
+    out = str(tmp_path / "hf")
+    both_renaming = threading.Barrier(2, timeout=1)  # each waits here between its look at out and its rename
+    real_replace, real_tag = os.replace, export.container.writer_tag
+
+    def replace(a, b):
+        if b == out and ".tmp-" in str(a):
+            with contextlib.suppress(threading.BrokenBarrierError):  # (the swap held by the other: it times out)
+                both_renaming.wait()
+        return real_replace(a, b)
+    monkeypatch.setattr(os, "replace", replace)
+    # the second export's temp names those of another live process (its own pid's: the first one's)
+    monkeypatch.setattr(export.container, "writer_tag", lambda: real_tag() if threading.current_thread().name
+                        != "second" else real_tag().rsplit("-", 1)[0] + f"-{os.getppid()}")
+    errors = []
+
+    def one_export():
+        try:
+            export.export_hf(export.Source(ckpt["run"]), out, "float32", progress=False)
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=one_export, name=n) for n in ("first", "second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(os.listdir(tmp_path)) == ["hf"] and os.path.exists(os.path.join(out, "model.safetensors"))

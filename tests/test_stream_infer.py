@@ -2012,15 +2012,39 @@ def test_a_json_path_it_cannot_write_is_refused_before_the_benchmark_and_after_i
     assert S.main([path, "--bench", "--json", str(tmp_path / "new.json")]) == 0
     full = str(tmp_path / "full.json")
 
-    def disk_full(p, *a, **k):
+    real_write = B.checkpoint.write_atomic
+
+    def disk_full(p, data):
         if str(p) == full:
             raise OSError(28, "No space left on device", str(p))
-        return open(p, *a, **k)
-    monkeypatch.setattr(B, "open", disk_full, raising=False)
+        return real_write(p, data)
+    monkeypatch.setattr(B.checkpoint, "write_atomic", disk_full)
     capsys.readouterr()
     assert S.main([path, "--bench", "--json", full]) == 1 and not os.path.exists(full)
     assert capsys.readouterr().err == (f"error: --json {full}: cannot write it (No space left on device); the figures "
                                        f"are above\n")
+
+
+def test_two_benches_writing_one_json_at_once_leave_one_whole(tiny, tmp_path, monkeypatch):
+    """Two --bench runs with the same --json at once (two terminals): each opened it "w" and wrote over the other,
+    a shorter result over a longer one leaving the longer's tail, JSON that does not parse. Each writes it whole."""
+    import json as real_json
+    import types
+    _, path = tiny
+    out = str(tmp_path / "bench.json")
+    results = iter([{"decode_tok_s": 1.0}, {"decode_tok_s": 2.0, "note": "x" * 20000}])
+    monkeypatch.setattr(B, "bench_in_cgroup", lambda args, argv: next(results))
+    monkeypatch.setattr(B, "print_bench", lambda res: None)
+    other = []
+
+    def the_other_bench_first(*a, **k):  # the second bench writes its whole result while the first is writing
+        if not other and a[0] == {"decode_tok_s": 1.0}:  # (the first bench's result, about to be written)
+            other.append(None)
+            other[0] = S.main([path, "--bench", "--json", out])
+        return (real_json.dump if len(a) == 2 else real_json.dumps)(*a, **k)
+    monkeypatch.setattr(B, "json", types.SimpleNamespace(dump=the_other_bench_first, dumps=the_other_bench_first))
+    assert S.main([path, "--bench", "--json", out]) == 0 and other == [0]
+    assert real_json.load(open(out)) == {"decode_tok_s": 1.0}  # the last one whole: last writer wins
 
 
 def test_the_budget_a_refusal_suggests_loads(tiny, monkeypatch):

@@ -2180,3 +2180,28 @@ def test_ddp_a_stop_signal_or_a_fault_on_another_rank_than_0_is_not_lost(data_ro
     reports = [json.load(open(os.path.join(bad, n))) for n in os.listdir(bad) if n.startswith("crash-")]
     assert [(x["cause"], x["path"], x["offset"]) for x in reports if x["exit_code"] == 3] == [
         ("corrupt data", "x/train_000000.bin", 77)], (reports, r.stderr[-3000:])
+
+
+def test_status_while_a_trainer_saves_reads_a_whole_step_and_says_nothing_false(three_steps, tmp_path, capsys,
+                                                                                monkeypatch):
+    """train.py --status in a loop beside a running trainer (keep_last=1): once in ~50 a step it picked was pruned
+    before its state.json was read ("no usable state.json"), and a save between its step's rename and LATEST's
+    write was called "a save died before updating LATEST" (~1 in 50)."""
+    import fcntl
+    out = str(tmp_path / "run")
+    shutil.copytree(three_steps, out)
+    newest = os.path.join(out, "step_0000003")
+    checkpoint.write_atomic_text(os.path.join(out, "LATEST"), "step_0000002\n")  # the save of step 3 not done
+    with open(os.path.join(out, ".trainer.lock"), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the trainer, running
+        assert checkpoint.resolve(out) == newest and capsys.readouterr().err == ""
+    real = checkpoint.resolve
+
+    def pruned_after_the_pick(path):
+        picked = real(path)
+        if picked == newest:  # the trainer's retention removes it just then (a newer save, keep_last=1)
+            shutil.rmtree(picked)
+        return picked
+    monkeypatch.setattr(checkpoint, "resolve", pruned_after_the_pick)
+    said, err, code = main_output(["--status", out])
+    assert code in (0, None) and "checkpoint step_0000002, step 2" in said, err
