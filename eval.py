@@ -836,9 +836,9 @@ def run_task(lm, task, args):
     kind, _, _, metrics = ET.TASKS[task]
     docs = ET.task_docs(task, lm, args)
     if not docs:
-        fix = ("put its rows in the task's file under --data-dir, or drop --data-dir to download them"
-               if args.data_dir else f"delete its cached copy under {getattr(args, 'cache_dir', '--cache-dir')} and run "
-               f"again to download it")
+        cache = getattr(args, "cache_dir", "--cache-dir")
+        fix = ("put its rows in the task's file under --data-dir, or drop --data-dir to download them" if args.data_dir
+               else f"delete its cached copy under {cache} and run again to download it")
         raise EvalError(f"task {task}: no examples (an empty data file); {fix}")
     t0 = time.time()
     if kind == "generate_until":
