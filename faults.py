@@ -2,6 +2,7 @@
 How train.py fails: its exit code per cause (the guardian restarts or stops on them), the crash-<ms>.json report each
 fault leaves in the run dir, and the hang watchdog (exit 8 with every thread's stack in hang-*.txt). train.py fills
 RUN_INFO as it goes (out_dir, state, streams) so that a report written from anywhere says where the run was.
+TrainError and die: the one-line refusals of train.py and run_status.py (train.py's main catches a TrainError).
 """
 
 import json
@@ -16,6 +17,19 @@ CAUSES = {EXIT_ERROR: "error", EXIT_DATA: "corrupt data", EXIT_DENIED: "storage 
           EXIT_UNREACHABLE: "storage unreachable", EXIT_DISK: "out of disk", EXIT_NONFINITE: "non-finite loss",
           EXIT_HANG: "hang", EXIT_CRASH: "crash"}
 RUN_INFO = {}  # what a crash report needs: out_dir, state, streams (train.py fills it)
+
+
+class TrainError(Exception):
+    """A refused start or a fault train.py names: its main() catches it and exits with code (one line, a report)."""
+
+    def __init__(self, msg, code=EXIT_ERROR):
+        super().__init__(msg)
+        self.code = code
+
+
+def die(msg, code=EXIT_ERROR):
+    print(f"train.py: error: {msg}", file=sys.stderr)
+    sys.exit(code)
 
 
 def write_crash_report(cause, code, message, **extra):
