@@ -340,6 +340,7 @@ def warn_if_not_chat_tuned(ck):
 def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, context=None):
     """(tokenizer, backend) for a checkpoint dir or an int4 container file."""
     import checkpoint
+    from model import more_experts_note
     from tokenizer import Tokenizer
 
     if not os.path.exists(path):
@@ -371,6 +372,8 @@ def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, cont
                 model.set_top_k(experts_per_token)
             except ValueError as e:
                 raise ChatError(f"--experts-per-token {experts_per_token}: {e}") from None
+            if note := more_experts_note(experts_per_token, model.cfg.top_k if model.moe_layers() else None):
+                print(f"chat.py: {note}", file=sys.stderr)
         return tok, picaflor_backend(model)
     import container
     import stream_infer
@@ -387,9 +390,12 @@ def load_model(path, ram_budget=None, device="cpu", experts_per_token=None, cont
         raise ChatError(str(e)) from None
     tok = eng.tokenizer
     try:
-        return tok, engine_backend(eng, experts_per_token)
+        backend = engine_backend(eng, experts_per_token)
     except stream_infer.StreamError as e:
         raise ChatError(str(e)) from None
+    if note := more_experts_note(experts_per_token, eng.cfg.top_k if eng.moes else None):
+        print(f"chat.py: {note}", file=sys.stderr)
+    return tok, backend
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -620,7 +626,7 @@ def main(argv=None):
                             f"top_k)")
         import stream_infer  # its sampling checks: a negative temperature sampled the least likely tokens
         try:
-            stream_infer.check_sampling(a.temperature, a.top_p, "--", a.seed)
+            a.temperature = stream_infer.check_sampling(a.temperature, a.top_p, "--", a.seed)
         except stream_infer.StreamError as e:
             raise ChatError(str(e)) from None
         import torch

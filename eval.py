@@ -1141,6 +1141,8 @@ def evaluate(args):
                         f"drop it, or add --int4-engine with an int4 container")
     lm = load_model(args.model, args.device, args.dtype, args.tokenizer, args.int4_engine, args.ram_budget,
                     args.experts_per_token)
+    if note := picaflor.more_experts_note(lm.experts_per_token, lm.own_experts_per_token):
+        print(note, file=sys.stderr, flush=True)
     if any(ET.TASKS[t][0] == "generate_until" for t in tasks):
         warn_shipped_settings(lm)
     bos = bos_convention(lm)

@@ -898,6 +898,14 @@ def save_checkpoint(model, out_dir, step, state=None, extra_writers=None, tokeni
     return checkpoint.save(out_dir, step, writers, tick=tick)
 
 
+def more_experts_note(k, trained):
+    """The line stream_infer.py, chat.py and eval.py say once when they route k experts per token, more than the
+    trained top_k of a model with MoE layers (trained None: none): allowed, an experiment, but not the model trained."""
+    if k is not None and trained is not None and k > trained:
+        return f"note: serving with {k} experts per token, more than the {trained} the model was trained with"
+    return None
+
+
 def device_problem(device):
     """Why `device` cannot run a model here, in a few words, or None (chat, eval, stream_infer share the check)."""
     device = str(device)

@@ -124,7 +124,7 @@ import torch.nn.functional as F
 import container as C
 import expert_cache as EC
 import kernels
-from model import KVCache, device_problem, meta_model, rope_cos_sin, sample_next
+from model import KVCache, device_problem, meta_model, more_experts_note, rope_cos_sin, sample_next
 
 
 class StreamError(Exception):
@@ -450,7 +450,8 @@ class StreamedMoE(nn.Module):
 def check_sampling(temperature, top_p, flag="", seed=None):
     """model.sample_next's arguments: NaN or a top_p <= 0 made torch.multinomial raise, a negative temperature
     sampled the least likely tokens. flag "--": named as the command line's flags, and --top-p / --seed without a
-    temperature are refused (greedy decoding ignored them: the same text for every seed, silently)."""
+    temperature are refused (greedy decoding ignored them: the same text for every seed, silently). Returns the
+    temperature to sample with: 0 (greedy) for one under 1e-4, said once on stderr with flag "--"."""
     for name, v, kind in (("temperature", temperature, numbers.Real), ("top_p", top_p, numbers.Real),
                           ("seed", seed, numbers.Integral)):  # (a float seed: torch's bare RuntimeError)
         if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):  # (a bare TypeError)
@@ -458,17 +459,23 @@ def check_sampling(temperature, top_p, flag="", seed=None):
                               f"{'a whole number' if kind is numbers.Integral else 'a number'}")
     if temperature is None or not (temperature >= 0 and math.isfinite(temperature)):
         raise StreamError(f"{flag}temperature {temperature}: 0 (greedy) or more")
-    if 0 < temperature < 1e-4:  # logits / 1e-39 overflow to inf: a NaN error deep in sampling
-        raise StreamError(f"{flag}temperature {temperature}: 0 for greedy, else at least 1e-4")
+    # logits / 1e-39 overflow to inf (a NaN error deep in sampling; it was refused): that close to 0 the draw is the
+    # argmax anyway, so greedy, as temperature's limit at 0 is
+    greedy = temperature < 1e-4
     if top_p is not None and not 0 < top_p <= 1:
         raise StreamError(f"{flag}{'top-p' if flag else 'top_p'} {top_p}: in (0, 1]")
     if seed is not None and not 0 <= seed < 2 ** 63:  # (torch's manual_seed: an overflow traceback)
         raise StreamError(f"{flag}seed {seed}: 0 to 2**63 - 1")
-    if flag and temperature == 0:
+    if flag and greedy:
         for name, v in (("--top-p", top_p), ("--seed", seed)):
             if v is not None:
-                raise StreamError(f"{name} {v}: decoding is greedy (--temperature 0), which it does not change; "
-                                  f"sample with --temperature T > 0, or leave {name} out")
+                why = "0" if temperature == 0 else f"{temperature}, under 1e-4"
+                raise StreamError(f"{name} {v}: decoding is greedy (--temperature {why}), which it does not change; "
+                                  f"sample with --temperature T >= 1e-4, or leave {name} out")
+        if temperature > 0:
+            print(f"note: --temperature {temperature} is under 1e-4: decoding greedily, as --temperature 0 does",
+                  file=sys.stderr)
+    return 0.0 if greedy else temperature
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1027,7 +1034,7 @@ class Engine:
         if not prompt_ids:
             raise StreamError("empty prompt: give at least one token")
         self._check_ids(prompt_ids, "prompt")
-        check_sampling(temperature, top_p, seed=seed)  # (a bad seed was a bare torch error from manual_seed)
+        temperature = check_sampling(temperature, top_p, seed=seed)  # (a bad seed: a bare torch error, manual_seed)
         try:  # (a negative count gave [] silently, a float a torch TypeError, True one token)
             max_new_tokens = -1 if isinstance(max_new_tokens, bool) else operator.index(max_new_tokens)
         except TypeError:
@@ -1221,7 +1228,7 @@ def check_args(args, argv):
     if args.repeat < 1 or (args.repeat > 1 and not args.sweep):
         raise StreamError(f"--repeat {args.repeat}: a positive count of runs per budget, for --sweep")
     check_readers(args.readers, "--readers")
-    check_sampling(args.temperature, args.top_p, "--", args.seed)
+    args.temperature = check_sampling(args.temperature, args.top_p, "--", args.seed)
     if args.experts_per_token is not None and args.experts_per_token < 1:  # 0 meant the default, silently
         raise StreamError(f"--experts-per-token {args.experts_per_token}: at least 1 (leave it out for the model's)")
     budgets = [b.strip() for b in (args.sweep or "").split(",") if b.strip()]
@@ -1363,6 +1370,9 @@ def main(argv=None):
                    prefetch=args.prefetch, context=args.context, cache_policy=args.cache_policy,
                    preload=False if args.no_preload else "auto")
         torch.set_num_threads(compute_threads(eng, args.threads))
+        k = eng.checked_k(args.experts_per_token)  # (a k out of range: its error before any note)
+        if note := more_experts_note(k, eng.cfg.top_k if eng.moes else None):
+            print(note, file=sys.stderr)
         if args.context and args.context > eng.context:  # (capped without a word)
             print(f"note: --context {args.context} is capped at the model's max_seq_len {eng.context}", file=sys.stderr)
         tok = eng.tokenizer

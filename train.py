@@ -1032,7 +1032,12 @@ def main(argv):
         else:  # (train.py always writes one: a checkpoint made by hand, or by another tool)
             log(f"WARNING: {ck} has no optimizer.pt: AdamW starts fresh (its moments at zero), not an exact resume")
         layer_origin = state["layer_origin"]
-        log(f"resuming from {ck} at step {state['step']}, {state['tokens']:,} tokens")
+        # what the resume brings back, in one line (field reports asked whether it really loaded the optimizer)
+        positions = ", ".join(f"{c} shard {p['shard']} offset {p['offset']:,}"
+                              for c, p in (state.get("data_position") or {}).items())
+        loaded = (["weights"] + ["AdamW state"] * (opt_sd is not None) + ["RNG state"] * ("rng" in state)
+                  + [f"data position ({positions})"] * bool(positions))
+        log(f"resuming from {ck} at step {state['step']}, {state['tokens']:,} tokens: {', '.join(loaded)}")
     elif cfg["init_from"] == "grow":
         ck = source  # resolved by rank 0 for every rank
         src_state = source_state(ck, "grow_from")

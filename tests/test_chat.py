@@ -617,6 +617,23 @@ def test_chat_with_int4_container(tok, sft_run, tmp_path):
         chat.load_model(path, experts_per_token=99)
 
 
+def test_more_experts_per_token_than_trained_is_served_with_a_note(sft_run, tmp_path, capsys):
+    """--experts-per-token above the trained top_k is an experiment, allowed, but was silent: one note on stderr, from
+    a checkpoint and from an int4 container; the trained top_k or fewer say nothing."""
+    import export
+
+    path = str(tmp_path / "m.pcf4")
+    export.export_int4(export.Source(sft_run), path, progress=False)
+    own = MODEL["top_k"]
+    for model in (sft_run, path):
+        capsys.readouterr()
+        chat.load_model(model, experts_per_token=own + 1)
+        note = f"note: serving with {own + 1} experts per token, more than the {own} the model was trained with"
+        assert capsys.readouterr().err.count(note) == 1, model
+        chat.load_model(model, experts_per_token=own)
+        assert "experts per token" not in capsys.readouterr().err, model
+
+
 def test_interrupt_reset_and_full_context(tok, sft_run):
     """Ctrl-C mid-answer closes the turn (the cache stays consistent), /reset starts a fresh cache, and a full
     context drops the oldest exchanges instead of failing."""

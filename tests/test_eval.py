@@ -998,6 +998,10 @@ def test_bad_experts_per_token_is_one_line_before_the_model_loads(hf_setup, tmp_
             assert ev.main([model, "--experts-per-token", "5"] + extra + argv) == 2
             assert capsys.readouterr().err == (f"error: --experts-per-token 5: {where} has 4 experts per MoE layer; "
                                                f"pass 1..4 (leave it out for its own 2)\n"), (model, extra)
+    # more than its own top_k: an experiment, allowed, said once (it was silent)
+    assert ev.main([run_dir, "--experts-per-token", "3", "--out", str(tmp_path / "out_k3")] + argv) == 0
+    assert capsys.readouterr().err.count("note: serving with 3 experts per token, more than the 2 the model was "
+                                         "trained with") == 1
     # no MoE layers: a dense picaflor checkpoint and a GPT-2-style HF model take any K and record none
     cfg = picaflor.ModelConfig(vocab_size=tok.vocab_size, n_layer=2, n_dense_layers=2, d_model=32, n_head=4,
                                n_kv_head=2, dense_ffn=64, n_experts=0)
@@ -1006,6 +1010,7 @@ def test_bad_experts_per_token_is_one_line_before_the_model_loads(hf_setup, tmp_
     for model in (str(tmp_path / "dense"), hf_dir):
         out = tmp_path / f"out_{os.path.basename(model)}"
         assert ev.main([model, "--experts-per-token", "7", "--out", str(out)] + argv) == 0, capsys.readouterr().err
+        assert "experts per token" not in capsys.readouterr().err  # (it routes nothing: no note)
         s = json.loads((out / "summary.json").read_text())
         assert s["experts_per_token"] is None and s["own_experts_per_token"] is None
 

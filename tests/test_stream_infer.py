@@ -1771,6 +1771,33 @@ def test_native_int4_kernel_nan_and_zero_rows():
     assert not torch.isfinite(y[2]).any()
 
 
+def test_more_experts_per_token_than_trained_is_served_with_a_note(tiny, capsys):
+    """--experts-per-token above the container's top_k is an experiment, allowed, but was silent: one note on stderr;
+    its own top_k or fewer say nothing."""
+    m, path = tiny
+    own = m.cfg.top_k
+    for k, said in ((own + 1, 1), (own, 0)):
+        capsys.readouterr()
+        assert S.main([path, "--prompt", "1,2,3", "--max-new-tokens", "1", "--experts-per-token", str(k)]) == 0
+        note = f"note: serving with {k} experts per token, more than the {own} the model was trained with"
+        assert capsys.readouterr().err.count(note) == said, k
+
+
+def test_a_temperature_under_1e_4_decodes_greedily_with_a_note(tiny, capsys):
+    """logits / 1e-39 overflow (a NaN deep in sampling), so such a temperature was refused; that close to 0 the draw
+    is the argmax anyway: greedy, as temperature 0, said once on the command line (the API's stream() too, unsaid)."""
+    m, path = tiny
+    runs = {}
+    for t in ("0", "1e-39"):
+        capsys.readouterr()
+        assert S.main([path, "--prompt", "1,2,3", "--max-new-tokens", "4", "--temperature", t]) == 0
+        runs[t] = capsys.readouterr()
+    assert runs["1e-39"].out == runs["0"].out and "under 1e-4" not in runs["0"].err
+    assert runs["1e-39"].err.count("note: --temperature 1e-39 is under 1e-4: decoding greedily") == 1, runs["1e-39"]
+    eng = S.load(path)
+    assert eng.generate([1, 2, 3], 4, temperature=5e-5, seed=5) == eng.generate([1, 2, 3], 4)
+
+
 def test_more_experts_per_token_than_the_cache_holds_at_once(tiny, monkeypatch):
     """Six experts a layer through a cache of four: one at a time, the same tokens, and never a buffer more than the
     budget holds (an expert still referenced when the next lookup evicts it cannot give its buffer back)."""
@@ -2422,7 +2449,8 @@ def test_bad_flags_are_one_line_errors_before_loading(tiny, tmp_path, capsys):
              (["--device", "cuda"], "--device cuda"), (["--bench", "--max-new-tokens", "1"], "at least 2"),
              (["--bench", "--bench-prompt-tokens", "0"], "--bench-prompt-tokens 0"),
              (["--chat", "--kernel", "native", "--no-preload"], "--kernel, --no-preload"),
-             (["--temperature", "1e-39"], "at least 1e-4"), (["--temperature", "1", "--seed", str(2 ** 64)], "--seed"),
+             (["--temperature", "1e-39", "--seed", "2"], "greedy (--temperature 1e-39, under 1e-4)"),
+             (["--temperature", "1", "--seed", str(2 ** 64)], "--seed"),
              # ignored by greedy decoding (the same text for every seed, silently)
              (["--seed", "2"], "--seed 2: decoding is greedy"), (["--top-p", "0.9"], "--top-p 0.9: decoding is greedy"),
              (["--readers", "100000"], "1 to 64"), (["--experts-per-token", "0"], "at least 1"),

@@ -147,6 +147,10 @@ def test_resume_with_other_batch_and_seq_len_keeps_data_position(data_root, thre
     r = run(base + ["--init_from=resume", "--stop_after_steps=3", "--batch_size=2", "--seq_len=80", "--max_seq_len=80",
                     "--lr_mult={'embedding': 0.0, 'old': 0.0, 'new': 0.0}", "--replan", "--learning_rate=1e-3",
                     "--seed=7"])
+    # one line says what the resume brought back (field reports asked whether it really loaded the optimizer)
+    assert (f"resuming from {os.path.join(out, 'step_0000003')} at step 3, {st['tokens']:,} tokens: weights, AdamW "
+            f"state, RNG state, data position (local shard 0 offset {st['data_position']['local']['offset']:,})"
+            in r.stdout), r.stdout[:2000]
     # each changed key said in one line, with what it does from here (the LR and the seed changed without a word)
     for said in ("resume: batch_size 4 -> 2 from step 3 (the plan and the data position are counted in tokens",
                  "resume: seq_len 32 -> 80 from step 3", "learning_rate 0.003 -> 0.001 from step 3 (the next step "
