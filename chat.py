@@ -479,12 +479,8 @@ def pick(run_dir, data_dir, prompts=None, max_new_tokens=128, max_rows=256, devi
     if not ckpts:
         raise ChatError(f"{run_dir}: no valid checkpoint (step_* dir with an intact MANIFEST.json); train first "
                         f"(python train.py config/sft.py)")
-    probe = os.path.join(run_dir, ".sft_pick.writable")
     try:  # before a checkpoint is scored: a read-only run dir failed at the first report, a traceback, its score lost
-        checkpoint.write_atomic_text(probe, "")
-        os.remove(probe)
-    except FileNotFoundError:  # another pick of run_dir removed it first (two terminals): it could be written
-        pass
+        checkpoint.check_writable(run_dir)
     except OSError as e:
         raise ChatError(f"{run_dir}: cannot write sft_pick.md there ({e.strerror}); copy the run dir to a disk you "
                         f"can write and pick there") from None

@@ -29,6 +29,7 @@ import time
 STEP_RE = re.compile(r"^step_(\d{7,})$")
 ASIDE_RE = re.compile(r"^(step_\d{7,})\.old-\d+$")  # a step save() moved aside to re-save it
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for lack of space (or a size limit)
+DENIED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)  # a path this user may not write (or read): permissions, ro mount
 # a read of a network or bucket mount that dropped: storage to wait for, not corrupt data
 UNREACHABLE_ERRNOS = (errno.ENOTCONN, errno.ETIMEDOUT, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN,
                       errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED)
@@ -454,6 +455,15 @@ def write_atomic(path, data):
 
 def write_atomic_text(path, text):
     write_atomic(path, text.encode())
+
+
+def check_writable(folder):
+    """Raises the OSError a write into folder meets, before hours of work whose result goes there (a probe file,
+    written and removed; a process doing the same at once may remove it first)."""
+    probe = os.path.join(folder, ".writable")
+    write_atomic_text(probe, "")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(probe)
 
 
 def stranded(out_dir):

@@ -1225,8 +1225,7 @@ def hold_out(out):
 def score_into(lm, args, tasks, summary):
     if args.out:
         try:
-            checkpoint.write_atomic_text(os.path.join(args.out, ".writable"), "")  # before hours of scoring, not after
-            os.remove(os.path.join(args.out, ".writable"))
+            checkpoint.check_writable(args.out)  # before hours of scoring, not after
         except OSError as e:
             raise EvalError(f"--out {args.out}: cannot write there ({e.strerror}); pass a folder you can write")
         keep_earlier_results(args.out, summary, tasks)

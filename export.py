@@ -61,7 +61,6 @@ Implementer's calls (DESIGN.md asks to record them here):
 
 import argparse
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -947,7 +946,7 @@ def main(argv=None):
     except ImportError as e:
         sys.exit(f"error: {e}; --format {args.format} needs it (pip install -r requirements.txt)")
     except OSError as e:  # a read-only or another user's --out: its line said no fix
-        denied_out = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and str(e.filename or args.out).startswith(
+        denied_out = e.errno in checkpoint.DENIED_ERRNOS and str(e.filename or args.out).startswith(
             args.out)  # (a checkpoint it cannot read: another --out is no fix)
         fix = "; pass an --out you can write" if denied_out else ""
         sys.exit(f"error: {checkpoint.os_error_line(e, args.out)}{fix}")

@@ -41,7 +41,6 @@ A guardian.json that cannot be written (a full disk) warns once; supervision goe
 this invocation's starts and their causes, the newest checkpoint step at the first start and at the last, the exit.
 """
 
-import errno
 import json
 import os
 import signal
@@ -909,7 +908,7 @@ def supervise(argv):
         print(f"guardian: error: {e}", file=sys.stderr)
         return faults.EXIT_ERROR
     except OSError as e:  # an out_dir it may not write, as train.py says it (a traceback)
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if e.errno not in checkpoint.DENIED_ERRNOS:
             raise
         print(f"guardian: error: {faults.CAUSES[faults.EXIT_DENIED]}: {rundir.denied_line(e, '.')}", file=sys.stderr)
         return faults.EXIT_DENIED

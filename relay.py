@@ -72,7 +72,6 @@ contributor's leg resumes. `init --ttl --heartbeat` are kept in RELAY.json as th
 import argparse
 import ast
 import contextlib
-import errno
 import getpass
 import json
 import math
@@ -1379,7 +1378,7 @@ def cmd_pull(args):
     try:
         path = pull(store, dest)
     except OSError as e:  # an --out on a read-only mount (or another user's): a traceback
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if e.errno not in checkpoint.DENIED_ERRNOS:
             raise
         root = getattr(store, "root", None)  # a file store's own files denied: another --out is no fix
         if root and os.path.abspath(str(e.filename or "")).startswith(root + os.sep):

@@ -298,7 +298,7 @@ class FileStore:
     def denied(self, e):
         """A store this user may only read (another user's, a read-only mount) is read by status, pull and dashboard;
         a write to it (claim, push, release) was an OSError traceback. Other errors as they were."""
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not e.filename or not os.path.abspath(
+        if e.errno not in checkpoint.DENIED_ERRNOS or not e.filename or not os.path.abspath(
                 e.filename).startswith(self.root + os.sep):
             return e
         return StoreError(f"{self.url}: {e.filename}: {e.strerror}; this user can only read the store (status, pull, "

@@ -47,8 +47,8 @@ import sys
 
 import numpy as np
 
-from checkpoint import (DISK_ERRNOS, UNREACHABLE_ERRNOS, dir_size, fmt_size, sha256_file,  # one copy of each
-                        warn, write_atomic as _atomic_write)
+from checkpoint import (DENIED_ERRNOS, DISK_ERRNOS, UNREACHABLE_ERRNOS, dir_size, fmt_size,  # one copy of each
+                        sha256_file, warn, write_atomic as _atomic_write)
 SHARD_DTYPE = np.dtype("<u2")  # uint16, little endian: vocab_size <= 65535
 INDEX_VERSION = 1
 
@@ -849,7 +849,7 @@ def refetch_shard(corpus_dir, file):
     try:
         _atomic_write(path, data)
     except OSError as e:  # (a traceback that ended the guardian); the old shard stays as it was
-        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # a read-only corpus: not re-fetchable here (the
+        if e.errno in DENIED_ERRNOS:  # a read-only corpus: not re-fetchable here (the
             # guardian quarantines it); it was "out of disk" with "free space" for a fix, and stopped the run
             raise DataError(f"{path}: cannot write the re-made shard ({e.strerror}); make {corpus_dir} writable and "
                             f"run python shards.py refetch {corpus_dir} {file}", path, None, "source") from None

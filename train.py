@@ -1909,7 +1909,7 @@ if __name__ == "__main__":
             msg = f"out of disk: {e}; free space in {_RUN_INFO.get('out_dir')} and resume (checkpoints are intact)"
             write_crash_report("out of disk", EXIT_DISK, msg)
             die(msg, EXIT_DISK)
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # (a run dir it cannot write): restarts fail alike
+        if e.errno in checkpoint.DENIED_ERRNOS:  # (a run dir it cannot write): restarts fail alike
             # (not os_error_line: /sys/x's EPERM said "0 MB free on its disk: free space")
             msg = rundir.denied_line(e, _RUN_INFO.get("out_dir") or ".")
             write_crash_report(CAUSES[EXIT_DENIED], EXIT_DENIED, msg)

@@ -1197,7 +1197,7 @@ def test_two_picks_of_one_run_dir_at_once_both_score(corpus, sft_run, monkeypatc
     real = os.remove
 
     def the_other_pick_first(path):
-        if os.path.basename(path) == ".sft_pick.writable" and os.path.exists(path):
+        if os.path.basename(path) == ".writable" and os.path.exists(path):
             real(path)  # the other pick's remove of the same probe, just before this one's
         return real(path)
     monkeypatch.setattr(os, "remove", the_other_pick_first)
