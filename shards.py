@@ -849,8 +849,8 @@ def refetch_shard(corpus_dir, file):
     try:
         _atomic_write(path, data)
     except OSError as e:  # (a traceback that ended the guardian); the old shard stays as it was
-        if e.errno in DENIED_ERRNOS:  # a read-only corpus: not re-fetchable here (the
-            # guardian quarantines it); it was "out of disk" with "free space" for a fix, and stopped the run
+        if e.errno in DENIED_ERRNOS:  # a read-only corpus: not re-fetchable here (the guardian quarantines it); it
+            # was "out of disk" with "free space" for a fix, and stopped the run
             raise DataError(f"{path}: cannot write the re-made shard ({e.strerror}); make {corpus_dir} writable and "
                             f"run python shards.py refetch {corpus_dir} {file}", path, None, "source") from None
         raise StorageError(f"{path}: cannot write the re-made shard ({e.strerror}); free space in {corpus_dir} "
